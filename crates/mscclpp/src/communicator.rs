@@ -1,0 +1,243 @@
+//! The communicator: setup-time exchange of memories, endpoints and semaphores over a bootstrap.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::bootstrap::{Bootstrap, COMM_TAG_BASE};
+use crate::context::{Context, lock};
+use crate::error::{Error, Result};
+use crate::memory::RegisteredMemory;
+use crate::transport::TransportFlags;
+
+/// Kind byte in front of every communicator message, so that calls paired out of order give a
+/// clear error instead of decoding one object as another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum MsgKind {
+    Memory = 1,
+    Endpoint = 2,
+    Semaphore = 3,
+}
+
+impl MsgKind {
+    fn name(b: u8) -> &'static str {
+        match b {
+            1 => "a RegisteredMemory",
+            2 => "an Endpoint",
+            3 => "a semaphore",
+            _ => "an unknown message",
+        }
+    }
+}
+
+/// Receives of one (peer, tag), resolved in issue order whatever order `wait` is called in.
+#[derive(Default)]
+struct RecvChain {
+    /// Sequence number the next `Pending` gets.
+    issued: u64,
+    /// Sequence number of the next message to take from the bootstrap.
+    received: u64,
+    /// Messages received for pendings that have not waited yet.
+    stash: HashMap<u64, Vec<u8>>,
+}
+
+struct CommInner {
+    bootstrap: Arc<dyn Bootstrap>,
+    context: Context,
+    chains: Mutex<HashMap<(usize, u32), Arc<Mutex<RecvChain>>>>,
+}
+
+/// A receive that resolves later: call [`wait`](Pending::wait).
+///
+/// Sends go out at once and receives resolve later, so every rank can issue all its sends and
+/// receives for an all-pairs setup before waiting on any, without deadlock (MSCCL++'s rule).
+/// Pendings of one (peer, tag) take the peer's messages in the order the pendings were created,
+/// whatever order they are waited in.
+#[must_use = "a Pending does nothing until waited on"]
+pub struct Pending<T> {
+    comm: Arc<CommInner>,
+    chain: Arc<Mutex<RecvChain>>,
+    seq: u64,
+    peer: usize,
+    tag: u32,
+    kind: MsgKind,
+    finish: Box<dyn FnOnce(&[u8]) -> Result<T> + Send>,
+}
+
+impl<T> std::fmt::Debug for Pending<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pending({:?} from rank {} tag {} #{})", self.kind, self.peer, self.tag, self.seq)
+    }
+}
+
+impl<T> Pending<T> {
+    /// Receives (within the bootstrap's timeout) and builds the object.
+    ///
+    /// # Errors
+    /// The bootstrap's error (timeout, peer gone), a message of the wrong kind, or the object's
+    /// own construction error.
+    pub fn wait(self) -> Result<T> {
+        let what = format!("waiting for {} from rank {} (tag {})", MsgKind::name(self.kind as u8), self.peer, self.tag);
+        let bytes = {
+            let mut ch = lock(&self.chain);
+            while ch.received <= self.seq {
+                let m = self
+                    .comm
+                    .bootstrap
+                    .recv(self.peer, COMM_TAG_BASE + u64::from(self.tag))
+                    .map_err(|e| e.during(what.clone()).with_peer(self.peer))?;
+                let n = ch.received;
+                ch.stash.insert(n, m);
+                ch.received += 1;
+            }
+            ch.stash.remove(&self.seq).ok_or_else(|| Error::internal("pending message missing from the stash"))?
+        };
+        match bytes.first() {
+            Some(&k) if k == self.kind as u8 => {}
+            other => {
+                return Err(Error::invalid_usage(format!(
+                    "got {} where {} was expected: the send and receive calls on the two ranks must pair up in \
+                     the same order for each (peer, tag)",
+                    other.map_or("an empty message", |k| MsgKind::name(*k)),
+                    MsgKind::name(self.kind as u8)
+                ))
+                .during(what)
+                .with_peer(self.peer));
+            }
+        }
+        (self.finish)(&bytes[1..]).map_err(|e| e.during(what).with_peer(self.peer))
+    }
+}
+
+/// Setup of a job's connections: registers memory, and exchanges memories, endpoints and
+/// semaphores with peers over a [`Bootstrap`].
+///
+/// C++ MSCCL++: `Communicator`.
+#[derive(Clone)]
+pub struct Communicator {
+    inner: Arc<CommInner>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Communicator(rank {} of {})", self.inner.bootstrap.rank(), self.inner.bootstrap.size())
+    }
+}
+
+impl Communicator {
+    /// A communicator over `bootstrap` with a new [`Context`].
+    pub fn new(bootstrap: Arc<dyn Bootstrap>) -> Communicator {
+        Self::with_context(bootstrap, Context::new())
+    }
+
+    /// A communicator over `bootstrap` sharing `context`.
+    pub fn with_context(bootstrap: Arc<dyn Bootstrap>, context: Context) -> Communicator {
+        Communicator { inner: Arc::new(CommInner { bootstrap, context, chains: Mutex::new(HashMap::new()) }) }
+    }
+
+    /// The bootstrap.
+    pub fn bootstrap(&self) -> &Arc<dyn Bootstrap> {
+        &self.inner.bootstrap
+    }
+    /// The context.
+    pub fn context(&self) -> &Context {
+        &self.inner.context
+    }
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.bootstrap.rank()
+    }
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.inner.bootstrap.size()
+    }
+
+    /// Allocates and registers an owned host buffer (see [`Buffer::new`](crate::Buffer::new)).
+    pub fn register_buffer(&self, len: usize, transports: TransportFlags) -> Result<crate::Buffer> {
+        crate::Buffer::new(&self.inner.context, len, transports)
+    }
+
+    /// Registers caller-owned host memory; see [`Context::register_host`] for the rules.
+    ///
+    /// # Safety
+    /// As for [`Context::register_host`].
+    #[allow(unsafe_code)]
+    pub unsafe fn register_memory(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        transports: TransportFlags,
+    ) -> Result<RegisteredMemory> {
+        // SAFETY: forwarded verbatim; the caller upholds register_host's contract.
+        unsafe { self.inner.context.register_host(ptr, len, transports) }
+    }
+
+    pub(crate) fn send_msg(&self, peer: usize, tag: u32, kind: MsgKind, body: &[u8]) -> Result<()> {
+        let mut m = Vec::with_capacity(1 + body.len());
+        m.push(kind as u8);
+        m.extend_from_slice(body);
+        self.inner.bootstrap.send(peer, COMM_TAG_BASE + u64::from(tag), &m)
+    }
+
+    pub(crate) fn pending<T>(
+        &self,
+        peer: usize,
+        tag: u32,
+        kind: MsgKind,
+        finish: impl FnOnce(&[u8]) -> Result<T> + Send + 'static,
+    ) -> Result<Pending<T>> {
+        if peer >= self.size() {
+            return Err(Error::invalid_usage(format!("peer rank {peer} is not in 0..{}", self.size())));
+        }
+        let chain = lock(&self.inner.chains).entry((peer, tag)).or_default().clone();
+        let seq = {
+            let mut c = lock(&chain);
+            c.issued += 1;
+            c.issued - 1
+        };
+        Ok(Pending { comm: self.inner.clone(), chain, seq, peer, tag, kind, finish: Box::new(finish) })
+    }
+
+    /// Sends `memory`'s description to `peer` under `tag` (at once).
+    ///
+    /// C++ MSCCL++: `Communicator::sendMemory`.
+    pub fn send_memory(&self, memory: &RegisteredMemory, peer: usize, tag: u32) -> Result<()> {
+        self.send_msg(peer, tag, MsgKind::Memory, &memory.serialize())
+            .map_err(|e| e.during(format!("send_memory to rank {peer} (tag {tag})")))
+    }
+
+    /// Receives a memory description from `peer` under `tag`, resolved by [`Pending::wait`].
+    ///
+    /// C++ MSCCL++: `Communicator::recvMemory`.
+    pub fn recv_memory(&self, peer: usize, tag: u32) -> Result<Pending<RegisteredMemory>> {
+        self.pending(peer, tag, MsgKind::Memory, RegisteredMemory::deserialize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Buffer, TcpBootstrap, Transport};
+    use std::time::Duration;
+
+    #[test]
+    fn self_exchange_resolves_in_issue_order() {
+        let id = TcpBootstrap::create_unique_id().unwrap();
+        let bs = TcpBootstrap::config(0, 1).timeout(Duration::from_secs(5)).initialize(&id).unwrap();
+        let comm = Communicator::new(Arc::new(bs));
+        let a = Buffer::new(comm.context(), 16, Transport::Ethernet.into()).unwrap();
+        let b = Buffer::new(comm.context(), 32, Transport::Ethernet.into()).unwrap();
+        let pa = comm.recv_memory(0, 0).unwrap();
+        let pb = comm.recv_memory(0, 0).unwrap();
+        comm.send_memory(a.memory(), 0, 0).unwrap();
+        comm.send_memory(b.memory(), 0, 0).unwrap();
+        // wait out of order: each still gets its own message
+        assert_eq!(&pb.wait().unwrap(), b.memory());
+        assert_eq!(&pa.wait().unwrap(), a.memory());
+        // a mismatched kind is a clear error
+        comm.send_msg(0, 1, MsgKind::Endpoint, b"x").unwrap();
+        let err = comm.recv_memory(0, 1).unwrap().wait().unwrap_err();
+        assert!(err.to_string().contains("pair up"), "{err}");
+        assert!(comm.recv_memory(3, 0).is_err());
+    }
+}

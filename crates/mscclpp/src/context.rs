@@ -1,0 +1,144 @@
+//! The context: per-process state that registrations, endpoints and connections share.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::error::{Error, Result};
+use crate::memory::{LocalRegion, RegisteredMemory, check_host_transports};
+use crate::sys::hostmem::Region;
+use crate::transport::{Device, TransportFlags};
+
+pub(crate) struct ContextInner {
+    /// Random per-context id, so that a memory names the context it belongs to.
+    pub(crate) id: u64,
+    next_region: AtomicU64,
+    /// Live registrations by id. Weak: a registration leaves when its last handle goes.
+    regions: Mutex<HashMap<u64, Weak<LocalRegion>>>,
+}
+
+impl ContextInner {
+    pub(crate) fn next_region_id(&self) -> u64 {
+        self.next_region.fetch_add(1, Ordering::Relaxed)
+    }
+    pub(crate) fn remember_region(&self, r: &Arc<LocalRegion>) {
+        lock(&self.regions).insert(r.id, Arc::downgrade(r));
+    }
+    pub(crate) fn forget_region(&self, id: u64) {
+        lock(&self.regions).remove(&id);
+    }
+    /// The live registration `id`, kept alive for as long as the caller holds the `Arc`.
+    pub(crate) fn lookup_region(&self, id: u64) -> Option<Arc<LocalRegion>> {
+        lock(&self.regions).get(&id).and_then(Weak::upgrade)
+    }
+}
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it (our critical sections
+/// leave the data consistent at every step).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Per-process communication state: the table of registered memory (the Ethernet receiver checks
+/// every incoming write against it), and later CUDA streams and IB device contexts.
+///
+/// A cheap-clone handle; registrations and connections keep it alive.
+///
+/// C++ MSCCL++: `Context`.
+#[derive(Clone)]
+pub struct Context {
+    inner: Arc<ContextInner>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Context({:#x})", self.inner.id)
+    }
+}
+
+impl Default for Context {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Context {
+    /// A new, empty context.
+    pub fn new() -> Context {
+        // A context id only needs to differ between contexts; fall back to the address-based
+        // value if the OS random source fails.
+        let id = crate::identity::random_u64().unwrap_or_else(|_| {
+            crate::identity::fnv1a64(&[&std::process::id().to_le_bytes(), &now_nanos().to_le_bytes()])
+        });
+        Context {
+            inner: Arc::new(ContextInner { id, next_region: AtomicU64::new(1), regions: Mutex::new(HashMap::new()) }),
+        }
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<ContextInner> {
+        &self.inner
+    }
+
+    /// Registers caller-owned host memory for `transports`.
+    ///
+    /// Prefer [`Buffer::new`](crate::Buffer::new), which owns its memory and is safe.
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr + len)` must be valid for reads and writes until the returned handle, every
+    ///    clone of it, and every connection operation using it (until its `flush` returns) are
+    ///    gone.
+    /// 2. While it is registered, peers may write into it at any time: the caller must not hold
+    ///    Rust references (`&[u8]`, `&mut [u8]`) to the memory while peers can write it.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for a null pointer, zero length, or a transport host memory cannot use.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_host(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        transports: TransportFlags,
+    ) -> Result<RegisteredMemory> {
+        check_host_transports(transports)?;
+        if ptr.is_null() || len == 0 {
+            return Err(Error::invalid_usage("cannot register a null pointer or an empty range"));
+        }
+        if (ptr as usize).checked_add(len).is_none() {
+            return Err(Error::invalid_usage("pointer + length overflows the address space"));
+        }
+        // SAFETY: the caller upholds the lifetime rule above, which is Region::from_raw's contract.
+        let region = unsafe { Region::from_raw(ptr, len) };
+        RegisteredMemory::new_local(self, region, transports, Device::Cpu)
+    }
+
+    /// How many registrations of this context are alive.
+    pub fn registered_count(&self) -> usize {
+        lock(&self.inner.regions).values().filter(|w| w.strong_count() > 0).count()
+    }
+}
+
+fn now_nanos() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Transport;
+
+    #[test]
+    #[allow(unsafe_code)]
+    fn register_caller_memory() {
+        let ctx = Context::new();
+        let mut v = vec![0u8; 32];
+        // SAFETY: v outlives m (dropped first below) and is not borrowed while m lives.
+        let m = unsafe { ctx.register_host(v.as_mut_ptr(), v.len(), Transport::Ethernet.into()) }.unwrap();
+        assert_eq!(m.len(), 32);
+        assert_eq!(ctx.registered_count(), 1);
+        drop(m);
+        assert_eq!(ctx.registered_count(), 0);
+        // SAFETY: the call fails before using the pointer.
+        assert!(unsafe { ctx.register_host(std::ptr::null_mut(), 8, TransportFlags::NONE) }.is_err());
+        drop(v);
+    }
+}

@@ -1,0 +1,312 @@
+//! Endpoints: one side of a future connection, and their serialized form.
+
+use std::fmt;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::{Arc, Mutex};
+
+use crate::context::{Context, lock};
+use crate::error::{Error, Result};
+use crate::memory::{get_device, put_device};
+use crate::net::{get_addr, put_addr};
+use crate::transport::{Device, EndpointConfig, Transport};
+use crate::wire::{Reader, Writer};
+
+const MAGIC: &[u8; 4] = b"MSEP";
+const VERSION: u16 = 1;
+
+/// Default bound on queued operations of an Ethernet connection (see
+/// [`Connection::max_write_queue_size`](crate::Connection::max_write_queue_size)).
+pub const DEFAULT_ETHERNET_QUEUE: usize = 1024;
+
+/// Transport-specific part of an endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum EndpointKind {
+    /// Where the endpoint listens, and the secret a connecting peer must present.
+    Ethernet { addr: SocketAddr, secret: [u8; 16] },
+    /// CUDA IPC needs nothing beyond the common fields.
+    CudaIpc,
+}
+
+/// The part of an endpoint that travels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct EndpointDesc {
+    pub(crate) transport: Transport,
+    pub(crate) device: Device,
+    pub(crate) host_hash: u64,
+    pub(crate) process_hash: u64,
+    pub(crate) max_write_queue_size: u32,
+    pub(crate) kind: EndpointKind,
+}
+
+pub(crate) struct LocalEndpoint {
+    pub(crate) context: Context,
+    pub(crate) config: EndpointConfig,
+    /// The Ethernet listener; taken by the one connection made from this endpoint.
+    pub(crate) listener: Mutex<Option<TcpListener>>,
+}
+
+struct EndpointInner {
+    desc: EndpointDesc,
+    local: Option<LocalEndpoint>,
+}
+
+/// One side of a connection: created from an [`EndpointConfig`] by
+/// [`Context::create_endpoint`], serialized to the peer, and turned into a
+/// [`Connection`](crate::Connection) together with the peer's endpoint.
+///
+/// A local endpoint makes one connection (as in MSCCL++, where an IB endpoint owns one queue pair).
+///
+/// C++ MSCCL++: `Endpoint`.
+#[derive(Clone)]
+pub struct Endpoint {
+    inner: Arc<EndpointInner>,
+}
+
+impl PartialEq for Endpoint {
+    fn eq(&self, o: &Self) -> bool {
+        self.inner.desc == o.inner.desc
+    }
+}
+impl Eq for Endpoint {}
+
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Endpoint");
+        d.field("transport", &self.inner.desc.transport).field("device", &self.inner.desc.device);
+        if let EndpointKind::Ethernet { addr, .. } = &self.inner.desc.kind {
+            d.field("addr", addr);
+        }
+        d.field("local", &self.inner.local.is_some()).finish()
+    }
+}
+
+impl Endpoint {
+    /// The transport.
+    pub fn transport(&self) -> Transport {
+        self.inner.desc.transport
+    }
+    /// The device the endpoint serves.
+    pub fn device(&self) -> Device {
+        self.inner.desc.device
+    }
+    /// The owner's host hash.
+    pub fn host_hash(&self) -> u64 {
+        self.inner.desc.host_hash
+    }
+    /// The owner's process hash.
+    pub fn process_hash(&self) -> u64 {
+        self.inner.desc.process_hash
+    }
+    /// The resolved write-queue bound.
+    pub fn max_write_queue_size(&self) -> usize {
+        self.inner.desc.max_write_queue_size as usize
+    }
+    /// The listening address of an Ethernet endpoint.
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        match &self.inner.desc.kind {
+            EndpointKind::Ethernet { addr, .. } => Some(*addr),
+            _ => None,
+        }
+    }
+    /// Whether the endpoint was created in this process (not received).
+    pub fn is_local(&self) -> bool {
+        self.inner.local.is_some()
+    }
+
+    pub(crate) fn desc(&self) -> &EndpointDesc {
+        &self.inner.desc
+    }
+    pub(crate) fn local(&self) -> Option<&LocalEndpoint> {
+        self.inner.local.as_ref()
+    }
+
+    /// The serialized form, to send to the peer.
+    pub fn serialize(&self) -> Vec<u8> {
+        let d = &self.inner.desc;
+        let mut w = Writer::new(MAGIC, VERSION);
+        w.u8(d.transport as u8);
+        put_device(&mut w, d.device);
+        w.u64(d.host_hash);
+        w.u64(d.process_hash);
+        w.u32(d.max_write_queue_size);
+        match &d.kind {
+            EndpointKind::Ethernet { addr, secret } => {
+                w.u8(1);
+                put_addr(&mut w, addr);
+                w.raw(secret);
+            }
+            EndpointKind::CudaIpc => w.u8(2),
+        }
+        w.finish()
+    }
+
+    /// Rebuilds a peer's endpoint from [`serialize`](Self::serialize)d bytes.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for any input that is not a well-formed serialized endpoint (never panics).
+    pub fn deserialize(bytes: &[u8]) -> Result<Endpoint> {
+        let mut r = Reader::new(bytes, "serialized Endpoint", MAGIC, VERSION)?;
+        let t = r.u8()?;
+        let transport = Transport::from_u8(t).ok_or_else(|| r.err(format!("unknown transport {t}")))?;
+        let device = get_device(&mut r)?;
+        let host_hash = r.u64()?;
+        let process_hash = r.u64()?;
+        let max_write_queue_size = r.u32()?;
+        let kind = match r.u8()? {
+            1 => EndpointKind::Ethernet { addr: get_addr(&mut r)?, secret: r.array()? },
+            2 => EndpointKind::CudaIpc,
+            k => return Err(r.err(format!("unknown endpoint kind {k}"))),
+        };
+        r.finish()?;
+        let consistent = matches!(
+            (&kind, transport),
+            (EndpointKind::Ethernet { .. }, Transport::Ethernet) | (EndpointKind::CudaIpc, Transport::CudaIpc)
+        );
+        if !consistent {
+            return Err(Error::invalid_usage(format!(
+                "malformed serialized Endpoint: transport {transport} with the wrong kind of details"
+            )));
+        }
+        let desc = EndpointDesc { transport, device, host_hash, process_hash, max_write_queue_size, kind };
+        Ok(Endpoint { inner: Arc::new(EndpointInner { desc, local: None }) })
+    }
+}
+
+impl Context {
+    /// Creates an endpoint for `config`: for Ethernet, a socket listening on the configured (or
+    /// chosen) interface.
+    ///
+    /// # Errors
+    /// `NotAvailable` for a transport this build does not have yet; `InvalidUsage` for a bad
+    /// interface; `System` when the socket cannot be opened.
+    pub fn create_endpoint(&self, config: &EndpointConfig) -> Result<Endpoint> {
+        let op = format!("creating a {} endpoint", config.transport);
+        let (kind, queue) = match config.transport {
+            Transport::Ethernet => {
+                let ip = match &config.ethernet.interface {
+                    Some(spec) => crate::net::resolve_interface(spec)?,
+                    None => crate::net::find_interfaces()?[0].addr,
+                };
+                let listener = TcpListener::bind((ip, config.ethernet.port))
+                    .map_err(|e| Error::io(format!("binding {ip}:{}", config.ethernet.port), e))?;
+                let addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
+                let mut secret = [0u8; 16];
+                crate::identity::os_random(&mut secret)?;
+                let queue = config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE);
+                if queue == 0 || queue > u32::MAX as usize {
+                    return Err(
+                        Error::invalid_usage(format!("max_write_queue_size {queue} must be in 1..2^32")).during(op)
+                    );
+                }
+                (EndpointKind::Ethernet { addr, secret }, (queue, Some(listener)))
+            }
+            Transport::CudaIpc => {
+                return Err(Error::not_available("the CUDA IPC transport is not part of this build yet").during(op));
+            }
+            t => {
+                return Err(
+                    Error::not_available(format!("the IB transport ({t}) is not part of this build yet")).during(op)
+                );
+            }
+        };
+        let (queue, listener) = queue;
+        let desc = EndpointDesc {
+            transport: config.transport,
+            device: config.device,
+            host_hash: crate::identity::host_hash(),
+            process_hash: crate::identity::process_hash(),
+            max_write_queue_size: queue as u32,
+            kind,
+        };
+        let local = LocalEndpoint { context: self.clone(), config: config.clone(), listener: Mutex::new(listener) };
+        Ok(Endpoint { inner: Arc::new(EndpointInner { desc, local: Some(local) }) })
+    }
+}
+
+impl LocalEndpoint {
+    pub(crate) fn take_listener(&self) -> Option<TcpListener> {
+        lock(&self.listener).take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_desc() -> impl Strategy<Value = EndpointDesc> {
+        (
+            any::<bool>(),
+            any::<Option<u32>>(),
+            any::<[u64; 2]>(),
+            any::<u32>(),
+            any::<[u8; 16]>(),
+            any::<([u8; 4], u16)>(),
+            any::<bool>(),
+        )
+            .prop_map(|(eth, gpu, h, q, secret, (ip, port), v6)| {
+                let addr = if v6 {
+                    SocketAddr::new(std::net::IpAddr::V6([ip[0] as u16; 8].into()), port)
+                } else {
+                    SocketAddr::new(std::net::IpAddr::V4(ip.into()), port)
+                };
+                EndpointDesc {
+                    transport: if eth { Transport::Ethernet } else { Transport::CudaIpc },
+                    device: gpu.map(Device::Gpu).unwrap_or(Device::Cpu),
+                    host_hash: h[0],
+                    process_hash: h[1],
+                    max_write_queue_size: q,
+                    kind: if eth { EndpointKind::Ethernet { addr, secret } } else { EndpointKind::CudaIpc },
+                }
+            })
+    }
+
+    fn from_desc(desc: EndpointDesc) -> Endpoint {
+        Endpoint { inner: Arc::new(EndpointInner { desc, local: None }) }
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(desc in arb_desc()) {
+            let e = from_desc(desc);
+            let b = e.serialize();
+            prop_assert_eq!(Endpoint::deserialize(&b).unwrap(), e);
+            for cut in 0..b.len() {
+                prop_assert!(Endpoint::deserialize(&b[..cut]).is_err());
+            }
+        }
+
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = Endpoint::deserialize(&bytes);
+            let mut framed = b"MSEP\x01\x00".to_vec();
+            framed.extend_from_slice(&bytes);
+            let _ = Endpoint::deserialize(&framed);
+        }
+
+        #[test]
+        fn flipped_bytes_never_panic(desc in arb_desc(), pos in any::<usize>(), val in any::<u8>()) {
+            let mut b = from_desc(desc).serialize();
+            let i = pos % b.len();
+            b[i] = val;
+            let _ = Endpoint::deserialize(&b);
+        }
+    }
+
+    #[test]
+    fn ethernet_endpoint_listens() {
+        let ctx = Context::new();
+        let ep =
+            ctx.create_endpoint(&EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1")).unwrap();
+        let addr = ep.socket_addr().unwrap();
+        assert!(addr.ip().is_loopback() && addr.port() != 0);
+        assert_eq!(ep.max_write_queue_size(), DEFAULT_ETHERNET_QUEUE);
+        std::net::TcpStream::connect(addr).unwrap();
+        let back = Endpoint::deserialize(&ep.serialize()).unwrap();
+        assert_eq!(back, ep);
+        assert!(!back.is_local());
+        let err = ctx.create_endpoint(&EndpointConfig::new(Transport::IB0)).unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::NotAvailable);
+        assert!(ctx.create_endpoint(&EndpointConfig::new(Transport::Ethernet).ethernet_interface("nope0")).is_err());
+    }
+}

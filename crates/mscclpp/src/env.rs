@@ -1,0 +1,286 @@
+//! The `MSCCLPP_*` environment variables, read once and parsed strictly.
+//!
+//! | variable | meaning |
+//! |---|---|
+//! | `MSCCLPP_HCA_DEVICES` | comma list; entry *k* names the RDMA device used for `IBk` |
+//! | `MSCCLPP_IB_GID_INDEX` | GID index for IB/RoCE (default: automatic RoCE v2 choice) |
+//! | `MSCCLPP_IBV_MODE` | `host` or `host-no-atomic` for endpoints whose IB mode is `Default` |
+//! | `MSCCLPP_IBV_SO` | path of libibverbs to load |
+//! | `MSCCLPP_SOCKET_IFNAME` | interface prefixes to use (`^` excludes, `=` asks an exact name) |
+//! | `MSCCLPP_SOCKET_FAMILY` | `AF_INET` or `AF_INET6` |
+//! | `MSCCLPP_HOSTID` | replaces hostname + boot id in the host identity |
+//! | `MSCCLPP_LOG_LEVEL` | `NONE`, `ERROR`, `WARN`, `INFO`, `DEBUG`, `TRACE` (default `WARN`) |
+//! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts |
+//! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr |
+//! | `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM` | boolean: CUDA IPC copies on the legacy default stream |
+//!
+//! A value that does not parse is an error naming the variable, never a silent default.
+//! Booleans accept `0/1/true/false/yes/no/on/off` (MSCCL++ reads `false` as true).
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
+use crate::transport::IbMode;
+
+/// Address family forced by `MSCCLPP_SOCKET_FAMILY`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SocketFamily {
+    /// IPv4 only.
+    Inet,
+    /// IPv6 only.
+    Inet6,
+}
+
+/// An interface filter in MSCCL++/NCCL syntax: `eth,ib` (prefixes), `^docker` (exclude
+/// prefixes), `=eth0` (exact names).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IfnameFilter {
+    /// Entries excluded rather than selected.
+    pub exclude: bool,
+    /// Names compared whole rather than as prefixes.
+    pub exact: bool,
+    /// The names or prefixes.
+    pub names: Vec<String>,
+}
+
+impl IfnameFilter {
+    /// Parses the syntax above.
+    pub fn parse(s: &str) -> Result<IfnameFilter> {
+        let mut rest = s.trim();
+        let exclude = rest.starts_with('^');
+        if exclude {
+            rest = &rest[1..];
+        }
+        let exact = rest.starts_with('=');
+        if exact {
+            rest = &rest[1..];
+        }
+        let names: Vec<String> = rest.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
+        if names.is_empty() {
+            return Err(Error::invalid_usage("empty interface list"));
+        }
+        Ok(IfnameFilter { exclude, exact, names })
+    }
+
+    /// Whether interface `name` passes the filter.
+    pub fn matches(&self, name: &str) -> bool {
+        let hit = self.names.iter().any(|n| if self.exact { name == n } else { name.starts_with(n.as_str()) });
+        hit != self.exclude
+    }
+}
+
+/// Log verbosity from `MSCCLPP_LOG_LEVEL`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    /// Nothing.
+    None,
+    /// Errors only.
+    Error,
+    /// Warnings and errors (the default).
+    Warn,
+    /// Informational messages.
+    Info,
+    /// Debug messages.
+    Debug,
+    /// Everything.
+    Trace,
+}
+
+/// The parsed environment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Env {
+    /// `MSCCLPP_HCA_DEVICES`.
+    pub hca_devices: Option<Vec<String>>,
+    /// `MSCCLPP_IB_GID_INDEX`.
+    pub ib_gid_index: Option<u32>,
+    /// `MSCCLPP_IBV_MODE`.
+    pub ibv_mode: Option<IbMode>,
+    /// `MSCCLPP_IBV_SO`.
+    pub ibv_so: Option<PathBuf>,
+    /// `MSCCLPP_SOCKET_IFNAME`.
+    pub socket_ifname: Option<IfnameFilter>,
+    /// `MSCCLPP_SOCKET_FAMILY`.
+    pub socket_family: Option<SocketFamily>,
+    /// `MSCCLPP_HOSTID`.
+    pub host_id: Option<String>,
+    /// `MSCCLPP_LOG_LEVEL`.
+    pub log_level: Option<LogLevel>,
+    /// `MSCCLPP_LOG_SUBSYS`: `(inverted, names)`.
+    pub log_subsys: Option<(bool, Vec<String>)>,
+    /// `MSCCLPP_LOG_FILE`.
+    pub log_file: Option<PathBuf>,
+    /// `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM`.
+    pub cudaipc_use_default_stream: bool,
+}
+
+/// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts.
+pub const LOG_SUBSYSTEMS: [&str; 7] = ["ENV", "GPU", "NET", "CONN", "IB", "BOOTSTRAP", "PROXY"];
+
+fn bad(var: &str, value: &str, why: impl std::fmt::Display) -> Error {
+    Error::invalid_usage(format!("environment variable {var}={value:?} is not valid: {why}"))
+        .during("reading the environment")
+}
+
+/// Parses a boolean the way every `MSCCLPP_*` boolean is read.
+pub fn parse_bool(var: &str, value: &str) -> Result<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        _ => Err(bad(var, value, "expected 0/1/true/false/yes/no/on/off")),
+    }
+}
+
+impl Env {
+    /// Reads the variables through `lookup` (the process environment in [`env()`]).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Env> {
+        let get = |k: &str| lookup(k).filter(|v| !v.trim().is_empty());
+        let mut env = Env::default();
+        if let Some(v) = get("MSCCLPP_HCA_DEVICES") {
+            let list: Vec<String> = v.split(',').map(|s| s.trim().to_string()).collect();
+            if list.iter().any(|s| s.is_empty()) {
+                return Err(bad("MSCCLPP_HCA_DEVICES", &v, "an entry is empty"));
+            }
+            env.hca_devices = Some(list);
+        }
+        if let Some(v) = get("MSCCLPP_IB_GID_INDEX") {
+            env.ib_gid_index = Some(v.trim().parse().map_err(|e| bad("MSCCLPP_IB_GID_INDEX", &v, e))?);
+        }
+        if let Some(v) = get("MSCCLPP_IBV_MODE") {
+            env.ibv_mode = Some(v.parse().map_err(|e: Error| bad("MSCCLPP_IBV_MODE", &v, e.message().to_string()))?);
+        }
+        env.ibv_so = get("MSCCLPP_IBV_SO").map(PathBuf::from);
+        if let Some(v) = get("MSCCLPP_SOCKET_IFNAME") {
+            env.socket_ifname =
+                Some(IfnameFilter::parse(&v).map_err(|e| bad("MSCCLPP_SOCKET_IFNAME", &v, e.message().to_string()))?);
+        }
+        if let Some(v) = get("MSCCLPP_SOCKET_FAMILY") {
+            env.socket_family = Some(match v.trim().to_ascii_uppercase().as_str() {
+                "AF_INET" | "INET" | "IPV4" => SocketFamily::Inet,
+                "AF_INET6" | "INET6" | "IPV6" => SocketFamily::Inet6,
+                _ => return Err(bad("MSCCLPP_SOCKET_FAMILY", &v, "expected AF_INET or AF_INET6")),
+            });
+        }
+        env.host_id = get("MSCCLPP_HOSTID");
+        if let Some(v) = get("MSCCLPP_LOG_LEVEL") {
+            env.log_level = Some(match v.trim().to_ascii_uppercase().as_str() {
+                "NONE" | "OFF" => LogLevel::None,
+                "ERROR" => LogLevel::Error,
+                "WARN" | "WARNING" => LogLevel::Warn,
+                "INFO" => LogLevel::Info,
+                "DEBUG" => LogLevel::Debug,
+                "TRACE" => LogLevel::Trace,
+                _ => return Err(bad("MSCCLPP_LOG_LEVEL", &v, "expected NONE, ERROR, WARN, INFO, DEBUG or TRACE")),
+            });
+        }
+        if let Some(v) = get("MSCCLPP_LOG_SUBSYS") {
+            let t = v.trim();
+            let (inv, body) = match t.strip_prefix('^') {
+                Some(b) => (true, b),
+                None => (false, t),
+            };
+            let mut names = Vec::new();
+            for n in body.split(',').map(|s| s.trim().to_ascii_uppercase()) {
+                if n == "ALL" || LOG_SUBSYSTEMS.contains(&n.as_str()) {
+                    names.push(n);
+                } else {
+                    return Err(bad(
+                        "MSCCLPP_LOG_SUBSYS",
+                        &v,
+                        format!("unknown subsystem {n:?}; known: {}, ALL", LOG_SUBSYSTEMS.join(", ")),
+                    ));
+                }
+            }
+            env.log_subsys = Some((inv, names));
+        }
+        env.log_file = get("MSCCLPP_LOG_FILE").map(PathBuf::from);
+        if let Some(v) = get("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM") {
+            env.cudaipc_use_default_stream = parse_bool("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", &v)?;
+        }
+        Ok(env)
+    }
+}
+
+/// The process's `MSCCLPP_*` settings, read on first use and kept.
+///
+/// # Errors
+/// `InvalidUsage` naming the variable whose value does not parse (the same error every call).
+pub fn env() -> Result<&'static Env> {
+    static ENV: OnceLock<Result<Env>> = OnceLock::new();
+    ENV.get_or_init(|| Env::from_lookup(|k| std::env::var(k).ok())).as_ref().map_err(Error::duplicate)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn parse(pairs: &[(&str, &str)]) -> Result<Env> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Env::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn empty_environment_is_all_defaults() {
+        assert_eq!(parse(&[]).unwrap(), Env::default());
+    }
+
+    #[test]
+    fn values_parse() {
+        let e = parse(&[
+            ("MSCCLPP_HCA_DEVICES", "mlx5_0, mlx5_1"),
+            ("MSCCLPP_IB_GID_INDEX", "3"),
+            ("MSCCLPP_IBV_MODE", "host-no-atomic"),
+            ("MSCCLPP_SOCKET_IFNAME", "^docker,lo"),
+            ("MSCCLPP_SOCKET_FAMILY", "AF_INET6"),
+            ("MSCCLPP_LOG_LEVEL", "info"),
+            ("MSCCLPP_LOG_SUBSYS", "^net,ib"),
+            ("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "yes"),
+        ])
+        .unwrap();
+        assert_eq!(e.hca_devices.unwrap(), vec!["mlx5_0", "mlx5_1"]);
+        assert_eq!(e.ib_gid_index, Some(3));
+        assert_eq!(e.ibv_mode, Some(IbMode::HostNoAtomic));
+        let f = e.socket_ifname.unwrap();
+        assert!(f.matches("eth0") && !f.matches("docker0") && !f.matches("lo"));
+        assert_eq!(e.socket_family, Some(SocketFamily::Inet6));
+        assert_eq!(e.log_level, Some(LogLevel::Info));
+        assert_eq!(e.log_subsys, Some((true, vec!["NET".to_string(), "IB".to_string()])));
+        assert!(e.cudaipc_use_default_stream);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (k, v) in [
+            ("MSCCLPP_IB_GID_INDEX", "three"),
+            ("MSCCLPP_IB_GID_INDEX", "-1"),
+            ("MSCCLPP_IBV_MODE", "atomic"),
+            ("MSCCLPP_SOCKET_FAMILY", "AF_UNIX"),
+            ("MSCCLPP_LOG_LEVEL", "LOUD"),
+            ("MSCCLPP_LOG_SUBSYS", "NET,DISK"),
+            ("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "maybe"),
+            ("MSCCLPP_HCA_DEVICES", "mlx5_0,,mlx5_1"),
+        ] {
+            let err = parse(&[(k, v)]).unwrap_err();
+            assert!(err.to_string().contains(k), "{err}");
+            assert_eq!(err.kind(), crate::ErrorKind::InvalidUsage);
+        }
+    }
+
+    #[test]
+    fn booleans_are_read_as_words() {
+        assert!(!parse_bool("X", "false").unwrap());
+        assert!(!parse_bool("X", "0").unwrap());
+        assert!(parse_bool("X", "TRUE").unwrap());
+        assert!(parse_bool("X", "2").is_err());
+    }
+
+    #[test]
+    fn ifname_exact_and_prefix() {
+        let f = IfnameFilter::parse("=eth0").unwrap();
+        assert!(f.matches("eth0") && !f.matches("eth01"));
+        let f = IfnameFilter::parse("eth").unwrap();
+        assert!(f.matches("eth01") && !f.matches("ib0"));
+        assert!(IfnameFilter::parse("^").is_err());
+    }
+}

@@ -1,0 +1,70 @@
+//! # mscclpp: one-sided, signalled communication between GPUs and hosts
+//!
+//! A Rust rebuild of [MSCCL++](https://github.com/microsoft/mscclpp)'s communication stack. Ranks
+//! (processes, on one host or many) register memory, connect, and then `write` into each other's
+//! memory and signal semaphores, over TCP (**Ethernet**), and, with later transports, CUDA IPC and
+//! InfiniBand/RoCE.
+//!
+//! ## What it is not
+//! No collectives (build them on top), no async runtime (blocking calls with bounded waits and
+//! library threads), and no silent hangs: every wait takes a timeout, and errors name the peer,
+//! the transport and the operation.
+//!
+//! ## Layers
+//! ```text
+//!  Communicator ── setup: exchange endpoints, memories, semaphores over a Bootstrap
+//!  Connection   ── write / update_and_sync / atomic_add / flush   (one per peer and transport)
+//!  Context      ── registered memory table, endpoints, (CUDA streams, IB devices)
+//!  sys          ── the only place with `unsafe`: host memory, NUMA, (CUDA, verbs)
+//! ```
+//!
+//! ## Getting started
+//! Bootstrap two ranks (here two threads of one process for brevity; normally two processes):
+//! ```
+//! use mscclpp::{Bootstrap, RootServer, TcpBootstrap};
+//! use std::time::Duration;
+//! let (root, id) = RootServer::start(2, Duration::from_secs(10))?;
+//! let t = std::thread::spawn({
+//!     let id = id.clone();
+//!     move || -> mscclpp::Result<Vec<Vec<u8>>> {
+//!         TcpBootstrap::initialize(1, 2, &id)?.all_gather(b"one")
+//!     }
+//! });
+//! let bs = TcpBootstrap::initialize(0, 2, &id)?;
+//! assert_eq!(bs.all_gather(b"zero")?, vec![b"zero".to_vec(), b"one".to_vec()]);
+//! assert_eq!(t.join().unwrap()?, vec![b"zero".to_vec(), b"one".to_vec()]);
+//! root.join();
+//! # Ok::<(), mscclpp::Error>(())
+//! ```
+//!
+//! ## Environment
+//! See [`env`] for the `MSCCLPP_*` variables; logging is opt-in through [`init_logging`].
+#![deny(unsafe_code)]
+#![warn(missing_docs, unreachable_pub, unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
+mod bootstrap;
+mod communicator;
+mod context;
+mod endpoint;
+pub mod env;
+mod error;
+mod identity;
+#[cfg(feature = "logging")]
+mod logging;
+mod memory;
+pub mod net;
+mod sys;
+mod transport;
+mod wire;
+
+pub use bootstrap::{Bootstrap, RESERVED_TAG_BASE, RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
+pub use communicator::{Communicator, Pending};
+pub use context::Context;
+pub use endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
+pub use error::{Error, ErrorContext, ErrorKind, Result};
+pub use identity::{host_hash, process_hash};
+#[cfg(feature = "logging")]
+pub use logging::init_logging;
+pub use memory::{Buffer, IbMrInfo, RegisteredMemory};
+pub use sys::numa::{bind_thread_to_node, pci_numa_node};
+pub use transport::{Device, EndpointConfig, EthernetConfig, IbConfig, IbMode, Transport, TransportFlags};

@@ -1,0 +1,456 @@
+//! Registered memory: what a peer may write into, and its serialized form.
+
+use std::fmt;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Weak};
+
+use crate::context::{Context, ContextInner};
+use crate::error::{Error, Result};
+use crate::sys::hostmem::{HostAlloc, Region};
+use crate::transport::{Device, Transport, TransportFlags};
+use crate::wire::{Reader, Writer};
+
+const MAGIC: &[u8; 4] = b"MSRM";
+const VERSION: u16 = 1;
+/// Largest CUDA IPC handle blob accepted on the wire.
+const MAX_IPC_INFO: usize = 1024;
+
+/// An IB memory region as a peer needs it: the address and the remote key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct IbMrInfo {
+    /// Address of the registered range in the owner's process.
+    pub addr: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+/// What a `RegisteredMemory` says about itself on the wire.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct MemoryDesc {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) region_id: u64,
+    pub(crate) context_id: u64,
+    pub(crate) host_hash: u64,
+    pub(crate) process_hash: u64,
+    pub(crate) transports: TransportFlags,
+    pub(crate) device: Device,
+    /// CUDA IPC export (filled by the CUDA transport).
+    pub(crate) cuda_ipc: Option<Vec<u8>>,
+    /// Per-IB-transport MR info (filled by the IB transport).
+    pub(crate) ib: [Option<IbMrInfo>; 8],
+}
+
+/// A registered region of the local context, kept in the context's table while it lives.
+pub(crate) struct LocalRegion {
+    pub(crate) region: Region,
+    pub(crate) id: u64,
+    pub(crate) transports: TransportFlags,
+    pub(crate) device: Device,
+    ctx: Weak<ContextInner>,
+}
+
+impl Drop for LocalRegion {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.ctx.upgrade() {
+            ctx.forget_region(self.id);
+        }
+    }
+}
+
+struct MemInner {
+    desc: MemoryDesc,
+    local: Option<Arc<LocalRegion>>,
+}
+
+/// Memory that connections may read from or write into: a local registration, or a peer's
+/// received through [`RegisteredMemory::deserialize`] (usually via
+/// [`Communicator::recv_memory`](crate::Communicator::recv_memory)).
+///
+/// A cheap-clone handle. A local registration stays in its context's table (so peers may write
+/// into it) until the last clone is dropped.
+///
+/// C++ MSCCL++: `RegisteredMemory`.
+#[derive(Clone)]
+pub struct RegisteredMemory {
+    inner: Arc<MemInner>,
+}
+
+impl PartialEq for RegisteredMemory {
+    /// Two handles are equal when they describe the same memory (same serialized form).
+    fn eq(&self, other: &Self) -> bool {
+        self.inner.desc == other.inner.desc
+    }
+}
+impl Eq for RegisteredMemory {}
+
+impl fmt::Debug for RegisteredMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = &self.inner.desc;
+        f.debug_struct("RegisteredMemory")
+            .field("addr", &format_args!("{:#x}", d.addr))
+            .field("len", &d.len)
+            .field("transports", &d.transports)
+            .field("device", &d.device)
+            .field("local", &self.is_local())
+            .finish()
+    }
+}
+
+impl RegisteredMemory {
+    pub(crate) fn new_local(ctx: &Context, region: Region, transports: TransportFlags, device: Device) -> Result<Self> {
+        let inner = ctx.inner();
+        let id = inner.next_region_id();
+        let desc = MemoryDesc {
+            addr: region.addr() as u64,
+            len: region.len() as u64,
+            region_id: id,
+            context_id: inner.id,
+            host_hash: crate::identity::host_hash(),
+            process_hash: crate::identity::process_hash(),
+            transports,
+            device,
+            cuda_ipc: None,
+            ib: [None; 8],
+        };
+        let local = Arc::new(LocalRegion { region, id, transports, device, ctx: Arc::downgrade(inner) });
+        inner.remember_region(&local);
+        Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: Some(local) }) })
+    }
+
+    /// The address of the memory in its owner's process.
+    pub fn addr(&self) -> u64 {
+        self.inner.desc.addr
+    }
+    /// The length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.desc.len
+    }
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.inner.desc.len == 0
+    }
+    /// The transports peers may use to reach this memory.
+    pub fn transports(&self) -> TransportFlags {
+        self.inner.desc.transports
+    }
+    /// Where the memory lives.
+    pub fn device(&self) -> Device {
+        self.inner.desc.device
+    }
+    /// The owner's host hash (see [`host_hash`](crate::host_hash)).
+    pub fn host_hash(&self) -> u64 {
+        self.inner.desc.host_hash
+    }
+    /// The owner's process hash (see [`process_hash`](crate::process_hash)).
+    pub fn process_hash(&self) -> u64 {
+        self.inner.desc.process_hash
+    }
+    /// Whether this handle is a registration made in this process (not a received copy).
+    pub fn is_local(&self) -> bool {
+        self.inner.local.is_some()
+    }
+    /// The IB MR info for `t`, if the owner registered it.
+    pub fn ib_info(&self, t: Transport) -> Option<IbMrInfo> {
+        t.ib_index().and_then(|i| self.inner.desc.ib[i])
+    }
+
+    pub(crate) fn desc(&self) -> &MemoryDesc {
+        &self.inner.desc
+    }
+    pub(crate) fn local(&self) -> Option<&Arc<LocalRegion>> {
+        self.inner.local.as_ref()
+    }
+
+    /// Checks that `[offset, offset + len)` is inside this memory.
+    pub(crate) fn check_bounds(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(Error::invalid_usage(format!(
+                "range [{offset}, {offset}+{len}) is out of bounds of the {}-byte registered memory",
+                self.len()
+            ))),
+        }
+    }
+
+    /// The serialized form, to send to a peer.
+    pub fn serialize(&self) -> Vec<u8> {
+        let d = &self.inner.desc;
+        let mut w = Writer::new(MAGIC, VERSION);
+        w.u64(d.addr);
+        w.u64(d.len);
+        w.u64(d.region_id);
+        w.u64(d.context_id);
+        w.u64(d.host_hash);
+        w.u64(d.process_hash);
+        w.u16(d.transports.bits());
+        put_device(&mut w, d.device);
+        match &d.cuda_ipc {
+            Some(b) => {
+                w.u8(1);
+                // Only this crate fills cuda_ipc, always below MAX_IPC_INFO.
+                let _ = w.bytes(b);
+            }
+            None => w.u8(0),
+        }
+        let n = d.ib.iter().filter(|x| x.is_some()).count() as u8;
+        w.u8(n);
+        for (i, info) in d.ib.iter().enumerate() {
+            if let Some(info) = info {
+                w.u8(i as u8);
+                w.u64(info.addr);
+                w.u32(info.rkey);
+            }
+        }
+        w.finish()
+    }
+
+    /// Rebuilds a peer's memory from [`serialize`](Self::serialize)d bytes.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for any input that is not a well-formed serialized memory (never panics).
+    pub fn deserialize(bytes: &[u8]) -> Result<RegisteredMemory> {
+        let mut r = Reader::new(bytes, "serialized RegisteredMemory", MAGIC, VERSION)?;
+        let addr = r.u64()?;
+        let len = r.u64()?;
+        let region_id = r.u64()?;
+        let context_id = r.u64()?;
+        let host_hash = r.u64()?;
+        let process_hash = r.u64()?;
+        let bits = r.u16()?;
+        let transports =
+            TransportFlags::from_bits(bits).ok_or_else(|| r.err(format!("unknown transport bits {bits:#x}")))?;
+        let device = get_device(&mut r)?;
+        let cuda_ipc = match r.u8()? {
+            0 => None,
+            1 => {
+                let b = r.bytes()?;
+                if b.len() > MAX_IPC_INFO {
+                    return Err(r.err(format!("CUDA IPC info of {} bytes is too long", b.len())));
+                }
+                Some(b.to_vec())
+            }
+            x => return Err(r.err(format!("bad CUDA IPC presence byte {x}"))),
+        };
+        let mut ib = [None; 8];
+        let n = r.u8()?;
+        for _ in 0..n {
+            let i = r.u8()? as usize;
+            if i >= 8 || ib[i].is_some() {
+                return Err(r.err(format!("bad or repeated IB index {i}")));
+            }
+            ib[i] = Some(IbMrInfo { addr: r.u64()?, rkey: r.u32()? });
+        }
+        r.finish()?;
+        if addr.checked_add(len).is_none() {
+            return Err(Error::invalid_usage("malformed serialized RegisteredMemory: address + length overflows"));
+        }
+        let desc =
+            MemoryDesc { addr, len, region_id, context_id, host_hash, process_hash, transports, device, cuda_ipc, ib };
+        Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: None }) })
+    }
+}
+
+pub(crate) fn put_device(w: &mut Writer, d: Device) {
+    match d {
+        Device::Cpu => {
+            w.u8(0);
+            w.u32(0);
+        }
+        Device::Gpu(i) => {
+            w.u8(1);
+            w.u32(i);
+        }
+    }
+}
+
+pub(crate) fn get_device(r: &mut Reader<'_>) -> Result<Device> {
+    let kind = r.u8()?;
+    let id = r.u32()?;
+    match kind {
+        0 if id == 0 => Ok(Device::Cpu),
+        1 => Ok(Device::Gpu(id)),
+        _ => Err(r.err(format!("bad device ({kind}, {id})"))),
+    }
+}
+
+/// An owned, page-aligned, zeroed host buffer, registered with a context at allocation.
+///
+/// Remote peers write into it while it is shared, so access goes through copies
+/// ([`read`](Self::read), [`write`](Self::write), [`to_vec`](Self::to_vec)) and atomics
+/// ([`atomic_u64`](Self::atomic_u64)) rather than `&[u8]`.
+///
+/// ```
+/// use mscclpp::{Buffer, Context, Transport};
+/// let ctx = Context::new();
+/// let buf = Buffer::new(&ctx, 4096, Transport::Ethernet.into()).unwrap();
+/// buf.write(0, b"hello").unwrap();
+/// assert_eq!(&buf.to_vec()[..5], b"hello");
+/// let mem = buf.memory().clone(); // what peers get, via Communicator::send_memory
+/// assert_eq!(mem.len(), 4096);
+/// ```
+#[derive(Clone)]
+pub struct Buffer {
+    mem: RegisteredMemory,
+    local: Arc<LocalRegion>,
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Buffer").field(&self.mem).finish()
+    }
+}
+
+impl Buffer {
+    /// Allocates `len` zeroed bytes of host memory and registers them for `transports`.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for `len == 0` or a transport host memory cannot use (CUDA IPC);
+    /// `NotAvailable` for a transport not built yet; `System` when out of memory.
+    pub fn new(ctx: &Context, len: usize, transports: TransportFlags) -> Result<Buffer> {
+        check_host_transports(transports)?;
+        if len == 0 {
+            return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
+        }
+        let alloc = Arc::new(HostAlloc::zeroed(len)?);
+        let region = Region::owned(alloc, len);
+        let mem = RegisteredMemory::new_local(ctx, region, transports, Device::Cpu)?;
+        let local = mem.local().cloned().ok_or_else(|| Error::internal("new registration has no local region"))?;
+        Ok(Buffer { mem, local })
+    }
+
+    /// The registration, to give to connections or send to peers.
+    pub fn memory(&self) -> &RegisteredMemory {
+        &self.mem
+    }
+    fn region(&self) -> &Region {
+        &self.local.region
+    }
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.mem.len() as usize
+    }
+    /// Always false: buffers hold at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+    /// The address of the first byte (for FFI; do not free).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.region().addr() as *const u8
+    }
+    /// Copies `data` into the buffer at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.region().write(offset as u64, data)
+    }
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.region().read(offset as u64, out)
+    }
+    /// Sets `len` bytes from `offset` to `byte`.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+        self.region().fill(offset as u64, len as u64, byte)
+    }
+    /// A copy of the whole buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len()];
+        // In bounds by construction.
+        let _ = self.region().read(0, &mut v);
+        v
+    }
+    /// The 8-byte word at `offset` (a multiple of 8) as an atomic.
+    pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64> {
+        self.region().atomic_u64(offset as u64)
+    }
+}
+
+pub(crate) fn check_host_transports(t: TransportFlags) -> Result<()> {
+    if t.has(Transport::CudaIpc) {
+        return Err(Error::invalid_usage("host memory cannot be registered for CUDA IPC (it needs GPU memory)"));
+    }
+    if !(t & TransportFlags::ALL_IB).is_empty() {
+        return Err(Error::not_available("the IB transport is not part of this build yet"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_desc() -> impl Strategy<Value = MemoryDesc> {
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<[u64; 4]>(),
+            0u16..(1 << 11),
+            proptest::option::of(any::<u32>()),
+            proptest::option::of(proptest::collection::vec(any::<u8>(), 0..200)),
+            any::<[Option<(u64, u32)>; 8]>(),
+        )
+            .prop_map(|(addr, len, h, bits, gpu, ipc, ib)| MemoryDesc {
+                addr: addr / 2,
+                len: len / 2,
+                region_id: h[0],
+                context_id: h[1],
+                host_hash: h[2],
+                process_hash: h[3],
+                transports: TransportFlags::from_bits(bits & TransportFlags::ALL.bits()).unwrap_or_default(),
+                device: gpu.map(Device::Gpu).unwrap_or(Device::Cpu),
+                cuda_ipc: ipc,
+                ib: ib.map(|x| x.map(|(addr, rkey)| IbMrInfo { addr, rkey })),
+            })
+    }
+
+    fn from_desc(desc: MemoryDesc) -> RegisteredMemory {
+        RegisteredMemory { inner: Arc::new(MemInner { desc, local: None }) }
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(desc in arb_desc()) {
+            let m = from_desc(desc);
+            let b = m.serialize();
+            let back = RegisteredMemory::deserialize(&b).unwrap();
+            prop_assert_eq!(back.desc(), m.desc());
+            // every truncation fails cleanly
+            for cut in 0..b.len() {
+                prop_assert!(RegisteredMemory::deserialize(&b[..cut]).is_err());
+            }
+            let mut longer = b.clone();
+            longer.push(0);
+            prop_assert!(RegisteredMemory::deserialize(&longer).is_err());
+        }
+
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = RegisteredMemory::deserialize(&bytes);
+            let mut framed = b"MSRM\x01\x00".to_vec();
+            framed.extend_from_slice(&bytes);
+            let _ = RegisteredMemory::deserialize(&framed);
+        }
+
+        #[test]
+        fn flipped_bytes_never_panic(desc in arb_desc(), pos in any::<usize>(), val in any::<u8>()) {
+            let mut b = from_desc(desc).serialize();
+            let i = pos % b.len();
+            b[i] = val;
+            let _ = RegisteredMemory::deserialize(&b);
+        }
+    }
+
+    #[test]
+    fn buffer_registers_and_unregisters() {
+        let ctx = Context::new();
+        let buf = Buffer::new(&ctx, 64, Transport::Ethernet.into()).unwrap();
+        let id = buf.memory().desc().region_id;
+        assert!(ctx.inner().lookup_region(id).is_some());
+        let copy = RegisteredMemory::deserialize(&buf.memory().serialize()).unwrap();
+        assert_eq!(&copy, buf.memory());
+        assert!(!copy.is_local());
+        drop(buf);
+        assert!(ctx.inner().lookup_region(id).is_none(), "dropping the last handle unregisters");
+        assert!(Buffer::new(&ctx, 0, Transport::Ethernet.into()).is_err());
+        assert_eq!(Buffer::new(&ctx, 8, Transport::CudaIpc.into()).unwrap_err().kind(), crate::ErrorKind::InvalidUsage);
+    }
+}

@@ -1,0 +1,223 @@
+//! Host memory: owned page-aligned allocations, and [`Region`], a checked window onto memory that
+//! is registered with a context.
+#![allow(unsafe_code)]
+
+use std::alloc::Layout;
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use crate::error::{Error, Result};
+
+/// The alignment of owned host buffers: one page, so any word in them is naturally aligned.
+pub(crate) const PAGE: usize = 4096;
+
+/// A zeroed, page-aligned heap allocation.
+pub(crate) struct HostAlloc {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: HostAlloc is a uniquely owned heap block; the raw pointer carries no thread affinity.
+unsafe impl Send for HostAlloc {}
+// SAFETY: HostAlloc hands out only its address; all accesses go through Region, whose methods
+// are sound to call from several threads at once (see Region).
+unsafe impl Sync for HostAlloc {}
+
+impl HostAlloc {
+    /// Allocates `len` zeroed bytes (at least one page is reserved for `len == 0`).
+    pub(crate) fn zeroed(len: usize) -> Result<HostAlloc> {
+        let layout = Layout::from_size_align(len.max(1), PAGE)
+            .map_err(|_| Error::invalid_usage(format!("cannot allocate {len} bytes: size too large")))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::new(crate::ErrorKind::System, format!("out of memory allocating a {len}-byte host buffer"))
+        })?;
+        Ok(HostAlloc { ptr, layout })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for HostAlloc {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from alloc_zeroed with this very layout and is freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// A window `[addr, addr + len)` of host memory that stays valid while the `Region` lives.
+///
+/// The invariant comes either from an owned [`HostAlloc`] kept in `keeper`, or from the caller of
+/// the `unsafe` [`Region::from_raw`]. All access is bounds-checked and goes through raw pointers
+/// (never `&[u8]` over the region), because peers and the owner may touch it at the same time,
+/// as with any memory a NIC or DMA engine writes.
+pub(crate) struct Region {
+    addr: usize,
+    len: usize,
+    _keeper: Option<Arc<HostAlloc>>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Region({:#x}+{})", self.addr, self.len)
+    }
+}
+
+impl Region {
+    /// A region over an owned allocation.
+    pub(crate) fn owned(alloc: Arc<HostAlloc>, len: usize) -> Region {
+        Region { addr: alloc.as_ptr() as usize, len, _keeper: Some(alloc) }
+    }
+
+    /// A region over caller-owned memory.
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr + len)` is one allocation, valid for reads and writes, until the `Region`
+    ///    and every clone of the `Arc` holding it are dropped.
+    /// 2. Nothing frees or unmaps it before then.
+    pub(crate) unsafe fn from_raw(ptr: *mut u8, len: usize) -> Region {
+        Region { addr: ptr as usize, len, _keeper: None }
+    }
+
+    pub(crate) fn addr(&self) -> usize {
+        self.addr
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Checks that `[offset, offset + n)` lies inside the region.
+    pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(Error::invalid_usage(format!(
+                "range [{offset}, {offset}+{n}) is outside the {}-byte region",
+                self.len
+            ))),
+        }
+    }
+
+    fn ptr(&self, offset: u64) -> *mut u8 {
+        (self.addr + offset as usize) as *mut u8
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len() as u64)?;
+        // SAFETY: the range is inside the region (checked), the region is valid while self lives
+        // (type invariant), and src is a distinct Rust slice, so they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr(offset), src.len()) };
+        Ok(())
+    }
+
+    /// Copies from the region at `offset` into `dst`.
+    pub(crate) fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len() as u64)?;
+        // SAFETY: as in `write`, with the roles swapped.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Sets `n` bytes at `offset` to `byte`.
+    pub(crate) fn fill(&self, offset: u64, n: u64, byte: u8) -> Result<()> {
+        self.check(offset, n)?;
+        // SAFETY: the range is inside the valid region (checked above).
+        unsafe { std::ptr::write_bytes(self.ptr(offset), byte, n as usize) };
+        Ok(())
+    }
+
+    /// The 8-byte word at `offset` as an atomic.
+    pub(crate) fn atomic_u64(&self, offset: u64) -> Result<&AtomicU64> {
+        self.check(offset, 8)?;
+        let p = self.ptr(offset);
+        if (p as usize) % 8 != 0 {
+            return Err(Error::invalid_usage(format!("offset {offset} is not 8-byte aligned for an atomic word")));
+        }
+        // SAFETY: p is in bounds, 8-byte aligned, and valid for the lifetime of &self (type
+        // invariant); AtomicU64 has the size and alignment of u64, and every access to the word
+        // made by this crate while it is shared is atomic.
+        Ok(unsafe { AtomicU64::from_ptr(p.cast::<u64>()) })
+    }
+
+    /// Receives exactly `n` bytes from `stream` into the region at `offset`.
+    pub(crate) fn recv_exact(&self, offset: u64, n: u64, stream: &TcpStream) -> std::io::Result<()> {
+        self.check(offset, n).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let fd = stream.as_raw_fd();
+        let mut done: usize = 0;
+        let n = n as usize;
+        while done < n {
+            // SAFETY: [ptr(offset)+done, +n-done) lies inside the valid region (checked above);
+            // recv writes at most that many bytes and never keeps the pointer.
+            let r = unsafe { nix::libc::recv(fd, self.ptr(offset).add(done).cast(), n - done, 0) };
+            if r == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            done += r as usize;
+        }
+        Ok(())
+    }
+
+    /// Sends `n` bytes of the region from `offset` into `stream`.
+    pub(crate) fn send_all(&self, offset: u64, n: u64, stream: &TcpStream) -> std::io::Result<()> {
+        self.check(offset, n).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        send_raw(stream, self.ptr(offset), n as usize)
+    }
+}
+
+/// Sends `n` bytes starting at `ptr`.
+fn send_raw(stream: &TcpStream, ptr: *const u8, n: usize) -> std::io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let mut done = 0usize;
+    while done < n {
+        // SAFETY: the caller (Region::send_all) checked that [ptr, ptr+n) is inside a valid
+        // region; send only reads from it. MSG_NOSIGNAL turns a closed peer into EPIPE, not SIGPIPE.
+        let r = unsafe { nix::libc::send(fd, ptr.add(done).cast(), n - done, nix::libc::MSG_NOSIGNAL) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        done += r as usize;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn owned_region_is_zeroed_aligned_and_checked() {
+        let a = Arc::new(HostAlloc::zeroed(100).unwrap());
+        assert_eq!(a.as_ptr() as usize % PAGE, 0);
+        let r = Region::owned(a, 100);
+        let mut b = [1u8; 100];
+        r.read(0, &mut b).unwrap();
+        assert!(b.iter().all(|x| *x == 0));
+        r.write(96, &[1, 2, 3, 4]).unwrap();
+        assert!(r.write(97, &[1, 2, 3, 4]).is_err());
+        assert!(r.check(u64::MAX, 2).is_err());
+        r.read(96, &mut b[..4]).unwrap();
+        assert_eq!(&b[..4], &[1, 2, 3, 4]);
+        r.atomic_u64(8).unwrap().fetch_add(5, Ordering::SeqCst);
+        assert_eq!(r.atomic_u64(8).unwrap().load(Ordering::SeqCst), 5);
+        assert!(r.atomic_u64(4).is_err());
+        assert!(r.atomic_u64(96).is_err());
+    }
+}

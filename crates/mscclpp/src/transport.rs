@@ -1,0 +1,413 @@
+//! Transports, transport sets, devices and endpoint configuration.
+
+use std::fmt;
+use std::ops::{BitAnd, BitAndAssign, BitOr, BitOrAssign, BitXor, BitXorAssign, Not};
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// A way to move bytes between ranks.
+///
+/// C++ MSCCL++: `Transport`. The numeric values (`as u8`) match MSCCL++'s (`Unknown` is not a
+/// variant here: an unset transport is `Option<Transport>::None`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Transport {
+    /// CUDA IPC: GPU memory of another process or GPU on the same host.
+    CudaIpc = 1,
+    /// InfiniBand/RoCE device 0 (see `MSCCLPP_HCA_DEVICES`).
+    IB0 = 2,
+    /// InfiniBand/RoCE device 1.
+    IB1 = 3,
+    /// InfiniBand/RoCE device 2.
+    IB2 = 4,
+    /// InfiniBand/RoCE device 3.
+    IB3 = 5,
+    /// InfiniBand/RoCE device 4.
+    IB4 = 6,
+    /// InfiniBand/RoCE device 5.
+    IB5 = 7,
+    /// InfiniBand/RoCE device 6.
+    IB6 = 8,
+    /// InfiniBand/RoCE device 7.
+    IB7 = 9,
+    /// TCP sockets, for any host, with or without a GPU.
+    Ethernet = 10,
+}
+
+impl Transport {
+    /// Every transport, in numeric order.
+    pub const ALL: [Transport; 10] = [
+        Transport::CudaIpc,
+        Transport::IB0,
+        Transport::IB1,
+        Transport::IB2,
+        Transport::IB3,
+        Transport::IB4,
+        Transport::IB5,
+        Transport::IB6,
+        Transport::IB7,
+        Transport::Ethernet,
+    ];
+
+    /// The transport with MSCCL++'s numeric value `v`, if there is one.
+    pub fn from_u8(v: u8) -> Option<Transport> {
+        Transport::ALL.iter().copied().find(|t| *t as u8 == v)
+    }
+
+    /// `Some(n)` for `IBn`.
+    pub fn ib_index(self) -> Option<usize> {
+        let v = self as u8;
+        (2..=9).contains(&v).then(|| (v - 2) as usize)
+    }
+
+    /// The `IBn` transport for `n` in `0..8`.
+    pub fn ib(n: usize) -> Option<Transport> {
+        (n < 8).then(|| Transport::ALL[1 + n])
+    }
+
+    /// Whether this is one of `IB0..IB7`.
+    pub fn is_ib(self) -> bool {
+        self.ib_index().is_some()
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Transport::CudaIpc => f.write_str("IPC"),
+            Transport::Ethernet => f.write_str("ETH"),
+            t => write!(f, "IB{}", t.ib_index().unwrap_or(0)),
+        }
+    }
+}
+
+impl FromStr for Transport {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let l = s.trim().to_ascii_lowercase();
+        match l.as_str() {
+            "cuda-ipc" | "cudaipc" | "ipc" => Ok(Transport::CudaIpc),
+            "ethernet" | "eth" | "tcp" => Ok(Transport::Ethernet),
+            "ib" => Ok(Transport::IB0),
+            _ => l.strip_prefix("ib").and_then(|n| n.parse::<usize>().ok()).and_then(Transport::ib).ok_or_else(|| {
+                Error::invalid_usage(format!("unknown transport {s:?} (expected cuda-ipc, ethernet, ib or ib0..ib7)"))
+            }),
+        }
+    }
+}
+
+/// A set of [`Transport`]s, as a bit set.
+///
+/// C++ MSCCL++: `TransportFlags`.
+///
+/// ```
+/// use mscclpp::{Transport, TransportFlags};
+/// let f = Transport::Ethernet | Transport::IB1;
+/// assert!(f.has(Transport::IB1));
+/// assert_eq!((f & TransportFlags::ALL_IB).count(), 1);
+/// assert!(!(!f).has(Transport::Ethernet));
+/// ```
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct TransportFlags(u16);
+
+impl TransportFlags {
+    /// The empty set.
+    pub const NONE: TransportFlags = TransportFlags(0);
+    /// `IB0..IB7`.
+    pub const ALL_IB: TransportFlags = TransportFlags(0b11_1111_1100);
+    /// Every transport.
+    pub const ALL: TransportFlags = TransportFlags(0b111_1111_1110);
+
+    /// The set holding only `t`.
+    pub const fn of(t: Transport) -> TransportFlags {
+        TransportFlags(1 << t as u8)
+    }
+    /// Whether `t` is in the set.
+    pub fn has(self, t: Transport) -> bool {
+        self.0 & (1 << t as u8) != 0
+    }
+    /// Whether the set is empty.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    /// Whether the set holds every transport.
+    pub fn is_all(self) -> bool {
+        self == Self::ALL
+    }
+    /// How many transports the set holds.
+    pub fn count(self) -> u32 {
+        self.0.count_ones()
+    }
+    /// The transports in the set, in numeric order.
+    pub fn iter(self) -> impl Iterator<Item = Transport> {
+        Transport::ALL.into_iter().filter(move |t| self.has(*t))
+    }
+    /// The raw bits (bit `i` is the transport with value `i`).
+    pub fn bits(self) -> u16 {
+        self.0
+    }
+    /// The set with these bits, or `None` if a bit names no transport.
+    pub fn from_bits(bits: u16) -> Option<TransportFlags> {
+        (bits & !Self::ALL.0 == 0).then_some(TransportFlags(bits))
+    }
+}
+
+impl fmt::Debug for TransportFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.iter()).finish()
+    }
+}
+
+impl fmt::Display for TransportFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<String> = self.iter().map(|t| t.to_string()).collect();
+        write!(f, "{{{}}}", names.join(","))
+    }
+}
+
+impl From<Transport> for TransportFlags {
+    fn from(t: Transport) -> Self {
+        TransportFlags::of(t)
+    }
+}
+
+impl FromIterator<Transport> for TransportFlags {
+    fn from_iter<I: IntoIterator<Item = Transport>>(iter: I) -> Self {
+        iter.into_iter().fold(TransportFlags::NONE, |a, t| a | t)
+    }
+}
+
+macro_rules! flag_ops {
+    ($tr:ident, $f:ident, $atr:ident, $af:ident, $op:tt) => {
+        impl<T: Into<TransportFlags>> $tr<T> for TransportFlags {
+            type Output = TransportFlags;
+            fn $f(self, rhs: T) -> TransportFlags {
+                TransportFlags(self.0 $op rhs.into().0)
+            }
+        }
+        impl<T: Into<TransportFlags>> $tr<T> for Transport {
+            type Output = TransportFlags;
+            fn $f(self, rhs: T) -> TransportFlags {
+                TransportFlags(TransportFlags::of(self).0 $op rhs.into().0)
+            }
+        }
+        impl<T: Into<TransportFlags>> $atr<T> for TransportFlags {
+            fn $af(&mut self, rhs: T) {
+                self.0 = self.0 $op rhs.into().0;
+            }
+        }
+    };
+}
+flag_ops!(BitOr, bitor, BitOrAssign, bitor_assign, |);
+flag_ops!(BitAnd, bitand, BitAndAssign, bitand_assign, &);
+flag_ops!(BitXor, bitxor, BitXorAssign, bitxor_assign, ^);
+
+impl Not for TransportFlags {
+    type Output = TransportFlags;
+    fn not(self) -> TransportFlags {
+        TransportFlags(!self.0 & Self::ALL.0)
+    }
+}
+
+/// Where memory lives or which device a connection serves.
+///
+/// C++ MSCCL++: `Device` (with `DeviceType`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host memory.
+    #[default]
+    Cpu,
+    /// The CUDA device with this ordinal.
+    Gpu(u32),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("CPU"),
+            Device::Gpu(i) => write!(f, "GPU{i}"),
+        }
+    }
+}
+
+/// How an IB connection signals semaphores.
+///
+/// C++ MSCCL++: `EndpointConfig::Ib::Mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum IbMode {
+    /// `MSCCLPP_IBV_MODE` decides; `Host` when it is unset.
+    #[default]
+    Default,
+    /// RDMA atomics (FETCH_AND_ADD) carry semaphore tokens.
+    Host,
+    /// RDMA WRITE_WITH_IMM carries tokens, for NICs without atomics.
+    HostNoAtomic,
+}
+
+impl FromStr for IbMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "default" => Ok(IbMode::Default),
+            "host" => Ok(IbMode::Host),
+            "host-no-atomic" | "host_no_atomic" | "hostnoatomic" => Ok(IbMode::HostNoAtomic),
+            _ => Err(Error::invalid_usage(format!("unknown IB mode {s:?} (expected host, host-no-atomic or default)"))),
+        }
+    }
+}
+
+/// InfiniBand part of an [`EndpointConfig`], with MSCCL++'s defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IbConfig {
+    /// Port number; `None` picks the first active port.
+    pub port: Option<u8>,
+    /// GID index; `None` takes `MSCCLPP_IB_GID_INDEX` or picks the RoCE v2 GID automatically.
+    pub gid_index: Option<u32>,
+    /// Send completion-queue depth (1024). Also the default write-queue bound of IB connections.
+    pub max_cq_size: u32,
+    /// Completions taken per poll (256).
+    pub max_cq_poll_num: u32,
+    /// Send work requests the queue pair holds (8192).
+    pub max_send_wr: u32,
+    /// Receive work requests kept posted in `HostNoAtomic` mode (16).
+    pub max_recv_wr: u32,
+    /// Work requests posted per `ibv_post_send` (64).
+    pub max_wr_per_send: u32,
+    /// Signalling mode.
+    pub mode: IbMode,
+}
+
+impl Default for IbConfig {
+    fn default() -> Self {
+        IbConfig {
+            port: None,
+            gid_index: None,
+            max_cq_size: 1024,
+            max_cq_poll_num: 256,
+            max_send_wr: 8192,
+            max_recv_wr: 16,
+            max_wr_per_send: 64,
+            mode: IbMode::Default,
+        }
+    }
+}
+
+/// Ethernet part of an [`EndpointConfig`].
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct EthernetConfig {
+    /// Where to listen: an interface name (`"eth0"`), an IP address, or `None` to choose as the
+    /// bootstrap does (`MSCCLPP_SOCKET_IFNAME`, then any non-loopback interface, loopback last).
+    pub interface: Option<String>,
+    /// Listening port; 0 (the default) takes any free port.
+    pub port: u16,
+}
+
+/// Everything needed to create an [`Endpoint`](crate::Endpoint).
+///
+/// C++ MSCCL++: `EndpointConfig`.
+///
+/// ```
+/// use mscclpp::{Device, EndpointConfig, Transport};
+/// let cfg = EndpointConfig::new(Transport::Ethernet).device(Device::Cpu).max_write_queue_size(64);
+/// assert_eq!(cfg.ib.max_cq_size, 1024);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointConfig {
+    /// The transport.
+    pub transport: Transport,
+    /// The device whose memory the connection moves.
+    pub device: Device,
+    /// The most operations a connection keeps in flight before `write` waits; `None` takes the
+    /// transport's default.
+    pub max_write_queue_size: Option<usize>,
+    /// IB settings.
+    pub ib: IbConfig,
+    /// Ethernet settings.
+    pub ethernet: EthernetConfig,
+}
+
+impl EndpointConfig {
+    /// A config for `transport` with every default (CPU device).
+    pub fn new(transport: Transport) -> Self {
+        EndpointConfig {
+            transport,
+            device: Device::Cpu,
+            max_write_queue_size: None,
+            ib: IbConfig::default(),
+            ethernet: EthernetConfig::default(),
+        }
+    }
+    /// Sets the device.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+    /// Sets the write-queue bound.
+    pub fn max_write_queue_size(mut self, n: usize) -> Self {
+        self.max_write_queue_size = Some(n);
+        self
+    }
+    /// Sets the Ethernet interface (a name or an IP address).
+    pub fn ethernet_interface(mut self, iface: impl Into<String>) -> Self {
+        self.ethernet.interface = Some(iface.into());
+        self
+    }
+}
+
+impl From<Transport> for EndpointConfig {
+    fn from(t: Transport) -> Self {
+        EndpointConfig::new(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_set_operations() {
+        let a = Transport::IB0 | Transport::IB3;
+        let b = TransportFlags::from(Transport::IB3) | Transport::Ethernet;
+        assert_eq!((a & b).iter().collect::<Vec<_>>(), vec![Transport::IB3]);
+        assert_eq!((a ^ b).count(), 2);
+        assert_eq!(TransportFlags::ALL_IB.count(), 8);
+        assert_eq!(TransportFlags::ALL.count(), 10);
+        assert!((!TransportFlags::ALL).is_empty());
+        assert!(TransportFlags::ALL.is_all());
+        let mut c = TransportFlags::NONE;
+        c |= Transport::CudaIpc;
+        c ^= Transport::CudaIpc;
+        assert!(c.is_empty());
+        assert_eq!(TransportFlags::from_bits(1), None);
+        assert_eq!(TransportFlags::from_bits(a.bits()), Some(a));
+        assert_eq!(a.to_string(), "{IB0,IB3}");
+    }
+
+    #[test]
+    fn transport_names_parse_and_print() {
+        for t in Transport::ALL {
+            assert_eq!(Transport::from_u8(t as u8), Some(t));
+            assert_eq!(t.to_string().parse::<Transport>().unwrap(), t);
+        }
+        assert_eq!(Transport::from_u8(0), None);
+        assert_eq!(Transport::from_u8(11), None);
+        assert_eq!("cuda-ipc".parse::<Transport>().unwrap(), Transport::CudaIpc);
+        assert!("ib8".parse::<Transport>().is_err());
+        assert_eq!(Transport::IB5.ib_index(), Some(5));
+        assert_eq!(Transport::ib(7), Some(Transport::IB7));
+        assert_eq!(Transport::ib(8), None);
+    }
+
+    #[test]
+    fn defaults_match_mscclpp() {
+        let c = IbConfig::default();
+        assert_eq!(
+            (c.max_cq_size, c.max_cq_poll_num, c.max_send_wr, c.max_recv_wr, c.max_wr_per_send),
+            (1024, 256, 8192, 16, 64)
+        );
+        assert_eq!(c.mode, IbMode::Default);
+        assert_eq!("host-no-atomic".parse::<IbMode>().unwrap(), IbMode::HostNoAtomic);
+        assert!("atomic".parse::<IbMode>().is_err());
+    }
+}

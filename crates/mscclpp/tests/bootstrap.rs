@@ -1,0 +1,214 @@
+//! The TCP bootstrap between real processes on this machine.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Rank, pattern, spawn_ranks, spawn_some};
+use mscclpp::{Bootstrap, Buffer, Communicator, ErrorKind, RegisteredMemory, Transport};
+
+fn collectives_body(r: &Rank, big: usize) {
+    let t0 = Instant::now();
+    let bs = r.bootstrap(Duration::from_secs(60));
+    let (me, n) = (r.rank, r.size);
+    let all = bs.all_gather(format!("rank{me}").as_bytes()).unwrap();
+    let init_gather = t0.elapsed();
+    for (i, m) in all.iter().enumerate() {
+        assert_eq!(m, format!("rank{i}").as_bytes());
+    }
+    assert_eq!(bs.ranks_per_node(), n);
+    // broadcast from every root
+    for root in 0..n.min(4) {
+        let got = bs.broadcast(root, &[root as u8; 5]).unwrap();
+        assert_eq!(got, vec![root as u8; 5]);
+    }
+    bs.barrier().unwrap();
+    // tagged messages, received in a different order than sent
+    let next = (me + 1) % n;
+    let prev = (me + n - 1) % n;
+    for tag in 0..3u64 {
+        bs.send(next, tag, &pattern(tag * 100 + me as u64, 10 + tag as usize)).unwrap();
+    }
+    bs.send(next, 7, &[]).unwrap();
+    assert_eq!(bs.recv(prev, 7).unwrap(), Vec::<u8>::new());
+    for tag in (0..3u64).rev() {
+        assert_eq!(bs.recv(prev, tag).unwrap(), pattern(tag * 100 + prev as u64, 10 + tag as usize));
+    }
+    // FIFO within one tag
+    for i in 0..20u8 {
+        bs.send(next, 9, &[i]).unwrap();
+    }
+    for i in 0..20u8 {
+        assert_eq!(bs.recv(prev, 9).unwrap(), vec![i]);
+    }
+    if big > 0 {
+        let data = pattern(me as u64, big);
+        bs.send(next, 11, &data).unwrap();
+        assert_eq!(bs.recv(prev, 11).unwrap(), pattern(prev as u64, big));
+    }
+    bs.barrier().unwrap();
+    println!("RESULT rank {me} of {n}: bootstrap+all_gather {:.1} ms", init_gather.as_secs_f64() * 1e3);
+}
+
+#[test]
+fn collectives_2_ranks_with_64mib() {
+    if let Some(r) = Rank::from_env() {
+        return collectives_body(&r, 64 << 20);
+    }
+    spawn_ranks("collectives_2_ranks_with_64mib", 2, &[]).assert_success();
+}
+
+#[test]
+fn collectives_8_ranks() {
+    if let Some(r) = Rank::from_env() {
+        return collectives_body(&r, 1 << 20);
+    }
+    spawn_ranks("collectives_8_ranks", 8, &[]).assert_success();
+}
+
+#[test]
+fn collectives_32_ranks() {
+    if let Some(r) = Rank::from_env() {
+        return collectives_body(&r, 0);
+    }
+    let job = spawn_ranks("collectives_32_ranks", 32, &[]);
+    job.assert_success();
+    let worst = (0..32)
+        .filter_map(|r| job.stdout(r).lines().find(|l| l.contains("RESULT")).map(|l| l.to_string()))
+        .filter_map(|l| l.split("all_gather ").nth(1).and_then(|x| x.trim_end_matches(" ms").parse::<f64>().ok()))
+        .fold(0.0f64, f64::max);
+    println!("32-rank bootstrap + all_gather: slowest rank {worst:.1} ms; whole job (spawn to exit) {:?}", job.elapsed);
+}
+
+#[test]
+fn missing_rank_times_out_naming_it() {
+    if let Some(r) = Rank::from_env() {
+        let t0 = Instant::now();
+        let err = mscclpp::TcpBootstrap::config(r.rank, r.size)
+            .timeout(Duration::from_secs(2))
+            .initialize(&r.id)
+            .unwrap_err();
+        let el = t0.elapsed();
+        assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+        assert!(err.to_string().contains("[2]"), "error must name rank 2: {err}");
+        assert!(el <= Duration::from_secs(3), "took {el:?}");
+        println!("rank {} got: {err} after {el:?}", r.rank);
+        return;
+    }
+    let job = spawn_some(
+        "missing_rank_times_out_naming_it",
+        3,
+        &[0, 1],
+        Duration::from_secs(2),
+        &[],
+        Duration::from_secs(30),
+    );
+    job.assert_success();
+}
+
+#[test]
+fn killed_rank_fails_its_peers_fast() {
+    if let Some(r) = Rank::from_env() {
+        let bs = r.bootstrap(Duration::from_secs(20));
+        bs.barrier().unwrap();
+        if r.rank == 2 {
+            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+            std::thread::sleep(Duration::from_secs(30));
+            unreachable!("kill -9 did not stop the process");
+        }
+        let t0 = Instant::now();
+        let err = bs.recv(2, 1).unwrap_err();
+        assert_eq!(err.peer(), Some(2), "{err}");
+        assert_ne!(err.kind(), ErrorKind::Timeout, "a dead peer must not wait out the timeout: {err}");
+        let err2 = bs.barrier().unwrap_err();
+        assert!(err2.to_string().contains('2'), "{err2}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+        println!("rank {} saw: {err} / {err2} after {:?}", r.rank, t0.elapsed());
+        return;
+    }
+    let job = spawn_ranks("killed_rank_fails_its_peers_fast", 3, &[]);
+    for (r, o) in &job.outputs {
+        if *r != 2 {
+            assert!(o.status.success(), "rank {r}: {}", String::from_utf8_lossy(&o.stderr));
+        }
+    }
+}
+
+/// Strangers connect to the root and to a rank's listener; the job is not disturbed.
+#[test]
+fn strangers_are_dropped() {
+    if let Some(r) = Rank::from_env() {
+        // a stranger at the root: wrong magic, then a silent one
+        let root = r.id.root_addr();
+        if let Ok(mut s) = TcpStream::connect(root) {
+            let _ = s.write_all(b"\x20\x00\x00\x00GET / HTTP/1.0\r\n\r\n........");
+        }
+        let _silent = TcpStream::connect(root);
+        let bs = r.bootstrap(Duration::from_secs(20));
+        let addrs = bs.all_gather(bs.listen_addr().to_string().as_bytes()).unwrap();
+        if r.rank == 0 {
+            let peer: std::net::SocketAddr = String::from_utf8(addrs[1].clone()).unwrap().parse().unwrap();
+            // plausible handshake with a wrong secret
+            let mut s = TcpStream::connect(peer).unwrap();
+            let mut hello = b"MSBS\x01\x00\x01".to_vec();
+            hello.extend_from_slice(&[0xAB; 16]);
+            hello.extend_from_slice(&0u32.to_le_bytes());
+            hello.extend_from_slice(&2u32.to_le_bytes());
+            let mut m = (hello.len() as u32).to_le_bytes().to_vec();
+            m.extend_from_slice(&hello);
+            s.write_all(&m).unwrap();
+            let mut b = [0u8; 1];
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            assert!(matches!(s.read(&mut b), Ok(0) | Err(_)), "a stranger must be dropped without an answer");
+            // random bytes, and a silent stranger
+            let mut g = TcpStream::connect(peer).unwrap();
+            let _ = g.write_all(&pattern(1, 1000));
+            let _silent2 = TcpStream::connect(peer).unwrap();
+        }
+        bs.barrier().unwrap();
+        let next = (r.rank + 1) % r.size;
+        bs.send(next, 3, b"still fine").unwrap();
+        assert_eq!(bs.recv((r.rank + r.size - 1) % r.size, 3).unwrap(), b"still fine");
+        bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("strangers_are_dropped", 2, &[]).assert_success();
+}
+
+/// Memories exchanged through the Communicator arrive equal to what was sent.
+#[test]
+fn communicator_memory_exchange() {
+    if let Some(r) = Rank::from_env() {
+        let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(Duration::from_secs(20)));
+        let comm = Communicator::new(bs.clone());
+        let peer = 1 - r.rank;
+        let bufs: Vec<Buffer> =
+            (0..3).map(|i| Buffer::new(comm.context(), 4096 * (i + 1), Transport::Ethernet.into()).unwrap()).collect();
+        // receives issued before the sends, waited in reverse
+        let pend: Vec<_> = (0..3).map(|_| comm.recv_memory(peer, 5).unwrap()).collect();
+        for b in &bufs {
+            comm.send_memory(b.memory(), peer, 5).unwrap();
+        }
+        let got: Vec<RegisteredMemory> = pend.into_iter().rev().map(|p| p.wait().unwrap()).collect();
+        // what the peer sent, by a second route
+        let mine: Vec<u8> = bufs.iter().flat_map(|b| b.memory().serialize()).collect();
+        let all = bs.all_gather(&mine).unwrap();
+        let theirs = &all[peer];
+        let mut off = 0;
+        for m in got.iter().rev() {
+            let ser = m.serialize();
+            assert_eq!(&theirs[off..off + ser.len()], &ser[..]);
+            off += ser.len();
+            assert!(!m.is_local());
+            assert_eq!(m.host_hash(), mscclpp::host_hash());
+            assert_ne!(m.process_hash(), mscclpp::process_hash());
+        }
+        assert_eq!(got.iter().rev().map(|m| m.len()).collect::<Vec<_>>(), vec![4096, 8192, 12288]);
+        bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("communicator_memory_exchange", 2, &[]).assert_success();
+}

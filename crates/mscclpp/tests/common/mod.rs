@@ -1,0 +1,157 @@
+//! Multi-process test harness: a test re-runs its own binary once per rank.
+//!
+//! ```ignore
+//! #[test]
+//! fn my_test() {
+//!     if let Some(r) = Rank::from_env() { /* rank body */ return; }
+//!     spawn_ranks("my_test", 2, &[]).assert_success();
+//! }
+//! ```
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use mscclpp::{RootServer, TcpBootstrap, UniqueId};
+
+/// What a child rank knows about itself.
+pub struct Rank {
+    pub rank: usize,
+    pub size: usize,
+    pub id: UniqueId,
+}
+
+impl Rank {
+    /// `Some` in a child process started by [`spawn_ranks`].
+    pub fn from_env() -> Option<Rank> {
+        let rank = std::env::var("MSCCLPP_TEST_RANK").ok()?.parse().ok()?;
+        let size = std::env::var("MSCCLPP_TEST_SIZE").ok()?.parse().ok()?;
+        let id = std::env::var("MSCCLPP_TEST_ID").ok()?.parse().ok()?;
+        Some(Rank { rank, size, id })
+    }
+
+    /// Joins the job with a timeout.
+    pub fn bootstrap(&self, timeout: Duration) -> TcpBootstrap {
+        TcpBootstrap::config(self.rank, self.size).timeout(timeout).initialize(&self.id).expect("bootstrap initialize")
+    }
+}
+
+/// The outputs of a job's ranks.
+pub struct Job {
+    pub outputs: Vec<(usize, Output)>,
+    pub elapsed: Duration,
+}
+
+impl Job {
+    pub fn assert_success(&self) {
+        let mut bad = Vec::new();
+        for (r, o) in &self.outputs {
+            if !o.status.success() {
+                bad.push(format!(
+                    "rank {r} failed ({}):\n--- stdout\n{}\n--- stderr\n{}",
+                    o.status,
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ));
+            }
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
+    /// A rank's stdout.
+    pub fn stdout(&self, rank: usize) -> String {
+        self.outputs
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, o)| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// Starts `ranks` (a subset of `0..size`) of test `name`, with a root for `size` ranks in this
+/// process, and waits for all of them (killing any that outlive `limit`).
+pub fn spawn_some(
+    name: &str,
+    size: usize,
+    ranks: &[usize],
+    root_timeout: Duration,
+    env: &[(&str, String)],
+    limit: Duration,
+) -> Job {
+    let (root, id) = RootServer::start(size, root_timeout).expect("root server");
+    let start = Instant::now();
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut children: Vec<(usize, Child)> = ranks
+        .iter()
+        .map(|&r| {
+            let mut c = Command::new(&exe);
+            c.args(["--exact", name, "--nocapture", "--test-threads=1"])
+                .env("MSCCLPP_TEST_RANK", r.to_string())
+                .env("MSCCLPP_TEST_SIZE", size.to_string())
+                .env("MSCCLPP_TEST_ID", id.to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            (r, c.spawn().expect("spawn rank"))
+        })
+        .collect();
+    // Wait with a limit, draining pipes on threads so a chatty child cannot block.
+    let mut outputs = Vec::new();
+    let deadline = start + limit;
+    let mut waiters = Vec::new();
+    for (r, mut ch) in children.drain(..) {
+        let pid = ch.id();
+        let out = ch.stdout.take();
+        let err = ch.stderr.take();
+        let so = std::thread::spawn(move || read_all(out));
+        let se = std::thread::spawn(move || read_all(err));
+        waiters.push((r, pid, ch, so, se));
+    }
+    for (r, _pid, mut ch, so, se) in waiters {
+        let status = loop {
+            if let Some(s) = ch.try_wait().expect("try_wait") {
+                break s;
+            }
+            if Instant::now() >= deadline {
+                let _ = ch.kill();
+                break ch.wait().expect("wait");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let stdout = so.join().unwrap_or_default();
+        let stderr = se.join().unwrap_or_default();
+        outputs.push((r, Output { status, stdout, stderr }));
+    }
+    drop(root);
+    Job { outputs, elapsed: start.elapsed() }
+}
+
+fn read_all<R: std::io::Read>(r: Option<R>) -> Vec<u8> {
+    let mut v = Vec::new();
+    if let Some(mut r) = r {
+        let _ = r.read_to_end(&mut v);
+    }
+    v
+}
+
+/// Starts all `size` ranks of test `name`.
+pub fn spawn_ranks(name: &str, size: usize, env: &[(&str, String)]) -> Job {
+    let all: Vec<usize> = (0..size).collect();
+    spawn_some(name, size, &all, Duration::from_secs(60), env, Duration::from_secs(240))
+}
+
+/// A deterministic byte pattern for (seed, index).
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
