@@ -4,10 +4,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::bootstrap::{Bootstrap, COMM_TAG_BASE};
+use crate::conn::Connection;
 use crate::context::{Context, lock};
+use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::memory::RegisteredMemory;
-use crate::transport::TransportFlags;
+use crate::transport::{EndpointConfig, TransportFlags};
 
 /// Kind byte in front of every communicator message, so that calls paired out of order give a
 /// clear error instead of decoding one object as another.
@@ -204,6 +206,21 @@ impl Communicator {
     pub fn send_memory(&self, memory: &RegisteredMemory, peer: usize, tag: u32) -> Result<()> {
         self.send_msg(peer, tag, MsgKind::Memory, &memory.serialize())
             .map_err(|e| e.during(format!("send_memory to rank {peer} (tag {tag})")))
+    }
+
+    /// Creates a local endpoint from `config`, sends it to `peer` at once, and returns a pending
+    /// connection: [`Pending::wait`] receives the peer's endpoint and connects.
+    ///
+    /// C++ MSCCL++: `Communicator::connect`.
+    pub fn connect(&self, config: &EndpointConfig, peer: usize, tag: u32) -> Result<Pending<Connection>> {
+        let op = format!("connect to rank {peer} (tag {tag})");
+        let local = self.inner.context.create_endpoint(config).map_err(|e| e.during(op.clone()))?;
+        self.send_msg(peer, tag, MsgKind::Endpoint, &local.serialize()).map_err(|e| e.during(op.clone()))?;
+        let ctx = self.inner.context.clone();
+        self.pending(peer, tag, MsgKind::Endpoint, move |b| {
+            let remote = Endpoint::deserialize(b)?;
+            ctx.connect_with_peer(&local, &remote, Some(peer))
+        })
     }
 
     /// Receives a memory description from `peer` under `tag`, resolved by [`Pending::wait`].

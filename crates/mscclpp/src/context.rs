@@ -1,8 +1,9 @@
 //! The context: per-process state that registrations, endpoints and connections share.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::memory::{LocalRegion, RegisteredMemory, check_host_transports};
@@ -15,6 +16,11 @@ pub(crate) struct ContextInner {
     next_region: AtomicU64,
     /// Live registrations by id. Weak: a registration leaves when its last handle goes.
     regions: Mutex<HashMap<u64, Weak<LocalRegion>>>,
+    /// Threads blocked in `wait_tokens`.
+    token_waiters: AtomicUsize,
+    /// Bumped whenever a peer's operation changes a word of this context's memory.
+    token_gen: Mutex<u64>,
+    token_cond: Condvar,
 }
 
 impl ContextInner {
@@ -30,6 +36,35 @@ impl ContextInner {
     /// The live registration `id`, kept alive for as long as the caller holds the `Arc`.
     pub(crate) fn lookup_region(&self, id: u64) -> Option<Arc<LocalRegion>> {
         lock(&self.regions).get(&id).and_then(Weak::upgrade)
+    }
+
+    /// Tells waiters that a peer changed a token word (transports call this after applying
+    /// token updates and atomics). Cheap when nobody waits.
+    pub(crate) fn notify_tokens(&self) {
+        // SeqCst pairs with the SeqCst increment in `wait_tokens`: either the waiter sees the
+        // new token value after registering, or we see the waiter and wake it.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.token_waiters.load(Ordering::SeqCst) > 0 {
+            *lock(&self.token_gen) += 1;
+            self.token_cond.notify_all();
+        }
+    }
+
+    /// Blocks until `ready()` is true or `limit` passes, woken by `notify_tokens`.
+    /// Returns the final value of `ready()`.
+    pub(crate) fn wait_tokens(&self, limit: Duration, ready: &mut dyn FnMut() -> bool) -> bool {
+        self.token_waiters.fetch_add(1, Ordering::SeqCst);
+        let mut g = lock(&self.token_gen);
+        let ok = ready() || {
+            let seen = *g;
+            let (g2, _) =
+                self.token_cond.wait_timeout_while(g, limit, |g| *g == seen).unwrap_or_else(|p| p.into_inner());
+            g = g2;
+            ready()
+        };
+        drop(g);
+        self.token_waiters.fetch_sub(1, Ordering::SeqCst);
+        ok
     }
 }
 
@@ -71,7 +106,14 @@ impl Context {
             crate::identity::fnv1a64(&[&std::process::id().to_le_bytes(), &now_nanos().to_le_bytes()])
         });
         Context {
-            inner: Arc::new(ContextInner { id, next_region: AtomicU64::new(1), regions: Mutex::new(HashMap::new()) }),
+            inner: Arc::new(ContextInner {
+                id,
+                next_region: AtomicU64::new(1),
+                regions: Mutex::new(HashMap::new()),
+                token_waiters: AtomicUsize::new(0),
+                token_gen: Mutex::new(0),
+                token_cond: Condvar::new(),
+            }),
         }
     }
 

@@ -2,7 +2,8 @@
 
 use std::fmt;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::Mutex;
 
 use crate::context::{Context, lock};
 use crate::error::{Error, Result};
@@ -41,8 +42,9 @@ pub(crate) struct EndpointDesc {
 pub(crate) struct LocalEndpoint {
     pub(crate) context: Context,
     pub(crate) config: EndpointConfig,
-    /// The Ethernet listener; taken by the one connection made from this endpoint.
-    pub(crate) listener: Mutex<Option<TcpListener>>,
+    /// The Ethernet acceptor (accepting since creation); taken by the one connection made
+    /// from this endpoint.
+    pub(crate) acceptor: Mutex<Option<Arc<crate::conn::ethernet::Acceptor>>>,
 }
 
 struct EndpointInner {
@@ -198,7 +200,8 @@ impl Context {
                         Error::invalid_usage(format!("max_write_queue_size {queue} must be in 1..2^32")).during(op)
                     );
                 }
-                (EndpointKind::Ethernet { addr, secret }, (queue, Some(listener)))
+                let acceptor = crate::conn::ethernet::Acceptor::start(listener, secret, self.inner().id)?;
+                (EndpointKind::Ethernet { addr, secret }, (queue, Some(Arc::new(acceptor))))
             }
             Transport::CudaIpc => {
                 return Err(Error::not_available("the CUDA IPC transport is not part of this build yet").during(op));
@@ -209,7 +212,7 @@ impl Context {
                 );
             }
         };
-        let (queue, listener) = queue;
+        let (queue, acceptor) = queue;
         let desc = EndpointDesc {
             transport: config.transport,
             device: config.device,
@@ -218,14 +221,14 @@ impl Context {
             max_write_queue_size: queue as u32,
             kind,
         };
-        let local = LocalEndpoint { context: self.clone(), config: config.clone(), listener: Mutex::new(listener) };
+        let local = LocalEndpoint { context: self.clone(), config: config.clone(), acceptor: Mutex::new(acceptor) };
         Ok(Endpoint { inner: Arc::new(EndpointInner { desc, local: Some(local) }) })
     }
 }
 
 impl LocalEndpoint {
-    pub(crate) fn take_listener(&self) -> Option<TcpListener> {
-        lock(&self.listener).take()
+    pub(crate) fn take_acceptor(&self) -> Option<Arc<crate::conn::ethernet::Acceptor>> {
+        lock(&self.acceptor).take()
     }
 }
 

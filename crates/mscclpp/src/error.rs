@@ -219,23 +219,6 @@ impl From<std::io::Error> for Error {
     }
 }
 
-/// Adds context to a `Result`'s error.
-pub(crate) trait ResultExt<T> {
-    /// Names the operation.
-    fn during(self, operation: impl Into<String>) -> Result<T>;
-    /// Names the peer.
-    fn with_peer(self, peer: usize) -> Result<T>;
-}
-
-impl<T, E: Into<Error>> ResultExt<T> for std::result::Result<T, E> {
-    fn during(self, operation: impl Into<String>) -> Result<T> {
-        self.map_err(|e| e.into().during(operation))
-    }
-    fn with_peer(self, peer: usize) -> Result<T> {
-        self.map_err(|e| e.into().with_peer(peer))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

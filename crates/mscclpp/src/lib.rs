@@ -44,6 +44,7 @@
 
 mod bootstrap;
 mod communicator;
+mod conn;
 mod context;
 mod endpoint;
 pub mod env;
@@ -53,12 +54,15 @@ mod identity;
 mod logging;
 mod memory;
 pub mod net;
+mod semaphore;
 mod sys;
 mod transport;
 mod wire;
 
 pub use bootstrap::{Bootstrap, RESERVED_TAG_BASE, RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
 pub use communicator::{Communicator, Pending};
+pub use conn::Connection;
+pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
 pub use context::Context;
 pub use endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use error::{Error, ErrorContext, ErrorKind, Result};
@@ -66,5 +70,6 @@ pub use identity::{host_hash, process_hash};
 #[cfg(feature = "logging")]
 pub use logging::init_logging;
 pub use memory::{Buffer, IbMrInfo, RegisteredMemory};
+pub use semaphore::{Host2HostSemaphore, Semaphore, SemaphoreStub};
 pub use sys::numa::{bind_thread_to_node, pci_numa_node};
 pub use transport::{Device, EndpointConfig, EthernetConfig, IbConfig, IbMode, Transport, TransportFlags};

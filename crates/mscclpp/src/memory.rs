@@ -46,7 +46,6 @@ pub(crate) struct LocalRegion {
     pub(crate) region: Region,
     pub(crate) id: u64,
     pub(crate) transports: TransportFlags,
-    pub(crate) device: Device,
     ctx: Weak<ContextInner>,
 }
 
@@ -113,7 +112,7 @@ impl RegisteredMemory {
             cuda_ipc: None,
             ib: [None; 8],
         };
-        let local = Arc::new(LocalRegion { region, id, transports, device, ctx: Arc::downgrade(inner) });
+        let local = Arc::new(LocalRegion { region, id, transports, ctx: Arc::downgrade(inner) });
         inner.remember_region(&local);
         Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: Some(local) }) })
     }

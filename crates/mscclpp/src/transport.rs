@@ -294,13 +294,22 @@ impl Default for IbConfig {
 }
 
 /// Ethernet part of an [`EndpointConfig`].
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EthernetConfig {
     /// Where to listen: an interface name (`"eth0"`), an IP address, or `None` to choose as the
     /// bootstrap does (`MSCCLPP_SOCKET_IFNAME`, then any non-loopback interface, loopback last).
     pub interface: Option<String>,
     /// Listening port; 0 (the default) takes any free port.
     pub port: u16,
+    /// How long `connect` waits for the peer (both directions), and how long a `write` waits
+    /// on a full queue without any progress, before failing (default 30 s).
+    pub connect_timeout: std::time::Duration,
+}
+
+impl Default for EthernetConfig {
+    fn default() -> Self {
+        EthernetConfig { interface: None, port: 0, connect_timeout: std::time::Duration::from_secs(30) }
+    }
 }
 
 /// Everything needed to create an [`Endpoint`](crate::Endpoint).

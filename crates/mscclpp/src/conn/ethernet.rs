@@ -1,0 +1,898 @@
+//! The Ethernet (TCP) transport.
+//!
+//! # Sockets
+//! Each side of a connection has two TCP sockets: the one it opened to the peer's endpoint
+//! (`out`: its frames go out, the peer's acknowledgements come back) and the one the peer opened
+//! to its endpoint (`in`: the peer's frames come in, its acknowledgements go out). An endpoint
+//! accepts on a thread of its own from the moment it is created, so `connect` never waits for
+//! the peer to be inside `connect` too, and all-pairs setup in any order cannot deadlock.
+//! Each socket opens with a handshake carrying the endpoint's 128-bit secret (which only the
+//! peer learned, through the bootstrap); a connection without it is dropped.
+//!
+//! # Frames
+//! A [`FrameHeader`] (48 bytes, little-endian) names the operation, a sequence number, the
+//! destination region (by id, in the receiver's context) and offset, the payload length and a
+//! value. The receiver checks every field against its context's table of registered Ethernet
+//! regions before it touches memory; a frame that fails is refused: nothing is written, the
+//! receiver tells the sender why, and both sides' connection fails with that error.
+//!
+//! # Ordering and flush
+//! One stream per direction applies operations in order, so a token update lands after the
+//! writes before it. The receiver acknowledges applied sequence numbers when the sender asks
+//! (a flag set on frames once half the queue bound is unconfirmed, and on the probe `flush`
+//! sends) and every 256 frames; `flush` waits for the acknowledgement of everything issued.
+//!
+//! # Copies
+//! Writes of more than [`INLINE_LIMIT`] bytes go from the source region straight into the socket,
+//! and the receiver reads them straight into the destination region. Smaller payloads are copied
+//! next to their header so that a small write is one system call; the calling thread sends those
+//! itself when the sender thread is idle, which keeps small-message latency close to a raw socket.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+use zerocopy::little_endian::U64;
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
+use super::{ConnInner, Connection, ConnectionImpl};
+use crate::context::{Context, ContextInner, lock};
+use crate::endpoint::{Endpoint, EndpointKind};
+use crate::error::{Error, ErrorKind, Result};
+use crate::memory::{LocalRegion, RegisteredMemory};
+use crate::transport::Transport;
+use crate::wire::{Reader, Writer};
+
+const LOG: &str = "mscclpp::conn";
+const HS_MAGIC: &[u8; 4] = b"MSEH";
+const HS_VERSION: u16 = 1;
+const HS_ACK: u8 = 0xa5;
+/// Payloads up to this size travel copied next to their header, and may be sent by the calling
+/// thread.
+pub const INLINE_LIMIT: u64 = 64 * 1024;
+/// How long dropping a connection waits for its outstanding operations to land.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// The receiver acknowledges at least every this many frames.
+const ACK_EVERY: u64 = 256;
+
+const OP_WRITE: u8 = 1;
+const OP_SET: u8 = 2;
+const OP_ADD: u8 = 3;
+const OP_NOP: u8 = 4;
+const FLAG_ACK: u8 = 1;
+
+const REC_ACK: u8 = 1;
+const REC_ERR: u8 = 2;
+
+/// The fixed header in front of every frame.
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
+#[repr(C)]
+pub(crate) struct FrameHeader {
+    op: u8,
+    flags: u8,
+    _pad: [u8; 6],
+    seq: U64,
+    region: U64,
+    offset: U64,
+    len: U64,
+    value: U64,
+}
+const HEADER: usize = std::mem::size_of::<FrameHeader>();
+const _: () = assert!(HEADER == 48);
+
+/// What the receiver does with a frame that passed validation.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Action {
+    Write { offset: u64, len: u64 },
+    Set { offset: u64, value: u64 },
+    Add { offset: u64, value: u64 },
+    Nop,
+}
+
+/// Checks a header against what the receiver expects and its registered regions.
+/// `lookup` finds a live Ethernet region of the receiver's context.
+pub(crate) fn validate(
+    h: &FrameHeader,
+    expect_seq: u64,
+    lookup: &dyn Fn(u64) -> Option<Arc<LocalRegion>>,
+) -> std::result::Result<(Action, Option<Arc<LocalRegion>>), String> {
+    if h.flags & !FLAG_ACK != 0 || h._pad != [0; 6] {
+        return Err(format!("frame with unknown flags {:#x}", h.flags));
+    }
+    if h.seq.get() != expect_seq {
+        return Err(format!("frame sequence {} where {expect_seq} was due", h.seq.get()));
+    }
+    let (off, len, val) = (h.offset.get(), h.len.get(), h.value.get());
+    if h.op == OP_NOP {
+        if h.region.get() != 0 || off != 0 || len != 0 || val != 0 {
+            return Err("probe frame with non-zero fields".into());
+        }
+        return Ok((Action::Nop, None));
+    }
+    let region = lookup(h.region.get())
+        .ok_or_else(|| format!("frame names region {} which is not registered", h.region.get()))?;
+    if !region.transports.has(Transport::Ethernet) {
+        return Err(format!("frame names region {} which is not registered for Ethernet", h.region.get()));
+    }
+    let (action, need) = match h.op {
+        OP_WRITE => {
+            if val != 0 {
+                return Err("write frame with a non-zero value field".into());
+            }
+            (Action::Write { offset: off, len }, len)
+        }
+        OP_SET | OP_ADD => {
+            if len != 8 {
+                return Err(format!("token frame with length {len}"));
+            }
+            if (region.region.addr() as u64).wrapping_add(off) % 8 != 0 {
+                return Err(format!("token frame at unaligned offset {off}"));
+            }
+            let a = if h.op == OP_SET {
+                Action::Set { offset: off, value: val }
+            } else {
+                Action::Add { offset: off, value: val }
+            };
+            (a, 8)
+        }
+        op => return Err(format!("frame with unknown operation {op}")),
+    };
+    region.region.check(off, need).map_err(|e| format!("frame for region {}: {}", h.region.get(), e.message()))?;
+    Ok((action, Some(region)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accepting the peer's socket
+
+struct AcceptShared {
+    slot: Mutex<Option<TcpStream>>,
+    cond: Condvar,
+    stop: AtomicBool,
+}
+
+/// Accepts the one peer connection of an Ethernet endpoint, from the endpoint's creation on.
+pub(crate) struct Acceptor {
+    addr: SocketAddr,
+    shared: Arc<AcceptShared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Acceptor {
+    pub(crate) fn start(listener: TcpListener, secret: [u8; 16], context_id: u64) -> Result<Acceptor> {
+        let addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
+        let shared =
+            Arc::new(AcceptShared { slot: Mutex::new(None), cond: Condvar::new(), stop: AtomicBool::new(false) });
+        let sh = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("mscclpp-eth-accept".into())
+            .spawn(move || accept_loop(listener, sh, secret, context_id))
+            .map_err(|e| Error::io("starting the Ethernet accept thread", e))?;
+        Ok(Acceptor { addr, shared, thread: Mutex::new(Some(thread)) })
+    }
+
+    /// Takes the peer's socket, waiting until `deadline` (or until `stop` is set).
+    fn take(&self, deadline: Instant, stop: &AtomicBool) -> Result<TcpStream> {
+        let mut g = lock(&self.shared.slot);
+        loop {
+            if let Some(s) = g.take() {
+                return Ok(s);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::new(ErrorKind::Timeout, "the peer did not connect back to this endpoint in time"));
+            }
+            if stop.load(Ordering::Acquire) {
+                return Err(Error::new(ErrorKind::Aborted, "connection closed before the peer connected back"));
+            }
+            let wait = (deadline - now).min(Duration::from_millis(50));
+            g = self.shared.cond.wait_timeout(g, wait).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], context_id: u64) {
+    let mut handshakes: Vec<JoinHandle<()>> = Vec::new();
+    for conn in listener.incoming() {
+        if sh.stop.load(Ordering::Acquire) || lock(&sh.slot).is_some() {
+            break;
+        }
+        let Ok(s) = conn else { continue };
+        let sh2 = sh.clone();
+        let h = std::thread::Builder::new().name("mscclpp-eth-hs".into()).spawn(move || {
+            let from = s.peer_addr().ok();
+            match accept_handshake(s, &secret, context_id) {
+                Ok(s) => {
+                    let mut slot = lock(&sh2.slot);
+                    if slot.is_none() && !sh2.stop.load(Ordering::Acquire) {
+                        *slot = Some(s);
+                        sh2.cond.notify_all();
+                    } else {
+                        warn!(target: LOG, "endpoint already connected; dropping a second peer connection from {from:?}");
+                    }
+                }
+                Err(e) => warn!(target: LOG, "dropping connection from {from:?} that failed the handshake: {e}"),
+            }
+        });
+        if let Ok(h) = h {
+            handshakes.push(h);
+        }
+        if lock(&sh.slot).is_some() {
+            break;
+        }
+    }
+    // Handshake threads finish within their read timeout.
+    for h in handshakes {
+        let _ = h.join();
+    }
+}
+
+fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Result<TcpStream> {
+    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| Error::io("setting a read timeout", e))?;
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).map_err(|e| Error::io("reading the handshake", e))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > 64 {
+        return Err(Error::remote(format!("handshake of {len} bytes is too long")));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).map_err(|e| Error::io("reading the handshake", e))?;
+    let mut r = Reader::new(&body, "Ethernet handshake", HS_MAGIC, HS_VERSION)?;
+    let theirs: [u8; 16] = r.array()?;
+    let _peer_context = r.u64()?;
+    r.finish()?;
+    if &theirs != secret {
+        return Err(Error::remote("wrong endpoint secret"));
+    }
+    let mut ack = vec![HS_ACK];
+    ack.extend_from_slice(&context_id.to_le_bytes());
+    s.write_all(&ack).map_err(|e| Error::io("answering the handshake", e))?;
+    s.set_read_timeout(None).map_err(|e| Error::io("clearing the read timeout", e))?;
+    let _ = s.set_nodelay(true);
+    Ok(s)
+}
+
+/// Opens the socket to the peer's endpoint and returns it with the peer's context id.
+fn dial(addr: SocketAddr, secret: &[u8; 16], my_context: u64, deadline: Instant) -> Result<(TcpStream, u64)> {
+    let mut s = crate::net::connect_retry(addr, deadline, "the peer's Ethernet endpoint")?;
+    let mut w = Writer::new(HS_MAGIC, HS_VERSION);
+    w.raw(secret);
+    w.u64(my_context);
+    let body = w.finish();
+    let mut msg = (body.len() as u32).to_le_bytes().to_vec();
+    msg.extend_from_slice(&body);
+    s.write_all(&msg).map_err(|e| Error::io("sending the handshake", e))?;
+    s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10))))
+        .map_err(|e| Error::io("setting a read timeout", e))?;
+    let mut ack = [0u8; 9];
+    s.read_exact(&mut ack).map_err(|e| Error::io("waiting for the peer's handshake answer", e))?;
+    if ack[0] != HS_ACK {
+        return Err(Error::remote(format!("the peer answered the handshake with {:#x}", ack[0])));
+    }
+    s.set_read_timeout(None).map_err(|e| Error::io("clearing the read timeout", e))?;
+    let ctx = u64::from_le_bytes(ack[1..9].try_into().unwrap_or_default());
+    Ok((s, ctx))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The connection
+
+enum Op {
+    Write { region: u64, offset: u64, src: Arc<LocalRegion>, src_off: u64, len: u64 },
+    Set { region: u64, offset: u64, value: u64 },
+    Add { region: u64, offset: u64, value: u64 },
+    Nop,
+}
+
+impl Op {
+    fn inline(&self) -> bool {
+        match self {
+            Op::Write { len, .. } => *len <= INLINE_LIMIT,
+            _ => true,
+        }
+    }
+}
+
+struct State {
+    queue: VecDeque<(u64, Op)>,
+    /// Sequence number of the last operation issued (the first is 1).
+    issued: u64,
+    /// Highest sequence number the peer confirmed applied.
+    applied: u64,
+    failed: Option<Error>,
+    closing: bool,
+}
+
+struct Shared {
+    st: Mutex<State>,
+    /// Signals state changes: queue not empty, acknowledgements, failure.
+    cond: Condvar,
+    /// The outgoing socket, locked by whoever sends.
+    out: Mutex<TcpStream>,
+    /// A clone of the outgoing socket, for shutdown.
+    out_ctl: TcpStream,
+    /// A clone of the incoming socket once it arrived, for shutdown.
+    in_ctl: Mutex<Option<TcpStream>>,
+    stop: AtomicBool,
+    max_queue: u64,
+    peer_desc: String,
+    wait_limit: Duration,
+}
+
+impl Shared {
+    /// Records the first failure and wakes everyone.
+    fn fail(&self, e: Error) {
+        let mut st = lock(&self.st);
+        if st.failed.is_none() && !st.closing {
+            debug!(target: LOG, "connection with {} failed: {e}", self.peer_desc);
+            st.failed = Some(e);
+        }
+        drop(st);
+        self.cond.notify_all();
+        let _ = self.out_ctl.shutdown(Shutdown::Both);
+        if let Some(s) = lock(&self.in_ctl).as_ref() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn failure(&self) -> Option<Error> {
+        lock(&self.st).failed.as_ref().map(Error::duplicate)
+    }
+
+    /// Queues `op`, waiting while the queue bound is reached. Returns whether the calling thread
+    /// may send it itself.
+    fn enqueue(&self, op: Op) -> Result<()> {
+        let inline = op.inline();
+        let mut st = lock(&self.st);
+        let mut waited_from: Option<Instant> = None;
+        loop {
+            if let Some(e) = &st.failed {
+                return Err(e.duplicate());
+            }
+            if st.issued - st.applied < self.max_queue {
+                break;
+            }
+            let since = *waited_from.get_or_insert_with(Instant::now);
+            if since.elapsed() >= self.wait_limit {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "write queue full: {} operations outstanding at {} and none confirmed for {:?}",
+                        st.issued - st.applied,
+                        self.peer_desc,
+                        self.wait_limit
+                    ),
+                ));
+            }
+            st = self
+                .cond
+                .wait_timeout(st, Duration::from_millis(100))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+        st.issued += 1;
+        let seq = st.issued;
+        st.queue.push_back((seq, op));
+        drop(st);
+        if inline {
+            if let Ok(mut out) = self.out.try_lock() {
+                self.pump(&mut out, true);
+            }
+        }
+        // Wake the sender thread if anything is left (it re-checks under the lock).
+        if !lock(&self.st).queue.is_empty() {
+            self.cond.notify_all();
+        }
+        Ok(())
+    }
+
+    /// Sends queued operations in order. With `inline_only`, stops at the first large write.
+    fn pump(&self, out: &mut TcpStream, inline_only: bool) {
+        let mut buf: Vec<u8> = Vec::with_capacity(4096);
+        loop {
+            let (batch, applied) = {
+                let mut st = lock(&self.st);
+                if st.failed.is_some() {
+                    return;
+                }
+                let mut batch = Vec::new();
+                let mut bytes = 0u64;
+                while let Some((_, op)) = st.queue.front() {
+                    if inline_only && !op.inline() {
+                        break;
+                    }
+                    let big = !op.inline();
+                    if big && !batch.is_empty() {
+                        break;
+                    }
+                    if let Some(x) = st.queue.pop_front() {
+                        if let Op::Write { len, .. } = &x.1 {
+                            bytes += len;
+                        }
+                        batch.push(x);
+                    }
+                    if big || batch.len() >= 64 || bytes >= 4 * INLINE_LIMIT {
+                        break;
+                    }
+                }
+                (batch, st.applied)
+            };
+            if batch.is_empty() {
+                return;
+            }
+            buf.clear();
+            let mut big: Option<(Arc<LocalRegion>, u64, u64)> = None;
+            for (seq, op) in batch {
+                let mut h = FrameHeader { seq: U64::new(seq), ..Default::default() };
+                // Ask for an acknowledgement once half the bound is unconfirmed.
+                if seq - applied >= (self.max_queue / 2).max(1) {
+                    h.flags |= FLAG_ACK;
+                }
+                match op {
+                    Op::Write { region, offset, src, src_off, len } => {
+                        h.op = OP_WRITE;
+                        h.region = U64::new(region);
+                        h.offset = U64::new(offset);
+                        h.len = U64::new(len);
+                        buf.extend_from_slice(h.as_bytes());
+                        if len <= INLINE_LIMIT {
+                            let at = buf.len();
+                            buf.resize(at + len as usize, 0);
+                            if let Err(e) = src.region.read(src_off, &mut buf[at..]) {
+                                self.fail(e);
+                                return;
+                            }
+                        } else {
+                            big = Some((src, src_off, len));
+                        }
+                    }
+                    Op::Set { region, offset, value } | Op::Add { region, offset, value } => {
+                        h.op = if matches!(op, Op::Set { .. }) { OP_SET } else { OP_ADD };
+                        h.region = U64::new(region);
+                        h.offset = U64::new(offset);
+                        h.len = U64::new(8);
+                        h.value = U64::new(value);
+                        buf.extend_from_slice(h.as_bytes());
+                    }
+                    Op::Nop => {
+                        h.op = OP_NOP;
+                        h.flags |= FLAG_ACK;
+                        buf.extend_from_slice(h.as_bytes());
+                    }
+                }
+            }
+            let res = out.write_all(&buf).and_then(|_| match &big {
+                Some((src, off, len)) => src.region.send_all(*off, *len, out),
+                None => Ok(()),
+            });
+            if let Err(e) = res {
+                self.fail(Error::remote(format!("sending to {} failed", self.peer_desc)).with_source(e));
+                return;
+            }
+        }
+    }
+}
+
+fn sender_loop(sh: Arc<Shared>) {
+    loop {
+        {
+            let mut st = lock(&sh.st);
+            while st.queue.is_empty() && st.failed.is_none() && !sh.stop.load(Ordering::Acquire) {
+                st = sh.cond.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+            if st.failed.is_some() || (sh.stop.load(Ordering::Acquire) && st.queue.is_empty()) {
+                return;
+            }
+        }
+        let mut out = lock(&sh.out);
+        sh.pump(&mut out, false);
+    }
+}
+
+/// Reads acknowledgements and refusals from the outgoing socket.
+fn ack_loop(sh: Arc<Shared>, mut s: TcpStream) {
+    let mut rec = [0u8; 16];
+    loop {
+        if let Err(e) = s.read_exact(&mut rec) {
+            if !sh.stop.load(Ordering::Acquire) {
+                let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    format!("peer {} closed the connection", sh.peer_desc)
+                } else {
+                    format!("reading acknowledgements from {} failed: {e}", sh.peer_desc)
+                };
+                sh.fail(Error::remote(why));
+            }
+            return;
+        }
+        let v = u64::from_le_bytes(rec[8..16].try_into().unwrap_or_default());
+        match rec[0] {
+            REC_ACK => {
+                let mut st = lock(&sh.st);
+                if v > st.issued {
+                    drop(st);
+                    sh.fail(Error::remote(format!("peer {} acknowledged sequence {v} never sent", sh.peer_desc)));
+                    return;
+                }
+                st.applied = st.applied.max(v);
+                drop(st);
+                sh.cond.notify_all();
+            }
+            REC_ERR => {
+                let n = v.min(4096) as usize;
+                let mut msg = vec![0u8; n];
+                let _ = s.read_exact(&mut msg);
+                sh.fail(Error::remote(format!(
+                    "peer {} refused a frame and closed the connection: {}",
+                    sh.peer_desc,
+                    String::from_utf8_lossy(&msg)
+                )));
+                return;
+            }
+            k => {
+                sh.fail(Error::remote(format!("peer {} sent an unknown record kind {k}", sh.peer_desc)));
+                return;
+            }
+        }
+    }
+}
+
+fn send_record(s: &TcpStream, kind: u8, v: u64, extra: &[u8]) -> std::io::Result<()> {
+    let mut rec = [0u8; 16];
+    rec[0] = kind;
+    rec[8..].copy_from_slice(&v.to_le_bytes());
+    let mut w = s;
+    if extra.is_empty() {
+        w.write_all(&rec)
+    } else {
+        let mut b = rec.to_vec();
+        b.extend_from_slice(extra);
+        w.write_all(&b)
+    }
+}
+
+/// Takes the peer's socket, then applies its frames.
+fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Instant) {
+    let s = match acceptor.take(deadline, &sh.stop) {
+        Ok(s) => s,
+        Err(e) => {
+            if !sh.stop.load(Ordering::Acquire) {
+                sh.fail(e.during(format!("waiting for {} to connect back", sh.peer_desc)));
+            }
+            return;
+        }
+    };
+    drop(acceptor);
+    if let Ok(c) = s.try_clone() {
+        *lock(&sh.in_ctl) = Some(c);
+    }
+    if sh.stop.load(Ordering::Acquire) || lock(&sh.st).failed.is_some() {
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    }
+    let mut rd = BufReader::with_capacity(256 * 1024, s);
+    let mut expect: u64 = 1;
+    let mut last_acked: u64 = 0;
+    let lookup = |id: u64| ctx.lookup_region(id);
+    loop {
+        let mut hb = [0u8; HEADER];
+        if let Err(e) = rd.read_exact(&mut hb) {
+            if !sh.stop.load(Ordering::Acquire) {
+                let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    format!("peer {} closed the connection", sh.peer_desc)
+                } else {
+                    format!("reading frames from {} failed: {e}", sh.peer_desc)
+                };
+                sh.fail(Error::remote(why));
+            }
+            return;
+        }
+        let h = match FrameHeader::read_from_bytes(&hb) {
+            Ok(h) => h,
+            Err(_) => {
+                sh.fail(Error::internal("frame header of the wrong size"));
+                return;
+            }
+        };
+        let (action, region) = match validate(&h, expect, &lookup) {
+            Ok(x) => x,
+            Err(why) => {
+                warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
+                let _ = send_record(rd.get_ref(), REC_ERR, why.len() as u64, why.as_bytes());
+                sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
+                return;
+            }
+        };
+        let applied = match (action, region) {
+            (Action::Write { offset, len }, Some(r)) => {
+                let buffered = rd.buffer().len().min(len as usize);
+                let mut res =
+                    r.region.write(offset, &rd.buffer()[..buffered]).map_err(|e| std::io::Error::other(e.to_string()));
+                rd.consume(buffered);
+                if res.is_ok() && (buffered as u64) < len {
+                    res = r.region.recv_exact(offset + buffered as u64, len - buffered as u64, rd.get_ref());
+                }
+                res
+            }
+            (Action::Set { offset, value }, Some(r)) => r
+                .region
+                .atomic_u64(offset)
+                .map(|w| w.store(value, Ordering::Release))
+                .map_err(|e| std::io::Error::other(e.to_string())),
+            (Action::Add { offset, value }, Some(r)) => r
+                .region
+                .atomic_u64(offset)
+                .map(|w| {
+                    w.fetch_add(value, Ordering::AcqRel);
+                })
+                .map_err(|e| std::io::Error::other(e.to_string())),
+            _ => Ok(()),
+        };
+        if let Err(e) = applied {
+            if !sh.stop.load(Ordering::Acquire) {
+                sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
+            }
+            return;
+        }
+        if matches!(h.op, OP_SET | OP_ADD) {
+            ctx.notify_tokens();
+        }
+        let seq = expect;
+        expect += 1;
+        let want = h.flags & FLAG_ACK != 0 || (seq - last_acked >= ACK_EVERY && rd.buffer().is_empty());
+        if want {
+            if let Err(e) = send_record(rd.get_ref(), REC_ACK, seq, &[]) {
+                if !sh.stop.load(Ordering::Acquire) {
+                    sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
+                }
+                return;
+            }
+            last_acked = seq;
+        }
+    }
+}
+
+pub(crate) struct EthernetConnection {
+    sh: Arc<Shared>,
+    remote_context: u64,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl EthernetConnection {
+    fn region_of(&self, dst: &RegisteredMemory) -> Result<u64> {
+        let d = dst.desc();
+        if d.context_id != self.remote_context {
+            return Err(Error::invalid_usage(format!(
+                "destination memory belongs to context {:#x}, but this connection's peer is context {:#x}",
+                d.context_id, self.remote_context
+            )));
+        }
+        Ok(d.region_id)
+    }
+}
+
+impl ConnectionImpl for EthernetConnection {
+    fn write(
+        &self,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        src: &RegisteredMemory,
+        src_off: u64,
+        len: u64,
+    ) -> Result<()> {
+        let region = self.region_of(dst)?;
+        let src = src.local().cloned().ok_or_else(|| Error::invalid_usage("source memory is not local"))?;
+        self.sh.enqueue(Op::Write { region, offset: dst_off, src, src_off, len })
+    }
+
+    fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, _old: u64, new: u64) -> Result<()> {
+        let region = self.region_of(dst)?;
+        self.sh.enqueue(Op::Set { region, offset: dst_off, value: new })
+    }
+
+    fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
+        let region = self.region_of(dst)?;
+        self.sh.enqueue(Op::Add { region, offset: dst_off, value: value as u64 })
+    }
+
+    fn flush(&self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let deadline = start.checked_add(timeout);
+        let target = {
+            let st = lock(&self.sh.st);
+            if let Some(e) = &st.failed {
+                return Err(e.duplicate());
+            }
+            if st.applied >= st.issued {
+                return Ok(());
+            }
+            st.issued
+        };
+        // Ask the peer to acknowledge now.
+        self.sh.enqueue(Op::Nop)?;
+        let mut st = lock(&self.sh.st);
+        loop {
+            if let Some(e) = &st.failed {
+                return Err(e.duplicate());
+            }
+            if st.applied >= target {
+                return Ok(());
+            }
+            let now = Instant::now();
+            let left = match deadline {
+                Some(d) if now >= d => {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "{} of {} operations not yet applied at peer {} after {timeout:?}",
+                            target - st.applied,
+                            target,
+                            self.sh.peer_desc
+                        ),
+                    ));
+                }
+                Some(d) => d - now,
+                None => Duration::from_secs(1),
+            };
+            st = self.sh.cond.wait_timeout(st, left).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    fn failure(&self) -> Option<Error> {
+        self.sh.failure()
+    }
+
+    fn max_write_queue_size(&self) -> usize {
+        self.sh.max_queue as usize
+    }
+
+    fn outstanding(&self) -> u64 {
+        let st = lock(&self.sh.st);
+        st.issued - st.applied
+    }
+}
+
+impl Drop for EthernetConnection {
+    fn drop(&mut self) {
+        if self.sh.failure().is_none() && self.outstanding() > 0 {
+            if let Err(e) = self.flush(CLOSE_GRACE) {
+                warn!(target: LOG, "closing the connection with {}: {e}", self.sh.peer_desc);
+            }
+        }
+        lock(&self.sh.st).closing = true;
+        self.sh.stop.store(true, Ordering::Release);
+        self.sh.cond.notify_all();
+        let _ = self.sh.out_ctl.shutdown(Shutdown::Both);
+        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        // A receiver that had not yet taken its socket may have stored it after the shutdown above.
+        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Builds an Ethernet connection from a local endpoint and the peer's.
+pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: Option<usize>) -> Result<Connection> {
+    let (Some(l), EndpointKind::Ethernet { addr, secret }) = (local.local(), &remote.desc().kind) else {
+        return Err(Error::invalid_usage("not a pair of Ethernet endpoints"));
+    };
+    let acceptor =
+        l.take_acceptor().ok_or_else(|| Error::invalid_usage("this endpoint was already used for a connection"))?;
+    let cfg = &l.config;
+    let deadline = Instant::now() + cfg.ethernet.connect_timeout;
+    let peer_desc = match peer {
+        Some(p) => format!("rank {p} ({addr})"),
+        None => addr.to_string(),
+    };
+    let (out, remote_context) =
+        dial(*addr, secret, ctx.inner().id, deadline).map_err(|e| e.during(format!("connecting to {peer_desc}")))?;
+    let out_ctl = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
+    let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
+    let max_queue = local.max_write_queue_size().max(1) as u64;
+    let sh = Arc::new(Shared {
+        st: Mutex::new(State { queue: VecDeque::new(), issued: 0, applied: 0, failed: None, closing: false }),
+        cond: Condvar::new(),
+        out: Mutex::new(out),
+        out_ctl,
+        in_ctl: Mutex::new(None),
+        stop: AtomicBool::new(false),
+        max_queue,
+        peer_desc: peer_desc.clone(),
+        wait_limit: cfg.ethernet.connect_timeout,
+    });
+    let mut threads = Vec::new();
+    let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+        std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(f)
+            .map_err(|e| Error::io(format!("starting thread {name}"), e))
+    };
+    let mut conn = EthernetConnection { sh: sh.clone(), remote_context, threads: Vec::new() };
+    let (s1, s2, s3) = (sh.clone(), sh.clone(), sh.clone());
+    let ctx_inner = ctx.inner().clone();
+    threads.push(spawn("mscclpp-eth-tx", Box::new(move || sender_loop(s1)))?);
+    threads.push(spawn("mscclpp-eth-ack", Box::new(move || ack_loop(s2, ack_sock)))?);
+    threads.push(spawn("mscclpp-eth-rx", Box::new(move || receiver_loop(s3, ctx_inner, acceptor, deadline)))?);
+    conn.threads = threads;
+    debug!(target: LOG, "Ethernet connection to {peer_desc} established");
+    Ok(Connection::from_inner(ConnInner {
+        imp: Box::new(conn),
+        transport: Transport::Ethernet,
+        remote_transport: Transport::Ethernet,
+        device: local.device(),
+        context: ctx.clone(),
+        peer,
+        peer_desc,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Buffer, TransportFlags};
+
+    fn header(op: u8, seq: u64, region: u64, offset: u64, len: u64, value: u64) -> FrameHeader {
+        FrameHeader {
+            op,
+            seq: U64::new(seq),
+            region: U64::new(region),
+            offset: U64::new(offset),
+            len: U64::new(len),
+            value: U64::new(value),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn validation_refuses_what_it_must() {
+        let ctx = Context::new();
+        let eth = Buffer::new(&ctx, 64, Transport::Ethernet.into()).unwrap();
+        let none = Buffer::new(&ctx, 64, TransportFlags::NONE).unwrap();
+        let id = eth.memory().desc().region_id;
+        let nid = none.memory().desc().region_id;
+        let lookup = |i: u64| ctx.inner().lookup_region(i);
+        let ok = |h: FrameHeader, seq| validate(&h, seq, &lookup).map(|x| x.0);
+        assert_eq!(ok(header(OP_WRITE, 1, id, 0, 64, 0), 1).unwrap(), Action::Write { offset: 0, len: 64 });
+        assert_eq!(ok(header(OP_SET, 3, id, 8, 8, 9), 3).unwrap(), Action::Set { offset: 8, value: 9 });
+        assert_eq!(ok(header(OP_NOP, 2, 0, 0, 0, 0), 2).unwrap(), Action::Nop);
+        let bad = [
+            (header(OP_WRITE, 1, id, 1, 64, 0), "outside"),
+            (header(OP_WRITE, 1, id, u64::MAX, 2, 0), "outside"),
+            (header(OP_WRITE, 2, id, 0, 1, 0), "sequence"),
+            (header(OP_WRITE, 1, id + 100, 0, 1, 0), "not registered"),
+            (header(OP_WRITE, 1, nid, 0, 1, 0), "not registered for Ethernet"),
+            (header(OP_SET, 1, id, 4, 8, 0), "unaligned"),
+            (header(OP_ADD, 1, id, 64, 8, 0), "outside"),
+            (header(OP_SET, 1, id, 0, 4, 0), "length"),
+            (header(9, 1, id, 0, 0, 0), "unknown operation"),
+            (header(OP_NOP, 1, 1, 0, 0, 0), "non-zero"),
+        ];
+        for (h, why) in bad {
+            let e = validate(&h, 1, &lookup).unwrap_err();
+            assert!(e.contains(why), "{e} (expected {why})");
+        }
+        let mut flagged = header(OP_NOP, 1, 0, 0, 0, 0);
+        flagged.flags = 0x80;
+        assert!(validate(&flagged, 1, &lookup).is_err());
+        drop(eth);
+        assert!(validate(&header(OP_WRITE, 1, id, 0, 1, 0), 1, &lookup).unwrap_err().contains("not registered"));
+    }
+}

@@ -1,0 +1,265 @@
+//! Connections: the one-sided operations every transport implements, behind one handle.
+
+pub(crate) mod ethernet;
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tracing::trace_span;
+
+use crate::context::Context;
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result};
+use crate::memory::RegisteredMemory;
+use crate::transport::{Device, Transport};
+
+/// What every transport implements. Validation common to all transports has already run when a
+/// method is called (see [`Connection`]).
+pub(crate) trait ConnectionImpl: Send + Sync {
+    fn write(&self, dst: &RegisteredMemory, dst_off: u64, src: &RegisteredMemory, src_off: u64, len: u64)
+    -> Result<()>;
+    /// Makes the peer's word at `dst + dst_off` equal `new`, after earlier operations; `old` is
+    /// the value it had (transports that send deltas use it).
+    fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, old: u64, new: u64) -> Result<()>;
+    fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()>;
+    fn flush(&self, timeout: Duration) -> Result<()>;
+    /// The first error that broke the connection, if any.
+    fn failure(&self) -> Option<Error>;
+    fn max_write_queue_size(&self) -> usize;
+    /// Operations issued and not yet known to be applied at the peer.
+    fn outstanding(&self) -> u64;
+}
+
+pub(crate) struct ConnInner {
+    pub(crate) imp: Box<dyn ConnectionImpl>,
+    pub(crate) transport: Transport,
+    pub(crate) remote_transport: Transport,
+    pub(crate) device: Device,
+    pub(crate) context: Context,
+    pub(crate) peer: Option<usize>,
+    pub(crate) peer_desc: String,
+}
+
+/// A one-sided channel to one peer: writes into the peer's registered memory, token updates and
+/// remote atomics, each applied at the peer in the order issued, and `flush` to wait for them.
+///
+/// A cheap-clone handle; the connection closes when the last clone is dropped (see the
+/// transport's notes for what closing waits for).
+///
+/// Every method validates first: the memories must carry the right transports (the source this
+/// connection's, the destination the peer's), the ranges must be in bounds, and 8-byte words must
+/// be aligned. A failed check is `InvalidUsage` and sends nothing. Once the connection has failed
+/// (peer gone, frame refused), every call returns that first error.
+///
+/// C++ MSCCL++: `Connection`.
+#[derive(Clone)]
+pub struct Connection {
+    inner: Arc<ConnInner>,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("transport", &self.inner.transport)
+            .field("peer", &self.inner.peer_desc)
+            .field("device", &self.inner.device)
+            .finish()
+    }
+}
+
+impl Connection {
+    pub(crate) fn from_inner(inner: ConnInner) -> Connection {
+        Connection { inner: Arc::new(inner) }
+    }
+
+    fn ctx_err(&self, e: Error, op: &str) -> Error {
+        let e = e.during(op.to_string()).with_transport(self.inner.transport);
+        match self.inner.peer {
+            Some(p) => e.with_peer(p),
+            None => e,
+        }
+    }
+
+    fn check_dst(&self, dst: &RegisteredMemory, off: u64, len: u64) -> Result<()> {
+        if !dst.transports().has(self.inner.remote_transport) {
+            return Err(Error::invalid_usage(format!(
+                "destination memory is registered for {} and not for {}",
+                dst.transports(),
+                self.inner.remote_transport
+            )));
+        }
+        dst.check_bounds(off, len).map_err(|e| Error::invalid_usage(format!("destination {}", e.message())))
+    }
+
+    fn check_word(&self, dst: &RegisteredMemory, off: u64) -> Result<()> {
+        self.check_dst(dst, off, 8)?;
+        if (dst.addr().wrapping_add(off)) % 8 != 0 {
+            return Err(Error::invalid_usage(format!("destination word at offset {off} is not 8-byte aligned")));
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src + src_off` (local memory) to `dst + dst_off` (the peer's).
+    ///
+    /// Asynchronous: it returns once the write is queued; `src` must not change until
+    /// [`flush`](Self::flush) returns. Waits (and may time out) only when
+    /// [`max_write_queue_size`](Self::max_write_queue_size) operations are outstanding.
+    pub fn write(
+        &self,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        src: &RegisteredMemory,
+        src_off: u64,
+        len: u64,
+    ) -> Result<()> {
+        let _s = trace_span!(target: "mscclpp::conn", "write", len, dst_off).entered();
+        let r = (|| {
+            self.check_dst(dst, dst_off, len)?;
+            if !src.transports().has(self.inner.transport) {
+                return Err(Error::invalid_usage(format!(
+                    "source memory is registered for {} and not for {}",
+                    src.transports(),
+                    self.inner.transport
+                )));
+            }
+            if !src.is_local() {
+                return Err(Error::invalid_usage("source memory is a peer's; the source of a write must be local"));
+            }
+            src.check_bounds(src_off, len).map_err(|e| Error::invalid_usage(format!("source {}", e.message())))?;
+            self.inner.imp.write(dst, dst_off, src, src_off, len)
+        })();
+        r.map_err(|e| self.ctx_err(e, "write"))
+    }
+
+    /// Sets the peer's 8-byte word at `dst + dst_off` to `new_value`, visible only after every
+    /// earlier operation of this connection. `outbound` is the local copy of that word (the
+    /// semaphore's outbound token): it is set to `new_value` here, and its old value tells
+    /// delta-based transports (IB atomics) what to add.
+    ///
+    /// C++ MSCCL++: `Connection::updateAndSync(dst, dstOffset, src, newValue)`.
+    pub fn update_and_sync(
+        &self,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        outbound: &AtomicU64,
+        new_value: u64,
+    ) -> Result<()> {
+        let _s = trace_span!(target: "mscclpp::conn", "update_and_sync", new_value).entered();
+        let r = (|| {
+            self.check_word(dst, dst_off)?;
+            let old = outbound.swap(new_value, Ordering::AcqRel);
+            self.inner.imp.update_and_sync(dst, dst_off, old, new_value)
+        })();
+        r.map_err(|e| self.ctx_err(e, "update_and_sync"))
+    }
+
+    /// Adds `value` to the peer's 8-byte word at `dst + dst_off` atomically (wrapping), after
+    /// every earlier operation of this connection; [`flush`](Self::flush) covers it.
+    pub fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
+        let _s = trace_span!(target: "mscclpp::conn", "atomic_add", value).entered();
+        let r = (|| {
+            self.check_word(dst, dst_off)?;
+            self.inner.imp.atomic_add(dst, dst_off, value)
+        })();
+        r.map_err(|e| self.ctx_err(e, "atomic_add"))
+    }
+
+    /// Waits until every operation issued before this call has been applied in the peer's
+    /// memory.
+    ///
+    /// # Errors
+    /// `Timeout` naming the peer, the transport and how many operations are outstanding; or the
+    /// error that broke the connection.
+    pub fn flush(&self, timeout: Duration) -> Result<()> {
+        let _s = trace_span!(target: "mscclpp::conn", "flush").entered();
+        self.inner.imp.flush(timeout).map_err(|e| self.ctx_err(e, "flush"))
+    }
+
+    /// `Ok` while the connection works; the error that broke it otherwise.
+    pub fn status(&self) -> Result<()> {
+        match self.inner.imp.failure() {
+            Some(e) => Err(self.ctx_err(e, "connection status")),
+            None => Ok(()),
+        }
+    }
+
+    /// Operations issued whose application at the peer is not yet confirmed.
+    pub fn outstanding(&self) -> u64 {
+        self.inner.imp.outstanding()
+    }
+    /// This side's transport.
+    pub fn transport(&self) -> Transport {
+        self.inner.transport
+    }
+    /// The peer's transport.
+    pub fn remote_transport(&self) -> Transport {
+        self.inner.remote_transport
+    }
+    /// The device this connection serves.
+    pub fn local_device(&self) -> Device {
+        self.inner.device
+    }
+    /// The most operations outstanding before `write` waits.
+    pub fn max_write_queue_size(&self) -> usize {
+        self.inner.imp.max_write_queue_size()
+    }
+    /// The context the connection belongs to.
+    pub fn context(&self) -> &Context {
+        &self.inner.context
+    }
+    /// The peer's rank, when the connection was made through a [`Communicator`](crate::Communicator).
+    pub fn peer_rank(&self) -> Option<usize> {
+        self.inner.peer
+    }
+}
+
+impl Context {
+    /// Connects a local endpoint with a peer's (received) endpoint.
+    ///
+    /// The peer must make the matching call (with the two endpoints swapped) within the
+    /// endpoint's connect timeout; neither side waits for the other to be inside this call.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for mismatched transports, a non-local `local`, or an endpoint already
+    /// used; transport errors otherwise.
+    pub fn connect(&self, local: &Endpoint, remote: &Endpoint) -> Result<Connection> {
+        self.connect_with_peer(local, remote, None)
+    }
+
+    pub(crate) fn connect_with_peer(
+        &self,
+        local: &Endpoint,
+        remote: &Endpoint,
+        peer: Option<usize>,
+    ) -> Result<Connection> {
+        let op = "connect";
+        let t = local.transport();
+        let wrap = |e: Error| {
+            let e = e.during(op).with_transport(t);
+            match peer {
+                Some(p) => e.with_peer(p),
+                None => e,
+            }
+        };
+        let Some(l) = local.local() else {
+            return Err(wrap(Error::invalid_usage(
+                "the local endpoint was received from a peer; create one with create_endpoint",
+            )));
+        };
+        if !Arc::ptr_eq(l.context.inner(), self.inner()) {
+            return Err(wrap(Error::invalid_usage("the local endpoint belongs to another context")));
+        }
+        if remote.transport() != t && !(remote.transport().is_ib() && t.is_ib()) {
+            return Err(wrap(Error::invalid_usage(format!(
+                "transport mismatch: local endpoint is {t}, remote is {}",
+                remote.transport()
+            ))));
+        }
+        match t {
+            Transport::Ethernet => ethernet::connect(self, local, remote, peer).map_err(wrap),
+            other => Err(wrap(Error::not_available(format!("the {other} transport is not part of this build yet")))),
+        }
+    }
+}
