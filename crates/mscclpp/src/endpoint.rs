@@ -122,6 +122,11 @@ impl Endpoint {
         self.inner.local.as_ref()
     }
 
+    #[cfg(test)]
+    pub(crate) fn from_desc_for_test(desc: EndpointDesc) -> Endpoint {
+        Endpoint { inner: Arc::new(EndpointInner { desc, local: None }) }
+    }
+
     /// The serialized form, to send to the peer.
     pub fn serialize(&self) -> Vec<u8> {
         let d = &self.inner.desc;

@@ -49,6 +49,12 @@ pub(crate) struct LocalRegion {
     ctx: Weak<ContextInner>,
 }
 
+impl fmt::Debug for LocalRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LocalRegion(#{} {:?} {})", self.id, self.region, self.transports)
+    }
+}
+
 impl Drop for LocalRegion {
     fn drop(&mut self) {
         if let Some(ctx) = self.ctx.upgrade() {

@@ -895,4 +895,69 @@ mod tests {
         drop(eth);
         assert!(validate(&header(OP_WRITE, 1, id, 0, 1, 0), 1, &lookup).unwrap_err().contains("not registered"));
     }
+
+    /// A peer that passes the handshake and then sends a frame naming memory that is not
+    /// registered (or past a region's end) is refused: nothing is written, the sender is told
+    /// why, and the connection fails on our side too.
+    #[test]
+    fn raw_peer_with_bad_frames_is_refused() {
+        use crate::endpoint::EndpointDesc;
+        for bad in ["unregistered", "past the end", "wrong sequence"] {
+            let ctx = Context::new();
+            let target = Buffer::new(&ctx, 4096, Transport::Ethernet.into()).unwrap();
+            let ep = ctx
+                .create_endpoint(&crate::EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1"))
+                .unwrap();
+            let EndpointKind::Ethernet { addr: ep_addr, secret: ep_secret } = ep.desc().kind.clone() else { panic!() };
+            // The fake peer's own "endpoint": a raw listener that answers the handshake.
+            let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+            let fake_secret = [3u8; 16];
+            let remote = Endpoint::from_desc_for_test(EndpointDesc {
+                transport: Transport::Ethernet,
+                device: crate::Device::Cpu,
+                host_hash: 1,
+                process_hash: 2,
+                max_write_queue_size: 8,
+                kind: EndpointKind::Ethernet { addr: fake.local_addr().unwrap(), secret: fake_secret },
+            });
+            let fake_ctx = 0xfeed_u64;
+            let acc = std::thread::spawn(move || {
+                let (s, _) = fake.accept().unwrap();
+                accept_handshake(s, &fake_secret, fake_ctx).unwrap()
+            });
+            let conn = ctx.connect(&ep, &remote).unwrap();
+            let _their_in = acc.join().unwrap();
+            // The fake dials our endpoint with the right secret and sends a bad frame.
+            let (mut s, _) = dial(ep_addr, &ep_secret, fake_ctx, Instant::now() + Duration::from_secs(5)).unwrap();
+            let id = target.memory().desc().region_id;
+            let h = match bad {
+                "unregistered" => header(OP_WRITE, 1, id + 1000, 0, 16, 0),
+                "past the end" => header(OP_WRITE, 1, id, 4090, 16, 0),
+                _ => header(OP_WRITE, 7, id, 0, 16, 0),
+            };
+            let mut frame = h.as_bytes().to_vec();
+            frame.extend_from_slice(&[0xAA; 16]);
+            s.write_all(&frame).unwrap();
+            // We are told why, then the socket closes.
+            let mut rec = [0u8; 16];
+            s.read_exact(&mut rec).unwrap();
+            assert_eq!(rec[0], REC_ERR, "{bad}");
+            let n = u64::from_le_bytes(rec[8..].try_into().unwrap()) as usize;
+            let mut msg = vec![0u8; n];
+            s.read_exact(&mut msg).unwrap();
+            let msg = String::from_utf8(msg).unwrap();
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+            assert!(target.to_vec().iter().all(|b| *b == 0), "{bad}: memory changed");
+            // Our side of the connection has failed with that reason.
+            let t0 = Instant::now();
+            while conn.status().is_ok() && t0.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let e = conn.status().unwrap_err();
+            assert!(e.to_string().contains("refused a frame"), "{bad}: {e}");
+            assert!(e.to_string().contains(&msg), "{bad}: {e} / {msg}");
+            assert!(conn.flush(Duration::from_secs(1)).is_err());
+        }
+    }
 }
