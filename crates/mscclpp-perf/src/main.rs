@@ -1,1 +1,167 @@
-fn main() {}
+//! `mscclpp-perf`: measures mscclpp transports against the raw baseline of the same machine, in
+//! the same run, between the same processes.
+//!
+//! With no flags it starts two local ranks and runs the `p2p` test over Ethernet (TCP) with host
+//! memory, from 8 B to 256 MiB, next to a plain TCP socket between the same two processes.
+
+mod launch;
+mod p2p;
+mod report;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+/// Which test to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TestKind {
+    /// Rank 0 writes to rank 1 and signals: one-way bandwidth and write+signal round trip.
+    P2p,
+}
+
+/// Where the buffers live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MemoryKind {
+    /// Host memory.
+    Host,
+    /// GPU memory (needs the CUDA support, not in this build yet).
+    Gpu,
+}
+
+/// Measures mscclpp transports against the raw baseline of the same machine.
+#[derive(Clone, Debug, Parser)]
+#[command(version, about, long_about = None)]
+pub struct Args {
+    /// Test to run.
+    #[arg(value_enum, default_value = "p2p")]
+    pub test: TestKind,
+    /// Local ranks to start (ignored under mpirun/srun/torchrun, which set the ranks).
+    #[arg(long, default_value_t = 2)]
+    pub ranks: usize,
+    /// Transport: ethernet (cuda-ipc and ib come with their issues).
+    #[arg(long, default_value = "ethernet")]
+    pub transport: String,
+    /// Memory of the buffers.
+    #[arg(long, value_enum, default_value = "host")]
+    pub memory: MemoryKind,
+    /// Smallest message (bytes; K, M, G suffixes allowed).
+    #[arg(long, default_value = "8", value_parser = parse_size)]
+    pub min_bytes: u64,
+    /// Largest message (bytes; K, M, G suffixes allowed).
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    pub max_bytes: u64,
+    /// Timed iterations per size (default: enough to move about 512 MiB, 10 to 2000).
+    #[arg(long)]
+    pub iters: Option<u64>,
+    /// Untimed iterations before each measurement.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: u64,
+    /// Interface or IP address for Ethernet and the TCP baseline (default 127.0.0.1 for local
+    /// ranks; the bootstrap's choice under a launcher).
+    #[arg(long)]
+    pub interface: Option<String>,
+    /// Root address `[iface:]ip:port` under a launcher (default MASTER_ADDR:MASTER_PORT).
+    #[arg(long)]
+    pub bootstrap: Option<String>,
+    /// Write one JSON record per size to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw bandwidth against size (ours and the baseline) as an SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Seconds any single wait may take before the run fails.
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl Args {
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs(self.timeout.max(1))
+    }
+}
+
+/// Parses `4096`, `64K`, `1M`, `1G` (powers of two).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M') => (&t[..t.len() - 1], 1u64 << 20),
+        Some('G') => (&t[..t.len() - 1], 1u64 << 30),
+        _ => (t, 1),
+    };
+    let n: u64 = num.trim().parse().map_err(|_| format!("{s:?} is not a size like 4096, 64K, 1M or 1G"))?;
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
+}
+
+fn check(args: &Args) -> Result<(), String> {
+    match args.transport.to_ascii_lowercase().as_str() {
+        "ethernet" | "eth" | "tcp" => {}
+        "cuda-ipc" | "ib" => {
+            return Err(format!("--transport {} is not supported by this build yet (only ethernet)", args.transport));
+        }
+        t => return Err(format!("unknown --transport {t:?} (expected ethernet, cuda-ipc or ib)")),
+    }
+    if args.memory == MemoryKind::Gpu {
+        return Err("--memory gpu needs the CUDA support, which this build does not have yet".into());
+    }
+    if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
+        return Err(format!(
+            "--min-bytes {} must be at least 1 and at most --max-bytes {}",
+            args.min_bytes, args.max_bytes
+        ));
+    }
+    if args.ranks < 2 {
+        return Err("the p2p test needs at least 2 ranks".into());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Err(e) = check(&args) {
+        eprintln!("mscclpp-perf: {e}");
+        return ExitCode::from(2);
+    }
+    match launch::run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mscclpp-perf: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("8").unwrap(), 8);
+        assert_eq!(parse_size("64K").unwrap(), 65536);
+        assert_eq!(parse_size("256m").unwrap(), 256 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("99999999999999G").is_err());
+    }
+
+    #[test]
+    fn unsupported_choices_are_clear_errors() {
+        let a = Args::parse_from(["mscclpp-perf", "--transport", "ib"]);
+        assert!(check(&a).unwrap_err().contains("not supported"));
+        let a = Args::parse_from(["mscclpp-perf", "--memory", "gpu"]);
+        assert!(check(&a).unwrap_err().contains("CUDA"));
+        let a = Args::parse_from(["mscclpp-perf", "--transport", "carrier-pigeon"]);
+        assert!(check(&a).unwrap_err().contains("unknown"));
+        let a = Args::parse_from(["mscclpp-perf", "--min-bytes", "1M", "--max-bytes", "1K"]);
+        assert!(check(&a).is_err());
+        let a = Args::parse_from(["mscclpp-perf"]);
+        check(&a).unwrap();
+        assert_eq!((a.min_bytes, a.max_bytes, a.ranks), (8, 256 << 20, 2));
+    }
+}

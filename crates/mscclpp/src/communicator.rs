@@ -43,10 +43,14 @@ struct RecvChain {
     stash: HashMap<u64, Vec<u8>>,
 }
 
+type Chain = Arc<Mutex<RecvChain>>;
+/// Builds the received object from the message body.
+type Finish<T> = Box<dyn FnOnce(&[u8]) -> Result<T> + Send>;
+
 struct CommInner {
     bootstrap: Arc<dyn Bootstrap>,
     context: Context,
-    chains: Mutex<HashMap<(usize, u32), Arc<Mutex<RecvChain>>>>,
+    chains: Mutex<HashMap<(usize, u32), Chain>>,
 }
 
 /// A receive that resolves later: call [`wait`](Pending::wait).
@@ -63,7 +67,7 @@ pub struct Pending<T> {
     peer: usize,
     tag: u32,
     kind: MsgKind,
-    finish: Box<dyn FnOnce(&[u8]) -> Result<T> + Send>,
+    finish: Finish<T>,
 }
 
 impl<T> std::fmt::Debug for Pending<T> {

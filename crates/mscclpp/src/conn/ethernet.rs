@@ -23,10 +23,12 @@
 //! sends) and every 256 frames; `flush` waits for the acknowledgement of everything issued.
 //!
 //! # Copies
-//! Writes of more than [`INLINE_LIMIT`] bytes go from the source region straight into the socket,
-//! and the receiver reads them straight into the destination region. Smaller payloads are copied
-//! next to their header so that a small write is one system call; the calling thread sends those
-//! itself when the sender thread is idle, which keeps small-message latency close to a raw socket.
+//! None on either side: the sender hands headers and payloads, straight from the source region, to
+//! one `sendmsg` per batch of frames, and the receiver reads payloads straight into the destination
+//! region (only bytes that arrived in the same read as a header pass through its small buffer).
+//! Writes up to [`INLINE_LIMIT`] are sent by the calling thread itself when the sender thread is
+//! idle, which keeps small-message latency close to a raw socket; larger ones go through the
+//! sender thread, so `write` returns at once.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -45,6 +47,7 @@ use crate::context::{Context, ContextInner, lock};
 use crate::endpoint::{Endpoint, EndpointKind};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{LocalRegion, RegisteredMemory};
+use crate::sys::hostmem::{IoPart, send_vectored};
 use crate::transport::Transport;
 use crate::wire::{Reader, Writer};
 
@@ -52,9 +55,13 @@ const LOG: &str = "mscclpp::conn";
 const HS_MAGIC: &[u8; 4] = b"MSEH";
 const HS_VERSION: u16 = 1;
 const HS_ACK: u8 = 0xa5;
-/// Payloads up to this size travel copied next to their header, and may be sent by the calling
-/// thread.
-pub const INLINE_LIMIT: u64 = 64 * 1024;
+/// Writes up to this size may be sent by the calling thread when the sender thread is idle;
+/// larger ones always go through the sender thread, so `write` never blocks on a big transfer.
+pub const INLINE_LIMIT: u64 = 1 << 20;
+/// Most frames per `sendmsg`.
+const BATCH_OPS: usize = 64;
+/// Most payload bytes per `sendmsg` batch (a single larger write goes alone).
+const BATCH_BYTES: u64 = 16 << 20;
 /// How long dropping a connection waits for its outstanding operations to land.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// The receiver acknowledges at least every this many frames.
@@ -299,10 +306,14 @@ enum Op {
 }
 
 impl Op {
+    /// Whether the calling thread may send it (the sender thread sends larger writes).
     fn inline(&self) -> bool {
+        self.payload() <= INLINE_LIMIT
+    }
+    fn payload(&self) -> u64 {
         match self {
-            Op::Write { len, .. } => *len <= INLINE_LIMIT,
-            _ => true,
+            Op::Write { len, .. } => *len,
+            _ => 0,
         }
     }
 }
@@ -400,32 +411,31 @@ impl Shared {
         Ok(())
     }
 
-    /// Sends queued operations in order. With `inline_only`, stops at the first large write.
+    /// Sends queued operations in order, a batch per `sendmsg`. With `inline_only` (the calling
+    /// thread), stops at the first write larger than [`INLINE_LIMIT`].
     fn pump(&self, out: &mut TcpStream, inline_only: bool) {
-        let mut buf: Vec<u8> = Vec::with_capacity(4096);
         loop {
             let (batch, applied) = {
                 let mut st = lock(&self.st);
                 if st.failed.is_some() {
                     return;
                 }
-                let mut batch = Vec::new();
+                let mut batch: Vec<(u64, Op)> = Vec::new();
                 let mut bytes = 0u64;
                 while let Some((_, op)) = st.queue.front() {
                     if inline_only && !op.inline() {
                         break;
                     }
-                    let big = !op.inline();
-                    if big && !batch.is_empty() {
+                    let len = op.payload();
+                    if !batch.is_empty() && bytes + len > BATCH_BYTES {
                         break;
                     }
-                    if let Some(x) = st.queue.pop_front() {
-                        if let Op::Write { len, .. } = &x.1 {
-                            bytes += len;
-                        }
-                        batch.push(x);
+                    match st.queue.pop_front() {
+                        Some(x) => batch.push(x),
+                        None => break,
                     }
-                    if big || batch.len() >= 64 || bytes >= 4 * INLINE_LIMIT {
+                    bytes += len;
+                    if batch.len() >= BATCH_OPS {
                         break;
                     }
                 }
@@ -434,56 +444,53 @@ impl Shared {
             if batch.is_empty() {
                 return;
             }
-            buf.clear();
-            let mut big: Option<(Arc<LocalRegion>, u64, u64)> = None;
-            for (seq, op) in batch {
-                let mut h = FrameHeader { seq: U64::new(seq), ..Default::default() };
-                // Ask for an acknowledgement once half the bound is unconfirmed.
-                if seq - applied >= (self.max_queue / 2).max(1) {
-                    h.flags |= FLAG_ACK;
-                }
-                match op {
-                    Op::Write { region, offset, src, src_off, len } => {
-                        h.op = OP_WRITE;
-                        h.region = U64::new(region);
-                        h.offset = U64::new(offset);
-                        h.len = U64::new(len);
-                        buf.extend_from_slice(h.as_bytes());
-                        if len <= INLINE_LIMIT {
-                            let at = buf.len();
-                            buf.resize(at + len as usize, 0);
-                            if let Err(e) = src.region.read(src_off, &mut buf[at..]) {
-                                self.fail(e);
-                                return;
-                            }
-                        } else {
-                            big = Some((src, src_off, len));
+            let headers: Vec<FrameHeader> = batch.iter().map(|(seq, op)| self.header(*seq, op, applied)).collect();
+            let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.len());
+            for ((_, op), h) in batch.iter().zip(&headers) {
+                parts.push(h.as_bytes().into());
+                if let Op::Write { src, src_off, len, .. } = op {
+                    match src.region.part(*src_off, *len) {
+                        Ok(p) => parts.push(p),
+                        Err(e) => {
+                            self.fail(e);
+                            return;
                         }
-                    }
-                    Op::Set { region, offset, value } | Op::Add { region, offset, value } => {
-                        h.op = if matches!(op, Op::Set { .. }) { OP_SET } else { OP_ADD };
-                        h.region = U64::new(region);
-                        h.offset = U64::new(offset);
-                        h.len = U64::new(8);
-                        h.value = U64::new(value);
-                        buf.extend_from_slice(h.as_bytes());
-                    }
-                    Op::Nop => {
-                        h.op = OP_NOP;
-                        h.flags |= FLAG_ACK;
-                        buf.extend_from_slice(h.as_bytes());
                     }
                 }
             }
-            let res = out.write_all(&buf).and_then(|_| match &big {
-                Some((src, off, len)) => src.region.send_all(*off, *len, out),
-                None => Ok(()),
-            });
-            if let Err(e) = res {
+            if let Err(e) = send_vectored(out, &parts) {
                 self.fail(Error::remote(format!("sending to {} failed", self.peer_desc)).with_source(e));
                 return;
             }
         }
+    }
+
+    fn header(&self, seq: u64, op: &Op, applied: u64) -> FrameHeader {
+        let mut h = FrameHeader { seq: U64::new(seq), ..Default::default() };
+        // Ask for an acknowledgement once half the bound is unconfirmed.
+        if seq - applied >= (self.max_queue / 2).max(1) {
+            h.flags |= FLAG_ACK;
+        }
+        match op {
+            Op::Write { region, offset, len, .. } => {
+                h.op = OP_WRITE;
+                h.region = U64::new(*region);
+                h.offset = U64::new(*offset);
+                h.len = U64::new(*len);
+            }
+            Op::Set { region, offset, value } | Op::Add { region, offset, value } => {
+                h.op = if matches!(op, Op::Set { .. }) { OP_SET } else { OP_ADD };
+                h.region = U64::new(*region);
+                h.offset = U64::new(*offset);
+                h.len = U64::new(8);
+                h.value = U64::new(*value);
+            }
+            Op::Nop => {
+                h.op = OP_NOP;
+                h.flags |= FLAG_ACK;
+            }
+        }
+        h
     }
 }
 

@@ -170,21 +170,52 @@ impl Region {
         Ok(())
     }
 
-    /// Sends `n` bytes of the region from `offset` into `stream`.
-    pub(crate) fn send_all(&self, offset: u64, n: u64, stream: &TcpStream) -> std::io::Result<()> {
-        self.check(offset, n).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
-        send_raw(stream, self.ptr(offset), n as usize)
+    /// A piece of this region for [`send_vectored`]; checks the bounds.
+    pub(crate) fn part(&self, offset: u64, n: u64) -> Result<IoPart<'_>> {
+        self.check(offset, n)?;
+        Ok(IoPart { ptr: self.ptr(offset), len: n as usize, _life: std::marker::PhantomData })
     }
 }
 
-/// Sends `n` bytes starting at `ptr`.
-fn send_raw(stream: &TcpStream, ptr: *const u8, n: usize) -> std::io::Result<()> {
+/// A range of bytes to send: a slice, or a checked range of a live [`Region`].
+pub(crate) struct IoPart<'a> {
+    ptr: *const u8,
+    len: usize,
+    _life: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> From<&'a [u8]> for IoPart<'a> {
+    fn from(s: &'a [u8]) -> Self {
+        IoPart { ptr: s.as_ptr(), len: s.len(), _life: std::marker::PhantomData }
+    }
+}
+
+/// Sends all `parts`, in order, with as few `sendmsg` calls as the kernel allows.
+pub(crate) fn send_vectored(stream: &TcpStream, parts: &[IoPart<'_>]) -> std::io::Result<()> {
+    const MAX_IOV: usize = 512;
     let fd = stream.as_raw_fd();
-    let mut done = 0usize;
-    while done < n {
-        // SAFETY: the caller (Region::send_all) checked that [ptr, ptr+n) is inside a valid
-        // region; send only reads from it. MSG_NOSIGNAL turns a closed peer into EPIPE, not SIGPIPE.
-        let r = unsafe { nix::libc::send(fd, ptr.add(done).cast(), n - done, nix::libc::MSG_NOSIGNAL) };
+    let mut idx = 0usize; // first part not fully sent
+    let mut skip = 0usize; // bytes of parts[idx] already sent
+    while idx < parts.len() {
+        let mut iov: Vec<nix::libc::iovec> = Vec::with_capacity((parts.len() - idx).min(MAX_IOV));
+        for (k, p) in parts[idx..].iter().enumerate().take(MAX_IOV) {
+            let off = if k == 0 { skip } else { 0 };
+            if p.len > off {
+                // SAFETY: off < p.len, so the pointer stays inside the part.
+                iov.push(nix::libc::iovec { iov_base: unsafe { p.ptr.add(off) } as *mut _, iov_len: p.len - off });
+            }
+        }
+        if iov.is_empty() {
+            break;
+        }
+        // SAFETY: an all-zero msghdr is valid; we set only the iovec fields.
+        let mut msg: nix::libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        // SAFETY: every iovec points into a slice or a bounds-checked range of a live Region
+        // (the IoPart lifetime ties them to their owners); sendmsg only reads them.
+        // MSG_NOSIGNAL turns a closed peer into EPIPE instead of SIGPIPE.
+        let r = unsafe { nix::libc::sendmsg(fd, &msg, nix::libc::MSG_NOSIGNAL) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -192,7 +223,22 @@ fn send_raw(stream: &TcpStream, ptr: *const u8, n: usize) -> std::io::Result<()>
             }
             return Err(e);
         }
-        done += r as usize;
+        let mut sent = r as usize;
+        while sent > 0 && idx < parts.len() {
+            let left = parts[idx].len - skip;
+            if sent >= left {
+                sent -= left;
+                idx += 1;
+                skip = 0;
+            } else {
+                skip += sent;
+                sent = 0;
+            }
+        }
+        while idx < parts.len() && parts[idx].len == skip {
+            idx += 1;
+            skip = 0;
+        }
     }
     Ok(())
 }
@@ -201,6 +247,38 @@ fn send_raw(stream: &TcpStream, ptr: *const u8, n: usize) -> std::io::Result<()>
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering;
+
+    #[test]
+    fn vectored_send_of_slices_and_regions() {
+        use std::io::Read;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let big = 3 << 20;
+        let r = Region::owned(Arc::new(HostAlloc::zeroed(big).unwrap()), big);
+        let pat: Vec<u8> = (0..big).map(|i| (i * 7 + 3) as u8).collect();
+        r.write(0, &pat).unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            b.read_to_end(&mut v).unwrap();
+            v
+        });
+        let head = b"head".to_vec();
+        let parts = vec![
+            IoPart::from(&head[..]),
+            r.part(5, 10).unwrap(),
+            IoPart::from(&b""[..]),
+            r.part(0, big as u64).unwrap(),
+        ];
+        send_vectored(&a, &parts).unwrap();
+        assert!(r.part(1, big as u64).is_err());
+        drop(a);
+        let got = reader.join().unwrap();
+        let mut want = head.clone();
+        want.extend_from_slice(&pat[5..15]);
+        want.extend_from_slice(&pat);
+        assert!(got == want);
+    }
 
     #[test]
     fn owned_region_is_zeroed_aligned_and_checked() {

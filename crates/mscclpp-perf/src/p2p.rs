@@ -1,0 +1,265 @@
+//! The `p2p` test: rank 0 writes to rank 1 and signals; the same two processes then do the same
+//! over a plain TCP socket on the same interface.
+
+use std::io::{IsTerminal, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Instant;
+
+use mscclpp::{
+    Bootstrap, Buffer, Communicator, Connection, EndpointConfig, Host2HostSemaphore, RegisteredMemory, Transport,
+};
+
+use crate::Args;
+use crate::report::{Record, Report};
+
+const TAG_SETUP: u32 = 10;
+const TAG_BASELINE: u64 = 77;
+
+fn e2s(e: mscclpp::Error) -> String {
+    e.to_string()
+}
+
+/// The message sizes: `min` doubling up to `max`, with `max` itself last.
+pub fn sizes(min: u64, max: u64) -> Vec<u64> {
+    let mut v = Vec::new();
+    let mut s = min.max(1);
+    while s < max {
+        v.push(s);
+        s = s.saturating_mul(2);
+    }
+    v.push(max);
+    v
+}
+
+fn iters_for(args: &Args, size: u64, budget: u64, lo: u64, hi: u64) -> u64 {
+    args.iters.unwrap_or_else(|| (budget / size.max(1)).clamp(lo, hi)).max(1)
+}
+
+struct Ours {
+    conn: Connection,
+    sem: Host2HostSemaphore,
+    local: Buffer,
+    remote: RegisteredMemory,
+}
+
+struct Side {
+    rank: usize,
+    bs: Arc<dyn Bootstrap>,
+    ours: Ours,
+    sock: TcpStream,
+    raw: Vec<u8>,
+}
+
+fn interface_ip(iface: &Option<String>) -> Result<IpAddr, String> {
+    match iface {
+        Some(i) => mscclpp::net::resolve_interface(i).map_err(e2s),
+        None => Ok(mscclpp::net::find_interfaces().map_err(e2s)?[0].addr),
+    }
+}
+
+fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<Side, String> {
+    let rank = bs.rank();
+    let peer = 1 - rank;
+    let comm = Communicator::new(bs.clone());
+    let len = args.max_bytes as usize;
+    let local = Buffer::new(comm.context(), len, Transport::Ethernet.into()).map_err(e2s)?;
+    let mut cfg = EndpointConfig::new(Transport::Ethernet);
+    cfg.ethernet.interface = iface.clone();
+    let pc = comm.connect(&cfg, peer, TAG_SETUP).map_err(e2s)?;
+    comm.send_memory(local.memory(), peer, TAG_SETUP).map_err(e2s)?;
+    let pm = comm.recv_memory(peer, TAG_SETUP).map_err(e2s)?;
+    let conn = pc.wait().map_err(e2s)?;
+    let remote = pm.wait().map_err(e2s)?;
+    let sem = Host2HostSemaphore::new(comm.build_semaphore(&conn, peer, TAG_SETUP).map_err(e2s)?.wait().map_err(e2s)?)
+        .map_err(e2s)?;
+    // The baseline: one plain TCP connection between the same two processes, same interface.
+    let ip = interface_ip(iface)?;
+    let sock = if rank == 1 {
+        let l = TcpListener::bind((ip, 0)).map_err(|e| format!("baseline listener on {ip}: {e}"))?;
+        let addr = l.local_addr().map_err(|e| e.to_string())?;
+        bs.send(0, TAG_BASELINE, addr.to_string().as_bytes()).map_err(e2s)?;
+        l.accept().map_err(|e| format!("baseline accept: {e}"))?.0
+    } else {
+        let a = bs.recv(1, TAG_BASELINE).map_err(e2s)?;
+        let addr: SocketAddr =
+            String::from_utf8_lossy(&a).parse().map_err(|_| "bad baseline address from rank 1".to_string())?;
+        TcpStream::connect(addr).map_err(|e| format!("baseline connect to {addr}: {e}"))?
+    };
+    sock.set_nodelay(true).map_err(|e| e.to_string())?;
+    let _ = sock.set_read_timeout(Some(args.timeout()));
+    Ok(Side { rank, bs, ours: Ours { conn, sem, local, remote }, sock, raw: vec![0x5a; len] })
+}
+
+impl Side {
+    /// Seconds for `iters` one-way writes of `size` (after `warm` untimed ones).
+    fn ours_bw(&self, size: u64, warm: u64, iters: u64, t: std::time::Duration) -> Result<f64, String> {
+        let o = &self.ours;
+        let phase = |n: u64| -> Result<(), String> {
+            if self.rank == 0 {
+                for _ in 0..n {
+                    o.conn.write(&o.remote, 0, o.local.memory(), 0, size).map_err(e2s)?;
+                    o.sem.signal().map_err(e2s)?;
+                }
+                o.sem.wait(t).map_err(e2s)
+            } else {
+                for _ in 0..n {
+                    o.sem.wait(t).map_err(e2s)?;
+                }
+                o.sem.signal().map_err(e2s)
+            }
+        };
+        phase(warm)?;
+        let t0 = Instant::now();
+        phase(iters)?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+
+    fn base_bw(&mut self, size: u64, warm: u64, iters: u64) -> Result<f64, String> {
+        let size = size as usize;
+        let mut phase = |n: u64| -> Result<(), String> {
+            let mut one = [0u8; 1];
+            if self.rank == 0 {
+                for _ in 0..n {
+                    self.sock.write_all(&self.raw[..size]).map_err(|e| e.to_string())?;
+                }
+                self.sock.read_exact(&mut one).map_err(|e| e.to_string())
+            } else {
+                for _ in 0..n {
+                    self.sock.read_exact(&mut self.raw[..size]).map_err(|e| e.to_string())?;
+                }
+                self.sock.write_all(&one).map_err(|e| e.to_string())
+            }
+        };
+        phase(warm)?;
+        let t0 = Instant::now();
+        phase(iters)?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// Seconds per write+signal round trip of `size`.
+    fn ours_rtt(&self, size: u64, warm: u64, iters: u64, t: std::time::Duration) -> Result<f64, String> {
+        let o = &self.ours;
+        let mut t0 = Instant::now();
+        for i in 0..warm + iters {
+            if i == warm {
+                t0 = Instant::now();
+            }
+            if self.rank == 0 {
+                o.conn.write(&o.remote, 0, o.local.memory(), 0, size).map_err(e2s)?;
+                o.sem.signal().map_err(e2s)?;
+                o.sem.wait(t).map_err(e2s)?;
+            } else {
+                o.sem.wait(t).map_err(e2s)?;
+                o.conn.write(&o.remote, 0, o.local.memory(), 0, size).map_err(e2s)?;
+                o.sem.signal().map_err(e2s)?;
+            }
+        }
+        Ok(t0.elapsed().as_secs_f64() / iters as f64)
+    }
+
+    fn base_rtt(&mut self, size: u64, warm: u64, iters: u64) -> Result<f64, String> {
+        let size = size as usize;
+        let mut t0 = Instant::now();
+        for i in 0..warm + iters {
+            if i == warm {
+                t0 = Instant::now();
+            }
+            let r = if self.rank == 0 {
+                self.sock.write_all(&self.raw[..size]).and_then(|_| self.sock.read_exact(&mut self.raw[..size]))
+            } else {
+                self.sock.read_exact(&mut self.raw[..size]).and_then(|_| self.sock.write_all(&self.raw[..size]))
+            };
+            r.map_err(|e| e.to_string())?;
+        }
+        Ok(t0.elapsed().as_secs_f64() / iters as f64)
+    }
+}
+
+/// Runs the test on every rank; rank 0 reports.
+pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result<(), String> {
+    let rank = bs.rank();
+    let sizes = sizes(args.min_bytes, args.max_bytes);
+    if rank >= 2 {
+        // Ranks beyond the pair only keep the job's barriers.
+        bs.barrier().map_err(e2s)?;
+        for _ in &sizes {
+            bs.barrier().map_err(e2s)?;
+            bs.barrier().map_err(e2s)?;
+        }
+        return bs.barrier().map_err(e2s);
+    }
+    let mut side = setup(args, bs.clone(), &iface)?;
+    let t = args.timeout();
+    bs.barrier().map_err(e2s)?;
+    let bar = (rank == 0 && !args.quiet && std::io::stderr().is_terminal()).then(|| {
+        let b = indicatif::ProgressBar::new(sizes.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} p2p {pos}/{len} sizes [{bar:30}] {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let mut records = Vec::new();
+    for &size in &sizes {
+        if let Some(b) = &bar {
+            b.set_message(crate::report::human(size));
+        }
+        let bw_iters = iters_for(args, size, 512 << 20, 10, 2000);
+        let lat_iters = iters_for(args, size, 64 << 20, 5, 1000);
+        let ours_bw = side.ours_bw(size, args.warmup, bw_iters, t)?;
+        side.bs.barrier().map_err(e2s)?;
+        let base_bw = side.base_bw(size, args.warmup, bw_iters)?;
+        let ours_rtt = side.ours_rtt(size, args.warmup, lat_iters, t)?;
+        let base_rtt = side.base_rtt(size, args.warmup, lat_iters)?;
+        side.ours.conn.flush(t).map_err(e2s)?;
+        bs.barrier().map_err(e2s)?;
+        let gb = |secs: f64| (size * bw_iters) as f64 / secs / 1e9;
+        records.push(Record {
+            size,
+            ours_gbps: gb(ours_bw),
+            baseline_gbps: gb(base_bw),
+            ours_rtt_us: ours_rtt * 1e6,
+            baseline_rtt_us: base_rtt * 1e6,
+            bw_iters,
+            lat_iters,
+        });
+        if let Some(b) = &bar {
+            b.inc(1);
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if rank == 0 {
+        let report = Report {
+            test: "p2p".into(),
+            transport: "ethernet".into(),
+            memory: "host".into(),
+            baseline: "plain TCP socket, same processes and interface".into(),
+            ranks: bs.size(),
+            interface: iface.unwrap_or_else(|| "default".into()),
+            records,
+        };
+        report.print();
+        if let Some(p) = &args.json {
+            report.write_json(p)?;
+        }
+        if let Some(p) = &args.plot {
+            report.write_svg(p)?;
+        }
+    }
+    bs.barrier().map_err(e2s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_ladder() {
+        assert_eq!(sizes(8, 64), vec![8, 16, 32, 64]);
+        assert_eq!(sizes(8, 100), vec![8, 16, 32, 64, 100]);
+        assert_eq!(sizes(5, 5), vec![5]);
+    }
+}

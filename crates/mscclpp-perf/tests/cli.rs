@@ -1,0 +1,89 @@
+//! `mscclpp-perf` end to end: local ranks, table, JSON, SVG and a Chrome trace.
+
+use std::process::Command;
+
+fn perf() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mscclpp-perf"))
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("mscclpp-perf-test-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+#[test]
+fn small_sweep_prints_table_json_plot_and_trace() {
+    let (json, svg, trace) = (tmp("p2p.json"), tmp("p2p.svg"), tmp("trace.json"));
+    let out = perf()
+        .args(["--max-bytes", "4K", "--iters", "20", "--warmup", "2", "--quiet"])
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .env("MSCCLPP_TRACE_FILE", &trace)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("ours GB/s") && stdout.contains("4 KiB"), "{stdout}");
+    let recs: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let recs = recs.as_array().unwrap();
+    assert_eq!(recs.len(), 10, "8 B .. 4 KiB is ten sizes");
+    for r in recs {
+        for k in ["size", "ours_gbps", "baseline_gbps", "bw_ratio", "ours_rtt_us", "baseline_rtt_us", "rtt_ratio"] {
+            assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "{k} in {r}");
+        }
+        assert_eq!(r["transport"], "ethernet");
+    }
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("baseline"), "not an SVG plot");
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let names: Vec<&str> = t.as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    for op in ["write", "update_and_sync", "flush"] {
+        assert!(names.contains(&op), "trace lacks {op} spans");
+    }
+    assert!(trace.with_file_name("trace.rank1.json").exists(), "rank 1 writes its own trace");
+}
+
+#[test]
+fn unsupported_choices_fail_clearly() {
+    let out = perf().args(["--transport", "ib"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not supported by this build yet"));
+    let out = perf().args(["--memory", "gpu"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("CUDA"));
+}
+
+#[test]
+fn launcher_without_root_address_is_a_clear_error() {
+    let out = perf().env("RANK", "0").env("WORLD_SIZE", "2").env_remove("MASTER_ADDR").output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("MASTER_ADDR"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn torchrun_style_launch() {
+    // Two processes started "by a launcher": RANK/WORLD_SIZE and MASTER_ADDR/MASTER_PORT.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let c: Vec<_> = (0..2)
+        .map(|r| {
+            perf()
+                .args(["--max-bytes", "64", "--iters", "5", "--quiet", "--interface", "127.0.0.1", "--timeout", "20"])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = c.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert!(String::from_utf8_lossy(&outs[0].stdout).contains("64 B"));
+}
