@@ -21,6 +21,8 @@ pub(crate) struct ContextInner {
     /// Bumped whenever a peer's operation changes a word of this context's memory.
     token_gen: Mutex<u64>,
     token_cond: Condvar,
+    /// One non-blocking stream per GPU for CUDA IPC connections.
+    cuda_streams: Mutex<Vec<Arc<crate::gpu::Stream>>>,
 }
 
 impl ContextInner {
@@ -36,6 +38,17 @@ impl ContextInner {
     /// The live registration `id`, kept alive for as long as the caller holds the `Arc`.
     pub(crate) fn lookup_region(&self, id: u64) -> Option<Arc<LocalRegion>> {
         lock(&self.regions).get(&id).and_then(Weak::upgrade)
+    }
+
+    /// This context's CUDA IPC stream on `dev`, created on first use.
+    pub(crate) fn cuda_stream(&self, dev: &Arc<crate::gpu::GpuDevice>) -> Result<Arc<crate::gpu::Stream>> {
+        let mut v = lock(&self.cuda_streams);
+        if let Some(s) = v.iter().find(|s| s.dev.ordinal == dev.ordinal) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(crate::gpu::Stream::new(dev)?);
+        v.push(s.clone());
+        Ok(s)
     }
 
     /// Tells waiters that a peer changed a token word (transports call this after applying
@@ -113,6 +126,7 @@ impl Context {
                 token_waiters: AtomicUsize::new(0),
                 token_gen: Mutex::new(0),
                 token_cond: Condvar::new(),
+                cuda_streams: Mutex::new(Vec::new()),
             }),
         }
     }

@@ -209,7 +209,11 @@ impl Context {
                 (EndpointKind::Ethernet { addr, secret }, (queue, Some(Arc::new(acceptor))))
             }
             Transport::CudaIpc => {
-                return Err(Error::not_available("the CUDA IPC transport is not part of this build yet").during(op));
+                let Device::Gpu(d) = config.device else {
+                    return Err(Error::invalid_usage("a CUDA IPC endpoint needs a GPU device (Device::Gpu)").during(op));
+                };
+                crate::gpu::device(d).map_err(|e| e.during(op.clone()))?;
+                (EndpointKind::CudaIpc, (config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE), None))
             }
             t => {
                 return Err(

@@ -49,6 +49,7 @@ mod context;
 mod endpoint;
 pub mod env;
 mod error;
+pub mod gpu;
 mod identity;
 #[cfg(feature = "logging")]
 mod logging;
@@ -69,7 +70,8 @@ pub use error::{Error, ErrorContext, ErrorKind, Result};
 pub use identity::{host_hash, process_hash};
 #[cfg(feature = "logging")]
 pub use logging::init_logging;
+pub use gpu::DeviceBuffer;
 pub use memory::{Buffer, IbMrInfo, RegisteredMemory};
-pub use semaphore::{Host2HostSemaphore, Semaphore, SemaphoreStub};
+pub use semaphore::{Host2DeviceSemaphore, Host2DeviceSemaphoreDeviceHandle, Host2HostSemaphore, Semaphore, SemaphoreStub};
 pub use sys::numa::{bind_thread_to_node, pci_numa_node};
 pub use transport::{Device, EndpointConfig, EthernetConfig, IbConfig, IbMode, Transport, TransportFlags};

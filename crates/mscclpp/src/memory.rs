@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result};
@@ -41,9 +41,37 @@ pub(crate) struct MemoryDesc {
     pub(crate) ib: [Option<IbMrInfo>; 8],
 }
 
+/// Where a local registration's bytes are.
+#[derive(Clone, Debug)]
+pub(crate) enum Mem {
+    Host(Region),
+    Gpu(crate::gpu::GpuRegion),
+}
+
+impl Mem {
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            Mem::Host(r) => r.addr() as u64,
+            Mem::Gpu(g) => g.ptr,
+        }
+    }
+    pub(crate) fn len(&self) -> u64 {
+        match self {
+            Mem::Host(r) => r.len() as u64,
+            Mem::Gpu(g) => g.len as u64,
+        }
+    }
+    pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
+        match self {
+            Mem::Host(r) => r.check(offset, n),
+            Mem::Gpu(g) => g.check(offset, n),
+        }
+    }
+}
+
 /// A registered region of the local context, kept in the context's table while it lives.
 pub(crate) struct LocalRegion {
-    pub(crate) region: Region,
+    pub(crate) mem: Mem,
     pub(crate) id: u64,
     pub(crate) transports: TransportFlags,
     ctx: Weak<ContextInner>,
@@ -51,7 +79,7 @@ pub(crate) struct LocalRegion {
 
 impl fmt::Debug for LocalRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "LocalRegion(#{} {:?} {})", self.id, self.region, self.transports)
+        write!(f, "LocalRegion(#{} {:?} {})", self.id, self.mem, self.transports)
     }
 }
 
@@ -66,6 +94,8 @@ impl Drop for LocalRegion {
 struct MemInner {
     desc: MemoryDesc,
     local: Option<Arc<LocalRegion>>,
+    /// A peer's GPU memory mapped into this process through CUDA IPC, on first use.
+    import: OnceLock<Arc<crate::gpu::IpcMapping>>,
 }
 
 /// Memory that connections may read from or write into: a local registration, or a peer's
@@ -104,23 +134,43 @@ impl fmt::Debug for RegisteredMemory {
 
 impl RegisteredMemory {
     pub(crate) fn new_local(ctx: &Context, region: Region, transports: TransportFlags, device: Device) -> Result<Self> {
+        Self::new_local_mem(ctx, Mem::Host(region), transports, device, None)
+    }
+
+    pub(crate) fn new_local_gpu(
+        ctx: &Context,
+        region: crate::gpu::GpuRegion,
+        transports: TransportFlags,
+        ipc: Option<crate::gpu::IpcInfo>,
+    ) -> Result<Self> {
+        let dev = Device::Gpu(region.dev.ordinal);
+        Self::new_local_mem(ctx, Mem::Gpu(region), transports, dev, ipc.map(|i| i.encode()))
+    }
+
+    fn new_local_mem(
+        ctx: &Context,
+        region: Mem,
+        transports: TransportFlags,
+        device: Device,
+        cuda_ipc: Option<Vec<u8>>,
+    ) -> Result<Self> {
         let inner = ctx.inner();
         let id = inner.next_region_id();
         let desc = MemoryDesc {
-            addr: region.addr() as u64,
-            len: region.len() as u64,
+            addr: region.addr(),
+            len: region.len(),
             region_id: id,
             context_id: inner.id,
             host_hash: crate::identity::host_hash(),
             process_hash: crate::identity::process_hash(),
             transports,
             device,
-            cuda_ipc: None,
+            cuda_ipc,
             ib: [None; 8],
         };
-        let local = Arc::new(LocalRegion { region, id, transports, ctx: Arc::downgrade(inner) });
+        let local = Arc::new(LocalRegion { mem: region, id, transports, ctx: Arc::downgrade(inner) });
         inner.remember_region(&local);
-        Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: Some(local) }) })
+        Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: Some(local), import: OnceLock::new() }) })
     }
 
     /// The address of the memory in its owner's process.
@@ -165,6 +215,44 @@ impl RegisteredMemory {
     }
     pub(crate) fn local(&self) -> Option<&Arc<LocalRegion>> {
         self.inner.local.as_ref()
+    }
+
+    /// The address of this GPU memory usable on `dev` in this process: the local pointer, the
+    /// owner's pointer when the owner is this process, or a CUDA IPC mapping opened on first use
+    /// (kept while any clone of this handle lives).
+    pub(crate) fn gpu_ptr(&self, dev: &Arc<crate::gpu::GpuDevice>) -> Result<u64> {
+        if let Some(l) = self.local() {
+            return match &l.mem {
+                Mem::Gpu(g) => Ok(g.ptr),
+                Mem::Host(_) => Err(Error::invalid_usage("this memory is host memory, not GPU memory")),
+            };
+        }
+        let d = &self.inner.desc;
+        if !matches!(d.device, Device::Gpu(_)) {
+            return Err(Error::invalid_usage("the peer's memory is host memory; CUDA IPC needs GPU memory"));
+        }
+        if d.host_hash != crate::identity::host_hash() {
+            return Err(Error::invalid_usage("the peer's memory is on another host; CUDA IPC works within one host"));
+        }
+        if d.process_hash == crate::identity::process_hash() {
+            return Ok(d.addr);
+        }
+        if let Some(m) = self.inner.import.get() {
+            return Ok(m.base + self.ipc_offset()?);
+        }
+        let bytes = d.cuda_ipc.as_ref().ok_or_else(|| Error::invalid_usage("the peer's memory carries no CUDA IPC handle"))?;
+        let info = crate::gpu::IpcInfo::decode(bytes)?;
+        let m = crate::gpu::ipc_open(&info, dev)?;
+        if info.offset.checked_add(d.len).is_none_or(|e| e > m.size) {
+            return Err(Error::invalid_usage("the peer's memory extends past its CUDA allocation"));
+        }
+        let m = self.inner.import.get_or_init(|| m).clone();
+        Ok(m.base + info.offset)
+    }
+
+    fn ipc_offset(&self) -> Result<u64> {
+        let bytes = self.inner.desc.cuda_ipc.as_ref().ok_or_else(|| Error::internal("no CUDA IPC info"))?;
+        Ok(crate::gpu::IpcInfo::decode(bytes)?.offset)
     }
 
     /// Checks that `[offset, offset + len)` is inside this memory.
@@ -252,7 +340,7 @@ impl RegisteredMemory {
         }
         let desc =
             MemoryDesc { addr, len, region_id, context_id, host_hash, process_hash, transports, device, cuda_ipc, ib };
-        Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: None }) })
+        Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: None, import: OnceLock::new() }) })
     }
 }
 
@@ -297,7 +385,7 @@ pub(crate) fn get_device(r: &mut Reader<'_>) -> Result<Device> {
 #[derive(Clone)]
 pub struct Buffer {
     mem: RegisteredMemory,
-    local: Arc<LocalRegion>,
+    region: Region,
 }
 
 impl fmt::Debug for Buffer {
@@ -319,9 +407,8 @@ impl Buffer {
         }
         let alloc = Arc::new(HostAlloc::zeroed(len)?);
         let region = Region::owned(alloc, len);
-        let mem = RegisteredMemory::new_local(ctx, region, transports, Device::Cpu)?;
-        let local = mem.local().cloned().ok_or_else(|| Error::internal("new registration has no local region"))?;
-        Ok(Buffer { mem, local })
+        let mem = RegisteredMemory::new_local(ctx, region.clone(), transports, Device::Cpu)?;
+        Ok(Buffer { mem, region })
     }
 
     /// The registration, to give to connections or send to peers.
@@ -329,7 +416,7 @@ impl Buffer {
         &self.mem
     }
     fn region(&self) -> &Region {
-        &self.local.region
+        &self.region
     }
     /// The length in bytes.
     pub fn len(&self) -> usize {
@@ -408,7 +495,7 @@ mod tests {
     }
 
     fn from_desc(desc: MemoryDesc) -> RegisteredMemory {
-        RegisteredMemory { inner: Arc::new(MemInner { desc, local: None }) }
+        RegisteredMemory { inner: Arc::new(MemInner { desc, local: None, import: OnceLock::new() }) }
     }
 
     proptest! {

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use crate::communicator::{Communicator, MsgKind, Pending};
 use crate::conn::Connection;
 use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::DeviceBuffer;
 use crate::memory::{Buffer, RegisteredMemory};
 use crate::transport::{Device, Transport};
 
@@ -24,19 +25,37 @@ const SPIN_THEN_YIELD: Duration = Duration::from_millis(1);
 #[derive(Clone, Debug)]
 pub struct SemaphoreStub {
     connection: Connection,
-    token: Buffer,
+    token: Token,
+}
+
+/// Where a semaphore's inbound token lives.
+#[derive(Clone, Debug)]
+enum Token {
+    Host(Buffer),
+    Gpu(DeviceBuffer),
+}
+
+impl Token {
+    fn memory(&self) -> &RegisteredMemory {
+        match self {
+            Token::Host(b) => b.memory(),
+            Token::Gpu(b) => b.memory(),
+        }
+    }
 }
 
 impl SemaphoreStub {
-    /// Allocates and registers the token for `connection` (host memory for now).
+    /// Allocates and registers the token for `connection`: in host memory for a CPU-side
+    /// connection, in the GPU's memory for a GPU-side one.
     ///
     /// # Errors
-    /// `NotAvailable` for a GPU-side connection until the CUDA transport exists.
+    /// Allocation or registration errors (`NotAvailable` without a CUDA driver for a GPU side).
     pub fn new(connection: &Connection) -> Result<SemaphoreStub> {
-        if let Device::Gpu(_) = connection.local_device() {
-            return Err(Error::not_available("GPU semaphore tokens need the CUDA support, not part of this build yet"));
-        }
-        let token = Buffer::new(connection.context(), 8, connection.transport().into())?;
+        let t = connection.transport().into();
+        let token = match connection.local_device() {
+            Device::Cpu => Token::Host(Buffer::new(connection.context(), 8, t)?),
+            Device::Gpu(d) => Token::Gpu(DeviceBuffer::new(connection.context(), d, 8, t)?),
+        };
         Ok(SemaphoreStub { connection: connection.clone(), token })
     }
 
@@ -73,8 +92,17 @@ impl Semaphore {
     pub fn remote_memory(&self) -> &RegisteredMemory {
         &self.remote
     }
-    pub(crate) fn local_token(&self) -> &Buffer {
-        &self.local.token
+    fn host_token(&self) -> Option<&Buffer> {
+        match &self.local.token {
+            Token::Host(b) => Some(b),
+            Token::Gpu(_) => None,
+        }
+    }
+    fn gpu_token(&self) -> Option<&DeviceBuffer> {
+        match &self.local.token {
+            Token::Gpu(b) => Some(b),
+            Token::Host(_) => None,
+        }
     }
 }
 
@@ -109,6 +137,7 @@ impl Communicator {
 #[derive(Debug)]
 pub struct Host2HostSemaphore {
     sem: Semaphore,
+    token: Buffer,
     outbound: AtomicU64,
     expected: AtomicU64,
 }
@@ -123,10 +152,10 @@ impl Host2HostSemaphore {
         if c.transport() == Transport::CudaIpc {
             return Err(Error::invalid_usage("a Host2HostSemaphore cannot use the CUDA IPC transport"));
         }
-        if c.local_device() != Device::Cpu {
+        let Some(token) = sem.host_token().cloned() else {
             return Err(Error::invalid_usage("a Host2HostSemaphore needs a connection whose local device is the CPU"));
-        }
-        Ok(Host2HostSemaphore { sem, outbound: AtomicU64::new(0), expected: AtomicU64::new(0) })
+        };
+        Ok(Host2HostSemaphore { sem, token, outbound: AtomicU64::new(0), expected: AtomicU64::new(0) })
     }
 
     /// The underlying semaphore.
@@ -140,7 +169,7 @@ impl Host2HostSemaphore {
 
     fn inbound(&self) -> u64 {
         // The token buffer is 8 bytes at a page-aligned address: offset 0 is a valid atomic word.
-        self.sem.local_token().atomic_u64(0).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
+        self.token.atomic_u64(0).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
     }
 
     /// The peer's last signal count as seen here.
@@ -223,6 +252,109 @@ impl Host2HostSemaphore {
                 }
                 return Err(e);
             }
+        }
+    }
+}
+
+/// What a GPU kernel needs to wait on a [`Host2DeviceSemaphore`]: the inbound token (written by
+/// the peer) and the expected count (kept by the waiting kernel). Copy it to the GPU by value.
+///
+/// C++ MSCCL++: `Host2DeviceSemaphoreDeviceHandle` (16 bytes, same layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct Host2DeviceSemaphoreDeviceHandle {
+    /// Device address of the inbound token.
+    pub inbound_token: u64,
+    /// Device address of the expected-token counter.
+    pub expected_inbound_token: u64,
+}
+
+/// A semaphore signalled by the host (or a proxy thread) and waited on by the GPU: its token lives
+/// in GPU memory and the peer's transport (CUDA IPC or Ethernet) updates it after the data.
+///
+/// Kernels use [`device_handle`](Self::device_handle); [`wait`](Self::wait) lets host code and
+/// tests wait too, by polling the token with small device-to-host copies.
+///
+/// C++ MSCCL++: `Host2DeviceSemaphore`.
+#[derive(Debug)]
+pub struct Host2DeviceSemaphore {
+    sem: Semaphore,
+    token: DeviceBuffer,
+    expected: DeviceBuffer,
+    outbound: AtomicU64,
+    host_expected: AtomicU64,
+}
+
+impl Host2DeviceSemaphore {
+    /// Wraps a semaphore built over a GPU-side connection.
+    ///
+    /// # Errors
+    /// `InvalidUsage` when the connection's local device is not a GPU.
+    pub fn new(sem: Semaphore) -> Result<Host2DeviceSemaphore> {
+        let Some(token) = sem.gpu_token().cloned() else {
+            return Err(Error::invalid_usage("a Host2DeviceSemaphore needs a connection whose local device is a GPU"));
+        };
+        let expected = DeviceBuffer::new(sem.connection().context(), token.device(), 8, crate::TransportFlags::NONE)?;
+        Ok(Host2DeviceSemaphore { sem, token, expected, outbound: AtomicU64::new(0), host_expected: AtomicU64::new(0) })
+    }
+
+    /// The underlying semaphore.
+    pub fn semaphore(&self) -> &Semaphore {
+        &self.sem
+    }
+    /// The connection.
+    pub fn connection(&self) -> &Connection {
+        self.sem.connection()
+    }
+
+    /// The pointers a kernel waits with.
+    pub fn device_handle(&self) -> Host2DeviceSemaphoreDeviceHandle {
+        Host2DeviceSemaphoreDeviceHandle {
+            inbound_token: self.token.device_ptr(),
+            expected_inbound_token: self.expected.device_ptr(),
+        }
+    }
+
+    /// Signals the peer once (after every earlier operation of the connection).
+    pub fn signal(&self) -> Result<()> {
+        let next = self.outbound.load(Ordering::Acquire) + 1;
+        self.connection().update_and_sync(self.sem.remote_memory(), 0, &self.outbound, next)
+    }
+
+    /// The inbound token as the GPU holds it now.
+    pub fn inbound_token(&self) -> Result<u64> {
+        self.token.read_u64(0)
+    }
+
+    /// Host-side wait for one more signal (for tests and host code; kernels use the handle).
+    ///
+    /// # Errors
+    /// `Timeout` naming the peer and the counts; the connection's failure; CUDA errors.
+    pub fn wait(&self, timeout: Duration) -> Result<()> {
+        let want = self.host_expected.load(Ordering::Acquire) + 1;
+        let start = Instant::now();
+        let mut sleep = Duration::from_micros(2);
+        loop {
+            let have = self.inbound_token()?;
+            if have >= want {
+                self.host_expected.store(want, Ordering::Release);
+                return Ok(());
+            }
+            self.connection().status().map_err(|e| e.during("Host2DeviceSemaphore wait"))?;
+            if start.elapsed() >= timeout {
+                let mut e = Error::new(
+                    ErrorKind::Timeout,
+                    format!("Host2DeviceSemaphore: token is {have}, waiting for {want}, after {timeout:?}"),
+                )
+                .during("Host2DeviceSemaphore wait")
+                .with_transport(self.connection().transport());
+                if let Some(p) = self.connection().peer_rank() {
+                    e = e.with_peer(p);
+                }
+                return Err(e);
+            }
+            std::thread::sleep(sleep);
+            sleep = (sleep * 2).min(Duration::from_micros(200));
         }
     }
 }

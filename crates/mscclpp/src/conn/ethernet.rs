@@ -30,7 +30,7 @@
 //! idle, which keeps small-message latency close to a raw socket; larger ones go through the
 //! sender thread, so `write` returns at once.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,7 +46,9 @@ use super::{ConnInner, Connection, ConnectionImpl};
 use crate::context::{Context, ContextInner, lock};
 use crate::endpoint::{Endpoint, EndpointKind};
 use crate::error::{Error, ErrorKind, Result};
-use crate::memory::{LocalRegion, RegisteredMemory};
+use crate::gpu::GpuRegion;
+use crate::memory::{LocalRegion, Mem, RegisteredMemory};
+use crate::sys::hostmem::Region;
 use crate::sys::hostmem::{IoPart, send_vectored};
 use crate::transport::Transport;
 use crate::wire::{Reader, Writer};
@@ -137,7 +139,7 @@ pub(crate) fn validate(
             if len != 8 {
                 return Err(format!("token frame with length {len}"));
             }
-            if (region.region.addr() as u64).wrapping_add(off) % 8 != 0 {
+            if region.mem.addr().wrapping_add(off) % 8 != 0 {
                 return Err(format!("token frame at unaligned offset {off}"));
             }
             let a = if h.op == OP_SET {
@@ -149,7 +151,7 @@ pub(crate) fn validate(
         }
         op => return Err(format!("frame with unknown operation {op}")),
     };
-    region.region.check(off, need).map_err(|e| format!("frame for region {}: {}", h.region.get(), e.message()))?;
+    region.mem.check(off, need).map_err(|e| format!("frame for region {}: {}", h.region.get(), e.message()))?;
     Ok((action, Some(region)))
 }
 
@@ -296,6 +298,137 @@ fn dial(addr: SocketAddr, secret: &[u8; 16], my_context: u64, deadline: Instant)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Staging GPU memory through pinned host buffers
+
+/// Bytes per staging chunk.
+const STAGE_CHUNK: usize = 4 << 20;
+
+pub(crate) enum StageError {
+    Io(std::io::Error),
+    Mscclpp(Error),
+}
+
+impl From<Error> for StageError {
+    fn from(e: Error) -> Self {
+        StageError::Mscclpp(e)
+    }
+}
+impl From<std::io::Error> for StageError {
+    fn from(e: std::io::Error) -> Self {
+        StageError::Io(e)
+    }
+}
+
+/// Two pinned buffers, a stream and two events on one GPU: double buffering between the GPU's
+/// copy engine and the socket.
+pub(crate) struct Stager {
+    stream: crate::gpu::Stream,
+    events: [crate::gpu::Event; 2],
+    stages: [Region; 2],
+    /// Whether `events[k]` was recorded since stage `k` was last waited for.
+    pending: [bool; 2],
+}
+
+fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -> Result<&'a mut Stager> {
+    let o = g.dev.ordinal;
+    if !map.contains_key(&o) {
+        let dev = &g.dev;
+        let st = Stager {
+            stream: crate::gpu::Stream::new(dev)?,
+            events: [crate::gpu::Event::new(dev)?, crate::gpu::Event::new(dev)?],
+            stages: [crate::gpu::PinnedAlloc::region(dev, STAGE_CHUNK)?, crate::gpu::PinnedAlloc::region(dev, STAGE_CHUNK)?],
+            pending: [false; 2],
+        };
+        map.insert(o, st);
+    }
+    map.get_mut(&o).ok_or_else(|| Error::internal("stager vanished"))
+}
+
+/// Long enough for any one chunk's copy; a stuck GPU fails the connection instead of hanging it.
+const STAGE_WAIT: Duration = Duration::from_secs(60);
+
+impl Stager {
+    fn wait(&mut self, k: usize) -> Result<()> {
+        if self.pending[k] {
+            if !self.events[k].wait(STAGE_WAIT)? {
+                return Err(Error::new(ErrorKind::Timeout, format!("a GPU staging copy did not finish in {STAGE_WAIT:?}")));
+            }
+            self.pending[k] = false;
+        }
+        Ok(())
+    }
+
+    /// Sends `len` bytes of GPU memory from `off`: chunk i+1 is copied to the host while chunk i
+    /// goes into the socket.
+    fn send(&mut self, out: &TcpStream, src: &GpuRegion, off: u64, len: u64) -> std::result::Result<(), StageError> {
+        src.check(off, len)?;
+        let chunks = len.div_ceil(STAGE_CHUNK as u64) as usize;
+        let size = |i: usize| (len - (i * STAGE_CHUNK) as u64).min(STAGE_CHUNK as u64) as usize;
+        let issue = |st: &mut Stager, i: usize| -> Result<()> {
+            let k = i % 2;
+            st.wait(k)?;
+            st.stream.copy_dtoh(st.stages[k].as_mut_ptr(), src.ptr + off + (i * STAGE_CHUNK) as u64, size(i))?;
+            st.stream.record(&st.events[k])?;
+            st.pending[k] = true;
+            Ok(())
+        };
+        if chunks > 0 {
+            issue(self, 0)?;
+        }
+        for i in 0..chunks {
+            if i + 1 < chunks {
+                issue(self, i + 1)?;
+            }
+            self.wait(i % 2)?;
+            send_vectored(out, &[self.stages[i % 2].part(0, size(i) as u64)?])?;
+        }
+        Ok(())
+    }
+
+    /// Receives `len` bytes into GPU memory at `off`: the socket fills one pinned buffer while
+    /// the other is copied to the GPU. Returns once the data is in GPU memory.
+    fn recv(&mut self, rd: &mut BufReader<TcpStream>, dst: &GpuRegion, off: u64, len: u64) -> std::result::Result<(), StageError> {
+        dst.check(off, len)?;
+        let mut done = 0u64;
+        let mut i = 0usize;
+        while done < len {
+            let n = (len - done).min(STAGE_CHUNK as u64) as usize;
+            let k = i % 2;
+            self.wait(k)?;
+            let b = rd.buffer().len().min(n);
+            self.stages[k].write(0, &rd.buffer()[..b])?;
+            rd.consume(b);
+            if b < n {
+                self.stages[k].recv_exact(b as u64, (n - b) as u64, rd.get_ref())?;
+            }
+            self.stream.copy_htod(dst.ptr + off + done, self.stages[k].as_mut_ptr(), n)?;
+            self.stream.record(&self.events[k])?;
+            self.pending[k] = true;
+            done += n as u64;
+            i += 1;
+        }
+        self.wait(0)?;
+        self.wait(1)?;
+        Ok(())
+    }
+
+    /// Sets or adds to a GPU word in stream order and waits for it.
+    fn token(&mut self, dst: &GpuRegion, off: u64, value: u64, add: bool) -> Result<()> {
+        dst.check(off, 8)?;
+        let addr = dst.ptr + off;
+        if add {
+            self.stream.atomic_add(addr, value)?;
+        } else if !self.stream.write_value64(addr, value)? {
+            // No stream memory operations on this device: copy from a pinned slot, then wait.
+            self.wait(0)?;
+            self.stages[0].write(0, &value.to_le_bytes())?;
+            self.stream.copy_htod(addr, self.stages[0].as_mut_ptr(), 8)?;
+        }
+        self.stream.synchronize()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The connection
 
 enum Op {
@@ -306,9 +439,13 @@ enum Op {
 }
 
 impl Op {
-    /// Whether the calling thread may send it (the sender thread sends larger writes).
+    /// Whether the calling thread may send it (the sender thread sends larger writes and
+    /// everything staged from GPU memory).
     fn inline(&self) -> bool {
-        self.payload() <= INLINE_LIMIT
+        match self {
+            Op::Write { src, len, .. } => *len <= INLINE_LIMIT && matches!(src.mem, Mem::Host(_)),
+            _ => true,
+        }
     }
     fn payload(&self) -> u64 {
         match self {
@@ -339,6 +476,8 @@ struct Shared {
     /// A clone of the incoming socket once it arrived, for shutdown.
     in_ctl: Mutex<Option<TcpStream>>,
     stop: AtomicBool,
+    /// Pinned staging per GPU for the sender.
+    stagers: Mutex<HashMap<u32, Stager>>,
     max_queue: u64,
     peer_desc: String,
     wait_limit: Duration,
@@ -445,24 +584,38 @@ impl Shared {
                 return;
             }
             let headers: Vec<FrameHeader> = batch.iter().map(|(seq, op)| self.header(*seq, op, applied)).collect();
-            let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.len());
-            for ((_, op), h) in batch.iter().zip(&headers) {
-                parts.push(h.as_bytes().into());
-                if let Op::Write { src, src_off, len, .. } = op {
-                    match src.region.part(*src_off, *len) {
-                        Ok(p) => parts.push(p),
-                        Err(e) => {
-                            self.fail(e);
-                            return;
-                        }
-                    }
-                }
-            }
-            if let Err(e) = send_vectored(out, &parts) {
-                self.fail(Error::remote(format!("sending to {} failed", self.peer_desc)).with_source(e));
+            if let Err(e) = self.send_batch(out, &batch, &headers) {
+                self.fail(e);
                 return;
             }
         }
+    }
+
+    /// Sends one batch: host payloads straight from their regions in one `sendmsg`; GPU
+    /// payloads staged through pinned memory, the copy of one chunk overlapping the send of the
+    /// previous one.
+    fn send_batch(&self, out: &mut TcpStream, batch: &[(u64, Op)], headers: &[FrameHeader]) -> Result<()> {
+        let io_err = |e: std::io::Error| Error::remote(format!("sending to {} failed", self.peer_desc)).with_source(e);
+        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.len());
+        for ((_, op), h) in batch.iter().zip(headers) {
+            parts.push(h.as_bytes().into());
+            if let Op::Write { src, src_off, len, .. } = op {
+                match &src.mem {
+                    Mem::Host(r) => parts.push(r.part(*src_off, *len)?),
+                    Mem::Gpu(g) => {
+                        send_vectored(out, &parts).map_err(io_err)?;
+                        parts.clear();
+                        let mut stagers = lock(&self.stagers);
+                        let st = stager_for(&mut stagers, g)?;
+                        st.send(out, g, *src_off, *len).map_err(|e| match e {
+                            StageError::Io(e) => io_err(e),
+                            StageError::Mscclpp(e) => e,
+                        })?;
+                    }
+                }
+            }
+        }
+        send_vectored(out, &parts).map_err(io_err)
     }
 
     fn header(&self, seq: u64, op: &Op, applied: u64) -> FrameHeader {
@@ -591,6 +744,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
         return;
     }
     let mut rd = BufReader::with_capacity(256 * 1024, s);
+    let mut stagers: HashMap<u32, Stager> = HashMap::new();
     let mut expect: u64 = 1;
     let mut last_acked: u64 = 0;
     let lookup = |id: u64| ctx.lookup_region(id);
@@ -623,31 +777,41 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                 return;
             }
         };
-        let applied = match (action, region) {
-            (Action::Write { offset, len }, Some(r)) => {
-                let buffered = rd.buffer().len().min(len as usize);
-                let mut res =
-                    r.region.write(offset, &rd.buffer()[..buffered]).map_err(|e| std::io::Error::other(e.to_string()));
-                rd.consume(buffered);
-                if res.is_ok() && (buffered as u64) < len {
-                    res = r.region.recv_exact(offset + buffered as u64, len - buffered as u64, rd.get_ref());
+        let applied: std::result::Result<(), StageError> = match (action, region) {
+            (Action::Write { offset, len }, Some(r)) => match &r.mem {
+                Mem::Host(reg) => (|| {
+                    let buffered = rd.buffer().len().min(len as usize);
+                    reg.write(offset, &rd.buffer()[..buffered])?;
+                    rd.consume(buffered);
+                    if (buffered as u64) < len {
+                        reg.recv_exact(offset + buffered as u64, len - buffered as u64, rd.get_ref())?;
+                    }
+                    Ok(())
+                })(),
+                Mem::Gpu(g) => stager_for(&mut stagers, g).map_err(StageError::from).and_then(|st| st.recv(&mut rd, g, offset, len)),
+            },
+            (Action::Set { offset, value }, Some(r)) | (Action::Add { offset, value }, Some(r)) => {
+                let add = h.op == OP_ADD;
+                match &r.mem {
+                    Mem::Host(reg) => reg
+                        .atomic_u64(offset)
+                        .map(|w| {
+                            if add {
+                                w.fetch_add(value, Ordering::AcqRel);
+                            } else {
+                                w.store(value, Ordering::Release);
+                            }
+                        })
+                        .map_err(StageError::from),
+                    Mem::Gpu(g) => stager_for(&mut stagers, g).and_then(|st| st.token(g, offset, value, add)).map_err(StageError::from),
                 }
-                res
             }
-            (Action::Set { offset, value }, Some(r)) => r
-                .region
-                .atomic_u64(offset)
-                .map(|w| w.store(value, Ordering::Release))
-                .map_err(|e| std::io::Error::other(e.to_string())),
-            (Action::Add { offset, value }, Some(r)) => r
-                .region
-                .atomic_u64(offset)
-                .map(|w| {
-                    w.fetch_add(value, Ordering::AcqRel);
-                })
-                .map_err(|e| std::io::Error::other(e.to_string())),
             _ => Ok(()),
         };
+        let applied = applied.map_err(|e| match e {
+            StageError::Io(e) => e.to_string(),
+            StageError::Mscclpp(e) => e.to_string(),
+        });
         if let Err(e) = applied {
             if !sh.stop.load(Ordering::Acquire) {
                 sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
@@ -821,6 +985,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         out_ctl,
         in_ctl: Mutex::new(None),
         stop: AtomicBool::new(false),
+        stagers: Mutex::new(HashMap::new()),
         max_queue,
         peer_desc: peer_desc.clone(),
         wait_limit: cfg.ethernet.connect_timeout,

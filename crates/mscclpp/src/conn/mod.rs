@@ -1,5 +1,6 @@
 //! Connections: the one-sided operations every transport implements, behind one handle.
 
+pub(crate) mod cuda_ipc;
 pub(crate) mod ethernet;
 
 use std::fmt;
@@ -259,6 +260,7 @@ impl Context {
         }
         match t {
             Transport::Ethernet => ethernet::connect(self, local, remote, peer).map_err(wrap),
+            Transport::CudaIpc => cuda_ipc::connect(self, local, remote, peer).map_err(wrap),
             other => Err(wrap(Error::not_available(format!("the {other} transport is not part of this build yet")))),
         }
     }

@@ -57,10 +57,11 @@ impl Drop for HostAlloc {
 /// the `unsafe` [`Region::from_raw`]. All access is bounds-checked and goes through raw pointers
 /// (never `&[u8]` over the region), because peers and the owner may touch it at the same time,
 /// as with any memory a NIC or DMA engine writes.
+#[derive(Clone)]
 pub(crate) struct Region {
     addr: usize,
     len: usize,
-    _keeper: Option<Arc<HostAlloc>>,
+    _keeper: Option<Arc<dyn Send + Sync>>,
 }
 
 impl std::fmt::Debug for Region {
@@ -83,6 +84,19 @@ impl Region {
     /// 2. Nothing frees or unmaps it before then.
     pub(crate) unsafe fn from_raw(ptr: *mut u8, len: usize) -> Region {
         Region { addr: ptr as usize, len, _keeper: None }
+    }
+
+    /// A region over memory that `keeper` owns.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` is valid for reads and writes for as long as `keeper` lives.
+    pub(crate) unsafe fn from_raw_kept(ptr: *mut u8, len: usize, keeper: Arc<dyn Send + Sync>) -> Region {
+        Region { addr: ptr as usize, len, _keeper: Some(keeper) }
+    }
+
+    /// The address as a raw pointer, for DMA by the GPU (valid while `self` lives).
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.addr as *mut u8
     }
 
     pub(crate) fn addr(&self) -> usize {

@@ -1,0 +1,211 @@
+//! The CUDA IPC transport: copies into a peer's GPU memory mapped into this process.
+//!
+//! Corrections to MSCCL++'s `CudaIpcConnection`:
+//! * one non-blocking stream per context **and device** (MSCCL++ shares the first connection's);
+//! * `update_and_sync` writes the token with `cuStreamWriteValue64` in stream order after the
+//!   data, at `dst + offset` (MSCCL++ adds the offset twice), falling back to a copy from a pinned
+//!   slot that cannot change before the copy runs;
+//! * `atomic_add` runs on the same stream, so `flush` covers it;
+//! * `flush(timeout)` polls an event, so the timeout holds, and returns CUDA errors as errors.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::{ConnInner, Connection, ConnectionImpl};
+use crate::context::{Context, lock};
+use crate::endpoint::Endpoint;
+use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::{Event, GpuDevice, Stream};
+use crate::memory::{Mem, RegisteredMemory};
+use crate::sys::hostmem::Region;
+use crate::transport::{Device, Transport};
+
+/// Pinned slots for the `update_and_sync` fallback; slot `i` is reused only after the event
+/// recorded behind its copy has passed.
+struct SlotRing {
+    slots: Region,
+    events: Vec<Option<Event>>,
+    next: usize,
+}
+
+const SLOTS: usize = 256;
+
+pub(crate) struct CudaIpcConnection {
+    dev: Arc<GpuDevice>,
+    stream: Arc<Stream>,
+    flush_event: Event,
+    failed: Mutex<Option<Error>>,
+    /// Operations since the last completed flush.
+    issued: AtomicU64,
+    flushed: AtomicU64,
+    ring: Mutex<Option<SlotRing>>,
+    peer_desc: String,
+    max_queue: usize,
+}
+
+impl CudaIpcConnection {
+    fn check_failed(&self) -> Result<()> {
+        match lock(&self.failed).as_ref() {
+            Some(e) => Err(e.duplicate()),
+            None => Ok(()),
+        }
+    }
+
+    /// A CUDA error breaks the connection: keep it for every later call.
+    fn record<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if e.kind() == ErrorKind::Cuda {
+                lock(&self.failed).get_or_insert_with(|| e.duplicate());
+            }
+        }
+        r
+    }
+
+    fn src_ptr(&self, src: &RegisteredMemory) -> Result<u64> {
+        match src.local().map(|l| &l.mem) {
+            Some(Mem::Gpu(g)) => Ok(g.ptr),
+            _ => Err(Error::invalid_usage("the source of a CUDA IPC write must be local GPU memory")),
+        }
+    }
+
+    fn token_fallback(&self, addr: u64, value: u64) -> Result<()> {
+        let mut g = lock(&self.ring);
+        if g.is_none() {
+            *g = Some(SlotRing {
+                slots: crate::gpu::PinnedAlloc::region(&self.dev, SLOTS * 8)?,
+                events: (0..SLOTS).map(|_| None).collect(),
+                next: 0,
+            });
+        }
+        let Some(ring) = g.as_mut() else { return Err(Error::internal("slot ring missing")) };
+        let i = ring.next;
+        ring.next = (i + 1) % SLOTS;
+        if let Some(ev) = &ring.events[i] {
+            if !ev.wait(Duration::from_secs(60))? {
+                return Err(Error::new(ErrorKind::Timeout, "a token slot's copy did not finish in 60 s"));
+            }
+        }
+        ring.slots.write((i * 8) as u64, &value.to_le_bytes())?;
+        // The slot's address stays valid while the ring (and its Region) lives.
+        let p = ring.slots.as_mut_ptr().wrapping_add(i * 8);
+        self.stream.copy_htod(addr, p, 8)?;
+        let ev = match ring.events[i].take() {
+            Some(e) => e,
+            None => Event::new(&self.dev)?,
+        };
+        self.stream.record(&ev)?;
+        ring.events[i] = Some(ev);
+        Ok(())
+    }
+}
+
+impl ConnectionImpl for CudaIpcConnection {
+    fn write(&self, dst: &RegisteredMemory, dst_off: u64, src: &RegisteredMemory, src_off: u64, len: u64) -> Result<()> {
+        self.check_failed()?;
+        let d = dst.gpu_ptr(&self.dev)?;
+        let s = self.src_ptr(src)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let r = self.stream.copy_dtod(d + dst_off, s + src_off, len);
+        self.issued.fetch_add(1, Ordering::Relaxed);
+        self.record(r)
+    }
+
+    fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, _old: u64, new: u64) -> Result<()> {
+        self.check_failed()?;
+        let addr = dst.gpu_ptr(&self.dev)? + dst_off;
+        let r = match self.stream.write_value64(addr, new) {
+            Ok(true) => Ok(()),
+            Ok(false) => self.token_fallback(addr, new),
+            Err(e) => Err(e),
+        };
+        self.issued.fetch_add(1, Ordering::Relaxed);
+        self.record(r)
+    }
+
+    fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
+        self.check_failed()?;
+        let addr = dst.gpu_ptr(&self.dev)? + dst_off;
+        let r = self.stream.atomic_add(addr, value as u64);
+        self.issued.fetch_add(1, Ordering::Relaxed);
+        self.record(r)
+    }
+
+    fn flush(&self, timeout: Duration) -> Result<()> {
+        self.check_failed()?;
+        let target = self.issued.load(Ordering::Relaxed);
+        let r = self.stream.wait_idle(&self.flush_event, timeout);
+        match self.record(r)? {
+            true => {
+                self.flushed.fetch_max(target, Ordering::Relaxed);
+                Ok(())
+            }
+            false => Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "{} operations on GPU{}'s stream toward {} not finished after {timeout:?}",
+                    target.saturating_sub(self.flushed.load(Ordering::Relaxed)),
+                    self.dev.ordinal,
+                    self.peer_desc
+                ),
+            )),
+        }
+    }
+
+    fn failure(&self) -> Option<Error> {
+        lock(&self.failed).as_ref().map(Error::duplicate)
+    }
+
+    fn max_write_queue_size(&self) -> usize {
+        self.max_queue
+    }
+
+    fn outstanding(&self) -> u64 {
+        self.issued.load(Ordering::Relaxed).saturating_sub(self.flushed.load(Ordering::Relaxed))
+    }
+}
+
+/// Builds a CUDA IPC connection.
+pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: Option<usize>) -> Result<Connection> {
+    let Device::Gpu(ordinal) = local.device() else {
+        return Err(Error::invalid_usage("a CUDA IPC connection needs a GPU as its local device"));
+    };
+    if remote.host_hash() != local.host_hash() {
+        return Err(Error::invalid_usage("CUDA IPC connects ranks on one host; the peer is on another"));
+    }
+    let dev = crate::gpu::device(ordinal)?;
+    if remote.process_hash() == local.process_hash() {
+        if let Device::Gpu(r) = remote.device() {
+            // Same process, another GPU: the pointer path needs peer access.
+            let rdev = crate::gpu::device(r)?;
+            dev.enable_peer_access(&rdev)?;
+        }
+    }
+    let stream = ctx.inner().cuda_stream(&dev)?;
+    let peer_desc = match peer {
+        Some(p) => format!("rank {p}"),
+        None => "the peer".to_string(),
+    };
+    let conn = CudaIpcConnection {
+        flush_event: Event::new(&dev)?,
+        dev,
+        stream,
+        failed: Mutex::new(None),
+        issued: AtomicU64::new(0),
+        flushed: AtomicU64::new(0),
+        ring: Mutex::new(None),
+        peer_desc: peer_desc.clone(),
+        max_queue: local.max_write_queue_size(),
+    };
+    Ok(Connection::from_inner(ConnInner {
+        imp: Box::new(conn),
+        transport: Transport::CudaIpc,
+        remote_transport: Transport::CudaIpc,
+        device: local.device(),
+        context: ctx.clone(),
+        peer,
+        peer_desc,
+    }))
+}
