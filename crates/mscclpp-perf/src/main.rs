@@ -26,7 +26,7 @@ pub enum TestKind {
 pub enum MemoryKind {
     /// Host memory.
     Host,
-    /// GPU memory (needs the CUDA support, not in this build yet).
+    /// GPU memory (`cuMemAlloc`), on `--device` (rank r uses device + r, modulo the count).
     Gpu,
 }
 
@@ -40,9 +40,12 @@ pub struct Args {
     /// Local ranks to start (ignored under mpirun/srun/torchrun, which set the ranks).
     #[arg(long, default_value_t = 2)]
     pub ranks: usize,
-    /// Transport: ethernet (cuda-ipc and ib come with their issues).
+    /// Transport: ethernet or cuda-ipc (ib comes with its issue).
     #[arg(long, default_value = "ethernet")]
     pub transport: String,
+    /// First GPU to use with --memory gpu (rank r uses device + r, modulo the device count).
+    #[arg(long, default_value_t = 0)]
+    pub device: u32,
     /// Memory of the buffers.
     #[arg(long, value_enum, default_value = "host")]
     pub memory: MemoryKind,
@@ -98,16 +101,29 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
 }
 
+impl Args {
+    /// Whether the transport is CUDA IPC (checked by `check`).
+    pub fn cuda_ipc(&self) -> bool {
+        matches!(self.transport.to_ascii_lowercase().as_str(), "cuda-ipc" | "cudaipc" | "ipc")
+    }
+}
+
 fn check(args: &Args) -> Result<(), String> {
     match args.transport.to_ascii_lowercase().as_str() {
-        "ethernet" | "eth" | "tcp" => {}
-        "cuda-ipc" | "ib" => {
-            return Err(format!("--transport {} is not supported by this build yet (only ethernet)", args.transport));
+        "ethernet" | "eth" | "tcp" | "cuda-ipc" | "cudaipc" | "ipc" => {}
+        "ib" => {
+            return Err(format!(
+                "--transport {} is not supported by this build yet (ethernet, cuda-ipc)",
+                args.transport
+            ));
         }
         t => return Err(format!("unknown --transport {t:?} (expected ethernet, cuda-ipc or ib)")),
     }
+    if args.cuda_ipc() && args.memory != MemoryKind::Gpu {
+        return Err("--transport cuda-ipc moves GPU memory: add --memory gpu".into());
+    }
     if args.memory == MemoryKind::Gpu {
-        return Err("--memory gpu needs the CUDA support, which this build does not have yet".into());
+        mscclpp::gpu::device_count().map_err(|e| format!("--memory gpu: {e}"))?;
     }
     if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
         return Err(format!(
@@ -154,8 +170,12 @@ mod tests {
     fn unsupported_choices_are_clear_errors() {
         let a = Args::parse_from(["mscclpp-perf", "--transport", "ib"]);
         assert!(check(&a).unwrap_err().contains("not supported"));
-        let a = Args::parse_from(["mscclpp-perf", "--memory", "gpu"]);
-        assert!(check(&a).unwrap_err().contains("CUDA"));
+        let a = Args::parse_from(["mscclpp-perf", "--transport", "cuda-ipc"]);
+        assert!(check(&a).unwrap_err().contains("--memory gpu"));
+        if mscclpp::gpu::device_count().is_err() {
+            let a = Args::parse_from(["mscclpp-perf", "--memory", "gpu"]);
+            assert!(check(&a).unwrap_err().contains("no CUDA driver found"));
+        }
         let a = Args::parse_from(["mscclpp-perf", "--transport", "carrier-pigeon"]);
         assert!(check(&a).unwrap_err().contains("unknown"));
         let a = Args::parse_from(["mscclpp-perf", "--min-bytes", "1M", "--max-bytes", "1K"]);

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mscclpp::{
-    Bootstrap, Buffer, Communicator, Connection, EndpointConfig, Host2HostSemaphore, RegisteredMemory, Transport,
+    Bootstrap, Buffer, Communicator, Connection, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore,
+    Host2HostSemaphore, RegisteredMemory, Transport,
 };
 
 use crate::Args;
@@ -36,11 +37,49 @@ fn iters_for(args: &Args, size: u64, budget: u64, lo: u64, hi: u64) -> u64 {
     args.iters.unwrap_or_else(|| (budget / size.max(1)).clamp(lo, hi)).max(1)
 }
 
+/// A buffer in host or GPU memory.
+enum Mem {
+    Host(Buffer),
+    Gpu(DeviceBuffer),
+}
+
+impl Mem {
+    fn memory(&self) -> &RegisteredMemory {
+        match self {
+            Mem::Host(b) => b.memory(),
+            Mem::Gpu(b) => b.memory(),
+        }
+    }
+}
+
+/// The semaphore: host-waited for Ethernet, GPU-side for CUDA IPC.
+enum Sem {
+    Host(Host2HostSemaphore),
+    Gpu(Host2DeviceSemaphore),
+}
+
+impl Sem {
+    fn signal(&self) -> mscclpp::Result<()> {
+        match self {
+            Sem::Host(s) => s.signal(),
+            Sem::Gpu(s) => s.signal(),
+        }
+    }
+    fn wait(&self, t: std::time::Duration) -> mscclpp::Result<()> {
+        match self {
+            Sem::Host(s) => s.wait(t),
+            Sem::Gpu(s) => s.wait(t),
+        }
+    }
+}
+
 struct Ours {
     conn: Connection,
-    sem: Host2HostSemaphore,
-    local: Buffer,
+    sem: Sem,
+    local: Mem,
     remote: RegisteredMemory,
+    /// A second local GPU buffer, the destination of the raw copy baseline.
+    scratch: Option<DeviceBuffer>,
 }
 
 struct Side {
@@ -63,16 +102,39 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     let peer = 1 - rank;
     let comm = Communicator::new(bs.clone());
     let len = args.max_bytes as usize;
-    let local = Buffer::new(comm.context(), len, Transport::Ethernet.into()).map_err(e2s)?;
-    let mut cfg = EndpointConfig::new(Transport::Ethernet);
+    let ipc = args.cuda_ipc();
+    let transport = if ipc { Transport::CudaIpc } else { Transport::Ethernet };
+    let gpu = match args.memory {
+        crate::MemoryKind::Gpu => {
+            let n = mscclpp::gpu::device_count().map_err(e2s)? as u32;
+            Some((args.device + rank as u32) % n.max(1))
+        }
+        crate::MemoryKind::Host => None,
+    };
+    let local = match gpu {
+        Some(d) => Mem::Gpu(DeviceBuffer::new(comm.context(), d, len, transport.into()).map_err(e2s)?),
+        None => Mem::Host(Buffer::new(comm.context(), len, transport.into()).map_err(e2s)?),
+    };
+    let mut cfg = EndpointConfig::new(transport);
     cfg.ethernet.interface = iface.clone();
+    if ipc {
+        cfg.device = Device::Gpu(gpu.unwrap_or(0));
+    }
     let pc = comm.connect(&cfg, peer, TAG_SETUP).map_err(e2s)?;
     comm.send_memory(local.memory(), peer, TAG_SETUP).map_err(e2s)?;
     let pm = comm.recv_memory(peer, TAG_SETUP).map_err(e2s)?;
     let conn = pc.wait().map_err(e2s)?;
     let remote = pm.wait().map_err(e2s)?;
-    let sem = Host2HostSemaphore::new(comm.build_semaphore(&conn, peer, TAG_SETUP).map_err(e2s)?.wait().map_err(e2s)?)
-        .map_err(e2s)?;
+    let raw = comm.build_semaphore(&conn, peer, TAG_SETUP).map_err(e2s)?.wait().map_err(e2s)?;
+    let sem = if ipc {
+        Sem::Gpu(Host2DeviceSemaphore::new(raw).map_err(e2s)?)
+    } else {
+        Sem::Host(Host2HostSemaphore::new(raw).map_err(e2s)?)
+    };
+    let scratch = match gpu {
+        Some(d) if ipc => Some(DeviceBuffer::new(comm.context(), d, len, mscclpp::TransportFlags::NONE).map_err(e2s)?),
+        _ => None,
+    };
     // The baseline: one plain TCP connection between the same two processes, same interface.
     let ip = interface_ip(iface)?;
     let sock = if rank == 1 {
@@ -88,7 +150,7 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     };
     sock.set_nodelay(true).map_err(|e| e.to_string())?;
     let _ = sock.set_read_timeout(Some(args.timeout()));
-    Ok(Side { rank, bs, ours: Ours { conn, sem, local, remote }, sock, raw: vec![0x5a; len] })
+    Ok(Side { rank, bs, ours: Ours { conn, sem, local, remote, scratch }, sock, raw: vec![0x5a; len] })
 }
 
 impl Side {
@@ -113,6 +175,61 @@ impl Side {
         let t0 = Instant::now();
         phase(iters)?;
         Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// CUDA IPC: seconds for `iters` writes of `size` into the peer's GPU buffer, then flush.
+    fn ipc_bw(&self, size: u64, warm: u64, iters: u64, t: std::time::Duration) -> Result<f64, String> {
+        let o = &self.ours;
+        if self.rank != 0 {
+            return Ok(1.0);
+        }
+        for _ in 0..warm {
+            o.conn.write(&o.remote, 0, o.local.memory(), 0, size).map_err(e2s)?;
+        }
+        o.conn.flush(t).map_err(e2s)?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            o.conn.write(&o.remote, 0, o.local.memory(), 0, size).map_err(e2s)?;
+        }
+        o.conn.flush(t).map_err(e2s)?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// The raw copy engine: the same copies inside one process.
+    fn dtod_bw(&self, size: u64, warm: u64, iters: u64) -> Result<f64, String> {
+        match (&self.ours.local, &self.ours.scratch) {
+            (Mem::Gpu(src), Some(dst)) if self.rank == 0 => {
+                Ok(mscclpp::gpu::baseline_dtod(src, dst, size as usize, warm, iters).map_err(e2s)?.as_secs_f64())
+            }
+            _ => Ok(1.0),
+        }
+    }
+
+    /// CUDA IPC: seconds per `update_and_sync` + `flush` of the peer's token.
+    fn ipc_signal_latency(&self, warm: u64, iters: u64, t: std::time::Duration) -> Result<f64, String> {
+        if self.rank != 0 {
+            return Ok(1.0);
+        }
+        let o = &self.ours;
+        let mut t0 = Instant::now();
+        for i in 0..warm + iters {
+            if i == warm {
+                t0 = Instant::now();
+            }
+            o.sem.signal().map_err(e2s)?;
+            o.conn.flush(t).map_err(e2s)?;
+        }
+        Ok(t0.elapsed().as_secs_f64() / iters as f64)
+    }
+
+    /// The raw small operation: an 8-byte host-to-device copy and a synchronize.
+    fn h2d_latency(&self, warm: u64, iters: u64) -> Result<f64, String> {
+        match &self.ours.scratch {
+            Some(dst) if self.rank == 0 => {
+                Ok(mscclpp::gpu::baseline_h2d_8b(dst, warm, iters).map_err(e2s)?.as_secs_f64())
+            }
+            _ => Ok(1.0),
+        }
     }
 
     fn base_bw(&mut self, size: u64, warm: u64, iters: u64) -> Result<f64, String> {
@@ -200,18 +317,34 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
         );
         b
     });
-    let mut records = Vec::new();
+    let mut records: Vec<Record> = Vec::new();
     for &size in &sizes {
         if let Some(b) = &bar {
             b.set_message(crate::report::human(size));
         }
         let bw_iters = iters_for(args, size, 512 << 20, 10, 2000);
         let lat_iters = iters_for(args, size, 64 << 20, 5, 1000);
-        let ours_bw = side.ours_bw(size, args.warmup, bw_iters, t)?;
-        side.bs.barrier().map_err(e2s)?;
-        let base_bw = side.base_bw(size, args.warmup, bw_iters)?;
-        let ours_rtt = side.ours_rtt(size, args.warmup, lat_iters, t)?;
-        let base_rtt = side.base_rtt(size, args.warmup, lat_iters)?;
+        let ipc = args.cuda_ipc();
+        let (ours_bw, base_bw, ours_rtt, base_rtt) = if ipc {
+            let bw_iters_ipc = bw_iters;
+            let ob = side.ipc_bw(size, args.warmup, bw_iters_ipc, t)?;
+            side.bs.barrier().map_err(e2s)?;
+            let bb = side.dtod_bw(size, args.warmup, bw_iters_ipc)?;
+            // Latency: the small-operation figures do not depend on the size; measure at the
+            // smallest size only and repeat it in every row.
+            let (or, br) = match records.first() {
+                Some(r0) => (r0.ours_rtt_us / 1e6, r0.baseline_rtt_us / 1e6),
+                None => (side.ipc_signal_latency(args.warmup, 1000, t)?, side.h2d_latency(args.warmup, 1000)?),
+            };
+            (ob, bb, or, br)
+        } else {
+            let ob = side.ours_bw(size, args.warmup, bw_iters, t)?;
+            side.bs.barrier().map_err(e2s)?;
+            let bb = side.base_bw(size, args.warmup, bw_iters)?;
+            let or = side.ours_rtt(size, args.warmup, lat_iters, t)?;
+            let br = side.base_rtt(size, args.warmup, lat_iters)?;
+            (ob, bb, or, br)
+        };
         side.ours.conn.flush(t).map_err(e2s)?;
         bs.barrier().map_err(e2s)?;
         let gb = |secs: f64| (size * bw_iters) as f64 / secs / 1e9;
@@ -232,11 +365,21 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
         b.finish_and_clear();
     }
     if rank == 0 {
+        let ipc = args.cuda_ipc();
         let report = Report {
             test: "p2p".into(),
-            transport: "ethernet".into(),
-            memory: "host".into(),
-            baseline: "plain TCP socket, same processes and interface".into(),
+            transport: if ipc { "cuda-ipc".into() } else { "ethernet".into() },
+            memory: match args.memory {
+                crate::MemoryKind::Host => "host".into(),
+                crate::MemoryKind::Gpu => format!("gpu (device {} + rank)", args.device),
+            },
+            baseline: if ipc {
+                "bandwidth: cuMemcpyDtoDAsync in one process; latency column: ours = update_and_sync + flush, \
+                 baseline = 8-byte pinned cuMemcpyHtoDAsync + synchronize"
+                    .into()
+            } else {
+                "plain TCP socket between the same processes and interface (host memory)".into()
+            },
             ranks: bs.size(),
             interface: iface.unwrap_or_else(|| "default".into()),
             records,

@@ -67,11 +67,13 @@ pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
 pub use context::Context;
 pub use endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use error::{Error, ErrorContext, ErrorKind, Result};
+pub use gpu::DeviceBuffer;
 pub use identity::{host_hash, process_hash};
 #[cfg(feature = "logging")]
 pub use logging::init_logging;
-pub use gpu::DeviceBuffer;
 pub use memory::{Buffer, IbMrInfo, RegisteredMemory};
-pub use semaphore::{Host2DeviceSemaphore, Host2DeviceSemaphoreDeviceHandle, Host2HostSemaphore, Semaphore, SemaphoreStub};
+pub use semaphore::{
+    Host2DeviceSemaphore, Host2DeviceSemaphoreDeviceHandle, Host2HostSemaphore, Semaphore, SemaphoreStub,
+};
 pub use sys::numa::{bind_thread_to_node, pci_numa_node};
 pub use transport::{Device, EndpointConfig, EthernetConfig, IbConfig, IbMode, Transport, TransportFlags};

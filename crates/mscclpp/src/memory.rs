@@ -94,8 +94,9 @@ impl Drop for LocalRegion {
 struct MemInner {
     desc: MemoryDesc,
     local: Option<Arc<LocalRegion>>,
-    /// A peer's GPU memory mapped into this process through CUDA IPC, on first use.
-    import: OnceLock<Arc<crate::gpu::IpcMapping>>,
+    /// A peer's GPU memory mapped into this process through CUDA IPC on first use, and the
+    /// address of the registered range in that mapping.
+    import: OnceLock<(Arc<crate::gpu::IpcMapping>, u64)>,
 }
 
 /// Memory that connections may read from or write into: a local registration, or a peer's
@@ -237,22 +238,18 @@ impl RegisteredMemory {
         if d.process_hash == crate::identity::process_hash() {
             return Ok(d.addr);
         }
-        if let Some(m) = self.inner.import.get() {
-            return Ok(m.base + self.ipc_offset()?);
+        if let Some((_, p)) = self.inner.import.get() {
+            return Ok(*p);
         }
-        let bytes = d.cuda_ipc.as_ref().ok_or_else(|| Error::invalid_usage("the peer's memory carries no CUDA IPC handle"))?;
+        let bytes =
+            d.cuda_ipc.as_ref().ok_or_else(|| Error::invalid_usage("the peer's memory carries no CUDA IPC handle"))?;
         let info = crate::gpu::IpcInfo::decode(bytes)?;
         let m = crate::gpu::ipc_open(&info, dev)?;
         if info.offset.checked_add(d.len).is_none_or(|e| e > m.size) {
             return Err(Error::invalid_usage("the peer's memory extends past its CUDA allocation"));
         }
-        let m = self.inner.import.get_or_init(|| m).clone();
-        Ok(m.base + info.offset)
-    }
-
-    fn ipc_offset(&self) -> Result<u64> {
-        let bytes = self.inner.desc.cuda_ipc.as_ref().ok_or_else(|| Error::internal("no CUDA IPC info"))?;
-        Ok(crate::gpu::IpcInfo::decode(bytes)?.offset)
+        let p = m.base + info.offset;
+        Ok(self.inner.import.get_or_init(|| (m, p)).1)
     }
 
     /// Checks that `[offset, offset + len)` is inside this memory.

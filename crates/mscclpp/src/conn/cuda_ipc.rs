@@ -34,7 +34,6 @@ const SLOTS: usize = 256;
 pub(crate) struct CudaIpcConnection {
     dev: Arc<GpuDevice>,
     stream: Arc<Stream>,
-    flush_event: Event,
     failed: Mutex<Option<Error>>,
     /// Operations since the last completed flush.
     issued: AtomicU64,
@@ -101,7 +100,14 @@ impl CudaIpcConnection {
 }
 
 impl ConnectionImpl for CudaIpcConnection {
-    fn write(&self, dst: &RegisteredMemory, dst_off: u64, src: &RegisteredMemory, src_off: u64, len: u64) -> Result<()> {
+    fn write(
+        &self,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        src: &RegisteredMemory,
+        src_off: u64,
+        len: u64,
+    ) -> Result<()> {
         self.check_failed()?;
         let d = dst.gpu_ptr(&self.dev)?;
         let s = self.src_ptr(src)?;
@@ -136,7 +142,7 @@ impl ConnectionImpl for CudaIpcConnection {
     fn flush(&self, timeout: Duration) -> Result<()> {
         self.check_failed()?;
         let target = self.issued.load(Ordering::Relaxed);
-        let r = self.stream.wait_idle(&self.flush_event, timeout);
+        let r = self.stream.wait_idle(timeout);
         match self.record(r)? {
             true => {
                 self.flushed.fetch_max(target, Ordering::Relaxed);
@@ -189,7 +195,6 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         None => "the peer".to_string(),
     };
     let conn = CudaIpcConnection {
-        flush_event: Event::new(&dev)?,
         dev,
         stream,
         failed: Mutex::new(None),

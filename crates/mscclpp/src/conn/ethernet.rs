@@ -330,18 +330,22 @@ pub(crate) struct Stager {
 }
 
 fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -> Result<&'a mut Stager> {
-    let o = g.dev.ordinal;
-    if !map.contains_key(&o) {
-        let dev = &g.dev;
-        let st = Stager {
-            stream: crate::gpu::Stream::new(dev)?,
-            events: [crate::gpu::Event::new(dev)?, crate::gpu::Event::new(dev)?],
-            stages: [crate::gpu::PinnedAlloc::region(dev, STAGE_CHUNK)?, crate::gpu::PinnedAlloc::region(dev, STAGE_CHUNK)?],
-            pending: [false; 2],
-        };
-        map.insert(o, st);
+    use std::collections::hash_map::Entry;
+    match map.entry(g.dev.ordinal) {
+        Entry::Occupied(e) => Ok(e.into_mut()),
+        Entry::Vacant(v) => {
+            let dev = &g.dev;
+            Ok(v.insert(Stager {
+                stream: crate::gpu::Stream::new(dev)?,
+                events: [crate::gpu::Event::new(dev)?, crate::gpu::Event::new(dev)?],
+                stages: [
+                    crate::gpu::PinnedAlloc::region(dev, STAGE_CHUNK)?,
+                    crate::gpu::PinnedAlloc::region(dev, STAGE_CHUNK)?,
+                ],
+                pending: [false; 2],
+            }))
+        }
     }
-    map.get_mut(&o).ok_or_else(|| Error::internal("stager vanished"))
 }
 
 /// Long enough for any one chunk's copy; a stuck GPU fails the connection instead of hanging it.
@@ -351,7 +355,10 @@ impl Stager {
     fn wait(&mut self, k: usize) -> Result<()> {
         if self.pending[k] {
             if !self.events[k].wait(STAGE_WAIT)? {
-                return Err(Error::new(ErrorKind::Timeout, format!("a GPU staging copy did not finish in {STAGE_WAIT:?}")));
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("a GPU staging copy did not finish in {STAGE_WAIT:?}"),
+                ));
             }
             self.pending[k] = false;
         }
@@ -387,7 +394,13 @@ impl Stager {
 
     /// Receives `len` bytes into GPU memory at `off`: the socket fills one pinned buffer while
     /// the other is copied to the GPU. Returns once the data is in GPU memory.
-    fn recv(&mut self, rd: &mut BufReader<TcpStream>, dst: &GpuRegion, off: u64, len: u64) -> std::result::Result<(), StageError> {
+    fn recv(
+        &mut self,
+        rd: &mut BufReader<TcpStream>,
+        dst: &GpuRegion,
+        off: u64,
+        len: u64,
+    ) -> std::result::Result<(), StageError> {
         dst.check(off, len)?;
         let mut done = 0u64;
         let mut i = 0usize;
@@ -788,7 +801,9 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                     }
                     Ok(())
                 })(),
-                Mem::Gpu(g) => stager_for(&mut stagers, g).map_err(StageError::from).and_then(|st| st.recv(&mut rd, g, offset, len)),
+                Mem::Gpu(g) => stager_for(&mut stagers, g)
+                    .map_err(StageError::from)
+                    .and_then(|st| st.recv(&mut rd, g, offset, len)),
             },
             (Action::Set { offset, value }, Some(r)) | (Action::Add { offset, value }, Some(r)) => {
                 let add = h.op == OP_ADD;
@@ -803,7 +818,9 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                             }
                         })
                         .map_err(StageError::from),
-                    Mem::Gpu(g) => stager_for(&mut stagers, g).and_then(|st| st.token(g, offset, value, add)).map_err(StageError::from),
+                    Mem::Gpu(g) => stager_for(&mut stagers, g)
+                        .and_then(|st| st.token(g, offset, value, add))
+                        .map_err(StageError::from),
                 }
             }
             _ => Ok(()),
@@ -1000,9 +1017,35 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let mut conn = EthernetConnection { sh: sh.clone(), remote_context, threads: Vec::new() };
     let (s1, s2, s3) = (sh.clone(), sh.clone(), sh.clone());
     let ctx_inner = ctx.inner().clone();
-    threads.push(spawn("mscclpp-eth-tx", Box::new(move || sender_loop(s1)))?);
+    // Threads serving a GPU run on its NUMA node (where its staging copies are cheapest); for
+    // host memory they are left to the scheduler.
+    let node = match local.device() {
+        crate::Device::Gpu(d) => crate::gpu::numa_node(d),
+        crate::Device::Cpu => None,
+    };
+    let pin = move |name: &str| {
+        if let Some(n) = node {
+            match crate::sys::numa::bind_thread_to_node(n) {
+                Ok(()) => debug!(target: LOG, "{name} bound to NUMA node {n}"),
+                Err(e) => warn!(target: LOG, "{name}: could not bind to NUMA node {n}: {e}"),
+            }
+        }
+    };
+    threads.push(spawn(
+        "mscclpp-eth-tx",
+        Box::new(move || {
+            pin("mscclpp-eth-tx");
+            sender_loop(s1)
+        }),
+    )?);
     threads.push(spawn("mscclpp-eth-ack", Box::new(move || ack_loop(s2, ack_sock)))?);
-    threads.push(spawn("mscclpp-eth-rx", Box::new(move || receiver_loop(s3, ctx_inner, acceptor, deadline)))?);
+    threads.push(spawn(
+        "mscclpp-eth-rx",
+        Box::new(move || {
+            pin("mscclpp-eth-rx");
+            receiver_loop(s3, ctx_inner, acceptor, deadline)
+        }),
+    )?);
     conn.threads = threads;
     debug!(target: LOG, "Ethernet connection to {peer_desc} established");
     Ok(Connection::from_inner(ConnInner {

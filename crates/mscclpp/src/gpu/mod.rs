@@ -127,6 +127,11 @@ pub(crate) fn device(ordinal: u32) -> Result<Arc<GpuDevice>> {
 impl GpuDevice {
     /// Makes this device's primary context current on the calling thread.
     pub(crate) fn bind(&self) -> Result<()> {
+        // Asking is cheaper than setting (a thread-local read in the driver), and asking rather
+        // than caching keeps us right when user code switches contexts on this thread.
+        if result::ctx::get_current().ok().flatten() == Some(self.ctx) {
+            return Ok(());
+        }
         // SAFETY: ctx is a retained primary context (never released).
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cuda_err("cuCtxSetCurrent", e))
     }
@@ -198,7 +203,8 @@ impl Stream {
         self.dev.bind()?;
         // SAFETY: callers pass ranges checked against live allocations (GpuRegion::check) that
         // outlive the copy (kept alive until flush/synchronize).
-        unsafe { result::memcpy_dtod_async(dst, src, n as usize, self.raw) }.map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))
+        unsafe { result::memcpy_dtod_async(dst, src, n as usize, self.raw) }
+            .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))
     }
 
     /// Copies host memory (pinned, kept alive by the caller until the copy completes) to the device.
@@ -223,7 +229,12 @@ impl Stream {
         self.dev.bind()?;
         // SAFETY: addr is a checked, 8-byte aligned word of a live allocation.
         let r = unsafe {
-            sys::cuStreamWriteValue64_v2(self.raw, addr, value, sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32)
+            sys::cuStreamWriteValue64_v2(
+                self.raw,
+                addr,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
         };
         if r == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED {
             return Ok(false);
@@ -258,10 +269,21 @@ impl Stream {
         unsafe { result::stream::synchronize(self.raw) }.map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 
+    /// Whether all work submitted so far has finished.
+    pub(crate) fn idle(&self) -> Result<bool> {
+        self.dev.bind()?;
+        // SAFETY: raw is a live stream.
+        let r = unsafe { sys::cuStreamQuery(self.raw) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check("cuStreamQuery", r).map(|_| true)
+    }
+
     /// Waits (polling, so the wait is bounded) until all work submitted so far finished.
-    pub(crate) fn wait_idle(&self, ev: &Event, timeout: Duration) -> Result<bool> {
-        self.record(ev)?;
-        ev.wait(timeout)
+    /// `Ok(false)` on timeout.
+    pub(crate) fn wait_idle(&self, timeout: Duration) -> Result<bool> {
+        poll_until(timeout, || self.idle())
     }
 }
 
@@ -290,7 +312,8 @@ unsafe impl Sync for Event {}
 impl Event {
     pub(crate) fn new(dev: &Arc<GpuDevice>) -> Result<Event> {
         dev.bind()?;
-        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| cuda_err("cuEventCreate", e))?;
+        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| cuda_err("cuEventCreate", e))?;
         Ok(Event { raw, dev: dev.clone() })
     }
 
@@ -305,26 +328,30 @@ impl Event {
         check("cuEventQuery", r).map(|_| true)
     }
 
-    /// Polls until done or `timeout` (spinning, yielding, then sleeping briefly). `Ok(false)` on timeout.
+    /// Polls until done or `timeout`. `Ok(false)` on timeout.
     pub(crate) fn wait(&self, timeout: Duration) -> Result<bool> {
-        let start = Instant::now();
-        let mut n = 0u32;
-        loop {
-            if self.done()? {
-                return Ok(true);
-            }
-            let el = start.elapsed();
-            if el >= timeout {
-                return Ok(false);
-            }
-            n += 1;
-            if el < Duration::from_micros(200) {
-                std::hint::spin_loop();
-            } else if el < Duration::from_millis(2) || n % 2 == 0 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
+        poll_until(timeout, || self.done())
+    }
+}
+
+/// Polls `ready` until it is true or `timeout` passes: spinning for 200 us, yielding until 2 ms,
+/// then sleeping 50 us between polls. `Ok(false)` on timeout.
+fn poll_until(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<bool> {
+    let start = Instant::now();
+    loop {
+        if ready()? {
+            return Ok(true);
+        }
+        let el = start.elapsed();
+        if el >= timeout {
+            return Ok(false);
+        }
+        if el < Duration::from_micros(200) {
+            std::hint::spin_loop();
+        } else if el < Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
         }
     }
 }
@@ -548,6 +575,45 @@ impl DeviceBuffer {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Raw baselines for mscclpp-perf
+
+/// Times `iters` plain `cuMemcpyDtoDAsync` copies of `size` bytes from `src` to `dst` on one
+/// stream of the same process (after `warmup` untimed ones): the raw copy-engine baseline.
+pub fn baseline_dtod(src: &DeviceBuffer, dst: &DeviceBuffer, size: usize, warmup: u64, iters: u64) -> Result<Duration> {
+    src.region.check(0, size as u64)?;
+    dst.region.check(0, size as u64)?;
+    let s = Stream::new(&src.region.dev)?;
+    for _ in 0..warmup {
+        s.copy_dtod(dst.region.ptr, src.region.ptr, size as u64)?;
+    }
+    s.synchronize()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        s.copy_dtod(dst.region.ptr, src.region.ptr, size as u64)?;
+    }
+    s.synchronize()?;
+    Ok(t0.elapsed())
+}
+
+/// Times `iters` plain 8-byte host-to-device copies from pinned memory, each followed by a stream
+/// synchronize: the raw small-operation latency baseline. Returns the time per operation.
+pub fn baseline_h2d_8b(dst: &DeviceBuffer, warmup: u64, iters: u64) -> Result<Duration> {
+    dst.region.check(0, 8)?;
+    let s = Stream::new(&dst.region.dev)?;
+    let slot = PinnedAlloc::region(&dst.region.dev, 8)?;
+    let mut t0 = Instant::now();
+    for i in 0..warmup + iters {
+        if i == warmup {
+            t0 = Instant::now();
+        }
+        slot.write(0, &i.to_le_bytes())?;
+        s.copy_htod(dst.region.ptr, slot.as_mut_ptr(), 8)?;
+        s.synchronize()?;
+    }
+    Ok(t0.elapsed() / iters.max(1) as u32)
+}
+
+// ---------------------------------------------------------------------------------------------
 // CUDA IPC
 
 /// What a peer process needs to map a device allocation: the legacy IPC handle of the
@@ -674,7 +740,8 @@ fn atomic_add_function(dev: &Arc<GpuDevice>) -> Result<&'static Func> {
     dev.bind()?;
     let image = CString::new(ATOMIC_ADD_PTX).map_err(|_| Error::internal("PTX contains a NUL byte"))?;
     // SAFETY: image is a NUL-terminated PTX text; the module stays loaded for the process.
-    let module = unsafe { result::module::load_data(image.as_ptr().cast()) }.map_err(|e| cuda_err("cuModuleLoadData", e))?;
+    let module =
+        unsafe { result::module::load_data(image.as_ptr().cast()) }.map_err(|e| cuda_err("cuModuleLoadData", e))?;
     let name = CString::new(ATOMIC_ADD_ENTRY).map_err(|_| Error::internal("bad entry name"))?;
     // SAFETY: module is loaded and never unloaded; name is NUL-terminated.
     let f = unsafe { result::module::get_function(module, name) }.map_err(|e| cuda_err("cuModuleGetFunction", e))?;

@@ -85,7 +85,7 @@ pub fn spawn_some(
         .iter()
         .map(|&r| {
             let mut c = Command::new(&exe);
-            c.args(["--exact", name, "--nocapture", "--test-threads=1"])
+            c.args(["--exact", name, "--nocapture", "--test-threads=1", "--include-ignored"])
                 .env("MSCCLPP_TEST_RANK", r.to_string())
                 .env("MSCCLPP_TEST_SIZE", size.to_string())
                 .env("MSCCLPP_TEST_ID", id.to_string())

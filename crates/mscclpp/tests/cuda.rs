@@ -1,0 +1,315 @@
+//! GPU tests: run on a machine with a CUDA GPU with `--ignored` (see `scripts/gpu-bundle.sh`).
+//! Two processes share GPU 0 when there is only one.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Rank, pattern, spawn_ranks};
+use mscclpp::{
+    Bootstrap, Buffer, Communicator, Connection, Context, Device, DeviceBuffer, EndpointConfig, ErrorKind,
+    Host2DeviceSemaphore, RegisteredMemory, Transport,
+};
+
+const T: Duration = Duration::from_secs(60);
+
+fn gpu_for(rank: usize) -> u32 {
+    let n = mscclpp::gpu::device_count().expect("CUDA device count");
+    (rank % n) as u32
+}
+
+fn ipc_cfg(dev: u32) -> EndpointConfig {
+    EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev))
+}
+
+struct Pair {
+    bs: Arc<dyn Bootstrap>,
+    comm: Communicator,
+    conn: Connection,
+    local: DeviceBuffer,
+    remote: RegisteredMemory,
+    sem: Host2DeviceSemaphore,
+}
+
+fn pair(r: &Rank, cfg: EndpointConfig, len: usize, transports: mscclpp::TransportFlags) -> Pair {
+    let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
+    pair_on(bs, r, cfg, len, transports)
+}
+
+fn pair_on(
+    bs: Arc<dyn Bootstrap>,
+    r: &Rank,
+    cfg: EndpointConfig,
+    len: usize,
+    transports: mscclpp::TransportFlags,
+) -> Pair {
+    let comm = Communicator::new(bs.clone());
+    let peer = 1 - r.rank;
+    let dev = gpu_for(r.rank);
+    let local = DeviceBuffer::new(comm.context(), dev, len, transports).unwrap();
+    let pc = comm.connect(&cfg, peer, 0).unwrap();
+    comm.send_memory(local.memory(), peer, 1).unwrap();
+    let pm = comm.recv_memory(peer, 1).unwrap();
+    let conn = pc.wait().unwrap();
+    let remote = pm.wait().unwrap();
+    let sem = Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
+    bs.barrier().unwrap();
+    Pair { bs, comm, conn, local, remote, sem }
+}
+
+/// CUDA IPC writes of 1 B .. 1 GiB at varied offsets between two processes, each verified; the
+/// imported mapping is released when the last handle goes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_ipc_writes_all_sizes() {
+    const CAP: usize = (1 << 30) + (1 << 20);
+    if let Some(r) = Rank::from_env() {
+        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), CAP, Transport::CudaIpc.into());
+        let sizes = [1usize, 7, 4096, 65537, (1 << 20) + 3, 16 << 20, 256 << 20, 1 << 30];
+        let src = DeviceBuffer::new(p.comm.context(), gpu_for(r.rank), CAP, Transport::CudaIpc.into()).unwrap();
+        for (i, &len) in sizes.iter().enumerate() {
+            let off = (i * 4099) % (CAP - len);
+            if r.rank == 0 {
+                let data = pattern(i as u64, len);
+                src.write(3, &data).unwrap();
+                p.conn.write(&p.remote, off as u64, src.memory(), 3, len as u64).unwrap();
+                p.sem.signal().unwrap();
+                p.conn.flush(T).unwrap();
+            } else {
+                p.sem.wait(T).unwrap();
+                let mut got = vec![0u8; len];
+                p.local.read(off, &mut got).unwrap();
+                assert!(got == pattern(i as u64, len), "size {len} at offset {off} differs");
+            }
+            p.bs.barrier().unwrap();
+        }
+        if r.rank == 0 {
+            assert!(mscclpp::gpu::ipc_mapped_count() >= 1, "the peer's buffer should be mapped");
+            let Pair { conn, remote, sem, .. } = p;
+            drop((conn, remote, sem));
+            assert_eq!(mscclpp::gpu::ipc_mapped_count(), 0, "mappings must be released with the last handle");
+            println!("RESULT ipc mapping released after the last handle");
+        } else {
+            p.bs.barrier().unwrap();
+            return;
+        }
+        p.bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("cuda_ipc_writes_all_sizes", 2, &[]).assert_success();
+}
+
+/// Many writes each followed by a signal, issued back to back: whenever the waiter sees token k,
+/// the data of write k is there.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_ipc_token_never_overtakes_data() {
+    const SLOT: usize = 4 << 20;
+    const N: usize = 48;
+    if let Some(r) = Rank::from_env() {
+        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), SLOT * N, Transport::CudaIpc.into());
+        if r.rank == 0 {
+            let src = DeviceBuffer::new(p.comm.context(), gpu_for(0), SLOT * N, Transport::CudaIpc.into()).unwrap();
+            for i in 0..N {
+                src.write(i * SLOT, &pattern(100 + i as u64, SLOT)).unwrap();
+            }
+            for i in 0..N {
+                p.conn.write(&p.remote, (i * SLOT) as u64, src.memory(), (i * SLOT) as u64, SLOT as u64).unwrap();
+                p.sem.signal().unwrap();
+            }
+            p.conn.flush(T).unwrap();
+        } else {
+            let mut checked = 0;
+            while checked < N {
+                let tok = p.sem.inbound_token().unwrap() as usize;
+                // Everything up to the token must be complete.
+                while checked < tok.min(N) {
+                    let mut got = vec![0u8; SLOT];
+                    p.local.read(checked * SLOT, &mut got).unwrap();
+                    assert!(got == pattern(100 + checked as u64, SLOT), "token {tok} arrived before data {checked}");
+                    checked += 1;
+                }
+            }
+        }
+        p.bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("cuda_ipc_token_never_overtakes_data", 2, &[]).assert_success();
+}
+
+/// Atomic adds from both processes into one GPU word: rank 0 through CUDA IPC, rank 1 through a
+/// connection to itself (the same-process pointer path), at the same time.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_ipc_atomic_add_from_both_processes() {
+    const N: i64 = 2000;
+    if let Some(r) = Rank::from_env() {
+        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), 4096, Transport::CudaIpc.into());
+        // A self-connection on rank 1 (tag 5), to reach its own buffer.
+        let self_conn =
+            if r.rank == 1 { Some(p.comm.connect(&ipc_cfg(gpu_for(1)), 1, 5).unwrap().wait().unwrap()) } else { None };
+        p.bs.barrier().unwrap();
+        if r.rank == 0 {
+            for _ in 0..N {
+                p.conn.atomic_add(&p.remote, 8, 3).unwrap();
+            }
+            p.conn.flush(T).unwrap();
+        } else {
+            let c = self_conn.as_ref().unwrap();
+            for _ in 0..N {
+                c.atomic_add(p.local.memory(), 8, 4).unwrap();
+            }
+            c.flush(T).unwrap();
+        }
+        p.bs.barrier().unwrap();
+        if r.rank == 1 {
+            assert_eq!(p.local.read_u64(8).unwrap() as i64, 7 * N);
+        }
+        p.bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("cuda_ipc_atomic_add_from_both_processes", 2, &[]).assert_success();
+}
+
+/// flush with a short timeout behind a long copy returns Timeout; a longer one then succeeds.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_ipc_flush_times_out_behind_long_copies() {
+    if let Some(r) = Rank::from_env() {
+        let len = 1usize << 30;
+        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), len, Transport::CudaIpc.into());
+        if r.rank == 0 {
+            let src = DeviceBuffer::new(p.comm.context(), gpu_for(0), len, Transport::CudaIpc.into()).unwrap();
+            for _ in 0..200 {
+                p.conn.write(&p.remote, 0, src.memory(), 0, len as u64).unwrap();
+            }
+            let t0 = Instant::now();
+            let e = p.conn.flush(Duration::from_millis(1)).unwrap_err();
+            let el = t0.elapsed();
+            assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+            assert_eq!(e.peer(), Some(1), "{e}");
+            assert!(el < Duration::from_millis(200), "{el:?}");
+            println!("RESULT {e} (after {el:?})");
+            p.conn.flush(T).unwrap();
+            assert_eq!(p.conn.outstanding(), 0);
+        }
+        p.bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("cuda_ipc_flush_times_out_behind_long_copies", 2, &[]).assert_success();
+}
+
+/// One process, two contexts on one GPU: the connection uses the pointer itself (no IPC mapping).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn same_process_cuda_ipc_uses_the_pointer() {
+    let (a, b) = (Context::new(), Context::new());
+    let ea = a.create_endpoint(&ipc_cfg(0)).unwrap();
+    let eb = b.create_endpoint(&ipc_cfg(0)).unwrap();
+    let ca = a.connect(&ea, &mscclpp::Endpoint::deserialize(&eb.serialize()).unwrap()).unwrap();
+    let _cb = b.connect(&eb, &mscclpp::Endpoint::deserialize(&ea.serialize()).unwrap()).unwrap();
+    let src = DeviceBuffer::new(&a, 0, 1 << 20, Transport::CudaIpc.into()).unwrap();
+    let dst = DeviceBuffer::new(&b, 0, 1 << 20, Transport::CudaIpc.into()).unwrap();
+    let dst_seen_by_a = RegisteredMemory::deserialize(&dst.memory().serialize()).unwrap();
+    src.write(0, &pattern(5, 1 << 20)).unwrap();
+    ca.write(&dst_seen_by_a, 0, src.memory(), 0, 1 << 20).unwrap();
+    ca.atomic_add(&dst_seen_by_a, 0, 1).unwrap();
+    ca.flush(T).unwrap();
+    let mut want = pattern(5, 1 << 20);
+    let w = u64::from_le_bytes(want[..8].try_into().unwrap()).wrapping_add(1);
+    want[..8].copy_from_slice(&w.to_le_bytes());
+    assert!(dst.to_vec().unwrap() == want);
+    assert_eq!(mscclpp::gpu::ipc_mapped_count(), 0, "same-process memory must not be IPC-mapped");
+}
+
+/// Ethernet with GPU memory on both sides, and mixed host/GPU, byte-exact.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ethernet_with_gpu_memory() {
+    const CAP: usize = (64 << 20) + 4096;
+    if let Some(r) = Rank::from_env() {
+        let cfg = EndpointConfig::new(Transport::Ethernet)
+            .ethernet_interface("127.0.0.1")
+            .device(Device::Gpu(gpu_for(r.rank)));
+        let p = pair(&r, cfg, CAP, Transport::Ethernet.into());
+        let peer = 1 - r.rank;
+        let host = Buffer::new(p.comm.context(), CAP, Transport::Ethernet.into()).unwrap();
+        p.comm.send_memory(host.memory(), peer, 3).unwrap();
+        let remote_host = p.comm.recv_memory(peer, 3).unwrap().wait().unwrap();
+        let gsrc = DeviceBuffer::new(p.comm.context(), gpu_for(r.rank), CAP, Transport::Ethernet.into()).unwrap();
+        let hsrc = Buffer::new(p.comm.context(), CAP, Transport::Ethernet.into()).unwrap();
+        let cases = [(true, true), (false, true), (true, false)]; // (src on GPU, dst on GPU)
+        for (ci, (sg, dg)) in cases.iter().enumerate() {
+            for (si, &len) in [1usize, (4 << 20) + 5, (64 << 20) + 3].iter().enumerate() {
+                let seed = (ci * 10 + si) as u64;
+                let off = 17 * (si + 1);
+                if r.rank == 0 {
+                    let data = pattern(seed, len);
+                    let src: &RegisteredMemory = if *sg {
+                        gsrc.write(1, &data).unwrap();
+                        gsrc.memory()
+                    } else {
+                        hsrc.write(1, &data).unwrap();
+                        hsrc.memory()
+                    };
+                    let dst = if *dg { &p.remote } else { &remote_host };
+                    p.conn.write(dst, off as u64, src, 1, len as u64).unwrap();
+                    p.conn.flush(T).unwrap();
+                }
+                p.bs.barrier().unwrap();
+                if r.rank == 1 {
+                    let mut got = vec![0u8; len];
+                    if *dg {
+                        p.local.read(off, &mut got).unwrap()
+                    } else {
+                        host.read(off, &mut got).unwrap()
+                    }
+                    assert!(got == pattern(seed, len), "case src_gpu={sg} dst_gpu={dg} size {len} differs");
+                }
+                p.bs.barrier().unwrap();
+            }
+        }
+        return;
+    }
+    spawn_ranks("ethernet_with_gpu_memory", 2, &[]).assert_success();
+}
+
+/// Host2DeviceSemaphore signalled over CUDA IPC and over Ethernet: the GPU token counts the
+/// signals and the handle points at it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_to_device_semaphore_over_ipc_and_ethernet() {
+    if let Some(r) = Rank::from_env() {
+        let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
+        for cfg in [
+            ipc_cfg(gpu_for(r.rank)),
+            EndpointConfig::new(Transport::Ethernet)
+                .ethernet_interface("127.0.0.1")
+                .device(Device::Gpu(gpu_for(r.rank))),
+        ] {
+            let t = cfg.transport;
+            let p = pair_on(bs.clone(), &r, cfg, 4096, t.into());
+            if r.rank == 0 {
+                for _ in 0..5 {
+                    p.sem.signal().unwrap();
+                }
+                p.conn.flush(T).unwrap();
+            } else {
+                for _ in 0..5 {
+                    p.sem.wait(T).unwrap();
+                }
+                assert_eq!(p.sem.inbound_token().unwrap(), 5, "{t}");
+                let h = p.sem.device_handle();
+                assert_ne!(h.inbound_token, 0);
+                assert_ne!(h.inbound_token, h.expected_inbound_token);
+                let e = p.sem.wait(Duration::from_millis(50)).unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+                println!("RESULT H2D semaphore over {t}: 5 signals seen; extra wait: {e}");
+            }
+            p.bs.barrier().unwrap();
+        }
+        return;
+    }
+    spawn_ranks("host_to_device_semaphore_over_ipc_and_ethernet", 2, &[]).assert_success();
+}

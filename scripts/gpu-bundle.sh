@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds the GPU test binaries and mscclpp-perf (release) into gpu-bundle/ (git-ignored) with a
+# runner, so one `device` call runs every `#[ignore = "needs a CUDA GPU"]` test and a short perf
+# sweep on the GPU machine:
+#
+#   scripts/gpu-bundle.sh            # here
+#   device run: carry ["gpu-bundle"], command "bash gpu-bundle/run.sh"
+#
+# The runner writes logs under $OUT when it is set (the device tool brings them back).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=gpu-bundle
+rm -rf "$out"
+mkdir -p "$out/bin"
+cargo build --release -p mscclpp-perf
+cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, shutil, sys
+want = {"cuda", "mscclpp"}   # the GPU integration tests, and the library unit tests
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
+        kind = m["target"]["kind"][0]
+        dst = "gpu-bundle/bin/" + ("unit-tests" if kind == "lib" else m["target"]["name"])
+        shutil.copy(m["executable"], dst)
+        print("bundled", dst)
+'
+cp target/release/mscclpp-perf "$out/bin/"
+cat > "$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the GPU tests and a short perf sweep; logs go to $OUT (or ./logs).
+set -u
+cd "$(dirname "$0")"
+logs=${OUT:-logs}
+mkdir -p "$logs"
+export NCCL_NVLS_ENABLE=0
+nvidia-smi -L 2>&1 | tee "$logs/gpus.txt"
+rc=0
+echo "== unit tests" | tee -a "$logs/tests.log"
+./bin/unit-tests --test-threads=1 2>&1 | tail -3 | tee -a "$logs/tests.log" || rc=1
+echo "== GPU tests (--ignored)" | tee -a "$logs/tests.log"
+timeout 400 ./bin/cuda --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result|differs" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== perf: CUDA IPC" | tee "$logs/perf.txt"
+timeout 120 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
+echo "== perf: Ethernet, GPU memory" | tee -a "$logs/perf.txt"
+timeout 150 ./bin/mscclpp-perf --memory gpu --min-bytes 8 --max-bytes 256M --quiet --json "$logs/perf-eth-gpu.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
+echo "== perf: Ethernet, host memory" | tee -a "$logs/perf.txt"
+timeout 120 ./bin/mscclpp-perf --min-bytes 8 --max-bytes 256M --quiet 2>&1 | tee -a "$logs/perf.txt" || rc=1
+echo "run.sh: exit $rc"
+exit $rc
+RUN
+chmod +x "$out/run.sh"
+du -sh "$out"
