@@ -29,6 +29,7 @@ for line in sys.stdin:
         print("bundled", dst)
 '
 cp target/release/mscclpp-perf "$out/bin/"
+cp scripts/nccl_sendrecv.py "$out/"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the GPU tests and a short perf sweep; logs go to $OUT (or ./logs).
@@ -45,6 +46,17 @@ echo "== GPU tests (--ignored)" | tee -a "$logs/tests.log"
 timeout 400 ./bin/cuda --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result|differs" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== perf: CUDA IPC" | tee "$logs/perf.txt"
 timeout 120 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$ngpu" -ge 2 ]; then
+  # Two GPUs: ranks 0 and 1 on GPUs 0 and 1 (the tests above already spread ranks over GPUs).
+  echo "== perf: CUDA IPC, bidirectional" | tee -a "$logs/perf.txt"
+  timeout 150 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --bidirectional --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc-bidir.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
+  echo "== NCCL send/recv (torch.distributed), same two GPUs" | tee -a "$logs/perf.txt"
+  NCCL_NVLS_ENABLE=0 timeout 200 torchrun --nproc_per_node=2 nccl_sendrecv.py --json "$logs/nccl.json" 2>&1 | grep -v Warning | tee -a "$logs/perf.txt" || rc=1
+else
+  echo "== perf: CUDA IPC, bidirectional, both ranks on the one GPU (the NCCL comparison needs two GPUs)" | tee -a "$logs/perf.txt"
+  timeout 100 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --bidirectional --min-bytes 1M --max-bytes 256M --quiet 2>&1 | tee -a "$logs/perf.txt" || rc=1
+fi
 echo "== perf: Ethernet, GPU memory" | tee -a "$logs/perf.txt"
 timeout 150 ./bin/mscclpp-perf --memory gpu --min-bytes 8 --max-bytes 256M --quiet --json "$logs/perf-eth-gpu.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
 echo "== perf: Ethernet, host memory" | tee -a "$logs/perf.txt"

@@ -68,6 +68,9 @@ pub struct Args {
     /// Root address `[iface:]ip:port` under a launcher (default MASTER_ADDR:MASTER_PORT).
     #[arg(long)]
     pub bootstrap: Option<String>,
+    /// CUDA IPC: both ranks write to each other at once (bandwidth is per direction).
+    #[arg(long)]
+    pub bidirectional: bool,
     /// Write one JSON record per size to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -130,6 +133,9 @@ fn check(args: &Args) -> Result<(), String> {
             "--min-bytes {} must be at least 1 and at most --max-bytes {}",
             args.min_bytes, args.max_bytes
         ));
+    }
+    if args.bidirectional && !args.cuda_ipc() {
+        return Err("--bidirectional is supported with --transport cuda-ipc".into());
     }
     if args.ranks < 2 {
         return Err("the p2p test needs at least 2 ranks".into());

@@ -78,8 +78,9 @@ struct Ours {
     sem: Sem,
     local: Mem,
     remote: RegisteredMemory,
-    /// A second local GPU buffer, the destination of the raw copy baseline.
-    scratch: Option<DeviceBuffer>,
+    /// Rank 0's buffers for the raw copy baseline: a destination on the peer's GPU, and for
+    /// the bidirectional run a source there and a destination on its own GPU.
+    baseline: Vec<DeviceBuffer>,
 }
 
 struct Side {
@@ -131,10 +132,17 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     } else {
         Sem::Host(Host2HostSemaphore::new(raw).map_err(e2s)?)
     };
-    let scratch = match gpu {
-        Some(d) if ipc => Some(DeviceBuffer::new(comm.context(), d, len, mscclpp::TransportFlags::NONE).map_err(e2s)?),
-        _ => None,
-    };
+    let mut baseline = Vec::new();
+    if let (Some(d), true, 0) = (gpu, ipc, rank) {
+        let n = mscclpp::gpu::device_count().map_err(e2s)? as u32;
+        let peer_dev = (args.device + 1) % n.max(1);
+        let none = mscclpp::TransportFlags::NONE;
+        baseline.push(DeviceBuffer::new(comm.context(), peer_dev, len, none).map_err(e2s)?);
+        if args.bidirectional {
+            baseline.push(DeviceBuffer::new(comm.context(), peer_dev, len, none).map_err(e2s)?);
+        }
+        baseline.push(DeviceBuffer::new(comm.context(), d, len.max(8), none).map_err(e2s)?);
+    }
     // The baseline: one plain TCP connection between the same two processes, same interface.
     let ip = interface_ip(iface)?;
     let sock = if rank == 1 {
@@ -150,7 +158,7 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     };
     sock.set_nodelay(true).map_err(|e| e.to_string())?;
     let _ = sock.set_read_timeout(Some(args.timeout()));
-    Ok(Side { rank, bs, ours: Ours { conn, sem, local, remote, scratch }, sock, raw: vec![0x5a; len] })
+    Ok(Side { rank, bs, ours: Ours { conn, sem, local, remote, baseline }, sock, raw: vec![0x5a; len] })
 }
 
 impl Side {
@@ -177,10 +185,11 @@ impl Side {
         Ok(t0.elapsed().as_secs_f64())
     }
 
-    /// CUDA IPC: seconds for `iters` writes of `size` into the peer's GPU buffer, then flush.
-    fn ipc_bw(&self, size: u64, warm: u64, iters: u64, t: std::time::Duration) -> Result<f64, String> {
+    /// CUDA IPC: seconds for `iters` writes of `size` into the peer's GPU buffer, then flush
+    /// (rank 0 only, or both ranks at once when `both`).
+    fn ipc_bw(&self, size: u64, warm: u64, iters: u64, t: std::time::Duration, both: bool) -> Result<f64, String> {
         let o = &self.ours;
-        if self.rank != 0 {
+        if self.rank != 0 && !both {
             return Ok(1.0);
         }
         for _ in 0..warm {
@@ -195,14 +204,17 @@ impl Side {
         Ok(t0.elapsed().as_secs_f64())
     }
 
-    /// The raw copy engine: the same copies inside one process.
-    fn dtod_bw(&self, size: u64, warm: u64, iters: u64) -> Result<f64, String> {
-        match (&self.ours.local, &self.ours.scratch) {
-            (Mem::Gpu(src), Some(dst)) if self.rank == 0 => {
-                Ok(mscclpp::gpu::baseline_dtod(src, dst, size as usize, warm, iters).map_err(e2s)?.as_secs_f64())
-            }
-            _ => Ok(1.0),
+    /// The raw copy engine: the same copies inside one process, between the same GPUs
+    /// (`cuMemcpyPeerAsync` across GPUs), both ways at once when `both`.
+    fn copy_bw(&self, size: u64, warm: u64, iters: u64, both: bool) -> Result<f64, String> {
+        let b = &self.ours.baseline;
+        let Mem::Gpu(src) = &self.ours.local else { return Ok(1.0) };
+        if self.rank != 0 || b.is_empty() {
+            return Ok(1.0);
         }
+        let pairs: Vec<(&DeviceBuffer, &DeviceBuffer)> =
+            if both && b.len() >= 3 { vec![(src, &b[0]), (&b[1], &b[2])] } else { vec![(src, &b[0])] };
+        Ok(mscclpp::gpu::baseline_copy(&pairs, size as usize, warm, iters).map_err(e2s)?.as_secs_f64())
     }
 
     /// CUDA IPC: seconds per `update_and_sync` + `flush` of the peer's token.
@@ -224,7 +236,7 @@ impl Side {
 
     /// The raw small operation: an 8-byte host-to-device copy and a synchronize.
     fn h2d_latency(&self, warm: u64, iters: u64) -> Result<f64, String> {
-        match &self.ours.scratch {
+        match self.ours.baseline.last() {
             Some(dst) if self.rank == 0 => {
                 Ok(mscclpp::gpu::baseline_h2d_8b(dst, warm, iters).map_err(e2s)?.as_secs_f64())
             }
@@ -327,9 +339,9 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
         let ipc = args.cuda_ipc();
         let (ours_bw, base_bw, ours_rtt, base_rtt) = if ipc {
             let bw_iters_ipc = bw_iters;
-            let ob = side.ipc_bw(size, args.warmup, bw_iters_ipc, t)?;
+            let ob = side.ipc_bw(size, args.warmup, bw_iters_ipc, t, args.bidirectional)?;
             side.bs.barrier().map_err(e2s)?;
-            let bb = side.dtod_bw(size, args.warmup, bw_iters_ipc)?;
+            let bb = side.copy_bw(size, args.warmup, bw_iters_ipc, args.bidirectional)?;
             // Latency: the small-operation figures do not depend on the size; measure at the
             // smallest size only and repeat it in every row.
             let (or, br) = match records.first() {
@@ -368,15 +380,22 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
         let ipc = args.cuda_ipc();
         let report = Report {
             test: "p2p".into(),
-            transport: if ipc { "cuda-ipc".into() } else { "ethernet".into() },
+            transport: match (ipc, args.bidirectional) {
+                (true, true) => "cuda-ipc (bidirectional)".into(),
+                (true, false) => "cuda-ipc".into(),
+                _ => "ethernet".into(),
+            },
             memory: match args.memory {
                 crate::MemoryKind::Host => "host".into(),
                 crate::MemoryKind::Gpu => format!("gpu (device {} + rank)", args.device),
             },
             baseline: if ipc {
-                "bandwidth: cuMemcpyDtoDAsync in one process; latency column: ours = update_and_sync + flush, \
-                 baseline = 8-byte pinned cuMemcpyHtoDAsync + synchronize"
-                    .into()
+                format!(
+                    "bandwidth{}: the same copies in one process (cuMemcpyDtoDAsync on one GPU, cuMemcpyPeerAsync \
+                     across two); latency column: ours = update_and_sync + flush, baseline = 8-byte pinned \
+                     cuMemcpyHtoDAsync + synchronize",
+                    if args.bidirectional { " per direction, both directions at once" } else { "" }
+                )
             } else {
                 "plain TCP socket between the same processes and interface (host memory)".into()
             },

@@ -577,21 +577,52 @@ impl DeviceBuffer {
 // ---------------------------------------------------------------------------------------------
 // Raw baselines for mscclpp-perf
 
-/// Times `iters` plain `cuMemcpyDtoDAsync` copies of `size` bytes from `src` to `dst` on one
-/// stream of the same process (after `warmup` untimed ones): the raw copy-engine baseline.
-pub fn baseline_dtod(src: &DeviceBuffer, dst: &DeviceBuffer, size: usize, warmup: u64, iters: u64) -> Result<Duration> {
-    src.region.check(0, size as u64)?;
-    dst.region.check(0, size as u64)?;
-    let s = Stream::new(&src.region.dev)?;
-    for _ in 0..warmup {
-        s.copy_dtod(dst.region.ptr, src.region.ptr, size as u64)?;
+/// Times `iters` rounds of plain copies of `size` bytes, one stream per (source, destination)
+/// pair, all pairs at once (after `warmup` untimed rounds): `cuMemcpyDtoDAsync` where both
+/// buffers are on one GPU, `cuMemcpyPeerAsync` between two GPUs. This is the raw copy-engine
+/// baseline for CUDA IPC; two pairs in opposite directions give the bidirectional one.
+pub fn baseline_copy(
+    pairs: &[(&DeviceBuffer, &DeviceBuffer)],
+    size: usize,
+    warmup: u64,
+    iters: u64,
+) -> Result<Duration> {
+    let mut streams = Vec::with_capacity(pairs.len());
+    for (src, dst) in pairs {
+        src.region.check(0, size as u64)?;
+        dst.region.check(0, size as u64)?;
+        if src.region.dev.ordinal != dst.region.dev.ordinal {
+            src.region.dev.enable_peer_access(&dst.region.dev)?;
+        }
+        streams.push(Stream::new(&src.region.dev)?);
     }
-    s.synchronize()?;
+    let round = |n: u64| -> Result<()> {
+        for _ in 0..n {
+            for ((src, dst), s) in pairs.iter().zip(&streams) {
+                if src.region.dev.ordinal == dst.region.dev.ordinal {
+                    s.copy_dtod(dst.region.ptr, src.region.ptr, size as u64)?;
+                } else {
+                    s.dev.bind()?;
+                    // SAFETY: both ranges are checked against live allocations above.
+                    unsafe {
+                        result::memcpy_peer_async(
+                            dst.region.dev.ctx,
+                            dst.region.ptr,
+                            src.region.dev.ctx,
+                            src.region.ptr,
+                            size,
+                            s.raw,
+                        )
+                    }
+                    .map_err(|e| cuda_err("cuMemcpyPeerAsync", e))?;
+                }
+            }
+        }
+        streams.iter().try_for_each(|s| s.synchronize())
+    };
+    round(warmup)?;
     let t0 = Instant::now();
-    for _ in 0..iters {
-        s.copy_dtod(dst.region.ptr, src.region.ptr, size as u64)?;
-    }
-    s.synchronize()?;
+    round(iters)?;
     Ok(t0.elapsed())
 }
 
