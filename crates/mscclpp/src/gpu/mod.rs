@@ -818,6 +818,57 @@ mod tests {
         assert_eq!(numa_node(0), None);
     }
 
+    /// Where the time of a small stream operation goes (run on a GPU machine with `--ignored`).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_small_op_latency_probe() {
+        let dev = device(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let ev = Event::new(&dev).unwrap();
+        let a = DeviceAlloc::new(&dev, 64).unwrap();
+        let slot = PinnedAlloc::region(&dev, 8).unwrap();
+        let n = 3000u32;
+        let time = |name: &str, f: &mut dyn FnMut()| {
+            for _ in 0..200 {
+                f();
+            }
+            let t0 = Instant::now();
+            for _ in 0..n {
+                f();
+            }
+            println!("PROBE {name:<40} {:6.2} us", t0.elapsed().as_secs_f64() * 1e6 / n as f64);
+        };
+        time("writeValue64 + cuStreamSynchronize", &mut || {
+            s.write_value64(a.ptr, 1).unwrap();
+            s.synchronize().unwrap();
+        });
+        time("writeValue64 + poll cuStreamQuery", &mut || {
+            s.write_value64(a.ptr, 1).unwrap();
+            s.wait_idle(Duration::from_secs(5)).unwrap();
+        });
+        time("writeValue64 + event record + poll", &mut || {
+            s.write_value64(a.ptr, 1).unwrap();
+            s.record(&ev).unwrap();
+            ev.wait(Duration::from_secs(5)).unwrap();
+        });
+        time("pinned HtoD 8 B + cuStreamSynchronize", &mut || {
+            s.copy_htod(a.ptr, slot.as_mut_ptr(), 8).unwrap();
+            s.synchronize().unwrap();
+        });
+        time("pinned HtoD 8 B + poll cuStreamQuery", &mut || {
+            s.copy_htod(a.ptr, slot.as_mut_ptr(), 8).unwrap();
+            s.wait_idle(Duration::from_secs(5)).unwrap();
+        });
+        time("bind (get_current) alone", &mut || dev.bind().unwrap());
+        time("cuStreamQuery on an idle stream", &mut || {
+            s.idle().unwrap();
+        });
+        time("writeValue64 alone (queue only)", &mut || {
+            s.write_value64(a.ptr, 1).unwrap();
+        });
+        s.synchronize().unwrap();
+    }
+
     #[test]
     fn ipc_info_round_trip() {
         let i = IpcInfo { handle: [7; 64], base_size: 1 << 20, offset: 4096, device: 3 };
