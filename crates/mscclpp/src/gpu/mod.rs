@@ -859,6 +859,23 @@ mod tests {
             s.copy_htod(a.ptr, slot.as_mut_ptr(), 8).unwrap();
             s.wait_idle(Duration::from_secs(5)).unwrap();
         });
+        time("pinned DtoH 8 B + event record + poll", &mut || {
+            s.copy_dtoh(slot.as_mut_ptr(), a.ptr, 8).unwrap();
+            s.record(&ev).unwrap();
+            ev.wait(Duration::from_secs(5)).unwrap();
+        });
+        let big = PinnedAlloc::region(&dev, 64 << 10).unwrap();
+        let ab = DeviceAlloc::new(&dev, 64 << 10).unwrap();
+        time("pinned DtoH 16 KiB + event record + poll", &mut || {
+            s.copy_dtoh(big.as_mut_ptr(), ab.ptr, 16 << 10).unwrap();
+            s.record(&ev).unwrap();
+            ev.wait(Duration::from_secs(5)).unwrap();
+        });
+        time("pinned DtoH 64 KiB + event record + poll", &mut || {
+            s.copy_dtoh(big.as_mut_ptr(), ab.ptr, 64 << 10).unwrap();
+            s.record(&ev).unwrap();
+            ev.wait(Duration::from_secs(5)).unwrap();
+        });
         time("bind (get_current) alone", &mut || dev.bind().unwrap());
         time("cuStreamQuery on an idle stream", &mut || {
             s.idle().unwrap();
