@@ -58,6 +58,9 @@ pub struct Args {
     /// Timed iterations per size (default: enough to move about 512 MiB, 10 to 2000).
     #[arg(long)]
     pub iters: Option<u64>,
+    /// Measurements per size, ours and the baseline alternating; the table shows medians.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u64,
     /// Untimed iterations before each measurement.
     #[arg(long, default_value_t = 5)]
     pub warmup: u64,

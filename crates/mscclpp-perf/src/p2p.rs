@@ -33,6 +33,12 @@ pub fn sizes(min: u64, max: u64) -> Vec<u64> {
     v
 }
 
+/// The middle value (the lower middle for an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(0.0)
+}
+
 fn iters_for(args: &Args, size: u64, budget: u64, lo: u64, hi: u64) -> u64 {
     args.iters.unwrap_or_else(|| (budget / size.max(1)).clamp(lo, hi)).max(1)
 }
@@ -334,29 +340,38 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
         if let Some(b) = &bar {
             b.set_message(crate::report::human(size));
         }
-        let bw_iters = iters_for(args, size, 512 << 20, 10, 2000);
-        let lat_iters = iters_for(args, size, 64 << 20, 5, 1000);
+        let rounds = args.rounds.max(1);
+        let bw_iters = iters_for(args, size, (512 << 20) / rounds, 10, 2000);
+        let lat_iters = iters_for(args, size, (64 << 20) / rounds, 5, 1000);
         let ipc = args.cuda_ipc();
-        let (ours_bw, base_bw, ours_rtt, base_rtt) = if ipc {
-            let bw_iters_ipc = bw_iters;
-            let ob = side.ipc_bw(size, args.warmup, bw_iters_ipc, t, args.bidirectional)?;
-            side.bs.barrier().map_err(e2s)?;
-            let bb = side.copy_bw(size, args.warmup, bw_iters_ipc, args.bidirectional)?;
-            // Latency: the small-operation figures do not depend on the size; measure at the
-            // smallest size only and repeat it in every row.
-            let (or, br) = match records.first() {
-                Some(r0) => (r0.ours_rtt_us / 1e6, r0.baseline_rtt_us / 1e6),
-                None => (side.ipc_signal_latency(args.warmup, 1000, t)?, side.h2d_latency(args.warmup, 1000)?),
+        // Ours and the baseline alternate, `rounds` times; each column keeps its median, so a
+        // burst of noise on a shared machine does not land on one side only.
+        let mut m: [Vec<f64>; 4] = Default::default();
+        for _ in 0..rounds {
+            let (ob, bb, or, br) = if ipc {
+                let ob = side.ipc_bw(size, args.warmup, bw_iters, t, args.bidirectional)?;
+                side.bs.barrier().map_err(e2s)?;
+                let bb = side.copy_bw(size, args.warmup, bw_iters, args.bidirectional)?;
+                // The small-operation latency does not depend on the size: measured in the
+                // first row, repeated in the others.
+                let (or, br) = match records.first() {
+                    Some(r0) => (r0.ours_rtt_us / 1e6, r0.baseline_rtt_us / 1e6),
+                    None => (side.ipc_signal_latency(args.warmup, 1000, t)?, side.h2d_latency(args.warmup, 1000)?),
+                };
+                (ob, bb, or, br)
+            } else {
+                let ob = side.ours_bw(size, args.warmup, bw_iters, t)?;
+                side.bs.barrier().map_err(e2s)?;
+                let bb = side.base_bw(size, args.warmup, bw_iters)?;
+                let or = side.ours_rtt(size, args.warmup, lat_iters, t)?;
+                let br = side.base_rtt(size, args.warmup, lat_iters)?;
+                (ob, bb, or, br)
             };
-            (ob, bb, or, br)
-        } else {
-            let ob = side.ours_bw(size, args.warmup, bw_iters, t)?;
-            side.bs.barrier().map_err(e2s)?;
-            let bb = side.base_bw(size, args.warmup, bw_iters)?;
-            let or = side.ours_rtt(size, args.warmup, lat_iters, t)?;
-            let br = side.base_rtt(size, args.warmup, lat_iters)?;
-            (ob, bb, or, br)
-        };
+            for (v, x) in m.iter_mut().zip([ob, bb, or, br]) {
+                v.push(x);
+            }
+        }
+        let [ours_bw, base_bw, ours_rtt, base_rtt] = m.map(median);
         side.ours.conn.flush(t).map_err(e2s)?;
         bs.barrier().map_err(e2s)?;
         let gb = |secs: f64| (size * bw_iters) as f64 / secs / 1e9;

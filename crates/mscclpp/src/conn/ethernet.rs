@@ -26,9 +26,11 @@
 //! None on either side: the sender hands headers and payloads, straight from the source region, to
 //! one `sendmsg` per batch of frames, and the receiver reads payloads straight into the destination
 //! region (only bytes that arrived in the same read as a header pass through its small buffer).
-//! Writes up to [`INLINE_LIMIT`] are sent by the calling thread itself when the sender thread is
-//! idle, which keeps small-message latency close to a raw socket; larger ones go through the
-//! sender thread, so `write` returns at once.
+//! Token updates, atomics and flush probes are sent by the calling thread itself when the sender
+//! thread is idle, together with the small writes (up to [`INLINE_LIMIT`]) queued before them:
+//! a write followed by a signal is one `sendmsg` and one packet. A small write with nothing after
+//! it goes out from the sender thread after a 20 us grace; larger writes go through the sender
+//! thread at once, so `write` never blocks on a big transfer.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -60,6 +62,8 @@ const HS_ACK: u8 = 0xa5;
 /// Writes up to this size may be sent by the calling thread when the sender thread is idle;
 /// larger ones always go through the sender thread, so `write` never blocks on a big transfer.
 pub const INLINE_LIMIT: u64 = 1 << 20;
+/// How long the sender thread holds a small write for the operation that usually follows it.
+const COALESCE_GRACE: Duration = Duration::from_micros(20);
 /// Most frames per `sendmsg`.
 const BATCH_OPS: usize = 64;
 /// Most payload bytes per `sendmsg` batch (a single larger write goes alone).
@@ -476,6 +480,8 @@ struct State {
     applied: u64,
     failed: Option<Error>,
     closing: bool,
+    /// The sender thread is waiting for work.
+    tx_idle: bool,
 }
 
 struct Shared {
@@ -549,7 +555,17 @@ impl Shared {
         }
         st.issued += 1;
         let seq = st.issued;
+        // A small write waits for what follows it (usually a token update) so that both leave in
+        // one sendmsg; the sender thread sends it after a short grace if nothing follows.
+        let deferred = inline && matches!(op, Op::Write { .. });
         st.queue.push_back((seq, op));
+        if deferred {
+            if st.tx_idle {
+                drop(st);
+                self.cond.notify_all();
+            }
+            return Ok(());
+        }
         drop(st);
         if inline {
             if let Ok(mut out) = self.out.try_lock() {
@@ -662,13 +678,27 @@ impl Shared {
 
 fn sender_loop(sh: Arc<Shared>) {
     loop {
-        {
+        let small_front = {
             let mut st = lock(&sh.st);
             while st.queue.is_empty() && st.failed.is_none() && !sh.stop.load(Ordering::Acquire) {
+                st.tx_idle = true;
                 st = sh.cond.wait(st).unwrap_or_else(|p| p.into_inner());
             }
+            st.tx_idle = false;
             if st.failed.is_some() || (sh.stop.load(Ordering::Acquire) && st.queue.is_empty()) {
                 return;
+            }
+            st.queue.front().is_some_and(|(_, op)| op.inline())
+        };
+        if small_front && !sh.stop.load(Ordering::Acquire) {
+            // Give the caller a moment to queue the token update that usually follows a small
+            // write, and to send both itself; send whatever is still here afterwards.
+            let t0 = Instant::now();
+            while t0.elapsed() < COALESCE_GRACE {
+                std::thread::yield_now();
+                if lock(&sh.st).queue.is_empty() {
+                    break;
+                }
             }
         }
         let mut out = lock(&sh.out);
@@ -996,7 +1026,14 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
-        st: Mutex::new(State { queue: VecDeque::new(), issued: 0, applied: 0, failed: None, closing: false }),
+        st: Mutex::new(State {
+            queue: VecDeque::new(),
+            issued: 0,
+            applied: 0,
+            failed: None,
+            closing: false,
+            tx_idle: false,
+        }),
         cond: Condvar::new(),
         out: Mutex::new(out),
         out_ctl,
