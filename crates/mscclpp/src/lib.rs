@@ -50,6 +50,7 @@ mod endpoint;
 pub mod env;
 mod error;
 pub mod gpu;
+pub mod ib;
 mod identity;
 #[cfg(feature = "logging")]
 mod logging;
