@@ -240,6 +240,19 @@ impl Side {
         Ok(t0.elapsed().as_secs_f64() / iters as f64)
     }
 
+    /// The raw small operation into the same destination as ours (the peer's token, mapped
+    /// through CUDA IPC): an 8-byte host-to-device copy and a synchronize.
+    fn h2d_latency_peer(&self, warm: u64, iters: u64, device: u32) -> Result<f64, String> {
+        match &self.ours.sem {
+            Sem::Gpu(s) if self.rank == 0 => {
+                Ok(mscclpp::gpu::baseline_h2d_8b_into(s.semaphore().remote_memory(), device, warm, iters)
+                    .map_err(e2s)?
+                    .as_secs_f64())
+            }
+            _ => Ok(1.0),
+        }
+    }
+
     /// The raw small operation: an 8-byte host-to-device copy and a synchronize.
     fn h2d_latency(&self, warm: u64, iters: u64) -> Result<f64, String> {
         match self.ours.baseline.last() {
@@ -336,6 +349,8 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
         b
     });
     let mut records: Vec<Record> = Vec::new();
+    // CUDA IPC: the 8-byte copy into local memory, reported beside the table.
+    let mut local_h2d: Vec<f64> = Vec::new();
     for &size in &sizes {
         if let Some(b) = &bar {
             b.set_message(crate::report::human(size));
@@ -356,7 +371,15 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
                 // first row, repeated in the others.
                 let (or, br) = match records.first() {
                     Some(r0) => (r0.ours_rtt_us / 1e6, r0.baseline_rtt_us / 1e6),
-                    None => (side.ipc_signal_latency(args.warmup, 1000, t)?, side.h2d_latency(args.warmup, 1000)?),
+                    None => {
+                        let local = side.h2d_latency(args.warmup, 1000)?;
+                        local_h2d.push(local);
+                        let dev = match &side.ours.local {
+                            Mem::Gpu(b) => b.device(),
+                            Mem::Host(_) => 0,
+                        };
+                        (side.ipc_signal_latency(args.warmup, 1000, t)?, side.h2d_latency_peer(args.warmup, 1000, dev)?)
+                    }
                 };
                 (ob, bb, or, br)
             } else {
@@ -408,7 +431,7 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
                 format!(
                     "bandwidth{}: the same copies in one process (cuMemcpyDtoDAsync on one GPU, cuMemcpyPeerAsync \
                      across two); latency column: ours = update_and_sync + flush, baseline = 8-byte pinned \
-                     cuMemcpyHtoDAsync + synchronize",
+                     cuMemcpyHtoDAsync + synchronize into the same peer token",
                     if args.bidirectional { " per direction, both directions at once" } else { "" }
                 )
             } else {
@@ -419,6 +442,13 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
             records,
         };
         report.print();
+        if ipc && !local_h2d.is_empty() {
+            println!(
+                "# latency baseline above copies into the peer's token (mapped through CUDA IPC); into local GPU memory \
+                 the same copy+synchronize takes {:.1} us",
+                median(local_h2d.clone()) * 1e6
+            );
+        }
         if let Some(p) = &args.json {
             report.write_json(p)?;
         }

@@ -630,15 +630,28 @@ pub fn baseline_copy(
 /// synchronize: the raw small-operation latency baseline. Returns the time per operation.
 pub fn baseline_h2d_8b(dst: &DeviceBuffer, warmup: u64, iters: u64) -> Result<Duration> {
     dst.region.check(0, 8)?;
-    let s = Stream::new(&dst.region.dev)?;
-    let slot = PinnedAlloc::region(&dst.region.dev, 8)?;
+    h2d_8b(&dst.region.dev, dst.region.ptr, warmup, iters)
+}
+
+/// As [`baseline_h2d_8b`], into GPU memory registered by any process of this host (a peer's
+/// memory is mapped through CUDA IPC, as a CUDA IPC connection would map it), from GPU `device`.
+pub fn baseline_h2d_8b_into(dst: &crate::RegisteredMemory, device: u32, warmup: u64, iters: u64) -> Result<Duration> {
+    dst.check_bounds(0, 8)?;
+    let dev = self::device(device)?;
+    let p = dst.gpu_ptr(&dev)?;
+    h2d_8b(&dev, p, warmup, iters)
+}
+
+fn h2d_8b(dev: &Arc<GpuDevice>, dst: u64, warmup: u64, iters: u64) -> Result<Duration> {
+    let s = Stream::new(dev)?;
+    let slot = PinnedAlloc::region(dev, 8)?;
     let mut t0 = Instant::now();
     for i in 0..warmup + iters {
         if i == warmup {
             t0 = Instant::now();
         }
         slot.write(0, &i.to_le_bytes())?;
-        s.copy_htod(dst.region.ptr, slot.as_mut_ptr(), 8)?;
+        s.copy_htod(dst, slot.as_mut_ptr(), 8)?;
         s.synchronize()?;
     }
     Ok(t0.elapsed() / iters.max(1) as u32)
