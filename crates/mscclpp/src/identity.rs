@@ -41,11 +41,22 @@ pub fn host_hash() -> u64 {
 /// A hash that is equal for two handles exactly when they come from the same process: the pid
 /// together with the pid namespace, so that containers sharing pids differ.
 ///
-/// Not cached: a process that forks gets its own value.
+/// Cached per pid, so a process that forks gets its own value.
 pub fn process_hash() -> u64 {
-    let pid = std::process::id().to_string();
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // (pid << 32 | valid) and the hash; recomputed when the pid changes (after fork).
+    static PID: AtomicU64 = AtomicU64::new(0);
+    static HASH: AtomicU64 = AtomicU64::new(0);
+    let pid = std::process::id();
+    let tag = (u64::from(pid) << 32) | 1;
+    if PID.load(Ordering::Acquire) == tag {
+        return HASH.load(Ordering::Acquire);
+    }
     let ns = std::fs::read_link("/proc/self/ns/pid").map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-    fnv1a64(&[pid.as_bytes(), ns.as_bytes()])
+    let h = fnv1a64(&[pid.to_string().as_bytes(), ns.as_bytes()]);
+    HASH.store(h, Ordering::Release);
+    PID.store(tag, Ordering::Release);
+    h
 }
 
 /// Fills `buf` from the operating system's random source.

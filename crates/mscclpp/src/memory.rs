@@ -94,9 +94,12 @@ impl Drop for LocalRegion {
 struct MemInner {
     desc: MemoryDesc,
     local: Option<Arc<LocalRegion>>,
-    /// A peer's GPU memory mapped into this process through CUDA IPC on first use, and the
-    /// address of the registered range in that mapping.
-    import: OnceLock<(Arc<crate::gpu::IpcMapping>, u64)>,
+    /// A peer's GPU memory mapped into this process through CUDA IPC on first use (kept alive
+    /// while this handle lives).
+    import: OnceLock<Arc<crate::gpu::IpcMapping>>,
+    /// The address of this GPU memory in this process, once resolved (the hot path of every
+    /// CUDA IPC operation reads only this).
+    resolved: OnceLock<u64>,
 }
 
 /// Memory that connections may read from or write into: a local registration, or a peer's
@@ -171,7 +174,9 @@ impl RegisteredMemory {
         };
         let local = Arc::new(LocalRegion { mem: region, id, transports, ctx: Arc::downgrade(inner) });
         inner.remember_region(&local);
-        Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: Some(local), import: OnceLock::new() }) })
+        Ok(RegisteredMemory {
+            inner: Arc::new(MemInner { desc, local: Some(local), import: OnceLock::new(), resolved: OnceLock::new() }),
+        })
     }
 
     /// The address of the memory in its owner's process.
@@ -222,6 +227,14 @@ impl RegisteredMemory {
     /// owner's pointer when the owner is this process, or a CUDA IPC mapping opened on first use
     /// (kept while any clone of this handle lives).
     pub(crate) fn gpu_ptr(&self, dev: &Arc<crate::gpu::GpuDevice>) -> Result<u64> {
+        if let Some(p) = self.inner.resolved.get() {
+            return Ok(*p);
+        }
+        let p = self.resolve_gpu_ptr(dev)?;
+        Ok(*self.inner.resolved.get_or_init(|| p))
+    }
+
+    fn resolve_gpu_ptr(&self, dev: &Arc<crate::gpu::GpuDevice>) -> Result<u64> {
         if let Some(l) = self.local() {
             return match &l.mem {
                 Mem::Gpu(g) => Ok(g.ptr),
@@ -238,9 +251,6 @@ impl RegisteredMemory {
         if d.process_hash == crate::identity::process_hash() {
             return Ok(d.addr);
         }
-        if let Some((_, p)) = self.inner.import.get() {
-            return Ok(*p);
-        }
         let bytes =
             d.cuda_ipc.as_ref().ok_or_else(|| Error::invalid_usage("the peer's memory carries no CUDA IPC handle"))?;
         let info = crate::gpu::IpcInfo::decode(bytes)?;
@@ -248,8 +258,7 @@ impl RegisteredMemory {
         if info.offset.checked_add(d.len).is_none_or(|e| e > m.size) {
             return Err(Error::invalid_usage("the peer's memory extends past its CUDA allocation"));
         }
-        let p = m.base + info.offset;
-        Ok(self.inner.import.get_or_init(|| (m, p)).1)
+        Ok(self.inner.import.get_or_init(|| m).base + info.offset)
     }
 
     /// Checks that `[offset, offset + len)` is inside this memory.
@@ -337,7 +346,9 @@ impl RegisteredMemory {
         }
         let desc =
             MemoryDesc { addr, len, region_id, context_id, host_hash, process_hash, transports, device, cuda_ipc, ib };
-        Ok(RegisteredMemory { inner: Arc::new(MemInner { desc, local: None, import: OnceLock::new() }) })
+        Ok(RegisteredMemory {
+            inner: Arc::new(MemInner { desc, local: None, import: OnceLock::new(), resolved: OnceLock::new() }),
+        })
     }
 }
 
@@ -492,7 +503,9 @@ mod tests {
     }
 
     fn from_desc(desc: MemoryDesc) -> RegisteredMemory {
-        RegisteredMemory { inner: Arc::new(MemInner { desc, local: None, import: OnceLock::new() }) }
+        RegisteredMemory {
+            inner: Arc::new(MemInner { desc, local: None, import: OnceLock::new(), resolved: OnceLock::new() }),
+        }
     }
 
     proptest! {

@@ -170,6 +170,10 @@ pub struct ibv_port_attr {
     pub link_layer: u8,
     pub flags: u8,
     pub port_cap_flags2: u16,
+    /// Added in newer rdma-core (after `port_cap_flags2`).
+    pub active_speed_ex: u32,
+    /// Room for fields later rdma-core versions append; the library fills at most its own size.
+    pub _reserved: [u32; 8],
 }
 
 /// `union ibv_gid`: 16 raw bytes (the `global` view is two big-endian u64s, hence the 8-byte

@@ -265,7 +265,9 @@ mod tests {
         let mut bad = Vec::new();
         for ((s, f, ours), line) in rows.iter().zip(text.lines()) {
             let theirs: usize = line.rsplit(' ').next().unwrap().parse().unwrap();
-            if *ours != theirs {
+            // Structs the library fills may be larger here (room for newer rdma-core fields).
+            let ok = if *s == "ibv_port_attr" && *f == "sizeof" { *ours >= theirs } else { *ours == theirs };
+            if !ok {
                 bad.push(format!("{s}.{f}: ours {ours}, verbs.h {theirs}"));
             }
         }
