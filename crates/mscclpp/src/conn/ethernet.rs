@@ -522,6 +522,19 @@ impl Shared {
         lock(&self.st).failed.as_ref().map(Error::duplicate)
     }
 
+    /// A read from the peer ended: the peer closed, or `what` failed (ignored while closing).
+    fn fail_read(&self, what: &str, e: std::io::Error) {
+        if self.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            format!("peer {} closed the connection", self.peer_desc)
+        } else {
+            format!("{what} {} failed: {e}", self.peer_desc)
+        };
+        self.fail(Error::remote(why));
+    }
+
     /// Queues `op`, waiting while the queue bound is reached. Returns whether the calling thread
     /// may send it itself.
     fn enqueue(&self, op: Op) -> Result<()> {
@@ -711,14 +724,7 @@ fn ack_loop(sh: Arc<Shared>, mut s: TcpStream) {
     let mut rec = [0u8; 16];
     loop {
         if let Err(e) = s.read_exact(&mut rec) {
-            if !sh.stop.load(Ordering::Acquire) {
-                let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    format!("peer {} closed the connection", sh.peer_desc)
-                } else {
-                    format!("reading acknowledgements from {} failed: {e}", sh.peer_desc)
-                };
-                sh.fail(Error::remote(why));
-            }
+            sh.fail_read("reading acknowledgements from", e);
             return;
         }
         let v = u64::from_le_bytes(rec[8..16].try_into().unwrap_or_default());
@@ -794,14 +800,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
     loop {
         let mut hb = [0u8; HEADER];
         if let Err(e) = rd.read_exact(&mut hb) {
-            if !sh.stop.load(Ordering::Acquire) {
-                let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    format!("peer {} closed the connection", sh.peer_desc)
-                } else {
-                    format!("reading frames from {} failed: {e}", sh.peer_desc)
-                };
-                sh.fail(Error::remote(why));
-            }
+            sh.fail_read("reading frames from", e);
             return;
         }
         let h = match FrameHeader::read_from_bytes(&hb) {
