@@ -380,9 +380,10 @@ impl DeviceAlloc {
         // SAFETY: a plain allocation; freed once in Drop.
         let ptr = unsafe { result::malloc_sync(len.max(1)) }
             .map_err(|e| cuda_err(&format!("cuMemAlloc({len} bytes on GPU{})", dev.ordinal), e))?;
-        // Zero it, as host buffers are.
+        // Zero it, as host buffers are, before anyone can use it.
         // SAFETY: [ptr, ptr+len) was just allocated.
         unsafe { result::memset_d8_sync(ptr, 0, len.max(1)) }.map_err(|e| cuda_err("cuMemsetD8", e))?;
+        sync_legacy_stream()?;
         Ok(DeviceAlloc { ptr, dev: dev.clone() })
     }
 }
@@ -434,6 +435,13 @@ impl Drop for PinnedAlloc {
     }
 }
 
+/// Waits for the legacy default stream (where the synchronous copy and memset calls run) on the
+/// current context.
+fn sync_legacy_stream() -> Result<()> {
+    // SAFETY: the null stream is always valid for the bound context.
+    unsafe { result::stream::synchronize(std::ptr::null_mut()) }.map_err(|e| cuda_err("cuStreamSynchronize(0)", e))
+}
+
 /// A checked window of device memory.
 #[derive(Clone)]
 pub(crate) struct GpuRegion {
@@ -460,12 +468,16 @@ impl GpuRegion {
         }
     }
 
-    /// Synchronous copy from the host into the region.
+    /// Copy from the host into the region, complete on the device when this returns.
     pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
         self.check(offset, src.len() as u64)?;
         self.dev.bind()?;
         // SAFETY: the range is checked against the live allocation.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset, src) }.map_err(|e| cuda_err("cuMemcpyHtoD", e))
+        unsafe { result::memcpy_htod_sync(self.ptr + offset, src) }.map_err(|e| cuda_err("cuMemcpyHtoD", e))?;
+        // From pageable memory, cuMemcpyHtoD may return once the bytes are staged, before the DMA
+        // reaches the device; work on other (non-blocking) streams would then read old bytes.
+        // Seen on the H200: a CUDA IPC write right after it sent stale data.
+        sync_legacy_stream()
     }
 
     /// Synchronous copy from the region to the host.
@@ -476,12 +488,15 @@ impl GpuRegion {
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset) }.map_err(|e| cuda_err("cuMemcpyDtoH", e))
     }
 
-    /// Synchronous fill.
+    /// Fill, complete on the device when this returns.
     pub(crate) fn fill(&self, offset: u64, n: u64, byte: u8) -> Result<()> {
         self.check(offset, n)?;
         self.dev.bind()?;
         // SAFETY: the range is checked against the live allocation.
-        unsafe { result::memset_d8_sync(self.ptr + offset, byte, n as usize) }.map_err(|e| cuda_err("cuMemsetD8", e))
+        unsafe { result::memset_d8_sync(self.ptr + offset, byte, n as usize) }
+            .map_err(|e| cuda_err("cuMemsetD8", e))?;
+        // cuMemsetD8 may run asynchronously to the host.
+        sync_legacy_stream()
     }
 }
 
