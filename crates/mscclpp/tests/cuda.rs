@@ -239,19 +239,30 @@ fn ethernet_with_gpu_memory() {
         let remote_host = p.comm.recv_memory(peer, 3).unwrap().wait().unwrap();
         let gsrc = DeviceBuffer::new(p.comm.context(), gpu_for(r.rank), CAP, Transport::Ethernet.into()).unwrap();
         let hsrc = Buffer::new(p.comm.context(), CAP, Transport::Ethernet.into()).unwrap();
-        let cases = [(true, true), (false, true), (true, false)]; // (src on GPU, dst on GPU)
-        for (ci, (sg, dg)) in cases.iter().enumerate() {
+        let psrc = mscclpp::gpu::PinnedBuffer::new(p.comm.context(), gpu_for(r.rank), CAP, Transport::Ethernet.into())
+            .unwrap();
+        // (source: 0 GPU, 1 host, 2 pinned host; destination on the GPU)
+        let cases = [(0u8, true), (1, true), (0, false), (2, true)];
+        for (ci, (sk, dg)) in cases.iter().enumerate() {
+            let sg = sk == &0;
             for (si, &len) in [1usize, (4 << 20) + 5, (64 << 20) + 3].iter().enumerate() {
                 let seed = (ci * 10 + si) as u64;
                 let off = 17 * (si + 1);
                 if r.rank == 0 {
                     let data = pattern(seed, len);
-                    let src: &RegisteredMemory = if *sg {
-                        gsrc.write(1, &data).unwrap();
-                        gsrc.memory()
-                    } else {
-                        hsrc.write(1, &data).unwrap();
-                        hsrc.memory()
+                    let src: &RegisteredMemory = match sk {
+                        0 => {
+                            gsrc.write(1, &data).unwrap();
+                            gsrc.memory()
+                        }
+                        1 => {
+                            hsrc.write(1, &data).unwrap();
+                            hsrc.memory()
+                        }
+                        _ => {
+                            psrc.write(1, &data).unwrap();
+                            psrc.memory()
+                        }
                     };
                     let dst = if *dg { &p.remote } else { &remote_host };
                     p.conn.write(dst, off as u64, src, 1, len as u64).unwrap();
@@ -265,7 +276,7 @@ fn ethernet_with_gpu_memory() {
                     } else {
                         host.read(off, &mut got).unwrap()
                     }
-                    assert!(got == pattern(seed, len), "case src_gpu={sg} dst_gpu={dg} size {len} differs");
+                    assert!(got == pattern(seed, len), "case src={sk} (gpu: {sg}) dst_gpu={dg} size {len} differs");
                 }
                 p.bs.barrier().unwrap();
             }

@@ -672,6 +672,71 @@ fn h2d_8b(dev: &Arc<GpuDevice>, dst: u64, warmup: u64, iters: u64) -> Result<Dur
     Ok(t0.elapsed() / iters.max(1) as u32)
 }
 
+/// Page-locked host memory (`cuMemHostAlloc`), registered with a context like a
+/// [`Buffer`](crate::Buffer): host memory the GPU copy engines reach directly, for staging.
+///
+/// ```no_run
+/// use mscclpp::{Context, Transport, gpu::PinnedBuffer};
+/// let pinned = PinnedBuffer::new(&Context::new(), 0, 1 << 20, Transport::Ethernet.into())?;
+/// pinned.write(0, b"staged")?;
+/// # Ok::<(), mscclpp::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct PinnedBuffer {
+    mem: crate::RegisteredMemory,
+    region: Region,
+}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("PinnedBuffer").field(&self.region).finish()
+    }
+}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes of pinned host memory (in GPU `device`'s context, portable to all)
+    /// and registers them for `transports` (host transports: Ethernet).
+    ///
+    /// # Errors
+    /// `NotAvailable` without a CUDA driver; `InvalidUsage` for zero length or a transport host
+    /// memory cannot use; `Cuda` when the allocation fails.
+    pub fn new(ctx: &crate::Context, device: u32, len: usize, transports: TransportFlags) -> Result<PinnedBuffer> {
+        crate::memory::check_host_transports(transports)?;
+        if len == 0 {
+            return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
+        }
+        let dev = self::device(device)?;
+        let region = PinnedAlloc::region(&dev, len)?;
+        region.fill(0, len as u64, 0)?;
+        let mem = crate::RegisteredMemory::new_local(ctx, region.clone(), transports, crate::Device::Cpu)?;
+        Ok(PinnedBuffer { mem, region })
+    }
+    /// The registration.
+    pub fn memory(&self) -> &crate::RegisteredMemory {
+        &self.mem
+    }
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.region.len()
+    }
+    /// Always false: buffers hold at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+    /// Copies `data` into the buffer at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.region.write(offset as u64, data)
+    }
+    /// Copies from the buffer at `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.region.read(offset as u64, out)
+    }
+    /// The address of the first byte (for FFI; do not free).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.region.as_mut_ptr()
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // CUDA IPC
 
@@ -841,6 +906,8 @@ mod tests {
         assert!(e.to_string().contains("no CUDA driver found"), "{e}");
         let ctx = crate::Context::new();
         let e = DeviceBuffer::new(&ctx, 0, 64, Transport::CudaIpc.into()).unwrap_err();
+        assert!(e.to_string().contains("no CUDA driver found"), "{e}");
+        let e = PinnedBuffer::new(&ctx, 0, 64, Transport::Ethernet.into()).unwrap_err();
         assert!(e.to_string().contains("no CUDA driver found"), "{e}");
         assert!(pci_bus_id(0).is_err());
         assert_eq!(numa_node(0), None);
