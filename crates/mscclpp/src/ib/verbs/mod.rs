@@ -258,7 +258,14 @@ mod tests {
         let src = dir.join("abi.c");
         let exe = dir.join("abi");
         std::fs::write(&src, c).unwrap();
-        let out = std::process::Command::new("gcc").arg("-std=gnu11").arg(&src).arg("-o").arg(&exe).output().unwrap();
+        let out = match std::process::Command::new("gcc").arg("-std=gnu11").arg(&src).arg("-o").arg(&exe).output() {
+            Ok(o) => o,
+            Err(e) => {
+                assert!(std::env::var("CI").is_err(), "CI must have gcc for this test: {e}");
+                println!("SKIPPED abi_matches_the_system_header: no gcc ({e})");
+                return;
+            }
+        };
         assert!(out.status.success(), "gcc failed: {}", String::from_utf8_lossy(&out.stderr));
         let run = std::process::Command::new(&exe).output().unwrap();
         let text = String::from_utf8(run.stdout).unwrap();
