@@ -241,16 +241,11 @@ impl Host2HostSemaphore {
                 return Err(e.during("Host2HostSemaphore wait"));
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                let mut e = Error::new(
+                let e = Error::new(
                     ErrorKind::Timeout,
                     format!("Host2HostSemaphore: token is {}, waiting for {want}, after {timeout:?}", self.inbound()),
-                )
-                .during("Host2HostSemaphore wait")
-                .with_transport(self.connection().transport());
-                if let Some(p) = self.connection().peer_rank() {
-                    e = e.with_peer(p);
-                }
-                return Err(e);
+                );
+                return Err(self.connection().ctx_err(e, "Host2HostSemaphore wait"));
             }
         }
     }
@@ -342,16 +337,11 @@ impl Host2DeviceSemaphore {
             }
             self.connection().status().map_err(|e| e.during("Host2DeviceSemaphore wait"))?;
             if start.elapsed() >= timeout {
-                let mut e = Error::new(
+                let e = Error::new(
                     ErrorKind::Timeout,
                     format!("Host2DeviceSemaphore: token is {have}, waiting for {want}, after {timeout:?}"),
-                )
-                .during("Host2DeviceSemaphore wait")
-                .with_transport(self.connection().transport());
-                if let Some(p) = self.connection().peer_rank() {
-                    e = e.with_peer(p);
-                }
-                return Err(e);
+                );
+                return Err(self.connection().ctx_err(e, "Host2DeviceSemaphore wait"));
             }
             std::thread::sleep(sleep);
             sleep = (sleep * 2).min(Duration::from_micros(200));

@@ -113,6 +113,28 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// A message with a `u32` little-endian length in front, as every handshake and root message is
+/// sent.
+pub(crate) fn length_prefixed(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// Reads one [`length_prefixed`] message of at most `max` bytes; `what` names it in errors.
+pub(crate) fn read_length_prefixed(s: &mut impl std::io::Read, max: usize, what: &str) -> Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).map_err(|e| Error::io(format!("reading {what}"), e))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(Error::remote(format!("{what} of {len} bytes is longer than {max}")));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).map_err(|e| Error::io(format!("reading {what}"), e))?;
+    Ok(body)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,5 +169,13 @@ mod tests {
         }
         assert!(Reader::new(&b, "test", b"TEST", 2).is_err());
         assert!(Reader::new(&b, "test", b"TESX", 1).is_err());
+    }
+
+    #[test]
+    fn length_prefixed_messages() {
+        let m = length_prefixed(b"abc");
+        assert_eq!(read_length_prefixed(&mut &m[..], 3, "m").unwrap(), b"abc");
+        assert!(read_length_prefixed(&mut &m[..], 2, "m").unwrap_err().to_string().contains("longer than 2"));
+        assert!(read_length_prefixed(&mut &m[..5], 3, "m").is_err());
     }
 }

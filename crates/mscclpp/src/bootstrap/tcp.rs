@@ -34,7 +34,7 @@ use super::{Bootstrap, RESERVED_TAG_BASE, TAG_ALL_GATHER};
 use crate::context::lock;
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{connect_retry, get_addr, put_addr};
-use crate::wire::{Reader, Writer};
+use crate::wire::{Reader, Writer, length_prefixed, read_length_prefixed};
 
 const LOG: &str = "mscclpp::bootstrap";
 const HELLO_MAGIC: &[u8; 4] = b"MSBS";
@@ -175,22 +175,12 @@ impl Hello {
             put_addr(&mut w, a);
             w.u64(*h);
         }
-        let mut body = w.finish();
-        let mut out = (body.len() as u32).to_le_bytes().to_vec();
-        out.append(&mut body);
-        out
+        length_prefixed(&w.finish())
     }
 
     /// Reads a hello of at most 256 bytes and checks magic, version and secret.
     fn read(s: &mut TcpStream, secret: &[u8; 16]) -> Result<Hello> {
-        let mut len = [0u8; 4];
-        s.read_exact(&mut len).map_err(|e| Error::io("reading the handshake", e))?;
-        let len = u32::from_le_bytes(len) as usize;
-        if len > 256 {
-            return Err(Error::remote(format!("handshake of {len} bytes is too long")));
-        }
-        let mut body = vec![0u8; len];
-        s.read_exact(&mut body).map_err(|e| Error::io("reading the handshake", e))?;
+        let body = read_length_prefixed(s, 256, "the handshake")?;
         let mut r = Reader::new(&body, "bootstrap handshake", HELLO_MAGIC, VERSION)?;
         let kind = r.u8()?;
         let their: [u8; 16] = r.array()?;
@@ -206,25 +196,7 @@ impl Hello {
 }
 
 fn write_frame(s: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
-    let len: usize = parts.iter().map(|p| p.len()).sum();
-    let mut buf = Vec::with_capacity(4 + len);
-    buf.extend_from_slice(&(len as u32).to_le_bytes());
-    for p in parts {
-        buf.extend_from_slice(p);
-    }
-    s.write_all(&buf)
-}
-
-fn read_frame(s: &mut TcpStream, max: usize) -> Result<Vec<u8>> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).map_err(|e| Error::io("reading from the bootstrap root", e))?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > max {
-        return Err(Error::remote(format!("root message of {len} bytes exceeds {max}")));
-    }
-    let mut b = vec![0u8; len];
-    s.read_exact(&mut b).map_err(|e| Error::io("reading from the bootstrap root", e))?;
-    Ok(b)
+    s.write_all(&length_prefixed(&parts.concat()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -626,7 +598,7 @@ impl TcpBootstrap {
                 .during(op));
             }
             let _ = rs.set_read_timeout(Some(deadline - now));
-            let frame = match read_frame(&mut rs, 1 << 30) {
+            let frame = match read_length_prefixed(&mut rs, 1 << 30, "the bootstrap root's answer") {
                 Ok(f) => f,
                 Err(e) if e.source_is_timeout() => continue,
                 Err(e) => return Err(e.during(op)),

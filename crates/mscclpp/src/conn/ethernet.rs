@@ -53,7 +53,7 @@ use crate::memory::{LocalRegion, Mem, RegisteredMemory};
 use crate::sys::hostmem::Region;
 use crate::sys::hostmem::{IoPart, send_vectored};
 use crate::transport::Transport;
-use crate::wire::{Reader, Writer};
+use crate::wire::{Reader, Writer, length_prefixed, read_length_prefixed};
 
 const LOG: &str = "mscclpp::conn";
 const HS_MAGIC: &[u8; 4] = b"MSEH";
@@ -256,14 +256,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], c
 
 fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Result<TcpStream> {
     s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| Error::io("setting a read timeout", e))?;
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).map_err(|e| Error::io("reading the handshake", e))?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > 64 {
-        return Err(Error::remote(format!("handshake of {len} bytes is too long")));
-    }
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body).map_err(|e| Error::io("reading the handshake", e))?;
+    let body = read_length_prefixed(&mut s, 64, "the handshake")?;
     let mut r = Reader::new(&body, "Ethernet handshake", HS_MAGIC, HS_VERSION)?;
     let theirs: [u8; 16] = r.array()?;
     let _peer_context = r.u64()?;
@@ -285,10 +278,7 @@ fn dial(addr: SocketAddr, secret: &[u8; 16], my_context: u64, deadline: Instant)
     let mut w = Writer::new(HS_MAGIC, HS_VERSION);
     w.raw(secret);
     w.u64(my_context);
-    let body = w.finish();
-    let mut msg = (body.len() as u32).to_le_bytes().to_vec();
-    msg.extend_from_slice(&body);
-    s.write_all(&msg).map_err(|e| Error::io("sending the handshake", e))?;
+    s.write_all(&length_prefixed(&w.finish())).map_err(|e| Error::io("sending the handshake", e))?;
     s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10))))
         .map_err(|e| Error::io("setting a read timeout", e))?;
     let mut ack = [0u8; 9];

@@ -75,7 +75,8 @@ impl Connection {
         Connection { inner: Arc::new(inner) }
     }
 
-    fn ctx_err(&self, e: Error, op: &str) -> Error {
+    /// Names the operation, this connection's transport and, where known, the peer in `e`.
+    pub(crate) fn ctx_err(&self, e: Error, op: &str) -> Error {
         let e = e.during(op.to_string()).with_transport(self.inner.transport);
         match self.inner.peer {
             Some(p) => e.with_peer(p),
