@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::memory::{LocalRegion, RegisteredMemory, check_host_transports};
 use crate::sys::hostmem::Region;
-use crate::transport::{Device, TransportFlags};
+use crate::transport::{Device, Transport, TransportFlags};
 
 pub(crate) struct ContextInner {
     /// Random per-context id, so that a memory names the context it belongs to.
@@ -23,6 +23,9 @@ pub(crate) struct ContextInner {
     token_cond: Condvar,
     /// One non-blocking stream per GPU for CUDA IPC connections.
     cuda_streams: Mutex<Vec<Arc<crate::gpu::Stream>>>,
+    /// The opened RDMA device of each `IBn` transport, and names chosen by `set_ib_device`.
+    ib_devices: Mutex<[Option<Arc<crate::ib::dev::IbDevice>>; 8]>,
+    ib_names: Mutex<[Option<String>; 8]>,
 }
 
 impl ContextInner {
@@ -49,6 +52,41 @@ impl ContextInner {
         let s = Arc::new(crate::gpu::Stream::new(dev)?);
         v.push(s.clone());
         Ok(s)
+    }
+
+    /// The RDMA device of `IBn` (`t`), opened on first use: the name given to
+    /// `Context::set_ib_device`, else entry n of `MSCCLPP_HCA_DEVICES`, else the n-th device.
+    pub(crate) fn ib_device(&self, t: Transport) -> Result<Arc<crate::ib::dev::IbDevice>> {
+        let i = t.ib_index().ok_or_else(|| Error::internal(format!("{t} is not an IB transport")))?;
+        let mut devs = lock(&self.ib_devices);
+        if let Some(d) = &devs[i] {
+            return Ok(d.clone());
+        }
+        let name = match lock(&self.ib_names)[i].clone() {
+            Some(n) => n,
+            None => match crate::env::env()?.hca_devices.as_ref() {
+                Some(list) => list.get(i).cloned().ok_or_else(|| {
+                    Error::invalid_usage(format!(
+                        "{t}: MSCCLPP_HCA_DEVICES names {} device(s) ({}), none for {t}",
+                        list.len(),
+                        list.join(",")
+                    ))
+                })?,
+                None => {
+                    let all = crate::ib::devices()?;
+                    all.get(i).cloned().ok_or_else(|| {
+                        Error::not_available(format!(
+                            "no IB transport {t}: this machine has {} RDMA device(s) ({})",
+                            all.len(),
+                            all.join(", ")
+                        ))
+                    })?
+                }
+            },
+        };
+        let d = crate::ib::dev::IbDevice::open(&name).map_err(|e| e.during(format!("opening {name} for {t}")))?;
+        devs[i] = Some(d.clone());
+        Ok(d)
     }
 
     /// Tells waiters that a peer changed a token word (transports call this after applying
@@ -127,6 +165,8 @@ impl Context {
                 token_gen: Mutex::new(0),
                 token_cond: Condvar::new(),
                 cuda_streams: Mutex::new(Vec::new()),
+                ib_devices: Mutex::new(Default::default()),
+                ib_names: Mutex::new(Default::default()),
             }),
         }
     }
@@ -167,6 +207,23 @@ impl Context {
         RegisteredMemory::new_local(self, region, transports, Device::Cpu)
     }
 
+    /// Uses the RDMA device `name` (`mlx5_0`, `rxe0`, ...) for the IB transport `t` of this
+    /// context, instead of `MSCCLPP_HCA_DEVICES` or enumeration order. Call it before the first
+    /// registration or endpoint of `t`.
+    ///
+    /// # Errors
+    /// `InvalidUsage` when `t` is not an IB transport or already uses another device.
+    pub fn set_ib_device(&self, t: Transport, name: &str) -> Result<()> {
+        let i = t.ib_index().ok_or_else(|| Error::invalid_usage(format!("{t} is not an IB transport")))?;
+        if let Some(d) = &lock(&self.inner.ib_devices)[i] {
+            if d.name != name {
+                return Err(Error::invalid_usage(format!("{t} of this context already uses {}", d.name)));
+            }
+        }
+        lock(&self.inner.ib_names)[i] = Some(name.to_string());
+        Ok(())
+    }
+
     /// How many registrations of this context are alive.
     pub fn registered_count(&self) -> usize {
         lock(&self.inner.regions).values().filter(|w| w.strong_count() > 0).count()
@@ -180,7 +237,6 @@ fn now_nanos() -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Transport;
 
     #[test]
     #[allow(unsafe_code)]

@@ -9,7 +9,7 @@ use crate::context::{Context, lock};
 use crate::error::{Error, Result};
 use crate::memory::{get_device, put_device};
 use crate::net::{get_addr, put_addr};
-use crate::transport::{Device, EndpointConfig, Transport};
+use crate::transport::{Device, EndpointConfig, IbMode, Transport};
 use crate::wire::{Reader, Writer};
 
 const MAGIC: &[u8; 4] = b"MSEP";
@@ -26,6 +26,8 @@ pub(crate) enum EndpointKind {
     Ethernet { addr: SocketAddr, secret: [u8; 16] },
     /// CUDA IPC needs nothing beyond the common fields.
     CudaIpc,
+    /// The queue pair to connect to, and how its owner signals.
+    Ib { qp: crate::ib::dev::QpInfo, mode: IbMode },
 }
 
 /// The part of an endpoint that travels.
@@ -45,6 +47,8 @@ pub(crate) struct LocalEndpoint {
     /// The Ethernet acceptor (accepting since creation); taken by the one connection made
     /// from this endpoint.
     pub(crate) acceptor: Mutex<Option<Arc<crate::conn::ethernet::Acceptor>>>,
+    /// The IB queue pair (in INIT since creation); taken by the one connection made from it.
+    pub(crate) ib_qp: Mutex<Option<crate::ib::dev::IbQp>>,
 }
 
 struct EndpointInner {
@@ -143,6 +147,19 @@ impl Endpoint {
                 w.raw(secret);
             }
             EndpointKind::CudaIpc => w.u8(2),
+            EndpointKind::Ib { qp, mode } => {
+                w.u8(3);
+                w.u16(qp.lid);
+                w.u32(qp.qpn);
+                w.raw(&qp.gid);
+                w.u8(qp.mtu);
+                w.u8(qp.link_layer);
+                w.u8(qp.rd_atomic);
+                w.u8(match mode {
+                    IbMode::HostNoAtomic => 2,
+                    _ => 1,
+                });
+            }
         }
         w.finish()
     }
@@ -162,13 +179,29 @@ impl Endpoint {
         let kind = match r.u8()? {
             1 => EndpointKind::Ethernet { addr: get_addr(&mut r)?, secret: r.array()? },
             2 => EndpointKind::CudaIpc,
+            3 => {
+                let qp = crate::ib::dev::QpInfo {
+                    lid: r.u16()?,
+                    qpn: r.u32()?,
+                    gid: r.array()?,
+                    mtu: r.u8()?,
+                    link_layer: r.u8()?,
+                    rd_atomic: r.u8()?,
+                };
+                let mode = match r.u8()? {
+                    1 => IbMode::Host,
+                    2 => IbMode::HostNoAtomic,
+                    m => return Err(r.err(format!("unknown IB mode {m}"))),
+                };
+                EndpointKind::Ib { qp, mode }
+            }
             k => return Err(r.err(format!("unknown endpoint kind {k}"))),
         };
         r.finish()?;
         let consistent = matches!(
             (&kind, transport),
             (EndpointKind::Ethernet { .. }, Transport::Ethernet) | (EndpointKind::CudaIpc, Transport::CudaIpc)
-        );
+        ) || matches!(kind, EndpointKind::Ib { .. }) && transport.is_ib();
         if !consistent {
             return Err(Error::invalid_usage(format!(
                 "malformed serialized Endpoint: transport {transport} with the wrong kind of details"
@@ -188,6 +221,7 @@ impl Context {
     /// interface; `System` when the socket cannot be opened.
     pub fn create_endpoint(&self, config: &EndpointConfig) -> Result<Endpoint> {
         let op = format!("creating a {} endpoint", config.transport);
+        let mut ib_qp = None;
         let (kind, queue) = match config.transport {
             Transport::Ethernet => {
                 let ip = match &config.ethernet.interface {
@@ -216,9 +250,9 @@ impl Context {
                 (EndpointKind::CudaIpc, (config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE), None))
             }
             t => {
-                return Err(
-                    Error::not_available(format!("the IB transport ({t}) is not part of this build yet")).during(op)
-                );
+                let (kind, qp, queue) = create_ib(self, config, t).map_err(|e| e.during(op.clone()))?;
+                ib_qp = Some(qp);
+                (kind, (queue, None))
             }
         };
         let (queue, acceptor) = queue;
@@ -230,12 +264,69 @@ impl Context {
             max_write_queue_size: queue as u32,
             kind,
         };
-        let local = LocalEndpoint { context: self.clone(), config: config.clone(), acceptor: Mutex::new(acceptor) };
+        let local = LocalEndpoint {
+            context: self.clone(),
+            config: config.clone(),
+            acceptor: Mutex::new(acceptor),
+            ib_qp: Mutex::new(ib_qp),
+        };
         Ok(Endpoint { inner: Arc::new(EndpointInner { desc, local: Some(local) }) })
     }
 }
 
+/// The IB part of `create_endpoint`: mode, device, port and GID, and a QP in INIT.
+fn create_ib(
+    ctx: &Context,
+    config: &EndpointConfig,
+    t: Transport,
+) -> Result<(EndpointKind, crate::ib::dev::IbQp, usize)> {
+    if config.device != Device::Cpu {
+        return Err(Error::not_available(format!(
+            "{t} endpoints for GPU memory (dmabuf or nvidia-peermem registration) are not part of this build yet"
+        )));
+    }
+    let ib = &config.ib;
+    let mode = match ib.mode {
+        IbMode::Default => crate::env::env()?.ibv_mode.filter(|m| *m != IbMode::Default).unwrap_or(IbMode::Host),
+        m => m,
+    };
+    let dev = ctx.inner().ib_device(t)?;
+    if mode == IbMode::HostNoAtomic {
+        return Err(Error::not_available(format!("IB HostNoAtomic mode ({t}) is not part of this build yet")));
+    }
+    if !dev.caps.atomics {
+        return Err(Error::not_available(format!(
+            "{} has no RDMA atomics, which Host mode needs; HostNoAtomic mode is not part of this build yet",
+            dev.name
+        )));
+    }
+    if ib.max_cq_size == 0 || ib.max_send_wr == 0 || ib.max_wr_per_send == 0 || ib.max_cq_poll_num == 0 {
+        return Err(Error::invalid_usage(format!(
+            "IB limits must be positive (max_cq_size {}, max_send_wr {}, max_wr_per_send {}, max_cq_poll_num {})",
+            ib.max_cq_size, ib.max_send_wr, ib.max_wr_per_send, ib.max_cq_poll_num
+        )));
+    }
+    let queue = config.max_write_queue_size.unwrap_or(ib.max_cq_size as usize);
+    if queue == 0 || queue > u32::MAX as usize {
+        return Err(Error::invalid_usage(format!("max_write_queue_size {queue} must be in 1..2^32")));
+    }
+    let port = dev.choose_port(ib.port, ib.gid_index)?;
+    let limits = crate::ib::dev::QpLimits {
+        max_send_wr: ib.max_send_wr,
+        max_recv_wr: ib.max_recv_wr,
+        cq_size: ib.max_cq_size,
+        timeout: ib.timeout,
+        retry_cnt: ib.retry_cnt,
+    };
+    let qp = crate::ib::dev::IbQp::create(&dev, port, limits)?;
+    Ok((EndpointKind::Ib { qp: qp.info(), mode }, qp, queue))
+}
+
 impl LocalEndpoint {
+    pub(crate) fn take_ib_qp(&self) -> Option<crate::ib::dev::IbQp> {
+        lock(&self.ib_qp).take()
+    }
+
     pub(crate) fn take_acceptor(&self) -> Option<Arc<crate::conn::ethernet::Acceptor>> {
         lock(&self.acceptor).take()
     }
@@ -317,8 +408,6 @@ mod tests {
         let back = Endpoint::deserialize(&ep.serialize()).unwrap();
         assert_eq!(back, ep);
         assert!(!back.is_local());
-        let err = ctx.create_endpoint(&EndpointConfig::new(Transport::IB0)).unwrap_err();
-        assert_eq!(err.kind(), crate::ErrorKind::NotAvailable);
         assert!(ctx.create_endpoint(&EndpointConfig::new(Transport::Ethernet).ethernet_interface("nope0")).is_err());
     }
 }

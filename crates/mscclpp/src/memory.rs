@@ -71,6 +71,9 @@ impl Mem {
 
 /// A registered region of the local context, kept in the context's table while it lives.
 pub(crate) struct LocalRegion {
+    /// IB memory regions by IB index. Declared first: fields drop in order, so the MRs are
+    /// deregistered before the memory they cover can go.
+    pub(crate) ib_mrs: [Option<Arc<crate::ib::dev::IbMr>>; 8],
     pub(crate) mem: Mem,
     pub(crate) id: u64,
     pub(crate) transports: TransportFlags,
@@ -160,6 +163,21 @@ impl RegisteredMemory {
     ) -> Result<Self> {
         let inner = ctx.inner();
         let id = inner.next_region_id();
+        let mut ib_mrs: [Option<Arc<crate::ib::dev::IbMr>>; 8] = Default::default();
+        let mut ib = [None; 8];
+        for t in (transports & TransportFlags::ALL_IB).iter() {
+            if matches!(region, Mem::Gpu(_)) {
+                return Err(Error::not_available(format!(
+                    "registering GPU memory for {t} (dmabuf or nvidia-peermem) is not part of this build yet"
+                )));
+            }
+            let i = t.ib_index().unwrap_or(0);
+            let dev = inner.ib_device(t).map_err(|e| e.during(format!("registering memory for {t}")))?;
+            let mr =
+                dev.reg_mr(region.addr(), region.len()).map_err(|e| e.during(format!("registering memory for {t}")))?;
+            ib[i] = Some(IbMrInfo { addr: mr.addr, rkey: mr.rkey });
+            ib_mrs[i] = Some(Arc::new(mr));
+        }
         let desc = MemoryDesc {
             addr: region.addr(),
             len: region.len(),
@@ -170,9 +188,9 @@ impl RegisteredMemory {
             transports,
             device,
             cuda_ipc,
-            ib: [None; 8],
+            ib,
         };
-        let local = Arc::new(LocalRegion { mem: region, id, transports, ctx: Arc::downgrade(inner) });
+        let local = Arc::new(LocalRegion { ib_mrs, mem: region, id, transports, ctx: Arc::downgrade(inner) });
         inner.remember_region(&local);
         Ok(RegisteredMemory {
             inner: Arc::new(MemInner { desc, local: Some(local), import: OnceLock::new(), resolved: OnceLock::new() }),
@@ -466,9 +484,6 @@ impl Buffer {
 pub(crate) fn check_host_transports(t: TransportFlags) -> Result<()> {
     if t.has(Transport::CudaIpc) {
         return Err(Error::invalid_usage("host memory cannot be registered for CUDA IPC (it needs GPU memory)"));
-    }
-    if !(t & TransportFlags::ALL_IB).is_empty() {
-        return Err(Error::not_available("the IB transport is not part of this build yet"));
     }
     Ok(())
 }

@@ -229,9 +229,16 @@ impl Host2HostSemaphore {
         let ctx = self.connection().context().inner().clone();
         loop {
             let mut ready = || self.inbound() >= want;
+            // The NIC writes IB tokens without telling this process: poll them often. Other
+            // transports wake the waiter when they apply a token.
+            let cap = if self.connection().transport().is_ib() {
+                Duration::from_micros(50)
+            } else {
+                Duration::from_millis(20)
+            };
             let slice = match deadline {
-                Some(d) => d.saturating_duration_since(Instant::now()).min(Duration::from_millis(20)),
-                None => Duration::from_millis(20),
+                Some(d) => d.saturating_duration_since(Instant::now()).min(cap),
+                None => cap,
             };
             if ctx.wait_tokens(slice, &mut ready) {
                 self.expected.store(want, Ordering::Release);

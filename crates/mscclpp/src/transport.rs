@@ -276,6 +276,11 @@ pub struct IbConfig {
     pub max_wr_per_send: u32,
     /// Signalling mode.
     pub mode: IbMode,
+    /// Local ACK timeout exponent: a lost packet is resent after 4.096 us * 2^timeout (18:
+    /// about 1.07 s). With `retry_cnt` it bounds how long a dead peer goes unnoticed.
+    pub timeout: u8,
+    /// Resends before a work request fails with "retry counter exceeded" (at most 7).
+    pub retry_cnt: u8,
 }
 
 impl Default for IbConfig {
@@ -289,6 +294,8 @@ impl Default for IbConfig {
             max_recv_wr: 16,
             max_wr_per_send: 64,
             mode: IbMode::Default,
+            timeout: 18,
+            retry_cnt: 7,
         }
     }
 }

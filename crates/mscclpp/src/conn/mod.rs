@@ -2,6 +2,7 @@
 
 pub(crate) mod cuda_ipc;
 pub(crate) mod ethernet;
+pub(crate) mod ib;
 
 use std::fmt;
 use std::sync::Arc;
@@ -262,7 +263,7 @@ impl Context {
         match t {
             Transport::Ethernet => ethernet::connect(self, local, remote, peer).map_err(wrap),
             Transport::CudaIpc => cuda_ipc::connect(self, local, remote, peer).map_err(wrap),
-            other => Err(wrap(Error::not_available(format!("the {other} transport is not part of this build yet")))),
+            _ => ib::connect(self, local, remote, peer).map_err(wrap),
         }
     }
 }

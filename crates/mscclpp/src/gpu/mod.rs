@@ -523,7 +523,7 @@ impl std::fmt::Debug for DeviceBuffer {
 
 impl DeviceBuffer {
     /// Allocates `len` zeroed bytes on GPU `device` with `cuMemAlloc` and registers them for
-    /// `transports` (CUDA IPC and Ethernet; IB comes with its issue).
+    /// `transports` (CUDA IPC and Ethernet; GPU memory over IB is not built yet).
     ///
     /// # Errors
     /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU or zero length;
@@ -533,7 +533,9 @@ impl DeviceBuffer {
             return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
         }
         if !(transports & TransportFlags::ALL_IB).is_empty() {
-            return Err(Error::not_available("the IB transport is not part of this build yet"));
+            return Err(Error::not_available(
+                "registering GPU memory for IB (dmabuf or nvidia-peermem) is not part of this build yet",
+            ));
         }
         let dev = self::device(device)?;
         let alloc = Arc::new(DeviceAlloc::new(&dev, len)?);
@@ -695,7 +697,7 @@ impl std::fmt::Debug for PinnedBuffer {
 
 impl PinnedBuffer {
     /// Allocates `len` bytes of pinned host memory (in GPU `device`'s context, portable to all)
-    /// and registers them for `transports` (host transports: Ethernet).
+    /// and registers them for `transports` (host transports: Ethernet, IB).
     ///
     /// # Errors
     /// `NotAvailable` without a CUDA driver; `InvalidUsage` for zero length or a transport host

@@ -1,6 +1,49 @@
-//! InfiniBand / RoCE. This build has the verbs access layer (libibverbs loaded at run time, the
-//! ABI declared by hand); the IB transport itself comes with its issue.
+//! InfiniBand / RoCE: libibverbs loaded at run time (the ABI declared by hand), device contexts,
+//! and (with the cargo feature `ib-fake`) an in-process test provider.
 
+pub(crate) mod dev;
 pub(crate) mod verbs;
 
 pub use verbs::devices;
+
+/// The in-process verbs provider for tests (cargo feature `ib-fake`): RC semantics with real
+/// memory effects inside one process, and fault injection. Nothing selects it but [`install`].
+///
+/// ```
+/// # fn main() -> mscclpp::Result<()> {
+/// mscclpp::ib::fake::install()?;
+/// assert!(mscclpp::ib::devices()?.contains(&"fake0".to_string()));
+/// # Ok(()) }
+/// ```
+#[cfg(feature = "ib-fake")]
+pub mod fake {
+    pub use super::verbs::fake::{FakeStats, RETRY_WINDOW};
+    use crate::error::{Error, Result};
+
+    /// Makes the test provider this process's verbs library. Call it before any IB use; a second
+    /// call is a no-op. Fails when the real libibverbs was loaded first.
+    pub fn install() -> Result<()> {
+        super::verbs::install(super::verbs::fake::table())
+    }
+
+    /// Adds a fake RDMA device (two exist from the start: `fake0`, `fake1`). Use one per test
+    /// to keep injected faults apart.
+    pub fn add_device(name: &str) {
+        super::verbs::fake::add_device(name)
+    }
+
+    /// Breaks (`true`) or mends the link of a fake device: work requests of its queue pairs get
+    /// no answer and, after [`RETRY_WINDOW`], complete with "retry counter exceeded".
+    pub fn set_link_broken(device: &str, broken: bool) -> Result<()> {
+        if super::verbs::fake::set_link_broken(device, broken) {
+            Ok(())
+        } else {
+            Err(Error::invalid_usage(format!("no fake RDMA device {device:?}")))
+        }
+    }
+
+    /// Counters of the provider (CQ overflows, refused posts, ...).
+    pub fn stats() -> FakeStats {
+        super::verbs::fake::stats()
+    }
+}

@@ -9,6 +9,8 @@
 //! ```
 #![allow(dead_code)]
 
+pub mod suite;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 

@@ -6,6 +6,8 @@
 #![allow(unsafe_code)]
 
 pub(crate) mod abi;
+#[cfg(feature = "ib-fake")]
+pub(crate) mod fake;
 
 use std::ffi::{CStr, c_char, c_int};
 use std::sync::OnceLock;
@@ -42,9 +44,10 @@ type FnModifyQp = unsafe extern "C" fn(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, 
 type FnDestroyQp = unsafe extern "C" fn(qp: *mut ibv_qp) -> c_int;
 type FnWcStatusStr = unsafe extern "C" fn(status: std::ffi::c_uint) -> *const c_char;
 
-/// The loaded library and its symbols. (The IB transport issue uses the resource verbs; this
-/// build only enumerates devices.)
-#[allow(dead_code)]
+/// How a provider reports a GID's type (`"RoCE v2"`, `"IB/RoCE v1"`): `(device, port, index)`.
+pub(crate) type GidTypeFn = fn(&str, u8, u32) -> Option<String>;
+
+/// The loaded library and its symbols (or the in-process test provider's look-alikes).
 pub(crate) struct Verbs {
     pub(crate) path: String,
     pub(crate) get_device_list: FnGetDeviceList,
@@ -58,7 +61,8 @@ pub(crate) struct Verbs {
     pub(crate) alloc_pd: FnAllocPd,
     pub(crate) dealloc_pd: FnDeallocPd,
     pub(crate) reg_mr: FnRegMr,
-    /// IBVERBS_1.12 and later only.
+    /// IBVERBS_1.12 and later only (GPU memory over RDMA, not built yet).
+    #[allow(dead_code)]
     pub(crate) reg_dmabuf_mr: Option<FnRegDmabufMr>,
     pub(crate) dereg_mr: FnDeregMr,
     pub(crate) create_cq: FnCreateCq,
@@ -67,7 +71,18 @@ pub(crate) struct Verbs {
     pub(crate) modify_qp: FnModifyQp,
     pub(crate) destroy_qp: FnDestroyQp,
     pub(crate) wc_status_str: FnWcStatusStr,
-    _lib: libloading::Library,
+    /// GID types: sysfs for the real library, a table for the test provider.
+    pub(crate) gid_type: GidTypeFn,
+    /// Whether this is the in-process test provider.
+    #[cfg_attr(not(feature = "ib-fake"), allow(dead_code))]
+    pub(crate) fake: bool,
+    pub(crate) _lib: Option<libloading::Library>,
+}
+
+/// A GID's type from sysfs (`/sys/class/infiniband/<dev>/ports/<port>/gid_attrs/types/<i>`).
+fn sysfs_gid_type(dev: &str, port: u8, index: u32) -> Option<String> {
+    let p = format!("/sys/class/infiniband/{dev}/ports/{port}/gid_attrs/types/{index}");
+    std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
 }
 
 /// The library names tried, in order.
@@ -142,16 +157,33 @@ fn symbols(lib: libloading::Library, name: &str) -> std::result::Result<Verbs, S
         modify_qp: sym!("ibv_modify_qp"),
         destroy_qp: sym!("ibv_destroy_qp"),
         wc_status_str: sym!("ibv_wc_status_str"),
-        _lib: lib,
+        gid_type: sysfs_gid_type,
+        fake: false,
+        _lib: Some(lib),
     })
 }
 
-/// libibverbs, loaded once per process.
+type Loaded = std::result::Result<Verbs, (ErrorKind, String)>;
+static VERBS: OnceLock<Loaded> = OnceLock::new();
+
+/// libibverbs, loaded once per process (or the test provider, when it was installed first).
 pub(crate) fn verbs() -> Result<&'static Verbs> {
-    static V: OnceLock<std::result::Result<Verbs, (ErrorKind, String)>> = OnceLock::new();
-    V.get_or_init(|| load(&candidates()).map_err(|e| (e.kind(), e.message().to_string())))
+    VERBS
+        .get_or_init(|| load(&candidates()).map_err(|e| (e.kind(), e.message().to_string())))
         .as_ref()
         .map_err(|(k, m)| Error::new(*k, m.clone()))
+}
+
+/// Makes `v` the process's verbs provider; only possible before the first use of IB.
+#[cfg(feature = "ib-fake")]
+pub(crate) fn install(v: Verbs) -> Result<()> {
+    let _ = VERBS.set(Ok(v));
+    match VERBS.get() {
+        Some(Ok(v)) if v.fake => Ok(()),
+        _ => Err(Error::invalid_usage(
+            "the IB test provider must be installed before the first use of IB in this process",
+        )),
+    }
 }
 
 /// The names of the RDMA devices this machine has (`mlx5_0`, `rxe0`, ...), in enumeration order.

@@ -1,0 +1,668 @@
+//! Owned verbs objects: an opened device with its protection domain, memory regions, completion
+//! queues and RC queue pairs. Every object keeps the device alive (`Arc<IbDevice>`), so nothing is
+//! destroyed after the PD or the device context it came from (MSCCL++'s MRs and QPs hold no
+//! reference to their `IbCtx`).
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_int, c_void};
+use std::fmt;
+use std::sync::Arc;
+
+use tracing::{debug, info, warn};
+
+use super::verbs::abi::*;
+use super::verbs::{Verbs, verbs};
+use crate::error::{Error, ErrorKind, Result};
+
+fn ib_err(what: impl fmt::Display, errno: c_int) -> Error {
+    let os = std::io::Error::from_raw_os_error(errno);
+    Error::new(ErrorKind::Ib, format!("{what}: {os}"))
+}
+
+fn last_errno() -> c_int {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// What the transport needs of a device's capabilities.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeviceCaps {
+    pub(crate) atomics: bool,
+    pub(crate) max_qp_wr: u32,
+    pub(crate) max_cqe: u32,
+    pub(crate) max_qp_rd_atom: u8,
+    pub(crate) max_qp_init_rd_atom: u8,
+    pub(crate) ports: u8,
+}
+
+/// An opened RDMA device and its protection domain.
+pub(crate) struct IbDevice {
+    pub(crate) v: &'static Verbs,
+    pub(crate) name: String,
+    ctx: *mut ibv_context,
+    pd: *mut ibv_pd,
+    pub(crate) caps: DeviceCaps,
+}
+
+// SAFETY: libibverbs objects may be used from any thread (the library locks internally where it
+// must); the raw pointers are owned by this struct and freed once in Drop.
+unsafe impl Send for IbDevice {}
+// SAFETY: as above; no method hands out interior references.
+unsafe impl Sync for IbDevice {}
+
+impl fmt::Debug for IbDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IbDevice({})", self.name)
+    }
+}
+
+impl Drop for IbDevice {
+    fn drop(&mut self) {
+        // SAFETY: pd and ctx came from alloc_pd/open_device, every MR/CQ/QP holds an Arc to this
+        // device so all of them are gone, and each is freed once.
+        unsafe {
+            (self.v.dealloc_pd)(self.pd);
+            (self.v.close_device)(self.ctx);
+        }
+    }
+}
+
+/// The port and GID a queue pair uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PortInfo {
+    pub(crate) port: u8,
+    pub(crate) lid: u16,
+    pub(crate) link_layer: u8,
+    pub(crate) active_mtu: u32,
+    pub(crate) gid_index: u8,
+    pub(crate) gid: [u8; 16],
+    pub(crate) max_msg_sz: u32,
+}
+
+impl PortInfo {
+    /// Whether packets need a global route header (RoCE, or a GID-routed IB fabric).
+    pub(crate) fn is_ethernet(&self) -> bool {
+        self.link_layer == IBV_LINK_LAYER_ETHERNET
+    }
+}
+
+/// Formats a GID as IPv6 text.
+pub(crate) fn gid_text(g: &[u8; 16]) -> String {
+    std::net::Ipv6Addr::from(*g).to_string()
+}
+
+impl IbDevice {
+    /// Opens the device called `name` and allocates its protection domain.
+    pub(crate) fn open(name: &str) -> Result<Arc<IbDevice>> {
+        let v = verbs()?;
+        let mut n: c_int = 0;
+        // SAFETY: n is a valid out-pointer; the list is freed below.
+        let list = unsafe { (v.get_device_list)(&mut n) };
+        if list.is_null() {
+            return Err(Error::not_available(format!(
+                "no IB transport: ibv_get_device_list found no RDMA devices ({})",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let mut found = std::ptr::null_mut();
+        let mut names = Vec::new();
+        for i in 0..n.max(0) as usize {
+            // SAFETY: the list holds n valid device pointers.
+            let dev = unsafe { *list.add(i) };
+            // SAFETY: dev is valid; the name is NUL-terminated and owned by it.
+            let p = unsafe { (v.get_device_name)(dev) };
+            if p.is_null() {
+                continue;
+            }
+            // SAFETY: non-null and NUL-terminated.
+            let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+            if s == name {
+                found = dev;
+            }
+            names.push(s);
+        }
+        let ctx = if found.is_null() {
+            std::ptr::null_mut()
+        } else {
+            // SAFETY: found is a device of the live list.
+            unsafe { (v.open_device)(found) }
+        };
+        let errno = last_errno();
+        // SAFETY: list came from get_device_list; the opened context does not depend on it.
+        unsafe { (v.free_device_list)(list) };
+        if found.is_null() {
+            return Err(Error::invalid_usage(format!(
+                "RDMA device {name:?} does not exist (this machine has: {})",
+                if names.is_empty() { "none".to_string() } else { names.join(", ") }
+            )));
+        }
+        if ctx.is_null() {
+            return Err(ib_err(format!("ibv_open_device({name})"), errno));
+        }
+        // SAFETY: zeroed is a valid ibv_device_attr (plain integers); ctx is open.
+        let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: ctx is open and attr is a valid out-pointer of the declared layout.
+        let rc = unsafe { (v.query_device)(ctx, &mut attr) };
+        if rc != 0 {
+            // SAFETY: ctx is open and closed once here.
+            unsafe { (v.close_device)(ctx) };
+            return Err(ib_err(format!("ibv_query_device({name})"), rc));
+        }
+        // SAFETY: ctx is open.
+        let pd = unsafe { (v.alloc_pd)(ctx) };
+        if pd.is_null() {
+            let errno = last_errno();
+            // SAFETY: ctx is open and closed once here.
+            unsafe { (v.close_device)(ctx) };
+            return Err(ib_err(format!("ibv_alloc_pd({name})"), errno));
+        }
+        let caps = DeviceCaps {
+            atomics: attr.atomic_cap != IBV_ATOMIC_NONE,
+            max_qp_wr: attr.max_qp_wr.max(1) as u32,
+            max_cqe: attr.max_cqe.max(1) as u32,
+            max_qp_rd_atom: attr.max_qp_rd_atom.clamp(0, 255) as u8,
+            max_qp_init_rd_atom: attr.max_qp_init_rd_atom.clamp(0, 255) as u8,
+            ports: attr.phys_port_cnt,
+        };
+        info!(target: "mscclpp::ib", "opened RDMA device {name} ({caps:?})");
+        Ok(Arc::new(IbDevice { v, name: name.to_string(), ctx, pd, caps }))
+    }
+
+    fn query_port(&self, port: u8) -> Result<ibv_port_attr> {
+        // SAFETY: zeroed is a valid ibv_port_attr; the exported ibv_query_port fills at most the
+        // compat (older, smaller) layout, which ours contains.
+        let mut a: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: ctx is open; a is a valid out-pointer.
+        let rc = unsafe { (self.v.query_port)(self.ctx, port, &mut a) };
+        if rc != 0 {
+            return Err(ib_err(format!("ibv_query_port({} port {port})", self.name), rc));
+        }
+        Ok(a)
+    }
+
+    fn query_gid(&self, port: u8, index: u32) -> Option<[u8; 16]> {
+        let mut g = ibv_gid { raw: [0; 16] };
+        // SAFETY: ctx is open; g is a valid out-pointer.
+        let rc = unsafe { (self.v.query_gid)(self.ctx, port, index as c_int, &mut g) };
+        (rc == 0 && g.raw != [0; 16]).then_some(g.raw)
+    }
+
+    /// Chooses the port (the configured one, else the first active port with an IB or Ethernet
+    /// link layer) and the GID (the configured index, else `MSCCLPP_IB_GID_INDEX`, else the RoCE
+    /// v2 GID of the port's IPv4 address, then IPv6), logging why.
+    pub(crate) fn choose_port(&self, port: Option<u8>, gid_index: Option<u32>) -> Result<PortInfo> {
+        let candidates: Vec<u8> = match port {
+            Some(p) => vec![p],
+            None => (1..=self.caps.ports.max(1)).collect(),
+        };
+        let mut why = Vec::new();
+        for p in candidates {
+            let a = match self.query_port(p) {
+                Ok(a) => a,
+                Err(e) => {
+                    why.push(format!("port {p}: {}", e.message()));
+                    continue;
+                }
+            };
+            if a.state != IBV_PORT_ACTIVE {
+                why.push(format!("port {p} is not active (state {})", a.state));
+                continue;
+            }
+            if a.link_layer != IBV_LINK_LAYER_ETHERNET && a.link_layer != IBV_LINK_LAYER_INFINIBAND && a.link_layer != 0
+            {
+                why.push(format!("port {p} has link layer {}", a.link_layer));
+                continue;
+            }
+            let env_gid = crate::env::env().ok().and_then(|e| e.ib_gid_index);
+            let ethernet = a.link_layer == IBV_LINK_LAYER_ETHERNET;
+            let (gid_index, gid) = match gid_index.or(env_gid) {
+                Some(i) => {
+                    if i >= a.gid_tbl_len.max(0) as u32 || i > 255 {
+                        return Err(Error::invalid_usage(format!(
+                            "GID index {i} is out of range for {} port {p} (table of {})",
+                            self.name, a.gid_tbl_len
+                        )));
+                    }
+                    match self.query_gid(p, i) {
+                        Some(g) => (i as u8, g),
+                        None if !ethernet => (i as u8, [0; 16]),
+                        None => {
+                            return Err(Error::invalid_usage(format!(
+                                "GID index {i} of {} port {p} is empty",
+                                self.name
+                            )));
+                        }
+                    }
+                }
+                None if ethernet => match self.auto_gid(p, a.gid_tbl_len.max(0) as u32) {
+                    Some(x) => x,
+                    None => {
+                        why.push(format!("port {p} (RoCE) has no usable GID"));
+                        continue;
+                    }
+                },
+                None => (0, self.query_gid(p, 0).unwrap_or([0; 16])),
+            };
+            let info = PortInfo {
+                port: p,
+                lid: a.lid,
+                link_layer: if ethernet { IBV_LINK_LAYER_ETHERNET } else { IBV_LINK_LAYER_INFINIBAND },
+                active_mtu: a.active_mtu,
+                gid_index,
+                gid,
+                max_msg_sz: a.max_msg_sz,
+            };
+            debug!(target: "mscclpp::ib", "{}: using port {p}, GID index {gid_index} ({})", self.name, gid_text(&gid));
+            return Ok(info);
+        }
+        Err(Error::new(ErrorKind::Ib, format!("{} has no usable port: {}", self.name, why.join("; "))))
+    }
+
+    /// The RoCE v2 GID to use by default: an IPv4-mapped one first, then a global IPv6 one, then
+    /// any RoCE v2 one; without RoCE v2, the first valid GID.
+    fn auto_gid(&self, port: u8, len: u32) -> Option<(u8, [u8; 16])> {
+        let mut all = Vec::new();
+        for i in 0..len.min(256) {
+            if let Some(g) = self.query_gid(port, i) {
+                let t = (self.v.gid_type)(&self.name, port, i).unwrap_or_default();
+                all.push((i as u8, g, t));
+            }
+        }
+        let v2 = |t: &str| t.eq_ignore_ascii_case("RoCE v2");
+        let ipv4 = |g: &[u8; 16]| g[..10] == [0; 10] && g[10] == 0xff && g[11] == 0xff;
+        let link_local = |g: &[u8; 16]| g[0] == 0xfe && (g[1] & 0xc0) == 0x80;
+        let pick = all
+            .iter()
+            .find(|(_, g, t)| v2(t) && ipv4(g))
+            .map(|x| (x, "the RoCE v2 GID of the port's IPv4 address"))
+            .or_else(|| {
+                all.iter()
+                    .find(|(_, g, t)| v2(t) && !link_local(g))
+                    .map(|x| (x, "the RoCE v2 GID of the port's IPv6 address (no IPv4 one)"))
+            })
+            .or_else(|| all.iter().find(|(_, _, t)| v2(t)).map(|x| (x, "a link-local RoCE v2 GID (no routable one)")))
+            .or_else(|| all.first().map(|x| (x, "the first valid GID (the port has no RoCE v2 GID)")));
+        let ((i, g, t), reason) = pick?;
+        if !v2(t) {
+            warn!(target: "mscclpp::ib", "{} port {port}: no RoCE v2 GID; using index {i} ({})", self.name, gid_text(g));
+        } else {
+            info!(target: "mscclpp::ib", "{} port {port}: GID index {i} ({}): {reason}; set MSCCLPP_IB_GID_INDEX to override", self.name, gid_text(g));
+        }
+        Some((*i, *g))
+    }
+
+    /// Registers `[addr, addr + len)` for local write and remote write, read and atomics.
+    pub(crate) fn reg_mr(self: &Arc<Self>, addr: u64, len: u64) -> Result<IbMr> {
+        let access =
+            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+        // SAFETY: the PD is live; the range is memory the caller keeps valid while the MR lives
+        // (LocalRegion drops its MRs before its memory).
+        let mr = unsafe { (self.v.reg_mr)(self.pd, addr as *mut c_void, len as usize, access as c_int) };
+        if mr.is_null() {
+            let errno = last_errno();
+            let hint = if errno == libc_enomem() {
+                " (the locked-memory limit may be too low: raise `ulimit -l`)"
+            } else {
+                ""
+            };
+            return Err(ib_err(format!("ibv_reg_mr of {len} bytes at {addr:#x} on {}{hint}", self.name), errno));
+        }
+        // SAFETY: mr is a valid MR returned above.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok(IbMr { dev: self.clone(), mr, addr, len, lkey, rkey })
+    }
+
+    /// A completion queue of at least `cqe` entries.
+    pub(crate) fn create_cq(self: &Arc<Self>, cqe: u32) -> Result<IbCq> {
+        let n = cqe.min(self.caps.max_cqe).max(1);
+        // SAFETY: ctx is open; no channel, no context pointer.
+        let cq = unsafe { (self.v.create_cq)(self.ctx, n as c_int, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        if cq.is_null() {
+            return Err(ib_err(format!("ibv_create_cq({n}) on {}", self.name), last_errno()));
+        }
+        // SAFETY: cq is valid.
+        let depth = unsafe { (*cq).cqe }.max(1) as u32;
+        Ok(IbCq { dev: self.clone(), cq, depth })
+    }
+}
+
+fn libc_enomem() -> c_int {
+    12
+}
+
+/// A registered memory region (deregistered on drop).
+pub(crate) struct IbMr {
+    dev: Arc<IbDevice>,
+    mr: *mut ibv_mr,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) lkey: u32,
+    pub(crate) rkey: u32,
+}
+
+// SAFETY: see IbDevice; the MR pointer is owned and freed once.
+unsafe impl Send for IbMr {}
+// SAFETY: no interior mutation through &IbMr.
+unsafe impl Sync for IbMr {}
+
+impl fmt::Debug for IbMr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IbMr({} {:#x}+{} rkey {:#x})", self.dev.name, self.addr, self.len, self.rkey)
+    }
+}
+
+impl Drop for IbMr {
+    fn drop(&mut self) {
+        // SAFETY: mr came from reg_mr and is deregistered once; the PD is alive (self.dev).
+        unsafe { (self.dev.v.dereg_mr)(self.mr) };
+    }
+}
+
+/// A completion queue (destroyed on drop, after the QPs using it).
+pub(crate) struct IbCq {
+    dev: Arc<IbDevice>,
+    cq: *mut ibv_cq,
+    pub(crate) depth: u32,
+}
+
+// SAFETY: see IbDevice; polling is serialized by the owner (the connection's state lock).
+unsafe impl Send for IbCq {}
+// SAFETY: as above.
+unsafe impl Sync for IbCq {}
+
+impl IbCq {
+    /// Takes up to `out.len()` completions; returns how many.
+    pub(crate) fn poll(&self, out: &mut [ibv_wc]) -> Result<usize> {
+        // SAFETY: the CQ belongs to an open context whose ops table the provider filled.
+        let f = unsafe { (*(*self.cq).context).ops.poll_cq };
+        let Some(f) = f else {
+            return Err(Error::new(ErrorKind::Ib, format!("{}: the provider has no poll_cq", self.dev.name)));
+        };
+        // SAFETY: out is valid for out.len() entries of the declared layout.
+        let n = unsafe { f(self.cq, out.len().min(c_int::MAX as usize) as c_int, out.as_mut_ptr()) };
+        if n < 0 {
+            return Err(Error::new(ErrorKind::Ib, format!("ibv_poll_cq on {} failed ({n})", self.dev.name)));
+        }
+        Ok(n as usize)
+    }
+}
+
+impl Drop for IbCq {
+    fn drop(&mut self) {
+        // SAFETY: cq came from create_cq and is destroyed once, after the QPs that used it
+        // (IbQp destroys its QP before its CQ fields drop).
+        unsafe { (self.dev.v.destroy_cq)(self.cq) };
+    }
+}
+
+/// The text of a work-completion status.
+pub(crate) fn wc_status_text(v: &Verbs, status: u32) -> String {
+    // SAFETY: ibv_wc_status_str accepts any value and returns a static string.
+    let p = unsafe { (v.wc_status_str)(status) };
+    if p.is_null() {
+        return format!("status {status}");
+    }
+    // SAFETY: non-null, static and NUL-terminated.
+    format!("{} ({status})", unsafe { CStr::from_ptr(p) }.to_string_lossy())
+}
+
+/// What a peer needs to connect to a queue pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct QpInfo {
+    pub(crate) lid: u16,
+    pub(crate) qpn: u32,
+    pub(crate) gid: [u8; 16],
+    /// `ibv_mtu` value of the port's active MTU.
+    pub(crate) mtu: u8,
+    pub(crate) link_layer: u8,
+    /// Responder resources for RDMA reads and atomics this side offers.
+    pub(crate) rd_atomic: u8,
+}
+
+/// Settings of an RC queue pair.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct QpLimits {
+    pub(crate) max_send_wr: u32,
+    pub(crate) max_recv_wr: u32,
+    pub(crate) cq_size: u32,
+    pub(crate) timeout: u8,
+    pub(crate) retry_cnt: u8,
+}
+
+/// One send work request, as the transport describes it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum SendOp {
+    /// RDMA WRITE of `len` bytes from local `src` (key `lkey`) to remote `dst` (key `rkey`).
+    Write { src: u64, lkey: u32, len: u32, dst: u64, rkey: u32 },
+    /// 8-byte FETCH_AND_ADD of `add` at remote `dst`; the old value lands at local `src`.
+    FetchAdd { src: u64, lkey: u32, dst: u64, rkey: u32, add: u64 },
+}
+
+/// An RC queue pair with its send and receive CQs (destroyed on drop, QP first).
+pub(crate) struct IbQp {
+    pub(crate) dev: Arc<IbDevice>,
+    qp: *mut ibv_qp,
+    pub(crate) qpn: u32,
+    pub(crate) port: PortInfo,
+    pub(crate) send_cq: IbCq,
+    /// Receives of write-with-immediate (HostNoAtomic mode, not built yet); kept for the QP.
+    #[allow(dead_code)]
+    pub(crate) recv_cq: IbCq,
+    /// The send-queue depth asked for (the provider may grant more).
+    pub(crate) max_send_wr: u32,
+    pub(crate) limits: QpLimits,
+}
+
+// SAFETY: see IbDevice; posting and polling are serialized by the connection's state lock.
+unsafe impl Send for IbQp {}
+// SAFETY: as above.
+unsafe impl Sync for IbQp {}
+
+impl Drop for IbQp {
+    fn drop(&mut self) {
+        // SAFETY: qp came from create_qp and is destroyed once, before its CQs (fields drop after
+        // this body).
+        unsafe { (self.dev.v.destroy_qp)(self.qp) };
+    }
+}
+
+impl fmt::Debug for IbQp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "QP {} on {} port {}", self.qpn, self.dev.name, self.port.port)
+    }
+}
+
+impl IbQp {
+    /// Creates an RC QP on `port` and moves it to INIT with remote write/read/atomic access.
+    pub(crate) fn create(dev: &Arc<IbDevice>, port: PortInfo, limits: QpLimits) -> Result<IbQp> {
+        let send_cq = dev.create_cq(limits.cq_size)?;
+        let recv_cq = dev.create_cq(limits.max_recv_wr.max(1))?;
+        let want_send = limits.max_send_wr.min(dev.caps.max_qp_wr).max(1);
+        let mut init = ibv_qp_init_attr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: send_cq.cq,
+            recv_cq: recv_cq.cq,
+            srq: std::ptr::null_mut(),
+            cap: ibv_qp_cap {
+                max_send_wr: want_send,
+                max_recv_wr: limits.max_recv_wr.min(dev.caps.max_qp_wr).max(1),
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: IBV_QPT_RC,
+            sq_sig_all: 0,
+        };
+        // SAFETY: the PD and CQs are live; init is a valid attribute struct.
+        let qp = unsafe { (dev.v.create_qp)(dev.pd, &mut init) };
+        if qp.is_null() {
+            return Err(ib_err(format!("ibv_create_qp (RC, {} send WRs) on {}", want_send, dev.name), last_errno()));
+        }
+        // SAFETY: qp is valid.
+        let qpn = unsafe { (*qp).qp_num };
+        let me = IbQp { dev: dev.clone(), qp, qpn, port, send_cq, recv_cq, max_send_wr: want_send, limits };
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_INIT, ..Default::default() };
+        a.pkey_index = 0;
+        a.port_num = port.port;
+        a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+        me.modify(&mut a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, "INIT")?;
+        Ok(me)
+    }
+
+    fn modify(&self, a: &mut ibv_qp_attr, mask: c_int, to: &str) -> Result<()> {
+        // SAFETY: qp is live; a is a valid attribute struct.
+        let rc = unsafe { (self.dev.v.modify_qp)(self.qp, a, mask) };
+        if rc != 0 {
+            return Err(ib_err(format!("ibv_modify_qp({self:?} -> {to})"), rc));
+        }
+        Ok(())
+    }
+
+    /// This QP as a peer needs it.
+    pub(crate) fn info(&self) -> QpInfo {
+        QpInfo {
+            lid: self.port.lid,
+            qpn: self.qpn,
+            gid: self.port.gid,
+            mtu: self.port.active_mtu.min(255) as u8,
+            link_layer: self.port.link_layer,
+            rd_atomic: self.dev.caps.max_qp_rd_atom.clamp(1, 16),
+        }
+    }
+
+    /// INIT -> RTR -> RTS against `remote`, with the smaller of the two MTUs.
+    pub(crate) fn connect(&self, remote: &QpInfo) -> Result<()> {
+        let mtu = (self.port.active_mtu.min(255) as u8).min(remote.mtu).max(1);
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_RTR, ..Default::default() };
+        a.path_mtu = mtu as u32;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = 0;
+        a.max_dest_rd_atomic = self.dev.caps.max_qp_rd_atom.clamp(1, 16);
+        a.min_rnr_timer = 0x12;
+        a.ah_attr.dlid = remote.lid;
+        a.ah_attr.sl = 0;
+        a.ah_attr.src_path_bits = 0;
+        a.ah_attr.port_num = self.port.port;
+        if self.port.is_ethernet() || remote.gid != [0; 16] && remote.lid == 0 {
+            a.ah_attr.is_global = 1;
+            a.ah_attr.grh.dgid = ibv_gid { raw: remote.gid };
+            a.ah_attr.grh.sgid_index = self.port.gid_index;
+            a.ah_attr.grh.hop_limit = 255;
+        }
+        self.modify(
+            &mut a,
+            IBV_QP_STATE
+                | IBV_QP_AV
+                | IBV_QP_PATH_MTU
+                | IBV_QP_DEST_QPN
+                | IBV_QP_RQ_PSN
+                | IBV_QP_MAX_DEST_RD_ATOMIC
+                | IBV_QP_MIN_RNR_TIMER,
+            "RTR",
+        )?;
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_RTS, ..Default::default() };
+        a.timeout = self.limits.timeout;
+        a.retry_cnt = self.limits.retry_cnt.min(7);
+        a.rnr_retry = 7;
+        a.sq_psn = 0;
+        a.max_rd_atomic = self.dev.caps.max_qp_init_rd_atom.clamp(1, 16).min(remote.rd_atomic.max(1));
+        self.modify(
+            &mut a,
+            IBV_QP_STATE
+                | IBV_QP_TIMEOUT
+                | IBV_QP_RETRY_CNT
+                | IBV_QP_RNR_RETRY
+                | IBV_QP_SQ_PSN
+                | IBV_QP_MAX_QP_RD_ATOMIC,
+            "RTS",
+        )
+    }
+
+    /// Posts `ops` as one linked list: WR `i` gets `wr_id = first_seq + i`, and only the last is
+    /// signalled. The NIC checks every key and range against its MRs (a bad one is an error
+    /// completion, never a stray access).
+    pub(crate) fn post_batch(&self, ops: &[SendOp], first_seq: u64) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let mut sges: Vec<ibv_sge> = Vec::with_capacity(ops.len());
+        let mut wrs: Vec<ibv_send_wr> = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            let (opcode, sge, wr) = match *op {
+                SendOp::Write { src, lkey, len, dst, rkey } => (
+                    IBV_WR_RDMA_WRITE,
+                    ibv_sge { addr: src, length: len, lkey },
+                    ibv_send_wr_wr { rdma: ibv_send_wr_rdma { remote_addr: dst, rkey } },
+                ),
+                SendOp::FetchAdd { src, lkey, dst, rkey, add } => (
+                    IBV_WR_ATOMIC_FETCH_AND_ADD,
+                    ibv_sge { addr: src, length: 8, lkey },
+                    ibv_send_wr_wr { atomic: ibv_send_wr_atomic { remote_addr: dst, compare_add: add, swap: 0, rkey } },
+                ),
+            };
+            sges.push(sge);
+            wrs.push(ibv_send_wr {
+                wr_id: first_seq + i as u64,
+                next: std::ptr::null_mut(),
+                sg_list: std::ptr::null_mut(),
+                num_sge: 1,
+                opcode,
+                send_flags: if i + 1 == ops.len() { IBV_SEND_SIGNALED } else { 0 },
+                imm_data: 0,
+                wr,
+                qp_type_xrc_remote_srqn: 0,
+                bind_mw_or_tso: [0; 6],
+            });
+        }
+        // Link the list now that neither vector grows (their buffers stay put).
+        let n = wrs.len();
+        let base = wrs.as_mut_ptr();
+        let sbase = sges.as_mut_ptr();
+        for i in 0..n {
+            // SAFETY: i < n, so base + i and sbase + i are elements of the two vectors, which are
+            // not touched otherwise until the post returns.
+            unsafe {
+                (*base.add(i)).sg_list = sbase.add(i);
+                (*base.add(i)).next = if i + 1 < n { base.add(i + 1) } else { std::ptr::null_mut() };
+            }
+        }
+        // SAFETY: base is a valid list of n linked WRs with one SGE each (built above).
+        unsafe { self.post_send(base) }
+    }
+
+    /// Posts the linked list starting at `wr`.
+    ///
+    /// # Safety
+    /// `wr` must be a valid list of send work requests (each `sg_list` valid for `num_sge`).
+    unsafe fn post_send(&self, wr: *mut ibv_send_wr) -> Result<()> {
+        // SAFETY: the QP belongs to an open context whose ops table the provider filled.
+        let f = unsafe { (*(*self.qp).context).ops.post_send };
+        let Some(f) = f else {
+            return Err(Error::new(ErrorKind::Ib, format!("{}: the provider has no post_send", self.dev.name)));
+        };
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the caller guarantees wr; bad is a valid out-pointer.
+        let rc = unsafe { f(self.qp, wr, &mut bad) };
+        if rc != 0 {
+            return Err(ib_err(format!("ibv_post_send on {self:?}"), rc));
+        }
+        Ok(())
+    }
+
+    /// Posts one receive without scatter entries (for write-with-immediate).
+    #[allow(dead_code)]
+    pub(crate) fn post_recv_empty(&self, wr_id: u64) -> Result<()> {
+        // SAFETY: the QP belongs to an open context whose ops table the provider filled.
+        let f = unsafe { (*(*self.qp).context).ops.post_recv };
+        let Some(f) = f else {
+            return Err(Error::new(ErrorKind::Ib, format!("{}: the provider has no post_recv", self.dev.name)));
+        };
+        let mut wr = ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge: 0 };
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: wr is a valid one-element list with no SGEs; bad is a valid out-pointer.
+        let rc = unsafe { f(self.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(ib_err(format!("ibv_post_recv on {self:?}"), rc));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,424 @@
+//! The connection test suite every transport runs: Ethernet between processes, IB on the
+//! in-process provider (ranks as threads) and IB on a real RDMA device (processes; the soft-RoCE
+//! machine). A test file picks a [`Harness`] and expands [`connection_suite!`].
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mscclpp::{
+    Bootstrap, Buffer, Communicator, Connection, Context, EndpointConfig, ErrorKind, Host2HostSemaphore,
+    RegisteredMemory, RootServer, Transport, TransportFlags,
+};
+
+use super::{Rank, pattern, spawn_ranks};
+
+pub const T: Duration = Duration::from_secs(30);
+
+/// How a suite's ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// One process per rank (the test binary re-runs itself).
+    Processes,
+    /// One thread per rank in this process (the in-process IB provider).
+    Threads,
+}
+
+/// A transport under test.
+pub struct Harness {
+    pub transport: Transport,
+    pub mode: Mode,
+    /// Called on each rank's context before anything is registered.
+    pub prepare: fn(&Context),
+    /// The endpoint config, with an optional write-queue bound.
+    pub config: fn(Option<usize>) -> EndpointConfig,
+    /// Whether the transport's remote atomics are atomic with CPU atomics on the same word
+    /// (Ethernet: yes, the receiver applies them with CPU atomics; IB: only with other atomics
+    /// of the same NIC, ATOMIC_HCA).
+    pub cpu_atomics_coherent: bool,
+}
+
+impl Harness {
+    pub fn flags(&self) -> TransportFlags {
+        self.transport.into()
+    }
+
+    /// Makes this rank vanish: the process dies (SIGKILL), or in thread mode the rank drops
+    /// everything it holds (its QPs and memory regions are destroyed) and its thread ends.
+    pub fn die(&self, s: Setup) {
+        match self.mode {
+            Mode::Processes => {
+                let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+                std::thread::sleep(Duration::from_secs(30));
+            }
+            Mode::Threads => drop(s),
+        }
+    }
+}
+
+/// Runs test `name` with `size` ranks of `body`; with `rank0_only`, the other ranks may die.
+pub fn run(h: &Harness, name: &str, size: usize, min_free_bytes: u64, rank0_only: bool, body: fn(&Rank, &Harness)) {
+    if h.mode == Mode::Processes {
+        if let Some(r) = Rank::from_env() {
+            body(&r, h);
+            return;
+        }
+    }
+    if min_free_bytes > 0 && mem_available() < min_free_bytes {
+        println!(
+            "SKIPPED {name}: needs about {} GiB free, this machine has {} MiB",
+            min_free_bytes >> 30,
+            mem_available() >> 20
+        );
+        return;
+    }
+    match h.mode {
+        Mode::Processes => {
+            let job = spawn_ranks(name, size, &[]);
+            if rank0_only {
+                let (_, o) = &job.outputs[0];
+                let out = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+                assert!(o.status.success(), "rank 0 failed:\n{}\n{}", out(&o.stdout), out(&o.stderr));
+                print!("{}", out(&o.stdout));
+            } else {
+                job.assert_success();
+            }
+        }
+        Mode::Threads => {
+            let (root, id) = RootServer::start(size, T).expect("root server");
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..size)
+                    .map(|rank| {
+                        let r = Rank { rank, size, id: id.clone() };
+                        std::thread::Builder::new()
+                            .name(format!("rank{rank}"))
+                            .spawn_scoped(sc, move || body(&r, h))
+                            .expect("spawn rank thread")
+                    })
+                    .collect();
+                let mut failed = Vec::new();
+                for (rank, t) in hs.into_iter().enumerate() {
+                    if t.join().is_err() {
+                        failed.push(rank);
+                    }
+                }
+                assert!(failed.is_empty(), "ranks {failed:?} of {name} panicked (see above)");
+            });
+            drop(root);
+        }
+    }
+}
+
+pub fn mem_available() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("MemAvailable:")).map(|l| l.to_string()))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<u64>().ok()))
+        .map(|kib| kib * 1024)
+        .unwrap_or(0)
+}
+
+/// Expands to one `#[test]` per suite test, run with harness `$h` (an expression of type
+/// `&'static Harness`); extra attributes (`#[ignore = "..."]`) go on every test.
+#[macro_export]
+macro_rules! connection_suite {
+    ($h:expr $(, #[$m:meta])*) => {
+        $crate::connection_suite!(@one $h, writes_of_all_sizes_arrive_exact, 2, 0, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, signal_follows_its_writes, 2, 0, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, atomic_add_from_both_sides_sums_exactly, 2, 0, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, many_writes_past_the_queue_bound, 2, 0, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, four_ranks_all_to_all, 4, 0, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, bad_writes_are_invalid_usage_and_send_nothing, 2, 0, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, peer_gone_mid_transfer, 2, 0, true $(, #[$m])*);
+        $crate::connection_suite!(@one $h, write_over_4gib, 2, 10 << 30, false $(, #[$m])*);
+    };
+    (@one $h:expr, $name:ident, $size:expr, $mem:expr, $r0:expr $(, #[$m:meta])*) => {
+        #[test]
+        $(#[$m])*
+        fn $name() {
+            common::suite::run($h, stringify!($name), $size, $mem, $r0, common::suite::$name);
+        }
+    };
+}
+
+pub struct Setup {
+    pub bs: Arc<dyn Bootstrap>,
+    pub comm: Communicator,
+    pub conns: Vec<Option<Connection>>,
+    pub local: Buffer,
+    pub remote: Vec<Option<RegisteredMemory>>,
+    pub sems: Vec<Option<Host2HostSemaphore>>,
+}
+
+/// Connects every pair, exchanges one buffer of `len` bytes per rank and builds semaphores.
+pub fn setup(r: &Rank, h: &Harness, len: usize, queue: Option<usize>) -> Setup {
+    let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
+    let comm = Communicator::new(bs.clone());
+    (h.prepare)(comm.context());
+    let local = Buffer::new(comm.context(), len, h.flags()).unwrap();
+    let n = r.size;
+    let peers: Vec<usize> = (0..n).filter(|p| *p != r.rank).collect();
+    let pc: Vec<_> = peers.iter().map(|&p| (p, comm.connect(&(h.config)(queue), p, 0).unwrap())).collect();
+    for &p in &peers {
+        comm.send_memory(local.memory(), p, 1).unwrap();
+    }
+    let pm: Vec<_> = peers.iter().map(|&p| (p, comm.recv_memory(p, 1).unwrap())).collect();
+    let mut conns: Vec<Option<Connection>> = (0..n).map(|_| None).collect();
+    for (p, c) in pc {
+        conns[p] = Some(c.wait().unwrap());
+    }
+    let mut remote: Vec<Option<RegisteredMemory>> = vec![None; n];
+    for (p, m) in pm {
+        remote[p] = Some(m.wait().unwrap());
+    }
+    let ps: Vec<_> =
+        peers.iter().map(|&p| (p, comm.build_semaphore(conns[p].as_ref().unwrap(), p, 2).unwrap())).collect();
+    let mut sems: Vec<Option<Host2HostSemaphore>> = (0..n).map(|_| None).collect();
+    for (p, s) in ps {
+        sems[p] = Some(Host2HostSemaphore::new(s.wait().unwrap()).unwrap());
+    }
+    bs.barrier().unwrap();
+    Setup { bs, comm, conns, local, remote, sems }
+}
+
+/// Writes of 1 B .. 64 MiB at pseudo-random offsets, both directions at once, each verified.
+pub fn writes_of_all_sizes_arrive_exact(r: &Rank, h: &Harness) {
+    let cap = (64 << 20) + 8192;
+    let s = setup(r, h, cap, None);
+    let peer = 1 - r.rank;
+    let conn = s.conns[peer].as_ref().unwrap();
+    let dst = s.remote[peer].as_ref().unwrap();
+    let sem = s.sems[peer].as_ref().unwrap();
+    let src = Buffer::new(s.comm.context(), cap, h.flags()).unwrap();
+    let mut sizes: Vec<usize> = (0..=26).map(|k| 1usize << k).collect();
+    sizes.extend([3, 1000, 65535, 65537, 100_003, 5_000_001]);
+    for (i, &len) in sizes.iter().enumerate() {
+        let seed = (i as u64) << 8;
+        let src_off = (seed as usize * 7919) % (cap - len + 1).min(4096);
+        let dst_off = (seed as usize * 104_729) % (cap - len + 1).min(8192);
+        src.write(src_off, &pattern(seed + r.rank as u64, len)).unwrap();
+        conn.write(dst, dst_off as u64, src.memory(), src_off as u64, len as u64).unwrap();
+        sem.signal().unwrap();
+        conn.flush(T).unwrap();
+        sem.wait(T).unwrap();
+        let mut got = vec![0u8; len];
+        s.local.read(dst_off, &mut got).unwrap();
+        assert!(got == pattern(seed + peer as u64, len), "size {len} at offset {dst_off} differs");
+        s.bs.barrier().unwrap();
+    }
+}
+
+/// Signals never overtake the writes before them.
+pub fn signal_follows_its_writes(r: &Rank, h: &Harness) {
+    let s = setup(r, h, 1 << 20, Some(16));
+    let peer = 1 - r.rank;
+    let sem = s.sems[peer].as_ref().unwrap();
+    if r.rank == 0 {
+        let conn = s.conns[1].as_ref().unwrap();
+        let src = Buffer::new(s.comm.context(), 1 << 20, h.flags()).unwrap();
+        for i in 0..300u64 {
+            let len = [8usize, 100, 4096, 70_000, 300_000][i as usize % 5];
+            let off = (i as usize * 4096) % ((1 << 20) - len);
+            src.write(off, &pattern(i, len)).unwrap();
+            conn.write(s.remote[1].as_ref().unwrap(), off as u64, src.memory(), off as u64, len as u64).unwrap();
+            sem.signal().unwrap();
+            sem.wait(T).unwrap(); // the peer has checked; src may change
+        }
+    } else {
+        for i in 0..300u64 {
+            sem.wait(T).unwrap();
+            let len = [8usize, 100, 4096, 70_000, 300_000][i as usize % 5];
+            let off = (i as usize * 4096) % ((1 << 20) - len);
+            let mut got = vec![0u8; len];
+            s.local.read(off, &mut got).unwrap();
+            assert!(got == pattern(i, len), "iteration {i}: the signal arrived before its data");
+            sem.signal().unwrap();
+        }
+    }
+    s.bs.barrier().unwrap();
+}
+
+/// Remote atomic adds from the peer (two threads), and local CPU adds on the same word where the
+/// transport makes them atomic with each other, sum exactly.
+pub fn atomic_add_from_both_sides_sums_exactly(r: &Rank, h: &Harness) {
+    let s = setup(r, h, 4096, Some(64));
+    let peer = 1 - r.rank;
+    let conn = s.conns[peer].as_ref().unwrap().clone();
+    let dst = s.remote[peer].as_ref().unwrap().clone();
+    const N: i64 = 5000;
+    let local_adds = if h.cpu_atomics_coherent { N } else { 0 };
+    std::thread::scope(|sc| {
+        for t in 0..2 {
+            let (conn, dst) = (conn.clone(), dst.clone());
+            sc.spawn(move || {
+                for _ in 0..N {
+                    conn.atomic_add(&dst, 8, 3 + t).unwrap();
+                }
+                conn.atomic_add(&dst, 16, -1).unwrap();
+            });
+        }
+        let w = s.local.atomic_u64(8).unwrap();
+        for _ in 0..local_adds {
+            w.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    });
+    conn.flush(T).unwrap();
+    s.bs.barrier().unwrap();
+    let w = s.local.atomic_u64(8).unwrap().load(std::sync::atomic::Ordering::Acquire);
+    assert_eq!(w as i64, N * 3 + N * 4 + local_adds);
+    assert_eq!(s.local.atomic_u64(16).unwrap().load(std::sync::atomic::Ordering::Acquire), (-2i64) as u64);
+    s.bs.barrier().unwrap();
+}
+
+/// Far more writes than the queue bound; write waits instead of growing, and all land.
+pub fn many_writes_past_the_queue_bound(r: &Rank, h: &Harness) {
+    let s = setup(r, h, 1 << 16, Some(8));
+    if r.rank == 0 {
+        let conn = s.conns[1].as_ref().unwrap();
+        assert_eq!(conn.max_write_queue_size(), 8);
+        let src = Buffer::new(s.comm.context(), 1 << 16, h.flags()).unwrap();
+        src.write(0, &pattern(9, 1 << 16)).unwrap();
+        let mut most = 0;
+        for i in 0..20_000u64 {
+            let off = (i * 8) % (1 << 16);
+            conn.write(s.remote[1].as_ref().unwrap(), off, src.memory(), off, 8).unwrap();
+            most = most.max(conn.outstanding());
+        }
+        conn.flush(T).unwrap();
+        assert!(most <= 8, "outstanding reached {most}");
+        s.sems[1].as_ref().unwrap().signal().unwrap();
+    } else {
+        s.sems[0].as_ref().unwrap().wait(T).unwrap();
+        assert!(s.local.to_vec() == pattern(9, 1 << 16));
+    }
+    s.bs.barrier().unwrap();
+}
+
+/// Four ranks, each writing its rank's pattern into every other and signalling.
+pub fn four_ranks_all_to_all(r: &Rank, h: &Harness) {
+    let n = r.size;
+    let slot = 256 * 1024;
+    let s = setup(r, h, slot * n, None);
+    let src = Buffer::new(s.comm.context(), slot, h.flags()).unwrap();
+    src.write(0, &pattern(r.rank as u64, slot)).unwrap();
+    for p in (0..n).filter(|p| *p != r.rank) {
+        let c = s.conns[p].as_ref().unwrap();
+        c.write(s.remote[p].as_ref().unwrap(), (r.rank * slot) as u64, src.memory(), 0, slot as u64).unwrap();
+        s.sems[p].as_ref().unwrap().signal().unwrap();
+    }
+    for p in (0..n).filter(|p| *p != r.rank) {
+        s.sems[p].as_ref().unwrap().wait(T).unwrap();
+        let mut got = vec![0u8; slot];
+        s.local.read(p * slot, &mut got).unwrap();
+        assert!(got == pattern(p as u64, slot), "slot of rank {p} differs");
+    }
+    for p in (0..n).filter(|p| *p != r.rank) {
+        s.conns[p].as_ref().unwrap().flush(T).unwrap();
+    }
+    s.bs.barrier().unwrap();
+}
+
+/// Bad bounds and transports are refused before anything is sent.
+pub fn bad_writes_are_invalid_usage_and_send_nothing(r: &Rank, h: &Harness) {
+    let s = setup(r, h, 4096, None);
+    let peer = 1 - r.rank;
+    let conn = s.conns[peer].as_ref().unwrap();
+    let dst = s.remote[peer].as_ref().unwrap();
+    let src = Buffer::new(s.comm.context(), 4096, h.flags()).unwrap();
+    let plain = Buffer::new(s.comm.context(), 4096, TransportFlags::NONE).unwrap();
+    src.fill(0, 4096, 0xEE).unwrap();
+    let cases: Vec<(&str, mscclpp::Result<()>)> = vec![
+        ("dst out of bounds", conn.write(dst, 4000, src.memory(), 0, 200)),
+        ("dst offset overflow", conn.write(dst, u64::MAX, src.memory(), 0, 2)),
+        ("src out of bounds", conn.write(dst, 0, src.memory(), 4090, 10)),
+        ("src without transport", conn.write(dst, 0, plain.memory(), 0, 10)),
+        ("src is remote", conn.write(dst, 0, dst, 0, 10)),
+        ("dst is local memory", conn.write(s.local.memory(), 0, src.memory(), 0, 10)),
+        ("unaligned atomic", conn.atomic_add(dst, 4, 1)),
+        ("atomic out of bounds", conn.atomic_add(dst, 4096, 1)),
+    ];
+    for (what, res) in cases {
+        let e = res.expect_err(what);
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{what}: {e}");
+        assert_eq!(e.peer(), Some(peer), "{what}: {e}");
+    }
+    assert_eq!(conn.outstanding(), 0, "nothing may have been queued");
+    conn.status().unwrap();
+    s.bs.barrier().unwrap();
+    assert!(s.local.to_vec().iter().all(|b| *b == 0), "nothing may have arrived");
+    s.bs.barrier().unwrap();
+}
+
+/// The peer vanishes mid-transfer (killed, or its QPs and memory destroyed): write, flush and
+/// wait fail with an error (not a timeout) well within their timeouts, naming the peer.
+pub fn peer_gone_mid_transfer(r: &Rank, h: &Harness) {
+    let s = setup(r, h, 8 << 20, None);
+    if r.rank == 1 {
+        std::thread::sleep(Duration::from_millis(100));
+        h.die(s);
+        return;
+    }
+    let conn = s.conns[1].as_ref().unwrap();
+    let src = Buffer::new(s.comm.context(), 8 << 20, h.flags()).unwrap();
+    let t0 = Instant::now();
+    let mut res = Ok(());
+    while t0.elapsed() < Duration::from_secs(5) {
+        res = conn.write(s.remote[1].as_ref().unwrap(), 0, src.memory(), 0, 8 << 20);
+        if res.is_err() {
+            break;
+        }
+    }
+    let flush = conn.flush(Duration::from_secs(20));
+    let wait = s.sems[1].as_ref().unwrap().wait(Duration::from_secs(20));
+    let el = t0.elapsed();
+    let fe = flush.expect_err("flush after the peer died");
+    let we = wait.expect_err("wait after the peer died");
+    assert_ne!(fe.kind(), ErrorKind::Timeout, "{fe}");
+    assert_ne!(we.kind(), ErrorKind::Timeout, "{we}");
+    assert_eq!(fe.peer(), Some(1), "{fe}");
+    assert!(el < Duration::from_secs(15), "took {el:?}");
+    println!("write: {res:?}\nflush: {fe}\nwait: {we}\nafter {el:?}");
+}
+
+/// One write larger than 4 GiB (sizes past 32 bits), byte-exact. Needs about 9 GiB free.
+pub fn write_over_4gib(r: &Rank, h: &Harness) {
+    const LEN: usize = (4 << 30) + 4099;
+    let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
+    let comm = Communicator::new(bs.clone());
+    (h.prepare)(comm.context());
+    let buf = Buffer::new(comm.context(), LEN, h.flags()).unwrap();
+    let peer = 1 - r.rank;
+    let pc = comm.connect(&(h.config)(None), peer, 0).unwrap();
+    comm.send_memory(buf.memory(), peer, 1).unwrap();
+    let remote = comm.recv_memory(peer, 1).unwrap().wait().unwrap();
+    let conn = pc.wait().unwrap();
+    let sem = Host2HostSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
+    // A position-dependent pattern, cheap to make and check.
+    let word = |i: usize| (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes();
+    if r.rank == 0 {
+        let mut chunk = vec![0u8; 1 << 20];
+        for base in (0..LEN).step_by(1 << 20) {
+            let n = (LEN - base).min(1 << 20);
+            for (j, b) in chunk[..n].iter_mut().enumerate() {
+                *b = word((base + j) / 8)[(base + j) % 8];
+            }
+            buf.write(base, &chunk[..n]).unwrap();
+        }
+        let t0 = Instant::now();
+        conn.write(&remote, 0, buf.memory(), 0, LEN as u64).unwrap();
+        sem.signal().unwrap();
+        conn.flush(Duration::from_secs(300)).unwrap();
+        println!("4 GiB + 4099 B write: {:.2} GB/s", LEN as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    } else {
+        sem.wait(Duration::from_secs(300)).unwrap();
+        let mut chunk = vec![0u8; 1 << 20];
+        for base in (0..LEN).step_by(1 << 20) {
+            let n = (LEN - base).min(1 << 20);
+            buf.read(base, &mut chunk[..n]).unwrap();
+            for (j, b) in chunk[..n].iter().enumerate() {
+                assert_eq!(*b, word((base + j) / 8)[(base + j) % 8], "byte {} differs", base + j);
+            }
+        }
+    }
+    bs.barrier().unwrap();
+}

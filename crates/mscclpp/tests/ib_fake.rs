@@ -1,0 +1,232 @@
+//! The IB transport on the in-process verbs provider (`mscclpp::ib::fake`, ranks as threads):
+//! the shared connection suite, then IB's fault and accounting tests.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::suite::{Harness, Mode, T, setup};
+use common::{Rank, pattern};
+use mscclpp::ib::fake;
+use mscclpp::{Buffer, Context, Endpoint, EndpointConfig, ErrorKind, IbMode, RootServer, Transport};
+
+fn ib_config(queue: Option<usize>) -> EndpointConfig {
+    let mut c = EndpointConfig::new(Transport::IB0);
+    c.max_write_queue_size = queue;
+    c
+}
+
+fn use_fake0(ctx: &Context) {
+    fake::install().unwrap();
+    ctx.set_ib_device(Transport::IB0, "fake0").unwrap();
+}
+
+static FAKE_IB: Harness = Harness {
+    transport: Transport::IB0,
+    mode: Mode::Threads,
+    prepare: use_fake0,
+    config: ib_config,
+    cpu_atomics_coherent: false,
+};
+
+connection_suite!(&FAKE_IB);
+
+/// Runs `body` as `size` ranks (threads) with a harness on fake device `dev`.
+fn threads(size: usize, body: impl Fn(&Rank) + Sync) {
+    let (root, id) = RootServer::start(size, T).unwrap();
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..size)
+            .map(|rank| {
+                let r = Rank { rank, size, id: id.clone() };
+                let body = &body;
+                sc.spawn(move || body(&r))
+            })
+            .collect();
+        for h in hs {
+            h.join().expect("a rank panicked");
+        }
+    });
+    drop(root);
+}
+
+/// A device of its own per fault test, so injected faults stay inside the test.
+fn own_device(name: &'static str) -> Harness {
+    fake::install().unwrap();
+    fake::add_device(name);
+    Harness {
+        transport: Transport::IB0,
+        mode: Mode::Threads,
+        prepare: match name {
+            "brk0" => |c: &Context| c.set_ib_device(Transport::IB0, "brk0").unwrap(),
+            "acc0" => |c: &Context| c.set_ib_device(Transport::IB0, "acc0").unwrap(),
+            _ => |c: &Context| c.set_ib_device(Transport::IB0, "acct0").unwrap(),
+        },
+        config: |q| {
+            let mut c = ib_config(q);
+            c.ib.max_cq_size = 4;
+            c.ib.max_send_wr = 6;
+            c.ib.max_wr_per_send = 3;
+            c.ib.max_cq_poll_num = 2;
+            c
+        },
+        cpu_atomics_coherent: false,
+    }
+}
+
+/// A broken link: flush first times out (naming peer and QP), then fails with "retry counter
+/// exceeded"; the waiter and every later call fail at once with that error.
+#[test]
+fn broken_link_fails_every_call_without_hanging() {
+    let h = own_device("brk0");
+    threads(2, |r| {
+        let s = setup(r, &h, 1 << 20, None);
+        let peer = 1 - r.rank;
+        let conn = s.conns[peer].as_ref().unwrap();
+        let dst = s.remote[peer].as_ref().unwrap();
+        if r.rank == 0 {
+            fake::set_link_broken("brk0", true).unwrap();
+            conn.write(dst, 0, s.local.memory(), 0, 4096).unwrap();
+            s.sems[peer].as_ref().unwrap().signal().unwrap();
+            let t0 = Instant::now();
+            let e = conn.flush(Duration::from_millis(200)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+            assert_eq!(e.peer(), Some(1), "{e}");
+            assert!(e.to_string().contains("QP") && e.to_string().contains("brk0"), "{e}");
+            assert!(t0.elapsed() < Duration::from_secs(2));
+            let e = conn.flush(T).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Ib, "{e}");
+            assert!(e.to_string().contains("retry counter exceeded"), "{e}");
+            assert!(t0.elapsed() < fake::RETRY_WINDOW + Duration::from_secs(3), "{:?}", t0.elapsed());
+            let t1 = Instant::now();
+            let later = conn.write(dst, 0, s.local.memory(), 0, 8).unwrap_err();
+            assert!(later.to_string().contains("retry counter exceeded"), "{later}");
+            let w = s.sems[peer].as_ref().unwrap().wait(T).unwrap_err();
+            assert_ne!(w.kind(), ErrorKind::Timeout, "{w}");
+            assert!(conn.status().is_err());
+            assert!(t1.elapsed() < Duration::from_millis(500), "later calls must fail at once");
+            println!("flush: {e}\nwait: {w}");
+        }
+        s.bs.barrier().unwrap();
+        if r.rank == 0 {
+            fake::set_link_broken("brk0", false).unwrap();
+        }
+    });
+}
+
+/// Writing into memory the peer deregistered: a remote access error, not a hang or a stray write.
+#[test]
+fn deregistered_destination_is_a_remote_access_error() {
+    let h = own_device("acc0");
+    threads(2, |r| {
+        let s = setup(r, &h, 4096, None);
+        let extra = Buffer::new(s.comm.context(), 4096, Transport::IB0.into()).unwrap();
+        let peer = 1 - r.rank;
+        s.comm.send_memory(extra.memory(), peer, 7).unwrap();
+        let theirs = s.comm.recv_memory(peer, 7).unwrap().wait().unwrap();
+        drop(extra); // deregisters this side's copy
+        s.bs.barrier().unwrap();
+        if r.rank == 0 {
+            let conn = s.conns[1].as_ref().unwrap();
+            conn.write(&theirs, 0, s.local.memory(), 0, 64).unwrap();
+            let e = conn.flush(T).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Ib, "{e}");
+            assert!(e.to_string().contains("remote access error"), "{e}");
+            assert_eq!(e.peer(), Some(1));
+            println!("{e}");
+        }
+        s.bs.barrier().unwrap();
+    });
+}
+
+/// Tiny CQ (4), send queue (6) and batches (3) with many writes and atomics from two threads:
+/// the transport never overflows the CQ nor posts past the send queue, and every byte lands.
+#[test]
+fn tiny_queues_never_overflow() {
+    let h = own_device("acct0");
+    let before = fake::stats();
+    threads(2, |r| {
+        let s = setup(r, &h, 1 << 16, Some(5));
+        if r.rank == 0 {
+            let conn = s.conns[1].as_ref().unwrap().clone();
+            let dst = s.remote[1].as_ref().unwrap().clone();
+            let src = Buffer::new(s.comm.context(), 1 << 16, Transport::IB0.into()).unwrap();
+            src.write(0, &pattern(5, 1 << 16)).unwrap();
+            std::thread::scope(|sc| {
+                for t in 0..2u64 {
+                    let (conn, dst, src) = (conn.clone(), dst.clone(), src.clone());
+                    sc.spawn(move || {
+                        for i in 0..3000u64 {
+                            let off = ((i * 2 + t) * 8) % ((1 << 16) - 64) + 64;
+                            conn.write(&dst, off, src.memory(), off, 8).unwrap();
+                            if i % 7 == 0 {
+                                conn.atomic_add(&dst, 0, 1).unwrap();
+                            }
+                            assert!(conn.outstanding() <= 5);
+                        }
+                    });
+                }
+            });
+            conn.flush(T).unwrap();
+            s.sems[1].as_ref().unwrap().signal().unwrap();
+        } else {
+            s.sems[0].as_ref().unwrap().wait(T).unwrap();
+            let v = s.local.to_vec();
+            assert_eq!(s.local.atomic_u64(0).unwrap().load(std::sync::atomic::Ordering::Acquire), 2 * 429);
+            // Words 64 .. 64 + 6000 * 8 were written; the rest stays zero.
+            let end = 64 + 6000 * 8;
+            assert!(v[64..end] == pattern(5, 1 << 16)[64..end], "data differs");
+            assert!(v[end..].iter().all(|b| *b == 0), "bytes past the writes changed");
+        }
+        s.bs.barrier().unwrap();
+    });
+    let after = fake::stats();
+    assert_eq!(after.cq_overflows, before.cq_overflows, "a CQ overflowed: {after:?}");
+    assert_eq!(after.sq_full_refusals, before.sq_full_refusals, "a post exceeded max_send_wr: {after:?}");
+    println!("{after:?}");
+}
+
+/// Connecting endpoints whose IB modes differ is an error at connect time (MSCCL++ hangs or fails
+/// later); an endpoint connects once; the RoCE v2 IPv4 GID is chosen by default.
+#[test]
+fn mode_mismatch_and_reuse_are_connect_errors() {
+    fake::install().unwrap();
+    let ctx = Context::new();
+    ctx.set_ib_device(Transport::IB0, "fake1").unwrap();
+    let a = ctx.create_endpoint(&EndpointConfig::new(Transport::IB0)).unwrap();
+    let b = ctx.create_endpoint(&EndpointConfig::new(Transport::IB0)).unwrap();
+    let mut bytes = b.serialize();
+    let n = bytes.len();
+    assert_eq!(bytes[n - 1], 1, "mode byte of a Host endpoint");
+    bytes[n - 1] = 2; // the peer says HostNoAtomic
+    let odd = Endpoint::deserialize(&bytes).unwrap();
+    let e = ctx.connect(&a, &odd).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+    assert!(e.to_string().contains("IB mode mismatch"), "{e}");
+    // A fresh pair connects; the first endpoint is then used up.
+    let c = ctx.create_endpoint(&EndpointConfig::new(Transport::IB0)).unwrap();
+    let d = ctx.create_endpoint(&EndpointConfig::new(Transport::IB0)).unwrap();
+    let rc = Endpoint::deserialize(&c.serialize()).unwrap();
+    let rd = Endpoint::deserialize(&d.serialize()).unwrap();
+    let _cd = ctx.connect(&c, &rd).unwrap();
+    let _dc = ctx.connect(&d, &rc).unwrap();
+    let e = ctx.connect(&c, &rd).unwrap_err();
+    assert!(e.to_string().contains("already used"), "{e}");
+    assert_eq!(ib_gid_of(&c.serialize()), [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 0, 1]);
+    // HostNoAtomic is refused clearly until it is built.
+    let mut cfg = EndpointConfig::new(Transport::IB0);
+    cfg.ib.mode = IbMode::HostNoAtomic;
+    let e = ctx.create_endpoint(&cfg).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAvailable, "{e}");
+    // A device that does not exist is named.
+    let ctx2 = Context::new();
+    ctx2.set_ib_device(Transport::IB0, "nope9").unwrap();
+    let e = Buffer::new(&ctx2, 64, Transport::IB0.into()).unwrap_err();
+    assert!(e.to_string().contains("nope9") && e.to_string().contains("fake0"), "{e}");
+}
+
+/// The GID in a serialized IB endpoint (after magic, version, transport, device, hashes, queue,
+/// kind, lid and qpn).
+fn ib_gid_of(b: &[u8]) -> [u8; 16] {
+    let at = 4 + 2 + 1 + 5 + 8 + 8 + 4 + 1 + 2 + 4;
+    b[at..at + 16].try_into().unwrap()
+}

@@ -1,0 +1,26 @@
+//! The IB transport on a real RDMA device (a NIC, or soft-RoCE `rxe0` in the qemu machine of
+//! `scripts/rxe-vm.sh`), between processes: the shared connection suite. Ignored by default;
+//! run with `--ignored` where `ibv_devices` lists a device (`MSCCLPP_HCA_DEVICES` picks it).
+
+mod common;
+
+use common::suite::{Harness, Mode};
+use mscclpp::{EndpointConfig, Transport};
+
+fn ib_config(queue: Option<usize>) -> EndpointConfig {
+    let mut c = EndpointConfig::new(Transport::IB0);
+    c.max_write_queue_size = queue;
+    // Lost packets are resent after ~67 ms (not ~1 s): a dead peer shows within a second.
+    c.ib.timeout = 14;
+    c
+}
+
+static RDMA: Harness = Harness {
+    transport: Transport::IB0,
+    mode: Mode::Processes,
+    prepare: |_| {},
+    config: ib_config,
+    cpu_atomics_coherent: false,
+};
+
+connection_suite!(&RDMA, #[ignore = "needs an RDMA device"]);
