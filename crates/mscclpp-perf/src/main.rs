@@ -40,7 +40,7 @@ pub struct Args {
     /// Local ranks to start (ignored under mpirun/srun/torchrun, which set the ranks).
     #[arg(long, default_value_t = 2)]
     pub ranks: usize,
-    /// Transport: ethernet or cuda-ipc (ib comes with its issue).
+    /// Transport: ethernet, cuda-ipc or ib (IB0: an RDMA NIC or soft-RoCE).
     #[arg(long, default_value = "ethernet")]
     pub transport: String,
     /// First GPU to use with --memory gpu (rank r uses device + r, modulo the device count).
@@ -71,6 +71,13 @@ pub struct Args {
     /// Root address `[iface:]ip:port` under a launcher (default MASTER_ADDR:MASTER_PORT).
     #[arg(long)]
     pub bootstrap: Option<String>,
+    /// RDMA device for --transport ib (default: MSCCLPP_HCA_DEVICES, else the first device).
+    #[arg(long)]
+    pub ib_device: Option<String>,
+    /// GID index for --transport ib (default: MSCCLPP_IB_GID_INDEX, else the RoCE v2 GID of the
+    /// port's IPv4 address).
+    #[arg(long)]
+    pub gid_index: Option<u32>,
     /// CUDA IPC: both ranks write to each other at once (bandwidth is per direction).
     #[arg(long)]
     pub bidirectional: bool,
@@ -112,21 +119,33 @@ impl Args {
     pub fn cuda_ipc(&self) -> bool {
         matches!(self.transport.to_ascii_lowercase().as_str(), "cuda-ipc" | "cudaipc" | "ipc")
     }
+    /// Whether the transport is IB.
+    pub fn ib(&self) -> bool {
+        matches!(self.transport.to_ascii_lowercase().as_str(), "ib" | "ib0" | "rdma" | "roce")
+    }
 }
 
 fn check(args: &Args) -> Result<(), String> {
     match args.transport.to_ascii_lowercase().as_str() {
-        "ethernet" | "eth" | "tcp" | "cuda-ipc" | "cudaipc" | "ipc" => {}
-        "ib" => {
-            return Err(format!(
-                "--transport {} is not supported by this build yet (ethernet, cuda-ipc)",
-                args.transport
-            ));
-        }
+        "ethernet" | "eth" | "tcp" | "cuda-ipc" | "cudaipc" | "ipc" | "ib" | "ib0" | "rdma" | "roce" => {}
         t => return Err(format!("unknown --transport {t:?} (expected ethernet, cuda-ipc or ib)")),
     }
     if args.cuda_ipc() && args.memory != MemoryKind::Gpu {
         return Err("--transport cuda-ipc moves GPU memory: add --memory gpu".into());
+    }
+    if args.ib() && args.memory == MemoryKind::Gpu {
+        return Err("--transport ib with --memory gpu (GPU memory over RDMA) is not supported by this build yet".into());
+    }
+    if !args.ib() && (args.ib_device.is_some() || args.gid_index.is_some()) {
+        return Err("--ib-device and --gid-index apply to --transport ib".into());
+    }
+    if args.ib() {
+        let devs = mscclpp::ib::devices().map_err(|e| format!("--transport ib: {e}"))?;
+        if let Some(d) = &args.ib_device {
+            if !devs.contains(d) {
+                return Err(format!("--ib-device {d}: no such RDMA device (this machine has: {})", devs.join(", ")));
+            }
+        }
     }
     if args.memory == MemoryKind::Gpu {
         mscclpp::gpu::device_count().map_err(|e| format!("--memory gpu: {e}"))?;
@@ -177,8 +196,15 @@ mod tests {
 
     #[test]
     fn unsupported_choices_are_clear_errors() {
-        let a = Args::parse_from(["mscclpp-perf", "--transport", "ib"]);
+        let a = Args::parse_from(["mscclpp-perf", "--transport", "ib", "--memory", "gpu"]);
         assert!(check(&a).unwrap_err().contains("not supported"));
+        let a = Args::parse_from(["mscclpp-perf", "--gid-index", "1"]);
+        assert!(check(&a).unwrap_err().contains("--transport ib"));
+        if mscclpp::ib::devices().is_err() {
+            // No RDMA device here: the reason, not a panic.
+            let a = Args::parse_from(["mscclpp-perf", "--transport", "ib"]);
+            assert!(check(&a).unwrap_err().contains("no IB transport"));
+        }
         let a = Args::parse_from(["mscclpp-perf", "--transport", "cuda-ipc"]);
         assert!(check(&a).unwrap_err().contains("--memory gpu"));
         if mscclpp::gpu::device_count().is_err() {

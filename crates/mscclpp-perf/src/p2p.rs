@@ -110,7 +110,16 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     let comm = Communicator::new(bs.clone());
     let len = args.max_bytes as usize;
     let ipc = args.cuda_ipc();
-    let transport = if ipc { Transport::CudaIpc } else { Transport::Ethernet };
+    let transport = if ipc {
+        Transport::CudaIpc
+    } else if args.ib() {
+        Transport::IB0
+    } else {
+        Transport::Ethernet
+    };
+    if let Some(d) = &args.ib_device {
+        comm.context().set_ib_device(Transport::IB0, d).map_err(e2s)?;
+    }
     let gpu = match args.memory {
         crate::MemoryKind::Gpu => {
             let n = mscclpp::gpu::device_count().map_err(e2s)? as u32;
@@ -124,6 +133,7 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     };
     let mut cfg = EndpointConfig::new(transport);
     cfg.ethernet.interface = iface.clone();
+    cfg.ib.gid_index = args.gid_index;
     if ipc {
         cfg.device = Device::Gpu(gpu.unwrap_or(0));
     }
@@ -421,6 +431,13 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
             transport: match (ipc, args.bidirectional) {
                 (true, true) => "cuda-ipc (bidirectional)".into(),
                 (true, false) => "cuda-ipc".into(),
+                _ if args.ib() => format!(
+                    "ib (IB0 on {})",
+                    args.ib_device.clone().unwrap_or_else(|| mscclpp::ib::devices()
+                        .ok()
+                        .and_then(|d| d.into_iter().next())
+                        .unwrap_or_default())
+                ),
                 _ => "ethernet".into(),
             },
             memory: match args.memory {
@@ -434,6 +451,10 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
                      cuMemcpyHtoDAsync + synchronize into the same peer token",
                     if args.bidirectional { " per direction, both directions at once" } else { "" }
                 )
+            } else if args.ib() {
+                "plain TCP socket between the same processes and interface (host memory); raw verbs figures: \
+                 perftest ib_write_bw/ib_write_lat on the same device"
+                    .into()
             } else {
                 "plain TCP socket between the same processes and interface (host memory)".into()
             },

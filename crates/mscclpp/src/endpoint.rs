@@ -339,27 +339,46 @@ mod tests {
 
     fn arb_desc() -> impl Strategy<Value = EndpointDesc> {
         (
-            any::<bool>(),
+            0u8..3,
             any::<Option<u32>>(),
             any::<[u64; 2]>(),
             any::<u32>(),
             any::<[u8; 16]>(),
             any::<([u8; 4], u16)>(),
             any::<bool>(),
+            (any::<u16>(), any::<u32>(), any::<[u8; 3]>(), 0u8..8),
         )
-            .prop_map(|(eth, gpu, h, q, secret, (ip, port), v6)| {
+            .prop_map(|(kind, gpu, h, q, secret, (ip, port), v6, (lid, qpn, m, ibn))| {
                 let addr = if v6 {
                     SocketAddr::new(std::net::IpAddr::V6([ip[0] as u16; 8].into()), port)
                 } else {
                     SocketAddr::new(std::net::IpAddr::V4(ip.into()), port)
                 };
+                let (transport, kind) = match kind {
+                    0 => (Transport::Ethernet, EndpointKind::Ethernet { addr, secret }),
+                    1 => (Transport::CudaIpc, EndpointKind::CudaIpc),
+                    _ => (
+                        Transport::ib(ibn as usize).unwrap_or(Transport::IB0),
+                        EndpointKind::Ib {
+                            qp: crate::ib::dev::QpInfo {
+                                lid,
+                                qpn,
+                                gid: secret,
+                                mtu: m[0],
+                                link_layer: m[1],
+                                rd_atomic: m[2],
+                            },
+                            mode: if v6 { IbMode::HostNoAtomic } else { IbMode::Host },
+                        },
+                    ),
+                };
                 EndpointDesc {
-                    transport: if eth { Transport::Ethernet } else { Transport::CudaIpc },
+                    transport,
                     device: gpu.map(Device::Gpu).unwrap_or(Device::Cpu),
                     host_hash: h[0],
                     process_hash: h[1],
                     max_write_queue_size: q,
-                    kind: if eth { EndpointKind::Ethernet { addr, secret } } else { EndpointKind::CudaIpc },
+                    kind,
                 }
             })
     }

@@ -279,7 +279,9 @@ pub struct IbConfig {
     /// Local ACK timeout exponent: a lost packet is resent after 4.096 us * 2^timeout (18:
     /// about 1.07 s). With `retry_cnt` it bounds how long a dead peer goes unnoticed.
     pub timeout: u8,
-    /// Resends before a work request fails with "retry counter exceeded" (at most 7).
+    /// Resends before a work request fails with "retry counter exceeded" (6; at most 7). The
+    /// default is 6, not NCCL's 7: soft-RoCE (`rdma_rxe`) treats 7 as "retry forever", which
+    /// would turn a dead peer into a timeout instead of an error.
     pub retry_cnt: u8,
 }
 
@@ -295,7 +297,7 @@ impl Default for IbConfig {
             max_wr_per_send: 64,
             mode: IbMode::Default,
             timeout: 18,
-            retry_cnt: 7,
+            retry_cnt: 6,
         }
     }
 }
