@@ -23,9 +23,18 @@ pub(crate) struct ContextInner {
     token_cond: Condvar,
     /// One non-blocking stream per GPU for CUDA IPC connections.
     cuda_streams: Mutex<Vec<Arc<crate::gpu::Stream>>>,
-    /// The opened RDMA device of each `IBn` transport, and names chosen by `set_ib_device`.
-    ib_devices: Mutex<[Option<Arc<crate::ib::dev::IbDevice>>; 8]>,
-    ib_names: Mutex<[Option<String>; 8]>,
+    /// RDMA devices: names set by `set_ib_device`, choices made, devices opened.
+    ib: Mutex<IbDevices>,
+}
+
+#[derive(Default)]
+struct IbDevices {
+    /// Per IB index, the name given to `Context::set_ib_device`.
+    names: [Option<String>; 8],
+    /// The device chosen for (IB index, GPU or host).
+    chosen: HashMap<(usize, Option<u32>), String>,
+    /// Opened devices by name (one context and PD per device, shared by every use).
+    opened: HashMap<String, Arc<crate::ib::dev::IbDevice>>,
 }
 
 impl ContextInner {
@@ -54,39 +63,73 @@ impl ContextInner {
         Ok(s)
     }
 
-    /// The RDMA device of `IBn` (`t`), opened on first use: the name given to
-    /// `Context::set_ib_device`, else entry n of `MSCCLPP_HCA_DEVICES`, else the n-th device.
-    pub(crate) fn ib_device(&self, t: Transport) -> Result<Arc<crate::ib::dev::IbDevice>> {
+    /// The RDMA device of `IBn` (`t`) for memory or endpoints on `device`, opened on first use:
+    /// the name given to `Context::set_ib_device`, else entry n of `MSCCLPP_HCA_DEVICES`, else for
+    /// a GPU the n-th closest NIC by PCIe topology, else the n-th device.
+    pub(crate) fn ib_device(&self, t: Transport, device: Device) -> Result<Arc<crate::ib::dev::IbDevice>> {
         let i = t.ib_index().ok_or_else(|| Error::internal(format!("{t} is not an IB transport")))?;
-        let mut devs = lock(&self.ib_devices);
-        if let Some(d) = &devs[i] {
+        let gpu = match device {
+            Device::Gpu(g) => Some(g),
+            Device::Cpu => None,
+        };
+        let mut st = lock(&self.ib);
+        let name = match st.chosen.get(&(i, gpu)) {
+            Some(n) => n.clone(),
+            None => {
+                let n = self.choose_ib_device(i, t, gpu, &st.names)?;
+                st.chosen.insert((i, gpu), n.clone());
+                n
+            }
+        };
+        if let Some(d) = st.opened.get(&name) {
             return Ok(d.clone());
         }
-        let name = match lock(&self.ib_names)[i].clone() {
-            Some(n) => n,
-            None => match crate::env::env()?.hca_devices.as_ref() {
-                Some(list) => list.get(i).cloned().ok_or_else(|| {
-                    Error::invalid_usage(format!(
-                        "{t}: MSCCLPP_HCA_DEVICES names {} device(s) ({}), none for {t}",
-                        list.len(),
-                        list.join(",")
-                    ))
-                })?,
-                None => {
-                    let all = crate::ib::devices()?;
-                    all.get(i).cloned().ok_or_else(|| {
-                        Error::not_available(format!(
-                            "no IB transport {t}: this machine has {} RDMA device(s) ({})",
-                            all.len(),
-                            all.join(", ")
-                        ))
-                    })?
-                }
-            },
-        };
         let d = crate::ib::dev::IbDevice::open(&name).map_err(|e| e.during(format!("opening {name} for {t}")))?;
-        devs[i] = Some(d.clone());
+        st.opened.insert(name, d.clone());
         Ok(d)
+    }
+
+    fn choose_ib_device(
+        &self,
+        i: usize,
+        t: Transport,
+        gpu: Option<u32>,
+        names: &[Option<String>; 8],
+    ) -> Result<String> {
+        if let Some(n) = &names[i] {
+            return Ok(n.clone());
+        }
+        if let Some(list) = crate::env::env()?.hca_devices.as_ref() {
+            return list.get(i).cloned().ok_or_else(|| {
+                Error::invalid_usage(format!(
+                    "{t}: MSCCLPP_HCA_DEVICES names {} device(s) ({}), none for {t}",
+                    list.len(),
+                    list.join(",")
+                ))
+            });
+        }
+        let all = crate::ib::devices()?;
+        let missing = || {
+            Error::not_available(format!(
+                "no IB transport {t}: this machine has {} RDMA device(s) ({})",
+                all.len(),
+                all.join(", ")
+            ))
+        };
+        let Some(g) = gpu else {
+            return all.get(i).cloned().ok_or_else(missing);
+        };
+        let bus = crate::gpu::pci_bus_id(g)?;
+        let ranked = crate::ib::topo::rank_nics(std::path::Path::new("/sys"), &bus, &all);
+        let pick = ranked.get(i).ok_or_else(missing)?;
+        tracing::info!(
+            target: "mscclpp::ib",
+            "{t} for GPU{g}: {} ({}; order: {}); set MSCCLPP_HCA_DEVICES to choose",
+            pick.name,
+            pick.why,
+            ranked.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ")
+        );
+        Ok(pick.name.clone())
     }
 
     /// Tells waiters that a peer changed a token word (transports call this after applying
@@ -165,8 +208,7 @@ impl Context {
                 token_gen: Mutex::new(0),
                 token_cond: Condvar::new(),
                 cuda_streams: Mutex::new(Vec::new()),
-                ib_devices: Mutex::new(Default::default()),
-                ib_names: Mutex::new(Default::default()),
+                ib: Mutex::new(IbDevices::default()),
             }),
         }
     }
@@ -215,12 +257,11 @@ impl Context {
     /// `InvalidUsage` when `t` is not an IB transport or already uses another device.
     pub fn set_ib_device(&self, t: Transport, name: &str) -> Result<()> {
         let i = t.ib_index().ok_or_else(|| Error::invalid_usage(format!("{t} is not an IB transport")))?;
-        if let Some(d) = &lock(&self.inner.ib_devices)[i] {
-            if d.name != name {
-                return Err(Error::invalid_usage(format!("{t} of this context already uses {}", d.name)));
-            }
+        let mut st = lock(&self.inner.ib);
+        if let Some((_, used)) = st.chosen.iter().find(|((j, _), n)| *j == i && n.as_str() != name) {
+            return Err(Error::invalid_usage(format!("{t} of this context already uses {used}")));
         }
-        lock(&self.inner.ib_names)[i] = Some(name.to_string());
+        st.names[i] = Some(name.to_string());
         Ok(())
     }
 

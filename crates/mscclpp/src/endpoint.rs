@@ -280,26 +280,22 @@ fn create_ib(
     config: &EndpointConfig,
     t: Transport,
 ) -> Result<(EndpointKind, crate::ib::dev::IbQp, usize)> {
-    if config.device != Device::Cpu {
-        return Err(Error::not_available(format!(
-            "{t} endpoints for GPU memory (dmabuf or nvidia-peermem registration) are not part of this build yet"
-        )));
-    }
     let ib = &config.ib;
     let mode = match ib.mode {
         IbMode::Default => crate::env::env()?.ibv_mode.filter(|m| *m != IbMode::Default).unwrap_or(IbMode::Host),
         m => m,
     };
-    let dev = ctx.inner().ib_device(t)?;
-    if mode == IbMode::HostNoAtomic {
-        return Err(Error::not_available(format!("IB HostNoAtomic mode ({t}) is not part of this build yet")));
-    }
-    if !dev.caps.atomics {
-        return Err(Error::not_available(format!(
-            "{} has no RDMA atomics, which Host mode needs; HostNoAtomic mode is not part of this build yet",
+    let dev = ctx.inner().ib_device(t, config.device)?;
+    let mode = if mode == IbMode::Host && !dev.caps.atomics {
+        tracing::warn!(
+            target: "mscclpp::ib",
+            "{} has no RDMA atomics: {t} endpoints use HostNoAtomic mode (signals by write-with-immediate)",
             dev.name
-        )));
-    }
+        );
+        IbMode::HostNoAtomic
+    } else {
+        mode
+    };
     if ib.max_cq_size == 0 || ib.max_send_wr == 0 || ib.max_wr_per_send == 0 || ib.max_cq_poll_num == 0 {
         return Err(Error::invalid_usage(format!(
             "IB limits must be positive (max_cq_size {}, max_send_wr {}, max_wr_per_send {}, max_cq_poll_num {})",
@@ -318,7 +314,7 @@ fn create_ib(
         timeout: ib.timeout,
         retry_cnt: ib.retry_cnt,
     };
-    let qp = crate::ib::dev::IbQp::create(&dev, port, limits)?;
+    let qp = crate::ib::dev::IbQp::create(&dev, port, limits, mode == IbMode::Host)?;
     Ok((EndpointKind::Ib { qp: qp.info(), mode }, qp, queue))
 }
 

@@ -166,15 +166,18 @@ impl RegisteredMemory {
         let mut ib_mrs: [Option<Arc<crate::ib::dev::IbMr>>; 8] = Default::default();
         let mut ib = [None; 8];
         for t in (transports & TransportFlags::ALL_IB).iter() {
-            if matches!(region, Mem::Gpu(_)) {
-                return Err(Error::not_available(format!(
-                    "registering GPU memory for {t} (dmabuf or nvidia-peermem) is not part of this build yet"
-                )));
-            }
             let i = t.ib_index().unwrap_or(0);
-            let dev = inner.ib_device(t).map_err(|e| e.during(format!("registering memory for {t}")))?;
-            let mr =
-                dev.reg_mr(region.addr(), region.len()).map_err(|e| e.during(format!("registering memory for {t}")))?;
+            let during = |e: Error| e.during(format!("registering memory for {t}"));
+            let mr = match &region {
+                Mem::Host(r) => {
+                    let dev = inner.ib_device(t, Device::Cpu).map_err(during)?;
+                    dev.reg_mr(r.addr() as u64, r.len() as u64).map_err(during)?
+                }
+                Mem::Gpu(g) => {
+                    let dev = inner.ib_device(t, Device::Gpu(g.dev.ordinal)).map_err(during)?;
+                    crate::gpu::reg_ib_mr(&dev, g).map_err(during)?
+                }
+            };
             ib[i] = Some(IbMrInfo { addr: mr.addr, rkey: mr.rkey });
             ib_mrs[i] = Some(Arc::new(mr));
         }

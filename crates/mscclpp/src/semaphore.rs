@@ -52,10 +52,25 @@ impl SemaphoreStub {
     /// Allocation or registration errors (`NotAvailable` without a CUDA driver for a GPU side).
     pub fn new(connection: &Connection) -> Result<SemaphoreStub> {
         let t = connection.transport().into();
+        // A forwarding connection (IB HostNoAtomic) stores incoming tokens itself: a GPU token
+        // then needs no RDMA registration.
+        let fwd = connection.forwards_signals();
         let token = match connection.local_device() {
             Device::Cpu => Token::Host(Buffer::new(connection.context(), 8, t)?),
-            Device::Gpu(d) => Token::Gpu(DeviceBuffer::new(connection.context(), d, 8, t)?),
+            Device::Gpu(d) => Token::Gpu(DeviceBuffer::new(
+                connection.context(),
+                d,
+                8,
+                if fwd { crate::TransportFlags::NONE } else { t },
+            )?),
         };
+        if fwd {
+            let target = match &token {
+                Token::Host(b) => crate::conn::ib::ForwardTarget::Host(b.clone()),
+                Token::Gpu(b) => crate::conn::ib::ForwardTarget::Gpu(crate::gpu::TokenForwarder::new(b.region())?),
+            };
+            connection.forward_signals_into(target).map_err(|e| connection.ctx_err(e, "building a semaphore"))?;
+        }
         Ok(SemaphoreStub { connection: connection.clone(), token })
     }
 

@@ -20,6 +20,7 @@ static ETHERNET: Harness = Harness {
     mode: Mode::Processes,
     prepare: |_| {},
     config: eth_config,
+    atomics: true,
     cpu_atomics_coherent: true,
 };
 

@@ -26,10 +26,34 @@ static FAKE_IB: Harness = Harness {
     mode: Mode::Threads,
     prepare: use_fake0,
     config: ib_config,
+    atomics: true,
     cpu_atomics_coherent: false,
 };
 
 connection_suite!(&FAKE_IB);
+
+fn no_atomic_config(queue: Option<usize>) -> EndpointConfig {
+    let mut c = ib_config(queue);
+    c.ib.mode = IbMode::HostNoAtomic;
+    c
+}
+
+/// The suite again in HostNoAtomic mode: signals by write-with-immediate and a receive thread.
+mod no_atomic {
+    use super::*;
+    use crate::common;
+
+    static FAKE_IB_NO_ATOMIC: Harness = Harness {
+        transport: Transport::IB0,
+        mode: Mode::Threads,
+        prepare: use_fake0,
+        config: no_atomic_config,
+        atomics: false,
+        cpu_atomics_coherent: false,
+    };
+
+    connection_suite!(&FAKE_IB_NO_ATOMIC);
+}
 
 /// Runs `body` as `size` ranks (threads) with a harness on fake device `dev`.
 fn threads(size: usize, body: impl Fn(&Rank) + Sync) {
@@ -69,6 +93,7 @@ fn own_device(name: &'static str) -> Harness {
             c.ib.max_cq_poll_num = 2;
             c
         },
+        atomics: true,
         cpu_atomics_coherent: false,
     }
 }
@@ -212,11 +237,6 @@ fn mode_mismatch_and_reuse_are_connect_errors() {
     let e = ctx.connect(&c, &rd).unwrap_err();
     assert!(e.to_string().contains("already used"), "{e}");
     assert_eq!(ib_gid_of(&c.serialize()), [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 0, 1]);
-    // HostNoAtomic is refused clearly until it is built.
-    let mut cfg = EndpointConfig::new(Transport::IB0);
-    cfg.ib.mode = IbMode::HostNoAtomic;
-    let e = ctx.create_endpoint(&cfg).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::NotAvailable, "{e}");
     // A device that does not exist is named.
     let ctx2 = Context::new();
     ctx2.set_ib_device(Transport::IB0, "nope9").unwrap();

@@ -5,7 +5,7 @@
 mod common;
 
 use common::suite::{Harness, Mode};
-use mscclpp::{EndpointConfig, Transport};
+use mscclpp::{EndpointConfig, IbMode, Transport};
 
 fn ib_config(queue: Option<usize>) -> EndpointConfig {
     let mut c = EndpointConfig::new(Transport::IB0);
@@ -20,7 +20,32 @@ static RDMA: Harness = Harness {
     mode: Mode::Processes,
     prepare: |_| {},
     config: ib_config,
+    atomics: true,
     cpu_atomics_coherent: false,
 };
 
 connection_suite!(&RDMA, #[ignore = "needs an RDMA device"]);
+
+fn no_atomic_config(queue: Option<usize>) -> EndpointConfig {
+    let mut c = ib_config(queue);
+    c.ib.mode = IbMode::HostNoAtomic;
+    c
+}
+
+/// The suite in HostNoAtomic mode: every signal is a write-with-immediate that must land after
+/// the writes before it, byte-exact.
+mod no_atomic {
+    use super::*;
+    use crate::common;
+
+    static RDMA_NO_ATOMIC: Harness = Harness {
+        transport: Transport::IB0,
+        mode: Mode::Processes,
+        prepare: |_| {},
+        config: no_atomic_config,
+        atomics: false,
+        cpu_atomics_coherent: false,
+    };
+
+    connection_suite!(&RDMA_NO_ATOMIC, #[ignore = "needs an RDMA device"]);
+}

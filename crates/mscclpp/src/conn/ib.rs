@@ -1,5 +1,8 @@
-//! The IB transport (Host mode): RDMA WRITE for data and 8-byte FETCH_AND_ADD for tokens and
-//! atomics on one RC queue pair, completions polled by the calling threads.
+//! The IB transport: RDMA WRITE for data on one RC queue pair, completions polled by the calling
+//! threads. Host mode carries tokens and atomics as 8-byte FETCH_AND_ADD; HostNoAtomic mode sends
+//! each token update as a zero-byte WRITE_WITH_IMM holding the low 32 bits of the new value, and a
+//! receive thread per connection rebuilds the 64-bit value and stores it into the one semaphore
+//! token built on the connection (host memory, or GPU memory through [`TokenForwarder`]).
 //!
 //! Accounting: every work request gets a sequence number. Only the last WR of each post is
 //! signalled, with its sequence number as `wr_id`; a successful completion of WR `s` means every
@@ -9,7 +12,9 @@
 //! depth: the CQ can never overflow. The first failed completion breaks the connection; every
 //! later call returns that error.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
@@ -17,9 +22,10 @@ use tracing::{debug, warn};
 use crate::context::{Context, lock};
 use crate::endpoint::{Endpoint, EndpointKind};
 use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::TokenForwarder;
 use crate::ib::dev::{IbMr, IbQp, SendOp as Op, wc_status_text};
 use crate::ib::verbs::abi::*;
-use crate::memory::RegisteredMemory;
+use crate::memory::{Buffer, RegisteredMemory};
 use crate::sys::hostmem::HostAlloc;
 use crate::transport::{IbMode, Transport};
 
@@ -40,13 +46,43 @@ struct SendState {
     wcs: Vec<ibv_wc>,
 }
 
+/// Where a HostNoAtomic connection stores the tokens it receives.
+pub(crate) enum ForwardTarget {
+    /// A host word (a `Buffer`'s first 8 bytes): an atomic store, then waiters are woken.
+    Host(Buffer),
+    /// A GPU word, through GDRCopy or a stream.
+    Gpu(TokenForwarder),
+}
+
+impl ForwardTarget {
+    fn kind(&self) -> String {
+        match self {
+            ForwardTarget::Host(_) => "host store".into(),
+            ForwardTarget::Gpu(f) => f.kind().into(),
+        }
+    }
+}
+
+/// What the receive thread of a HostNoAtomic connection shares with it.
+struct Forwarding {
+    target: Mutex<Option<ForwardTarget>>,
+    stop: AtomicBool,
+    failure: Arc<OnceLock<Error>>,
+    /// Tokens forwarded so far.
+    count: AtomicU64,
+}
+
 pub(crate) struct IbConnection {
-    qp: IbQp,
+    /// Joined in Drop before any field goes (the QP and the forwarding target outlive it).
+    recv_thread: Mutex<Option<JoinHandle<()>>>,
+    fwd: Option<Arc<Forwarding>>,
+    qp: Arc<IbQp>,
+    mode: IbMode,
     /// Where FETCH_AND_ADD returns the old value (never read).
     atomic_src: IbMr,
     _atomic_mem: Arc<HostAlloc>,
     state: Mutex<SendState>,
-    failure: OnceLock<Error>,
+    failure: Arc<OnceLock<Error>>,
     queue: usize,
     max_wr_per_send: usize,
     chunk: u64,
@@ -82,14 +118,42 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             link_name(rqp.link_layer)
         )));
     }
+    let no_atomic = *lmode == IbMode::HostNoAtomic;
+    let cfg = &l.config.ib;
+    if no_atomic {
+        // Receives first, so the peer's first signal never waits for one.
+        for _ in 0..qp.limits.max_recv_wr.max(1) {
+            qp.post_recv_empty(0)?;
+        }
+    }
     qp.connect(rqp)?;
+    let qp = Arc::new(qp);
+    let failure = Arc::new(OnceLock::new());
+    let (fwd, recv_thread) = if no_atomic {
+        let f = Arc::new(Forwarding {
+            target: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            failure: failure.clone(),
+            count: AtomicU64::new(0),
+        });
+        let (q, f2, c2) = (qp.clone(), f.clone(), ctx.clone());
+        let h = std::thread::Builder::new()
+            .name(format!("mscclpp-ib-recv-{}", qp.qpn))
+            .spawn(move || recv_loop(q, f2, c2))
+            .map_err(|e| Error::io("starting the IB receive thread", e))?;
+        (Some(f), Some(h))
+    } else {
+        (None, None)
+    };
     let alloc = Arc::new(HostAlloc::zeroed(8)?);
     let atomic_src = qp.dev.reg_mr(alloc.as_ptr() as u64, 8)?;
     let name = format!("{:?} -> QP {}", qp, rqp.qpn);
     debug!(target: "mscclpp::ib", "connected {name} (path MTU index {})", (qp.port.active_mtu as u8).min(rqp.mtu));
-    let cfg = &l.config.ib;
     let chunk = MAX_CHUNK.min(qp.port.max_msg_sz.max(4096) as u64);
     let conn = IbConnection {
+        recv_thread: Mutex::new(recv_thread),
+        fwd,
+        mode: *lmode,
         atomic_src,
         _atomic_mem: alloc,
         state: Mutex::new(SendState {
@@ -98,7 +162,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             signaled_out: 0,
             wcs: vec![ibv_wc::default(); cfg.max_cq_poll_num.clamp(1, 4096) as usize],
         }),
-        failure: OnceLock::new(),
+        failure,
         queue: local.max_write_queue_size(),
         max_wr_per_send: cfg.max_wr_per_send.max(1) as usize,
         chunk,
@@ -184,6 +248,10 @@ impl IbConnection {
                 }
                 if self.poll(&mut st)? == 0 {
                     let t0 = *waited.get_or_insert_with(Instant::now);
+                    if t0.elapsed() > Duration::from_millis(1) {
+                        // Not a fast drain: let other threads (and a slow peer) run.
+                        std::thread::yield_now();
+                    }
                     if t0.elapsed() > QUEUE_WAIT {
                         return Err(Error::new(
                             ErrorKind::Timeout,
@@ -249,6 +317,13 @@ impl ConnectionImpl for IbConnection {
             .local()
             .and_then(|l| st.ib_index().and_then(|i| l.ib_mrs[i].clone()))
             .ok_or_else(|| Error::invalid_usage(format!("the source memory has no {st} memory region")))?;
+        if !Arc::ptr_eq(mr.device(), &self.qp.dev) {
+            return Err(Error::invalid_usage(format!(
+                "the source memory is registered on {} but this connection uses {} (register it for the same device)",
+                mr.device().name,
+                self.qp.dev.name
+            )));
+        }
         if len == 0 {
             return Ok(());
         }
@@ -265,11 +340,63 @@ impl ConnectionImpl for IbConnection {
 
     fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, old: u64, new: u64) -> Result<()> {
         let t = self.transport_of(dst)?;
+        if self.mode == IbMode::HostNoAtomic {
+            if dst.is_local() {
+                return Err(Error::invalid_usage(
+                    "the destination is this process's own token; an IB connection signals a peer's",
+                ));
+            }
+            // A zero-byte write accesses no memory: the peer's token needs no registration.
+            let (raddr, rkey) = dst.ib_info(t).map(|i| (i.addr + dst_off, i.rkey)).unwrap_or((0, 0));
+            return self.post(&[Op::Imm { dst: raddr, rkey, imm: new as u32 }]);
+        }
         let (raddr, rkey) = self.remote(dst, t, dst_off)?;
         self.post(&[self.fetch_add(raddr, rkey, new.wrapping_sub(old))])
     }
 
+    fn check_update(&self, old: u64, new: u64) -> Result<()> {
+        if self.mode == IbMode::HostNoAtomic && !(1..1u64 << 32).contains(&new.wrapping_sub(old)) {
+            return Err(Error::invalid_usage(format!(
+                "in IB HostNoAtomic mode a token must grow by 1 to 2^32-1 per update (the receiver rebuilds \
+                 it from its low 32 bits); {old} -> {new} does not"
+            )));
+        }
+        Ok(())
+    }
+
+    fn token_needs_transport(&self) -> bool {
+        self.mode != IbMode::HostNoAtomic
+    }
+
+    fn forwards_signals(&self) -> bool {
+        self.fwd.is_some()
+    }
+
+    fn forward_signals_into(&self, target: ForwardTarget) -> Result<()> {
+        let Some(f) = &self.fwd else { return Ok(()) };
+        let mut t = lock(&f.target);
+        if t.is_some() {
+            return Err(Error::invalid_usage(
+                "this IB HostNoAtomic connection already forwards signals into a semaphore; signals carry no \
+                 semaphore id, so each connection serves one semaphore: create another connection for another",
+            ));
+        }
+        debug!(target: "mscclpp::ib", "{}: forwarding signals by {}", self.name, target.kind());
+        *t = Some(target);
+        Ok(())
+    }
+
+    fn signal_forwarding(&self) -> Option<String> {
+        let f = self.fwd.as_ref()?;
+        Some(lock(&f.target).as_ref().map(|t| t.kind()).unwrap_or_else(|| "none yet (no semaphore built)".into()))
+    }
+
     fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
+        if self.mode == IbMode::HostNoAtomic {
+            return Err(Error::invalid_usage(
+                "atomic_add is not available in IB HostNoAtomic mode (no RDMA atomics on this connection)",
+            ));
+        }
         let t = self.transport_of(dst)?;
         let (raddr, rkey) = self.remote(dst, t, dst_off)?;
         self.post(&[self.fetch_add(raddr, rkey, value as u64)])
@@ -333,6 +460,89 @@ impl ConnectionImpl for IbConnection {
     fn outstanding(&self) -> u64 {
         let st = lock(&self.state);
         st.posted - st.completed
+    }
+}
+
+impl Drop for IbConnection {
+    fn drop(&mut self) {
+        // As Ethernet: give operations in flight up to 2 s to land before the QP goes.
+        if self.failure.get().is_none() && self.outstanding() > 0 {
+            if let Err(e) = self.flush(Duration::from_secs(2)) {
+                debug!(target: "mscclpp::ib", "closing {} with work outstanding: {e}", self.name);
+            }
+        }
+        // The receive thread stops before the QP and the forwarding target go.
+        if let Some(f) = &self.fwd {
+            f.stop.store(true, Ordering::Release);
+        }
+        if let Some(h) = lock(&self.recv_thread).take() {
+            let _ = h.join();
+        }
+        if let Some(f) = &self.fwd {
+            debug!(target: "mscclpp::ib", "{}: forwarded {} signals", self.name, f.count.load(Ordering::Relaxed));
+        }
+    }
+}
+
+/// The receive thread of a HostNoAtomic connection: takes WRITE_WITH_IMM completions, rebuilds
+/// each 64-bit token from its low 32 bits (a smaller low half means the high half grew by one),
+/// stores it into the target, and posts the receive again. Any failure is kept as the
+/// connection's error (the next flush or wait returns it) and ends the thread.
+fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
+    let mut wcs = [ibv_wc::default(); 16];
+    let (mut high, mut last_low) = (0u64, 0u32);
+    let mut idle_since: Option<Instant> = None;
+    let fail = |e: Error| {
+        warn!(target: "mscclpp::ib", "{qp:?}: signal forwarding stopped: {e}");
+        let _ = f.failure.set(e);
+    };
+    while !f.stop.load(Ordering::Acquire) {
+        let n = match qp.poll_recv(&mut wcs) {
+            Ok(n) => n,
+            Err(e) => return fail(e.during("polling the receive CQ")),
+        };
+        if n == 0 {
+            // Spin briefly, then yield, then sleep 20 us between polls: a bounded cost when idle.
+            let t0 = *idle_since.get_or_insert_with(Instant::now);
+            let idle = t0.elapsed();
+            if idle < Duration::from_micros(50) {
+                std::hint::spin_loop();
+            } else if idle < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            continue;
+        }
+        idle_since = None;
+        for wc in &wcs[..n] {
+            if wc.status != IBV_WC_SUCCESS {
+                return fail(Error::new(
+                    ErrorKind::Ib,
+                    format!("a signal receive failed on {qp:?}: {}", wc_status_text(qp.dev.v, wc.status)),
+                ));
+            }
+            let low = u32::from_be(wc.imm_data);
+            if low < last_low {
+                high = high.wrapping_add(1 << 32);
+            }
+            last_low = low;
+            let value = high | low as u64;
+            let stored = match lock(&f.target).as_ref() {
+                None => Err(Error::remote(format!(
+                    "a signal (token {value}) arrived on {qp:?}, but no semaphore was built on this connection"
+                ))),
+                Some(ForwardTarget::Host(b)) => b.atomic_u64(0).map(|w| {
+                    w.store(value, Ordering::Release);
+                    ctx.inner().notify_tokens();
+                }),
+                Some(ForwardTarget::Gpu(g)) => g.store(value),
+            };
+            if let Err(e) = stored.and_then(|_| qp.post_recv_empty(0)) {
+                return fail(e);
+            }
+            f.count.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 

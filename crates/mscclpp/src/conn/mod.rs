@@ -32,6 +32,26 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     fn max_write_queue_size(&self) -> usize;
     /// Operations issued and not yet known to be applied at the peer.
     fn outstanding(&self) -> u64;
+    /// Refuses token updates the transport cannot carry (before anything changes).
+    fn check_update(&self, _old: u64, _new: u64) -> Result<()> {
+        Ok(())
+    }
+    /// Whether `update_and_sync` needs the destination registered for the peer's transport.
+    fn token_needs_transport(&self) -> bool {
+        true
+    }
+    /// Whether signals arrive through a receive thread that stores them into a local token.
+    fn forwards_signals(&self) -> bool {
+        false
+    }
+    /// Sets the local token that incoming signals are stored into (forwarding transports only).
+    fn forward_signals_into(&self, _target: ib::ForwardTarget) -> Result<()> {
+        Ok(())
+    }
+    /// How signals are forwarded into the local token, for transports that forward.
+    fn signal_forwarding(&self) -> Option<String> {
+        None
+    }
 }
 
 pub(crate) struct ConnInner {
@@ -98,6 +118,10 @@ impl Connection {
 
     fn check_word(&self, dst: &RegisteredMemory, off: u64) -> Result<()> {
         self.check_dst(dst, off, 8)?;
+        self.check_aligned(dst, off)
+    }
+
+    fn check_aligned(&self, dst: &RegisteredMemory, off: u64) -> Result<()> {
         if (dst.addr().wrapping_add(off)) % 8 != 0 {
             return Err(Error::invalid_usage(format!("destination word at offset {off} is not 8-byte aligned")));
         }
@@ -151,7 +175,14 @@ impl Connection {
     ) -> Result<()> {
         let _s = trace_span!(target: "mscclpp::conn", "update_and_sync", new_value).entered();
         let r = (|| {
-            self.check_word(dst, dst_off)?;
+            if self.inner.imp.token_needs_transport() {
+                self.check_word(dst, dst_off)?;
+            } else {
+                dst.check_bounds(dst_off, 8)
+                    .map_err(|e| Error::invalid_usage(format!("destination {}", e.message())))?;
+                self.check_aligned(dst, dst_off)?;
+            }
+            self.inner.imp.check_update(outbound.load(Ordering::Acquire), new_value)?;
             let old = outbound.swap(new_value, Ordering::AcqRel);
             self.inner.imp.update_and_sync(dst, dst_off, old, new_value)
         })();
@@ -186,6 +217,21 @@ impl Connection {
             Some(e) => Err(self.ctx_err(e, "connection status")),
             None => Ok(()),
         }
+    }
+
+    /// How incoming signals reach the local semaphore token when a receive thread forwards them
+    /// (IB HostNoAtomic: `"host store"`, `"GDRCopy (BAR1 mapping)"`, `"cuStreamWriteValue64"`,
+    /// ...); `None` when the peer's updates land in the token directly.
+    pub fn signal_forwarding(&self) -> Option<String> {
+        self.inner.imp.signal_forwarding()
+    }
+
+    pub(crate) fn forwards_signals(&self) -> bool {
+        self.inner.imp.forwards_signals()
+    }
+
+    pub(crate) fn forward_signals_into(&self, t: ib::ForwardTarget) -> Result<()> {
+        self.inner.imp.forward_signals_into(t)
     }
 
     /// Operations issued whose application at the peer is not yet confirmed.

@@ -17,7 +17,10 @@ use cudarc::driver::{result, sys};
 use crate::context::lock;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sys::hostmem::Region;
+
+mod forward;
 use crate::transport::{Transport, TransportFlags};
+pub(crate) use forward::{TokenForwarder, reg_ib_mr};
 
 const LOG: &str = "mscclpp::gpu";
 
@@ -523,7 +526,8 @@ impl std::fmt::Debug for DeviceBuffer {
 
 impl DeviceBuffer {
     /// Allocates `len` zeroed bytes on GPU `device` with `cuMemAlloc` and registers them for
-    /// `transports` (CUDA IPC and Ethernet; GPU memory over IB is not built yet).
+    /// `transports` (CUDA IPC, Ethernet, IB: a dma-buf registration, else `ibv_reg_mr` through
+    /// nvidia-peermem).
     ///
     /// # Errors
     /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU or zero length;
@@ -531,11 +535,6 @@ impl DeviceBuffer {
     pub fn new(ctx: &crate::Context, device: u32, len: usize, transports: TransportFlags) -> Result<DeviceBuffer> {
         if len == 0 {
             return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
-        }
-        if !(transports & TransportFlags::ALL_IB).is_empty() {
-            return Err(Error::not_available(
-                "registering GPU memory for IB (dmabuf or nvidia-peermem) is not part of this build yet",
-            ));
         }
         let dev = self::device(device)?;
         let alloc = Arc::new(DeviceAlloc::new(&dev, len)?);
@@ -556,6 +555,9 @@ impl DeviceBuffer {
     /// Always false: buffers hold at least one byte.
     pub fn is_empty(&self) -> bool {
         false
+    }
+    pub(crate) fn region(&self) -> &GpuRegion {
+        &self.region
     }
     /// The device address (for kernels; do not free).
     pub fn device_ptr(&self) -> u64 {

@@ -311,6 +311,28 @@ impl IbDevice {
         Ok(IbMr { dev: self.clone(), mr, addr, len, lkey, rkey })
     }
 
+    /// Registers `len` bytes at `offset` of the dma-buf `fd` (GPU memory exported by the CUDA
+    /// driver), seen by peers at address `iova`.
+    pub(crate) fn reg_dmabuf_mr(self: &Arc<Self>, offset: u64, len: u64, iova: u64, fd: c_int) -> Result<IbMr> {
+        let Some(f) = self.v.reg_dmabuf_mr else {
+            return Err(Error::not_available(format!(
+                "{} has no ibv_reg_dmabuf_mr (rdma-core 34 or later is needed)",
+                self.v.path
+            )));
+        };
+        let access =
+            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+        // SAFETY: the PD is live; fd is a dma-buf the caller keeps open for the call (the MR keeps
+        // its own reference to the buffer).
+        let mr = unsafe { f(self.pd, offset, len as usize, iova, fd, access as c_int) };
+        if mr.is_null() {
+            return Err(ib_err(format!("ibv_reg_dmabuf_mr of {len} bytes on {}", self.name), last_errno()));
+        }
+        // SAFETY: mr is a valid MR returned above.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok(IbMr { dev: self.clone(), mr, addr: iova, len, lkey, rkey })
+    }
+
     /// A completion queue of at least `cqe` entries.
     pub(crate) fn create_cq(self: &Arc<Self>, cqe: u32) -> Result<IbCq> {
         let n = cqe.min(self.caps.max_cqe).max(1);
@@ -343,6 +365,13 @@ pub(crate) struct IbMr {
 unsafe impl Send for IbMr {}
 // SAFETY: no interior mutation through &IbMr.
 unsafe impl Sync for IbMr {}
+
+impl IbMr {
+    /// The device the region is registered on.
+    pub(crate) fn device(&self) -> &Arc<IbDevice> {
+        &self.dev
+    }
+}
 
 impl fmt::Debug for IbMr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -435,6 +464,9 @@ pub(crate) enum SendOp {
     Write { src: u64, lkey: u32, len: u32, dst: u64, rkey: u32 },
     /// 8-byte FETCH_AND_ADD of `add` at remote `dst`; the old value lands at local `src`.
     FetchAdd { src: u64, lkey: u32, dst: u64, rkey: u32, add: u64 },
+    /// A zero-byte RDMA WRITE_WITH_IMM carrying `imm` (host order; sent in network order): it
+    /// consumes one posted receive of the peer, after every earlier WR of the QP.
+    Imm { dst: u64, rkey: u32, imm: u32 },
 }
 
 /// An RC queue pair with its send and receive CQs (destroyed on drop, QP first).
@@ -444,8 +476,7 @@ pub(crate) struct IbQp {
     pub(crate) qpn: u32,
     pub(crate) port: PortInfo,
     pub(crate) send_cq: IbCq,
-    /// Receives of write-with-immediate (HostNoAtomic mode, not built yet); kept for the QP.
-    #[allow(dead_code)]
+    /// Receives of write-with-immediate (HostNoAtomic mode).
     pub(crate) recv_cq: IbCq,
     /// The send-queue depth asked for (the provider may grant more).
     pub(crate) max_send_wr: u32,
@@ -472,8 +503,9 @@ impl fmt::Debug for IbQp {
 }
 
 impl IbQp {
-    /// Creates an RC QP on `port` and moves it to INIT with remote write/read/atomic access.
-    pub(crate) fn create(dev: &Arc<IbDevice>, port: PortInfo, limits: QpLimits) -> Result<IbQp> {
+    /// Creates an RC QP on `port` and moves it to INIT with remote write and read access, and
+    /// remote atomics with `atomics`.
+    pub(crate) fn create(dev: &Arc<IbDevice>, port: PortInfo, limits: QpLimits, atomics: bool) -> Result<IbQp> {
         let send_cq = dev.create_cq(limits.cq_size)?;
         let recv_cq = dev.create_cq(limits.max_recv_wr.max(1))?;
         let want_send = limits.max_send_wr.min(dev.caps.max_qp_wr).max(1);
@@ -503,7 +535,10 @@ impl IbQp {
         let mut a = ibv_qp_attr { qp_state: IBV_QPS_INIT, ..Default::default() };
         a.pkey_index = 0;
         a.port_num = port.port;
-        a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+        a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+        if atomics {
+            a.qp_access_flags |= IBV_ACCESS_REMOTE_ATOMIC;
+        }
         me.modify(&mut a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, "INIT")?;
         Ok(me)
     }
@@ -525,7 +560,7 @@ impl IbQp {
             gid: self.port.gid,
             mtu: self.port.active_mtu.min(255) as u8,
             link_layer: self.port.link_layer,
-            rd_atomic: self.dev.caps.max_qp_rd_atom.clamp(1, 16),
+            rd_atomic: self.dev.caps.max_qp_rd_atom.min(16),
         }
     }
 
@@ -536,7 +571,7 @@ impl IbQp {
         a.path_mtu = mtu as u32;
         a.dest_qp_num = remote.qpn;
         a.rq_psn = 0;
-        a.max_dest_rd_atomic = self.dev.caps.max_qp_rd_atom.clamp(1, 16);
+        a.max_dest_rd_atomic = self.dev.caps.max_qp_rd_atom.min(16);
         a.min_rnr_timer = 0x12;
         a.ah_attr.dlid = remote.lid;
         a.ah_attr.sl = 0;
@@ -564,7 +599,7 @@ impl IbQp {
         a.retry_cnt = self.limits.retry_cnt.min(7);
         a.rnr_retry = 7;
         a.sq_psn = 0;
-        a.max_rd_atomic = self.dev.caps.max_qp_init_rd_atom.clamp(1, 16).min(remote.rd_atomic.max(1));
+        a.max_rd_atomic = self.dev.caps.max_qp_init_rd_atom.min(16).min(remote.rd_atomic);
         self.modify(
             &mut a,
             IBV_QP_STATE
@@ -587,6 +622,8 @@ impl IbQp {
         let mut sges: Vec<ibv_sge> = Vec::with_capacity(ops.len());
         let mut wrs: Vec<ibv_send_wr> = Vec::with_capacity(ops.len());
         for (i, op) in ops.iter().enumerate() {
+            let mut num_sge = 1;
+            let mut imm_data = 0;
             let (opcode, sge, wr) = match *op {
                 SendOp::Write { src, lkey, len, dst, rkey } => (
                     IBV_WR_RDMA_WRITE,
@@ -598,16 +635,25 @@ impl IbQp {
                     ibv_sge { addr: src, length: 8, lkey },
                     ibv_send_wr_wr { atomic: ibv_send_wr_atomic { remote_addr: dst, compare_add: add, swap: 0, rkey } },
                 ),
+                SendOp::Imm { dst, rkey, imm } => {
+                    num_sge = 0;
+                    imm_data = imm.to_be();
+                    (
+                        IBV_WR_RDMA_WRITE_WITH_IMM,
+                        ibv_sge::default(),
+                        ibv_send_wr_wr { rdma: ibv_send_wr_rdma { remote_addr: dst, rkey } },
+                    )
+                }
             };
             sges.push(sge);
             wrs.push(ibv_send_wr {
                 wr_id: first_seq + i as u64,
                 next: std::ptr::null_mut(),
                 sg_list: std::ptr::null_mut(),
-                num_sge: 1,
+                num_sge,
                 opcode,
                 send_flags: if i + 1 == ops.len() { IBV_SEND_SIGNALED } else { 0 },
-                imm_data: 0,
+                imm_data,
                 wr,
                 qp_type_xrc_remote_srqn: 0,
                 bind_mw_or_tso: [0; 6],
@@ -621,8 +667,9 @@ impl IbQp {
             // SAFETY: i < n, so base + i and sbase + i are elements of the two vectors, which are
             // not touched otherwise until the post returns.
             unsafe {
-                (*base.add(i)).sg_list = sbase.add(i);
-                (*base.add(i)).next = if i + 1 < n { base.add(i + 1) } else { std::ptr::null_mut() };
+                let w = &mut *base.add(i);
+                w.sg_list = if w.num_sge > 0 { sbase.add(i) } else { std::ptr::null_mut() };
+                w.next = if i + 1 < n { base.add(i + 1) } else { std::ptr::null_mut() };
             }
         }
         // SAFETY: base is a valid list of n linked WRs with one SGE each (built above).
@@ -648,8 +695,12 @@ impl IbQp {
         Ok(())
     }
 
+    /// Takes up to `out.len()` receive completions.
+    pub(crate) fn poll_recv(&self, out: &mut [ibv_wc]) -> Result<usize> {
+        self.recv_cq.poll(out)
+    }
+
     /// Posts one receive without scatter entries (for write-with-immediate).
-    #[allow(dead_code)]
     pub(crate) fn post_recv_empty(&self, wr_id: u64) -> Result<()> {
         // SAFETY: the QP belongs to an open context whose ops table the provider filled.
         let f = unsafe { (*(*self.qp).context).ops.post_recv };

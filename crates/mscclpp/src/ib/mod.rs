@@ -2,6 +2,7 @@
 //! and (with the cargo feature `ib-fake`) an in-process test provider.
 
 pub(crate) mod dev;
+pub(crate) mod topo;
 pub(crate) mod verbs;
 
 pub use verbs::devices;
@@ -36,6 +37,16 @@ pub mod fake {
     /// no answer and, after [`RETRY_WINDOW`], complete with "retry counter exceeded".
     pub fn set_link_broken(device: &str, broken: bool) -> Result<()> {
         if super::verbs::fake::set_link_broken(device, broken) {
+            Ok(())
+        } else {
+            Err(Error::invalid_usage(format!("no fake RDMA device {device:?}")))
+        }
+    }
+
+    /// Makes memory registration on a fake device fail (`true`), as on a machine where neither
+    /// dma-buf nor nvidia-peermem can register GPU memory, or work again.
+    pub fn set_refuse_registration(device: &str, refuse: bool) -> Result<()> {
+        if super::verbs::fake::set_refuse_registration(device, refuse) {
             Ok(())
         } else {
             Err(Error::invalid_usage(format!("no fake RDMA device {device:?}")))

@@ -32,6 +32,8 @@ pub struct Harness {
     pub prepare: fn(&Context),
     /// The endpoint config, with an optional write-queue bound.
     pub config: fn(Option<usize>) -> EndpointConfig,
+    /// Whether the connection has remote atomics (`atomic_add`); IB HostNoAtomic has not.
+    pub atomics: bool,
     /// Whether the transport's remote atomics are atomic with CPU atomics on the same word
     /// (Ethernet: yes, the receiver applies them with CPU atomics; IB: only with other atomics
     /// of the same NIC, ATOMIC_HCA).
@@ -112,6 +114,15 @@ pub fn run(h: &Harness, name: &str, size: usize, min_free_bytes: u64, rank0_only
     }
 }
 
+/// The libtest name of test `f` in module `module` (`module_path!()`, whose first part is the
+/// test crate): what `--exact` matches.
+pub fn test_name(module: &str, f: &str) -> String {
+    match module.split_once("::") {
+        Some((_, m)) => format!("{m}::{f}"),
+        None => f.to_string(),
+    }
+}
+
 pub fn mem_available() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -139,7 +150,8 @@ macro_rules! connection_suite {
         #[test]
         $(#[$m])*
         fn $name() {
-            common::suite::run($h, stringify!($name), $size, $mem, $r0, common::suite::$name);
+            let name = common::suite::test_name(module_path!(), stringify!($name));
+            common::suite::run($h, &name, $size, $mem, $r0, common::suite::$name);
         }
     };
 }
@@ -248,6 +260,13 @@ pub fn atomic_add_from_both_sides_sums_exactly(r: &Rank, h: &Harness) {
     let peer = 1 - r.rank;
     let conn = s.conns[peer].as_ref().unwrap().clone();
     let dst = s.remote[peer].as_ref().unwrap().clone();
+    if !h.atomics {
+        let e = conn.atomic_add(&dst, 8, 1).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+        assert_eq!(conn.outstanding(), 0);
+        s.bs.barrier().unwrap();
+        return;
+    }
     const N: i64 = 5000;
     let local_adds = if h.cpu_atomics_coherent { N } else { 0 };
     std::thread::scope(|sc| {
@@ -339,6 +358,8 @@ pub fn bad_writes_are_invalid_usage_and_send_nothing(r: &Rank, h: &Harness) {
         ("dst is local memory", conn.write(s.local.memory(), 0, src.memory(), 0, 10)),
         ("unaligned atomic", conn.atomic_add(dst, 4, 1)),
         ("atomic out of bounds", conn.atomic_add(dst, 4096, 1)),
+        ("unaligned token", conn.update_and_sync(dst, 4, &std::sync::atomic::AtomicU64::new(0), 1)),
+        ("token out of bounds", conn.update_and_sync(dst, 4096, &std::sync::atomic::AtomicU64::new(0), 1)),
     ];
     for (what, res) in cases {
         let e = res.expect_err(what);

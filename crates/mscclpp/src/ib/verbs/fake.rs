@@ -30,6 +30,7 @@ pub const RETRY_WINDOW: Duration = Duration::from_millis(1500);
 const EINVAL: c_int = 22;
 const ENOMEM: c_int = 12;
 const ENODEV: c_int = 19;
+const EFAULT: c_int = 14;
 const IBV_WC_LOC_PROT_ERR: c_uint = 4;
 const IBV_WC_LOC_LEN_ERR: c_uint = 1;
 const IBV_WC_REM_INV_REQ_ERR: c_uint = 9;
@@ -54,6 +55,8 @@ pub struct FakeStats {
 struct Dev {
     name: CString,
     link_broken: AtomicBool,
+    /// Memory registration fails (as without dma-buf support or nvidia-peermem).
+    refuse_mr: AtomicBool,
 }
 
 struct Mr {
@@ -133,7 +136,11 @@ fn global() -> &'static Global {
     G.get_or_init(|| {
         let mut f = Fabric { next_qpn: 0x100, next_key: 0x1000, ..Default::default() };
         for n in ["fake0", "fake1"] {
-            f.devs.push(Arc::new(Dev { name: c(n), link_broken: AtomicBool::new(false) }));
+            f.devs.push(Arc::new(Dev {
+                name: c(n),
+                link_broken: AtomicBool::new(false),
+                refuse_mr: AtomicBool::new(false),
+            }));
         }
         std::thread::Builder::new()
             .name("mscclpp-fake-ib".into())
@@ -158,7 +165,11 @@ fn kick() {
 pub(crate) fn add_device(name: &str) {
     let mut f = lock(&global().fabric);
     if !f.devs.iter().any(|d| d.name.as_bytes() == name.as_bytes()) {
-        f.devs.push(Arc::new(Dev { name: c(name), link_broken: AtomicBool::new(false) }));
+        f.devs.push(Arc::new(Dev {
+            name: c(name),
+            link_broken: AtomicBool::new(false),
+            refuse_mr: AtomicBool::new(false),
+        }));
     }
 }
 
@@ -168,6 +179,18 @@ pub(crate) fn set_link_broken(name: &str, broken: bool) -> bool {
     match f.devs.iter().find(|d| d.name.as_bytes() == name.as_bytes()) {
         Some(d) => {
             d.link_broken.store(broken, Ordering::SeqCst);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Makes memory registration on device `name` fail with EFAULT (or work again).
+pub(crate) fn set_refuse_registration(name: &str, refuse: bool) -> bool {
+    let f = lock(&global().fabric);
+    match f.devs.iter().find(|d| d.name.as_bytes() == name.as_bytes()) {
+        Some(d) => {
+            d.refuse_mr.store(refuse, Ordering::SeqCst);
             true
         }
         None => false,
@@ -346,12 +369,37 @@ unsafe extern "C" fn reg_mr(pd: *mut ibv_pd, addr: *mut c_void, len: usize, acce
         set_errno(EINVAL);
         return std::ptr::null_mut();
     }
+    register(pd, dev, ctx, addr as u64, len, access)
+}
+
+fn register(pd: *mut ibv_pd, dev: usize, ctx: *mut ibv_context, addr: u64, len: usize, access: c_int) -> *mut ibv_mr {
     let mut f = lock(&global().fabric);
+    if f.devs.get(dev).is_some_and(|d| d.refuse_mr.load(Ordering::SeqCst)) {
+        set_errno(EFAULT);
+        return std::ptr::null_mut();
+    }
     f.next_key = f.next_key.wrapping_add(0x101);
     let key = f.next_key;
-    f.mrs.insert(key, Mr { dev, pd: pd as usize, addr: addr as u64, len: len as u64, access: access as c_uint });
-    let mr = ibv_mr { context: ctx, pd, addr, length: len, handle: key, lkey: key, rkey: key };
+    f.mrs.insert(key, Mr { dev, pd: pd as usize, addr, len: len as u64, access: access as c_uint });
+    let mr = ibv_mr { context: ctx, pd, addr: addr as *mut c_void, length: len, handle: key, lkey: key, rkey: key };
     Box::into_raw(Box::new(FMr { mr })) as *mut ibv_mr
+}
+
+unsafe extern "C" fn reg_dmabuf_mr(
+    pd: *mut ibv_pd,
+    _offset: u64,
+    len: usize,
+    iova: u64,
+    fd: c_int,
+    access: c_int,
+) -> *mut ibv_mr {
+    // SAFETY: pd came from alloc_pd.
+    let (dev, ctx) = unsafe { ((*(pd as *mut FPd)).dev, (*pd).context) };
+    if fd < 0 || len == 0 {
+        set_errno(EINVAL);
+        return std::ptr::null_mut();
+    }
+    register(pd, dev, ctx, iova, len, access)
 }
 
 unsafe extern "C" fn dereg_mr(mr: *mut ibv_mr) -> c_int {
@@ -613,8 +661,10 @@ fn push_cq(f: &mut Fabric, cq: &Cq, wc: ibv_wc, tag: Option<(Arc<Qp>, u64)>) {
 
 enum Outcome {
     Done(c_uint),
-    /// No answer yet (peer not ready, link down) or receiver not ready: try again later.
+    /// No answer yet (peer not ready, link down): try again until RETRY_WINDOW passes.
     Retry,
+    /// The receiver has no receive posted (RNR NAK): try again, forever (rnr_retry 7).
+    Rnr,
 }
 
 fn fabric_thread() {
@@ -650,6 +700,10 @@ fn step(g: &Global) -> bool {
                 o
             };
             match outcome {
+                Outcome::Rnr => {
+                    s.sq.push_front(wr);
+                    break;
+                }
                 Outcome::Retry => {
                     let t = *wr.first_try.get_or_insert_with(Instant::now);
                     if t.elapsed() < RETRY_WINDOW {
@@ -742,7 +796,7 @@ fn execute(f: &mut Fabric, a: &Arc<Qp>, dest: u32, wr: &Wr) -> Outcome {
     let recv = if wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM {
         match lock(&b.st).rq.pop_front() {
             Some(id) => Some(id),
-            None => return Outcome::Retry,
+            None => return Outcome::Rnr,
         }
     } else {
         None
@@ -799,7 +853,7 @@ pub(crate) fn table() -> Verbs {
         alloc_pd,
         dealloc_pd,
         reg_mr,
-        reg_dmabuf_mr: None,
+        reg_dmabuf_mr: Some(reg_dmabuf_mr),
         dereg_mr,
         create_cq,
         destroy_cq,

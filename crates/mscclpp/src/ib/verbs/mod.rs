@@ -61,8 +61,7 @@ pub(crate) struct Verbs {
     pub(crate) alloc_pd: FnAllocPd,
     pub(crate) dealloc_pd: FnDeallocPd,
     pub(crate) reg_mr: FnRegMr,
-    /// IBVERBS_1.12 and later only (GPU memory over RDMA, not built yet).
-    #[allow(dead_code)]
+    /// IBVERBS_1.12 and later only (GPU memory over RDMA).
     pub(crate) reg_dmabuf_mr: Option<FnRegDmabufMr>,
     pub(crate) dereg_mr: FnDeregMr,
     pub(crate) create_cq: FnCreateCq,
