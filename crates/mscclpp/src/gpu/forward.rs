@@ -19,7 +19,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::ib::dev::{IbDevice, IbMr};
 
 /// Registers GPU memory `g` with `dev`: a dma-buf of its allocation (`cuMemGetHandleForAddressRange`
-/// + `ibv_reg_dmabuf_mr`) first, then plain `ibv_reg_mr` (works with nvidia-peermem); an error
+/// and `ibv_reg_dmabuf_mr`) first, then plain `ibv_reg_mr` (works with nvidia-peermem); an error
 /// naming both failures otherwise.
 pub(crate) fn reg_ib_mr(dev: &Arc<IbDevice>, g: &GpuRegion) -> Result<IbMr> {
     let dmabuf = (|| -> Result<IbMr> {
