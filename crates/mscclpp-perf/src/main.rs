@@ -133,9 +133,6 @@ fn check(args: &Args) -> Result<(), String> {
     if args.cuda_ipc() && args.memory != MemoryKind::Gpu {
         return Err("--transport cuda-ipc moves GPU memory: add --memory gpu".into());
     }
-    if args.ib() && args.memory == MemoryKind::Gpu {
-        return Err("--transport ib with --memory gpu (GPU memory over RDMA) is not supported by this build yet".into());
-    }
     if !args.ib() && (args.ib_device.is_some() || args.gid_index.is_some()) {
         return Err("--ib-device and --gid-index apply to --transport ib".into());
     }
@@ -196,8 +193,6 @@ mod tests {
 
     #[test]
     fn unsupported_choices_are_clear_errors() {
-        let a = Args::parse_from(["mscclpp-perf", "--transport", "ib", "--memory", "gpu"]);
-        assert!(check(&a).unwrap_err().contains("not supported"));
         let a = Args::parse_from(["mscclpp-perf", "--gid-index", "1"]);
         assert!(check(&a).unwrap_err().contains("--transport ib"));
         if mscclpp::ib::devices().is_err() {

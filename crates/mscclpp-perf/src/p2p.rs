@@ -134,7 +134,9 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     let mut cfg = EndpointConfig::new(transport);
     cfg.ethernet.interface = iface.clone();
     cfg.ib.gid_index = args.gid_index;
-    if ipc {
+    // CUDA IPC, and IB with GPU memory (its NIC is chosen for that GPU), serve the GPU.
+    let gpu_endpoint = ipc || (args.ib() && gpu.is_some());
+    if gpu_endpoint {
         cfg.device = Device::Gpu(gpu.unwrap_or(0));
     }
     let pc = comm.connect(&cfg, peer, TAG_SETUP).map_err(e2s)?;
@@ -143,7 +145,7 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     let conn = pc.wait().map_err(e2s)?;
     let remote = pm.wait().map_err(e2s)?;
     let raw = comm.build_semaphore(&conn, peer, TAG_SETUP).map_err(e2s)?.wait().map_err(e2s)?;
-    let sem = if ipc {
+    let sem = if gpu_endpoint {
         Sem::Gpu(Host2DeviceSemaphore::new(raw).map_err(e2s)?)
     } else {
         Sem::Host(Host2HostSemaphore::new(raw).map_err(e2s)?)

@@ -48,9 +48,6 @@ fn small_sweep_prints_table_json_plot_and_trace() {
 
 #[test]
 fn unsupported_choices_fail_clearly() {
-    let out = perf().args(["--transport", "ib", "--memory", "gpu"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not supported by this build yet"));
     if mscclpp::ib::devices().is_err() {
         let out = perf().args(["--transport", "ib"]).output().unwrap();
         assert_eq!(out.status.code(), Some(2));

@@ -3,12 +3,16 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::suite::{Harness, Mode, T, setup};
 use common::{Rank, pattern};
 use mscclpp::ib::fake;
-use mscclpp::{Buffer, Context, Endpoint, EndpointConfig, ErrorKind, IbMode, RootServer, Transport};
+use mscclpp::{
+    Bootstrap, Buffer, Communicator, Context, Device, Endpoint, EndpointConfig, ErrorKind, Host2DeviceSemaphore,
+    IbMode, RootServer, Transport,
+};
 
 fn ib_config(queue: Option<usize>) -> EndpointConfig {
     let mut c = EndpointConfig::new(Transport::IB0);
@@ -83,6 +87,9 @@ fn own_device(name: &'static str) -> Harness {
         prepare: match name {
             "brk0" => |c: &Context| c.set_ib_device(Transport::IB0, "brk0").unwrap(),
             "acc0" => |c: &Context| c.set_ib_device(Transport::IB0, "acc0").unwrap(),
+            "wrap0" => |c: &Context| c.set_ib_device(Transport::IB0, "wrap0").unwrap(),
+            "burst0" => |c: &Context| c.set_ib_device(Transport::IB0, "burst0").unwrap(),
+            "close0" => |c: &Context| c.set_ib_device(Transport::IB0, "close0").unwrap(),
             _ => |c: &Context| c.set_ib_device(Transport::IB0, "acct0").unwrap(),
         },
         config: |q| {
@@ -249,4 +256,234 @@ fn mode_mismatch_and_reuse_are_connect_errors() {
 fn ib_gid_of(b: &[u8]) -> [u8; 16] {
     let at = 4 + 2 + 1 + 5 + 8 + 8 + 4 + 1 + 2 + 4;
     b[at..at + 16].try_into().unwrap()
+}
+
+/// A HostNoAtomic harness on its own device with `max_recv_wr` receives kept posted.
+fn no_atomic_on(name: &'static str, recv: u32) -> Harness {
+    let mut h = own_device(name);
+    h.atomics = false;
+    h.config = match recv {
+        2 => |q| {
+            let mut c = no_atomic_config(q);
+            c.ib.max_recv_wr = 2;
+            c
+        },
+        _ => no_atomic_config,
+    };
+    h
+}
+
+/// HostNoAtomic tokens cross 2^32 and take jumps just under 2^32 and arrive whole (the receiver
+/// rebuilds the high half); updates it could not rebuild are refused and change nothing.
+#[test]
+fn no_atomic_tokens_cross_2_pow_32() {
+    let h = no_atomic_on("wrap0", 16);
+    let mut seq = vec![(1u64 << 32) - 3];
+    for _ in 0..6 {
+        seq.push(seq[seq.len() - 1] + 1);
+    }
+    seq.push(seq[seq.len() - 1] + (1 << 32) - 1);
+    seq.push(seq[seq.len() - 1] + 1);
+    seq.push(seq[seq.len() - 1] + 12345);
+    threads(2, |r| {
+        let s = setup(r, &h, 4096, None);
+        let peer = 1 - r.rank;
+        let conn = s.conns[peer].as_ref().unwrap();
+        let sem = s.sems[peer].as_ref().unwrap();
+        assert_eq!(conn.signal_forwarding().as_deref(), Some("host store"));
+        let out = AtomicU64::new(0);
+        for (i, &v) in seq.iter().enumerate() {
+            if r.rank == 0 {
+                conn.update_and_sync(sem.semaphore().remote_memory(), 0, &out, v).unwrap();
+                conn.flush(T).unwrap();
+                if i == 0 {
+                    for bad in [v, v - 1, v + (1 << 32), 0] {
+                        let e = conn.update_and_sync(sem.semaphore().remote_memory(), 0, &out, bad).unwrap_err();
+                        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{v} -> {bad}: {e}");
+                        assert!(e.to_string().contains("2^32"), "{e}");
+                        assert_eq!(out.load(Ordering::Acquire), v, "a refused update changed the outbound token");
+                    }
+                }
+            }
+            s.bs.barrier().unwrap();
+            if r.rank == 1 {
+                let t0 = Instant::now();
+                while sem.inbound_token() != v && t0.elapsed() < Duration::from_secs(5) {
+                    std::thread::yield_now();
+                }
+                assert_eq!(sem.inbound_token(), v, "token {i}");
+            }
+            s.bs.barrier().unwrap();
+        }
+    });
+}
+
+/// Far more signals in a burst than receives posted (2): the sender waits for receives (RNR
+/// retry) instead of failing, and all of them arrive in order.
+#[test]
+fn no_atomic_burst_past_the_receive_queue() {
+    let h = no_atomic_on("burst0", 2);
+    threads(2, |r| {
+        let s = setup(r, &h, 1 << 16, None);
+        let peer = 1 - r.rank;
+        let sem = s.sems[peer].as_ref().unwrap();
+        const N: u64 = 2000;
+        if r.rank == 0 {
+            let conn = s.conns[1].as_ref().unwrap();
+            let src = Buffer::new(s.comm.context(), 1 << 16, Transport::IB0.into()).unwrap();
+            src.write(0, &pattern(3, 1 << 16)).unwrap();
+            conn.write(s.remote[1].as_ref().unwrap(), 0, src.memory(), 0, 1 << 16).unwrap();
+            for _ in 0..N {
+                sem.signal().unwrap();
+            }
+            conn.flush(T).unwrap();
+        } else {
+            for i in 0..N {
+                sem.wait(T).unwrap_or_else(|e| panic!("signal {i}: {e}"));
+                if i == 0 {
+                    assert!(s.local.to_vec() == pattern(3, 1 << 16), "the first signal overtook the write");
+                }
+            }
+            assert_eq!(sem.inbound_token(), N);
+        }
+        s.bs.barrier().unwrap();
+    });
+}
+
+/// The receiver closes its connection while signals are in flight: its receive thread stops and
+/// the close returns promptly; the sender's calls end with an error or success, never a hang.
+#[test]
+fn no_atomic_close_with_signals_in_flight() {
+    let h = no_atomic_on("close0", 16);
+    threads(2, |r| {
+        let s = setup(r, &h, 4096, None);
+        let peer = 1 - r.rank;
+        if r.rank == 1 {
+            let sem = s.sems[0].as_ref().unwrap();
+            sem.wait(T).unwrap();
+            let t0 = Instant::now();
+            drop(s);
+            assert!(t0.elapsed() < Duration::from_secs(3), "closing took {:?}", t0.elapsed());
+            return;
+        }
+        let conn = s.conns[peer].as_ref().unwrap();
+        let sem = s.sems[peer].as_ref().unwrap();
+        let t0 = Instant::now();
+        let mut first_err = None;
+        for _ in 0..20_000 {
+            if let Err(e) = sem.signal() {
+                first_err = Some(e);
+                break;
+            }
+        }
+        let flush = conn.flush(T);
+        let el = t0.elapsed();
+        assert!(el < fake::RETRY_WINDOW + Duration::from_secs(10), "took {el:?}");
+        println!("signal: {first_err:?}\nflush: {flush:?}\nafter {el:?}");
+    });
+}
+
+/// One semaphore per HostNoAtomic connection: a second is refused clearly on both sides.
+#[test]
+fn no_atomic_second_semaphore_is_refused() {
+    let h = no_atomic_on("wrap0", 16);
+    threads(2, |r| {
+        let s = setup(r, &h, 4096, None);
+        let peer = 1 - r.rank;
+        let e = s.comm.build_semaphore(s.conns[peer].as_ref().unwrap(), peer, 9).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+        assert!(e.to_string().contains("one semaphore"), "{e}");
+        s.bs.barrier().unwrap();
+    });
+}
+
+/// A NIC without RDMA atomics: endpoints fall back to HostNoAtomic mode by themselves.
+#[test]
+fn device_without_atomics_uses_host_no_atomic() {
+    fake::install().unwrap();
+    fake::add_device("noat0");
+    fake::set_atomics("noat0", false).unwrap();
+    let ctx = Context::new();
+    ctx.set_ib_device(Transport::IB0, "noat0").unwrap();
+    let a = ctx.create_endpoint(&EndpointConfig::new(Transport::IB0)).unwrap();
+    let b = ctx.create_endpoint(&EndpointConfig::new(Transport::IB0)).unwrap();
+    let ab = a.serialize();
+    assert_eq!(ab[ab.len() - 1], 2, "mode byte: HostNoAtomic");
+    let ra = Endpoint::deserialize(&ab).unwrap();
+    let rb = Endpoint::deserialize(&b.serialize()).unwrap();
+    let c = ctx.connect(&a, &rb).unwrap();
+    let _d = ctx.connect(&b, &ra).unwrap();
+    assert_eq!(c.signal_forwarding().as_deref(), Some("none yet (no semaphore built)"));
+}
+
+/// GPU memory registers for IB (dma-buf through the CUDA driver, the provider's
+/// ibv_reg_dmabuf_mr); where the NIC refuses it, the error names both ways tried.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_memory_registers_for_ib_or_says_why_not() {
+    fake::install().unwrap();
+    let ctx = Context::new();
+    ctx.set_ib_device(Transport::IB0, "fake0").unwrap();
+    let buf = mscclpp::gpu::DeviceBuffer::new(&ctx, 0, 1 << 20, Transport::IB0.into()).unwrap();
+    let info = buf.memory().ib_info(Transport::IB0).expect("IB0 MR info");
+    assert_eq!(info.addr, buf.device_ptr());
+    fake::add_device("refuse0");
+    fake::set_refuse_registration("refuse0", true).unwrap();
+    let ctx2 = Context::new();
+    ctx2.set_ib_device(Transport::IB0, "refuse0").unwrap();
+    let e = mscclpp::gpu::DeviceBuffer::new(&ctx2, 0, 1 << 20, Transport::IB0.into()).unwrap_err();
+    let t = e.to_string();
+    assert!(t.contains("dma-buf") && t.contains("ibv_reg_mr") && t.contains("refuse0"), "{t}");
+    println!("registered GPU memory: {info:?}\nrefused: {t}");
+}
+
+/// HostNoAtomic signals into a GPU token (Host2DeviceSemaphore): forwarded by GDRCopy where it
+/// exists, otherwise by the fallback; counted, and across 2^32, exactly.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_token_forwarding_without_gdrcopy() {
+    fake::install().unwrap();
+    threads(2, |r| {
+        let bs: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(r.bootstrap(T));
+        let comm = Communicator::new(bs.clone());
+        comm.context().set_ib_device(Transport::IB0, "fake0").unwrap();
+        let peer = 1 - r.rank;
+        let mut cfg = no_atomic_config(None);
+        cfg.device = Device::Gpu(0);
+        let conn = comm.connect(&cfg, peer, 0).unwrap().wait().unwrap();
+        let sem = Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, 1).unwrap().wait().unwrap()).unwrap();
+        let how = conn.signal_forwarding().unwrap();
+        println!("rank {}: signal forwarding into the GPU by {how}", r.rank);
+        assert!(["GDRCopy (BAR1 mapping)", "cuStreamWriteValue64", "cuMemcpyHtoDAsync"].contains(&how.as_str()));
+        const N: u64 = 200;
+        if r.rank == 0 {
+            for _ in 0..N {
+                sem.signal().unwrap();
+            }
+            conn.flush(T).unwrap();
+        } else {
+            for _ in 0..N {
+                sem.wait(T).unwrap();
+            }
+            assert_eq!(sem.inbound_token().unwrap(), N);
+        }
+        bs.barrier().unwrap();
+        // Across 2^32: the GPU word holds the whole 64-bit value.
+        let target = (1u64 << 32) + 7;
+        if r.rank == 0 {
+            let out = AtomicU64::new(N);
+            conn.update_and_sync(sem.semaphore().remote_memory(), 0, &out, (1 << 32) - 1).unwrap();
+            conn.update_and_sync(sem.semaphore().remote_memory(), 0, &out, target).unwrap();
+            conn.flush(T).unwrap();
+        }
+        bs.barrier().unwrap();
+        if r.rank == 1 {
+            let t0 = Instant::now();
+            while sem.inbound_token().unwrap() != target && t0.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(sem.inbound_token().unwrap(), target);
+        }
+        bs.barrier().unwrap();
+    });
 }

@@ -53,6 +53,16 @@ pub mod fake {
         }
     }
 
+    /// Makes a fake device report RDMA atomics (`true`, the default) or none, as a NIC without
+    /// them (IB endpoints then fall back to HostNoAtomic mode).
+    pub fn set_atomics(device: &str, atomics: bool) -> Result<()> {
+        if super::verbs::fake::set_atomics(device, atomics) {
+            Ok(())
+        } else {
+            Err(Error::invalid_usage(format!("no fake RDMA device {device:?}")))
+        }
+    }
+
     /// Counters of the provider (CQ overflows, refused posts, ...).
     pub fn stats() -> FakeStats {
         super::verbs::fake::stats()

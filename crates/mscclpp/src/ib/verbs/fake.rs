@@ -57,6 +57,19 @@ struct Dev {
     link_broken: AtomicBool,
     /// Memory registration fails (as without dma-buf support or nvidia-peermem).
     refuse_mr: AtomicBool,
+    /// The device reports no RDMA atomics.
+    no_atomics: AtomicBool,
+}
+
+impl Dev {
+    fn new(name: &str) -> Arc<Dev> {
+        Arc::new(Dev {
+            name: c(name),
+            link_broken: AtomicBool::new(false),
+            refuse_mr: AtomicBool::new(false),
+            no_atomics: AtomicBool::new(false),
+        })
+    }
 }
 
 struct Mr {
@@ -136,11 +149,7 @@ fn global() -> &'static Global {
     G.get_or_init(|| {
         let mut f = Fabric { next_qpn: 0x100, next_key: 0x1000, ..Default::default() };
         for n in ["fake0", "fake1"] {
-            f.devs.push(Arc::new(Dev {
-                name: c(n),
-                link_broken: AtomicBool::new(false),
-                refuse_mr: AtomicBool::new(false),
-            }));
+            f.devs.push(Dev::new(n));
         }
         std::thread::Builder::new()
             .name("mscclpp-fake-ib".into())
@@ -165,11 +174,7 @@ fn kick() {
 pub(crate) fn add_device(name: &str) {
     let mut f = lock(&global().fabric);
     if !f.devs.iter().any(|d| d.name.as_bytes() == name.as_bytes()) {
-        f.devs.push(Arc::new(Dev {
-            name: c(name),
-            link_broken: AtomicBool::new(false),
-            refuse_mr: AtomicBool::new(false),
-        }));
+        f.devs.push(Dev::new(name));
     }
 }
 
@@ -191,6 +196,18 @@ pub(crate) fn set_refuse_registration(name: &str, refuse: bool) -> bool {
     match f.devs.iter().find(|d| d.name.as_bytes() == name.as_bytes()) {
         Some(d) => {
             d.refuse_mr.store(refuse, Ordering::SeqCst);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Makes device `name` report no RDMA atomics (or report them again).
+pub(crate) fn set_atomics(name: &str, atomics: bool) -> bool {
+    let f = lock(&global().fabric);
+    match f.devs.iter().find(|d| d.name.as_bytes() == name.as_bytes()) {
+        Some(d) => {
+            d.no_atomics.store(!atomics, Ordering::SeqCst);
             true
         }
         None => false,
@@ -296,14 +313,17 @@ unsafe extern "C" fn close_device(ctx: *mut ibv_context) -> c_int {
     0
 }
 
-unsafe extern "C" fn query_device(_ctx: *mut ibv_context, attr: *mut ibv_device_attr) -> c_int {
+unsafe extern "C" fn query_device(ctx: *mut ibv_context, attr: *mut ibv_device_attr) -> c_int {
+    // SAFETY: ctx came from open_device.
+    let dev = unsafe { (*(ctx as *mut FContext)).dev };
+    let no_atomics = lock(&global().fabric).devs.get(dev).is_some_and(|d| d.no_atomics.load(Ordering::SeqCst));
     // SAFETY: attr is a valid out-pointer.
     let a = unsafe { &mut *attr };
     a.max_qp_wr = 16384;
     a.max_cqe = 65536;
     a.max_qp_rd_atom = 16;
     a.max_qp_init_rd_atom = 16;
-    a.atomic_cap = 1;
+    a.atomic_cap = if no_atomics { 0 } else { 1 };
     a.phys_port_cnt = 1;
     a.max_mr_size = u64::MAX;
     0
