@@ -74,6 +74,8 @@ else
 fi
 echo "### mscclpp-perf --transport ib --ib-device \$DEV (two processes)"
 \$B/mscclpp-perf --transport ib --ib-device \$DEV --max-bytes $PERF_MAX --rounds 1 --quiet 2>&1 || rc=1
+echo "### the same in HostNoAtomic mode (MSCCLPP_IBV_MODE=host-no-atomic), up to 1 MiB"
+MSCCLPP_IBV_MODE=host-no-atomic \$B/mscclpp-perf --transport ib --ib-device \$DEV --max-bytes 1M --rounds 1 --quiet 2>&1 || rc=1
 echo "### raw verbs baseline on \$DEV: perftest ib_write_bw / ib_write_lat (RC WRITE, same device)"
 for s in 8 4096 65536 1048576; do
   ib_write_bw -d \$DEV -x \$GIDX -s \$s -n 200 >/tmp/srv.log 2>&1 & sp=\$!; sleep 1

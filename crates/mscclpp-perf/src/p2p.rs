@@ -434,11 +434,15 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
                 (true, true) => "cuda-ipc (bidirectional)".into(),
                 (true, false) => "cuda-ipc".into(),
                 _ if args.ib() => format!(
-                    "ib (IB0 on {})",
+                    "ib (IB0 on {}, {})",
                     args.ib_device.clone().unwrap_or_else(|| mscclpp::ib::devices()
                         .ok()
                         .and_then(|d| d.into_iter().next())
-                        .unwrap_or_default())
+                        .unwrap_or_default()),
+                    match side.ours.conn.signal_forwarding() {
+                        Some(how) => format!("HostNoAtomic mode, signals forwarded by {how}"),
+                        None => "Host mode, RDMA atomics".into(),
+                    }
                 ),
                 _ => "ethernet".into(),
             },
