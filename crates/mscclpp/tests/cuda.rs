@@ -324,3 +324,70 @@ fn host_to_device_semaphore_over_ipc_and_ethernet() {
     }
     spawn_ranks("host_to_device_semaphore_over_ipc_and_ethernet", 2, &[]).assert_success();
 }
+
+/// Probe for the slow small GPU writes over Ethernet (~0.4 ms per round trip with two processes
+/// on one GPU): a TCP ping-pong of 8 bytes between the two processes, plain, then with each hop
+/// passing the bytes through GPU memory (an 8-byte host-to-device and device-to-host copy in the
+/// process that holds the ball), then with only rank 0 doing the copies. Asserts the bytes that
+/// went through the GPU; prints the medians for the note (times are measured, never asserted).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_two_processes_taking_turns_on_one_gpu() {
+    use std::io::{Read, Write};
+    if let Some(r) = Rank::from_env() {
+        let bs = r.bootstrap(Duration::from_secs(30));
+        let ctx = mscclpp::Context::new();
+        let buf = mscclpp::gpu::DeviceBuffer::new(&ctx, gpu_for(r.rank), 8, mscclpp::TransportFlags::NONE).unwrap();
+        let mut sock = if r.rank == 0 {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            bs.send(1, 5, l.local_addr().unwrap().to_string().as_bytes()).unwrap();
+            l.accept().unwrap().0
+        } else {
+            let a = String::from_utf8(bs.recv(0, 5).unwrap()).unwrap();
+            std::net::TcpStream::connect(a).unwrap()
+        };
+        sock.set_nodelay(true).unwrap();
+        let mut rtts = Vec::new();
+        for (mode, who) in
+            [("plain TCP", [false, false]), ("both through the GPU", [true, true]), ("rank 0 only", [true, false])]
+        {
+            let gpu = who[r.rank];
+            let mut v = Vec::new();
+            for i in 0..400u64 {
+                let t0 = Instant::now();
+                let mut ball = [0u8; 8];
+                if r.rank == 0 {
+                    ball = i.to_le_bytes();
+                    sock.write_all(&ball).unwrap();
+                    sock.read_exact(&mut ball).unwrap();
+                } else {
+                    sock.read_exact(&mut ball).unwrap();
+                }
+                if gpu {
+                    buf.write(0, &ball).unwrap();
+                    ball = buf.read_u64(0).unwrap().to_le_bytes();
+                }
+                assert_eq!(u64::from_le_bytes(ball), i, "the ball changed on its way ({mode})");
+                if r.rank == 1 {
+                    sock.write_all(&ball).unwrap();
+                }
+                v.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            v.sort_by(|a, b| a.total_cmp(b));
+            rtts.push((mode, v[v.len() / 2]));
+        }
+        if r.rank == 0 {
+            for (mode, us) in rtts {
+                println!("PROBE 8-byte round trip, {mode}: {us:.1} us (median of 400)");
+            }
+        }
+        bs.barrier().unwrap();
+        return;
+    }
+    let job = spawn_ranks("probe_two_processes_taking_turns_on_one_gpu", 2, &[]);
+    job.assert_success();
+    print!(
+        "{}",
+        job.stdout(0).lines().filter(|l| l.starts_with("PROBE")).map(|l| format!("{l}\n")).collect::<String>()
+    );
+}

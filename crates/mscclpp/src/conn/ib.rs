@@ -68,6 +68,8 @@ struct Forwarding {
     target: Mutex<Option<ForwardTarget>>,
     stop: AtomicBool,
     failure: Arc<OnceLock<Error>>,
+    /// Set instead of `failure` when the receives were flushed (the QP failed elsewhere).
+    flushed: OnceLock<Error>,
     /// Tokens forwarded so far.
     count: AtomicU64,
 }
@@ -134,6 +136,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             target: Mutex::new(None),
             stop: AtomicBool::new(false),
             failure: failure.clone(),
+            flushed: OnceLock::new(),
             count: AtomicU64::new(0),
         });
         let (q, f2, c2) = (qp.clone(), f.clone(), ctx.clone());
@@ -195,7 +198,27 @@ impl IbConnection {
     fn check(&self) -> Result<()> {
         match self.failure.get() {
             Some(e) => Err(e.duplicate()),
-            None => Ok(()),
+            None => match self.receives_flushed() {
+                Some(e) => Err(self.root_cause(e, &mut lock(&self.state))),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// The receive thread's "flushed" error: the QP went into the error state for another reason.
+    fn receives_flushed(&self) -> Option<&Error> {
+        self.fwd.as_ref().and_then(|f| f.flushed.get())
+    }
+
+    /// After the receives were flushed, the reason is usually a failed send waiting in the send
+    /// CQ: drain it so that error, not the flush, is the connection's.
+    fn root_cause(&self, flushed: &Error, st: &mut SendState) -> Error {
+        loop {
+            match self.poll(st) {
+                Err(e) => return e,
+                Ok(0) => return self.fail(flushed.duplicate()),
+                Ok(_) => {}
+            }
         }
     }
 
@@ -446,6 +469,9 @@ impl ConnectionImpl for IbConnection {
         }
         // Take pending completions when nobody else is, so errors surface to waiters too.
         if let Ok(mut st) = self.state.try_lock() {
+            if let Some(f) = self.receives_flushed() {
+                return Some(self.root_cause(f, &mut st));
+            }
             if let Err(e) = self.poll(&mut st) {
                 return Some(e);
             }
@@ -516,6 +542,15 @@ fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
         }
         idle_since = None;
         for wc in &wcs[..n] {
+            if wc.status == IBV_WC_WR_FLUSH_ERR {
+                // The QP is in the error state: the cause (a failed send) is in the send CQ,
+                // and the connection reports that one.
+                let _ = f.flushed.set(Error::new(
+                    ErrorKind::Ib,
+                    format!("{qp:?} entered the error state (its posted receives were flushed)"),
+                ));
+                return;
+            }
             if wc.status != IBV_WC_SUCCESS {
                 return fail(Error::new(
                     ErrorKind::Ib,

@@ -400,6 +400,9 @@ pub fn peer_gone_mid_transfer(r: &Rank, h: &Harness) {
     assert_ne!(fe.kind(), ErrorKind::Timeout, "{fe}");
     assert_ne!(we.kind(), ErrorKind::Timeout, "{we}");
     assert_eq!(fe.peer(), Some(1), "{fe}");
+    // The cause, not its echo (HostNoAtomic: the receives flushed by the QP's error state).
+    assert!(!fe.to_string().contains("flushed"), "{fe}");
+    assert!(!we.to_string().contains("flushed"), "{we}");
     assert!(el < Duration::from_secs(15), "took {el:?}");
     println!("write: {res:?}\nflush: {fe}\nwait: {we}\nafter {el:?}");
 }

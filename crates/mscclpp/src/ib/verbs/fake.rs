@@ -36,6 +36,7 @@ const IBV_WC_LOC_LEN_ERR: c_uint = 1;
 const IBV_WC_REM_INV_REQ_ERR: c_uint = 9;
 const IBV_WC_RDMA_WRITE: c_uint = 1;
 const IBV_WC_FETCH_ADD: c_uint = 4;
+const IBV_WC_RECV: c_uint = 128;
 const IBV_WC_WITH_IMM: c_uint = 1 << 1;
 const MTU_1024: c_uint = 3;
 
@@ -742,8 +743,19 @@ fn step(g: &Global) -> bool {
 
 fn finish(f: &mut Fabric, a: &Arc<Qp>, s: &mut QpState, wr: &Wr, status: c_uint) {
     f.stats.executed += 1;
-    if status != IBV_WC_SUCCESS {
+    if status != IBV_WC_SUCCESS && s.state != IBV_QPS_ERR {
         s.state = IBV_QPS_ERR;
+        // Entering the error state flushes the posted receives, as hardware does.
+        while let Some(id) = s.rq.pop_front() {
+            let wc = ibv_wc {
+                wr_id: id,
+                status: IBV_WC_WR_FLUSH_ERR,
+                opcode: IBV_WC_RECV,
+                qp_num: a.qpn,
+                ..Default::default()
+            };
+            push_cq(f, &a.recv_cq, wc, None);
+        }
     }
     if wr.signaled || status != IBV_WC_SUCCESS {
         let wc = ibv_wc {
