@@ -386,8 +386,7 @@ fn probe_two_processes_taking_turns_on_one_gpu() {
     }
     let job = spawn_ranks("probe_two_processes_taking_turns_on_one_gpu", 2, &[]);
     job.assert_success();
-    print!(
-        "{}",
-        job.stdout(0).lines().filter(|l| l.starts_with("PROBE")).map(|l| format!("{l}\n")).collect::<String>()
-    );
+    for l in job.stdout(0).lines().filter_map(|l| l.find("PROBE").map(|i| &l[i..])) {
+        println!("{l}");
+    }
 }
