@@ -11,7 +11,7 @@ use common::{Rank, pattern};
 use mscclpp::ib::fake;
 use mscclpp::{
     Bootstrap, Buffer, Communicator, Context, Device, Endpoint, EndpointConfig, ErrorKind, Host2DeviceSemaphore,
-    IbMode, RootServer, Transport,
+    IbMode, Transport,
 };
 
 fn ib_config(queue: Option<usize>) -> EndpointConfig {
@@ -59,22 +59,9 @@ mod no_atomic {
     connection_suite!(&FAKE_IB_NO_ATOMIC);
 }
 
-/// Runs `body` as `size` ranks (threads) with a harness on fake device `dev`.
+/// Runs `body` as `size` ranks (threads).
 fn threads(size: usize, body: impl Fn(&Rank) + Sync) {
-    let (root, id) = RootServer::start(size, T).unwrap();
-    std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..size)
-            .map(|rank| {
-                let r = Rank { rank, size, id: id.clone() };
-                let body = &body;
-                sc.spawn(move || body(&r))
-            })
-            .collect();
-        for h in hs {
-            h.join().expect("a rank panicked");
-        }
-    });
-    drop(root);
+    common::suite::run_threads(size, body)
 }
 
 /// A device of its own per fault test, so injected faults stay inside the test.

@@ -36,31 +36,23 @@ pub mod fake {
     /// Breaks (`true`) or mends the link of a fake device: work requests of its queue pairs get
     /// no answer and, after [`RETRY_WINDOW`], complete with "retry counter exceeded".
     pub fn set_link_broken(device: &str, broken: bool) -> Result<()> {
-        if super::verbs::fake::set_link_broken(device, broken) {
-            Ok(())
-        } else {
-            Err(Error::invalid_usage(format!("no fake RDMA device {device:?}")))
-        }
+        known(device, super::verbs::fake::set_link_broken(device, broken))
     }
 
     /// Makes memory registration on a fake device fail (`true`), as on a machine where neither
     /// dma-buf nor nvidia-peermem can register GPU memory, or work again.
     pub fn set_refuse_registration(device: &str, refuse: bool) -> Result<()> {
-        if super::verbs::fake::set_refuse_registration(device, refuse) {
-            Ok(())
-        } else {
-            Err(Error::invalid_usage(format!("no fake RDMA device {device:?}")))
-        }
+        known(device, super::verbs::fake::set_refuse_registration(device, refuse))
     }
 
     /// Makes a fake device report RDMA atomics (`true`, the default) or none, as a NIC without
     /// them (IB endpoints then fall back to HostNoAtomic mode).
     pub fn set_atomics(device: &str, atomics: bool) -> Result<()> {
-        if super::verbs::fake::set_atomics(device, atomics) {
-            Ok(())
-        } else {
-            Err(Error::invalid_usage(format!("no fake RDMA device {device:?}")))
-        }
+        known(device, super::verbs::fake::set_atomics(device, atomics))
+    }
+
+    fn known(device: &str, found: bool) -> Result<()> {
+        if found { Ok(()) } else { Err(Error::invalid_usage(format!("no fake RDMA device {device:?}"))) }
     }
 
     /// Counters of the provider (CQ overflows, refused posts, ...).

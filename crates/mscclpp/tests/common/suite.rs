@@ -89,29 +89,30 @@ pub fn run(h: &Harness, name: &str, size: usize, min_free_bytes: u64, rank0_only
                 job.assert_success();
             }
         }
-        Mode::Threads => {
-            let (root, id) = RootServer::start(size, T).expect("root server");
-            std::thread::scope(|sc| {
-                let hs: Vec<_> = (0..size)
-                    .map(|rank| {
-                        let r = Rank { rank, size, id: id.clone() };
-                        std::thread::Builder::new()
-                            .name(format!("rank{rank}"))
-                            .spawn_scoped(sc, move || body(&r, h))
-                            .expect("spawn rank thread")
-                    })
-                    .collect();
-                let mut failed = Vec::new();
-                for (rank, t) in hs.into_iter().enumerate() {
-                    if t.join().is_err() {
-                        failed.push(rank);
-                    }
-                }
-                assert!(failed.is_empty(), "ranks {failed:?} of {name} panicked (see above)");
-            });
-            drop(root);
-        }
+        Mode::Threads => run_threads(size, |r| body(r, h)),
     }
+}
+
+/// Runs `body` as `size` ranks, one thread each, with a root server in this process; fails when
+/// a rank panics (its message is printed above).
+pub fn run_threads(size: usize, body: impl Fn(&Rank) + Sync) {
+    let (root, id) = RootServer::start(size, T).expect("root server");
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..size)
+            .map(|rank| {
+                let r = Rank { rank, size, id: id.clone() };
+                let body = &body;
+                std::thread::Builder::new()
+                    .name(format!("rank{rank}"))
+                    .spawn_scoped(sc, move || body(&r))
+                    .expect("spawn rank thread")
+            })
+            .collect();
+        let failed: Vec<usize> =
+            hs.into_iter().enumerate().filter_map(|(rank, t)| t.join().is_err().then_some(rank)).collect();
+        assert!(failed.is_empty(), "ranks {failed:?} panicked (see above)");
+    });
+    drop(root);
 }
 
 /// The libtest name of test `f` in module `module` (`module_path!()`, whose first part is the

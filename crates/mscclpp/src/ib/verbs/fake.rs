@@ -179,40 +179,25 @@ pub(crate) fn add_device(name: &str) {
     }
 }
 
+/// Runs `f` on device `name`; false when there is none.
+fn with_dev(name: &str, f: impl FnOnce(&Dev)) -> bool {
+    let fab = lock(&global().fabric);
+    fab.devs.iter().find(|d| d.name.as_bytes() == name.as_bytes()).map(|d| f(d)).is_some()
+}
+
 /// Breaks (or mends) the link of device `name`: WRs of its QPs get no answer.
 pub(crate) fn set_link_broken(name: &str, broken: bool) -> bool {
-    let f = lock(&global().fabric);
-    match f.devs.iter().find(|d| d.name.as_bytes() == name.as_bytes()) {
-        Some(d) => {
-            d.link_broken.store(broken, Ordering::SeqCst);
-            true
-        }
-        None => false,
-    }
+    with_dev(name, |d| d.link_broken.store(broken, Ordering::SeqCst))
 }
 
 /// Makes memory registration on device `name` fail with EFAULT (or work again).
 pub(crate) fn set_refuse_registration(name: &str, refuse: bool) -> bool {
-    let f = lock(&global().fabric);
-    match f.devs.iter().find(|d| d.name.as_bytes() == name.as_bytes()) {
-        Some(d) => {
-            d.refuse_mr.store(refuse, Ordering::SeqCst);
-            true
-        }
-        None => false,
-    }
+    with_dev(name, |d| d.refuse_mr.store(refuse, Ordering::SeqCst))
 }
 
 /// Makes device `name` report no RDMA atomics (or report them again).
 pub(crate) fn set_atomics(name: &str, atomics: bool) -> bool {
-    let f = lock(&global().fabric);
-    match f.devs.iter().find(|d| d.name.as_bytes() == name.as_bytes()) {
-        Some(d) => {
-            d.no_atomics.store(!atomics, Ordering::SeqCst);
-            true
-        }
-        None => false,
-    }
+    with_dev(name, |d| d.no_atomics.store(!atomics, Ordering::SeqCst))
 }
 
 /// The counters so far.
