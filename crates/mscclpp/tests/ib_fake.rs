@@ -77,6 +77,7 @@ fn own_device(name: &'static str) -> Harness {
             "wrap0" => |c: &Context| c.set_ib_device(Transport::IB0, "wrap0").unwrap(),
             "burst0" => |c: &Context| c.set_ib_device(Transport::IB0, "burst0").unwrap(),
             "close0" => |c: &Context| c.set_ib_device(Transport::IB0, "close0").unwrap(),
+            "idle0" => |c: &Context| c.set_ib_device(Transport::IB0, "idle0").unwrap(),
             _ => |c: &Context| c.set_ib_device(Transport::IB0, "acct0").unwrap(),
         },
         config: |q| {
@@ -368,6 +369,35 @@ fn no_atomic_close_with_signals_in_flight() {
         assert!(el < fake::RETRY_WINDOW + Duration::from_secs(10), "took {el:?}");
         println!("signal: {first_err:?}\nflush: {flush:?}\nafter {el:?}");
     });
+}
+
+/// After a long idle the receive thread sleeps on its CQ's completion channel (no CPU); a signal
+/// then wakes it, and data written before the signal is there.
+#[test]
+fn no_atomic_signal_after_idle_wakes_the_receiver() {
+    let h = no_atomic_on("idle0", 16);
+    let before = fake::stats().cq_events;
+    threads(2, |r| {
+        let s = setup(r, &h, 4096, None);
+        let peer = 1 - r.rank;
+        let sem = s.sems[peer].as_ref().unwrap();
+        for round in 0..3u64 {
+            if r.rank == 0 {
+                std::thread::sleep(Duration::from_millis(300));
+                let src = Buffer::new(s.comm.context(), 4096, Transport::IB0.into()).unwrap();
+                src.write(0, &pattern(round, 4096)).unwrap();
+                let conn = s.conns[1].as_ref().unwrap();
+                conn.write(s.remote[1].as_ref().unwrap(), 0, src.memory(), 0, 4096).unwrap();
+                sem.signal().unwrap();
+                conn.flush(T).unwrap();
+            } else {
+                sem.wait(T).unwrap();
+                assert!(s.local.to_vec() == pattern(round, 4096), "round {round}: data behind its signal");
+            }
+            s.bs.barrier().unwrap();
+        }
+    });
+    assert!(fake::stats().cq_events > before, "the receive threads never slept on their completion channel");
 }
 
 /// One semaphore per HostNoAtomic connection: a second is refused clearly on both sides.

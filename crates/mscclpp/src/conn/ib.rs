@@ -518,6 +518,7 @@ fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
     let mut wcs = [ibv_wc::default(); 16];
     let (mut high, mut last_low) = (0u64, 0u32);
     let mut idle_since: Option<Instant> = None;
+    let mut armed = false;
     let fail = |e: Error| {
         warn!(target: "mscclpp::ib", "{qp:?}: signal forwarding stopped: {e}");
         let _ = f.failure.set(e);
@@ -528,18 +529,27 @@ fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
             Err(e) => return fail(e.during("polling the receive CQ")),
         };
         if n == 0 {
-            // Spin briefly, then yield, then sleep 20 us between polls: a bounded cost when idle.
+            // Spin briefly (a signal on its way lands within microseconds), then sleep on the
+            // CQ's completion channel, so an idle connection costs no CPU: arm, poll once more (a
+            // completion that came before arming raises no event), then wait. The 100 ms bound
+            // only serves the stop flag.
             let t0 = *idle_since.get_or_insert_with(Instant::now);
-            let idle = t0.elapsed();
-            if idle < Duration::from_micros(50) {
+            if t0.elapsed() < Duration::from_micros(50) {
                 std::hint::spin_loop();
-            } else if idle < Duration::from_millis(2) {
-                std::thread::yield_now();
+            } else if !armed {
+                if let Err(e) = qp.arm_recv() {
+                    return fail(e.during("arming the receive CQ"));
+                }
+                armed = true;
             } else {
-                std::thread::sleep(Duration::from_micros(20));
+                if let Err(e) = qp.wait_recv(Duration::from_millis(100)) {
+                    return fail(e.during("waiting for a signal"));
+                }
+                armed = false;
             }
             continue;
         }
+        armed = false;
         idle_since = None;
         for wc in &wcs[..n] {
             if wc.status == IBV_WC_WR_FLUSH_ERR {

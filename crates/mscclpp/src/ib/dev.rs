@@ -7,6 +7,7 @@
 use std::ffi::{CStr, c_int, c_void};
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
@@ -333,17 +334,29 @@ impl IbDevice {
         Ok(IbMr { dev: self.clone(), mr, addr: iova, len, lkey, rkey })
     }
 
-    /// A completion queue of at least `cqe` entries.
-    pub(crate) fn create_cq(self: &Arc<Self>, cqe: u32) -> Result<IbCq> {
+    /// A completion queue of at least `cqe` entries; with `events`, it has a completion channel
+    /// of its own, so a thread can sleep until it gets a completion ([`IbCq::wait_event`]).
+    pub(crate) fn create_cq(self: &Arc<Self>, cqe: u32, events: bool) -> Result<IbCq> {
         let n = cqe.min(self.caps.max_cqe).max(1);
-        // SAFETY: ctx is open; no channel, no context pointer.
-        let cq = unsafe { (self.v.create_cq)(self.ctx, n as c_int, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        let channel = if events {
+            // SAFETY: ctx is open.
+            let ch = unsafe { (self.v.create_comp_channel)(self.ctx) };
+            if ch.is_null() {
+                return Err(ib_err(format!("ibv_create_comp_channel on {}", self.name), last_errno()));
+            }
+            Some(IbChannel { dev: self.clone(), ch })
+        } else {
+            None
+        };
+        let chp = channel.as_ref().map(|c| c.ch).unwrap_or(std::ptr::null_mut());
+        // SAFETY: ctx is open; chp is null or a live channel of this context (kept by the IbCq).
+        let cq = unsafe { (self.v.create_cq)(self.ctx, n as c_int, std::ptr::null_mut(), chp, 0) };
         if cq.is_null() {
             return Err(ib_err(format!("ibv_create_cq({n}) on {}", self.name), last_errno()));
         }
         // SAFETY: cq is valid.
         let depth = unsafe { (*cq).cqe }.max(1) as u32;
-        Ok(IbCq { dev: self.clone(), cq, depth })
+        Ok(IbCq { dev: self.clone(), cq, depth, channel })
     }
 }
 
@@ -386,11 +399,26 @@ impl Drop for IbMr {
     }
 }
 
+/// A completion channel (destroyed after its CQ: the `IbCq` owning it drops it last).
+struct IbChannel {
+    dev: Arc<IbDevice>,
+    ch: *mut ibv_comp_channel,
+}
+
+impl Drop for IbChannel {
+    fn drop(&mut self) {
+        // SAFETY: ch came from create_comp_channel; its CQ is destroyed (IbCq::drop runs first)
+        // and every event was acknowledged.
+        unsafe { (self.dev.v.destroy_comp_channel)(self.ch) };
+    }
+}
+
 /// A completion queue (destroyed on drop, after the QPs using it).
 pub(crate) struct IbCq {
     dev: Arc<IbDevice>,
     cq: *mut ibv_cq,
     pub(crate) depth: u32,
+    channel: Option<IbChannel>,
 }
 
 // SAFETY: see IbDevice; polling is serialized by the owner (the connection's state lock).
@@ -412,6 +440,53 @@ impl IbCq {
             return Err(Error::new(ErrorKind::Ib, format!("ibv_poll_cq on {} failed ({n})", self.dev.name)));
         }
         Ok(n as usize)
+    }
+}
+
+impl IbCq {
+    /// Asks for an event on the next completion (`ibv_req_notify_cq`). Poll once more after
+    /// arming: a completion that arrived just before does not raise one.
+    pub(crate) fn arm(&self) -> Result<()> {
+        // SAFETY: the CQ belongs to an open context whose ops table the provider filled.
+        let f = unsafe { (*(*self.cq).context).ops.req_notify_cq };
+        let Some(f) = f else {
+            return Err(Error::new(ErrorKind::Ib, format!("{}: the provider has no req_notify_cq", self.dev.name)));
+        };
+        // SAFETY: the CQ is live.
+        let rc = unsafe { f(self.cq, 0) };
+        if rc != 0 {
+            return Err(ib_err(format!("ibv_req_notify_cq on {}", self.dev.name), rc));
+        }
+        Ok(())
+    }
+
+    /// Sleeps until the armed CQ raises an event or `timeout` passes; `Ok(true)` for an event
+    /// (taken and acknowledged). A CQ without a channel sleeps `timeout` at most 50 us.
+    pub(crate) fn wait_event(&self, timeout: Duration) -> Result<bool> {
+        let Some(ch) = &self.channel else {
+            std::thread::sleep(timeout.min(Duration::from_micros(50)));
+            return Ok(false);
+        };
+        // SAFETY: ch.ch is a live channel; its fd stays open while the channel lives.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw((*ch.ch).fd) };
+        let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
+        let ms = timeout.as_millis().min(u16::MAX as u128) as u16;
+        match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)) {
+            Ok(0) => return Ok(false),
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => return Ok(false),
+            Err(e) => return Err(Error::io(format!("waiting for a completion event on {}", self.dev.name), e.into())),
+        }
+        let mut cq: *mut ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the channel's fd is readable, so this does not block; valid out-pointers.
+        let rc = unsafe { (self.dev.v.get_cq_event)(ch.ch, &mut cq, &mut ctx) };
+        if rc != 0 {
+            return Err(ib_err(format!("ibv_get_cq_event on {}", self.dev.name), last_errno()));
+        }
+        // SAFETY: cq is the CQ the event was for (ours, the channel's only CQ); one event taken.
+        unsafe { (self.dev.v.ack_cq_events)(cq, 1) };
+        Ok(true)
     }
 }
 
@@ -506,8 +581,9 @@ impl IbQp {
     /// Creates an RC QP on `port` and moves it to INIT with remote write and read access, and
     /// remote atomics with `atomics`.
     pub(crate) fn create(dev: &Arc<IbDevice>, port: PortInfo, limits: QpLimits, atomics: bool) -> Result<IbQp> {
-        let send_cq = dev.create_cq(limits.cq_size)?;
-        let recv_cq = dev.create_cq(limits.max_recv_wr.max(1))?;
+        let send_cq = dev.create_cq(limits.cq_size, false)?;
+        // Only a HostNoAtomic receive thread sleeps on the receive CQ.
+        let recv_cq = dev.create_cq(limits.max_recv_wr.max(1), !atomics)?;
         let want_send = limits.max_send_wr.min(dev.caps.max_qp_wr).max(1);
         let mut init = ibv_qp_init_attr {
             qp_context: std::ptr::null_mut(),
@@ -698,6 +774,16 @@ impl IbQp {
     /// Takes up to `out.len()` receive completions.
     pub(crate) fn poll_recv(&self, out: &mut [ibv_wc]) -> Result<usize> {
         self.recv_cq.poll(out)
+    }
+
+    /// Asks for an event on the receive CQ's next completion (poll again before sleeping).
+    pub(crate) fn arm_recv(&self) -> Result<()> {
+        self.recv_cq.arm()
+    }
+
+    /// Sleeps until the armed receive CQ raises an event or `timeout` passes.
+    pub(crate) fn wait_recv(&self, timeout: Duration) -> Result<()> {
+        self.recv_cq.wait_event(timeout).map(|_| ())
     }
 
     /// Posts one receive without scatter entries (for write-with-immediate).

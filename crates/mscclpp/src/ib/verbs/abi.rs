@@ -28,10 +28,12 @@ pub struct ibv_ah {
 pub struct ibv_mw {
     _p: [u8; 0],
 }
-/// Opaque (used only by pointer).
+/// A completion channel: `fd` becomes readable when an armed CQ gets a completion.
 #[repr(C)]
 pub struct ibv_comp_channel {
-    _p: [u8; 0],
+    pub context: *mut ibv_context,
+    pub fd: c_int,
+    pub refcnt: c_int,
 }
 
 /// `pthread_mutex_t` on x86-64 and aarch64 glibc (40 and 48 bytes; 8-aligned).
@@ -67,7 +69,7 @@ pub struct ibv_context_ops {
     pub dealloc_mw: Fp,
     pub _compat_create_cq: Fp,
     pub poll_cq: Option<unsafe extern "C" fn(cq: *mut ibv_cq, num_entries: c_int, wc: *mut ibv_wc) -> c_int>,
-    pub req_notify_cq: Fp,
+    pub req_notify_cq: Option<unsafe extern "C" fn(cq: *mut ibv_cq, solicited_only: c_int) -> c_int>,
     pub _compat_cq_event: Fp,
     pub _compat_resize_cq: Fp,
     pub _compat_destroy_cq: Fp,
@@ -493,6 +495,7 @@ pub fn layout_table() -> Vec<(&'static str, &'static str, usize)> {
     );
     rows!(v, ibv_gid, [raw]);
     rows!(v, ibv_pd, [context, handle]);
+    rows!(v, ibv_comp_channel, [context, fd, refcnt]);
     rows!(v, ibv_mr, [context, pd, addr, length, handle, lkey, rkey]);
     rows!(
         v,

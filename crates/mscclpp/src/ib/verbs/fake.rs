@@ -51,6 +51,8 @@ pub struct FakeStats {
     pub max_cq_depth: u64,
     /// Work requests executed.
     pub executed: u64,
+    /// Completion events raised on armed CQs (a sleeping receive thread woken).
+    pub cq_events: u64,
 }
 
 struct Dev {
@@ -127,6 +129,18 @@ struct CqState {
 struct Cq {
     cap: usize,
     st: Mutex<CqState>,
+    /// The completion channel (as the address of its `FChannel`) and whether the CQ is armed.
+    channel: Option<Arc<Channel>>,
+    armed: AtomicBool,
+    /// The address of this CQ's `ibv_cq`, reported by `get_cq_event`.
+    handle: AtomicU64,
+}
+
+/// A completion channel: a pipe whose read end is the channel's fd; one byte per event.
+struct Channel {
+    read: std::os::fd::OwnedFd,
+    write: std::os::fd::OwnedFd,
+    fired: Mutex<VecDeque<u64>>,
 }
 
 #[derive(Default)]
@@ -289,6 +303,7 @@ unsafe extern "C" fn open_device(dev: *mut ibv_device) -> *mut ibv_context {
     ctx.ops.poll_cq = Some(poll_cq);
     ctx.ops.post_send = Some(post_send);
     ctx.ops.post_recv = Some(post_recv);
+    ctx.ops.req_notify_cq = Some(req_notify_cq);
     ctx.device = dev;
     Box::into_raw(Box::new(FContext { ctx, dev: i })) as *mut ibv_context
 }
@@ -416,11 +431,65 @@ unsafe extern "C" fn dereg_mr(mr: *mut ibv_mr) -> c_int {
     0
 }
 
+#[repr(C)]
+struct FChannel {
+    ch: ibv_comp_channel,
+    st: Arc<Channel>,
+}
+
+unsafe extern "C" fn create_comp_channel(ctx: *mut ibv_context) -> *mut ibv_comp_channel {
+    use std::os::fd::AsRawFd;
+    let Ok((read, write)) = nix::unistd::pipe() else {
+        set_errno(ENOMEM);
+        return std::ptr::null_mut();
+    };
+    let fd = read.as_raw_fd();
+    let st = Arc::new(Channel { read, write, fired: Mutex::new(VecDeque::new()) });
+    Box::into_raw(Box::new(FChannel { ch: ibv_comp_channel { context: ctx, fd, refcnt: 0 }, st }))
+        as *mut ibv_comp_channel
+}
+
+unsafe extern "C" fn destroy_comp_channel(ch: *mut ibv_comp_channel) -> c_int {
+    // SAFETY: ch came from create_comp_channel and is freed once.
+    drop(unsafe { Box::from_raw(ch as *mut FChannel) });
+    0
+}
+
+unsafe extern "C" fn get_cq_event(ch: *mut ibv_comp_channel, cq: *mut *mut ibv_cq, ctx: *mut *mut c_void) -> c_int {
+    // SAFETY: ch came from create_comp_channel.
+    let c = unsafe { &(*(ch as *mut FChannel)).st };
+    let mut b = [0u8; 1];
+    // Blocks until an event's byte is there, as the real call does.
+    match nix::unistd::read(&c.read, &mut b) {
+        Ok(1) => {}
+        _ => return -1,
+    }
+    let Some(h) = lock(&c.fired).pop_front() else { return -1 };
+    // SAFETY: valid out-pointers.
+    unsafe {
+        *cq = h as *mut ibv_cq;
+        *ctx = std::ptr::null_mut();
+    }
+    0
+}
+
+unsafe extern "C" fn ack_cq_events(_cq: *mut ibv_cq, _n: c_uint) {}
+
+unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, _solicited_only: c_int) -> c_int {
+    // SAFETY: cq came from create_cq.
+    let c = unsafe { &(*(cq as *mut FCq)).st };
+    if c.channel.is_none() {
+        return EINVAL;
+    }
+    c.armed.store(true, Ordering::SeqCst);
+    0
+}
+
 unsafe extern "C" fn create_cq(
     ctx: *mut ibv_context,
     cqe: c_int,
     _cq_context: *mut c_void,
-    _channel: *mut ibv_comp_channel,
+    channel: *mut ibv_comp_channel,
     _comp_vector: c_int,
 ) -> *mut ibv_cq {
     if cqe <= 0 {
@@ -431,9 +500,20 @@ unsafe extern "C" fn create_cq(
     let mut cq: ibv_cq = unsafe { std::mem::zeroed() };
     cq.context = ctx;
     cq.cqe = cqe;
-    let st =
-        Arc::new(Cq { cap: cqe as usize, st: Mutex::new(CqState { entries: VecDeque::new(), overflowed: false }) });
-    Box::into_raw(Box::new(FCq { cq, st })) as *mut ibv_cq
+    cq.channel = channel;
+    // SAFETY: a non-null channel came from create_comp_channel and outlives the CQ.
+    let ch = (!channel.is_null()).then(|| unsafe { (*(channel as *mut FChannel)).st.clone() });
+    let st = Arc::new(Cq {
+        cap: cqe as usize,
+        st: Mutex::new(CqState { entries: VecDeque::new(), overflowed: false }),
+        channel: ch,
+        armed: AtomicBool::new(false),
+        handle: AtomicU64::new(0),
+    });
+    let handle = st.clone();
+    let p = Box::into_raw(Box::new(FCq { cq, st }));
+    handle.handle.store(p as u64, Ordering::SeqCst);
+    p as *mut ibv_cq
 }
 
 unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
@@ -663,6 +743,13 @@ fn push_cq(f: &mut Fabric, cq: &Cq, wc: ibv_wc, tag: Option<(Arc<Qp>, u64)>) {
     }
     s.entries.push_back((wc, tag));
     f.stats.max_cq_depth = f.stats.max_cq_depth.max(s.entries.len() as u64);
+    if let Some(ch) = &cq.channel {
+        if cq.armed.swap(false, Ordering::SeqCst) {
+            lock(&ch.fired).push_back(cq.handle.load(Ordering::SeqCst));
+            f.stats.cq_events += 1;
+            let _ = nix::unistd::write(&ch.write, &[1u8]);
+        }
+    }
 }
 
 enum Outcome {
@@ -874,6 +961,10 @@ pub(crate) fn table() -> Verbs {
         dereg_mr,
         create_cq,
         destroy_cq,
+        create_comp_channel,
+        destroy_comp_channel,
+        get_cq_event,
+        ack_cq_events,
         create_qp,
         modify_qp,
         destroy_qp,

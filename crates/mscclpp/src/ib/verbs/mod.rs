@@ -39,6 +39,14 @@ type FnCreateCq = unsafe extern "C" fn(
     comp_vector: c_int,
 ) -> *mut ibv_cq;
 type FnDestroyCq = unsafe extern "C" fn(cq: *mut ibv_cq) -> c_int;
+type FnCreateCompChannel = unsafe extern "C" fn(ctx: *mut ibv_context) -> *mut ibv_comp_channel;
+type FnDestroyCompChannel = unsafe extern "C" fn(ch: *mut ibv_comp_channel) -> c_int;
+type FnGetCqEvent = unsafe extern "C" fn(
+    ch: *mut ibv_comp_channel,
+    cq: *mut *mut ibv_cq,
+    cq_context: *mut *mut std::ffi::c_void,
+) -> c_int;
+type FnAckCqEvents = unsafe extern "C" fn(cq: *mut ibv_cq, n: std::ffi::c_uint);
 type FnCreateQp = unsafe extern "C" fn(pd: *mut ibv_pd, attr: *mut ibv_qp_init_attr) -> *mut ibv_qp;
 type FnModifyQp = unsafe extern "C" fn(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int) -> c_int;
 type FnDestroyQp = unsafe extern "C" fn(qp: *mut ibv_qp) -> c_int;
@@ -66,6 +74,10 @@ pub(crate) struct Verbs {
     pub(crate) dereg_mr: FnDeregMr,
     pub(crate) create_cq: FnCreateCq,
     pub(crate) destroy_cq: FnDestroyCq,
+    pub(crate) create_comp_channel: FnCreateCompChannel,
+    pub(crate) destroy_comp_channel: FnDestroyCompChannel,
+    pub(crate) get_cq_event: FnGetCqEvent,
+    pub(crate) ack_cq_events: FnAckCqEvents,
     pub(crate) create_qp: FnCreateQp,
     pub(crate) modify_qp: FnModifyQp,
     pub(crate) destroy_qp: FnDestroyQp,
@@ -152,6 +164,10 @@ fn symbols(lib: libloading::Library, name: &str) -> std::result::Result<Verbs, S
         dereg_mr: sym!("ibv_dereg_mr"),
         create_cq: sym!("ibv_create_cq"),
         destroy_cq: sym!("ibv_destroy_cq"),
+        create_comp_channel: sym!("ibv_create_comp_channel"),
+        destroy_comp_channel: sym!("ibv_destroy_comp_channel"),
+        get_cq_event: sym!("ibv_get_cq_event"),
+        ack_cq_events: sym!("ibv_ack_cq_events"),
         create_qp: sym!("ibv_create_qp"),
         modify_qp: sym!("ibv_modify_qp"),
         destroy_qp: sym!("ibv_destroy_qp"),
