@@ -529,16 +529,13 @@ fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
             Err(e) => return fail(e.during("polling the receive CQ")),
         };
         if n == 0 {
-            // Spin, then yield, for up to 1 ms (as semaphore waits do: in a ping-pong the next
-            // signal comes within that), then sleep on the CQ's completion channel, so an idle
-            // connection costs no CPU: arm, poll once more (a completion that came before arming
-            // raises no event), then wait. The 100 ms bound only serves the stop flag.
+            // Spin briefly (a signal on its way lands within microseconds), then sleep on the
+            // CQ's completion channel, so an idle connection costs no CPU: arm, poll once more (a
+            // completion that came before arming raises no event), then wait. The 100 ms bound
+            // only serves the stop flag.
             let t0 = *idle_since.get_or_insert_with(Instant::now);
-            let idle = t0.elapsed();
-            if idle < Duration::from_micros(50) {
+            if t0.elapsed() < Duration::from_micros(50) {
                 std::hint::spin_loop();
-            } else if idle < Duration::from_millis(1) {
-                std::thread::yield_now();
             } else if !armed {
                 if let Err(e) = qp.arm_recv() {
                     return fail(e.during("arming the receive CQ"));
