@@ -12,7 +12,7 @@ use std::time::Duration;
 use tracing::{debug, info, warn};
 
 use super::verbs::abi::*;
-use super::verbs::{Verbs, verbs};
+use super::verbs::{DeviceList, Verbs, verbs};
 use crate::error::{Error, ErrorKind, Result};
 
 fn ib_err(what: impl fmt::Display, errno: c_int) -> Error {
@@ -94,48 +94,19 @@ pub(crate) fn gid_text(g: &[u8; 16]) -> String {
 impl IbDevice {
     /// Opens the device called `name` and allocates its protection domain.
     pub(crate) fn open(name: &str) -> Result<Arc<IbDevice>> {
-        let v = verbs()?;
-        let mut n: c_int = 0;
-        // SAFETY: n is a valid out-pointer; the list is freed below.
-        let list = unsafe { (v.get_device_list)(&mut n) };
-        if list.is_null() {
-            return Err(Error::not_available(format!(
-                "no IB transport: ibv_get_device_list found no RDMA devices ({})",
-                std::io::Error::last_os_error()
-            )));
-        }
-        let mut found = std::ptr::null_mut();
-        let mut names = Vec::new();
-        for i in 0..n.max(0) as usize {
-            // SAFETY: the list holds n valid device pointers.
-            let dev = unsafe { *list.add(i) };
-            // SAFETY: dev is valid; the name is NUL-terminated and owned by it.
-            let p = unsafe { (v.get_device_name)(dev) };
-            if p.is_null() {
-                continue;
-            }
-            // SAFETY: non-null and NUL-terminated.
-            let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
-            if s == name {
-                found = dev;
-            }
-            names.push(s);
-        }
-        let ctx = if found.is_null() {
-            std::ptr::null_mut()
-        } else {
-            // SAFETY: found is a device of the live list.
-            unsafe { (v.open_device)(found) }
-        };
-        let errno = last_errno();
-        // SAFETY: list came from get_device_list; the opened context does not depend on it.
-        unsafe { (v.free_device_list)(list) };
-        if found.is_null() {
+        let list = DeviceList::get()?;
+        let Some(found) = list.find(name) else {
+            let names = list.names();
             return Err(Error::invalid_usage(format!(
                 "RDMA device {name:?} does not exist (this machine has: {})",
                 if names.is_empty() { "none".to_string() } else { names.join(", ") }
             )));
-        }
+        };
+        let v = verbs()?;
+        // SAFETY: found is a device of the live list.
+        let ctx = unsafe { (v.open_device)(found) };
+        let errno = last_errno();
+        drop(list);
         if ctx.is_null() {
             return Err(ib_err(format!("ibv_open_device({name})"), errno));
         }
@@ -300,7 +271,7 @@ impl IbDevice {
         let mr = unsafe { (self.v.reg_mr)(self.pd, addr as *mut c_void, len as usize, access as c_int) };
         if mr.is_null() {
             let errno = last_errno();
-            let hint = if errno == libc_enomem() {
+            let hint = if errno == nix::errno::Errno::ENOMEM as c_int {
                 " (the locked-memory limit may be too low: raise `ulimit -l`)"
             } else {
                 ""
@@ -358,10 +329,6 @@ impl IbDevice {
         let depth = unsafe { (*cq).cqe }.max(1) as u32;
         Ok(IbCq { dev: self.clone(), cq, depth, channel })
     }
-}
-
-fn libc_enomem() -> c_int {
-    12
 }
 
 /// A registered memory region (deregistered on drop).

@@ -201,36 +201,69 @@ pub(crate) fn install(v: Verbs) -> Result<()> {
     }
 }
 
+/// The RDMA devices of this machine with their names, in enumeration order (freed on drop).
+pub(crate) struct DeviceList {
+    v: &'static Verbs,
+    list: *mut *mut ibv_device,
+    devs: Vec<(*mut ibv_device, String)>,
+}
+
+impl DeviceList {
+    /// Lists the devices.
+    ///
+    /// # Errors
+    /// `NotAvailable` when libibverbs cannot be loaded or the kernel has no RDMA support.
+    pub(crate) fn get() -> Result<DeviceList> {
+        let v = verbs()?;
+        let mut n: c_int = 0;
+        // SAFETY: n is a valid out-pointer; the list is freed in Drop with ibv_free_device_list.
+        let list = unsafe { (v.get_device_list)(&mut n) };
+        if list.is_null() {
+            return Err(Error::not_available(format!(
+                "no IB transport: ibv_get_device_list found no RDMA devices ({}; libibverbs from {})",
+                std::io::Error::last_os_error(),
+                v.path
+            )));
+        }
+        let mut me = DeviceList { v, list, devs: Vec::with_capacity(n.max(0) as usize) };
+        for i in 0..n.max(0) as usize {
+            // SAFETY: the list holds n valid device pointers (verbs.h contract).
+            let dev = unsafe { *list.add(i) };
+            // SAFETY: dev is a valid device; the name is a NUL-terminated string owned by it.
+            let name = unsafe { (v.get_device_name)(dev) };
+            if !name.is_null() {
+                // SAFETY: non-null, NUL-terminated, valid while the list is.
+                me.devs.push((dev, unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()));
+            }
+        }
+        Ok(me)
+    }
+
+    /// The device names.
+    pub(crate) fn names(&self) -> Vec<String> {
+        self.devs.iter().map(|(_, n)| n.clone()).collect()
+    }
+
+    /// The device called `name` (valid while the list lives).
+    pub(crate) fn find(&self, name: &str) -> Option<*mut ibv_device> {
+        self.devs.iter().find(|(_, n)| n == name).map(|(d, _)| *d)
+    }
+}
+
+impl Drop for DeviceList {
+    fn drop(&mut self) {
+        // SAFETY: list came from ibv_get_device_list and is freed once; contexts opened from its
+        // devices do not depend on it.
+        unsafe { (self.v.free_device_list)(self.list) };
+    }
+}
+
 /// The names of the RDMA devices this machine has (`mlx5_0`, `rxe0`, ...), in enumeration order.
 ///
 /// # Errors
 /// `NotAvailable` when libibverbs cannot be loaded or the kernel has no RDMA support.
 pub fn devices() -> Result<Vec<String>> {
-    let v = verbs()?;
-    let mut n: c_int = 0;
-    // SAFETY: n is a valid out-pointer; the list is freed below with ibv_free_device_list.
-    let list = unsafe { (v.get_device_list)(&mut n) };
-    if list.is_null() {
-        return Err(Error::not_available(format!(
-            "no IB transport: ibv_get_device_list found no RDMA devices ({}; libibverbs from {})",
-            std::io::Error::last_os_error(),
-            v.path
-        )));
-    }
-    let mut names = Vec::with_capacity(n.max(0) as usize);
-    for i in 0..n.max(0) as usize {
-        // SAFETY: the list holds n valid device pointers (verbs.h contract).
-        let dev = unsafe { *list.add(i) };
-        // SAFETY: dev is a valid device; the name is a NUL-terminated string owned by it.
-        let name = unsafe { (v.get_device_name)(dev) };
-        if !name.is_null() {
-            // SAFETY: non-null, NUL-terminated, valid while the list is.
-            names.push(unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned());
-        }
-    }
-    // SAFETY: list came from ibv_get_device_list and is freed once.
-    unsafe { (v.free_device_list)(list) };
-    Ok(names)
+    Ok(DeviceList::get()?.names())
 }
 
 #[cfg(test)]
