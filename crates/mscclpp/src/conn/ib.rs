@@ -233,7 +233,7 @@ impl IbConnection {
             st.signaled_out = st.signaled_out.saturating_sub(1);
             if wc.status != IBV_WC_SUCCESS {
                 let what = match wc.opcode {
-                    4 => "FETCH_AND_ADD",
+                    IBV_WC_FETCH_ADD => "FETCH_AND_ADD",
                     _ => "RDMA WRITE",
                 };
                 let e = Error::new(
@@ -332,10 +332,9 @@ impl ConnectionImpl for IbConnection {
         src_off: u64,
         len: u64,
     ) -> Result<()> {
-        self.check()?;
-        let t = self.transport_of(dst)?;
+        let t = self.remote_transport;
         let (raddr, rkey) = self.remote(dst, t, dst_off)?;
-        let st = self.local_transport();
+        let st = self.local_transport;
         let mr = src
             .local()
             .and_then(|l| st.ib_index().and_then(|i| l.ib_mrs[i].clone()))
@@ -362,7 +361,7 @@ impl ConnectionImpl for IbConnection {
     }
 
     fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, old: u64, new: u64) -> Result<()> {
-        let t = self.transport_of(dst)?;
+        let t = self.remote_transport;
         if self.mode == IbMode::HostNoAtomic {
             if dst.is_local() {
                 return Err(Error::invalid_usage(
@@ -420,7 +419,7 @@ impl ConnectionImpl for IbConnection {
                 "atomic_add is not available in IB HostNoAtomic mode (no RDMA atomics on this connection)",
             ));
         }
-        let t = self.transport_of(dst)?;
+        let t = self.remote_transport;
         let (raddr, rkey) = self.remote(dst, t, dst_off)?;
         self.post(&[self.fetch_add(raddr, rkey, value as u64)])
     }
@@ -592,13 +591,6 @@ fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
 }
 
 impl IbConnection {
-    /// The peer's transport (the one its memory carries MR info for).
-    fn transport_of(&self, _dst: &RegisteredMemory) -> Result<Transport> {
-        Ok(self.remote_transport)
-    }
-    fn local_transport(&self) -> Transport {
-        self.local_transport
-    }
     fn fetch_add(&self, dst: u64, rkey: u32, add: u64) -> Op {
         Op::FetchAdd { src: self.atomic_src.addr, lkey: self.atomic_src.lkey, dst, rkey, add }
     }

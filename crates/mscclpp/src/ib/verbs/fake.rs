@@ -34,9 +34,6 @@ const EFAULT: c_int = 14;
 const IBV_WC_LOC_PROT_ERR: c_uint = 4;
 const IBV_WC_LOC_LEN_ERR: c_uint = 1;
 const IBV_WC_REM_INV_REQ_ERR: c_uint = 9;
-const IBV_WC_RDMA_WRITE: c_uint = 1;
-const IBV_WC_FETCH_ADD: c_uint = 4;
-const IBV_WC_RECV: c_uint = 128;
 const IBV_WC_WITH_IMM: c_uint = 1 << 1;
 const MTU_1024: c_uint = 3;
 
