@@ -233,12 +233,7 @@ impl Context {
                 let addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
                 let mut secret = [0u8; 16];
                 crate::identity::os_random(&mut secret)?;
-                let queue = config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE);
-                if queue == 0 || queue > u32::MAX as usize {
-                    return Err(
-                        Error::invalid_usage(format!("max_write_queue_size {queue} must be in 1..2^32")).during(op)
-                    );
-                }
+                let queue = write_queue_size(config, DEFAULT_ETHERNET_QUEUE).map_err(|e| e.during(op.clone()))?;
                 let acceptor = crate::conn::ethernet::Acceptor::start(listener, secret, self.inner().id)?;
                 (EndpointKind::Ethernet { addr, secret }, (queue, Some(Arc::new(acceptor))))
             }
@@ -274,6 +269,15 @@ impl Context {
     }
 }
 
+/// The configured write-queue bound, or `default`; it must fit the serialized form (1..2^32).
+fn write_queue_size(config: &EndpointConfig, default: usize) -> Result<usize> {
+    let queue = config.max_write_queue_size.unwrap_or(default);
+    if queue == 0 || queue > u32::MAX as usize {
+        return Err(Error::invalid_usage(format!("max_write_queue_size {queue} must be in 1..2^32")));
+    }
+    Ok(queue)
+}
+
 /// The IB part of `create_endpoint`: mode, device, port and GID, and a QP in INIT.
 fn create_ib(
     ctx: &Context,
@@ -302,10 +306,7 @@ fn create_ib(
             ib.max_cq_size, ib.max_send_wr, ib.max_wr_per_send, ib.max_cq_poll_num
         )));
     }
-    let queue = config.max_write_queue_size.unwrap_or(ib.max_cq_size as usize);
-    if queue == 0 || queue > u32::MAX as usize {
-        return Err(Error::invalid_usage(format!("max_write_queue_size {queue} must be in 1..2^32")));
-    }
+    let queue = write_queue_size(config, ib.max_cq_size as usize)?;
     let port = dev.choose_port(ib.port, ib.gid_index)?;
     let limits = crate::ib::dev::QpLimits {
         max_send_wr: ib.max_send_wr,
