@@ -19,6 +19,7 @@ static ETHERNET: Harness = Harness {
     transport: Transport::Ethernet,
     mode: Mode::Processes,
     prepare: |_| {},
+    ib_device: None,
     config: eth_config,
     atomics: true,
     cpu_atomics_coherent: true,

@@ -20,15 +20,15 @@ fn ib_config(queue: Option<usize>) -> EndpointConfig {
     c
 }
 
-fn use_fake0(ctx: &Context) {
+fn install_fake(_: &Context) {
     fake::install().unwrap();
-    ctx.set_ib_device(Transport::IB0, "fake0").unwrap();
 }
 
 static FAKE_IB: Harness = Harness {
     transport: Transport::IB0,
     mode: Mode::Threads,
-    prepare: use_fake0,
+    prepare: install_fake,
+    ib_device: Some("fake0"),
     config: ib_config,
     atomics: true,
     cpu_atomics_coherent: false,
@@ -50,7 +50,8 @@ mod no_atomic {
     static FAKE_IB_NO_ATOMIC: Harness = Harness {
         transport: Transport::IB0,
         mode: Mode::Threads,
-        prepare: use_fake0,
+        prepare: install_fake,
+        ib_device: Some("fake0"),
         config: no_atomic_config,
         atomics: false,
         cpu_atomics_coherent: false,
@@ -71,15 +72,8 @@ fn own_device(name: &'static str) -> Harness {
     Harness {
         transport: Transport::IB0,
         mode: Mode::Threads,
-        prepare: match name {
-            "brk0" => |c: &Context| c.set_ib_device(Transport::IB0, "brk0").unwrap(),
-            "acc0" => |c: &Context| c.set_ib_device(Transport::IB0, "acc0").unwrap(),
-            "wrap0" => |c: &Context| c.set_ib_device(Transport::IB0, "wrap0").unwrap(),
-            "burst0" => |c: &Context| c.set_ib_device(Transport::IB0, "burst0").unwrap(),
-            "close0" => |c: &Context| c.set_ib_device(Transport::IB0, "close0").unwrap(),
-            "idle0" => |c: &Context| c.set_ib_device(Transport::IB0, "idle0").unwrap(),
-            _ => |c: &Context| c.set_ib_device(Transport::IB0, "acct0").unwrap(),
-        },
+        prepare: install_fake,
+        ib_device: Some(name),
         config: |q| {
             let mut c = ib_config(q);
             c.ib.max_cq_size = 4;

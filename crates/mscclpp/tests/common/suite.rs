@@ -30,6 +30,8 @@ pub struct Harness {
     pub mode: Mode,
     /// Called on each rank's context before anything is registered.
     pub prepare: fn(&Context),
+    /// The RDMA device the IB transport uses (`Context::set_ib_device`), if not the default.
+    pub ib_device: Option<&'static str>,
     /// The endpoint config, with an optional write-queue bound.
     pub config: fn(Option<usize>) -> EndpointConfig,
     /// Whether the connection has remote atomics (`atomic_add`); IB HostNoAtomic has not.
@@ -41,6 +43,14 @@ pub struct Harness {
 }
 
 impl Harness {
+    /// Runs `prepare` and picks `ib_device` on a rank's context.
+    pub fn prepare_context(&self, ctx: &Context) {
+        (self.prepare)(ctx);
+        if let Some(d) = self.ib_device {
+            ctx.set_ib_device(self.transport, d).unwrap();
+        }
+    }
+
     pub fn flags(&self) -> TransportFlags {
         self.transport.into()
     }
@@ -170,7 +180,7 @@ pub struct Setup {
 pub fn setup(r: &Rank, h: &Harness, len: usize, queue: Option<usize>) -> Setup {
     let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
     let comm = Communicator::new(bs.clone());
-    (h.prepare)(comm.context());
+    h.prepare_context(comm.context());
     let local = Buffer::new(comm.context(), len, h.flags()).unwrap();
     let n = r.size;
     let peers: Vec<usize> = (0..n).filter(|p| *p != r.rank).collect();
@@ -413,7 +423,7 @@ pub fn write_over_4gib(r: &Rank, h: &Harness) {
     const LEN: usize = (4 << 30) + 4099;
     let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
     let comm = Communicator::new(bs.clone());
-    (h.prepare)(comm.context());
+    h.prepare_context(comm.context());
     let buf = Buffer::new(comm.context(), LEN, h.flags()).unwrap();
     let peer = 1 - r.rank;
     let pc = comm.connect(&(h.config)(None), peer, 0).unwrap();
