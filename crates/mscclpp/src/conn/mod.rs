@@ -36,11 +36,8 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     fn check_update(&self, _old: u64, _new: u64) -> Result<()> {
         Ok(())
     }
-    /// Whether `update_and_sync` needs the destination registered for the peer's transport.
-    fn token_needs_transport(&self) -> bool {
-        true
-    }
-    /// Whether signals arrive through a receive thread that stores them into a local token.
+    /// Whether signals arrive through a receive thread that stores them into a local token (the
+    /// peer's token then needs no registration for this transport).
     fn forwards_signals(&self) -> bool {
         false
     }
@@ -105,8 +102,10 @@ impl Connection {
         }
     }
 
-    fn check_dst(&self, dst: &RegisteredMemory, off: u64, len: u64) -> Result<()> {
-        if !dst.transports().has(self.inner.remote_transport) {
+    /// Checks `[off, off + len)` of `dst`, and with `registered` that the peer registered it for
+    /// the peer's transport.
+    fn check_dst(&self, dst: &RegisteredMemory, off: u64, len: u64, registered: bool) -> Result<()> {
+        if registered && !dst.transports().has(self.inner.remote_transport) {
             return Err(Error::invalid_usage(format!(
                 "destination memory is registered for {} and not for {}",
                 dst.transports(),
@@ -116,12 +115,8 @@ impl Connection {
         dst.check_bounds(off, len).map_err(|e| Error::invalid_usage(format!("destination {}", e.message())))
     }
 
-    fn check_word(&self, dst: &RegisteredMemory, off: u64) -> Result<()> {
-        self.check_dst(dst, off, 8)?;
-        self.check_aligned(dst, off)
-    }
-
-    fn check_aligned(&self, dst: &RegisteredMemory, off: u64) -> Result<()> {
+    fn check_word(&self, dst: &RegisteredMemory, off: u64, registered: bool) -> Result<()> {
+        self.check_dst(dst, off, 8, registered)?;
         if (dst.addr().wrapping_add(off)) % 8 != 0 {
             return Err(Error::invalid_usage(format!("destination word at offset {off} is not 8-byte aligned")));
         }
@@ -143,7 +138,7 @@ impl Connection {
     ) -> Result<()> {
         let _s = trace_span!(target: "mscclpp::conn", "write", len, dst_off).entered();
         let r = (|| {
-            self.check_dst(dst, dst_off, len)?;
+            self.check_dst(dst, dst_off, len, true)?;
             if !src.transports().has(self.inner.transport) {
                 return Err(Error::invalid_usage(format!(
                     "source memory is registered for {} and not for {}",
@@ -175,13 +170,7 @@ impl Connection {
     ) -> Result<()> {
         let _s = trace_span!(target: "mscclpp::conn", "update_and_sync", new_value).entered();
         let r = (|| {
-            if self.inner.imp.token_needs_transport() {
-                self.check_word(dst, dst_off)?;
-            } else {
-                dst.check_bounds(dst_off, 8)
-                    .map_err(|e| Error::invalid_usage(format!("destination {}", e.message())))?;
-                self.check_aligned(dst, dst_off)?;
-            }
+            self.check_word(dst, dst_off, !self.inner.imp.forwards_signals())?;
             self.inner.imp.check_update(outbound.load(Ordering::Acquire), new_value)?;
             let old = outbound.swap(new_value, Ordering::AcqRel);
             self.inner.imp.update_and_sync(dst, dst_off, old, new_value)
@@ -194,7 +183,7 @@ impl Connection {
     pub fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
         let _s = trace_span!(target: "mscclpp::conn", "atomic_add", value).entered();
         let r = (|| {
-            self.check_word(dst, dst_off)?;
+            self.check_word(dst, dst_off, true)?;
             self.inner.imp.atomic_add(dst, dst_off, value)
         })();
         r.map_err(|e| self.ctx_err(e, "atomic_add"))
