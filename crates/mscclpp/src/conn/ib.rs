@@ -310,16 +310,23 @@ fn hint(status: u32) -> &'static str {
 }
 
 impl IbConnection {
-    fn remote(&self, dst: &RegisteredMemory, t: Transport, off: u64) -> Result<(u64, u32)> {
+    /// The peer's address and rkey for `dst + off`. Without `registered` (a zero-byte write,
+    /// which touches no memory) a destination with no memory region for the peer's transport
+    /// gets `(0, 0)`.
+    fn remote(&self, dst: &RegisteredMemory, off: u64, registered: bool) -> Result<(u64, u32)> {
         if dst.is_local() {
             return Err(Error::invalid_usage(
                 "the destination is this process's own registration; an IB connection writes into a peer's memory",
             ));
         }
-        let info = dst.ib_info(t).ok_or_else(|| {
-            Error::invalid_usage(format!("the destination memory carries no {t} registration (memory region)"))
-        })?;
-        Ok((info.addr + off, info.rkey))
+        let t = self.remote_transport;
+        match dst.ib_info(t) {
+            Some(info) => Ok((info.addr + off, info.rkey)),
+            None if !registered => Ok((0, 0)),
+            None => {
+                Err(Error::invalid_usage(format!("the destination memory carries no {t} registration (memory region)")))
+            }
+        }
     }
 }
 
@@ -332,8 +339,7 @@ impl ConnectionImpl for IbConnection {
         src_off: u64,
         len: u64,
     ) -> Result<()> {
-        let t = self.remote_transport;
-        let (raddr, rkey) = self.remote(dst, t, dst_off)?;
+        let (raddr, rkey) = self.remote(dst, dst_off, true)?;
         let st = self.local_transport;
         let mr = src
             .local()
@@ -361,18 +367,12 @@ impl ConnectionImpl for IbConnection {
     }
 
     fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, old: u64, new: u64) -> Result<()> {
-        let t = self.remote_transport;
         if self.mode == IbMode::HostNoAtomic {
-            if dst.is_local() {
-                return Err(Error::invalid_usage(
-                    "the destination is this process's own token; an IB connection signals a peer's",
-                ));
-            }
             // A zero-byte write accesses no memory: the peer's token needs no registration.
-            let (raddr, rkey) = dst.ib_info(t).map(|i| (i.addr + dst_off, i.rkey)).unwrap_or((0, 0));
+            let (raddr, rkey) = self.remote(dst, dst_off, false)?;
             return self.post(&[Op::Imm { dst: raddr, rkey, imm: new as u32 }]);
         }
-        let (raddr, rkey) = self.remote(dst, t, dst_off)?;
+        let (raddr, rkey) = self.remote(dst, dst_off, true)?;
         self.post(&[self.fetch_add(raddr, rkey, new.wrapping_sub(old))])
     }
 
@@ -384,10 +384,6 @@ impl ConnectionImpl for IbConnection {
             )));
         }
         Ok(())
-    }
-
-    fn token_needs_transport(&self) -> bool {
-        self.mode != IbMode::HostNoAtomic
     }
 
     fn forwards_signals(&self) -> bool {
@@ -419,8 +415,7 @@ impl ConnectionImpl for IbConnection {
                 "atomic_add is not available in IB HostNoAtomic mode (no RDMA atomics on this connection)",
             ));
         }
-        let t = self.remote_transport;
-        let (raddr, rkey) = self.remote(dst, t, dst_off)?;
+        let (raddr, rkey) = self.remote(dst, dst_off, true)?;
         self.post(&[self.fetch_add(raddr, rkey, value as u64)])
     }
 
