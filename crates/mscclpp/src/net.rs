@@ -149,6 +149,7 @@ pub(crate) fn get_addr(r: &mut crate::wire::Reader<'_>) -> Result<SocketAddr> {
     let b: [u8; 16] = r.array()?;
     let port = r.u16()?;
     let ip = match fam {
+        4 if b[4..].iter().any(|&x| x != 0) => return Err(r.err("IPv4 address with non-zero padding")),
         4 => IpAddr::V4(Ipv4Addr::new(b[0], b[1], b[2], b[3])),
         6 => IpAddr::V6(b.into()),
         f => return Err(r.err(format!("unknown address family {f}"))),

@@ -101,7 +101,11 @@ impl UniqueId {
     /// Reads [`to_bytes`](Self::to_bytes) output (or its prefix without padding).
     pub fn from_bytes(b: &[u8]) -> Result<UniqueId> {
         let mut r = Reader::new(b, "UniqueId", ID_MAGIC, VERSION)?;
-        let root = get_addr(&mut r)?;
+        Self::read_fields(&mut r)
+    }
+
+    fn read_fields(r: &mut Reader<'_>) -> Result<UniqueId> {
+        let root = get_addr(r)?;
         let secret = r.array()?;
         let external_root = match r.u8()? {
             0 => false,
@@ -109,6 +113,20 @@ impl UniqueId {
             x => return Err(r.err(format!("bad root flag {x}"))),
         };
         Ok(UniqueId { root, secret, external_root })
+    }
+}
+
+impl crate::wire::WireForm for UniqueId {
+    const WHAT: &'static str = "UniqueId";
+    fn to_wire(&self) -> Vec<u8> {
+        self.encode()
+    }
+    /// The unpadded form: nothing may follow it.
+    fn from_wire(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader::new(bytes, Self::WHAT, ID_MAGIC, VERSION)?;
+        let id = Self::read_fields(&mut r)?;
+        r.finish()?;
+        Ok(id)
     }
 }
 
@@ -1037,6 +1055,16 @@ mod tests {
         assert!("zz".parse::<UniqueId>().is_err());
         assert!(UniqueId::from_bytes(&[0u8; 128]).is_err());
         assert!(!format!("{id:?}").contains("7, 7"), "Debug must not print the secret");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn unique_id_wire_form(ip in proptest::prelude::any::<std::net::IpAddr>(), port: u16, secret: [u8; 16], ext: bool,
+                               junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
+            let id = UniqueId { root: SocketAddr::new(ip, port), secret, external_root: ext };
+            crate::wire::check::check_value(&id);
+            crate::wire::check::check_bytes::<UniqueId>(&junk);
+        }
     }
 
     #[test]
