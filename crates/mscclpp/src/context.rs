@@ -162,11 +162,8 @@ impl ContextInner {
     }
 }
 
-/// Locks a mutex, recovering the data if a panicking thread poisoned it (our critical sections
-/// leave the data consistent at every step).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+// Moved to `crate::sync`; re-exported until every caller imports it from there.
+pub(crate) use crate::sync::lock;
 
 /// Per-process communication state: the table of registered memory (the Ethernet receiver checks
 /// every incoming write against it), and later CUDA streams and IB device contexts.

@@ -57,6 +57,7 @@ mod logging;
 mod memory;
 pub mod net;
 mod semaphore;
+mod sync;
 mod sys;
 mod transport;
 mod wire;

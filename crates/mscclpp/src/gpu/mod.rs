@@ -337,26 +337,10 @@ impl Event {
     }
 }
 
-/// Polls `ready` until it is true or `timeout` passes: spinning for 200 us, yielding until 2 ms,
-/// then sleeping 50 us between polls. `Ok(false)` on timeout.
-fn poll_until(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<bool> {
-    let start = Instant::now();
-    loop {
-        if ready()? {
-            return Ok(true);
-        }
-        let el = start.elapsed();
-        if el >= timeout {
-            return Ok(false);
-        }
-        if el < Duration::from_micros(200) {
-            std::hint::spin_loop();
-        } else if el < Duration::from_millis(2) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
+/// Polls `ready` until it is true or `timeout` passes (`Ok(false)`), backing off as
+/// [`BackoffPolicy::FAST`](crate::sync::BackoffPolicy::FAST) says.
+fn poll_until(timeout: Duration, ready: impl FnMut() -> Result<bool>) -> Result<bool> {
+    crate::sync::poll_until(timeout, crate::sync::BackoffPolicy::FAST, ready)
 }
 
 impl Drop for Event {
