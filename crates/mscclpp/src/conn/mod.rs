@@ -42,8 +42,9 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     fn forwards_signals(&self) -> bool {
         false
     }
-    /// Sets the local token that incoming signals are stored into (forwarding transports only).
-    fn forward_signals_into(&self, _target: ib::ForwardTarget) -> Result<()> {
+    /// Sets the local token (host or GPU memory of this process) that incoming signals are
+    /// stored into (forwarding transports only).
+    fn forward_signals_into(&self, _token: &RegisteredMemory) -> Result<()> {
         Ok(())
     }
     /// How signals are forwarded into the local token, for transports that forward.
@@ -220,7 +221,7 @@ impl Connection {
         self.inner.imp.forwards_signals()
     }
 
-    pub(crate) fn forward_signals_into(&self, t: ib::ForwardTarget) -> Result<()> {
+    pub(crate) fn forward_signals_into(&self, t: &RegisteredMemory) -> Result<()> {
         self.inner.imp.forward_signals_into(t)
     }
 
