@@ -42,6 +42,8 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
+#[doc(hidden)]
+pub mod bench;
 mod bootstrap;
 mod buffer;
 mod communicator;

@@ -231,13 +231,7 @@ impl RegisteredMemory {
 
     /// Checks that `[offset, offset + len)` is inside this memory.
     pub(crate) fn check_bounds(&self, offset: u64, len: u64) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(()),
-            _ => Err(Error::invalid_usage(format!(
-                "range [{offset}, {offset}+{len}) is out of bounds of the {}-byte registered memory",
-                self.len()
-            ))),
-        }
+        crate::platform::check_range(offset, len, self.len(), "registered memory")
     }
 
     /// The serialized form, to send to a peer.

@@ -17,7 +17,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("setup", &["bootstrap", "communicator"]),
     ("sync and device side", &["semaphore", "device", "fifo", "proxy", "channel"]),
     // Public re-export modules and test entry points: nothing inside the crate may import them.
-    ("public facades", &["gpu", "ib", "fuzzing"]),
+    ("public facades", &["gpu", "ib", "fuzzing", "bench"]),
 ];
 
 /// The layer every other may use.

@@ -108,13 +108,7 @@ impl Region {
 
     /// Checks that `[offset, offset + n)` lies inside the region.
     pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
-        match offset.checked_add(n) {
-            Some(end) if end <= self.len as u64 => Ok(()),
-            _ => Err(Error::invalid_usage(format!(
-                "range [{offset}, {offset}+{n}) is outside the {}-byte region",
-                self.len
-            ))),
-        }
+        super::check_range(offset, n, self.len as u64, "region")
     }
 
     fn ptr(&self, offset: u64) -> *mut u8 {
