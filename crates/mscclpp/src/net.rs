@@ -116,10 +116,10 @@ pub fn parse_addr_spec(spec: &str) -> Result<(Option<String>, SocketAddr)> {
     if let Ok(a) = s.parse::<SocketAddr>() {
         return Ok((None, a));
     }
-    if let Some((iface, rest)) = s.split_once(':') {
-        if let Ok(a) = rest.parse::<SocketAddr>() {
-            return Ok((Some(iface.to_string()), a));
-        }
+    if let Some((iface, rest)) = s.split_once(':')
+        && let Ok(a) = rest.parse::<SocketAddr>()
+    {
+        return Ok((Some(iface.to_string()), a));
     }
     Err(Error::invalid_usage(format!("{spec:?} is not an address of the form [iface:]ip:port")))
 }

@@ -497,10 +497,11 @@ impl ConnectionImpl for IbConnection {
 impl Drop for IbConnection {
     fn drop(&mut self) {
         // As Ethernet: give operations in flight up to 2 s to land before the QP goes.
-        if self.failure.get().is_none() && self.outstanding() > 0 {
-            if let Err(e) = self.flush(Duration::from_secs(2)) {
-                debug!(target: "mscclpp::ib", "closing {} with work outstanding: {e}", self.name);
-            }
+        if self.failure.get().is_none()
+            && self.outstanding() > 0
+            && let Err(e) = self.flush(Duration::from_secs(2))
+        {
+            debug!(target: "mscclpp::ib", "closing {} with work outstanding: {e}", self.name);
         }
         // The receive thread stops before the QP and the forwarding target go.
         if let Some(f) = &self.fwd {

@@ -119,7 +119,7 @@ impl Connection {
 
     fn check_word(&self, dst: &RegisteredMemory, off: u64, registered: bool) -> Result<()> {
         self.check_dst(dst, off, 8, registered)?;
-        if (dst.addr().wrapping_add(off)) % 8 != 0 {
+        if !(dst.addr().wrapping_add(off)).is_multiple_of(8) {
             return Err(Error::invalid_usage(format!("destination word at offset {off} is not 8-byte aligned")));
         }
         Ok(())
