@@ -33,15 +33,17 @@ impl MsgKind {
     }
 }
 
-/// Receives of one (peer, tag), resolved in issue order whatever order `wait` is called in.
+/// Receives of one (peer, tag). The peer's messages on it arrive in one FIFO; each carries its
+/// kind, and the receives of one kind take that kind's messages in issue order, whatever order
+/// `wait` is called in. Messages read for another kind wait in `stash` for their receive.
 #[derive(Default)]
 struct RecvChain {
-    /// Sequence number the next `Pending` gets.
-    issued: u64,
-    /// Sequence number of the next message to take from the bootstrap.
-    received: u64,
-    /// Messages received for pendings that have not waited yet.
-    stash: HashMap<u64, Vec<u8>>,
+    /// Per kind: the sequence number the next `Pending` of that kind gets.
+    issued: HashMap<u8, u64>,
+    /// Per kind: how many messages of that kind have been taken from the bootstrap.
+    received: HashMap<u8, u64>,
+    /// Messages received, by (kind, sequence), for pendings that have not waited yet.
+    stash: HashMap<(u8, u64), Vec<u8>>,
 }
 
 type Chain = Arc<Mutex<RecvChain>>;
@@ -58,8 +60,9 @@ struct CommInner {
 ///
 /// Sends go out at once and receives resolve later, so every rank can issue all its sends and
 /// receives for an all-pairs setup before waiting on any, without deadlock (MSCCL++'s rule).
-/// Pendings of one (peer, tag) take the peer's messages in the order the pendings were created,
-/// whatever order they are waited in.
+/// Pendings of one kind on one (peer, tag) take the peer's messages of that kind in the order
+/// the pendings were created, whatever order they are waited in (see [`Communicator`] for the
+/// pairing rules).
 #[must_use = "a Pending does nothing until waited on"]
 pub struct Pending<T> {
     comm: Arc<CommInner>,
@@ -81,43 +84,62 @@ impl<T> Pending<T> {
     /// Receives (within the bootstrap's timeout) and builds the object.
     ///
     /// # Errors
-    /// The bootstrap's error (timeout, peer gone), a message of the wrong kind, or the object's
-    /// own construction error.
+    /// The bootstrap's error (timeout, peer gone), a message that is not the Communicator's, or
+    /// the object's own construction error.
     pub fn wait(self) -> Result<T> {
         let what = format!("waiting for {} from rank {} (tag {})", MsgKind::name(self.kind as u8), self.peer, self.tag);
+        let kind = self.kind as u8;
         let bytes = {
             let mut ch = lock(&self.chain);
-            while ch.received <= self.seq {
+            loop {
+                if let Some(b) = ch.stash.remove(&(kind, self.seq)) {
+                    break b;
+                }
                 let m = self
                     .comm
                     .bootstrap
                     .recv(self.peer, COMM_TAG_BASE + u64::from(self.tag))
                     .map_err(|e| e.during(what.clone()).with_peer(self.peer))?;
-                let n = ch.received;
-                ch.stash.insert(n, m);
-                ch.received += 1;
+                let k = match m.first() {
+                    Some(&k) if (MsgKind::Memory as u8..=MsgKind::Semaphore as u8).contains(&k) => k,
+                    other => {
+                        return Err(Error::invalid_usage(format!(
+                            "got {} from the peer: not a message of the Communicator",
+                            other.map_or("an empty message".to_string(), |k| format!("a message of kind {k}"))
+                        ))
+                        .during(what)
+                        .with_peer(self.peer));
+                    }
+                };
+                let n = ch.received.entry(k).or_default();
+                let seq = *n;
+                *n += 1;
+                ch.stash.insert((k, seq), m);
             }
-            ch.stash.remove(&self.seq).ok_or_else(|| Error::internal("pending message missing from the stash"))?
         };
-        match bytes.first() {
-            Some(&k) if k == self.kind as u8 => {}
-            other => {
-                return Err(Error::invalid_usage(format!(
-                    "got {} where {} was expected: the send and receive calls on the two ranks must pair up in \
-                     the same order for each (peer, tag)",
-                    other.map_or("an empty message", |k| MsgKind::name(*k)),
-                    MsgKind::name(self.kind as u8)
-                ))
-                .during(what)
-                .with_peer(self.peer));
-            }
-        }
         (self.finish)(&bytes[1..]).map_err(|e| e.during(what).with_peer(self.peer))
     }
 }
 
 /// Setup of a job's connections: registers memory, and exchanges memories, endpoints and
 /// semaphores with peers over a [`Bootstrap`].
+///
+/// # How sends and receives pair up
+/// Three kinds of object travel between two ranks: memories ([`send_memory`](Self::send_memory)
+/// on one side, [`recv_memory`](Self::recv_memory) on the other), endpoints (both sides call
+/// [`connect`](Self::connect), which sends one and receives one) and semaphores (both sides call
+/// `build_semaphore` on the connection). For one peer and one tag:
+/// * each kind pairs up on its own: the *n*-th memory that rank A sends to B on tag *t* is what
+///   B's *n*-th `recv_memory(A, t)` returns, and likewise for endpoints and semaphores;
+/// * the kinds do not pair with each other, so their calls may come in any order: one rank may
+///   `send_memory` then `connect` while the other calls `connect` then `recv_memory`;
+/// * different tags (or peers) are independent streams; use distinct tags to tell apart two
+///   memories or two connections to the same peer without relying on call order.
+///
+/// Sends go out at once; receives return a [`Pending`] resolved by [`Pending::wait`], so a rank
+/// can issue every send and receive of an all-pairs setup before waiting on any. A receive with
+/// no matching send times out after the bootstrap's timeout with an error naming the peer, the
+/// tag and the kind it waited for.
 ///
 /// C++ MSCCL++: `Communicator`.
 #[derive(Clone)]
@@ -199,8 +221,9 @@ impl Communicator {
         let chain = lock(&self.inner.chains).entry((peer, tag)).or_default().clone();
         let seq = {
             let mut c = lock(&chain);
-            c.issued += 1;
-            c.issued - 1
+            let n = c.issued.entry(kind as u8).or_default();
+            *n += 1;
+            *n - 1
         };
         Ok(Pending { comm: self.inner.clone(), chain, seq, peer, tag, kind, finish: Box::new(finish) })
     }
@@ -256,10 +279,17 @@ mod tests {
         // wait out of order: each still gets its own message
         assert_eq!(&pb.wait().unwrap(), b.memory());
         assert_eq!(&pa.wait().unwrap(), a.memory());
-        // a mismatched kind is a clear error
-        comm.send_msg(0, 1, MsgKind::Endpoint, b"x").unwrap();
-        let err = comm.recv_memory(0, 1).unwrap().wait().unwrap_err();
-        assert!(err.to_string().contains("pair up"), "{err}");
+        // kinds pair up on their own: a memory received while an endpoint message came first
+        comm.send_msg(0, 1, MsgKind::Endpoint, b"endpoint").unwrap();
+        comm.send_memory(a.memory(), 0, 1).unwrap();
+        assert_eq!(&comm.recv_memory(0, 1).unwrap().wait().unwrap(), a.memory());
+        // the endpoint message stayed for the endpoint receive
+        let ep = comm.pending(0, 1, MsgKind::Endpoint, |b| Ok(b.to_vec())).unwrap();
+        assert_eq!(ep.wait().unwrap(), b"endpoint");
+        // a message that is not the Communicator's is a clear error
+        comm.inner.bootstrap.send(0, COMM_TAG_BASE + 2, &[9, 9]).unwrap();
+        let err = comm.recv_memory(0, 2).unwrap().wait().unwrap_err();
+        assert!(err.to_string().contains("not a message of the Communicator"), "{err}");
         assert!(comm.recv_memory(3, 0).is_err());
     }
 }
