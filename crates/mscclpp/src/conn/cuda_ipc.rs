@@ -21,13 +21,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{ConnInner, Connection, ConnectionImpl};
+use crate::conn::endpoint::Endpoint;
 use crate::context::Context;
-use crate::endpoint::Endpoint;
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::{Event, GpuDevice, Stream};
 use crate::memory::{Mem, RegisteredMemory};
+use crate::platform::cuda::{Event, GpuDevice, Stream};
+use crate::platform::hostmem::Region;
 use crate::sync::{Deadline, lock};
-use crate::sys::hostmem::Region;
 use crate::transport::{Device, Transport};
 use ring::{IpcCore, TokenSlot};
 
@@ -41,7 +41,7 @@ struct SlotMem {
 impl SlotMem {
     fn new(dev: &Arc<GpuDevice>) -> Result<SlotMem> {
         Ok(SlotMem {
-            slots: crate::gpu::PinnedAlloc::region(dev, SLOTS * 8)?,
+            slots: crate::platform::cuda::PinnedAlloc::region(dev, SLOTS * 8)?,
             events: (0..SLOTS).map(|_| None).collect(),
         })
     }
@@ -257,11 +257,11 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     if remote.host_hash() != local.host_hash() {
         return Err(Error::invalid_usage("CUDA IPC connects ranks on one host; the peer is on another"));
     }
-    let dev = crate::gpu::device(ordinal)?;
+    let dev = crate::platform::cuda::device(ordinal)?;
     if remote.process_hash() == local.process_hash() {
         if let Device::Gpu(r) = remote.device() {
             // Same process, another GPU: the pointer path needs peer access.
-            let rdev = crate::gpu::device(r)?;
+            let rdev = crate::platform::cuda::device(r)?;
             dev.enable_peer_access(&rdev)?;
         }
     }

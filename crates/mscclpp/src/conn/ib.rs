@@ -23,15 +23,16 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
+use crate::buffer::Buffer;
+use crate::conn::endpoint::{Endpoint, EndpointKind};
 use crate::context::Context;
-use crate::endpoint::{Endpoint, EndpointKind};
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::TokenForwarder;
-use crate::ib::dev::{IbMr, IbQp, SendOp as Op, wc_status_text};
-use crate::ib::verbs::abi::*;
-use crate::memory::{Buffer, RegisteredMemory};
+use crate::memory::RegisteredMemory;
+use crate::platform::gdr::TokenForwarder;
+use crate::platform::hostmem::HostAlloc;
+use crate::platform::verbs::abi::*;
+use crate::platform::verbs::dev::{IbMr, IbQp, SendOp as Op, wc_status_text};
 use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
-use crate::sys::hostmem::HostAlloc;
 use crate::transport::{IbMode, Transport};
 use proto::{Completion, SendAccounting, SendLimits, TokenRebuild};
 
