@@ -42,11 +42,13 @@ use super::{ConnInner, Connection, ConnectionImpl};
 const QUEUE_WAIT: Duration = Duration::from_secs(30);
 /// How `flush` and a post into a full queue wait for completions. A NIC completes small
 /// operations within microseconds and large ones at line rate (a 64 MiB write takes ~3 ms at
-/// 200 Gb/s), so: spin 200 us, yield until 5 ms, then sleep in steps of 50 to 200 us, which
-/// notices the end of a long transfer within ~0.25 ms and leaves the core free while a peer
-/// stalls. (The shared `FAST` policy sleeps up to 1 ms, up to a third of a 3 ms transfer.)
+/// 200 Gb/s), so: spin 50 us, yield until 5 ms (as fast as spinning on an idle core, but
+/// threads that share it, such as the test provider's fabric, still run), then sleep in steps
+/// of 50 to 200 us, which notices the end of a long transfer within ~0.25 ms and leaves the
+/// core free while a peer stalls. (The shared `FAST` policy sleeps up to 1 ms, up to a third of
+/// a 3 ms transfer.)
 const COMPLETION_WAIT: BackoffPolicy = BackoffPolicy {
-    spin: Duration::from_micros(200),
+    spin: Duration::from_micros(50),
     yield_until: Duration::from_millis(5),
     sleep_min: Duration::from_micros(50),
     sleep_max: Duration::from_micros(200),
