@@ -83,10 +83,10 @@ impl CudaIpcConnection {
 
     /// A CUDA error breaks the connection: keep it for every later call.
     fn record<T>(&self, r: Result<T>) -> Result<T> {
-        if let Err(e) = &r {
-            if e.kind() == ErrorKind::Cuda {
-                lock(&self.failed).get_or_insert_with(|| e.duplicate());
-            }
+        if let Err(e) = &r
+            && e.kind() == ErrorKind::Cuda
+        {
+            lock(&self.failed).get_or_insert_with(|| e.duplicate());
         }
         r
     }
@@ -167,13 +167,10 @@ impl CudaIpcConnection {
     /// Copies the token from slot `i` once the event behind its last copy has passed, and
     /// records a new event behind this copy.
     fn token_by_event(&self, mem: &mut SlotMem, i: usize, addr: u64, value: u64) -> Result<()> {
-        if let Some(ev) = &mem.events[i] {
-            if !ev.wait(SLOT_WAIT)? {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!("a token slot's copy did not finish in {SLOT_WAIT:?}"),
-                ));
-            }
+        if let Some(ev) = &mem.events[i]
+            && !ev.wait(SLOT_WAIT)?
+        {
+            return Err(Error::new(ErrorKind::Timeout, format!("a token slot's copy did not finish in {SLOT_WAIT:?}")));
         }
         let p = mem.fill(i, value)?;
         self.stream.copy_htod(addr, p, 8)?;
@@ -258,12 +255,12 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         return Err(Error::invalid_usage("CUDA IPC connects ranks on one host; the peer is on another"));
     }
     let dev = crate::platform::cuda::device(ordinal)?;
-    if remote.process_hash() == local.process_hash() {
-        if let Device::Gpu(r) = remote.device() {
-            // Same process, another GPU: the pointer path needs peer access.
-            let rdev = crate::platform::cuda::device(r)?;
-            dev.enable_peer_access(&rdev)?;
-        }
+    if remote.process_hash() == local.process_hash()
+        && let Device::Gpu(r) = remote.device()
+    {
+        // Same process, another GPU: the pointer path needs peer access.
+        let rdev = crate::platform::cuda::device(r)?;
+        dev.enable_peer_access(&rdev)?;
     }
     let stream = ctx.inner().cuda_stream(&dev)?;
     let peer_desc = match peer {
