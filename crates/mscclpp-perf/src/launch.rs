@@ -73,18 +73,20 @@ pub fn run(args: &Args) -> Result<(), String> {
         return crate::p2p::run(args, Arc::new(bs), local_iface);
     }
     if let Some((rank, size, who)) = launcher_env(&env)? {
-        let root = match &args.bootstrap {
-            Some(b) => b.clone(),
+        let (root, from) = match &args.bootstrap {
+            Some(b) => (b.clone(), "--bootstrap".to_string()),
             None => match (env("MASTER_ADDR"), env("MASTER_PORT")) {
-                (Some(a), Some(p)) => format!("{a}:{p}"),
+                (Some(a), Some(p)) => (master_spec(&a, &p), format!("MASTER_ADDR={a:?} MASTER_PORT={p:?}")),
                 _ => {
                     return Err(format!(
-                        "started by {who} as rank {rank} of {size}, but no root address: pass --bootstrap ip:port or set \
-                         MASTER_ADDR and MASTER_PORT"
+                        "started by {who} as rank {rank} of {size}, but no root address: pass --bootstrap host:port or \
+                         set MASTER_ADDR and MASTER_PORT"
                     ));
                 }
             },
         };
+        // resolve here so that a bad name is reported with where it came from
+        mscclpp::net::parse_addr_spec(&root).map_err(|e| format!("bad bootstrap root address from {from}: {e}"))?;
         let _guard = init_tracing(rank)?;
         let bs = TcpBootstrap::config(rank, size)
             .timeout(args.timeout())
@@ -96,6 +98,16 @@ pub fn run(args: &Args) -> Result<(), String> {
         return crate::p2p::run(args, Arc::new(bs), args.interface.clone());
     }
     launch_local(args)
+}
+
+/// `MASTER_ADDR` and `MASTER_PORT` as one `host:port` spec (an IPv6 literal gets its brackets).
+fn master_spec(addr: &str, port: &str) -> String {
+    let a = addr.trim();
+    if a.contains(':') && !a.starts_with('[') {
+        format!("[{a}]:{}", port.trim())
+    } else {
+        format!("{a}:{}", port.trim())
+    }
 }
 
 /// Starts `--ranks` copies of this program on this machine and waits for them.

@@ -66,8 +66,27 @@ fn launcher_without_root_address_is_a_clear_error() {
 }
 
 #[test]
+fn unresolvable_master_addr_names_it() {
+    let out = perf()
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "no-such-host.invalid")
+        .env("MASTER_PORT", "29500")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("MASTER_ADDR=\"no-such-host.invalid\"") && err.contains("cannot resolve"), "{err}");
+    let out =
+        perf().args(["--bootstrap", "nohost.invalid:1"]).env("RANK", "1").env("WORLD_SIZE", "2").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--bootstrap") && err.contains("nohost.invalid"), "{err}");
+}
+
+#[test]
 fn torchrun_style_launch() {
-    // Two processes started "by a launcher": RANK/WORLD_SIZE and MASTER_ADDR/MASTER_PORT.
+    // Two processes started "by a launcher": RANK/WORLD_SIZE and MASTER_ADDR/MASTER_PORT, the
+    // address a host name as torchrun sets it.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let c: Vec<_> = (0..2)
         .map(|r| {
@@ -75,7 +94,7 @@ fn torchrun_style_launch() {
                 .args(["--max-bytes", "64", "--iters", "5", "--quiet", "--interface", "127.0.0.1", "--timeout", "20"])
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_ADDR", "localhost")
                 .env("MASTER_PORT", port.to_string())
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())

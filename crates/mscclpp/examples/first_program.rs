@@ -6,9 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use mscclpp::{
-    Bootstrap, Buffer, Communicator, EndpointConfig, Host2HostSemaphore, TcpBootstrap, Transport, UniqueId,
-};
+use mscclpp::{Bootstrap, Buffer, Communicator, EndpointConfig, Host2HostSemaphore, TcpBootstrap, Transport, UniqueId};
 
 fn rank_main(rank: usize, unique_id: &UniqueId) -> mscclpp::Result<()> {
     let peer = 1 - rank;

@@ -5,7 +5,7 @@
 //! loopback, then `docker*`, and loopback last. `MSCCLPP_SOCKET_FAMILY` restricts the family.
 //! IPv6 link-local addresses are skipped (they need a scope to be dialled).
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use crate::env::{IfnameFilter, SocketFamily};
@@ -108,20 +108,96 @@ pub fn resolve_interface(spec: &str) -> Result<IpAddr> {
         .ok_or_else(|| Error::invalid_usage(format!("no interface named {spec:?} with a usable address")))
 }
 
-/// Parses `"[iface:]ip:port"` (IPv6 as `[addr]:port`) into an address; with an interface prefix,
-/// the address must belong to... nothing: the prefix only names where to listen when this rank is
-/// the root, as in MSCCL++.
+/// Parses `"[iface:]host:port"` into an address, honouring `MSCCLPP_SOCKET_FAMILY`.
+///
+/// `host` is an IPv4 address, an IPv6 address in brackets (`[::1]:port`) or a host name
+/// (`localhost`, this machine's name), resolved through the system resolver. The interface
+/// prefix only names where to listen when this rank is the root, as in MSCCL++. See
+/// [`parse_addr_spec_with`] for the rules.
+///
+/// # Errors
+/// A malformed spec, a name that does not resolve, or one with no address of the family asked.
 pub fn parse_addr_spec(spec: &str) -> Result<(Option<String>, SocketAddr)> {
+    parse_addr_spec_with(spec, crate::env::env()?.socket_family)
+}
+
+/// [`parse_addr_spec`] with the family given rather than read from `MSCCLPP_SOCKET_FAMILY`.
+///
+/// A literal address must be of `family` (when one is given). A name is resolved with
+/// [`ToSocketAddrs`]; of its addresses, those of `family` are kept, and without a family the
+/// first IPv4 address is taken if there is one (every rank then picks the same address, as the
+/// interface order does), else the first IPv6 address.
+///
+/// # Errors
+/// As for [`parse_addr_spec`]; the message names the spec and, for a name, the resolver's error.
+pub fn parse_addr_spec_with(spec: &str, family: Option<SocketFamily>) -> Result<(Option<String>, SocketAddr)> {
     let s = spec.trim();
-    if let Ok(a) = s.parse::<SocketAddr>() {
-        return Ok((None, a));
+    let form = || {
+        Error::invalid_usage(format!(
+            "{spec:?} is not an address of the form [iface:]host:port (host: a name, an IPv4 address or \
+             [IPv6 address])"
+        ))
+    };
+    let (iface, host, port) = if let Ok(a) = s.parse::<SocketAddr>() {
+        (None, a.ip().to_string(), a.port())
+    } else {
+        let (left, port) = s.rsplit_once(':').ok_or_else(form)?;
+        let port: u16 = port.parse().map_err(|_| form())?;
+        let (iface, host) = if let Some(l) = left.strip_suffix(']') {
+            let (pre, h) = l.rsplit_once('[').ok_or_else(form)?;
+            let iface = match pre {
+                "" => None,
+                p => Some(p.strip_suffix(':').filter(|i| !i.is_empty() && !i.contains(':')).ok_or_else(form)?),
+            };
+            h.parse::<std::net::Ipv6Addr>().map_err(|_| form())?;
+            (iface, h)
+        } else {
+            match left.split_once(':') {
+                Some((i, h)) if !i.is_empty() && !h.contains(':') => (Some(i), h),
+                Some(_) => return Err(form()),
+                None => (None, left),
+            }
+        };
+        if host.is_empty() || host.contains(['[', ']', ' ']) {
+            return Err(form());
+        }
+        (iface.map(str::to_string), host.to_string(), port)
+    };
+    let ok_family = |a: &SocketAddr| match family {
+        Some(SocketFamily::Inet) => a.is_ipv4(),
+        Some(SocketFamily::Inet6) => a.is_ipv6(),
+        None => true,
+    };
+    let fam_name = match family {
+        Some(SocketFamily::Inet) => "AF_INET",
+        Some(SocketFamily::Inet6) => "AF_INET6",
+        None => "any",
+    };
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        let a = SocketAddr::new(ip, port);
+        if !ok_family(&a) {
+            return Err(Error::invalid_usage(format!(
+                "address {ip} in {spec:?} is not of the family MSCCLPP_SOCKET_FAMILY={fam_name} asks for"
+            )));
+        }
+        return Ok((iface, a));
     }
-    if let Some((iface, rest)) = s.split_once(':')
-        && let Ok(a) = rest.parse::<SocketAddr>()
-    {
-        return Ok((Some(iface.to_string()), a));
+    let all: Vec<SocketAddr> = (host.as_str(), port)
+        .to_socket_addrs()
+        .map_err(|e| Error::invalid_usage(format!("cannot resolve host name {host:?} in {spec:?}: {e}")))?
+        .collect();
+    let kept: Vec<&SocketAddr> = all.iter().filter(|a| ok_family(a)).collect();
+    let pick = kept.iter().find(|a| a.is_ipv4()).or_else(|| kept.first());
+    match pick {
+        Some(a) => Ok((iface, **a)),
+        None if all.is_empty() => {
+            Err(Error::invalid_usage(format!("host name {host:?} in {spec:?} resolves to no address")))
+        }
+        None => Err(Error::invalid_usage(format!(
+            "host name {host:?} in {spec:?} resolves only to {} (MSCCLPP_SOCKET_FAMILY={fam_name})",
+            all.iter().map(|a| a.ip().to_string()).collect::<Vec<_>>().join(", ")
+        ))),
     }
-    Err(Error::invalid_usage(format!("{spec:?} is not an address of the form [iface:]ip:port")))
 }
 
 /// The unspecified-address placeholder used where no address applies.
@@ -212,11 +288,57 @@ mod tests {
 
     #[test]
     fn addr_specs() {
-        assert_eq!(parse_addr_spec("127.0.0.1:80").unwrap(), (None, "127.0.0.1:80".parse().unwrap()));
-        assert_eq!(parse_addr_spec("eth0:10.1.2.3:9").unwrap(), (Some("eth0".into()), "10.1.2.3:9".parse().unwrap()));
-        assert_eq!(parse_addr_spec("[::1]:5").unwrap().1, "[::1]:5".parse().unwrap());
-        assert!(parse_addr_spec("nonsense").is_err());
-        assert!(parse_addr_spec("1.2.3.4").is_err());
+        let p = |s: &str| parse_addr_spec_with(s, None);
+        assert_eq!(p("127.0.0.1:80").unwrap(), (None, "127.0.0.1:80".parse().unwrap()));
+        assert_eq!(p("eth0:10.1.2.3:9").unwrap(), (Some("eth0".into()), "10.1.2.3:9".parse().unwrap()));
+        assert_eq!(p("[::1]:5").unwrap(), (None, "[::1]:5".parse().unwrap()));
+        assert_eq!(p("eth0:[fd00::2]:7").unwrap(), (Some("eth0".into()), "[fd00::2]:7".parse().unwrap()));
+        for bad in ["nonsense", "1.2.3.4", "host:", ":80", "host:99999", "::1:5", "a:b:c:5", "[::1:5", "[nope]:5"] {
+            let err = p(bad).unwrap_err();
+            assert!(err.to_string().contains(&format!("{bad:?}")), "{err}");
+        }
+    }
+
+    #[test]
+    fn host_names_resolve() {
+        // localhost: an IPv4 loopback address is preferred when no family is asked
+        let (i, a) = parse_addr_spec_with("localhost:1234", None).unwrap();
+        assert_eq!((i, a.port()), (None, 1234));
+        assert!(a.ip().is_loopback(), "{a}");
+        let (i, a) = parse_addr_spec_with("lo:localhost:9", Some(SocketFamily::Inet)).unwrap();
+        assert_eq!(i.as_deref(), Some("lo"));
+        assert!(a.is_ipv4() && a.ip().is_loopback(), "{a}");
+        // this machine's own name
+        let me = nix::unistd::gethostname().unwrap().into_string().unwrap();
+        let (_, a) = parse_addr_spec_with(&format!("{me}:80"), None).unwrap();
+        assert_eq!(a.port(), 80);
+        // a name that does not resolve names itself
+        let err = parse_addr_spec_with("no-such-host.invalid:80", None).unwrap_err();
+        assert!(err.to_string().contains("cannot resolve host name \"no-such-host.invalid\""), "{err}");
+        assert_eq!(err.kind(), ErrorKind::InvalidUsage);
+    }
+
+    #[test]
+    fn family_filtering() {
+        let v6 = Some(SocketFamily::Inet6);
+        let v4 = Some(SocketFamily::Inet);
+        assert!(parse_addr_spec_with("[::1]:5", v6).is_ok());
+        let err = parse_addr_spec_with("[::1]:5", v4).unwrap_err();
+        assert!(err.to_string().contains("AF_INET"), "{err}");
+        let err = parse_addr_spec_with("127.0.0.1:5", v6).unwrap_err();
+        assert!(err.to_string().contains("AF_INET6"), "{err}");
+        // a name with addresses of the other family only: the error lists what it resolved to
+        match "localhost:5".to_socket_addrs().map(|v| v.collect::<Vec<_>>()) {
+            Ok(v) if v.iter().all(|a| a.is_ipv4()) => {
+                let err = parse_addr_spec_with("localhost:5", v6).unwrap_err();
+                assert!(err.to_string().contains("resolves only to 127."), "{err}");
+            }
+            Ok(v) => {
+                let (_, a) = parse_addr_spec_with("localhost:5", v6).unwrap();
+                assert!(a.is_ipv6() && v.contains(&a), "{a}");
+            }
+            Err(e) => panic!("localhost does not resolve here: {e}"),
+        }
     }
 
     #[test]

@@ -212,3 +212,38 @@ fn communicator_memory_exchange() {
     }
     spawn_ranks("communicator_memory_exchange", 2, &[]).assert_success();
 }
+
+/// Launcher style: no UniqueId, only `MASTER_ADDR=localhost` and `MASTER_PORT`, as torchrun and
+/// Slurm scripts set them; every rank resolves the name and rank 0 binds the root there.
+#[test]
+fn master_addr_host_name_3_ranks() {
+    if let Some(r) = Rank::from_env() {
+        let addr = std::env::var("MASTER_ADDR").unwrap();
+        let port = std::env::var("MASTER_PORT").unwrap();
+        assert_eq!(addr, "localhost");
+        let bs = mscclpp::TcpBootstrap::config(r.rank, r.size)
+            .timeout(Duration::from_secs(60))
+            .initialize_with_addr(&format!("{addr}:{port}"))
+            .unwrap();
+        assert_eq!((bs.rank(), bs.size()), (r.rank, r.size));
+        let all = bs.all_gather(format!("rank{}", r.rank).as_bytes()).unwrap();
+        for (i, m) in all.iter().enumerate() {
+            assert_eq!(m, format!("rank{i}").as_bytes());
+        }
+        bs.barrier().unwrap();
+        return;
+    }
+    // a free port (the harness's own root is not used; its 1 s wait for ranks then lapses)
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let env = [("MASTER_ADDR", "localhost".to_string()), ("MASTER_PORT", port.to_string())];
+    spawn_some("master_addr_host_name_3_ranks", 3, &[0, 1, 2], Duration::from_secs(1), &env, Duration::from_secs(120))
+        .assert_success();
+}
+
+/// A root name that does not resolve is an error naming it, before any wait.
+#[test]
+fn unresolvable_root_name_is_a_clear_error() {
+    let err = mscclpp::TcpBootstrap::initialize_with_addr(1, 2, "no-such-host.invalid:29500").unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidUsage);
+    assert!(err.to_string().contains("no-such-host.invalid"), "{err}");
+}

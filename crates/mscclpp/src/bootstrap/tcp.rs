@@ -466,7 +466,8 @@ impl TcpBootstrapConfig {
         res
     }
 
-    /// Joins the job whose root listens at `"[iface:]ip:port"`; rank 0 binds that address.
+    /// Joins the job whose root listens at `"[iface:]host:port"` (see [`crate::net::parse_addr_spec`]:
+    /// host names and `[IPv6]` literals are accepted); rank 0 binds that address.
     ///
     /// This form has no per-job secret (all jobs on the address share one fixed key), as in
     /// MSCCL++; prefer a [`UniqueId`] where other users share the network.
@@ -553,7 +554,7 @@ impl TcpBootstrap {
         Self::config(rank, size).initialize(id)
     }
 
-    /// Joins the job whose root listens at `"[iface:]ip:port"`, with the default timeout.
+    /// Joins the job whose root listens at `"[iface:]host:port"`, with the default timeout.
     pub fn initialize_with_addr(rank: usize, size: usize, spec: &str) -> Result<TcpBootstrap> {
         Self::config(rank, size).initialize_with_addr(spec)
     }
