@@ -9,9 +9,10 @@
 //! | `MSCCLPP_SOCKET_IFNAME` | interface prefixes to use (`^` excludes, `=` asks an exact name) |
 //! | `MSCCLPP_SOCKET_FAMILY` | `AF_INET` or `AF_INET6` |
 //! | `MSCCLPP_HOSTID` | replaces hostname + boot id in the host identity |
-//! | `MSCCLPP_LOG_LEVEL` | `NONE`, `ERROR`, `WARN`, `INFO`, `DEBUG`, `TRACE` (default `WARN`) |
-//! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts |
-//! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr |
+//! | `MSCCLPP_LOG_LEVEL` | `NONE`, `ERROR`, `WARN`, `INFO`, `DEBUG`, `TRACE` (default `WARN`; NCCL's `VERSION` reads as `WARN`, `ABORT` as `ERROR`) |
+//! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts; MSCCL++/NCCL's `INIT` means `BOOTSTRAP`, `P2P` means `CONN`; other names (`EXEC`, `NCCL`, `GRAPH`, ...) are ignored with a warning |
+//! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr; `%h`, `%p`, `%r` become host, pid, rank (`-` until the bootstrap sets it), `%%` a `%` |
+//! | `MSCCLPP_DEBUG`, `MSCCLPP_DEBUG_SUBSYS` | deprecated MSCCL++ names of `MSCCLPP_LOG_LEVEL`, `MSCCLPP_LOG_SUBSYS` (read with a warning when the new name is unset) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
 //! Booleans accept `0/1/true/false/yes/no/on/off` (MSCCL++ reads `false` as true).
@@ -107,12 +108,54 @@ pub struct Env {
     pub log_level: Option<LogLevel>,
     /// `MSCCLPP_LOG_SUBSYS`: `(inverted, names)`.
     pub log_subsys: Option<(bool, Vec<String>)>,
-    /// `MSCCLPP_LOG_FILE`.
+    /// `MSCCLPP_LOG_FILE` (a pattern: `%h`, `%p`, `%r` not yet expanded).
     pub log_file: Option<PathBuf>,
+    /// Warnings about the log settings (deprecated names, subsystems this library does not have),
+    /// printed once by `init_logging`.
+    pub log_warnings: Vec<String>,
 }
 
-/// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts.
+/// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts as this library's own.
 pub const LOG_SUBSYSTEMS: [&str; 7] = ["ENV", "GPU", "NET", "CONN", "IB", "BOOTSTRAP", "PROXY"];
+
+/// MSCCL++ and NCCL subsystem names that have a counterpart here, and that counterpart.
+pub const LOG_SUBSYSTEM_ALIASES: [(&str, &str); 2] = [("INIT", "BOOTSTRAP"), ("P2P", "CONN")];
+
+fn parse_level(var: &str, v: &str) -> Result<LogLevel> {
+    Ok(match v.trim().to_ascii_uppercase().as_str() {
+        "NONE" | "OFF" => LogLevel::None,
+        "ERROR" | "ABORT" => LogLevel::Error,
+        "WARN" | "WARNING" | "VERSION" => LogLevel::Warn,
+        "INFO" => LogLevel::Info,
+        "DEBUG" => LogLevel::Debug,
+        "TRACE" => LogLevel::Trace,
+        _ => return Err(bad(var, v, "expected NONE, ERROR, WARN, INFO, DEBUG or TRACE")),
+    })
+}
+
+/// `(inverted, our names)` and the names with no counterpart here.
+fn parse_subsys(v: &str) -> ((bool, Vec<String>), Vec<String>) {
+    let t = v.trim();
+    let (inv, body) = match t.strip_prefix('^') {
+        Some(b) => (true, b),
+        None => (false, t),
+    };
+    let (mut names, mut ignored) = (Vec::new(), Vec::new());
+    for n in body.split(',').map(|s| s.trim().to_ascii_uppercase()).filter(|n| !n.is_empty()) {
+        let ours = if n == "ALL" || LOG_SUBSYSTEMS.contains(&n.as_str()) {
+            Some(n.clone())
+        } else {
+            LOG_SUBSYSTEM_ALIASES.iter().find(|(a, _)| *a == n).map(|(_, o)| o.to_string())
+        };
+        match ours {
+            Some(o) if !names.contains(&o) => names.push(o),
+            Some(_) => {}
+            None if !ignored.contains(&n) => ignored.push(n),
+            None => {}
+        }
+    }
+    ((inv, names), ignored)
+}
 
 fn bad(var: &str, value: &str, why: impl std::fmt::Display) -> Error {
     Error::invalid_usage(format!("environment variable {var}={value:?} is not valid: {why}"))
@@ -159,37 +202,36 @@ impl Env {
             });
         }
         env.host_id = get("MSCCLPP_HOSTID");
-        if let Some(v) = get("MSCCLPP_LOG_LEVEL") {
-            env.log_level = Some(match v.trim().to_ascii_uppercase().as_str() {
-                "NONE" | "OFF" => LogLevel::None,
-                "ERROR" => LogLevel::Error,
-                "WARN" | "WARNING" => LogLevel::Warn,
-                "INFO" => LogLevel::Info,
-                "DEBUG" => LogLevel::Debug,
-                "TRACE" => LogLevel::Trace,
-                _ => return Err(bad("MSCCLPP_LOG_LEVEL", &v, "expected NONE, ERROR, WARN, INFO, DEBUG or TRACE")),
-            });
-        }
-        if let Some(v) = get("MSCCLPP_LOG_SUBSYS") {
-            let t = v.trim();
-            let (inv, body) = match t.strip_prefix('^') {
-                Some(b) => (true, b),
-                None => (false, t),
-            };
-            let mut names = Vec::new();
-            for n in body.split(',').map(|s| s.trim().to_ascii_uppercase()) {
-                if n == "ALL" || LOG_SUBSYSTEMS.contains(&n.as_str()) {
-                    names.push(n);
-                } else {
-                    return Err(bad(
-                        "MSCCLPP_LOG_SUBSYS",
-                        &v,
-                        format!("unknown subsystem {n:?}; known: {}, ALL", LOG_SUBSYSTEMS.join(", ")),
-                    ));
-                }
+        let deprecated = |new: &str, old: &str, warnings: &mut Vec<String>| match (get(new), get(old)) {
+            (Some(v), Some(_)) => {
+                warnings.push(format!("{old} is deprecated and ignored: {new} is set and wins"));
+                Some((new.to_string(), v))
             }
-            env.log_subsys = Some((inv, names));
+            (Some(v), None) => Some((new.to_string(), v)),
+            (None, Some(v)) => {
+                warnings.push(format!("{old} is deprecated: use {new} (read {old}={v:?} as {new})"));
+                Some((old.to_string(), v))
+            }
+            (None, None) => None,
+        };
+        let mut warnings = Vec::new();
+        if let Some((var, v)) = deprecated("MSCCLPP_LOG_LEVEL", "MSCCLPP_DEBUG", &mut warnings) {
+            env.log_level = Some(parse_level(&var, &v)?);
         }
+        if let Some((var, v)) = deprecated("MSCCLPP_LOG_SUBSYS", "MSCCLPP_DEBUG_SUBSYS", &mut warnings) {
+            let (sel, ignored) = parse_subsys(&v);
+            if !ignored.is_empty() {
+                warnings.push(format!(
+                    "{var}: subsystem(s) {} have no counterpart in this library and are ignored (known: {}, ALL; \
+                     {})",
+                    ignored.join(", "),
+                    LOG_SUBSYSTEMS.join(", "),
+                    LOG_SUBSYSTEM_ALIASES.iter().map(|(a, o)| format!("{a} means {o}")).collect::<Vec<_>>().join(", ")
+                ));
+            }
+            env.log_subsys = Some(sel);
+        }
+        env.log_warnings = warnings;
         env.log_file = get("MSCCLPP_LOG_FILE").map(PathBuf::from);
         Ok(env)
     }
@@ -249,13 +291,46 @@ mod tests {
             ("MSCCLPP_IBV_MODE", "atomic"),
             ("MSCCLPP_SOCKET_FAMILY", "AF_UNIX"),
             ("MSCCLPP_LOG_LEVEL", "LOUD"),
-            ("MSCCLPP_LOG_SUBSYS", "NET,DISK"),
             ("MSCCLPP_HCA_DEVICES", "mlx5_0,,mlx5_1"),
         ] {
             let err = parse(&[(k, v)]).unwrap_err();
             assert!(err.to_string().contains(k), "{err}");
             assert_eq!(err.kind(), crate::ErrorKind::InvalidUsage);
         }
+    }
+
+    #[test]
+    fn msccl_subsystem_names_are_mapped_or_ignored_with_a_warning() {
+        let e = parse(&[("MSCCLPP_LOG_SUBSYS", "exec,NET,NCCL,init,P2P,conn,EXEC")]).unwrap();
+        assert_eq!(e.log_subsys, Some((false, vec!["NET".to_string(), "BOOTSTRAP".to_string(), "CONN".to_string()])));
+        assert_eq!(e.log_warnings.len(), 1, "{:?}", e.log_warnings);
+        assert!(e.log_warnings[0].contains("EXEC, NCCL have no counterpart"), "{:?}", e.log_warnings);
+        let e = parse(&[("MSCCLPP_LOG_SUBSYS", "ALL")]).unwrap();
+        assert!(e.log_warnings.is_empty());
+        let e = parse(&[("MSCCLPP_LOG_SUBSYS", "^GRAPH")]).unwrap();
+        assert_eq!(e.log_subsys, Some((true, vec![])));
+    }
+
+    #[test]
+    fn deprecated_debug_names_are_read_with_a_warning() {
+        let e = parse(&[("MSCCLPP_DEBUG", "INFO"), ("MSCCLPP_DEBUG_SUBSYS", "NET")]).unwrap();
+        assert_eq!(e.log_level, Some(LogLevel::Info));
+        assert_eq!(e.log_subsys, Some((false, vec!["NET".to_string()])));
+        assert_eq!(e.log_warnings.len(), 2);
+        assert!(
+            e.log_warnings[0].contains("MSCCLPP_DEBUG is deprecated: use MSCCLPP_LOG_LEVEL"),
+            "{:?}",
+            e.log_warnings
+        );
+        // the new name wins
+        let e = parse(&[("MSCCLPP_DEBUG", "TRACE"), ("MSCCLPP_LOG_LEVEL", "error")]).unwrap();
+        assert_eq!(e.log_level, Some(LogLevel::Error));
+        assert!(e.log_warnings[0].contains("ignored"), "{:?}", e.log_warnings);
+        // NCCL's level names
+        assert_eq!(parse(&[("MSCCLPP_DEBUG", "VERSION")]).unwrap().log_level, Some(LogLevel::Warn));
+        // a bad value names the variable it came from
+        let err = parse(&[("MSCCLPP_DEBUG", "LOUD")]).unwrap_err();
+        assert!(err.to_string().contains("MSCCLPP_DEBUG="), "{err}");
     }
 
     #[test]

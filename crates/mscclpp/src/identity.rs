@@ -31,6 +31,24 @@ fn compute_host_hash() -> u64 {
     fnv1a64(&[host.as_bytes(), boot.trim().as_bytes()])
 }
 
+/// The rank [`TcpBootstrap`](crate::TcpBootstrap) gave this process (the last one initialized),
+/// `usize::MAX` before; log lines and `MSCCLPP_LOG_FILE`'s `%r` show it.
+static PROCESS_RANK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// This process's rank in its job, once a [`TcpBootstrap`](crate::TcpBootstrap) has been
+/// initialized (the latest one when there are several); `None` before.
+pub fn process_rank() -> Option<usize> {
+    match PROCESS_RANK.load(std::sync::atomic::Ordering::Relaxed) {
+        usize::MAX => None,
+        r => Some(r),
+    }
+}
+
+/// Records this process's rank for [`process_rank`] (called by the bootstrap).
+pub(crate) fn set_process_rank(rank: usize) {
+    PROCESS_RANK.store(rank, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// A hash that is equal for two processes exactly when they run on the same host (the same
 /// hostname and boot), or that `MSCCLPP_HOSTID` sets.
 pub fn host_hash() -> u64 {

@@ -104,7 +104,7 @@ pub use conn::endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
 pub use context::Context;
 pub use error::{Error, ErrorContext, ErrorKind, Result};
-pub use identity::{host_hash, process_hash};
+pub use identity::{host_hash, process_hash, process_rank};
 #[cfg(feature = "logging")]
 pub use logging::init_logging;
 pub use memory::{IbMrInfo, RegisteredMemory};

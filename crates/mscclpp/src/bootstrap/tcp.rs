@@ -460,6 +460,9 @@ impl TcpBootstrapConfig {
             root = Some(RootServer::spawn(listener, self.size, id.secret, self.timeout)?);
         }
         let res = TcpBootstrap::join(&self, id.root, id.secret);
+        if res.is_ok() {
+            crate::identity::set_process_rank(self.rank);
+        }
         if let Some(r) = root {
             r.join();
         }
@@ -495,6 +498,9 @@ impl TcpBootstrapConfig {
             root = Some(RootServer::spawn(sock.into(), self.size, secret, self.timeout)?);
         }
         let res = TcpBootstrap::join(&self, addr, secret);
+        if res.is_ok() {
+            crate::identity::set_process_rank(self.rank);
+        }
         if let Some(r) = root {
             r.join();
         }
