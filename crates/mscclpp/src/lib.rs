@@ -84,8 +84,8 @@ pub mod fuzzing {
 
 pub use bootstrap::{Bootstrap, RESERVED_TAG_BASE, RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
 pub use communicator::{Communicator, Pending};
-pub use conn::Connection;
 pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
+pub use conn::{Connection, Progress};
 pub use context::Context;
 pub use endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use error::{Error, ErrorContext, ErrorKind, Result};

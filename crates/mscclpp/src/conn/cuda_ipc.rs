@@ -58,6 +58,17 @@ pub(crate) struct CudaIpcConnection {
     ring: Mutex<Option<SlotRing>>,
     peer_desc: String,
     max_queue: usize,
+    /// Completion marks for [`ConnectionImpl::progress`]: events recorded behind operation
+    /// `seq`, oldest first, and spare events to reuse.
+    marks: Mutex<Marks>,
+}
+
+#[derive(Default)]
+struct Marks {
+    pending: std::collections::VecDeque<(u64, Event)>,
+    spare: Vec<Event>,
+    /// Every operation up to this one is known complete.
+    done: u64,
 }
 
 impl CudaIpcConnection {
@@ -222,6 +233,40 @@ impl ConnectionImpl for CudaIpcConnection {
     fn outstanding(&self) -> u64 {
         self.issued.load(Ordering::Relaxed).saturating_sub(self.flushed.load(Ordering::Relaxed))
     }
+
+    /// Completion from events recorded behind requested positions (so it advances under
+    /// continuous traffic) and from an idle stream (`cuStreamQuery`); neither blocks.
+    fn progress(&self, request: bool) -> Result<super::Progress> {
+        self.check_failed()?;
+        let issued = self.issued.load(Ordering::Acquire);
+        let mut m = lock(&self.marks);
+        while let Some((seq, ev)) = m.pending.front() {
+            if !self.record(ev.done())? {
+                break;
+            }
+            let seq = *seq;
+            m.done = m.done.max(seq);
+            if let Some((_, ev)) = m.pending.pop_front() {
+                m.spare.push(ev);
+            }
+        }
+        let mut done = m.done.max(self.flushed.load(Ordering::Acquire));
+        if done < issued && m.pending.is_empty() && self.record(self.stream.idle())? {
+            // Everything issued before the query has finished (the stream may carry other
+            // connections' work too: completion is then only later, never earlier).
+            done = issued;
+            m.done = issued;
+        }
+        if request && done < issued && m.pending.back().is_none_or(|(s, _)| *s < issued) {
+            let ev = match m.spare.pop() {
+                Some(e) => e,
+                None => self.record(Event::new(&self.dev))?,
+            };
+            self.record(self.stream.record(&ev))?;
+            m.pending.push_back((issued, ev));
+        }
+        Ok(super::Progress { issued, completed: done })
+    }
 }
 
 /// Builds a CUDA IPC connection.
@@ -254,6 +299,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         ring: Mutex::new(None),
         peer_desc: peer_desc.clone(),
         max_queue: local.max_write_queue_size(),
+        marks: Mutex::new(Marks::default()),
     };
     Ok(Connection::from_inner(ConnInner {
         imp: Box::new(conn),

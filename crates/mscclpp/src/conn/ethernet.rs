@@ -35,7 +35,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -485,6 +485,8 @@ struct Shared {
     /// A clone of the incoming socket once it arrived, for shutdown.
     in_ctl: Mutex<Option<TcpStream>>,
     stop: AtomicBool,
+    /// Sequence number of the last acknowledgement probe queued by `progress(true)`.
+    ack_asked: AtomicU64,
     /// Pinned staging per GPU for the sender.
     stagers: Mutex<HashMap<u32, Stager>>,
     max_queue: u64,
@@ -970,6 +972,25 @@ impl ConnectionImpl for EthernetConnection {
         let st = lock(&self.sh.st);
         st.issued - st.applied
     }
+
+    /// Acknowledgements come every 256 frames or when asked: a request queues one probe (a frame
+    /// asking for an acknowledgement) unless one is already queued behind everything issued.
+    fn progress(&self, request: bool) -> Result<super::Progress> {
+        let (issued, applied) = {
+            let st = lock(&self.sh.st);
+            if let Some(e) = &st.failed {
+                return Err(e.duplicate());
+            }
+            (st.issued, st.applied)
+        };
+        if request && applied < issued && self.sh.ack_asked.load(Ordering::Acquire) < issued {
+            self.sh.enqueue(Op::Nop)?;
+            // The probe's number is at least `issued + 1` and its acknowledgement covers all
+            // before it: a later request with nothing new issued (the probe itself) skips.
+            self.sh.ack_asked.fetch_max(issued + 1, Ordering::AcqRel);
+        }
+        Ok(super::Progress { issued, completed: applied })
+    }
 }
 
 impl Drop for EthernetConnection {
@@ -1028,6 +1049,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         out_ctl,
         in_ctl: Mutex::new(None),
         stop: AtomicBool::new(false),
+        ack_asked: AtomicU64::new(0),
         stagers: Mutex::new(HashMap::new()),
         max_queue,
         peer_desc: peer_desc.clone(),

@@ -481,6 +481,16 @@ impl ConnectionImpl for IbConnection {
         let st = lock(&self.state);
         st.posted - st.completed
     }
+
+    /// Polls the send CQ once (every post's last WR is signalled, so completion needs no request).
+    fn progress(&self, _request: bool) -> Result<super::Progress> {
+        self.check()?;
+        let mut st = lock(&self.state);
+        if st.completed < st.posted {
+            self.poll(&mut st)?;
+        }
+        Ok(super::Progress { issued: st.posted, completed: st.completed })
+    }
 }
 
 impl Drop for IbConnection {

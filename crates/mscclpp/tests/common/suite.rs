@@ -152,6 +152,7 @@ macro_rules! connection_suite {
         $crate::connection_suite!(@one $h, signal_follows_its_writes, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, atomic_add_from_both_sides_sums_exactly, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, many_writes_past_the_queue_bound, 2, 0, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, progress_reaches_requested_positions, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, four_ranks_all_to_all, 4, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, bad_writes_are_invalid_usage_and_send_nothing, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, peer_gone_mid_transfer, 2, 0, true $(, #[$m])*);
@@ -323,6 +324,53 @@ pub fn many_writes_past_the_queue_bound(r: &Rank, h: &Harness) {
     } else {
         s.sems[0].as_ref().unwrap().wait(T).unwrap();
         assert!(s.local.to_vec() == pattern(9, 1 << 16));
+    }
+    s.bs.barrier().unwrap();
+}
+
+/// The non-blocking completion sequence: a position taken with `request_progress` is reached by
+/// polling `progress` alone (no flush), under more traffic issued behind it, and every write up to
+/// it has landed by then; `completed` never passes `issued` and never goes back.
+pub fn progress_reaches_requested_positions(r: &Rank, h: &Harness) {
+    let len = 1 << 16;
+    let s = setup(r, h, len, Some(32));
+    if r.rank == 0 {
+        let conn = s.conns[1].as_ref().unwrap();
+        let dst = s.remote[1].as_ref().unwrap();
+        let src = Buffer::new(s.comm.context(), len, h.flags()).unwrap();
+        src.write(0, &pattern(11, len)).unwrap();
+        let p0 = conn.progress().unwrap();
+        assert_eq!(p0.completed, p0.issued, "a fresh connection has nothing outstanding: {p0:?}");
+        let mut last = p0.completed;
+        for round in 0..50u64 {
+            // Half the buffer per round, then a position, then more traffic behind it.
+            let off = (round % 2) * (len as u64 / 2);
+            for k in 0..8u64 {
+                let chunk = len as u64 / 16;
+                conn.write(dst, off + k * chunk, src.memory(), off + k * chunk, chunk).unwrap();
+            }
+            let pos = conn.request_progress().unwrap();
+            assert!(pos >= 8 * (round + 1), "position {pos} after {} writes", 8 * (round + 1));
+            conn.write(dst, 0, src.memory(), 0, 8).unwrap();
+            let t0 = Instant::now();
+            loop {
+                let p = conn.progress().unwrap();
+                assert!(p.completed <= p.issued && p.completed >= last, "{p:?} after {last}");
+                last = p.completed;
+                if p.completed >= pos {
+                    break;
+                }
+                assert!(t0.elapsed() < T, "round {round}: completed {p:?} never reached {pos}");
+                std::thread::yield_now();
+            }
+        }
+        conn.flush(T).unwrap();
+        let p = conn.progress().unwrap();
+        assert_eq!(p.completed, p.issued, "after a flush: {p:?}");
+        s.sems[1].as_ref().unwrap().signal().unwrap();
+    } else {
+        s.sems[0].as_ref().unwrap().wait(T).unwrap();
+        assert!(s.local.to_vec() == pattern(11, len), "a write reported complete has not landed");
     }
     s.bs.barrier().unwrap();
 }
