@@ -112,6 +112,11 @@ impl Connection {
         Connection { inner: Arc::new(inner) }
     }
 
+    /// Whether `other` is a clone of this connection.
+    pub(crate) fn same_as(&self, other: &Connection) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Names the operation, this connection's transport and, where known, the peer in `e`.
     pub(crate) fn ctx_err(&self, e: Error, op: &str) -> Error {
         let e = e.during(op.to_string()).with_transport(self.inner.transport);
