@@ -11,7 +11,7 @@ use super::handles::FifoDeviceHandle;
 use super::trigger::{COMMIT_BIT, ProxyTrigger};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::sys::hostmem::{HostAlloc, Region};
+use crate::platform::hostmem::{HostAlloc, Region};
 
 /// MSCCL++'s default FIFO size.
 pub const DEFAULT_FIFO_SIZE: u32 = 512;
@@ -22,7 +22,7 @@ pub struct Fifo {
     ctrl: Region,
     /// Host-backed FIFOs: the head counter (device memory otherwise).
     host_head: Arc<AtomicU64>,
-    dev: Option<(crate::gpu::DeviceBuffer, crate::gpu::DeviceBuffer)>,
+    dev: Option<(crate::buffer::DeviceBuffer, crate::buffer::DeviceBuffer)>,
     size: u32,
     shift: u32,
 }
@@ -44,13 +44,13 @@ impl Fifo {
     /// A FIFO for kernels on GPU `device`.
     pub fn new(ctx: &Context, device: u32, size: u32) -> Result<Fifo> {
         let shift = check_size(size)?;
-        let dev = crate::gpu::device(device)?;
-        let ring = crate::gpu::PinnedAlloc::region(&dev, size as usize * 16)?;
+        let dev = crate::platform::cuda::device(device)?;
+        let ring = crate::platform::cuda::PinnedAlloc::region(&dev, size as usize * 16)?;
         ring.fill(0, size as u64 * 16, 0)?;
-        let ctrl = crate::gpu::PinnedAlloc::region(&dev, 4096)?;
+        let ctrl = crate::platform::cuda::PinnedAlloc::region(&dev, 4096)?;
         ctrl.fill(0, 4096, 0)?;
-        let head = crate::gpu::DeviceBuffer::new(ctx, device, 8, crate::TransportFlags::NONE)?;
-        let cache = crate::gpu::DeviceBuffer::new(ctx, device, 8, crate::TransportFlags::NONE)?;
+        let head = crate::buffer::DeviceBuffer::new(ctx, device, 8, crate::TransportFlags::NONE)?;
+        let cache = crate::buffer::DeviceBuffer::new(ctx, device, 8, crate::TransportFlags::NONE)?;
         Ok(Fifo { ring, ctrl, host_head: Arc::new(AtomicU64::new(0)), dev: Some((head, cache)), size, shift })
     }
 

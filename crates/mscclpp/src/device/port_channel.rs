@@ -7,7 +7,7 @@
 use super::handles::{BasePortChannelDeviceHandle, PortChannelDeviceHandle};
 use super::proxy::{MemoryId, ProxyService, SemaphoreId};
 use crate::error::{Error, Result};
-use crate::gpu::DeviceBuffer;
+use crate::buffer::DeviceBuffer;
 
 /// A channel between two memories registered in a [`ProxyService`], over the connection of one
 /// of its semaphores. Built by [`ProxyService::port_channel`].

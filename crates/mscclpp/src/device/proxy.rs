@@ -61,7 +61,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
 use crate::semaphore::{Host2DeviceSemaphore, Semaphore};
 use crate::sync::lock;
-use crate::sys::hostmem::Region;
+use crate::platform::hostmem::Region;
 use crate::transport::Transport;
 
 const LOG: &str = "mscclpp::proxy";
@@ -278,8 +278,8 @@ impl ProxyService {
     /// without a driver).
     pub fn new(ctx: &Context, device: u32, config: ProxyConfig) -> Result<ProxyService> {
         let fifo = Fifo::new(ctx, device, config.fifo_size)?;
-        let dev = crate::gpu::device(device)?;
-        let words = crate::gpu::PinnedAlloc::region(&dev, MAX_CONNS * 8)?;
+        let dev = crate::platform::cuda::device(device)?;
+        let words = crate::platform::cuda::PinnedAlloc::region(&dev, MAX_CONNS * 8)?;
         words.fill(0, (MAX_CONNS * 8) as u64, 0)?;
         let mut s = Self::with_parts(fifo, words, Some(device), config);
         s.ctx = Some(ctx.clone());
@@ -294,7 +294,7 @@ impl ProxyService {
     /// `InvalidUsage` for a FIFO size that is not a power of two; allocation errors.
     pub fn host_backed(config: ProxyConfig) -> Result<ProxyService> {
         let fifo = Fifo::host_backed(config.fifo_size)?;
-        let alloc = Arc::new(crate::sys::hostmem::HostAlloc::zeroed(MAX_CONNS * 8)?);
+        let alloc = Arc::new(crate::platform::hostmem::HostAlloc::zeroed(MAX_CONNS * 8)?);
         let words = Region::owned(alloc, MAX_CONNS * 8);
         Ok(Self::with_parts(fifo, words, None, config))
     }
@@ -537,12 +537,12 @@ impl Worker {
     fn init(&self) -> Result<()> {
         if let Some(d) = self.device {
             if let Some(n) = crate::gpu::numa_node(d) {
-                if let Err(e) = crate::sys::numa::bind_thread_to_node(n) {
+                if let Err(e) = crate::platform::numa::bind_thread_to_node(n) {
                     warn!(target: LOG, "proxy thread: could not bind to NUMA node {n}: {e}");
                 }
             }
-            crate::gpu::device(d)?.bind()?;
-            crate::gpu::relax_stream_capture_mode()?;
+            crate::platform::cuda::device(d)?.bind()?;
+            crate::platform::cuda::relax_stream_capture_mode()?;
         }
         Ok(())
     }
