@@ -46,6 +46,7 @@ mod bootstrap;
 mod communicator;
 mod conn;
 mod context;
+pub mod device;
 mod endpoint;
 pub mod env;
 mod error;
