@@ -1,0 +1,120 @@
+//! The device header against the Rust side, without a GPU:
+//! - compiled by the host C++ compiler (device code gated off), every size, alignment and offset
+//!   of the handles equals the Rust `#[repr(C)]` one, and the header's host-callable
+//!   `ProxyTrigger` constructors produce the same bits as the Rust encoders;
+//! - compiled by NVRTC (with a kernel that calls every device method) to PTX for compute_90, and
+//!   assembled by `ptxas` for sm_90 when it is available (that is what checks the inline PTX).
+//!
+//! Without g++ or NVRTC the tests print why and pass, except in CI (`CI` set), where they fail.
+use std::path::PathBuf;
+use std::process::Command;
+
+use mscclpp::device::handles::layout_table;
+use mscclpp::device::trigger::ProxyTrigger;
+
+fn in_ci() -> bool {
+    std::env::var_os("CI").is_some()
+}
+
+fn skip(test: &str, why: &str) {
+    assert!(!in_ci(), "{test} cannot run in CI: {why}");
+    println!("SKIPPED {test}: {why}");
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("mscclpp-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Trigger constructor arguments: (type, dstId, dstOffset, srcId, srcOffset, bytes, semaphoreId).
+const TRIGGER_CASES: &[(u64, u32, u64, u32, u64, u64, u32)] = &[
+    (1, 0, 0, 0, 0, 0, 0),
+    (1, 1, 2, 3, 4, 5, 6),
+    (3, 511, 0xffff_ffff, 511, 0xffff_ffff, 0xffff_ffff, 1023),
+    (7, 17, 0x1234_5678, 300, 0x9abc_def0, 4096, 512),
+    (2, 0, 0, 0, 0, 0, 1),
+    (4, 0, 0, 0, 0, 0, 1023),
+    (5, 9, 64, 8, 128, 1 << 20, 77),
+    (6, 0, 0, 0, 0, 0, 3),
+    // Values wider than their fields: both sides mask.
+    (15, 1023, 0x1_0000_0001, 513, 0x1_0000_0002, 0x1_0000_0003, 2047),
+];
+/// atomicAdd arguments: (dstId, dstOffset, value, semaphoreId).
+const ATOMIC_CASES: &[(u32, u64, i64, u32)] = &[(0, 0, 0, 0), (7, 64, -3, 5), (511, 0xffff_ffff, i64::MIN, 1023)];
+
+#[test]
+fn header_layout_and_trigger_bits_match_rust() {
+    let rows = layout_table();
+    let mut c = String::from(
+        "#include <cstdio>\n#include <cstddef>\n#include \"mscclpp_rs/device.cuh\"\nusing namespace mscclpp;\nint main(){\n",
+    );
+    for (s, f, _) in &rows {
+        match *f {
+            "sizeof" | "alignof" => c.push_str(&format!("printf(\"%zu\\n\", (size_t){f}({s}));\n")),
+            _ => c.push_str(&format!("printf(\"%zu\\n\", offsetof({s}, {f}));\n")),
+        }
+    }
+    for (ty, dst, doff, src, soff, n, sem) in TRIGGER_CASES {
+        c.push_str(&format!(
+            "{{ ProxyTrigger t({ty}ull, {dst}u, {doff}ull, {src}u, {soff}ull, {n}ull, {sem}u); \
+             printf(\"%llu %llu\\n\", t.fst, t.snd); }}\n"
+        ));
+    }
+    for (dst, doff, v, sem) in ATOMIC_CASES {
+        c.push_str(&format!(
+            "{{ ProxyTrigger t = ProxyTrigger::atomicAdd({dst}u, {doff}ull, (i64){}ull, {sem}u); \
+             printf(\"%llu %llu\\n\", t.fst, t.snd); }}\n",
+            *v as u64
+        ));
+    }
+    c.push_str("printf(\"%u\\n\", ABI_VERSION);\nreturn 0;}\n");
+    let dir = scratch("device-abi");
+    let (src, exe) = (dir.join("abi.cpp"), dir.join("abi"));
+    std::fs::write(&src, c).unwrap();
+    let out = match Command::new("g++")
+        .args(["-std=c++17", "-Wall", "-Werror", "-Wno-invalid-offsetof", "-I"])
+        .arg(mscclpp::device::include_dir())
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => return skip("header_layout_and_trigger_bits_match_rust", &format!("no g++ ({e})")),
+    };
+    assert!(out.status.success(), "g++ failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let run = Command::new(&exe).output().unwrap();
+    let text = String::from_utf8(run.stdout).unwrap();
+    let mut lines = text.lines();
+    let mut bad = Vec::new();
+    for (s, f, ours) in &rows {
+        let theirs: usize = lines.next().unwrap().parse().unwrap();
+        if *ours != theirs {
+            bad.push(format!("{s}.{f}: Rust {ours}, device.cuh {theirs}"));
+        }
+    }
+    for &(ty, dst, doff, src, soff, n, sem) in TRIGGER_CASES {
+        let ours = ProxyTrigger::from_fields(ty, dst, doff as u32, src, soff as u32, n as u32, sem);
+        let theirs = lines.next().unwrap();
+        if format!("{} {}", ours.fst, ours.snd) != theirs {
+            bad.push(format!("trigger {:?}: Rust {ours:?}, device.cuh {theirs}", (ty, dst, doff, src, soff, n, sem)));
+        }
+    }
+    for &(dst, doff, v, sem) in ATOMIC_CASES {
+        let ours = ProxyTrigger::atomic_add(sem, dst, doff as u32, v).unwrap();
+        let theirs = lines.next().unwrap();
+        if format!("{} {}", ours.fst, ours.snd) != theirs {
+            bad.push(format!("atomicAdd {:?}: Rust {ours:?}, device.cuh {theirs}", (dst, doff, v, sem)));
+        }
+    }
+    assert_eq!(lines.next().unwrap(), mscclpp::device::ABI_VERSION.to_string());
+    assert!(lines.next().is_none());
+    assert!(bad.is_empty(), "device.cuh and Rust disagree:\n{}", bad.join("\n"));
+    println!(
+        "checked {} sizes/offsets and {} triggers against device.cuh",
+        rows.len(),
+        TRIGGER_CASES.len() + ATOMIC_CASES.len()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
