@@ -129,7 +129,7 @@ fn writes_signals_flushes(r: &Rank, h: &Harness) {
         assert!(proxy.add_memory(src.memory().clone()).is_err(), "registries are frozen after start");
         std::thread::scope(|sc| {
             for p in 0..PRODUCERS {
-                let producer = proxy.fifo().producer();
+                let producer = proxy.fifo().host_producer().unwrap();
                 let proxy = &proxy;
                 sc.spawn(move || {
                     for i in 0..ROUNDS {
@@ -147,7 +147,7 @@ fn writes_signals_flushes(r: &Rank, h: &Harness) {
                         } else {
                             ProxyTrigger::put_with_signal(sem.0, put).unwrap()
                         };
-                        let pos = producer.push(t);
+                        let pos = producer.push(t, T).unwrap();
                         if i % 8 == 7 {
                             wait_flushed(proxy, sem, pos);
                         }
@@ -156,13 +156,13 @@ fn writes_signals_flushes(r: &Rank, h: &Harness) {
             }
         });
         // Atomic adds on the last word, then a signal and a flush.
-        let producer = proxy.fifo().producer();
+        let producer = proxy.fifo().host_producer().unwrap();
         let word = (len - 8) as u32;
         for v in [5i64, -2, 1000, 1 << 40] {
-            producer.push(ProxyTrigger::atomic_add(sem.0, dst.0, word, v).unwrap());
+            producer.push(ProxyTrigger::atomic_add(sem.0, dst.0, word, v).unwrap(), T).unwrap();
         }
-        producer.push(ProxyTrigger::signal(sem.0).unwrap());
-        let pos = producer.push(ProxyTrigger::flush(sem.0).unwrap());
+        producer.push(ProxyTrigger::signal(sem.0).unwrap(), T).unwrap();
+        let pos = producer.push(ProxyTrigger::flush(sem.0).unwrap(), T).unwrap();
         wait_flushed(&proxy, sem, pos);
         proxy.stop().unwrap();
         assert_eq!(proxy.processed(), total + 6);
@@ -205,19 +205,19 @@ fn ib_fake_writes_signals_flushes() {
 fn bad_trigger_is_the_recorded_error() {
     let mut proxy = ProxyService::host_backed(ProxyConfig { fifo_size: 8, ..config() }).unwrap();
     proxy.start().unwrap();
-    let producer = proxy.fifo().producer();
-    producer.push(ProxyTrigger::signal(5).unwrap());
+    let producer = proxy.fifo().host_producer().unwrap();
+    producer.push(ProxyTrigger::signal(5).unwrap(), T).unwrap();
     // Not decodable: a signal carrying put fields. Comes second, so it must not replace the first.
-    producer.push(ProxyTrigger { fst: 77, snd: 2 << 50 });
+    producer.push(ProxyTrigger { fst: 77, snd: 2 << 50 }, T).unwrap();
     for _ in 0..40 {
-        producer.push(ProxyTrigger::flush(0).unwrap());
+        producer.push(ProxyTrigger::flush(0).unwrap(), T).unwrap();
     }
     let t0 = Instant::now();
     while proxy.processed() < 42 {
         assert!(t0.elapsed() < T, "triggers after the error were not drained");
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert_eq!(producer.proxy_error(), PROXY_FAILED);
+    assert_eq!(proxy.fifo().proxy_error(), PROXY_FAILED);
     let e = proxy.status().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     assert!(e.to_string().contains("semaphore 5"), "{e}");
@@ -228,7 +228,7 @@ fn bad_trigger_is_the_recorded_error() {
 
     let mut p2 = ProxyService::host_backed(config()).unwrap();
     p2.start().unwrap();
-    p2.fifo().producer().push(ProxyTrigger { fst: 77, snd: 2 << 50 });
+    p2.fifo().host_producer().unwrap().push(ProxyTrigger { fst: 77, snd: 2 << 50 }, T).unwrap();
     let t0 = Instant::now();
     while p2.status().is_ok() {
         assert!(t0.elapsed() < T, "an undecodable trigger was not refused");
@@ -254,16 +254,16 @@ fn peer_gone(r: &Rank, h: &Harness) {
     let srcm = proxy.add_memory(src.memory().clone()).unwrap();
     proxy.start().unwrap();
     s.bs.barrier().unwrap();
-    let producer = proxy.fifo().producer();
+    let producer = proxy.fifo().host_producer().unwrap();
     let put = Put { src_mem: srcm.0, src_off: 0, dst_mem: dst.0, dst_off: 0, size: 1 << 20 };
     let t0 = Instant::now();
     let mut last = 0;
     while proxy.status().is_ok() {
         assert!(t0.elapsed() < T, "the proxy never noticed the peer was gone");
-        last = producer.push(ProxyTrigger::put_with_signal_and_flush(sem.0, put).unwrap());
+        last = producer.push(ProxyTrigger::put_with_signal_and_flush(sem.0, put).unwrap(), T).unwrap();
         std::thread::sleep(Duration::from_millis(2));
     }
-    assert_eq!(producer.proxy_error(), PROXY_FAILED);
+    assert_eq!(proxy.fifo().proxy_error(), PROXY_FAILED);
     assert_eq!(proxy.flush_done_pos(sem).unwrap(), u64::MAX, "the pending flush at {last} is released");
     let e = proxy.stop().unwrap_err();
     assert_ne!(e.kind(), ErrorKind::InvalidUsage, "{e}");

@@ -122,48 +122,33 @@ impl Fifo {
     }
 
     /// A producer pushing like a kernel (host-backed FIFOs).
-    pub fn producer(&self) -> HostProducer {
-        HostProducer {
-            ring: self.ring.clone(),
-            ctrl: self.ctrl.clone(),
-            head: self.host_head.clone(),
-            size: self.size,
-            shift: self.shift,
-        }
+    pub fn host_producer(&self) -> Option<HostProducer<'_>> {
+        self.dev.is_none().then_some(HostProducer { fifo: self })
     }
 }
 
 /// Pushes triggers from host threads with the device's protocol.
-#[derive(Clone)]
-pub struct HostProducer {
-    ring: Region,
-    ctrl: Region,
-    head: Arc<AtomicU64>,
-    size: u32,
-    shift: u32,
+#[derive(Clone, Copy)]
+pub struct HostProducer<'a> {
+    fifo: &'a Fifo,
 }
 
-impl HostProducer {
+impl HostProducer<'_> {
     /// Pushes `t`, waiting while the ring is full; returns its position.
-    pub fn push(&self, t: ProxyTrigger) -> u64 {
-        let pos = self.head.fetch_add(1, Ordering::Relaxed);
-        while pos >= self.size as u64 + Fifo::word(&self.ctrl, 0).load(Ordering::Acquire) {
+    pub fn push(&self, t: ProxyTrigger, timeout: std::time::Duration) -> Result<u64> {
+        let f = self.fifo;
+        let pos = f.host_head.fetch_add(1, Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
+        while pos >= f.size as u64 + Fifo::word(&f.ctrl, 0).load(Ordering::Acquire) {
+            if t0.elapsed() > timeout {
+                return Err(Error::invalid_usage("FIFO full"));
+            }
             std::thread::yield_now();
         }
-        let slot = (pos & (self.size as u64 - 1)) * 2;
-        let lap = ((pos >> self.shift) & 1) ^ 1;
-        Fifo::word(&self.ring, slot).store(t.fst, Ordering::Relaxed);
-        Fifo::word(&self.ring, slot + 1).store((t.snd & !COMMIT_BIT) | (lap << 63), Ordering::Release);
-        pos
-    }
-
-    /// The tail (positions below it were popped).
-    pub fn tail(&self) -> u64 {
-        Fifo::word(&self.ctrl, 0).load(Ordering::Acquire)
-    }
-
-    /// The proxy's published state.
-    pub fn proxy_error(&self) -> u64 {
-        Fifo::word(&self.ctrl, 1).load(Ordering::Acquire)
+        let slot = (pos & (f.size as u64 - 1)) * 2;
+        let lap = ((pos >> f.shift) & 1) ^ 1;
+        Fifo::word(&f.ring, slot).store(t.fst, Ordering::Relaxed);
+        Fifo::word(&f.ring, slot + 1).store((t.snd & !COMMIT_BIT) | (lap << 63), Ordering::Release);
+        Ok(pos)
     }
 }
