@@ -29,20 +29,23 @@ typedef unsigned long long u64;
 __device__ unsigned char pat(u64 m, u64 i) { return (unsigned char)((i * 131u + m * 7u + (i >> 9)) & 0xff); }
 __device__ u64 msg_size(u64 m, u64 chunk) { return 1 + (m * 7919u) % chunk; }
 
-// Message m: fill src[m*chunk ..] with pat(m), putWithSignal; flush every 4th and at the end.
-// result[0]: flushes that returned false (timeout or proxy error).
-extern "C" __global__ void sender(mscclpp::PortChannelDeviceHandle* ch, unsigned char* src, int n, u64 chunk,
-                                  u64 timeout_ns, u64* result) {
+// Message m (in slot m % slots): fill src with pat(m), putWithSignal; flush every 4th and at the
+// end. result[0]: flushes that returned false (timeout or proxy error: the kernel then stops).
+extern "C" __global__ void sender(mscclpp::PortChannelDeviceHandle* ch, unsigned char* src, int n, int slots,
+                                  u64 chunk, u64 timeout_ns, u64* result) {
+  __shared__ int stop;
+  if (threadIdx.x == 0) stop = 0;
   for (int m = 0; m < n; ++m) {
-    u64 off = (u64)m * chunk, size = msg_size(m, chunk);
+    u64 off = (u64)(m % slots) * chunk, size = msg_size(m, chunk);
     for (u64 i = threadIdx.x; i < size; i += blockDim.x) src[off + i] = pat(m, i);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
       ch->putWithSignal(off, size);
-      if ((m % 4 == 3 || m == n - 1) && !ch->flush_for(timeout_ns)) result[0]++;
+      if ((m % 4 == 3 || m == n - 1) && !ch->flush_for(timeout_ns)) { result[0]++; stop = 1; }
     }
     __syncthreads();
+    if (stop) return;
   }
 }
 
@@ -229,7 +232,8 @@ fn transfer(r: &Rank, t: Transport) {
         let ch = proxy.port_channel(sem, dst, s).unwrap();
         proxy.start().unwrap();
         let (mut chp, mut srcp) = (ch.device_handle_ptr().unwrap(), src.device_ptr());
-        launch(&kernel(&m, "sender"), 1, 256, &stream, &mut args![chp, srcp, n, chunk, tmo, resp]);
+        let mut slots = MSGS;
+        launch(&kernel(&m, "sender"), 1, 256, &stream, &mut args![chp, srcp, n, slots, chunk, tmo, resp]);
         stream.synchronize(T).unwrap();
         assert_eq!(read(&res, 0), 0, "flushes that failed");
         proxy.stop().unwrap();
@@ -321,12 +325,12 @@ fn peer_killed_mid_run_releases_device_waiters() {
         let mut resp = res.device_ptr();
         let mut resp2 = res2.device_ptr();
         let t0 = Instant::now();
-        // The waiter: bad_trigger's wait half is the same wait_for; use the ping kernel with 1
-        // round as a plain waiter instead: it flushes its put, then waits for an echo that never comes.
+        // The waiter: one ping round flushes its put, then waits for an echo that never comes.
         let mut one = 1i32;
         let (mut s2, mut d2) = (src.device_ptr(), p.local.device_ptr());
         launch(&kernel(&m, "ping"), 1, 1, &wait_s, &mut args![chp, s2, d2, one, tmo, resp2]);
-        launch(&kernel(&m, "sender"), 1, 256, &send_s, &mut args![chp, srcp, n, chunk, tmo, resp]);
+        let mut slots = MSGS;
+        launch(&kernel(&m, "sender"), 1, 256, &send_s, &mut args![chp, srcp, n, slots, chunk, tmo, resp]);
         send_s.synchronize(T).unwrap();
         wait_s.synchronize(T).unwrap();
         let e = proxy.status().unwrap_err();

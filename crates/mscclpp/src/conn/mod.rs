@@ -274,6 +274,12 @@ impl Connection {
         self.inner.imp.progress(true).map(|p| p.issued).map_err(|e| self.ctx_err(e, "request_progress"))
     }
 
+    /// [`request_progress`](Self::request_progress) and [`progress`](Self::progress) in one call:
+    /// the progress now, with completion of `issued` requested.
+    pub(crate) fn progress_requested(&self) -> Result<Progress> {
+        self.inner.imp.progress(true).map_err(|e| self.ctx_err(e, "request_progress"))
+    }
+
     /// Operations issued whose application at the peer is not yet confirmed.
     pub fn outstanding(&self) -> u64 {
         self.inner.imp.outstanding()

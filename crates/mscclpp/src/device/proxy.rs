@@ -731,8 +731,15 @@ impl Worker {
                 }
                 if flush {
                     let c = &mut self.conns[ci];
-                    let seq = c.conn.request_progress()?;
-                    c.pending.push_back((pos, seq));
+                    let p = c.conn.progress_requested()?;
+                    if p.completed >= p.issued && c.pending.is_empty() {
+                        // Nothing outstanding: done now (the common case for back-to-back flushes).
+                        if let Some(w) = self.sh.flush_word(ci) {
+                            w.fetch_max(pos + 1, Ordering::AcqRel);
+                        }
+                    } else {
+                        c.pending.push_back((pos, p.issued));
+                    }
                 }
                 Ok(())
             }
