@@ -11,9 +11,11 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
+pub mod fifo;
 pub mod handles;
 pub mod trigger;
 
+pub use fifo::{DEFAULT_FIFO_SIZE, Fifo};
 pub use handles::{
     BasePortChannelDeviceHandle, FifoDeviceHandle, Host2DeviceSemaphoreDeviceHandle, LL8Packet, LL16Packet,
     MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle, PortChannelDeviceHandle,

@@ -18,6 +18,7 @@ use crate::context::lock;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sys::hostmem::Region;
 
+pub(crate) mod fifo_mem;
 mod forward;
 use crate::transport::{Transport, TransportFlags};
 pub(crate) use forward::{TokenForwarder, reg_ib_mr};
