@@ -20,7 +20,7 @@ use std::time::Duration;
 use super::handles::FifoDeviceHandle;
 use super::trigger::{COMMIT_BIT, ProxyTrigger};
 use crate::error::{Error, Result};
-use crate::gpu::fifo_mem::FifoMem;
+use crate::platform::cuda::fifo_mem::FifoMem;
 use crate::sync::{Backoff, BackoffPolicy, Deadline};
 
 /// MSCCL++'s default FIFO size (slots).

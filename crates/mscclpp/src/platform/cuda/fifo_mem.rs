@@ -11,7 +11,7 @@ use cudarc::driver::{result, sys};
 
 use super::{DeviceAlloc, GpuDevice, cuda_err};
 use crate::error::{Error, Result};
-use crate::sys::hostmem::HostAlloc;
+use crate::platform::hostmem::HostAlloc;
 
 /// Bytes reserved for the control page (`tail` at word 0, `proxy_error` at word 1), on its own
 /// cache lines after the ring.
