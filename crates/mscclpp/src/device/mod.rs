@@ -17,6 +17,7 @@ pub mod port_channel;
 pub mod proxy;
 pub mod trigger;
 
+pub use fifo::{DEFAULT_FIFO_SIZE, Fifo};
 pub use handles::{
     BasePortChannelDeviceHandle, FifoDeviceHandle, Host2DeviceSemaphoreDeviceHandle, LL8Packet, LL16Packet,
     MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle, PortChannelDeviceHandle,

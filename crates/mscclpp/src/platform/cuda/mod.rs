@@ -17,6 +17,7 @@ use crate::platform::hostmem::Region;
 use crate::sync::lock;
 
 mod dmabuf;
+pub(crate) mod fifo_mem;
 mod ipc;
 pub(crate) use dmabuf::reg_ib_mr;
 pub use ipc::ipc_mapped_count;
