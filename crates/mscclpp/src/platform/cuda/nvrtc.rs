@@ -81,6 +81,8 @@ pub(crate) fn candidates() -> Vec<PathBuf> {
         dirs.push(s.join("nvidia/cu13/lib"));
         dirs.push(s.join("nvidia/cuda_nvrtc/lib"));
     }
+    let mut seen = std::collections::HashSet::new();
+    dirs.retain(|d| seen.insert(d.clone()));
     dirs
 }
 
