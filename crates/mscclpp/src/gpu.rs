@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 pub use crate::buffer::{DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
-use crate::platform::cuda::{self, GpuDevice, PinnedAlloc, Stream};
+use crate::platform::cuda::{self, GpuDevice, PinnedAlloc, Stream as Stream0};
 pub use crate::platform::cuda::{device_count, device_name, init, ipc_mapped_count, numa_node, pci_bus_id};
 
 // Raw baselines for mscclpp-perf
@@ -30,7 +30,7 @@ pub fn baseline_copy(
         if src.dev.ordinal != dst.dev.ordinal {
             src.dev.enable_peer_access(&dst.dev)?;
         }
-        streams.push(Stream::new(&src.dev)?);
+        streams.push(Stream0::new(&src.dev)?);
     }
     let round = |n: u64| -> Result<()> {
         for _ in 0..n {
@@ -69,7 +69,7 @@ pub fn baseline_h2d_8b_into(dst: &crate::RegisteredMemory, device: u32, warmup: 
 }
 
 fn h2d_8b(dev: &Arc<GpuDevice>, dst: u64, warmup: u64, iters: u64) -> Result<Duration> {
-    let s = Stream::new(dev)?;
+    let s = Stream0::new(dev)?;
     let slot = PinnedAlloc::region(dev, 8)?;
     let mut t0 = Instant::now();
     for i in 0..warmup + iters {
@@ -81,4 +81,57 @@ fn h2d_8b(dev: &Arc<GpuDevice>, dst: u64, warmup: u64, iters: u64) -> Result<Dur
         s.synchronize()?;
     }
     Ok(t0.elapsed() / iters.max(1) as u32)
+}
+
+/// A non-blocking CUDA stream on one GPU (it never synchronizes with the legacy default stream),
+/// for launching kernels compiled with [`crate::device::compile`].
+pub struct Stream {
+    inner: Stream0,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream(GPU{})", self.device())
+    }
+}
+
+impl Stream {
+    /// A new non-blocking stream on GPU `device`.
+    ///
+    /// # Errors
+    /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU; `Cuda` when the
+    /// driver refuses.
+    pub fn new(device: u32) -> Result<Stream> {
+        Ok(Stream { inner: Stream0::new(&cuda::device(device)?)? })
+    }
+
+    /// The GPU it belongs to.
+    pub fn device(&self) -> u32 {
+        self.inner.dev.ordinal
+    }
+
+    /// Whether everything submitted so far has finished.
+    ///
+    /// # Errors
+    /// `Cuda` when a kernel on it failed (for example trapped).
+    pub fn is_idle(&self) -> Result<bool> {
+        self.inner.idle()
+    }
+
+    /// Waits, polling with backoff, until everything submitted so far has finished.
+    ///
+    /// # Errors
+    /// `Timeout` when work is still running after `timeout` (the stream is left as it is);
+    /// `Cuda` when a kernel on it failed.
+    pub fn synchronize(&self, timeout: Duration) -> Result<()> {
+        if self.inner.wait_idle(timeout)? {
+            Ok(())
+        } else {
+            Err(crate::Error::timeout(format!("stream of GPU{} to finish", self.device()), timeout))
+        }
+    }
+
+    pub(crate) fn inner(&self) -> &Stream0 {
+        &self.inner
+    }
 }

@@ -118,3 +118,102 @@ fn header_layout_and_trigger_bits_match_rust() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `ptxas` to assemble with: `MSCCLPP_PTXAS`, next to NVRTC (`../bin/ptxas`, as in the pip
+/// wheels and the toolkit), `$CUDA_PATH/bin`, `/usr/local/cuda/bin`, else `PATH`.
+fn ptxas(nvrtc_path: &str) -> Option<PathBuf> {
+    let mut c: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("MSCCLPP_PTXAS") {
+        c.push(PathBuf::from(p));
+    }
+    if let Some(dir) = std::path::Path::new(nvrtc_path).parent() {
+        c.push(dir.join("../bin/ptxas"));
+    }
+    if let Some(p) = std::env::var_os("CUDA_PATH") {
+        c.push(PathBuf::from(p).join("bin/ptxas"));
+    }
+    c.push(PathBuf::from("/usr/local/cuda/bin/ptxas"));
+    if let Some(found) = c.into_iter().find(|p| p.is_file()) {
+        return Some(found);
+    }
+    Command::new("ptxas").arg("--version").output().ok().filter(|o| o.status.success()).map(|_| PathBuf::from("ptxas"))
+}
+
+/// The kernel that calls every device method of the header.
+const API_KERNELS: &str = include_str!("kernels/device_api.cu");
+
+#[test]
+fn header_compiles_with_nvrtc_and_assembles_with_ptxas() {
+    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    let test = "header_compiles_with_nvrtc_and_assembles_with_ptxas";
+    let (path, version) = match nvrtc_info() {
+        Ok(i) => i,
+        Err(e) => return skip(test, e.message()),
+    };
+    println!("NVRTC {}.{} from {path}", version.0, version.1);
+    let opts =
+        CompileOptions { arch: Some("compute_90".into()), name: Some("device_api.cu".into()), ..Default::default() };
+    let ptx = compile(API_KERNELS, &opts).unwrap_or_else(|e| panic!("{e}"));
+    assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
+    assert_eq!(ptx.kernels(), ["fifo_api", "semaphore_api", "port_channel_api"]);
+    assert_eq!(ptx.arch(), "compute_90");
+    // The orderings the header promises appear as such in the PTX.
+    for insn in [
+        "st.global.release.sys.v2.u64",
+        "atom.relaxed.gpu.add.u64",
+        "atom.relaxed.gpu.cas.b64",
+        "ld.acquire.sys.u64",
+        "ld.relaxed.gpu.u64",
+        "red.release.sys.global.add.u64",
+        "%globaltimer",
+        "trap;",
+    ] {
+        assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
+    }
+    let Some(ptxas) = ptxas(&path) else {
+        return skip(test, "NVRTC compiled the header, but no ptxas was found to assemble it (MSCCLPP_PTXAS)");
+    };
+    let dir = scratch("device-ptx");
+    let (src, out) = (dir.join("device_api.ptx"), dir.join("device_api.cubin"));
+    std::fs::write(&src, ptx.as_str()).unwrap();
+    let r = Command::new(&ptxas).args(["-arch=sm_90", "-o"]).arg(&out).arg(&src).output().unwrap();
+    assert!(r.status.success(), "{} failed:\n{}", ptxas.display(), String::from_utf8_lossy(&r.stderr));
+    assert!(std::fs::metadata(&out).unwrap().len() > 0);
+    println!("assembled {} kernels for sm_90 with {}", ptx.kernels().len(), ptxas.display());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_compile_error_carries_nvrtc_log() {
+    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    if let Err(e) = nvrtc_info() {
+        return skip("a_compile_error_carries_nvrtc_log", e.message());
+    }
+    let src = "#include \"mscclpp_rs/device.cuh\"\nextern \"C\" __global__ void k(mscclpp::FifoDeviceHandle f) { f.no_such_method(); }\n";
+    let e = compile(src, &CompileOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), mscclpp::ErrorKind::InvalidUsage);
+    assert!(e.message().contains("no_such_method"), "{e}");
+}
+
+/// On a GPU: a compiled kernel loads, launches on a public stream and writes device memory.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_compiled_kernel_runs() {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    let ctx = mscclpp::Context::new();
+    let buf = mscclpp::DeviceBuffer::new(&ctx, 0, 16, mscclpp::TransportFlags::NONE).unwrap();
+    let src = "#include \"mscclpp_rs/device.cuh\"\n\
+               extern \"C\" __global__ void put(mscclpp::u64* p, mscclpp::u64 v) { p[0] = v; p[1] = mscclpp::ABI_VERSION; }\n";
+    let ptx = compile(src, &CompileOptions::for_device(0)).unwrap();
+    let m = KernelModule::load(0, &ptx).unwrap();
+    assert!(m.function("nope").is_err());
+    let k = m.function("put").unwrap();
+    let s = mscclpp::gpu::Stream::new(0).unwrap();
+    let (mut p, mut v) = (buf.device_ptr(), 0xfeed_u64);
+    let mut args = [(&mut p as *mut u64).cast(), (&mut v as *mut u64).cast()];
+    // SAFETY: the kernel takes (u64*, u64); p is a live 16-byte allocation kept until synchronize.
+    unsafe { k.launch((1, 1, 1), (1, 1, 1), 0, &s, &mut args) }.unwrap();
+    s.synchronize(std::time::Duration::from_secs(30)).unwrap();
+    assert_eq!(buf.read_u64(0).unwrap(), 0xfeed);
+    assert_eq!(buf.read_u64(8).unwrap(), u64::from(mscclpp::device::ABI_VERSION));
+}

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
+pub mod compile;
 pub mod fifo;
 pub mod handles;
 pub mod port_channel;
