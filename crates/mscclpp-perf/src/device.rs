@@ -134,7 +134,9 @@ fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, Strin
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().map_err(|_| "a rank thread panicked".to_string())?).collect::<Result<Vec<_>, _>>()
+        hs.into_iter()
+            .map(|h| h.join().map_err(|_| "a rank thread panicked".to_string())?)
+            .collect::<Result<Vec<_>, _>>()
     })?;
     drop(root);
     Ok(ranks)
@@ -271,7 +273,9 @@ pub fn run(args: &Args) -> Result<(), String> {
             Ok(())
         })?;
         let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
-        row(format!("host-driven write 4 B + update_and_sync + flush, token polled by 8 B copies: {us:.2} us round trip"));
+        row(format!(
+            "host-driven write 4 B + update_and_sync + flush, token polled by 8 B copies: {us:.2} us round trip"
+        ));
     }
     for p in proxies.iter_mut() {
         p.start().map_err(e)?;
@@ -284,7 +288,8 @@ pub fn run(args: &Args) -> Result<(), String> {
         let (pk, qk) = (k("ping")?, k("pong")?);
         for (n, label) in [(100i32, false), (10_000, true)] {
             for (i, kern) in [&pk, &qk].iter().enumerate() {
-                let (mut c, mut n2, mut o) = (chans[i].device_handle_ptr().ok_or("no device handle")?, n, outs[i].device_ptr());
+                let (mut c, mut n2, mut o) =
+                    (chans[i].device_handle_ptr().ok_or("no device handle")?, n, outs[i].device_ptr());
                 launch(kern, 1, 1, &streams[i], &mut args![c, n2, o])?;
             }
             for s in &streams {
@@ -305,7 +310,8 @@ pub fn run(args: &Args) -> Result<(), String> {
         row("PortChannel putWithSignal bandwidth (GB/s): size, ours, cuMemcpyDtoDAsync, ratio".into());
         while size <= max {
             let iters = ((512usize << 20) / size).clamp(10, 1000) as i32;
-            let (mut c, mut sz, mut n, mut o) = (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, 3i32, outs[0].device_ptr());
+            let (mut c, mut sz, mut n, mut o) =
+                (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, 3i32, outs[0].device_ptr());
             launch(&kern, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
             streams[0].synchronize(timeout).map_err(e)?;
             let mut best = f64::MAX;

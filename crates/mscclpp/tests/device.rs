@@ -16,8 +16,8 @@ use mscclpp::device::proxy::{PROXY_FAILED, ProxyConfig, ProxyService};
 use mscclpp::device::trigger::decode;
 use mscclpp::gpu::Stream;
 use mscclpp::{
-    Bootstrap, Communicator, Connection, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory,
-    RootServer, TcpBootstrap, Transport,
+    Bootstrap, Communicator, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory, RootServer,
+    TcpBootstrap, Transport,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -179,7 +179,6 @@ fn gpu_for(rank: usize) -> u32 {
 struct Pair {
     bs: Arc<dyn Bootstrap>,
     comm: Communicator,
-    conn: Connection,
     local: DeviceBuffer,
     remote: RegisteredMemory,
     sem: Host2DeviceSemaphore,
@@ -201,7 +200,7 @@ fn pair(bs: Arc<dyn Bootstrap>, rank: usize, cfg: EndpointConfig, len: usize) ->
     let remote = pm.wait().unwrap();
     let sem = Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
     bs.barrier().unwrap();
-    Pair { bs, comm, conn, local, remote, sem }
+    Pair { bs, comm, local, remote, sem }
 }
 
 fn cfg(t: Transport, dev: u32) -> EndpointConfig {
@@ -341,14 +340,8 @@ fn peer_killed_mid_run_releases_device_waiters() {
         assert!(proxy.stop().is_err());
         std::process::exit(0);
     }
-    let job = common::spawn_some(
-        "peer_killed_mid_run_releases_device_waiters",
-        2,
-        &[0, 1],
-        T,
-        &[],
-        Duration::from_secs(150),
-    );
+    let job =
+        common::spawn_some("peer_killed_mid_run_releases_device_waiters", 2, &[0, 1], T, &[], Duration::from_secs(150));
     let (_, o) = &job.outputs[0];
     let out = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     assert!(o.status.success(), "rank 0 failed:\n{}\n{}", out(&o.stdout), out(&o.stderr));
@@ -393,7 +386,11 @@ fn fifo_wraps_with_many_gpu_producers() {
     stream.synchronize(T).unwrap();
     assert!(seen.iter().all(|&c| c == 1), "a trigger was lost or duplicated");
     assert!(fifo.poll().is_none());
-    println!("RESULT FIFO: {total} triggers from {} GPU threads through 512 slots in {:?}", blocks * threads, t0.elapsed());
+    println!(
+        "RESULT FIFO: {total} triggers from {} GPU threads through 512 slots in {:?}",
+        blocks * threads,
+        t0.elapsed()
+    );
 }
 
 /// Two ranks of one process (threads, loopback bootstrap, one GPU, two streams) connected over
@@ -449,8 +446,12 @@ fn same_process_ping_pong_and_refused_requests() {
     let res: Vec<_> = (0..2).map(|i| results(2, proxies[i].2.context(), 0)).collect();
     let (mut n, mut tmo) = (200i32, TIMEOUT_NS);
     for (i, name) in ["ping", "pong"].iter().enumerate() {
-        let (mut chp, mut s, mut d, mut r) =
-            (chans[i].device_handle_ptr().unwrap(), srcs[i].device_ptr(), proxies[i].1.device_ptr(), res[i].device_ptr());
+        let (mut chp, mut s, mut d, mut r) = (
+            chans[i].device_handle_ptr().unwrap(),
+            srcs[i].device_ptr(),
+            proxies[i].1.device_ptr(),
+            res[i].device_ptr(),
+        );
         launch(&kernel(&m, name), 1, 1, &streams[i], &mut args![chp, s, d, n, tmo, r]);
     }
     let t0 = Instant::now();
@@ -461,7 +462,10 @@ fn same_process_ping_pong_and_refused_requests() {
     for (i, r) in res.iter().enumerate() {
         assert_eq!((read(r, 0), read(r, 1)), (0, 0), "rank {i}: bad echoes, timeouts");
     }
-    println!("RESULT same-process ping-pong: 200 rounds in {el:?} ({:.2} us/round incl. launch)", el.as_secs_f64() * 1e6 / 200.0);
+    println!(
+        "RESULT same-process ping-pong: 200 rounds in {el:?} ({:.2} us/round incl. launch)",
+        el.as_secs_f64() * 1e6 / 200.0
+    );
 
     // atomicAdd over CUDA IPC with every SM busy.
     let occ = results(1, proxies[0].2.context(), 0);

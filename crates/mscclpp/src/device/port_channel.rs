@@ -6,8 +6,8 @@
 
 use super::handles::{BasePortChannelDeviceHandle, PortChannelDeviceHandle};
 use super::proxy::{MemoryId, ProxyService, SemaphoreId};
-use crate::error::{Error, Result};
 use crate::buffer::DeviceBuffer;
+use crate::error::{Error, Result};
 
 /// A channel between two memories registered in a [`ProxyService`], over the connection of one
 /// of its semaphores. Built by [`ProxyService::port_channel`].

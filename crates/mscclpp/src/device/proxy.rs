@@ -59,9 +59,9 @@ use crate::conn::Connection;
 use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
+use crate::platform::hostmem::Region;
 use crate::semaphore::{Host2DeviceSemaphore, Semaphore};
 use crate::sync::lock;
-use crate::platform::hostmem::Region;
 use crate::transport::Transport;
 
 const LOG: &str = "mscclpp::proxy";
