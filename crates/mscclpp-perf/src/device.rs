@@ -205,7 +205,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         proxy.start().map_err(e)?;
         let stream = Stream::new(dev).map_err(e)?;
         let kern = k("flood")?;
-        for (blocks, threads, per) in [(8u32, 32u32, 64i32), (64, 256, 64)] {
+        for (blocks, threads, per) in [(8u32, 32u32, 64i32), (16, 128, 64), (64, 256, 16)] {
             let total = (blocks * threads) as u64 * per as u64;
             let before = proxy.processed();
             let (mut h, mut p, mut s) = (proxy.fifo().device_handle(), per, sem.0);
@@ -276,6 +276,16 @@ pub fn run(args: &Args) -> Result<(), String> {
         row(format!(
             "host-driven write 4 B + update_and_sync + flush, token polled by 8 B copies: {us:.2} us round trip"
         ));
+        // The host's one-way cost alone: what a proxy-free host loop pays per signalled write.
+        let r = &ranks[0];
+        let t0 = Instant::now();
+        for _ in 0..n {
+            r.conn.write(&r.remote, 0, srcs[0].memory(), 0, 4).map_err(e)?;
+            r.host_sem.signal().map_err(e)?;
+            r.conn.flush(timeout).map_err(e)?;
+        }
+        let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        row(format!("host-driven write 4 B + update_and_sync + flush, one way (no wait): {us:.2} us"));
     }
     for p in proxies.iter_mut() {
         p.start().map_err(e)?;
@@ -309,7 +319,9 @@ pub fn run(args: &Args) -> Result<(), String> {
         let mut size = 1usize << 10;
         row("PortChannel putWithSignal bandwidth (GB/s): size, ours, cuMemcpyDtoDAsync, ratio".into());
         while size <= max {
-            let iters = ((512usize << 20) / size).clamp(10, 1000) as i32;
+            // Enough bytes per measurement (8 GiB, 20 to 1000 puts) that the first push and the
+            // last flush (tens of us) stay small next to the copies.
+            let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
             let (mut c, mut sz, mut n, mut o) =
                 (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, 3i32, outs[0].device_ptr());
             launch(&kern, 1, 1, &streams[0], &mut args![c, sz, n, o])?;

@@ -252,7 +252,9 @@ impl ConnectionImpl for CudaIpcConnection {
             }
         }
         let mut done = m.done.max(self.flushed.load(Ordering::Acquire));
-        if done < issued && m.pending.is_empty() && self.record(self.stream.idle())? {
+        // A request records an event anyway: skip the query (it almost never finds the work
+        // just issued done, and costs a driver call on the proxy's critical path).
+        if done < issued && m.pending.is_empty() && !request && self.record(self.stream.idle())? {
             // Everything issued before the query has finished (the stream may carry other
             // connections' work too: completion is then only later, never earlier).
             done = issued;
