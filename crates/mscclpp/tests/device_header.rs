@@ -40,6 +40,34 @@ const TRIGGER_CASES: &[(u64, u32, u64, u32, u64, u64, u32)] = &[
     // Values wider than their fields: both sides mask.
     (15, 1023, 0x1_0000_0001, 513, 0x1_0000_0002, 0x1_0000_0003, 2047),
 ];
+/// The fixed cases plus 256 pseudo-random ones over the whole range of every argument (wider than
+/// the fields, so masking is compared too).
+fn trigger_cases() -> Vec<(u64, u32, u64, u32, u64, u64, u32)> {
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        // splitmix64
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut v = TRIGGER_CASES.to_vec();
+    for _ in 0..256 {
+        let w = [next(), next(), next(), next()];
+        v.push((
+            w[0] & 0xf,
+            (w[0] >> 8) as u32 & 0x3ff,
+            w[1],
+            (w[0] >> 20) as u32 & 0x3ff,
+            w[2],
+            w[3],
+            (w[0] >> 32) as u32 & 0x7ff,
+        ));
+    }
+    v
+}
+
 /// atomicAdd arguments: (dstId, dstOffset, value, semaphoreId).
 const ATOMIC_CASES: &[(u32, u64, i64, u32)] = &[(0, 0, 0, 0), (7, 64, -3, 5), (511, 0xffff_ffff, i64::MIN, 1023)];
 
@@ -55,7 +83,8 @@ fn header_layout_and_trigger_bits_match_rust() {
             _ => c.push_str(&format!("printf(\"%zu\\n\", offsetof({s}, {f}));\n")),
         }
     }
-    for (ty, dst, doff, src, soff, n, sem) in TRIGGER_CASES {
+    let cases = trigger_cases();
+    for (ty, dst, doff, src, soff, n, sem) in &cases {
         c.push_str(&format!(
             "{{ ProxyTrigger t({ty}ull, {dst}u, {doff}ull, {src}u, {soff}ull, {n}ull, {sem}u); \
              printf(\"%llu %llu\\n\", t.fst, t.snd); }}\n"
@@ -94,7 +123,7 @@ fn header_layout_and_trigger_bits_match_rust() {
             bad.push(format!("{s}.{f}: Rust {ours}, device.cuh {theirs}"));
         }
     }
-    for &(ty, dst, doff, src, soff, n, sem) in TRIGGER_CASES {
+    for &(ty, dst, doff, src, soff, n, sem) in &cases {
         let ours = ProxyTrigger::from_fields(ty, dst, doff as u32, src, soff as u32, n as u32, sem);
         let theirs = lines.next().unwrap();
         if format!("{} {}", ours.fst, ours.snd) != theirs {
@@ -114,7 +143,7 @@ fn header_layout_and_trigger_bits_match_rust() {
     println!(
         "checked {} sizes/offsets and {} triggers against device.cuh",
         rows.len(),
-        TRIGGER_CASES.len() + ATOMIC_CASES.len()
+        cases.len() + ATOMIC_CASES.len()
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
