@@ -12,6 +12,7 @@
 //!
 //! ## Layers
 //! ```text
+//!  device       ── for kernels: the CUDA header, handles, trigger codec, FIFO, NVRTC compile
 //!  Communicator ── setup: exchange endpoints, memories, semaphores over a Bootstrap
 //!  Connection   ── write / update_and_sync / atomic_add / flush   (one per peer and transport)
 //!  Context      ── registered memory table, endpoints, (CUDA streams, IB devices)
