@@ -334,7 +334,8 @@ pub fn run(args: &Args) -> Result<(), String> {
                 best = best.min(outs[0].read_u64(0).map_err(e)? as f64 / 1e9);
             }
             let ours = size as f64 * iters as f64 / best / 1e9;
-            let base = mscclpp::gpu::baseline_copy(&[(&srcs[0], &ranks[1].local)], size, 3, iters as u64).map_err(e)?;
+            let base =
+                mscclpp::bench::baseline_copy(&[(&srcs[0], &ranks[1].local)], size, 3, iters as u64).map_err(e)?;
             let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
             row(format!("{:>10}  {ours:9.2}  {raw:9.2}  {:.3}", human(size), ours / raw));
             size *= 4;

@@ -441,7 +441,7 @@ fn same_process_ping_pong_and_refused_requests() {
         proxies.push((proxy, p.local, p.comm));
         srcs.push(src);
     }
-    assert_eq!(mscclpp::gpu::ipc_mapped_count(), 0, "same-process peers use the pointer, not an IPC mapping");
+    assert_eq!(mscclpp::bench::ipc_mapped_count(), 0, "same-process peers use the pointer, not an IPC mapping");
     let streams = [Stream::new(0).unwrap(), Stream::new(0).unwrap()];
     let res: Vec<_> = (0..2).map(|i| results(2, proxies[i].2.context(), 0)).collect();
     let (mut n, mut tmo) = (200i32, TIMEOUT_NS);

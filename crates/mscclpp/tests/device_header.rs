@@ -40,6 +40,34 @@ const TRIGGER_CASES: &[(u64, u32, u64, u32, u64, u64, u32)] = &[
     // Values wider than their fields: both sides mask.
     (15, 1023, 0x1_0000_0001, 513, 0x1_0000_0002, 0x1_0000_0003, 2047),
 ];
+/// The fixed cases plus 256 pseudo-random ones over the whole range of every argument (wider than
+/// the fields, so masking is compared too).
+fn trigger_cases() -> Vec<(u64, u32, u64, u32, u64, u64, u32)> {
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        // splitmix64
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut v = TRIGGER_CASES.to_vec();
+    for _ in 0..256 {
+        let w = [next(), next(), next(), next()];
+        v.push((
+            w[0] & 0xf,
+            (w[0] >> 8) as u32 & 0x3ff,
+            w[1],
+            (w[0] >> 20) as u32 & 0x3ff,
+            w[2],
+            w[3],
+            (w[0] >> 32) as u32 & 0x7ff,
+        ));
+    }
+    v
+}
+
 /// atomicAdd arguments: (dstId, dstOffset, value, semaphoreId).
 const ATOMIC_CASES: &[(u32, u64, i64, u32)] = &[(0, 0, 0, 0), (7, 64, -3, 5), (511, 0xffff_ffff, i64::MIN, 1023)];
 
@@ -55,7 +83,8 @@ fn header_layout_and_trigger_bits_match_rust() {
             _ => c.push_str(&format!("printf(\"%zu\\n\", offsetof({s}, {f}));\n")),
         }
     }
-    for (ty, dst, doff, src, soff, n, sem) in TRIGGER_CASES {
+    let cases = trigger_cases();
+    for (ty, dst, doff, src, soff, n, sem) in &cases {
         c.push_str(&format!(
             "{{ ProxyTrigger t({ty}ull, {dst}u, {doff}ull, {src}u, {soff}ull, {n}ull, {sem}u); \
              printf(\"%llu %llu\\n\", t.fst, t.snd); }}\n"
@@ -94,7 +123,7 @@ fn header_layout_and_trigger_bits_match_rust() {
             bad.push(format!("{s}.{f}: Rust {ours}, device.cuh {theirs}"));
         }
     }
-    for &(ty, dst, doff, src, soff, n, sem) in TRIGGER_CASES {
+    for &(ty, dst, doff, src, soff, n, sem) in &cases {
         let ours = ProxyTrigger::from_fields(ty, dst, doff as u32, src, soff as u32, n as u32, sem);
         let theirs = lines.next().unwrap();
         if format!("{} {}", ours.fst, ours.snd) != theirs {
@@ -114,7 +143,7 @@ fn header_layout_and_trigger_bits_match_rust() {
     println!(
         "checked {} sizes/offsets and {} triggers against device.cuh",
         rows.len(),
-        TRIGGER_CASES.len() + ATOMIC_CASES.len()
+        cases.len() + ATOMIC_CASES.len()
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -216,4 +245,146 @@ fn a_compiled_kernel_runs() {
     s.synchronize(std::time::Duration::from_secs(30)).unwrap();
     assert_eq!(buf.read_u64(0).unwrap(), 0xfeed);
     assert_eq!(buf.read_u64(8).unwrap(), u64::from(mscclpp::device::ABI_VERSION));
+}
+
+/// Launches `kernel` with `args` (pointers to its parameters) and waits for it (bounded).
+fn launch_and_wait(
+    k: &mscclpp::device::compile::Kernel,
+    grid: u32,
+    block: u32,
+    args: &mut [*mut std::ffi::c_void],
+) -> mscclpp::Result<()> {
+    let s = mscclpp::gpu::Stream::new(0)?;
+    // SAFETY: every caller passes pointers to values of the kernel's parameter types, alive until
+    // this function returns, and the memories they name outlive the synchronize below.
+    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, &s, args) }?;
+    s.synchronize(std::time::Duration::from_secs(60))
+}
+
+fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+    (v as *mut T).cast()
+}
+
+/// On a GPU: 1024 GPU threads push 8 triggers each through a 64-slot FIFO (128 laps) while the
+/// host consumes; half use `push`, half `push_for`. Every trigger arrives once, in per-thread order.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_producers_push_through_a_small_fifo() {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    use mscclpp::device::fifo::Fifo;
+    const THREADS: u64 = 1024;
+    const ROUNDS: u64 = 8;
+    let src = r#"#include "mscclpp_rs/device.cuh"
+using namespace mscclpp;
+extern "C" __global__ void produce(FifoDeviceHandle fifo, u64 rounds, u64* failures) {
+  u64 id = blockIdx.x * blockDim.x + threadIdx.x;
+  for (u64 r = 0; r < rounds; r++) {
+    ProxyTrigger t;
+    t.fst = id;
+    t.snd = r;
+    if (id % 2 == 0) {
+      fifo.push(t);
+    } else if (!fifo.push_for(t, 10000000000ull)) {
+      atomicAdd(failures, 1ull);
+      return;
+    }
+  }
+}
+"#;
+    let ctx = mscclpp::Context::new();
+    let fifo = Fifo::new(&ctx, 0, 64).unwrap();
+    let failures = mscclpp::DeviceBuffer::new(&ctx, 0, 8, mscclpp::TransportFlags::NONE).unwrap();
+    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
+        .unwrap()
+        .function("produce")
+        .unwrap();
+    let mut next = vec![0u64; THREADS as usize];
+    std::thread::scope(|s| {
+        let producer = s.spawn(|| {
+            let (mut h, mut rounds, mut f) = (fifo.device_handle(), ROUNDS, failures.device_ptr());
+            launch_and_wait(&k, (THREADS / 128) as u32, 128, &mut [arg(&mut h), arg(&mut rounds), arg(&mut f)])
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut got = 0;
+        while got < THREADS * ROUNDS && std::time::Instant::now() < deadline {
+            if let Some(t) = fifo.poll() {
+                fifo.pop();
+                assert_eq!(t.snd, next[t.fst as usize], "thread {}: out of order or duplicated", t.fst);
+                next[t.fst as usize] += 1;
+                got += 1;
+            }
+        }
+        producer.join().unwrap().unwrap();
+    });
+    assert_eq!(failures.read_u64(0).unwrap(), 0);
+    assert_eq!(next, vec![ROUNDS; THREADS as usize]);
+    assert_eq!(fifo.poll(), None);
+}
+
+/// On a GPU: the time-limited waits return false instead of hanging or trapping: an unsignalled
+/// semaphore (its expected count restored), a full FIFO (nothing reserved), a PortChannel whose
+/// proxy published an error, and a flush abandoned with UINT64_MAX.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_time_limited_waits_return_false() {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    use mscclpp::device::fifo::Fifo;
+    use mscclpp::device::handles::{BasePortChannelDeviceHandle, Host2DeviceSemaphoreDeviceHandle};
+    let src = r#"#include "mscclpp_rs/device.cuh"
+using namespace mscclpp;
+extern "C" __global__ void timed(Host2DeviceSemaphoreDeviceHandle sem, FifoDeviceHandle full,
+                                 BasePortChannelDeviceHandle ch, u64* out) {
+  out[0] = sem.wait_for(2000000);               // no signal: false
+  out[1] = *sem.expectedInboundToken;           // restored: 0
+  atomicAdd(sem.inboundToken, 1ull);            // a signal
+  out[2] = sem.wait_for(2000000);               // true
+  for (int i = 0; i < full.size; i++) full.push(ProxyTrigger(TriggerFlag, 0, 0, 0, 0, 0, 1));
+  out[3] = full.push_for(ProxyTrigger(TriggerFlag, 0, 0, 0, 0, 0, 1), 2000000, nullptr);  // false
+  out[4] = *full.head;                          // size: nothing reserved
+  out[5] = ch.fifo_.proxy_error();              // 7, set by the host
+  out[6] = ch.wait_for(600000000000ull);        // false at once (proxy error), not after 600 s
+  out[7] = ch.flush_for(600000000000ull);       // false: flushDonePos is UINT64_MAX
+}
+"#;
+    let ctx = mscclpp::Context::new();
+    let buf = |n| mscclpp::DeviceBuffer::new(&ctx, 0, n, mscclpp::TransportFlags::NONE).unwrap();
+    let (token, expected, done, out) = (buf(8), buf(8), buf(8), buf(64));
+    done.write(0, &u64::MAX.to_ne_bytes()).unwrap();
+    let full = Fifo::new(&ctx, 0, 4).unwrap();
+    let chf = Fifo::new(&ctx, 0, 4).unwrap();
+    chf.set_proxy_error(7);
+    let mut sem = Host2DeviceSemaphoreDeviceHandle {
+        inbound_token: token.device_ptr(),
+        expected_inbound_token: expected.device_ptr(),
+    };
+    let ch_sem = buf(16);
+    let mut ch = BasePortChannelDeviceHandle {
+        semaphore_id: 1,
+        _pad: 0,
+        semaphore: Host2DeviceSemaphoreDeviceHandle {
+            inbound_token: ch_sem.device_ptr(),
+            expected_inbound_token: ch_sem.device_ptr() + 8,
+        },
+        fifo: chf.device_handle(),
+        flush_done_pos: done.device_ptr(),
+    };
+    let (mut fh, mut o) = (full.device_handle(), out.device_ptr());
+    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
+        .unwrap()
+        .function("timed")
+        .unwrap();
+    launch_and_wait(&k, 1, 1, &mut [arg(&mut sem), arg(&mut fh), arg(&mut ch), arg(&mut o)]).unwrap();
+    let got: Vec<u64> = (0..8).map(|i| out.read_u64(8 * i).unwrap()).collect();
+    assert_eq!(got, vec![0, 0, 1, 0, 4, 7, 0, 0]);
+    // The full FIFO holds exactly its four pushes; the channel's FIFO got the flush's Sync.
+    for _ in 0..4 {
+        assert!(full.poll().is_some());
+        full.pop();
+    }
+    assert_eq!(full.poll(), None);
+    let sync = chf.poll().unwrap();
+    assert_eq!(
+        mscclpp::device::decode(sync).unwrap(),
+        mscclpp::device::Request::Ops { sem_id: 1, put: None, signal: false, flush: true }
+    );
 }

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::suite::{Harness, Mode, T, run_threads};
+use common::suite::{Harness, Memory, Mode, T, run_threads};
 use common::{Rank, pattern};
 use mscclpp::device::proxy::{PROXY_FAILED, PROXY_STOPPED, ProxyConfig, ProxyService, SemaphoreId};
 use mscclpp::device::trigger::{ProxyTrigger, Put};
@@ -41,6 +41,9 @@ static ETHERNET: Harness = Harness {
     config: eth_config,
     atomics: true,
     cpu_atomics_coherent: true,
+    memory: Memory::Host,
+    detects_peer_gone: true,
+    local_destination_allowed: false,
 };
 
 static FAKE_IB: Harness = Harness {
@@ -51,6 +54,9 @@ static FAKE_IB: Harness = Harness {
     config: ib_config,
     atomics: true,
     cpu_atomics_coherent: false,
+    memory: Memory::Host,
+    detects_peer_gone: true,
+    local_destination_allowed: false,
 };
 
 /// One rank's side: the connection to the other rank, this rank's buffer and the peer's, a

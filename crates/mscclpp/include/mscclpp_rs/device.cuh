@@ -415,7 +415,8 @@ struct BasePortChannelDeviceHandle {
     waitFlush(pos, maxSpinCount);
   }
   /// Time-limited `flush`: true only when the proxy completed it; false on timeout, when the
-  /// FIFO stayed full, or once the proxy reports an error or stopped.
+  /// FIFO stayed full, or once the proxy reports an error or stopped (also when the proxy
+  /// stopped after completing it but before this thread looked: false means "not known done").
   MSCCLPP_RS_DEVICE bool flush_for(u64 timeout_ns) {
     u64 start = detail::globaltimer();
     u64 pos;

@@ -213,6 +213,20 @@ impl FifoDeviceHandle {
     }
 }
 
+impl Host2DeviceSemaphoreDeviceHandle {
+    /// The handle's bytes, as a kernel argument or for a copy to device memory.
+    pub fn to_bytes(&self) -> [u8; 16] {
+        as_bytes(self)
+    }
+}
+
+impl BasePortChannelDeviceHandle {
+    /// The handle's bytes, as a kernel argument or for a copy to device memory.
+    pub fn to_bytes(&self) -> [u8; 88] {
+        as_bytes(self)
+    }
+}
+
 impl PortChannelDeviceHandle {
     /// The handle's bytes, as a kernel argument or for a copy to device memory.
     pub fn to_bytes(&self) -> [u8; 96] {
@@ -312,5 +326,7 @@ mod tests {
         assert_eq!((u64_at(64), u64_at(72), u64_at(80)), (511, 9, 0xfeed));
         assert_eq!((u32_at(88), u32_at(92)), (3, 4));
         assert_eq!(&h.base.fifo.to_bytes()[..], &b[24..80]);
+        assert_eq!(&h.base.to_bytes()[..], &b[..88]);
+        assert_eq!(&h.base.semaphore.to_bytes()[..], &b[8..24]);
     }
 }

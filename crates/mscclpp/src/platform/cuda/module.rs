@@ -5,10 +5,11 @@
 
 use std::ffi::{CString, c_void};
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 
-use super::{GpuDevice, LOG, Stream, cuda_err};
+use super::{GpuDevice, LOG, Stream as RawStream, cuda_err};
 use crate::error::{Error, Result};
 
 /// A module loaded into one device's primary context, with its kernels resolved.
@@ -119,10 +120,10 @@ impl Kernel {
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         shared_mem: u32,
-        stream: &crate::gpu::Stream,
+        stream: &Stream,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        let stream: &Stream = stream.inner();
+        let stream = &stream.inner;
         if stream.dev.ordinal != self.module.dev.ordinal {
             return Err(Error::invalid_usage(format!(
                 "a kernel loaded on GPU{} cannot be launched on a stream of GPU{}",
@@ -150,4 +151,53 @@ pub(crate) fn compute_capability(ordinal: u32) -> Result<(i32, i32)> {
         attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
         attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
     ))
+}
+
+/// A non-blocking CUDA stream on one GPU (it never synchronizes with the legacy default stream),
+/// for launching kernels compiled with `mscclpp::device::compile`. Public as `mscclpp::gpu::Stream`.
+pub struct Stream {
+    inner: RawStream,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream(GPU{})", self.device())
+    }
+}
+
+impl Stream {
+    /// A new non-blocking stream on GPU `device`.
+    ///
+    /// # Errors
+    /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU; `Cuda` when the
+    /// driver refuses.
+    pub fn new(device: u32) -> Result<Stream> {
+        Ok(Stream { inner: RawStream::new(&super::device(device)?)? })
+    }
+
+    /// The GPU it belongs to.
+    pub fn device(&self) -> u32 {
+        self.inner.dev.ordinal
+    }
+
+    /// Whether everything submitted so far has finished.
+    ///
+    /// # Errors
+    /// `Cuda` when a kernel on it failed (for example trapped).
+    pub fn is_idle(&self) -> Result<bool> {
+        self.inner.idle()
+    }
+
+    /// Waits, polling with backoff, until everything submitted so far has finished.
+    ///
+    /// # Errors
+    /// `Timeout` when work is still running after `timeout` (the stream is left as it is);
+    /// `Cuda` when a kernel on it failed.
+    pub fn synchronize(&self, timeout: Duration) -> Result<()> {
+        if self.inner.wait_idle(timeout)? {
+            Ok(())
+        } else {
+            Err(Error::timeout(format!("stream of GPU{} to finish", self.device()), timeout))
+        }
+    }
 }
