@@ -60,7 +60,6 @@ use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
 use crate::platform::hostmem::Region;
-use crate::semaphore::{Host2DeviceSemaphore, Semaphore};
 use crate::sync::lock;
 use crate::transport::Transport;
 
@@ -105,50 +104,51 @@ impl Default for ProxyConfig {
     }
 }
 
-/// A semaphore the proxy signals: a [`Host2DeviceSemaphore`] (a kernel waits on it) or a plain
-/// [`Semaphore`] (the proxy keeps its outbound count).
-pub enum ProxySemaphore {
-    /// A semaphore whose local token a kernel waits on.
-    Host2Device(Host2DeviceSemaphore),
-    /// Any semaphore; nothing local waits on the device.
-    Plain(Semaphore),
+/// A semaphore the proxy signals, made from a [`Host2DeviceSemaphore`] (a kernel waits on its
+/// local token) or a plain [`Semaphore`] (`.into()`, or pass either to
+/// [`ProxyService::add_semaphore`]). It owns the semaphore: the proxy keeps the outbound count
+/// from then on.
+///
+/// [`Host2DeviceSemaphore`]: crate::Host2DeviceSemaphore
+/// [`Semaphore`]: crate::Semaphore
+pub struct ProxySemaphore {
+    conn: Connection,
+    /// The peer's token.
+    remote: RegisteredMemory,
+    outbound: AtomicU64,
+    handle: Option<super::handles::Host2DeviceSemaphoreDeviceHandle>,
+    /// The semaphore itself, kept alive (its local token is what kernels wait on).
+    _owner: Box<dyn Send + Sync>,
 }
 
-impl From<Host2DeviceSemaphore> for ProxySemaphore {
-    fn from(s: Host2DeviceSemaphore) -> Self {
-        ProxySemaphore::Host2Device(s)
-    }
-}
-
-impl From<Semaphore> for ProxySemaphore {
-    fn from(s: Semaphore) -> Self {
-        ProxySemaphore::Plain(s)
+impl ProxySemaphore {
+    /// Built by the `From` conversions in `semaphore.rs` (which own the semaphore types).
+    pub(crate) fn from_parts(
+        conn: Connection,
+        remote: RegisteredMemory,
+        outbound: u64,
+        handle: Option<super::handles::Host2DeviceSemaphoreDeviceHandle>,
+        owner: Box<dyn Send + Sync>,
+    ) -> ProxySemaphore {
+        ProxySemaphore { conn, remote, outbound: AtomicU64::new(outbound), handle, _owner: owner }
     }
 }
 
 struct SemEntry {
     sem: ProxySemaphore,
-    /// Outbound count for a plain semaphore.
-    outbound: AtomicU64,
     conn: usize,
 }
 
 impl SemEntry {
     fn connection(&self) -> &Connection {
-        match &self.sem {
-            ProxySemaphore::Host2Device(s) => s.connection(),
-            ProxySemaphore::Plain(s) => s.connection(),
-        }
+        &self.sem.conn
     }
 
+    /// The peer's token becomes outbound + 1, after every earlier operation of the connection.
     fn signal(&self) -> Result<()> {
-        match &self.sem {
-            ProxySemaphore::Host2Device(s) => s.signal(),
-            ProxySemaphore::Plain(s) => {
-                let next = self.outbound.load(Ordering::Acquire) + 1;
-                s.connection().update_and_sync(s.remote_memory(), 0, &self.outbound, next)
-            }
-        }
+        let s = &self.sem;
+        let next = s.outbound.load(Ordering::Acquire) + 1;
+        s.conn.update_and_sync(&s.remote, 0, &s.outbound, next)
     }
 }
 
@@ -366,10 +366,7 @@ impl ProxyService {
                 MAX_SEMAPHORE_ID + 1
             )));
         }
-        let conn = match &sem {
-            ProxySemaphore::Host2Device(s) => s.connection().clone(),
-            ProxySemaphore::Plain(s) => s.connection().clone(),
-        };
+        let conn = sem.conn.clone();
         let idx = match w.conns.iter().position(|c| c.conn.same_as(&conn)) {
             Some(i) => i,
             None => {
@@ -377,11 +374,8 @@ impl ProxyService {
                 w.conns.len() - 1
             }
         };
-        let handle = match &sem {
-            ProxySemaphore::Host2Device(s) => Some(s.device_handle()),
-            ProxySemaphore::Plain(_) => None,
-        };
-        w.sems.push(SemEntry { sem, outbound: AtomicU64::new(0), conn: idx });
+        let handle = sem.handle;
+        w.sems.push(SemEntry { sem, conn: idx });
         let id = w.sems.len() - 1;
         self.nconns = self.worker.as_ref().map_or(self.nconns, |w| w.conns.len());
         self.sem_handles.push(handle);
@@ -536,7 +530,7 @@ impl Drop for ProxyService {
 impl Worker {
     fn init(&self) -> Result<()> {
         if let Some(d) = self.device {
-            if let Some(n) = crate::gpu::numa_node(d) {
+            if let Some(n) = crate::platform::cuda::numa_node(d) {
                 if let Err(e) = crate::platform::numa::bind_thread_to_node(n) {
                     warn!(target: LOG, "proxy thread: could not bind to NUMA node {n}: {e}");
                 }
