@@ -530,10 +530,10 @@ impl Drop for ProxyService {
 impl Worker {
     fn init(&self) -> Result<()> {
         if let Some(d) = self.device {
-            if let Some(n) = crate::platform::cuda::numa_node(d) {
-                if let Err(e) = crate::platform::numa::bind_thread_to_node(n) {
-                    warn!(target: LOG, "proxy thread: could not bind to NUMA node {n}: {e}");
-                }
+            if let Some(n) = crate::platform::cuda::numa_node(d)
+                && let Err(e) = crate::platform::numa::bind_thread_to_node(n)
+            {
+                warn!(target: LOG, "proxy thread: could not bind to NUMA node {n}: {e}");
             }
             crate::platform::cuda::device(d)?.bind()?;
             crate::platform::cuda::relax_stream_capture_mode()?;
@@ -560,10 +560,10 @@ impl Worker {
                     break;
                 }
             }
-            if !self.failed() {
-                if let Err(e) = self.progress_flushes() {
-                    self.fail(e);
-                }
+            if !self.failed()
+                && let Err(e) = self.progress_flushes()
+            {
+                self.fail(e);
             }
             match self.sh.fifo.poll() {
                 Some(t) => {
@@ -590,7 +590,7 @@ impl Worker {
         if idle < 64 {
             std::hint::spin_loop();
         } else if !self.idle_backoff || idle < 20_000 {
-            if idle % 64 == 0 {
+            if idle.is_multiple_of(64) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -615,10 +615,10 @@ impl Worker {
         }
         self.shutdown_words();
         for c in &self.conns {
-            if c.conn.outstanding() > 0 {
-                if let Err(e) = c.conn.flush(STOP_FLUSH_TIMEOUT) {
-                    self.fail(e.during("stopping the proxy service"));
-                }
+            if c.conn.outstanding() > 0
+                && let Err(e) = c.conn.flush(STOP_FLUSH_TIMEOUT)
+            {
+                self.fail(e.during("stopping the proxy service"));
             }
         }
     }
@@ -700,7 +700,7 @@ impl Worker {
                 ));
             }
             n += 1;
-            if n % 64 == 0 {
+            if n.is_multiple_of(64) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
