@@ -689,6 +689,12 @@ impl Worker {
             if p.issued - p.completed < max {
                 return Ok(());
             }
+            if self.sh.stop.load(Ordering::Acquire) {
+                return Err(Error::invalid_usage(format!(
+                    "the proxy service was stopped while {} operations were in flight on a full connection",
+                    p.issued - p.completed
+                )));
+            }
             if t0.elapsed() > BACK_PRESSURE_LIMIT {
                 return Err(Error::new(
                     ErrorKind::Timeout,
