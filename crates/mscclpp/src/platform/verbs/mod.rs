@@ -9,6 +9,7 @@ pub(crate) mod abi;
 pub(crate) mod dev;
 #[cfg(feature = "ib-fake")]
 pub(crate) mod fake;
+pub(crate) mod result;
 
 use std::ffi::{CStr, c_char, c_int};
 use std::sync::OnceLock;
