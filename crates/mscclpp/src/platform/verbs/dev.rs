@@ -373,7 +373,10 @@ impl IbCq {
         // The channel's fd is readable, so this does not block.
         let cq = r::get_cq_event(self.dev.v, &ch.ch).map_err(|e| e.on(format_args!(" on {}", self.dev.name)))?;
         if cq != self.cq.as_ptr() {
-            return Err(Error::internal(format!("a completion event on {} for a CQ that is not its own", self.dev.name)));
+            return Err(Error::internal(format!(
+                "a completion event on {} for a CQ that is not its own",
+                self.dev.name
+            )));
         }
         // One event taken, for this CQ (the channel's only one).
         r::ack_cq_events(self.dev.v, &self.cq, 1);

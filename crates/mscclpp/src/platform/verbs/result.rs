@@ -117,6 +117,7 @@ fn check_ptr<T>(call: &'static str, p: *mut T) -> VResult<NonNull<T>> {
 macro_rules! handle {
     ($(#[$m:meta])* $name:ident, $raw:ty) => {
         $(#[$m])*
+        #[derive(Debug)]
         pub(crate) struct $name(NonNull<$raw>);
 
         // SAFETY: libibverbs objects may be used from any thread (the library is thread safe and
@@ -418,7 +419,14 @@ pub(crate) fn poll_cq(cq: &Cq, out: &mut [ibv_wc]) -> VResult<usize> {
 ///
 /// The caller keeps the CQs named in `init` until the QP is destroyed (their destroy is `unsafe`
 /// and says so).
-pub(crate) fn create_qp(v: &Verbs, pd: &Pd, send_cq: &Cq, recv_cq: &Cq, cap: ibv_qp_cap, qp_type: c_uint) -> VResult<Qp> {
+pub(crate) fn create_qp(
+    v: &Verbs,
+    pd: &Pd,
+    send_cq: &Cq,
+    recv_cq: &Cq,
+    cap: ibv_qp_cap,
+    qp_type: c_uint,
+) -> VResult<Qp> {
     let mut init = ibv_qp_init_attr {
         qp_context: std::ptr::null_mut(),
         send_cq: send_cq.as_ptr(),
@@ -527,7 +535,7 @@ pub(crate) fn wc_status_str(v: &Verbs, status: u32) -> Option<&'static CStr> {
     (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) })
 }
 
-#[cfg(all(test, feature = "ib-fake"))]
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -544,6 +552,97 @@ mod tests {
         assert!(s.contains("ibv_alloc_pd on d: failed without setting errno"), "{s}");
         let s = VerbsError { call: "ibv_poll_cq", cause: Cause::Returned(-2) }.on(" on d").to_string();
         assert!(s.contains("ibv_poll_cq on d: failed (returned -2)"), "{s}");
-        assert_eq!(VerbsError::errno("ibv_post_send", 12).to_string(), format!("ibv_post_send: {} (errno 12)", std::io::Error::from_raw_os_error(12)));
+        let s = VerbsError { call: "ibv_poll_cq", cause: Cause::NotProvided }.on(" on d").to_string();
+        assert!(s.contains("ibv_poll_cq on d: the provider does not implement it"), "{s}");
+        assert_eq!(
+            VerbsError::errno("ibv_post_send", 12).to_string(),
+            format!("ibv_post_send: {} (errno 12)", std::io::Error::from_raw_os_error(12))
+        );
+    }
+
+    /// Every wrapper against the in-process provider (its table passed directly, so nothing is
+    /// installed for the process): successes hand back live handles, failures name the call and
+    /// carry the provider's errno, and `post_send` refuses what it cannot post safely before
+    /// calling the provider.
+    #[cfg(feature = "ib-fake")]
+    #[test]
+    fn wrappers_against_the_test_provider() {
+        use super::super::fake;
+        static V: std::sync::OnceLock<Verbs> = std::sync::OnceLock::new();
+        let v: &'static Verbs = V.get_or_init(fake::table);
+        fake::add_device("vres0");
+        let list = DeviceList::of(v).unwrap();
+        assert!(open_device(v, &list, "no-such-device").is_none());
+        let ctx = open_device(v, &list, "vres0").unwrap().unwrap();
+        drop(list);
+        let attr = query_device(v, &ctx).unwrap();
+        assert!(attr.max_qp_wr > 0 && attr.phys_port_cnt >= 1);
+        assert_eq!(query_port(v, &ctx, 1).unwrap().state, IBV_PORT_ACTIVE);
+        assert_eq!(query_port(v, &ctx, 9).err(), Some(VerbsError::errno("ibv_query_port", 22)));
+        assert_ne!(query_gid(v, &ctx, 1, 0).unwrap(), [0; 16]);
+        let pd = alloc_pd(v, &ctx).unwrap();
+
+        let e = unsafe { reg_mr(v, &pd, 0, 0, IBV_ACCESS_LOCAL_WRITE) }.unwrap_err();
+        assert_eq!(e, VerbsError::errno("ibv_reg_mr", 22));
+        let mem = vec![0u64; 4];
+        // SAFETY: mem outlives the MR (deregistered below, before mem drops).
+        let mr = unsafe { reg_mr(v, &pd, mem.as_ptr() as u64, 32, IBV_ACCESS_LOCAL_WRITE) }.unwrap();
+        let (lkey, _) = mr.keys();
+
+        assert_eq!(create_cq(v, &ctx, 0, None).unwrap_err(), VerbsError::errno("ibv_create_cq", 22));
+        let ch = create_comp_channel(v, &ctx).unwrap();
+        let cq = create_cq(v, &ctx, 16, Some(&ch)).unwrap();
+        assert!(cq.cqe() >= 16);
+        req_notify_cq(&cq, false).unwrap();
+        let mut wcs = [ibv_wc::default(); 4];
+        assert_eq!(poll_cq(&cq, &mut wcs).unwrap(), 0);
+
+        let cap = ibv_qp_cap { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let qp = create_qp(v, &pd, &cq, &cq, cap, IBV_QPT_RC).unwrap();
+        assert!(qp.num() > 0);
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_INIT, ..Default::default() };
+        assert_eq!(modify_qp(v, &qp, &mut a, 0).unwrap_err(), VerbsError::errno("ibv_modify_qp", 22));
+        // A receive in RESET: the provider refuses it (its errno comes back).
+        assert_eq!(post_recv(&qp, 1, None).unwrap_err(), VerbsError::errno("ibv_post_recv", 12));
+
+        let wr = |opcode, flags, num_sge| ibv_send_wr {
+            wr_id: 7,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge,
+            opcode,
+            send_flags: flags,
+            imm_data: 0,
+            wr: ibv_send_wr_wr { rdma: ibv_send_wr_rdma { remote_addr: 0, rkey: 0 } },
+            qp_type_xrc_remote_srqn: 0,
+            bind_mw_or_tso: [0; 6],
+        };
+        let sge = ibv_sge { addr: mem.as_ptr() as u64, length: 8, lkey };
+        let refused = |r: VResult<()>| matches!(r, Err(VerbsError { call: "ibv_post_send", cause: Cause::Refused(_) }));
+        // SEND (2) reads no remote key; INLINE (1 << 3) makes the CPU read the SGE; two SGEs.
+        assert!(refused(post_send(&qp, &mut [wr(2, 0, 1)], &mut [sge])));
+        assert!(refused(post_send(&qp, &mut [wr(IBV_WR_RDMA_WRITE, 1 << 3, 1)], &mut [sge])));
+        assert!(refused(post_send(&qp, &mut [wr(IBV_WR_RDMA_WRITE, 0, 2)], &mut [sge])));
+        assert!(refused(post_send(&qp, &mut [wr(IBV_WR_RDMA_WRITE, 0, 1)], &mut [])));
+        assert_eq!(post_send(&qp, &mut [], &mut []), Ok(()));
+        // A well-formed list reaches the provider, which refuses it outside RTS.
+        let r = post_send(
+            &qp,
+            &mut [wr(IBV_WR_RDMA_WRITE, 0, 1), wr(IBV_WR_RDMA_WRITE_WITH_IMM, IBV_SEND_SIGNALED, 0)],
+            &mut [sge, ibv_sge::default()],
+        );
+        assert_eq!(r.unwrap_err(), VerbsError::errno("ibv_post_send", 22));
+        assert!(wc_status_str(v, IBV_WC_SUCCESS).is_some());
+
+        // SAFETY: children first; no handle is used after its destroy.
+        unsafe {
+            destroy_qp(v, &qp).unwrap();
+            destroy_cq(v, &cq).unwrap();
+            destroy_comp_channel(v, &ch).unwrap();
+            dereg_mr(v, &mr).unwrap();
+            dealloc_pd(v, &pd).unwrap();
+            close_device(v, &ctx).unwrap();
+        }
+        drop(mem);
     }
 }
