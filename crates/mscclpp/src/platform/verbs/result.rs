@@ -582,6 +582,7 @@ mod tests {
         assert_ne!(query_gid(v, &ctx, 1, 0).unwrap(), [0; 16]);
         let pd = alloc_pd(v, &ctx).unwrap();
 
+        // SAFETY: an empty range at address 0: nothing for the NIC to reach (and it is refused).
         let e = unsafe { reg_mr(v, &pd, 0, 0, IBV_ACCESS_LOCAL_WRITE) }.unwrap_err();
         assert_eq!(e, VerbsError::errno("ibv_reg_mr", 22));
         let mem = vec![0u64; 4];
