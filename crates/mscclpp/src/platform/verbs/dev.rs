@@ -50,7 +50,7 @@ impl Drop for IbDevice {
     fn drop(&mut self) {
         // SAFETY: every MR, CQ, channel and QP holds an Arc to this device, so all of them are
         // destroyed; the PD goes before its context, and neither handle is used again.
-        let (pd, ctx) = unsafe { (r::dealloc_pd(self.v, &self.pd), r::close_device(self.v, &self.ctx)) };
+        let (pd, ctx) = unsafe { (r::dealloc_pd(&self.pd), r::close_device(&self.ctx)) };
         for e in [pd, ctx].into_iter().filter_map(|x| x.err()) {
             warn!(target: "mscclpp::ib", "closing {}: {e}", self.name);
         }
@@ -86,7 +86,7 @@ impl IbDevice {
     pub(crate) fn open(name: &str) -> Result<Arc<IbDevice>> {
         let list = DeviceList::get()?;
         let v = verbs()?;
-        let Some(opened) = r::open_device(v, &list, name) else {
+        let Some(opened) = r::open_device(&list, name) else {
             let names = list.names();
             return Err(Error::invalid_usage(format!(
                 "RDMA device {name:?} does not exist (this machine has: {})",
@@ -95,13 +95,13 @@ impl IbDevice {
         };
         drop(list);
         let ctx = opened.map_err(|e| e.on(format_args!("({name})")))?;
-        let made = r::query_device(v, &ctx).and_then(|attr| Ok((attr, r::alloc_pd(v, &ctx)?)));
+        let made = r::query_device(&ctx).and_then(|attr| Ok((attr, r::alloc_pd(&ctx)?)));
         let (attr, pd) = match made {
             Ok(x) => x,
             Err(e) => {
                 // SAFETY: nothing was made from ctx (alloc_pd is the only call that makes
                 // anything, and it failed), and ctx is dropped unused right after.
-                if let Err(c) = unsafe { r::close_device(v, &ctx) } {
+                if let Err(c) = unsafe { r::close_device(&ctx) } {
                     warn!(target: "mscclpp::ib", "closing {name} after a failed open: {c}");
                 }
                 return Err(e.on(format_args!("({name})")));
@@ -120,11 +120,11 @@ impl IbDevice {
     }
 
     fn query_port(&self, port: u8) -> Result<ibv_port_attr> {
-        r::query_port(self.v, &self.ctx, port).map_err(|e| e.on(format_args!("({} port {port})", self.name)))
+        r::query_port(&self.ctx, port).map_err(|e| e.on(format_args!("({} port {port})", self.name)))
     }
 
     fn query_gid(&self, port: u8, index: u32) -> Option<[u8; 16]> {
-        r::query_gid(self.v, &self.ctx, port, index).ok().filter(|g| *g != [0; 16])
+        r::query_gid(&self.ctx, port, index).ok().filter(|g| *g != [0; 16])
     }
 
     /// Chooses the port (the configured one, else the first active port with an IB or Ethernet
@@ -237,7 +237,7 @@ impl IbDevice {
             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
         // SAFETY: the range is memory the caller keeps valid while the MR lives (LocalRegion
         // drops its MRs before its memory).
-        let mr = unsafe { r::reg_mr(self.v, &self.pd, addr, len as usize, access) }.map_err(|e| {
+        let mr = unsafe { r::reg_mr(&self.pd, addr, len as usize, access) }.map_err(|e| {
             let hint = if e.os_error() == Some(nix::errno::Errno::ENOMEM as c_int) {
                 " (the locked-memory limit may be too low: raise `ulimit -l`)"
             } else {
@@ -260,7 +260,7 @@ impl IbDevice {
         }
         let access =
             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-        let mr = r::reg_dmabuf_mr(self.v, &self.pd, offset, len as usize, iova, fd, access)
+        let mr = r::reg_dmabuf_mr(&self.pd, offset, len as usize, iova, fd, access)
             .map_err(|e| e.on(format_args!(" of {len} bytes on {}", self.name)))?;
         let (lkey, rkey) = mr.keys();
         Ok(IbMr { dev: self.clone(), mr, addr: iova, len, lkey, rkey })
@@ -271,13 +271,13 @@ impl IbDevice {
     pub(crate) fn create_cq(self: &Arc<Self>, cqe: u32, events: bool) -> Result<IbCq> {
         let n = cqe.min(self.caps.max_cqe).max(1);
         let channel = if events {
-            let ch = r::create_comp_channel(self.v, &self.ctx).map_err(|e| e.on(format_args!(" on {}", self.name)))?;
+            let ch = r::create_comp_channel(&self.ctx).map_err(|e| e.on(format_args!(" on {}", self.name)))?;
             Some(IbChannel { dev: self.clone(), ch })
         } else {
             None
         };
         // The IbCq keeps the channel and drops it after destroying the CQ.
-        let cq = r::create_cq(self.v, &self.ctx, n as c_int, channel.as_ref().map(|c| &c.ch))
+        let cq = r::create_cq(&self.ctx, n as c_int, channel.as_ref().map(|c| &c.ch))
             .map_err(|e| e.on(format_args!("({n}) on {}", self.name)))?;
         let depth = cq.cqe().max(1) as u32;
         Ok(IbCq { dev: self.clone(), cq, depth, channel })
@@ -310,7 +310,7 @@ impl fmt::Debug for IbMr {
 impl Drop for IbMr {
     fn drop(&mut self) {
         // SAFETY: the handle is dropped unused right after; the PD is alive (self.dev).
-        if let Err(e) = unsafe { r::dereg_mr(self.dev.v, &self.mr) } {
+        if let Err(e) = unsafe { r::dereg_mr(&self.mr) } {
             warn!(target: "mscclpp::ib", "{self:?}: {e}");
         }
     }
@@ -326,7 +326,7 @@ impl Drop for IbChannel {
     fn drop(&mut self) {
         // SAFETY: its CQ is destroyed (IbCq::drop runs before its fields drop), every event was
         // acknowledged as it was taken (IbCq::wait_event), and the handle is dropped unused.
-        if let Err(e) = unsafe { r::destroy_comp_channel(self.dev.v, &self.ch) } {
+        if let Err(e) = unsafe { r::destroy_comp_channel(&self.ch) } {
             warn!(target: "mscclpp::ib", "completion channel on {}: {e}", self.dev.name);
         }
     }
@@ -371,7 +371,7 @@ impl IbCq {
             Err(e) => return Err(Error::io(format!("waiting for a completion event on {}", self.dev.name), e.into())),
         }
         // The channel's fd is readable, so this does not block.
-        let cq = r::get_cq_event(self.dev.v, &ch.ch).map_err(|e| e.on(format_args!(" on {}", self.dev.name)))?;
+        let cq = r::get_cq_event(&ch.ch).map_err(|e| e.on(format_args!(" on {}", self.dev.name)))?;
         if cq != self.cq.as_ptr() {
             return Err(Error::internal(format!(
                 "a completion event on {} for a CQ that is not its own",
@@ -379,7 +379,7 @@ impl IbCq {
             )));
         }
         // One event taken, for this CQ (the channel's only one).
-        r::ack_cq_events(self.dev.v, &self.cq, 1);
+        r::ack_cq_events(&self.cq, 1);
         Ok(true)
     }
 }
@@ -389,7 +389,7 @@ impl Drop for IbCq {
         // SAFETY: the QP that used this CQ is destroyed (IbQp::drop runs before its CQ fields
         // drop), every event was acknowledged as it was taken (wait_event), and the handle is
         // dropped unused; its channel (a field) is destroyed after this.
-        if let Err(e) = unsafe { r::destroy_cq(self.dev.v, &self.cq) } {
+        if let Err(e) = unsafe { r::destroy_cq(&self.cq) } {
             warn!(target: "mscclpp::ib", "completion queue on {}: {e}", self.dev.name);
         }
     }
@@ -456,7 +456,7 @@ impl Drop for IbQp {
     fn drop(&mut self) {
         // SAFETY: the handle is dropped unused right after (its CQs, fields, drop after this
         // body).
-        if let Err(e) = unsafe { r::destroy_qp(self.dev.v, &self.qp) } {
+        if let Err(e) = unsafe { r::destroy_qp(&self.qp) } {
             warn!(target: "mscclpp::ib", "{self:?}: {e}");
         }
     }
@@ -484,7 +484,7 @@ impl IbQp {
             max_inline_data: 0,
         };
         // The IbQp keeps both CQs and destroys the QP before them.
-        let qp = r::create_qp(dev.v, &dev.pd, &send_cq.cq, &recv_cq.cq, cap, IBV_QPT_RC)
+        let qp = r::create_qp(&dev.pd, &send_cq.cq, &recv_cq.cq, cap)
             .map_err(|e| e.on(format_args!(" (RC, {want_send} send WRs) on {}", dev.name)))?;
         let qpn = qp.num();
         let me = IbQp { dev: dev.clone(), qp, qpn, port, send_cq, recv_cq, max_send_wr: want_send, limits };
@@ -500,7 +500,7 @@ impl IbQp {
     }
 
     fn modify(&self, a: &mut ibv_qp_attr, mask: c_int, to: &str) -> Result<()> {
-        r::modify_qp(self.dev.v, &self.qp, a, mask).map_err(|e| e.on(format_args!("({to}) on {self:?}")))
+        r::modify_qp(&self.qp, a, mask).map_err(|e| e.on(format_args!("({to}) on {self:?}")))
     }
 
     /// This QP as a peer needs it.

@@ -1,5 +1,6 @@
 //! One small error-returning function per verbs call, in the manner of cudarc's `result` module:
-//! each takes the loaded library ([`Verbs`]) and handles, holds the `unsafe` of its one FFI call
+//! each takes handles (which carry the [`Verbs`] table that made them, so a call can never reach
+//! another library's objects), holds the `unsafe` of its one FFI call
 //! with the contract written next to it, and turns the C convention (NULL and `errno`, a returned
 //! errno, a negative count) into `Result<_, VerbsError>`. [`VerbsError`] is small and `Copy` (the
 //! call's name and its errno), so the data-path calls (`post_send`, `poll_cq`) allocate nothing;
@@ -32,7 +33,8 @@ pub(crate) enum Cause {
     Returned(c_int),
     /// The provider's ops table has no entry for the call.
     NotProvided,
-    /// The arguments were refused before the call (a work request this layer does not post).
+    /// The arguments were refused before the call (a work request this layer does not post,
+    /// objects of another library).
     Refused(&'static str),
 }
 
@@ -70,7 +72,7 @@ impl VerbsError {
             Cause::Errno(e) => Error::new(ErrorKind::Ib, what).with_source(std::io::Error::from_raw_os_error(e)),
             Cause::Returned(n) => Error::new(ErrorKind::Ib, format!("{what}: failed (returned {n})")),
             Cause::NotProvided => Error::new(ErrorKind::Ib, format!("{what}: the provider does not implement it")),
-            Cause::Refused(why) => Error::new(ErrorKind::Ib, format!("{what}: refused before posting: {why}")),
+            Cause::Refused(why) => Error::new(ErrorKind::Ib, format!("{what}: refused before the call: {why}")),
         }
     }
 }
@@ -82,7 +84,7 @@ impl fmt::Display for VerbsError {
             Cause::Errno(e) => write!(f, "{}: {} (errno {e})", self.call, std::io::Error::from_raw_os_error(e)),
             Cause::Returned(n) => write!(f, "{} failed (returned {n})", self.call),
             Cause::NotProvided => write!(f, "{}: the provider does not implement it", self.call),
-            Cause::Refused(why) => write!(f, "{}: refused before posting: {why}", self.call),
+            Cause::Refused(why) => write!(f, "{}: refused before the call: {why}", self.call),
         }
     }
 }
@@ -117,8 +119,14 @@ fn check_ptr<T>(call: &'static str, p: *mut T) -> VResult<NonNull<T>> {
 macro_rules! handle {
     ($(#[$m:meta])* $name:ident, $raw:ty) => {
         $(#[$m])*
-        #[derive(Debug)]
-        pub(crate) struct $name(NonNull<$raw>);
+        /// It keeps the library that made it, so every later call goes to the same one.
+        pub(crate) struct $name(NonNull<$raw>, &'static Verbs);
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_tuple(stringify!($name)).field(&self.0).finish()
+            }
+        }
 
         // SAFETY: libibverbs objects may be used from any thread (the library is thread safe and
         // locks internally where it must); the handle is only an address and owns nothing that
@@ -220,26 +228,29 @@ impl CompChannel {
 
 /// `ibv_open_device` on the device called `name` in `list`; `None` when the list has no such
 /// device.
-pub(crate) fn open_device(v: &Verbs, list: &DeviceList, name: &str) -> Option<VResult<Context>> {
+pub(crate) fn open_device(list: &DeviceList, name: &str) -> Option<VResult<Context>> {
+    let v = list.v;
     let dev = list.find(name)?;
     clear_errno();
     // SAFETY: dev is a device of `list`, which is live for this call (borrowed); the context the
     // call opens does not depend on the list staying alive.
     let ctx = unsafe { (v.open_device)(dev) };
-    Some(check_ptr("ibv_open_device", ctx).map(Context))
+    Some(check_ptr("ibv_open_device", ctx).map(|p| Context(p, v)))
 }
 
 /// `ibv_close_device`.
 ///
 /// # Safety
 /// Every PD, CQ, channel, MR and QP made from `ctx` is destroyed, and `ctx` is not used again.
-pub(crate) unsafe fn close_device(v: &Verbs, ctx: &Context) -> VResult<()> {
+pub(crate) unsafe fn close_device(ctx: &Context) -> VResult<()> {
+    let v = ctx.1;
     // SAFETY: the caller's contract; ctx came from ibv_open_device.
     check_rc("ibv_close_device", unsafe { (v.close_device)(ctx.as_ptr()) })
 }
 
 /// `ibv_query_device`.
-pub(crate) fn query_device(v: &Verbs, ctx: &Context) -> VResult<ibv_device_attr> {
+pub(crate) fn query_device(ctx: &Context) -> VResult<ibv_device_attr> {
+    let v = ctx.1;
     // SAFETY: all-zero bytes are a valid ibv_device_attr (integers and byte arrays only).
     let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
     // SAFETY: ctx is open (the handle exists); attr is a valid out-pointer of verbs.h's layout
@@ -249,7 +260,8 @@ pub(crate) fn query_device(v: &Verbs, ctx: &Context) -> VResult<ibv_device_attr>
 }
 
 /// `ibv_query_port`.
-pub(crate) fn query_port(v: &Verbs, ctx: &Context, port: u8) -> VResult<ibv_port_attr> {
+pub(crate) fn query_port(ctx: &Context, port: u8) -> VResult<ibv_port_attr> {
+    let v = ctx.1;
     // SAFETY: all-zero bytes are a valid ibv_port_attr (integers only).
     let mut a: ibv_port_attr = unsafe { std::mem::zeroed() };
     // SAFETY: ctx is open; a is a valid out-pointer. The exported ibv_query_port fills at most
@@ -259,7 +271,8 @@ pub(crate) fn query_port(v: &Verbs, ctx: &Context, port: u8) -> VResult<ibv_port
 }
 
 /// `ibv_query_gid`: the raw GID at `index` of `port`.
-pub(crate) fn query_gid(v: &Verbs, ctx: &Context, port: u8, index: u32) -> VResult<[u8; 16]> {
+pub(crate) fn query_gid(ctx: &Context, port: u8, index: u32) -> VResult<[u8; 16]> {
+    let v = ctx.1;
     let mut g = ibv_gid { raw: [0; 16] };
     let index = c_int::try_from(index).map_err(|_| VerbsError::errno("ibv_query_gid", libc_einval()))?;
     // SAFETY: ctx is open; g is a valid out-pointer.
@@ -272,17 +285,19 @@ fn libc_einval() -> c_int {
 }
 
 /// `ibv_alloc_pd`.
-pub(crate) fn alloc_pd(v: &Verbs, ctx: &Context) -> VResult<Pd> {
+pub(crate) fn alloc_pd(ctx: &Context) -> VResult<Pd> {
+    let v = ctx.1;
     clear_errno();
     // SAFETY: ctx is open.
-    check_ptr("ibv_alloc_pd", unsafe { (v.alloc_pd)(ctx.as_ptr()) }).map(Pd)
+    check_ptr("ibv_alloc_pd", unsafe { (v.alloc_pd)(ctx.as_ptr()) }).map(|p| Pd(p, v))
 }
 
 /// `ibv_dealloc_pd`.
 ///
 /// # Safety
 /// Every MR and QP of `pd` is destroyed, and `pd` is not used again.
-pub(crate) unsafe fn dealloc_pd(v: &Verbs, pd: &Pd) -> VResult<()> {
+pub(crate) unsafe fn dealloc_pd(pd: &Pd) -> VResult<()> {
+    let v = pd.1;
     // SAFETY: the caller's contract; pd came from ibv_alloc_pd.
     check_rc("ibv_dealloc_pd", unsafe { (v.dealloc_pd)(pd.as_ptr()) })
 }
@@ -293,24 +308,18 @@ pub(crate) unsafe fn dealloc_pd(v: &Verbs, pd: &Pd) -> VResult<()> {
 /// The range is memory that stays valid (mapped, not freed or reused for Rust objects the NIC
 /// must not touch) until the returned MR is deregistered: the NIC reads and, with write access,
 /// writes it on its own, on behalf of this process and of peers holding the rkey.
-pub(crate) unsafe fn reg_mr(v: &Verbs, pd: &Pd, addr: u64, len: usize, access: c_uint) -> VResult<Mr> {
+pub(crate) unsafe fn reg_mr(pd: &Pd, addr: u64, len: usize, access: c_uint) -> VResult<Mr> {
+    let v = pd.1;
     clear_errno();
     // SAFETY: pd is live; the range is the caller's contract.
     let mr = unsafe { (v.reg_mr)(pd.as_ptr(), addr as *mut c_void, len, access as c_int) };
-    check_ptr("ibv_reg_mr", mr).map(Mr)
+    check_ptr("ibv_reg_mr", mr).map(|p| Mr(p, v))
 }
 
 /// `ibv_reg_dmabuf_mr`: `len` bytes at `offset` of the dma-buf `fd`, seen at address `iova`.
 /// `NotProvided` where the library predates it (rdma-core 34).
-pub(crate) fn reg_dmabuf_mr(
-    v: &Verbs,
-    pd: &Pd,
-    offset: u64,
-    len: usize,
-    iova: u64,
-    fd: c_int,
-    access: c_uint,
-) -> VResult<Mr> {
+pub(crate) fn reg_dmabuf_mr(pd: &Pd, offset: u64, len: usize, iova: u64, fd: c_int, access: c_uint) -> VResult<Mr> {
+    let v = pd.1;
     let Some(f) = v.reg_dmabuf_mr else {
         return Err(VerbsError { call: "ibv_reg_dmabuf_mr", cause: Cause::NotProvided });
     };
@@ -320,24 +329,26 @@ pub(crate) fn reg_dmabuf_mr(
     // the buffer, so the NIC only ever reaches the exporter's pages, which the exporter keeps (or
     // revokes) itself.
     let mr = unsafe { f(pd.as_ptr(), offset, len, iova, fd, access as c_int) };
-    check_ptr("ibv_reg_dmabuf_mr", mr).map(Mr)
+    check_ptr("ibv_reg_dmabuf_mr", mr).map(|p| Mr(p, v))
 }
 
 /// `ibv_dereg_mr`.
 ///
 /// # Safety
 /// `mr` is not used again.
-pub(crate) unsafe fn dereg_mr(v: &Verbs, mr: &Mr) -> VResult<()> {
+pub(crate) unsafe fn dereg_mr(mr: &Mr) -> VResult<()> {
+    let v = mr.1;
     // SAFETY: the caller's contract; mr came from ibv_reg_mr or ibv_reg_dmabuf_mr. Work requests
     // still naming its keys fail with an error completion, never touch memory.
     check_rc("ibv_dereg_mr", unsafe { (v.dereg_mr)(mr.as_ptr()) })
 }
 
 /// `ibv_create_comp_channel`.
-pub(crate) fn create_comp_channel(v: &Verbs, ctx: &Context) -> VResult<CompChannel> {
+pub(crate) fn create_comp_channel(ctx: &Context) -> VResult<CompChannel> {
+    let v = ctx.1;
     clear_errno();
     // SAFETY: ctx is open.
-    check_ptr("ibv_create_comp_channel", unsafe { (v.create_comp_channel)(ctx.as_ptr()) }).map(CompChannel)
+    check_ptr("ibv_create_comp_channel", unsafe { (v.create_comp_channel)(ctx.as_ptr()) }).map(|p| CompChannel(p, v))
 }
 
 /// `ibv_destroy_comp_channel`.
@@ -345,7 +356,8 @@ pub(crate) fn create_comp_channel(v: &Verbs, ctx: &Context) -> VResult<CompChann
 /// # Safety
 /// No CQ using `ch` remains, every event taken from it was acknowledged, and `ch` is not used
 /// again.
-pub(crate) unsafe fn destroy_comp_channel(v: &Verbs, ch: &CompChannel) -> VResult<()> {
+pub(crate) unsafe fn destroy_comp_channel(ch: &CompChannel) -> VResult<()> {
+    let v = ch.1;
     // SAFETY: the caller's contract; ch came from ibv_create_comp_channel.
     check_rc("ibv_destroy_comp_channel", unsafe { (v.destroy_comp_channel)(ch.as_ptr()) })
 }
@@ -353,20 +365,25 @@ pub(crate) unsafe fn destroy_comp_channel(v: &Verbs, ch: &CompChannel) -> VResul
 /// `ibv_create_cq` with at least `cqe` entries, raising events on `channel` if given.
 ///
 /// The caller keeps `channel` until the CQ is destroyed (its destroy is `unsafe` and says so).
-pub(crate) fn create_cq(v: &Verbs, ctx: &Context, cqe: c_int, channel: Option<&CompChannel>) -> VResult<Cq> {
+pub(crate) fn create_cq(ctx: &Context, cqe: c_int, channel: Option<&CompChannel>) -> VResult<Cq> {
+    let v = ctx.1;
+    if channel.is_some_and(|c| !std::ptr::eq(v, c.1)) {
+        return Err(VerbsError { call: "ibv_create_cq", cause: Cause::Refused("a channel of another library") });
+    }
     let ch = channel.map_or(std::ptr::null_mut(), CompChannel::as_ptr);
     clear_errno();
     // SAFETY: ctx is open; ch is null or a live channel of this context; no CQ context pointer
     // and vector 0.
     let cq = unsafe { (v.create_cq)(ctx.as_ptr(), cqe, std::ptr::null_mut(), ch, 0) };
-    check_ptr("ibv_create_cq", cq).map(Cq)
+    check_ptr("ibv_create_cq", cq).map(|p| Cq(p, v))
 }
 
 /// `ibv_destroy_cq`.
 ///
 /// # Safety
 /// No QP using `cq` remains, every event for it was acknowledged, and `cq` is not used again.
-pub(crate) unsafe fn destroy_cq(v: &Verbs, cq: &Cq) -> VResult<()> {
+pub(crate) unsafe fn destroy_cq(cq: &Cq) -> VResult<()> {
+    let v = cq.1;
     // SAFETY: the caller's contract; cq came from ibv_create_cq.
     check_rc("ibv_destroy_cq", unsafe { (v.destroy_cq)(cq.as_ptr()) })
 }
@@ -384,7 +401,8 @@ pub(crate) fn req_notify_cq(cq: &Cq, solicited_only: bool) -> VResult<()> {
 
 /// `ibv_get_cq_event`: takes one event (blocking until there is one) and returns the CQ it is for,
 /// as a raw pointer to compare with [`Cq::as_ptr`]. Acknowledge it with [`ack_cq_events`].
-pub(crate) fn get_cq_event(v: &Verbs, ch: &CompChannel) -> VResult<*mut ibv_cq> {
+pub(crate) fn get_cq_event(ch: &CompChannel) -> VResult<*mut ibv_cq> {
+    let v = ch.1;
     let mut cq: *mut ibv_cq = std::ptr::null_mut();
     let mut ctx: *mut c_void = std::ptr::null_mut();
     clear_errno();
@@ -394,7 +412,8 @@ pub(crate) fn get_cq_event(v: &Verbs, ch: &CompChannel) -> VResult<*mut ibv_cq> 
 }
 
 /// `ibv_ack_cq_events`: acknowledges `n` events taken for `cq`.
-pub(crate) fn ack_cq_events(v: &Verbs, cq: &Cq, n: u32) {
+pub(crate) fn ack_cq_events(cq: &Cq, n: u32) {
+    let v = cq.1;
     // SAFETY: cq is live. Acknowledging more events than were taken only makes a later
     // ibv_destroy_cq wait; it touches no memory it should not.
     unsafe { (v.ack_cq_events)(cq.as_ptr(), n) }
@@ -415,35 +434,34 @@ pub(crate) fn poll_cq(cq: &Cq, out: &mut [ibv_wc]) -> VResult<usize> {
     Ok(got as usize)
 }
 
-/// `ibv_create_qp` in `pd` with `init` (its CQs and SRQ must be live objects of the same context).
+/// `ibv_create_qp` of an RC queue pair in `pd` with capacities `cap`, no SRQ. Only RC QPs are
+/// made here, which [`post_send`]'s safety relies on (a UD QP's provider reads an address-handle
+/// pointer out of the work request).
 ///
-/// The caller keeps the CQs named in `init` until the QP is destroyed (their destroy is `unsafe`
-/// and says so).
-pub(crate) fn create_qp(
-    v: &Verbs,
-    pd: &Pd,
-    send_cq: &Cq,
-    recv_cq: &Cq,
-    cap: ibv_qp_cap,
-    qp_type: c_uint,
-) -> VResult<Qp> {
+/// The caller keeps the CQs until the QP is destroyed (their destroy is `unsafe` and says so).
+pub(crate) fn create_qp(pd: &Pd, send_cq: &Cq, recv_cq: &Cq, cap: ibv_qp_cap) -> VResult<Qp> {
+    let v = pd.1;
+    if !std::ptr::eq(v, send_cq.1) || !std::ptr::eq(v, recv_cq.1) {
+        return Err(VerbsError { call: "ibv_create_qp", cause: Cause::Refused("CQs of another library") });
+    }
     let mut init = ibv_qp_init_attr {
         qp_context: std::ptr::null_mut(),
         send_cq: send_cq.as_ptr(),
         recv_cq: recv_cq.as_ptr(),
         srq: std::ptr::null_mut(),
         cap,
-        qp_type,
+        qp_type: IBV_QPT_RC,
         sq_sig_all: 0,
     };
     clear_errno();
     // SAFETY: pd and both CQs are live (their handles are borrowed); init is a valid attribute
     // struct with no SRQ.
-    check_ptr("ibv_create_qp", unsafe { (v.create_qp)(pd.as_ptr(), &mut init) }).map(Qp)
+    check_ptr("ibv_create_qp", unsafe { (v.create_qp)(pd.as_ptr(), &mut init) }).map(|p| Qp(p, v))
 }
 
 /// `ibv_modify_qp` with the fields of `attr` that `mask` (`IBV_QP_*`) selects.
-pub(crate) fn modify_qp(v: &Verbs, qp: &Qp, attr: &mut ibv_qp_attr, mask: c_int) -> VResult<()> {
+pub(crate) fn modify_qp(qp: &Qp, attr: &mut ibv_qp_attr, mask: c_int) -> VResult<()> {
+    let v = qp.1;
     // SAFETY: qp is live; attr is a valid attribute struct (plain data).
     check_rc("ibv_modify_qp", unsafe { (v.modify_qp)(qp.as_ptr(), attr, mask) })
 }
@@ -452,7 +470,8 @@ pub(crate) fn modify_qp(v: &Verbs, qp: &Qp, attr: &mut ibv_qp_attr, mask: c_int)
 ///
 /// # Safety
 /// `qp` is not used again.
-pub(crate) unsafe fn destroy_qp(v: &Verbs, qp: &Qp) -> VResult<()> {
+pub(crate) unsafe fn destroy_qp(qp: &Qp) -> VResult<()> {
+    let v = qp.1;
     // SAFETY: the caller's contract; qp came from ibv_create_qp.
     check_rc("ibv_destroy_qp", unsafe { (v.destroy_qp)(qp.as_ptr()) })
 }
@@ -502,9 +521,10 @@ pub(crate) fn post_send(qp: &Qp, wrs: &mut [ibv_send_wr], sges: &mut [ibv_sge]) 
         w.next = if i + 1 < n { unsafe { base.add(i + 1) } } else { std::ptr::null_mut() };
     }
     let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-    // SAFETY: qp is live; base is a list of n WRs linked above, each pointing only into wrs and
-    // sges (both borrowed until this returns), with opcodes and flags for which the provider
-    // reads nothing else from this process's memory; bad is a valid out-pointer.
+    // SAFETY: qp is a live RC QP (the only kind create_qp makes); base is a list of n WRs linked
+    // above, each pointing only into wrs and sges (both borrowed until this returns), with
+    // opcodes and flags for which an RC provider reads nothing else from this process's memory;
+    // bad is a valid out-pointer.
     check_rc(CALL, unsafe { f(qp.as_ptr(), base, &mut bad) })
 }
 
@@ -572,37 +592,37 @@ mod tests {
         let v: &'static Verbs = V.get_or_init(fake::table);
         fake::add_device("vres0");
         let list = DeviceList::of(v).unwrap();
-        assert!(open_device(v, &list, "no-such-device").is_none());
-        let ctx = open_device(v, &list, "vres0").unwrap().unwrap();
+        assert!(open_device(&list, "no-such-device").is_none());
+        let ctx = open_device(&list, "vres0").unwrap().unwrap();
         drop(list);
-        let attr = query_device(v, &ctx).unwrap();
+        let attr = query_device(&ctx).unwrap();
         assert!(attr.max_qp_wr > 0 && attr.phys_port_cnt >= 1);
-        assert_eq!(query_port(v, &ctx, 1).unwrap().state, IBV_PORT_ACTIVE);
-        assert_eq!(query_port(v, &ctx, 9).err(), Some(VerbsError::errno("ibv_query_port", 22)));
-        assert_ne!(query_gid(v, &ctx, 1, 0).unwrap(), [0; 16]);
-        let pd = alloc_pd(v, &ctx).unwrap();
+        assert_eq!(query_port(&ctx, 1).unwrap().state, IBV_PORT_ACTIVE);
+        assert_eq!(query_port(&ctx, 9).err(), Some(VerbsError::errno("ibv_query_port", 22)));
+        assert_ne!(query_gid(&ctx, 1, 0).unwrap(), [0; 16]);
+        let pd = alloc_pd(&ctx).unwrap();
 
         // SAFETY: an empty range at address 0: nothing for the NIC to reach (and it is refused).
-        let e = unsafe { reg_mr(v, &pd, 0, 0, IBV_ACCESS_LOCAL_WRITE) }.unwrap_err();
+        let e = unsafe { reg_mr(&pd, 0, 0, IBV_ACCESS_LOCAL_WRITE) }.unwrap_err();
         assert_eq!(e, VerbsError::errno("ibv_reg_mr", 22));
         let mem = vec![0u64; 4];
         // SAFETY: mem outlives the MR (deregistered below, before mem drops).
-        let mr = unsafe { reg_mr(v, &pd, mem.as_ptr() as u64, 32, IBV_ACCESS_LOCAL_WRITE) }.unwrap();
+        let mr = unsafe { reg_mr(&pd, mem.as_ptr() as u64, 32, IBV_ACCESS_LOCAL_WRITE) }.unwrap();
         let (lkey, _) = mr.keys();
 
-        assert_eq!(create_cq(v, &ctx, 0, None).unwrap_err(), VerbsError::errno("ibv_create_cq", 22));
-        let ch = create_comp_channel(v, &ctx).unwrap();
-        let cq = create_cq(v, &ctx, 16, Some(&ch)).unwrap();
+        assert_eq!(create_cq(&ctx, 0, None).unwrap_err(), VerbsError::errno("ibv_create_cq", 22));
+        let ch = create_comp_channel(&ctx).unwrap();
+        let cq = create_cq(&ctx, 16, Some(&ch)).unwrap();
         assert!(cq.cqe() >= 16);
         req_notify_cq(&cq, false).unwrap();
         let mut wcs = [ibv_wc::default(); 4];
         assert_eq!(poll_cq(&cq, &mut wcs).unwrap(), 0);
 
         let cap = ibv_qp_cap { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-        let qp = create_qp(v, &pd, &cq, &cq, cap, IBV_QPT_RC).unwrap();
+        let qp = create_qp(&pd, &cq, &cq, cap).unwrap();
         assert!(qp.num() > 0);
         let mut a = ibv_qp_attr { qp_state: IBV_QPS_INIT, ..Default::default() };
-        assert_eq!(modify_qp(v, &qp, &mut a, 0).unwrap_err(), VerbsError::errno("ibv_modify_qp", 22));
+        assert_eq!(modify_qp(&qp, &mut a, 0).unwrap_err(), VerbsError::errno("ibv_modify_qp", 22));
         // A receive in RESET: the provider refuses it (its errno comes back).
         assert_eq!(post_recv(&qp, 1, None).unwrap_err(), VerbsError::errno("ibv_post_recv", 12));
 
@@ -637,12 +657,12 @@ mod tests {
 
         // SAFETY: children first; no handle is used after its destroy.
         unsafe {
-            destroy_qp(v, &qp).unwrap();
-            destroy_cq(v, &cq).unwrap();
-            destroy_comp_channel(v, &ch).unwrap();
-            dereg_mr(v, &mr).unwrap();
-            dealloc_pd(v, &pd).unwrap();
-            close_device(v, &ctx).unwrap();
+            destroy_qp(&qp).unwrap();
+            destroy_cq(&cq).unwrap();
+            destroy_comp_channel(&ch).unwrap();
+            dereg_mr(&mr).unwrap();
+            dealloc_pd(&pd).unwrap();
+            close_device(&ctx).unwrap();
         }
         drop(mem);
     }
