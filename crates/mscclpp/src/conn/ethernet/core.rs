@@ -425,3 +425,73 @@ enum Validated<R> {
 
 #[cfg(test)]
 mod tests;
+
+/// The fuzz check of both cores on arbitrary peer bytes (`mscclpp::fuzzing`, form
+/// `ethernet_stream`): the first byte picks the core (bit 0) and the size of the pieces the rest
+/// is cut into. Nothing panics; every write and token the receiver lets through lies inside a
+/// region registered for Ethernet, payload never exceeds its write, acknowledgements only grow
+/// and name frames that arrived; the sender never counts more applied than it issued, and a
+/// failed core stays failed.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn fuzz_stream(data: &[u8]) {
+    let Some((&mode, rest)) = data.split_first() else { return };
+    let piece = (mode >> 1) as usize + 1;
+    if mode & 1 == 0 {
+        let lookup = |id: u64| match id {
+            1 => Some(RegionInfo { handle: 4096u64, addr: 0x10000, len: 4096, ethernet: true }),
+            2 => Some(RegionInfo { handle: 4096, addr: 0x20000, len: 4096, ethernet: false }),
+            3 => Some(RegionInfo { handle: 64, addr: 0x30004, len: 64, ethernet: true }),
+            _ => None,
+        };
+        let mut core = ReceiverCore::default();
+        let mut write_left = 0u64;
+        let mut last_ack = 0u64;
+        for chunk in rest.chunks(piece) {
+            let mut input = chunk;
+            loop {
+                let (used, ev) = match core.handle_bytes(input, &lookup) {
+                    Ok(x) => x,
+                    Err(why) => {
+                        assert!(core.handle_bytes(&[1], &lookup).is_err(), "a failed receiver went on: {why}");
+                        return;
+                    }
+                };
+                assert!(used <= input.len());
+                match ev {
+                    None if used == 0 => break,
+                    None => {}
+                    Some(RxEvent::Write { region, offset, len }) => {
+                        assert_eq!(write_left, 0, "a write began inside another's payload");
+                        assert!(offset.checked_add(len).is_some_and(|e| e <= region), "write outside its region");
+                        write_left = len;
+                    }
+                    Some(RxEvent::Data { offset, bytes }) => {
+                        assert!(bytes.len() as u64 <= write_left, "more payload than the write announced");
+                        assert!(offset < 4096 && !bytes.is_empty());
+                        write_left -= bytes.len() as u64;
+                    }
+                    Some(RxEvent::Token { region, offset, .. }) => {
+                        assert!(offset.checked_add(8).is_some_and(|e| e <= region), "token outside its region");
+                    }
+                    Some(RxEvent::Ack(s)) => {
+                        assert!(s > last_ack && s < core.expect, "ack {s} after {last_ack}, next due {}", core.expect);
+                        last_ack = s;
+                    }
+                }
+                input = &input[used..];
+            }
+        }
+    } else {
+        let mut core = SenderCore::<()>::new(64);
+        for _ in 0..50 {
+            let _ = core.issue(Op::Nop);
+        }
+        for chunk in rest.chunks(piece) {
+            if let Err(why) = core.handle_bytes(chunk) {
+                assert!(core.handle_bytes(&[]).is_err(), "a failed sender went on: {why}");
+                return;
+            }
+            assert!(core.applied() <= 50 && core.outstanding() <= 50);
+        }
+    }
+}

@@ -564,3 +564,18 @@ proptest! {
         prop_assert_eq!(rx.acks.last().copied(), Some(2 * sizes.len() as u64 + 1));
     }
 }
+
+proptest! {
+    /// The fuzz check, on random bytes and on mutated valid streams.
+    #[test]
+    fn fuzz_stream_holds(junk in proptest::collection::vec(any::<u8>(), 0..400), mode: u8, flips in proptest::collection::vec(any::<(u16, u8)>(), 0..4)) {
+        fuzz_stream(&junk);
+        let (_, _, bytes) = issued(schedule(), 1000);
+        let mut b = [&[mode & !1][..], &bytes].concat();
+        for (at, x) in flips {
+            let i = 1 + at as usize % bytes.len();
+            b[i] ^= x;
+        }
+        fuzz_stream(&b);
+    }
+}
