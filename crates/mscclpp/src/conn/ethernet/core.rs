@@ -243,7 +243,8 @@ pub(crate) enum RxEvent<'a, R> {
     Data { offset: u64, bytes: &'a [u8] },
     /// Store (or with `add`, add) `value` to the token at `offset` of `region`.
     Token { region: R, offset: u64, value: u64, add: bool },
-    /// Send [`Record::Ack`] with this sequence number: everything up to it is applied.
+    /// Send [`Record::Ack`] with this sequence number: everything up to it is applied. Comes
+    /// from a call that used no input.
     Ack(u64),
 }
 
@@ -331,12 +332,9 @@ impl ReceiverCore {
                         RxEvent::Token { region, offset, value, add }
                     }
                     Validated::Nop { seq, ack } => {
+                        // Nothing to apply; the acknowledgement (if due) comes from the next call.
                         self.complete(seq, ack, more);
-                        // Nothing to apply: the acknowledgement (if due) goes out at once.
-                        match self.pending_ack.take() {
-                            Some(s) => RxEvent::Ack(s),
-                            None => return Ok((take, None)),
-                        }
+                        return Ok((take, None));
                     }
                 };
                 Ok((take, Some(ev)))

@@ -691,6 +691,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                 r
             }
             Some(RxEvent::Ack(seq)) => {
+                rd.consume(used);
                 if let Err(e) = send_record(rd.get_ref(), &Record::Ack(seq)) {
                     if !sh.stop.load(Ordering::Acquire) {
                         sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
@@ -946,24 +947,27 @@ mod tests {
         let id = eth.memory().desc().region_id;
         let nid = none.memory().desc().region_id;
         let lookup = |i: u64| region_info(ctx.inner(), i);
+        // The event of one header (and the acknowledgement after it, if one is due).
         let first = |h: [u8; wire::HEADER]| {
             let mut core = ReceiverCore::default();
-            core.handle_bytes(&h, &lookup).map(|(n, ev)| {
-                assert_eq!(n, wire::HEADER);
-                match ev {
-                    Some(RxEvent::Write { offset, len, .. }) => format!("write {offset} {len}"),
-                    Some(RxEvent::Token { offset, value, add, .. }) => format!("token {offset} {value} {add}"),
-                    Some(RxEvent::Ack(s)) => format!("ack {s}"),
-                    ev => format!("{ev:?}"),
-                }
-            })
+            let (n, ev) = core.handle_bytes(&h, &lookup)?;
+            assert_eq!(n, wire::HEADER);
+            let mut out = match ev {
+                Some(RxEvent::Write { offset, len, .. }) => format!("write {offset} {len}"),
+                Some(RxEvent::Token { offset, value, add, .. }) => format!("token {offset} {value} {add}"),
+                ev => format!("{ev:?}"),
+            };
+            if let (0, Some(RxEvent::Ack(s))) = core.handle_bytes::<Arc<LocalRegion>>(&[], &lookup)? {
+                out += &format!(", ack {s}");
+            }
+            Ok::<_, String>(out)
         };
         assert_eq!(first(header(OP_WRITE, 1, id, 0, 64, 0)).unwrap(), "write 0 64");
         assert_eq!(first(header(OP_SET, 1, id, 8, 8, 9)).unwrap(), "token 8 9 false");
         assert_eq!(first(header(OP_ADD, 1, id, 56, 8, 9)).unwrap(), "token 56 9 true");
         let mut probe = header(OP_NOP, 1, 0, 0, 0, 0);
         probe[1] = 1;
-        assert_eq!(first(probe).unwrap(), "ack 1");
+        assert_eq!(first(probe).unwrap(), "None, ack 1");
         let bad = [
             (header(OP_WRITE, 1, id, 1, 64, 0), "outside"),
             (header(OP_WRITE, 1, id, u64::MAX, 2, 0), "outside"),

@@ -82,7 +82,10 @@ impl Rx {
                     self.mem.0.get_mut(&region).unwrap()[offset as usize..][..bytes.len()].copy_from_slice(bytes);
                 }
                 Some(RxEvent::Token { region, offset, value, add }) => self.mem.token(region, offset, value, add),
-                Some(RxEvent::Ack(s)) => self.acks.push(s),
+                Some(RxEvent::Ack(s)) => {
+                    assert_eq!(used, 0, "an acknowledgement used input");
+                    self.acks.push(s)
+                }
             }
             chunk = &chunk[used..];
         }
