@@ -1,5 +1,12 @@
 //! The Ethernet (TCP) transport.
 //!
+//! # Layout
+//! [`core`] holds the protocol without I/O: the sender core (sequence numbers, the write-queue
+//! bound, batching, acknowledgement requests, the peer's records) and the receiver core (headers
+//! reassembled from any cut of the stream, validation, what to apply and when to acknowledge).
+//! [`wire`] holds the byte forms (frame header, records, handshake). This file is the shell that
+//! drives the cores: sockets, the three threads, GPU staging.
+//!
 //! # Sockets
 //! Each side of a connection has two TCP sockets: the one it opened to the peer's endpoint
 //! (`out`: its frames go out, the peer's acknowledgements come back) and the one the peer opened
@@ -10,7 +17,7 @@
 //! peer learned, through the bootstrap); a connection without it is dropped.
 //!
 //! # Frames
-//! A [`FrameHeader`] (48 bytes, little-endian) names the operation, a sequence number, the
+//! A [`wire::FrameHeader`] (48 bytes, little-endian) names the operation, a sequence number, the
 //! destination region (by id, in the receiver's context) and offset, the payload length and a
 //! value. The receiver checks every field against its context's table of registered Ethernet
 //! regions before it touches memory; a frame that fails is refused: nothing is written, the
