@@ -69,14 +69,8 @@ pub mod fuzzing {
     use crate::wire::check::check_bytes;
 
     /// The names [`check`] accepts, one fuzz target each.
-    pub const FORMS: &[&str] = &[
-        "unique_id",
-        "ethernet_header",
-        "ethernet_record",
-        "ethernet_hello",
-        "ethernet_hello_ack",
-        "ethernet_stream",
-    ];
+    pub const FORMS: &[&str] =
+        &["unique_id", "ethernet_header", "ethernet_record", "ethernet_hello", "ethernet_hello_ack", "ethernet_stream"];
 
     /// Decodes `data` as the form `name` and checks that nothing panics and that what decodes
     /// re-encodes to the same bytes. Unknown names panic (a fuzz target naming a form that does

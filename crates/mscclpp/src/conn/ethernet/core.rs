@@ -20,9 +20,23 @@ pub(crate) const ACK_EVERY: u64 = 256;
 /// An operation the sender queues; `S` is where a write's payload comes from.
 #[derive(Debug)]
 pub(crate) enum Op<S> {
-    Write { region: u64, offset: u64, src: S, src_off: u64, len: u64 },
-    Set { region: u64, offset: u64, value: u64 },
-    Add { region: u64, offset: u64, value: u64 },
+    Write {
+        region: u64,
+        offset: u64,
+        src: S,
+        src_off: u64,
+        len: u64,
+    },
+    Set {
+        region: u64,
+        offset: u64,
+        value: u64,
+    },
+    Add {
+        region: u64,
+        offset: u64,
+        value: u64,
+    },
     /// A probe asking for an acknowledgement.
     Nop,
 }

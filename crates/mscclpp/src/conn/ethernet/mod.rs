@@ -585,7 +585,12 @@ fn send_record(s: &TcpStream, rec: &Record) -> std::io::Result<()> {
 /// What the receiver core learns of a region of this context.
 fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
     let r = ctx.lookup_region(id)?;
-    Some(RegionInfo { addr: r.mem.addr(), len: r.mem.len(), ethernet: r.transports.has(Transport::Ethernet), handle: r })
+    Some(RegionInfo {
+        addr: r.mem.addr(),
+        len: r.mem.len(),
+        ethernet: r.transports.has(Transport::Ethernet),
+        handle: r,
+    })
 }
 
 /// Takes the peer's socket, then applies its frames as the receiver core directs.
@@ -639,9 +644,10 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
             }
             None => match (core.payload_pending(), cur.as_ref().map(|r| &r.mem)) {
                 // Past what was buffered: the rest of a host write goes straight to its place.
-                (Some((offset, left)), Some(Mem::Host(reg))) => {
-                    reg.recv_exact(offset, left, rd.get_ref()).map_err(StageError::from).map(|()| core.payload_received(left, false))
-                }
+                (Some((offset, left)), Some(Mem::Host(reg))) => reg
+                    .recv_exact(offset, left, rd.get_ref())
+                    .map_err(StageError::from)
+                    .map(|()| core.payload_received(left, false)),
                 _ => match rd.fill_buf() {
                     Ok([]) => {
                         sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
@@ -858,12 +864,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
-        st: Mutex::new(State {
-            core: SenderCore::new(max_queue),
-            failed: None,
-            closing: false,
-            tx_idle: false,
-        }),
+        st: Mutex::new(State { core: SenderCore::new(max_queue), failed: None, closing: false, tx_idle: false }),
         cond: Condvar::new(),
         out: Mutex::new(out),
         out_ctl,

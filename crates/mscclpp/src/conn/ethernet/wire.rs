@@ -102,7 +102,11 @@ impl FrameHeader {
                 if len != 8 {
                     return Err(format!("token frame with length {len}"));
                 }
-                if op == OP_SET { FrameOp::Set { region, offset, value } } else { FrameOp::Add { region, offset, value } }
+                if op == OP_SET {
+                    FrameOp::Set { region, offset, value }
+                } else {
+                    FrameOp::Add { region, offset, value }
+                }
             }
             op => return Err(format!("frame with unknown operation {op}")),
         };
@@ -171,7 +175,8 @@ impl Record {
 
     /// Decodes a refusal's reason.
     pub(crate) fn decode_reason(b: &[u8]) -> Result<Record> {
-        let s = std::str::from_utf8(b).map_err(|e| Error::remote(format!("a refusal reason that is not UTF-8: {e}")))?;
+        let s =
+            std::str::from_utf8(b).map_err(|e| Error::remote(format!("a refusal reason that is not UTF-8: {e}")))?;
         Ok(Record::Refusal(s.to_string()))
     }
 }

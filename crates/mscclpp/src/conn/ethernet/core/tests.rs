@@ -274,7 +274,16 @@ fn acks_split_dropped_delayed_and_reordered() {
             t.issue(Op::Nop).unwrap();
         }
         t.handle_bytes(&recs[..cut]).unwrap();
-        assert_eq!(t.applied(), if cut >= 32 { 5 } else if cut >= 16 { 3 } else { 0 });
+        assert_eq!(
+            t.applied(),
+            if cut >= 32 {
+                5
+            } else if cut >= 16 {
+                3
+            } else {
+                0
+            }
+        );
         t.handle_bytes(&recs[cut..]).unwrap();
         assert_eq!(t.applied(), 5);
     }
@@ -411,16 +420,28 @@ fn unregistered_memory_is_refused_and_nothing_applied() {
 /// One step of a random schedule.
 #[derive(Clone, Debug)]
 enum Step {
-    Write { offset: u16, data: Vec<u8> },
-    Set { slot: u8, value: u64 },
-    Add { slot: u8, value: u64 },
+    Write {
+        offset: u16,
+        data: Vec<u8>,
+    },
+    Set {
+        slot: u8,
+        value: u64,
+    },
+    Add {
+        slot: u8,
+        value: u64,
+    },
     Flush,
     /// Deliver this many of the bytes in flight to the receiver.
     Deliver(u16),
     /// Deliver the acknowledgements in flight, the `first`th first (reordering), dropping those
     /// whose bit is set in `drop` except the newest (TCP loses nothing; a dropped ack stands for
     /// one the receiver skipped, which a later cumulative ack covers).
-    Acks { first: u8, drop: u8 },
+    Acks {
+        first: u8,
+        drop: u8,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {
