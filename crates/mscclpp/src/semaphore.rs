@@ -66,13 +66,9 @@ impl SemaphoreStub {
             )?),
         };
         if fwd {
-            let target = match &token {
-                Token::Host(b) => crate::conn::ib::ForwardTarget::Host(b.clone()),
-                Token::Gpu(b) => {
-                    crate::conn::ib::ForwardTarget::Gpu(crate::platform::gdr::TokenForwarder::new(b.region())?)
-                }
-            };
-            connection.forward_signals_into(target).map_err(|e| connection.ctx_err(e, "building a semaphore"))?;
+            connection
+                .forward_signals_into(token.memory())
+                .map_err(|e| connection.ctx_err(e, "building a semaphore"))?;
         }
         Ok(SemaphoreStub { connection: connection.clone(), token })
     }

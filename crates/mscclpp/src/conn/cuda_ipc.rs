@@ -71,10 +71,10 @@ impl CudaIpcConnection {
 
     /// A CUDA error breaks the connection: keep it for every later call.
     fn record<T>(&self, r: Result<T>) -> Result<T> {
-        if let Err(e) = &r {
-            if e.kind() == ErrorKind::Cuda {
-                lock(&self.failed).get_or_insert_with(|| e.duplicate());
-            }
+        if let Err(e) = &r
+            && e.kind() == ErrorKind::Cuda
+        {
+            lock(&self.failed).get_or_insert_with(|| e.duplicate());
         }
         r
     }
@@ -111,10 +111,11 @@ impl CudaIpcConnection {
 
     /// Called when a flush that began with `handed_out` slots in use completed.
     fn free_slots(&self, handed_out: usize) {
-        if let Some(r) = lock(&self.ring).as_mut() {
-            if r.next == handed_out && !r.event_mode {
-                r.next = 0;
-            }
+        if let Some(r) = lock(&self.ring).as_mut()
+            && r.next == handed_out
+            && !r.event_mode
+        {
+            r.next = 0;
         }
     }
 
@@ -134,10 +135,10 @@ impl CudaIpcConnection {
         }
         let i = ring.next;
         ring.next = (i + 1) % SLOTS;
-        if let Some(ev) = &ring.events[i] {
-            if !ev.wait(Duration::from_secs(60))? {
-                return Err(Error::new(ErrorKind::Timeout, "a token slot's copy did not finish in 60 s"));
-            }
+        if let Some(ev) = &ring.events[i]
+            && !ev.wait(Duration::from_secs(60))?
+        {
+            return Err(Error::new(ErrorKind::Timeout, "a token slot's copy did not finish in 60 s"));
         }
         ring.slots.write((i * 8) as u64, &value.to_le_bytes())?;
         // The slot's address stays valid while the ring (and its Region) lives.
@@ -234,12 +235,12 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         return Err(Error::invalid_usage("CUDA IPC connects ranks on one host; the peer is on another"));
     }
     let dev = crate::platform::cuda::device(ordinal)?;
-    if remote.process_hash() == local.process_hash() {
-        if let Device::Gpu(r) = remote.device() {
-            // Same process, another GPU: the pointer path needs peer access.
-            let rdev = crate::platform::cuda::device(r)?;
-            dev.enable_peer_access(&rdev)?;
-        }
+    if remote.process_hash() == local.process_hash()
+        && let Device::Gpu(r) = remote.device()
+    {
+        // Same process, another GPU: the pointer path needs peer access.
+        let rdev = crate::platform::cuda::device(r)?;
+        dev.enable_peer_access(&rdev)?;
     }
     let stream = ctx.inner().cuda_stream(&dev)?;
     let peer_desc = match peer {

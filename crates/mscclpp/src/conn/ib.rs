@@ -19,13 +19,12 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
-use crate::buffer::Buffer;
 use crate::conn::endpoint::{Endpoint, EndpointKind};
 use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
-use crate::memory::RegisteredMemory;
+use crate::memory::{Mem, RegisteredMemory};
 use crate::platform::gdr::TokenForwarder;
-use crate::platform::hostmem::HostAlloc;
+use crate::platform::hostmem::{HostAlloc, Region};
 use crate::platform::verbs::abi::*;
 use crate::platform::verbs::dev::{IbMr, IbQp, SendOp as Op, wc_status_text};
 use crate::sync::lock;
@@ -49,14 +48,23 @@ struct SendState {
 }
 
 /// Where a HostNoAtomic connection stores the tokens it receives.
-pub(crate) enum ForwardTarget {
-    /// A host word (a `Buffer`'s first 8 bytes): an atomic store, then waiters are woken.
-    Host(Buffer),
+enum ForwardTarget {
+    /// A host word (the token's first 8 bytes): an atomic store, then waiters are woken.
+    Host(Region),
     /// A GPU word, through GDRCopy or a stream.
     Gpu(TokenForwarder),
 }
 
 impl ForwardTarget {
+    /// The store path into `token`'s first word (local memory of this process).
+    fn for_token(token: &RegisteredMemory) -> Result<ForwardTarget> {
+        match token.local().map(|l| &l.mem) {
+            Some(Mem::Host(r)) => Ok(ForwardTarget::Host(r.clone())),
+            Some(Mem::Gpu(g)) => Ok(ForwardTarget::Gpu(TokenForwarder::new(g)?)),
+            None => Err(Error::invalid_usage("signals can be forwarded only into a token this process registered")),
+        }
+    }
+
     fn kind(&self) -> String {
         match self {
             ForwardTarget::Host(_) => "host store".into(),
@@ -392,7 +400,7 @@ impl ConnectionImpl for IbConnection {
         self.fwd.is_some()
     }
 
-    fn forward_signals_into(&self, target: ForwardTarget) -> Result<()> {
+    fn forward_signals_into(&self, token: &RegisteredMemory) -> Result<()> {
         let Some(f) = &self.fwd else { return Ok(()) };
         let mut t = lock(&f.target);
         if t.is_some() {
@@ -401,6 +409,7 @@ impl ConnectionImpl for IbConnection {
                  semaphore id, so each connection serves one semaphore: create another connection for another",
             ));
         }
+        let target = ForwardTarget::for_token(token)?;
         debug!(target: "mscclpp::ib", "{}: forwarding signals by {}", self.name, target.kind());
         *t = Some(target);
         Ok(())
@@ -488,10 +497,11 @@ impl ConnectionImpl for IbConnection {
 impl Drop for IbConnection {
     fn drop(&mut self) {
         // As Ethernet: give operations in flight up to 2 s to land before the QP goes.
-        if self.failure.get().is_none() && self.outstanding() > 0 {
-            if let Err(e) = self.flush(Duration::from_secs(2)) {
-                debug!(target: "mscclpp::ib", "closing {} with work outstanding: {e}", self.name);
-            }
+        if self.failure.get().is_none()
+            && self.outstanding() > 0
+            && let Err(e) = self.flush(Duration::from_secs(2))
+        {
+            debug!(target: "mscclpp::ib", "closing {} with work outstanding: {e}", self.name);
         }
         // The receive thread stops before the QP and the forwarding target go.
         if let Some(f) = &self.fwd {
@@ -573,7 +583,7 @@ fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
                 None => Err(Error::remote(format!(
                     "a signal (token {value}) arrived on {qp:?}, but no semaphore was built on this connection"
                 ))),
-                Some(ForwardTarget::Host(b)) => b.atomic_u64(0).map(|w| {
+                Some(ForwardTarget::Host(r)) => r.atomic_u64(0).map(|w| {
                     w.store(value, Ordering::Release);
                     ctx.inner().notify_tokens();
                 }),

@@ -70,11 +70,11 @@ impl Harness {
 
 /// Runs test `name` with `size` ranks of `body`; with `rank0_only`, the other ranks may die.
 pub fn run(h: &Harness, name: &str, size: usize, min_free_bytes: u64, rank0_only: bool, body: fn(&Rank, &Harness)) {
-    if h.mode == Mode::Processes {
-        if let Some(r) = Rank::from_env() {
-            body(&r, h);
-            return;
-        }
+    if h.mode == Mode::Processes
+        && let Some(r) = Rank::from_env()
+    {
+        body(&r, h);
+        return;
     }
     if min_free_bytes > 0 && mem_available() < min_free_bytes {
         println!(

@@ -468,13 +468,7 @@ impl GpuRegion {
     }
 
     pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
-        match offset.checked_add(n) {
-            Some(end) if end <= self.len as u64 => Ok(()),
-            _ => Err(Error::invalid_usage(format!(
-                "range [{offset}, {offset}+{n}) is outside the {}-byte GPU region",
-                self.len
-            ))),
-        }
+        crate::platform::check_range(offset, n, self.len as u64, "GPU region")
     }
 
     /// Copy from the host into the region, complete on the device when this returns.

@@ -56,18 +56,17 @@ impl Rx {
     /// Feeds one chunk of the stream, as the shell does with what one read returned.
     fn feed(&mut self, mut chunk: &[u8]) -> Result<(), String> {
         loop {
-            if self.direct {
-                if let (Some((offset, left)), Some(region)) = (self.core.payload_pending(), self.cur) {
-                    // The socket path: payload goes straight to its place, as much as arrived.
-                    let n = (left as usize).min(chunk.len());
-                    if n > 0 {
-                        let dst = &mut self.mem.0.get_mut(&region).unwrap()[offset as usize..][..n];
-                        dst.copy_from_slice(&chunk[..n]);
-                        chunk = &chunk[n..];
-                        self.core.payload_received(n as u64, !chunk.is_empty());
-                        continue;
-                    }
-                }
+            if self.direct
+                && let (Some((offset, left)), Some(region)) = (self.core.payload_pending(), self.cur)
+                && !chunk.is_empty()
+            {
+                // The socket path: payload goes straight to its place, as much as arrived.
+                let n = (left as usize).min(chunk.len());
+                let dst = &mut self.mem.0.get_mut(&region).unwrap()[offset as usize..][..n];
+                dst.copy_from_slice(&chunk[..n]);
+                chunk = &chunk[n..];
+                self.core.payload_received(n as u64, !chunk.is_empty());
+                continue;
             }
             let (used, ev) = self.core.handle_bytes(chunk, &lookup)?;
             match ev {
