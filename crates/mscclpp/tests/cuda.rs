@@ -23,6 +23,36 @@ fn ipc_cfg(dev: u32) -> EndpointConfig {
     EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev))
 }
 
+/// The shared connection suite (`common/suite.rs`) on CUDA IPC: two (four) processes, GPU
+/// buffers on GPU `rank % device_count`, Host2DeviceSemaphores.
+mod contract {
+    use crate::common;
+    use crate::common::suite::{Harness, Memory, Mode};
+    use crate::connection_suite;
+    use mscclpp::{EndpointConfig, Transport};
+
+    fn config(queue: Option<usize>) -> EndpointConfig {
+        let mut c = EndpointConfig::new(Transport::CudaIpc);
+        c.max_write_queue_size = queue;
+        c
+    }
+
+    static CUDA_IPC: Harness = Harness {
+        transport: Transport::CudaIpc,
+        mode: Mode::Processes,
+        prepare: |_| {},
+        ib_device: None,
+        config,
+        atomics: true,
+        cpu_atomics_coherent: false,
+        memory: Memory::Gpu,
+        detects_peer_gone: false,
+        local_destination_allowed: true,
+    };
+
+    connection_suite!(&CUDA_IPC, #[ignore = "needs a CUDA GPU"]);
+}
+
 struct Pair {
     bs: Arc<dyn Bootstrap>,
     comm: Communicator,
