@@ -85,7 +85,8 @@ pub mod fuzzing {
     use crate::wire::check::check_bytes;
 
     /// The names [`check`] accepts, one fuzz target each.
-    pub const FORMS: &[&str] = &["unique_id"];
+    pub const FORMS: &[&str] =
+        &["unique_id", "ethernet_header", "ethernet_record", "ethernet_hello", "ethernet_hello_ack", "ethernet_stream"];
 
     /// Decodes `data` as the form `name` and checks that nothing panics and that what decodes
     /// re-encodes to the same bytes. Unknown names panic (a fuzz target naming a form that does
@@ -93,6 +94,11 @@ pub mod fuzzing {
     pub fn check(name: &str, data: &[u8]) {
         match name {
             "unique_id" => check_bytes::<crate::UniqueId>(data),
+            "ethernet_header" => check_bytes::<crate::conn::ethernet::wire::FrameHeader>(data),
+            "ethernet_record" => check_bytes::<crate::conn::ethernet::wire::Record>(data),
+            "ethernet_hello" => check_bytes::<crate::conn::ethernet::wire::Hello>(data),
+            "ethernet_hello_ack" => check_bytes::<crate::conn::ethernet::wire::HelloAck>(data),
+            "ethernet_stream" => crate::conn::ethernet::core::fuzz_stream(data),
             _ => panic!("no wire form named {name:?}"),
         }
     }
