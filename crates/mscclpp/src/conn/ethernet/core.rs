@@ -136,6 +136,11 @@ impl<S> SenderCore<S> {
         self.issued - self.applied
     }
 
+    /// Sequence number of the last operation issued (0 before the first).
+    pub(crate) fn issued(&self) -> u64 {
+        self.issued
+    }
+
     /// Highest sequence number confirmed applied.
     pub(crate) fn applied(&self) -> u64 {
         self.applied

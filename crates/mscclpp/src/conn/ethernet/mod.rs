@@ -828,7 +828,7 @@ impl ConnectionImpl for EthernetConnection {
             if let Some(e) = &st.failed {
                 return Err(e.duplicate());
             }
-            (st.issued, st.applied)
+            (st.core.issued(), st.core.applied())
         };
         if request && applied < issued && self.sh.ack_asked.load(Ordering::Acquire) < issued {
             self.sh.enqueue(Op::Nop)?;
