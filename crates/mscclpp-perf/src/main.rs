@@ -4,6 +4,7 @@
 //! With no flags it starts two local ranks and runs the `p2p` test over Ethernet (TCP) with host
 //! memory, from 8 B to 256 MiB, next to a plain TCP socket between the same two processes.
 
+mod device;
 mod launch;
 mod p2p;
 mod report;
@@ -19,6 +20,9 @@ use clap::{Parser, ValueEnum};
 pub enum TestKind {
     /// Rank 0 writes to rank 1 and signals: one-way bandwidth and write+signal round trip.
     P2p,
+    /// Kernels that communicate (one process, two ranks on `--device`): FIFO latency, proxy
+    /// throughput, PortChannel ping-pong and bandwidth (up to `--max-bytes`, at most 1 GiB).
+    Device,
 }
 
 /// Where the buffers live.
@@ -157,6 +161,10 @@ fn check(args: &Args) -> Result<(), String> {
     if args.bidirectional && !args.cuda_ipc() {
         return Err("--bidirectional is supported with --transport cuda-ipc".into());
     }
+    if args.test == TestKind::Device {
+        mscclpp::gpu::device_count().map_err(|e| format!("device: {e}"))?;
+        return Ok(());
+    }
     if args.ranks < 2 {
         return Err("the p2p test needs at least 2 ranks".into());
     }
@@ -169,7 +177,11 @@ fn main() -> ExitCode {
         eprintln!("mscclpp-perf: {e}");
         return ExitCode::from(2);
     }
-    match launch::run(&args) {
+    let r = match args.test {
+        TestKind::Device => device::run(&args),
+        TestKind::P2p => launch::run(&args),
+    };
+    match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("mscclpp-perf: {e}");

@@ -16,6 +16,7 @@
 //! ## Layers
 //! Each uses only the ones below it (checked by `tests/layers.rs`):
 //! ```text
+//!  Device       ── for kernels: the CUDA header, handles, trigger codec, FIFO, NVRTC compile
 //!  Semaphores   ── Host2HostSemaphore, Host2DeviceSemaphore: tokens signalled over a Connection
 //!  Setup        ── TcpBootstrap, Communicator: exchange endpoints, memories, semaphores
 //!  Connections  ── Endpoint, Connection: write / update_and_sync / atomic_add / flush
@@ -61,6 +62,7 @@ mod buffer;
 mod communicator;
 mod conn;
 mod context;
+pub mod device;
 pub mod env;
 mod error;
 pub mod gpu;
@@ -83,7 +85,8 @@ pub mod fuzzing {
     use crate::wire::check::check_bytes;
 
     /// The names [`check`] accepts, one fuzz target each.
-    pub const FORMS: &[&str] = &["unique_id"];
+    pub const FORMS: &[&str] =
+        &["unique_id", "ethernet_header", "ethernet_record", "ethernet_hello", "ethernet_hello_ack", "ethernet_stream"];
 
     /// Decodes `data` as the form `name` and checks that nothing panics and that what decodes
     /// re-encodes to the same bytes. Unknown names panic (a fuzz target naming a form that does
@@ -91,6 +94,11 @@ pub mod fuzzing {
     pub fn check(name: &str, data: &[u8]) {
         match name {
             "unique_id" => check_bytes::<crate::UniqueId>(data),
+            "ethernet_header" => check_bytes::<crate::conn::ethernet::wire::FrameHeader>(data),
+            "ethernet_record" => check_bytes::<crate::conn::ethernet::wire::Record>(data),
+            "ethernet_hello" => check_bytes::<crate::conn::ethernet::wire::Hello>(data),
+            "ethernet_hello_ack" => check_bytes::<crate::conn::ethernet::wire::HelloAck>(data),
+            "ethernet_stream" => crate::conn::ethernet::core::fuzz_stream(data),
             _ => panic!("no wire form named {name:?}"),
         }
     }
@@ -99,9 +107,9 @@ pub mod fuzzing {
 pub use bootstrap::{Bootstrap, RESERVED_TAG_BASE, RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
 pub use buffer::{Buffer, DeviceBuffer};
 pub use communicator::{Communicator, Pending};
-pub use conn::Connection;
 pub use conn::endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
+pub use conn::{Connection, Progress};
 pub use context::Context;
 pub use error::{Error, ErrorContext, ErrorKind, Result};
 pub use identity::{host_hash, process_hash, process_rank};

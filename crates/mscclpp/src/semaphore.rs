@@ -17,6 +17,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
 use crate::transport::{Device, Transport};
 
+/// Moved to [`crate::device::handles`]; re-exported here (and at the crate root) for old paths.
+pub use crate::device::handles::Host2DeviceSemaphoreDeviceHandle;
+
 /// How long `wait` polls (spinning, then yielding) before it blocks.
 const SPIN_THEN_YIELD: Duration = Duration::from_millis(1);
 
@@ -272,19 +275,6 @@ impl Host2HostSemaphore {
     }
 }
 
-/// What a GPU kernel needs to wait on a [`Host2DeviceSemaphore`]: the inbound token (written by
-/// the peer) and the expected count (kept by the waiting kernel). Copy it to the GPU by value.
-///
-/// C++ MSCCL++: `Host2DeviceSemaphoreDeviceHandle` (16 bytes, same layout).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(C)]
-pub struct Host2DeviceSemaphoreDeviceHandle {
-    /// Device address of the inbound token.
-    pub inbound_token: u64,
-    /// Device address of the expected-token counter.
-    pub expected_inbound_token: u64,
-}
-
 /// A semaphore signalled by the host (or a proxy thread) and waited on by the GPU: its token lives
 /// in GPU memory and the peer's transport (CUDA IPC or Ethernet) updates it after the data.
 ///
@@ -367,5 +357,24 @@ impl Host2DeviceSemaphore {
             std::thread::sleep(sleep);
             sleep = (sleep * 2).min(Duration::from_micros(200));
         }
+    }
+}
+
+impl From<Host2DeviceSemaphore> for crate::device::proxy::ProxySemaphore {
+    /// Hands the semaphore to a proxy service, which signals it from then on (continuing its
+    /// outbound count) while kernels wait on its device handle.
+    fn from(s: Host2DeviceSemaphore) -> Self {
+        let handle = s.device_handle();
+        let outbound = s.outbound.load(Ordering::Acquire);
+        let (conn, remote) = (s.connection().clone(), s.sem.remote_memory().clone());
+        crate::device::proxy::ProxySemaphore::from_parts(conn, remote, outbound, Some(handle), Box::new(s))
+    }
+}
+
+impl From<Semaphore> for crate::device::proxy::ProxySemaphore {
+    /// Hands the semaphore to a proxy service, which signals it (from outbound count 0).
+    fn from(s: Semaphore) -> Self {
+        let (conn, remote) = (s.connection().clone(), s.remote_memory().clone());
+        crate::device::proxy::ProxySemaphore::from_parts(conn, remote, 0, None, Box::new(s))
     }
 }

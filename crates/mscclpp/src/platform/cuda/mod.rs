@@ -17,7 +17,10 @@ use crate::platform::hostmem::Region;
 use crate::sync::lock;
 
 mod dmabuf;
+pub(crate) mod fifo_mem;
 mod ipc;
+pub(crate) mod module;
+pub(crate) mod nvrtc;
 pub(crate) use dmabuf::reg_ib_mr;
 pub use ipc::ipc_mapped_count;
 pub(crate) use ipc::{IpcInfo, IpcMapping, ipc_export, ipc_open};
@@ -401,6 +404,15 @@ impl Drop for DeviceAlloc {
             }
         }
     }
+}
+
+/// Sets the calling thread's stream-capture interaction mode to relaxed, so that CUDA calls a
+/// proxy thread makes never invalidate (or fail because of) a graph capture running in another
+/// thread. C++ MSCCL++ does the same when its proxy thread starts.
+pub(crate) fn relax_stream_capture_mode() -> Result<()> {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: an in/out pointer to a local enum value; the call only touches thread-local state.
+    check("cuThreadExchangeStreamCaptureMode", unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) })
 }
 
 /// Page-locked host memory from `cuMemHostAlloc`, used for staging.
