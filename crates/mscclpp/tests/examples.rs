@@ -3,22 +3,20 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The path of example `name`, built if `cargo test --test examples` did not build it.
+/// The path of example `name`, (re)built first: `cargo test --test examples` does not build
+/// examples, and a stale binary would test old code (a no-op when it is up to date).
 fn example(name: &str) -> PathBuf {
     // Integration tests live in target/<profile>/deps; examples in target/<profile>/examples.
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(|d| d.parent()).unwrap().join("examples");
-    let bin = dir.join(name);
-    if !bin.exists() {
-        // `cargo test` builds examples, `cargo test --test examples` does not: build it.
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut c = Command::new(cargo);
-        c.args(["build", "-p", "mscclpp", "--example", name]);
-        if dir.to_string_lossy().contains("/release/") {
-            c.arg("--release");
-        }
-        assert!(c.status().unwrap().success(), "building the example failed");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut c = Command::new(cargo);
+    c.args(["build", "-p", "mscclpp", "--example", name]);
+    if dir.to_string_lossy().contains("/release/") {
+        c.arg("--release");
     }
+    assert!(c.status().unwrap().success(), "building the example failed");
+    let bin = dir.join(name);
     assert!(bin.exists(), "example not built at {}", bin.display());
     bin
 }
