@@ -123,9 +123,6 @@ pub fn parse_addr_spec(spec: &str) -> Result<(Option<String>, SocketAddr)> {
     Err(Error::invalid_usage(format!("{spec:?} is not an address of the form [iface:]ip:port")))
 }
 
-/// The unspecified-address placeholder used where no address applies.
-pub(crate) const NO_ADDR: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0);
-
 /// Encodes a socket address as family byte, 16 address bytes and the port.
 pub(crate) fn put_addr(w: &mut crate::wire::Writer, a: &SocketAddr) {
     match a.ip() {
