@@ -66,10 +66,19 @@ mod wire;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
+    use crate::bootstrap::proto;
     use crate::wire::check::check_bytes;
 
     /// The names [`check`] accepts, one fuzz target each.
-    pub const FORMS: &[&str] = &["unique_id"];
+    pub const FORMS: &[&str] = &[
+        "unique_id",
+        "bootstrap_hello",
+        "bootstrap_root_answer",
+        "bootstrap_address_table",
+        "bootstrap_frame_header",
+        "bootstrap_abort_notice",
+        "bootstrap_frames",
+    ];
 
     /// Decodes `data` as the form `name` and checks that nothing panics and that what decodes
     /// re-encodes to the same bytes. Unknown names panic (a fuzz target naming a form that does
@@ -77,6 +86,12 @@ pub mod fuzzing {
     pub fn check(name: &str, data: &[u8]) {
         match name {
             "unique_id" => check_bytes::<crate::UniqueId>(data),
+            "bootstrap_hello" => check_bytes::<proto::Hello>(data),
+            "bootstrap_root_answer" => check_bytes::<proto::RootAnswer>(data),
+            "bootstrap_address_table" => check_bytes::<proto::AddressTable>(data),
+            "bootstrap_frame_header" => check_bytes::<proto::FrameHeader>(data),
+            "bootstrap_abort_notice" => check_bytes::<proto::AbortNotice>(data),
+            "bootstrap_frames" => proto::check_frame_stream(data),
             _ => panic!("no wire form named {name:?}"),
         }
     }

@@ -3,7 +3,7 @@
 //! [`Bootstrap`] is the interface the rest of the crate uses (bring your own over MPI if you
 //! like); [`TcpBootstrap`] is the built-in implementation over TCP.
 
-mod proto;
+pub(crate) mod proto;
 mod rendezvous;
 mod tcp;
 

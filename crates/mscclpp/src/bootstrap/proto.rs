@@ -254,6 +254,9 @@ impl WireForm for AbortNotice {
     }
 }
 
+/// What [`FrameReader`] reserves for a message before its bytes arrive, at most.
+const INITIAL_RESERVE: usize = 16 << 20;
+
 /// Turns the bytes of one incoming connection, cut at any boundary, into whole messages.
 ///
 /// Feed it what each `read` returned; it returns the messages completed so far. After an error
@@ -288,8 +291,10 @@ impl FrameReader {
                         self.head.clear();
                         // MAX_MESSAGE fits in usize on the 64-bit targets we build for
                         let len = usize::try_from(h.len).unwrap_or(usize::MAX);
+                        // Room for the whole message up to 16 MiB now; beyond that the buffer
+                        // grows as bytes arrive, so a header alone cannot claim much memory.
                         let mut data = Vec::new();
-                        if data.try_reserve_exact(len).is_err() {
+                        if data.try_reserve_exact(len.min(INITIAL_RESERVE)).is_err() {
                             return Err(self.fail(Error::remote(format!("cannot allocate {len} bytes for a message"))));
                         }
                         if len == 0 {
@@ -301,6 +306,10 @@ impl FrameReader {
                 }
                 Some((tag, data, len)) => {
                     let n = (*len - data.len()).min(input.len());
+                    if data.try_reserve(n).is_err() {
+                        let len = *len;
+                        return Err(self.fail(Error::remote(format!("cannot allocate {len} bytes for a message"))));
+                    }
                     data.extend_from_slice(&input[..n]);
                     input = &input[n..];
                     if data.len() == *len {
@@ -329,6 +338,31 @@ impl FrameReader {
 /// The bytes that carry message `data` under `tag`: a header, then the data.
 pub(crate) fn frame_header(tag: u64, len: usize) -> Vec<u8> {
     FrameHeader { tag, len: len as u64 }.to_wire()
+}
+
+/// For the fuzz registry: any byte stream, fed whole and cut at one point chosen by its first
+/// byte, gives the same messages or the same refusal, and never panics.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check_frame_stream(data: &[u8]) {
+    let mut whole = FrameReader::default();
+    let mut a = Vec::new();
+    let ra = whole.push(data, &mut a);
+    let cut = data.first().map_or(0, |b| *b as usize % (data.len() + 1));
+    let mut split = FrameReader::default();
+    let mut b = Vec::new();
+    let rb = split.push(&data[..cut], &mut b).and_then(|_| split.push(&data[cut..], &mut b));
+    assert_eq!(ra.is_ok(), rb.is_ok(), "a cut changed whether the stream is refused");
+    if ra.is_ok() {
+        assert_eq!(a, b, "a cut changed the messages");
+        assert_eq!(whole.at_boundary(), split.at_boundary());
+    }
+    // what was decoded re-encodes to a prefix of the input
+    let mut re = Vec::new();
+    for (t, m) in &a {
+        re.extend_from_slice(&frame_header(*t, m.len()));
+        re.extend_from_slice(m);
+    }
+    assert_eq!(&data[..re.len()], &re[..], "decoded messages do not re-encode to the input");
 }
 
 #[cfg(test)]
@@ -477,6 +511,15 @@ mod tests {
                                   junk in proptest::collection::vec(any::<u8>(), 0..64)) {
             check_value(&AbortNotice { failed, reporter, reason });
             check_bytes::<AbortNotice>(&junk);
+        }
+
+        #[test]
+        fn frame_stream_check(junk in proptest::collection::vec(any::<u8>(), 0..200), tag: u64, body in proptest::collection::vec(any::<u8>(), 0..50)) {
+            check_frame_stream(&junk);
+            let mut v = frame_header(tag, body.len());
+            v.extend_from_slice(&body);
+            v.extend_from_slice(&junk);
+            check_frame_stream(&v);
         }
 
         /// Random messages, cut into random pieces, come out whole and in order.

@@ -677,6 +677,12 @@ impl TcpBootstrap {
             return Err(e);
         }
         sh.send_any(peer, tag, data).map_err(|e| {
+            // The peer may have closed on hearing of another rank's failure, and its notice
+            // may still be on the way here: give it a moment before blaming the peer.
+            let grace = Instant::now() + GONE_GRACE;
+            while Instant::now() < grace && lock(&sh.abort).is_none() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
             let notice = AbortNotice { failed: peer as u32, reporter: sh.rank as u32, reason: e.to_string() };
             raise_abort(sh, notice);
             sh.abort_error(what).unwrap_or_else(|| e.during(what.to_string()).with_peer(peer))
@@ -903,17 +909,15 @@ fn raise_abort(sh: &Arc<Shared>, notice: AbortNotice) {
     if sh.closing.load(Ordering::Acquire) {
         return;
     }
-    {
-        let mut a = lock(&sh.abort);
-        if a.is_some() {
-            return;
-        }
-        warn!(target: LOG, "rank {}: rank {} failed (seen by rank {}: {})", sh.rank, notice.failed, notice.reporter, notice.reason);
-        *a = Some(notice.clone());
+    // The abort lock is held until the flood thread is recorded: a wait that sees the abort
+    // returns, and the rank may close at once; its close must find the thread to join, so the
+    // news leaves before the goodbye.
+    let mut a = lock(&sh.abort);
+    if a.is_some() {
+        return;
     }
-    for p in &sh.peers {
-        p.cond.notify_all();
-    }
+    warn!(target: LOG, "rank {}: rank {} failed (seen by rank {}: {})", sh.rank, notice.failed, notice.reporter, notice.reason);
+    *a = Some(notice.clone());
     let sh2 = sh.clone();
     let flood = std::thread::Builder::new().name(format!("mscclpp-bs-abort-{}", sh.rank)).stack_size(128 * 1024).spawn(
         move || {
@@ -933,6 +937,10 @@ fn raise_abort(sh: &Arc<Shared>, notice: AbortNotice) {
     match flood {
         Ok(h) => *lock(&sh.flood) = Some(h),
         Err(e) => warn!(target: LOG, "rank {}: cannot start the thread telling the neighbours: {e}", sh.rank),
+    }
+    drop(a);
+    for p in &sh.peers {
+        p.cond.notify_all();
     }
 }
 
@@ -1147,7 +1155,10 @@ impl Bootstrap for TcpBootstrap {
 impl Drop for TcpBootstrap {
     fn drop(&mut self) {
         let sh = &self.shared;
-        let flood = lock(&sh.flood).take();
+        let flood = {
+            let _abort = lock(&sh.abort);
+            lock(&sh.flood).take()
+        };
         if let Some(t) = flood {
             let _ = t.join();
         }
