@@ -4,6 +4,7 @@
 //! With no flags it starts two local ranks and runs the `p2p` test over Ethernet (TCP) with host
 //! memory, from 8 B to 256 MiB, next to a plain TCP socket between the same two processes.
 
+mod bootstrap;
 mod launch;
 mod p2p;
 mod report;
@@ -19,6 +20,9 @@ use clap::{Parser, ValueEnum};
 pub enum TestKind {
     /// Rank 0 writes to rank 1 and signals: one-way bandwidth and write+signal round trip.
     P2p,
+    /// Bootstrap scaling: initialize and all_gather (8 B, 1 MiB per rank) at each `--scale`
+    /// job size, as local processes.
+    Bootstrap,
 }
 
 /// Where the buffers live.
@@ -90,6 +94,9 @@ pub struct Args {
     /// Seconds any single wait may take before the run fails.
     #[arg(long, default_value_t = 60)]
     pub timeout: u64,
+    /// Job sizes for the `bootstrap` test, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256,512")]
+    pub scale: Vec<usize>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -156,6 +163,12 @@ fn check(args: &Args) -> Result<(), String> {
     if args.bidirectional && !args.cuda_ipc() {
         return Err("--bidirectional is supported with --transport cuda-ipc".into());
     }
+    if args.test == TestKind::Bootstrap {
+        if args.scale.iter().any(|n| *n == 0) {
+            return Err("--scale sizes must be at least 1".into());
+        }
+        return Ok(());
+    }
     if args.ranks < 2 {
         return Err("the p2p test needs at least 2 ranks".into());
     }
@@ -168,7 +181,11 @@ fn main() -> ExitCode {
         eprintln!("mscclpp-perf: {e}");
         return ExitCode::from(2);
     }
-    match launch::run(&args) {
+    let res = match args.test {
+        TestKind::P2p => launch::run(&args),
+        TestKind::Bootstrap => bootstrap::run(&args),
+    };
+    match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("mscclpp-perf: {e}");

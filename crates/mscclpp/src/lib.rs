@@ -77,6 +77,7 @@ pub mod fuzzing {
         "bootstrap_address_table",
         "bootstrap_frame_header",
         "bootstrap_abort_notice",
+        "bootstrap_gather_blocks",
         "bootstrap_frames",
     ];
 
@@ -91,6 +92,7 @@ pub mod fuzzing {
             "bootstrap_address_table" => check_bytes::<proto::AddressTable>(data),
             "bootstrap_frame_header" => check_bytes::<proto::FrameHeader>(data),
             "bootstrap_abort_notice" => check_bytes::<proto::AbortNotice>(data),
+            "bootstrap_gather_blocks" => check_bytes::<proto::GatherBlocks>(data),
             "bootstrap_frames" => proto::check_frame_stream(data),
             _ => panic!("no wire form named {name:?}"),
         }

@@ -20,6 +20,8 @@ pub(crate) const TAG_BROADCAST: u64 = u64::MAX - 2;
 pub(crate) const TAG_ABORT: u64 = u64::MAX - 3;
 /// The last frame on a connection whose owner closes its bootstrap on purpose.
 pub(crate) const TAG_GOODBYE: u64 = u64::MAX - 4;
+/// `all_gather` pieces passed around the ring (large gathers).
+pub(crate) const TAG_ALL_GATHER_RING: u64 = u64::MAX - 5;
 /// Base of the tags the [`Communicator`](crate::Communicator) uses: `COMM_TAG_BASE + user tag`.
 pub(crate) const COMM_TAG_BASE: u64 = 1 << 62;
 

@@ -20,6 +20,7 @@ const ANSWER_MAGIC: &[u8; 4] = b"MSRA";
 const TABLE_MAGIC: &[u8; 4] = b"MSAT";
 const FRAME_MAGIC: &[u8; 4] = b"MSBM";
 const ABORT_MAGIC: &[u8; 4] = b"MSAB";
+const BLOCKS_MAGIC: &[u8; 4] = b"MSGB";
 
 /// Hello kind: a rank opening a message connection to a peer.
 pub(crate) const KIND_PEER: u8 = 1;
@@ -251,6 +252,58 @@ impl WireForm for AbortNotice {
         let reason = utf8(&r, b)?;
         r.finish()?;
         Ok(AbortNotice { failed, reporter, reason })
+    }
+}
+
+/// Ranks' pieces of an `all_gather` travelling up or down the tree: `(rank, bytes)` in
+/// increasing rank order, each rank at most once; or `overflow`, with no pieces, when a subtree
+/// holds too much for the tree and the ranks take the ring instead.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub(crate) struct GatherBlocks {
+    pub(crate) overflow: bool,
+    pub(crate) blocks: Vec<(u32, Vec<u8>)>,
+}
+
+impl GatherBlocks {
+    /// The encoding, failing only for a piece of 4 GiB or more.
+    pub(crate) fn encode(&self) -> Result<Vec<u8>> {
+        let mut w = Writer::new(BLOCKS_MAGIC, PROTO_VERSION);
+        w.u8(self.overflow as u8);
+        w.u32(self.blocks.len() as u32);
+        for (r, b) in &self.blocks {
+            w.u32(*r);
+            w.bytes(b)?;
+        }
+        Ok(w.finish())
+    }
+}
+
+impl WireForm for GatherBlocks {
+    const WHAT: &'static str = "bootstrap all_gather blocks";
+    fn to_wire(&self) -> Vec<u8> {
+        self.encode().unwrap_or_default()
+    }
+    fn from_wire(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader::new(bytes, Self::WHAT, BLOCKS_MAGIC, PROTO_VERSION)?;
+        let overflow = match r.u8()? {
+            0 => false,
+            1 => true,
+            x => return Err(r.err(format!("bad overflow flag {x}"))),
+        };
+        let n = r.u32()? as usize;
+        if overflow && n != 0 {
+            return Err(r.err("an overflow marker carries no pieces"));
+        }
+        let mut blocks: Vec<(u32, Vec<u8>)> = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            let rank = r.u32()?;
+            if blocks.last().is_some_and(|(prev, _)| *prev >= rank) {
+                return Err(r.err(format!("rank {rank} out of order")));
+            }
+            blocks.push((rank, r.bytes()?.to_vec()));
+        }
+        r.finish()?;
+        Ok(GatherBlocks { overflow, blocks })
     }
 }
 
@@ -520,6 +573,15 @@ mod tests {
             v.extend_from_slice(&body);
             v.extend_from_slice(&junk);
             check_frame_stream(&v);
+        }
+
+        #[test]
+        fn gather_blocks_wire_form(ranks in proptest::collection::btree_set(any::<u32>(), 0..6), len in 0usize..20,
+                                   junk in proptest::collection::vec(any::<u8>(), 0..96)) {
+            let blocks = ranks.into_iter().map(|r| (r, vec![r as u8; len])).collect();
+            check_value(&GatherBlocks { overflow: false, blocks });
+            check_value(&GatherBlocks { overflow: true, blocks: vec![] });
+            check_bytes::<GatherBlocks>(&junk);
         }
 
         /// Random messages, cut into random pieces, come out whole and in order.

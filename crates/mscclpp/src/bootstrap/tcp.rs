@@ -16,10 +16,11 @@
 //!   Frames are a frame header (magic, version, tag, length) and the bytes. A reader thread per
 //!   incoming connection files messages by tag, so receives may come in any order across tags and
 //!   are FIFO within one.
-//! * **Collectives** use a bounded set of peers: `all_gather` a ring (next and previous rank),
-//!   `barrier` and `broadcast` the binary tree rooted at rank 0 (parent and two children). A rank
-//!   talks to at most six peers for them, whatever the job size; point-to-point `send`/`recv`
-//!   connect on demand.
+//! * **Collectives** use the binary tree rooted at rank 0 (parent and two children): up to the
+//!   root and back down, 2 log2(n) hops. An `all_gather` of more than 1 MiB in all passes the
+//!   pieces around the ring (next and previous rank) instead, and the ring also carries the news
+//!   of a failure around a cut tree: at most five peers per rank whatever the job size.
+//!   Point-to-point `send`/`recv` connect on demand.
 //! * **Failure.** Every wait has a deadline (default 30 s). A peer whose connection closes without
 //!   a goodbye, or whose listener refuses us, makes waits on it fail at once with an error naming
 //!   it, and the rank that saw it floods an abort notice over the ring and tree links, so every
@@ -38,9 +39,14 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use super::proto::{AbortNotice, FrameReader, Hello, KIND_PEER, KIND_ROOT, RootAnswer, RootStatus, frame_header};
+use super::proto::{
+    AbortNotice, FrameReader, GatherBlocks, Hello, KIND_PEER, KIND_ROOT, RootAnswer, RootStatus, frame_header,
+};
 use super::rendezvous::{Join, Rendezvous, Reply};
-use super::{Bootstrap, RESERVED_TAG_BASE, TAG_ABORT, TAG_ALL_GATHER, TAG_BARRIER, TAG_BROADCAST, TAG_GOODBYE};
+use super::{
+    Bootstrap, RESERVED_TAG_BASE, TAG_ABORT, TAG_ALL_GATHER, TAG_ALL_GATHER_RING, TAG_BARRIER, TAG_BROADCAST,
+    TAG_GOODBYE,
+};
 use crate::context::lock;
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{connect_retry, get_addr, put_addr};
@@ -376,8 +382,9 @@ struct Shared {
     readers: Mutex<Vec<(Option<TcpStream>, JoinHandle<()>)>>,
 }
 
-/// The peers a rank's collectives talk to: its ring neighbours (all_gather) and its parent and
-/// children in the binary tree rooted at rank 0 (barrier, broadcast). At most six ranks.
+/// The peers a rank tells of a failure: its parent and children in the binary tree rooted at
+/// rank 0 (every collective's peers) and its ring neighbours, so the news crosses the tree cut
+/// by the failed rank. At most five ranks.
 pub(crate) fn neighbours(rank: usize, size: usize) -> Vec<usize> {
     let mut v = Vec::with_capacity(6);
     if size > 1 {
@@ -571,7 +578,7 @@ impl TcpBootstrap {
             }
             .during(op.clone())
         })?;
-        // Listen for peers on the address that reaches the root. Collectives bring at most six
+        // Listen for peers on the address that reaches the root. Collectives bring at most five
         // peers at once (see `neighbours`); point-to-point traffic may bring any number.
         let local_ip: IpAddr = rs.local_addr().map_err(|e| Error::io("reading the local address", e))?.ip();
         let listener = listen_on(SocketAddr::new(local_ip, 0), cfg.size)?;
@@ -698,7 +705,24 @@ impl TcpBootstrap {
     fn deadline(&self) -> Instant {
         Instant::now() + self.timeout()
     }
+
+    /// The ring: n-1 steps, each passing one rank's piece to the next rank.
+    fn ring_all_gather(&self, data: &[u8], deadline: Instant, what: &str) -> Result<Vec<Vec<u8>>> {
+        let (me, n) = (self.shared.rank, self.shared.size);
+        let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+        let mut out = vec![Vec::new(); n];
+        out[me] = data.to_vec();
+        for step in 0..n - 1 {
+            self.coll_send(next, TAG_ALL_GATHER_RING, &out[(me + n - step) % n], what)?;
+            out[(me + 2 * n - step - 1) % n] = self.coll_recv(prev, TAG_ALL_GATHER_RING, deadline, what)?;
+        }
+        Ok(out)
+    }
 }
+
+/// The most bytes of `all_gather` pieces one subtree sends up the tree; larger gathers take the
+/// ring.
+pub(crate) const TREE_GATHER_LIMIT: usize = 1 << 20;
 
 impl Shared {
     fn timeout(&self) -> Duration {
@@ -1082,20 +1106,59 @@ impl Bootstrap for TcpBootstrap {
         v.pop().ok_or_else(|| Error::internal("recv_many returned nothing"))
     }
 
-    /// A ring, as MSCCL++ and NCCL bootstrap: n-1 steps, each passing one rank's data to the
-    /// next rank. Two connections per rank, `(n-1) * len` bytes sent by each.
+    /// Up the binary tree rooted at rank 0 (each rank sends its subtree's pieces to its
+    /// parent), then the whole table down it: 2 log2(n) hops, at most three tree peers per rank.
+    /// When a subtree holds more than [`TREE_GATHER_LIMIT`] bytes, an overflow marker goes up
+    /// and down instead and the ranks pass their pieces around the ring (next and previous
+    /// rank, n-1 hops), which moves large data without the tree's store-and-forward. Measured in
+    /// docs/design-notes.md.
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         let what = "bootstrap all_gather";
         let (me, n) = (self.shared.rank, self.shared.size);
         let deadline = self.deadline();
-        let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
-        let mut out = vec![Vec::new(); n];
-        out[me] = data.to_vec();
-        for step in 0..n - 1 {
-            self.coll_send(next, TAG_ALL_GATHER, &out[(me + n - step) % n], what)?;
-            out[(me + 2 * n - step - 1) % n] = self.coll_recv(prev, TAG_ALL_GATHER, deadline, what)?;
+        let encode = |g: &GatherBlocks| g.encode().map_err(|e| e.during(what.to_string()));
+        // Up: my subtree's pieces, in rank order, or an overflow marker.
+        let mut mine = GatherBlocks { overflow: data.len() > TREE_GATHER_LIMIT, blocks: Vec::new() };
+        let mut held = data.len();
+        if !mine.overflow {
+            mine.blocks.push((me as u32, data.to_vec()));
         }
-        Ok(out)
+        for c in tree_children(me, n) {
+            let got = GatherBlocks::from_wire(&self.coll_recv(c, TAG_ALL_GATHER, deadline, what)?)
+                .map_err(|e| e.during(what.to_string()).with_peer(c))?;
+            held += got.blocks.iter().map(|(_, b)| b.len()).sum::<usize>();
+            mine.overflow |= got.overflow || held > TREE_GATHER_LIMIT;
+            if !mine.overflow {
+                mine.blocks.extend(got.blocks);
+            }
+        }
+        if mine.overflow {
+            mine.blocks.clear();
+        }
+        mine.blocks.sort_unstable_by_key(|(r, _)| *r);
+        // Down: the full table (or the marker), forwarded as received.
+        let table = match tree_parent(me) {
+            Some(p) => {
+                self.coll_send(p, TAG_ALL_GATHER, &encode(&mine)?, what)?;
+                self.coll_recv(p, TAG_ALL_GATHER, deadline, what)?
+            }
+            None => encode(&mine)?,
+        };
+        for c in tree_children(me, n) {
+            self.coll_send(c, TAG_ALL_GATHER, &table, what)?;
+        }
+        let all = GatherBlocks::from_wire(&table).map_err(|e| e.during(what.to_string()))?;
+        if all.overflow {
+            return self.ring_all_gather(data, deadline, what);
+        }
+        if all.blocks.len() != n || all.blocks.iter().enumerate().any(|(i, (r, _))| *r as usize != i) {
+            return Err(Error::remote(format!(
+                "the gathered table has {} pieces, not one from each of {n} ranks",
+                all.blocks.len()
+            ))
+            .during(what.to_string()));
+        }
+        Ok(all.blocks.into_iter().map(|(_, b)| b).collect())
     }
 
     /// Up the binary tree rooted at rank 0 (along the root's ancestors) to rank 0, then down
