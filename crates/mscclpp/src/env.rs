@@ -12,7 +12,6 @@
 //! | `MSCCLPP_LOG_LEVEL` | `NONE`, `ERROR`, `WARN`, `INFO`, `DEBUG`, `TRACE` (default `WARN`) |
 //! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts |
 //! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr |
-//! | `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM` | boolean: CUDA IPC copies on the legacy default stream |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
 //! Booleans accept `0/1/true/false/yes/no/on/off` (MSCCL++ reads `false` as true).
@@ -110,8 +109,6 @@ pub struct Env {
     pub log_subsys: Option<(bool, Vec<String>)>,
     /// `MSCCLPP_LOG_FILE`.
     pub log_file: Option<PathBuf>,
-    /// `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM`.
-    pub cudaipc_use_default_stream: bool,
 }
 
 /// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts.
@@ -194,9 +191,6 @@ impl Env {
             env.log_subsys = Some((inv, names));
         }
         env.log_file = get("MSCCLPP_LOG_FILE").map(PathBuf::from);
-        if let Some(v) = get("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM") {
-            env.cudaipc_use_default_stream = parse_bool("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", &v)?;
-        }
         Ok(env)
     }
 }
@@ -235,7 +229,6 @@ mod tests {
             ("MSCCLPP_SOCKET_FAMILY", "AF_INET6"),
             ("MSCCLPP_LOG_LEVEL", "info"),
             ("MSCCLPP_LOG_SUBSYS", "^net,ib"),
-            ("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "yes"),
         ])
         .unwrap();
         assert_eq!(e.hca_devices.unwrap(), vec!["mlx5_0", "mlx5_1"]);
@@ -246,7 +239,6 @@ mod tests {
         assert_eq!(e.socket_family, Some(SocketFamily::Inet6));
         assert_eq!(e.log_level, Some(LogLevel::Info));
         assert_eq!(e.log_subsys, Some((true, vec!["NET".to_string(), "IB".to_string()])));
-        assert!(e.cudaipc_use_default_stream);
     }
 
     #[test]
@@ -258,7 +250,6 @@ mod tests {
             ("MSCCLPP_SOCKET_FAMILY", "AF_UNIX"),
             ("MSCCLPP_LOG_LEVEL", "LOUD"),
             ("MSCCLPP_LOG_SUBSYS", "NET,DISK"),
-            ("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "maybe"),
             ("MSCCLPP_HCA_DEVICES", "mlx5_0,,mlx5_1"),
         ] {
             let err = parse(&[(k, v)]).unwrap_err();

@@ -9,11 +9,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::buffer::Buffer;
+use crate::buffer::DeviceBuffer;
 use crate::communicator::{Communicator, MsgKind, Pending};
 use crate::conn::Connection;
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::DeviceBuffer;
-use crate::memory::{Buffer, RegisteredMemory};
+use crate::memory::RegisteredMemory;
 use crate::transport::{Device, Transport};
 
 /// How long `wait` polls (spinning, then yielding) before it blocks.
@@ -65,11 +66,9 @@ impl SemaphoreStub {
             )?),
         };
         if fwd {
-            let target = match &token {
-                Token::Host(b) => crate::conn::ib::ForwardTarget::Host(b.clone()),
-                Token::Gpu(b) => crate::conn::ib::ForwardTarget::Gpu(crate::gpu::TokenForwarder::new(b.region())?),
-            };
-            connection.forward_signals_into(target).map_err(|e| connection.ctx_err(e, "building a semaphore"))?;
+            connection
+                .forward_signals_into(token.memory())
+                .map_err(|e| connection.ctx_err(e, "building a semaphore"))?;
         }
         Ok(SemaphoreStub { connection: connection.clone(), token })
     }

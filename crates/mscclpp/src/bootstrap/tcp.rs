@@ -47,9 +47,9 @@ use super::{
     Bootstrap, RESERVED_TAG_BASE, TAG_ABORT, TAG_ALL_GATHER, TAG_ALL_GATHER_RING, TAG_BARRIER, TAG_BROADCAST,
     TAG_GOODBYE,
 };
-use crate::context::lock;
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{connect_retry, get_addr, put_addr};
+use crate::sync::lock;
 use crate::wire::{Reader, WireForm, Writer, length_prefixed, read_length_prefixed};
 
 const LOG: &str = "mscclpp::bootstrap";
@@ -155,7 +155,7 @@ impl FromStr for UniqueId {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         let s = s.trim();
-        if s.len() % 2 != 0 || !s.is_ascii() {
+        if !s.len().is_multiple_of(2) || !s.is_ascii() {
             return Err(Error::invalid_usage("a UniqueId in text is an even number of hex digits"));
         }
         let bytes: Result<Vec<u8>> = (0..s.len())

@@ -1,6 +1,6 @@
 //! An in-process verbs provider for tests (cargo feature `ib-fake`), behind the same function
 //! table as libibverbs: the transport runs its real code (work requests, completions, QP state
-//! changes) against it. It is selected only by [`crate::ib::fake::install`], never as a fallback.
+//! changes) against it. It is selected only by `mscclpp::ib::fake::install`, never as a fallback.
 //!
 //! Model: every fake device is RoCE-like (link layer Ethernet, one active port, MTU 1024, GID 0
 //! link-local RoCE v1, GID 1 `::ffff:127.0.0.1` RoCE v2, HCA atomics). RC semantics: a fabric
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::abi::*;
 use super::{GidTypeFn, Verbs};
-use crate::context::lock;
+use crate::sync::lock;
 
 /// How long the fake retries a WR whose peer does not answer before retry-exceeded.
 pub const RETRY_WINDOW: Duration = Duration::from_millis(1500);
@@ -740,12 +740,12 @@ fn push_cq(f: &mut Fabric, cq: &Cq, wc: ibv_wc, tag: Option<(Arc<Qp>, u64)>) {
     }
     s.entries.push_back((wc, tag));
     f.stats.max_cq_depth = f.stats.max_cq_depth.max(s.entries.len() as u64);
-    if let Some(ch) = &cq.channel {
-        if cq.armed.swap(false, Ordering::SeqCst) {
-            lock(&ch.fired).push_back(cq.handle.load(Ordering::SeqCst));
-            f.stats.cq_events += 1;
-            let _ = nix::unistd::write(&ch.write, &[1u8]);
-        }
+    if let Some(ch) = &cq.channel
+        && cq.armed.swap(false, Ordering::SeqCst)
+    {
+        lock(&ch.fired).push_back(cq.handle.load(Ordering::SeqCst));
+        f.stats.cq_events += 1;
+        let _ = nix::unistd::write(&ch.write, &[1u8]);
     }
 }
 
@@ -874,7 +874,7 @@ fn execute(f: &mut Fabric, a: &Arc<Qp>, dest: u32, wr: &Wr) -> Outcome {
     let (need, n) = match wr.opcode {
         IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM => (IBV_ACCESS_REMOTE_WRITE, len),
         IBV_WR_ATOMIC_FETCH_AND_ADD => {
-            if local.is_none_or(|g| g.length != 8) || wr.remote_addr % 8 != 0 {
+            if local.is_none_or(|g| g.length != 8) || !wr.remote_addr.is_multiple_of(8) {
                 return Outcome::Done(IBV_WC_REM_INV_REQ_ERR);
             }
             (IBV_ACCESS_REMOTE_ATOMIC, 8)

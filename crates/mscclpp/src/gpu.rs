@@ -1,0 +1,6 @@
+//! CUDA devices and GPU memory: the public face of `platform::cuda` (the
+//! driver API, loaded at run time by `cudarc`; no CUDA needed to build). Every call returns
+//! `NotAvailable` ("no CUDA driver found") where `libcuda` cannot be loaded.
+
+pub use crate::buffer::{DeviceBuffer, PinnedBuffer};
+pub use crate::platform::cuda::{device_count, device_name, init, numa_node, pci_bus_id};
