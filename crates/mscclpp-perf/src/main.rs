@@ -164,7 +164,7 @@ fn check(args: &Args) -> Result<(), String> {
         return Err("--bidirectional is supported with --transport cuda-ipc".into());
     }
     if args.test == TestKind::Bootstrap {
-        if args.scale.iter().any(|n| *n == 0) {
+        if args.scale.contains(&0) {
             return Err("--scale sizes must be at least 1".into());
         }
         return Ok(());

@@ -503,7 +503,6 @@ impl TcpBootstrapConfig {
 /// ```
 ///
 /// C++ MSCCL++: `TcpBootstrap`.
-
 pub struct TcpBootstrap {
     shared: Arc<Shared>,
     listener_thread: Option<JoinHandle<()>>,
