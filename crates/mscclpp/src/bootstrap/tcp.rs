@@ -21,10 +21,10 @@
 //!   pieces around the ring (next and previous rank) instead, and the ring also carries the news
 //!   of a failure around a cut tree: at most five peers per rank whatever the job size.
 //!   Point-to-point `send`/`recv` connect on demand.
-//! * **Failure.** Every wait has a deadline (default 30 s). A peer whose connection closes without
-//!   a goodbye, or whose listener refuses us, makes waits on it fail at once with an error naming
-//!   it, and the rank that saw it floods an abort notice over the ring and tree links, so every
-//!   rank's collective fails naming the failed rank, not its own silent neighbour.
+//! * **Failure.** Every wait has a deadline (default 30 s). A peer whose connection closes, or
+//!   whose listener refuses us, makes waits on it fail at once with an error naming it. A
+//!   collective that finds its peer gone floods an abort notice over the tree and ring links, so
+//!   every rank's collective fails naming the failed rank, not its own silent neighbour.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -1038,7 +1038,7 @@ fn serve_incoming(sh: Arc<Shared>, mut s: TcpStream) {
     let why = loop {
         let n = match s.read(&mut buf) {
             Ok(0) if goodbye => break "closed".to_string(),
-            Ok(0) if frames.at_boundary() => break "closed without a goodbye".to_string(),
+            Ok(0) if frames.at_boundary() => break "closed".to_string(),
             Ok(0) => break "closed in the middle of a message".to_string(),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -1068,13 +1068,12 @@ fn serve_incoming(sh: Arc<Shared>, mut s: TcpStream) {
     if !closing {
         debug!(target: LOG, "rank {}: connection from rank {rank} ended: {why}", sh.rank);
     }
-    lock(&peer.inbox).incoming = Link::Closed(why.clone());
+    // A close without a goodbye (the peer died) fails the waits on this peer at once; a
+    // collective waiting on it then tells the others (`recv_many`). Nothing is raised here: a
+    // rank that exits without dropping its bootstrap after its last collective harms no one.
+    let why = if goodbye || closing { why } else { format!("{why}, without a goodbye") };
+    lock(&peer.inbox).incoming = Link::Closed(why);
     peer.cond.notify_all();
-    if !goodbye && !closing {
-        // The peer died (or its bootstrap was leaked): whoever waits on it learns who it was.
-        let reason = format!("its connection to rank {} ended: {why}", sh.rank);
-        raise_abort(&sh, AbortNotice { failed: rank as u32, reporter: sh.rank as u32, reason });
-    }
 }
 
 impl Bootstrap for TcpBootstrap {
