@@ -12,6 +12,7 @@
 //! | `MSCCLPP_LOG_LEVEL` | `NONE`, `ERROR`, `WARN`, `INFO`, `DEBUG`, `TRACE` (default `WARN`) |
 //! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts |
 //! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr |
+//! | `MSCCLPP_NVRTC_PATH` | `libnvrtc.so*` or its directory, for [`crate::device::compile`] (read when NVRTC first loads) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
 //! Booleans accept `0/1/true/false/yes/no/on/off` (MSCCL++ reads `false` as true).

@@ -3,4 +3,5 @@
 //! `NotAvailable` ("no CUDA driver found") where `libcuda` cannot be loaded.
 
 pub use crate::buffer::{DeviceBuffer, PinnedBuffer};
+pub use crate::platform::cuda::module::Stream;
 pub use crate::platform::cuda::{device_count, device_name, init, numa_node, pci_bus_id};

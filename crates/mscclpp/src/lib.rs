@@ -16,6 +16,7 @@
 //! ## Layers
 //! Each uses only the ones below it (checked by `tests/layers.rs`):
 //! ```text
+//!  Device       ── for kernels: the CUDA header, handles, trigger codec, FIFO, NVRTC compile
 //!  Semaphores   ── Host2HostSemaphore, Host2DeviceSemaphore: tokens signalled over a Connection
 //!  Setup        ── TcpBootstrap, Communicator: exchange endpoints, memories, semaphores
 //!  Connections  ── Endpoint, Connection: write / update_and_sync / atomic_add / flush
@@ -61,6 +62,7 @@ mod buffer;
 mod communicator;
 mod conn;
 mod context;
+pub mod device;
 pub mod env;
 mod error;
 pub mod gpu;

@@ -17,6 +17,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
 use crate::transport::{Device, Transport};
 
+/// Moved to [`crate::device::handles`]; re-exported here (and at the crate root) for old paths.
+pub use crate::device::handles::Host2DeviceSemaphoreDeviceHandle;
+
 /// How long `wait` polls (spinning, then yielding) before it blocks.
 const SPIN_THEN_YIELD: Duration = Duration::from_millis(1);
 
@@ -270,19 +273,6 @@ impl Host2HostSemaphore {
             }
         }
     }
-}
-
-/// What a GPU kernel needs to wait on a [`Host2DeviceSemaphore`]: the inbound token (written by
-/// the peer) and the expected count (kept by the waiting kernel). Copy it to the GPU by value.
-///
-/// C++ MSCCL++: `Host2DeviceSemaphoreDeviceHandle` (16 bytes, same layout).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(C)]
-pub struct Host2DeviceSemaphoreDeviceHandle {
-    /// Device address of the inbound token.
-    pub inbound_token: u64,
-    /// Device address of the expected-token counter.
-    pub expected_inbound_token: u64,
 }
 
 /// A semaphore signalled by the host (or a proxy thread) and waited on by the GPU: its token lives

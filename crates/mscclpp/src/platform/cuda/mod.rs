@@ -17,7 +17,10 @@ use crate::platform::hostmem::Region;
 use crate::sync::lock;
 
 mod dmabuf;
+pub(crate) mod fifo_mem;
 mod ipc;
+pub(crate) mod module;
+pub(crate) mod nvrtc;
 pub(crate) use dmabuf::reg_ib_mr;
 pub use ipc::ipc_mapped_count;
 pub(crate) use ipc::{IpcInfo, IpcMapping, ipc_export, ipc_open};
