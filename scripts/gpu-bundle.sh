@@ -16,7 +16,7 @@ cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
-want = {"cuda", "mscclpp", "ib_fake"}   # GPU integration tests, library unit tests, IB on the test provider
+want = {"cuda", "device", "mscclpp", "ib_fake"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -44,9 +44,13 @@ echo "== unit tests" | tee -a "$logs/tests.log"
 ./bin/unit-tests --test-threads=1 2>&1 | tail -3 | tee -a "$logs/tests.log" || rc=1
 echo "== GPU tests (--ignored)" | tee -a "$logs/tests.log"
 timeout 400 ./bin/cuda --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result|differs" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== kernels that communicate: FIFO, proxy, PortChannel (--ignored; NVRTC from the CUDA toolkit)" | tee -a "$logs/tests.log"
+timeout 300 ./bin/device --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== IB on the in-process provider with GPU memory and GPU tokens (--ignored gpu_)" | tee -a "$logs/tests.log"
 timeout 200 ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |forwarding|registered|refused|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-echo "== perf: CUDA IPC" | tee "$logs/perf.txt"
+echo "== perf: device (FIFO, proxy, PortChannel; one process, two ranks)" | tee "$logs/perf.txt"
+timeout 200 ./bin/mscclpp-perf device --max-bytes 1G 2>&1 | tee -a "$logs/perf.txt" || rc=1
+echo "== perf: CUDA IPC" | tee -a "$logs/perf.txt"
 timeout 120 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "$ngpu" -ge 2 ]; then

@@ -5,6 +5,7 @@
 //! memory, from 8 B to 256 MiB, next to a plain TCP socket between the same two processes.
 
 mod bootstrap;
+mod device;
 mod launch;
 mod p2p;
 mod report;
@@ -23,6 +24,9 @@ pub enum TestKind {
     /// Bootstrap scaling: initialize and all_gather (8 B, 1 MiB per rank) at each `--scale`
     /// job size, as local processes.
     Bootstrap,
+    /// Kernels that communicate (one process, two ranks on `--device`): FIFO latency, proxy
+    /// throughput, PortChannel ping-pong and bandwidth (up to `--max-bytes`, at most 1 GiB).
+    Device,
 }
 
 /// Where the buffers live.
@@ -169,6 +173,10 @@ fn check(args: &Args) -> Result<(), String> {
         }
         return Ok(());
     }
+    if args.test == TestKind::Device {
+        mscclpp::gpu::device_count().map_err(|e| format!("device: {e}"))?;
+        return Ok(());
+    }
     if args.ranks < 2 {
         return Err("the p2p test needs at least 2 ranks".into());
     }
@@ -184,6 +192,7 @@ fn main() -> ExitCode {
     let res = match args.test {
         TestKind::P2p => launch::run(&args),
         TestKind::Bootstrap => bootstrap::run(&args),
+        TestKind::Device => device::run(&args),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -187,12 +187,6 @@ impl Mem {
             Mem::Gpu(g) => g.len as u64,
         }
     }
-    pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
-        match self {
-            Mem::Host(r) => r.check(offset, n),
-            Mem::Gpu(g) => g.check(offset, n),
-        }
-    }
 }
 
 /// A registered region of the local context, kept in the context's table while it lives.

@@ -95,6 +95,11 @@ pub mod fuzzing {
         "bootstrap_abort_notice",
         "bootstrap_gather_blocks",
         "bootstrap_frames",
+        "ethernet_header",
+        "ethernet_record",
+        "ethernet_hello",
+        "ethernet_hello_ack",
+        "ethernet_stream",
     ];
 
     /// Decodes `data` as the form `name` and checks that nothing panics and that what decodes
@@ -110,6 +115,11 @@ pub mod fuzzing {
             "bootstrap_abort_notice" => check_bytes::<proto::AbortNotice>(data),
             "bootstrap_gather_blocks" => check_bytes::<proto::GatherBlocks>(data),
             "bootstrap_frames" => proto::check_frame_stream(data),
+            "ethernet_header" => check_bytes::<crate::conn::ethernet::wire::FrameHeader>(data),
+            "ethernet_record" => check_bytes::<crate::conn::ethernet::wire::Record>(data),
+            "ethernet_hello" => check_bytes::<crate::conn::ethernet::wire::Hello>(data),
+            "ethernet_hello_ack" => check_bytes::<crate::conn::ethernet::wire::HelloAck>(data),
+            "ethernet_stream" => crate::conn::ethernet::core::fuzz_stream(data),
             _ => panic!("no wire form named {name:?}"),
         }
     }
@@ -118,9 +128,9 @@ pub mod fuzzing {
 pub use bootstrap::{Bootstrap, RESERVED_TAG_BASE, RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
 pub use buffer::{Buffer, DeviceBuffer};
 pub use communicator::{Communicator, Pending};
-pub use conn::Connection;
 pub use conn::endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
+pub use conn::{Connection, Progress};
 pub use context::Context;
 pub use error::{Error, ErrorContext, ErrorKind, Result};
 pub use identity::{host_hash, process_hash};

@@ -359,3 +359,22 @@ impl Host2DeviceSemaphore {
         }
     }
 }
+
+impl From<Host2DeviceSemaphore> for crate::device::proxy::ProxySemaphore {
+    /// Hands the semaphore to a proxy service, which signals it from then on (continuing its
+    /// outbound count) while kernels wait on its device handle.
+    fn from(s: Host2DeviceSemaphore) -> Self {
+        let handle = s.device_handle();
+        let outbound = s.outbound.load(Ordering::Acquire);
+        let (conn, remote) = (s.connection().clone(), s.sem.remote_memory().clone());
+        crate::device::proxy::ProxySemaphore::from_parts(conn, remote, outbound, Some(handle), Box::new(s))
+    }
+}
+
+impl From<Semaphore> for crate::device::proxy::ProxySemaphore {
+    /// Hands the semaphore to a proxy service, which signals it (from outbound count 0).
+    fn from(s: Semaphore) -> Self {
+        let (conn, remote) = (s.connection().clone(), s.remote_memory().clone());
+        crate::device::proxy::ProxySemaphore::from_parts(conn, remote, 0, None, Box::new(s))
+    }
+}

@@ -71,6 +71,16 @@ pub(crate) struct CudaIpcConnection {
     failed: Mutex<Option<Error>>,
     state: Mutex<IpcState>,
     peer_desc: String,
+    /// Completion marks for [`ConnectionImpl::progress`] (locked before `state`, never after).
+    marks: Mutex<Marks>,
+}
+
+/// Events recorded behind requested progress positions, oldest first, with the flush ticket
+/// each proves once it has passed; and spare events to reuse.
+#[derive(Default)]
+struct Marks {
+    pending: std::collections::VecDeque<(ring::FlushTicket, Event)>,
+    spare: Vec<Event>,
 }
 
 impl CudaIpcConnection {
@@ -244,6 +254,54 @@ impl ConnectionImpl for CudaIpcConnection {
     fn outstanding(&self) -> u64 {
         lock(&self.state).core.outstanding()
     }
+
+    /// Completion from events recorded behind requested positions (so it advances under
+    /// continuous traffic; a passed event also frees the token slots its ticket covers, as a
+    /// flush does) and, without a request, from an idle stream; nothing blocks.
+    fn progress(&self, request: bool) -> Result<super::Progress> {
+        self.check_failed()?;
+        let mut m = lock(&self.marks);
+        while let Some((t, ev)) = m.pending.front() {
+            if !self.record(ev.done())? {
+                break;
+            }
+            let t = *t;
+            lock(&self.state).core.flush_done(t);
+            if let Some((_, ev)) = m.pending.pop_front() {
+                m.spare.push(ev);
+            }
+        }
+        let mut st = lock(&self.state);
+        let (issued, completed) = (st.core.issued(), st.core.completed());
+        if completed >= issued {
+            return Ok(super::Progress { issued, completed });
+        }
+        if request {
+            if m.pending.back().is_none_or(|(t, _)| t.issued() < issued) {
+                let ev = match m.spare.pop() {
+                    Some(e) => e,
+                    None => self.record(Event::new(&self.dev))?,
+                };
+                // Under the state lock nothing is enqueued meanwhile: the event follows exactly
+                // the operations the ticket counts.
+                let t = st.core.begin_flush();
+                self.record(self.stream.record(&ev))?;
+                m.pending.push_back((t, ev));
+            }
+        } else if m.pending.is_empty() {
+            let t = st.core.begin_flush();
+            drop(st);
+            // Everything enqueued before the query has run (the stream may carry other
+            // connections' work too: completion is then only seen later, never early).
+            if self.record(self.stream.idle())? {
+                st = lock(&self.state);
+                st.core.flush_done(t);
+                return Ok(super::Progress { issued, completed: st.core.completed() });
+            }
+            return Ok(super::Progress { issued, completed });
+        }
+        Ok(super::Progress { issued, completed })
+    }
 }
 
 /// Builds a CUDA IPC connection.
@@ -273,6 +331,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         failed: Mutex::new(None),
         state: Mutex::new(IpcState { core: IpcCore::new(local.max_write_queue_size(), SLOTS), slots: None }),
         peer_desc: peer_desc.clone(),
+        marks: Mutex::new(Marks::default()),
     };
     Ok(Connection::from_inner(ConnInner {
         imp: Box::new(conn),

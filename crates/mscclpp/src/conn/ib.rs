@@ -522,6 +522,17 @@ impl ConnectionImpl for IbConnection {
     fn outstanding(&self) -> u64 {
         lock(&self.state).acct.outstanding()
     }
+
+    /// Polls the send CQ once (every post's last WR is signalled, so completion needs no request).
+    fn progress(&self, _request: bool) -> Result<super::Progress> {
+        self.check()?;
+        let mut st = lock(&self.state);
+        if st.acct.outstanding() > 0 {
+            self.poll(&mut st)?;
+        }
+        let issued = st.acct.posted();
+        Ok(super::Progress { issued, completed: issued - st.acct.outstanding() })
+    }
 }
 
 impl Drop for IbConnection {

@@ -33,6 +33,11 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     fn max_write_queue_size(&self) -> usize;
     /// Operations issued and not yet known to be applied at the peer.
     fn outstanding(&self) -> u64;
+    /// Non-blocking: how far operations were issued and are known complete (sequence numbers).
+    /// With `request`, also arranges that the completion of everything issued so far shows in
+    /// later calls without another request (Ethernet asks the peer for an acknowledgement, CUDA
+    /// IPC records an event). The connection's failure is an error.
+    fn progress(&self, request: bool) -> Result<Progress>;
     /// Refuses token updates the transport cannot carry (before anything changes).
     fn check_update(&self, _old: u64, _new: u64) -> Result<()> {
         Ok(())
@@ -51,6 +56,20 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     fn signal_forwarding(&self) -> Option<String> {
         None
     }
+}
+
+/// How far a connection has got, in sequence numbers counted from the connection's start: every
+/// operation (`write`, `update_and_sync`, `atomic_add`, and transport-internal probes) takes the
+/// next number, and `completed >= n` means operation `n` and everything before it has been
+/// applied in the peer's memory. Both only grow.
+///
+/// See [`Connection::progress`] and [`Connection::request_progress`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Progress {
+    /// Sequence number of the last operation issued (0: none yet).
+    pub issued: u64,
+    /// Every operation up to this sequence number is applied at the peer.
+    pub completed: u64,
 }
 
 pub(crate) struct ConnInner {
@@ -93,6 +112,11 @@ impl fmt::Debug for Connection {
 impl Connection {
     pub(crate) fn from_inner(inner: ConnInner) -> Connection {
         Connection { inner: Arc::new(inner) }
+    }
+
+    /// Whether `other` is a clone of this connection.
+    pub(crate) fn same_as(&self, other: &Connection) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Names the operation, this connection's transport and, where known, the peer in `e`.
@@ -223,6 +247,38 @@ impl Connection {
 
     pub(crate) fn forward_signals_into(&self, t: &RegisteredMemory) -> Result<()> {
         self.inner.imp.forward_signals_into(t)
+    }
+
+    /// How far this connection has issued and completed operations, without blocking: the
+    /// non-blocking counterpart of [`flush`](Self::flush). Record `request_progress()` as a
+    /// position, keep working, and poll until `progress()?.completed` reaches it.
+    ///
+    /// Completion is learnt from the transport (CUDA IPC: events and stream queries; Ethernet: the
+    /// peer's acknowledgements; IB: send completions, polled by this call), so without a
+    /// [`request_progress`](Self::request_progress) it may lag behind what has actually landed.
+    ///
+    /// # Errors
+    /// The error that broke the connection.
+    pub fn progress(&self) -> Result<Progress> {
+        self.inner.imp.progress(false).map_err(|e| self.ctx_err(e, "progress"))
+    }
+
+    /// Returns the sequence number of the last operation issued so far (a flush position) and
+    /// makes sure its completion will show in [`progress`](Self::progress) without further calls:
+    /// Ethernet queues an acknowledgement probe (waiting only if the write queue is full), CUDA
+    /// IPC records an event on the connection's stream, IB needs nothing. Does not wait for
+    /// completion.
+    ///
+    /// # Errors
+    /// The error that broke the connection.
+    pub fn request_progress(&self) -> Result<u64> {
+        self.inner.imp.progress(true).map(|p| p.issued).map_err(|e| self.ctx_err(e, "request_progress"))
+    }
+
+    /// [`request_progress`](Self::request_progress) and [`progress`](Self::progress) in one call:
+    /// the progress now, with completion of `issued` requested.
+    pub(crate) fn progress_requested(&self) -> Result<Progress> {
+        self.inner.imp.progress(true).map_err(|e| self.ctx_err(e, "request_progress"))
     }
 
     /// Operations issued whose application at the peer is not yet confirmed.

@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 pub mod compile;
 pub mod fifo;
 pub mod handles;
+pub mod port_channel;
+pub mod proxy;
 pub mod trigger;
 
 pub use fifo::{DEFAULT_FIFO_SIZE, Fifo};
@@ -21,6 +23,8 @@ pub use handles::{
     BasePortChannelDeviceHandle, FifoDeviceHandle, Host2DeviceSemaphoreDeviceHandle, LL8Packet, LL16Packet,
     MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle, PortChannelDeviceHandle,
 };
+pub use port_channel::PortChannel;
+pub use proxy::{MemoryId, ProxyConfig, ProxySemaphore, ProxyService, SemaphoreId};
 pub use trigger::{ProxyTrigger, Put, Request, decode};
 
 /// The device header's text (`include/mscclpp_rs/device.cuh` in this crate).

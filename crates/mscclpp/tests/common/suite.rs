@@ -206,6 +206,7 @@ macro_rules! connection_suite {
         $crate::connection_suite!(@one $h, signal_follows_its_writes, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, atomic_add_from_both_sides_sums_exactly, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, many_writes_past_the_queue_bound, 2, 0, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, progress_reaches_requested_positions, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, four_ranks_all_to_all, 4, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, bad_writes_are_invalid_usage_and_send_nothing, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, peer_gone_mid_transfer, 2, 0, true $(, #[$m])*);
@@ -465,6 +466,53 @@ pub fn many_writes_past_the_queue_bound(r: &Rank, h: &Harness) {
     s.bs.barrier().unwrap();
 }
 
+/// The non-blocking completion sequence: a position taken with `request_progress` is reached by
+/// polling `progress` alone (no flush), under more traffic issued behind it, and every write up to
+/// it has landed by then; `completed` never passes `issued` and never goes back.
+pub fn progress_reaches_requested_positions(r: &Rank, h: &Harness) {
+    let len = 1 << 16;
+    let s = setup(r, h, len, Some(32));
+    if r.rank == 0 {
+        let conn = s.conns[1].as_ref().unwrap();
+        let dst = s.remote[1].as_ref().unwrap();
+        let src = h.alloc(s.comm.context(), r.rank, len, h.flags());
+        src.write(0, &pattern(11, len)).unwrap();
+        let p0 = conn.progress().unwrap();
+        assert_eq!(p0.completed, p0.issued, "a fresh connection has nothing outstanding: {p0:?}");
+        let mut last = p0.completed;
+        for round in 0..50u64 {
+            // Half the buffer per round, then a position, then more traffic behind it.
+            let off = (round % 2) * (len as u64 / 2);
+            for k in 0..8u64 {
+                let chunk = len as u64 / 16;
+                conn.write(dst, off + k * chunk, src.memory(), off + k * chunk, chunk).unwrap();
+            }
+            let pos = conn.request_progress().unwrap();
+            assert!(pos >= 8 * (round + 1), "position {pos} after {} writes", 8 * (round + 1));
+            conn.write(dst, 0, src.memory(), 0, 8).unwrap();
+            let t0 = Instant::now();
+            loop {
+                let p = conn.progress().unwrap();
+                assert!(p.completed <= p.issued && p.completed >= last, "{p:?} after {last}");
+                last = p.completed;
+                if p.completed >= pos {
+                    break;
+                }
+                assert!(t0.elapsed() < T, "round {round}: completed {p:?} never reached {pos}");
+                std::thread::yield_now();
+            }
+        }
+        conn.flush(T).unwrap();
+        let p = conn.progress().unwrap();
+        assert_eq!(p.completed, p.issued, "after a flush: {p:?}");
+        s.sems[1].as_ref().unwrap().signal().unwrap();
+    } else {
+        s.sems[0].as_ref().unwrap().wait(T).unwrap();
+        assert!(s.local.to_vec() == pattern(11, len), "a write reported complete has not landed");
+    }
+    s.bs.barrier().unwrap();
+}
+
 /// Four ranks, each writing its rank's pattern into every other and signalling.
 pub fn four_ranks_all_to_all(r: &Rank, h: &Harness) {
     let n = r.size;
@@ -586,15 +634,22 @@ pub fn write_over_4gib(r: &Rank, h: &Harness) {
     let remote = comm.recv_memory(peer, 1).unwrap().wait().unwrap();
     let conn = pc.wait().unwrap();
     let sem = h.semaphore(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap());
-    // A position-dependent pattern, cheap to make and check.
+    // A position-dependent pattern, cheap to make and to check in every profile (slice copies
+    // and comparisons, no per-byte loop over 4 GiB): bytes repeat with a period that is no power
+    // of two, and each MiB starts with its own offset, so a misplaced chunk shows.
+    const PERIOD: usize = (1 << 20) + 7;
+    const CHUNK: usize = 1 << 20;
     let word = |i: usize| (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes();
+    let pat: Vec<u8> = (0..PERIOD + CHUNK).map(|i| word((i % PERIOD) / 8)[(i % PERIOD) % 8]).collect();
+    let expected = |base: usize, n: usize, chunk: &mut [u8]| {
+        chunk[..n].copy_from_slice(&pat[base % PERIOD..][..n]);
+        chunk[..8].copy_from_slice(&(base as u64).to_le_bytes());
+    };
+    let mut chunk = vec![0u8; CHUNK];
     if r.rank == 0 {
-        let mut chunk = vec![0u8; 1 << 20];
-        for base in (0..LEN).step_by(1 << 20) {
-            let n = (LEN - base).min(1 << 20);
-            for (j, b) in chunk[..n].iter_mut().enumerate() {
-                *b = word((base + j) / 8)[(base + j) % 8];
-            }
+        for base in (0..LEN).step_by(CHUNK) {
+            let n = (LEN - base).min(CHUNK);
+            expected(base, n, &mut chunk);
             buf.write(base, &chunk[..n]).unwrap();
         }
         let t0 = Instant::now();
@@ -604,12 +659,14 @@ pub fn write_over_4gib(r: &Rank, h: &Harness) {
         println!("4 GiB + 4099 B write: {:.2} GB/s", LEN as f64 / t0.elapsed().as_secs_f64() / 1e9);
     } else {
         sem.wait(Duration::from_secs(300)).unwrap();
-        let mut chunk = vec![0u8; 1 << 20];
-        for base in (0..LEN).step_by(1 << 20) {
-            let n = (LEN - base).min(1 << 20);
+        let mut want = vec![0u8; CHUNK];
+        for base in (0..LEN).step_by(CHUNK) {
+            let n = (LEN - base).min(CHUNK);
             buf.read(base, &mut chunk[..n]).unwrap();
-            for (j, b) in chunk[..n].iter().enumerate() {
-                assert_eq!(*b, word((base + j) / 8)[(base + j) % 8], "byte {} differs", base + j);
+            expected(base, n, &mut want);
+            if chunk[..n] != want[..n] {
+                let j = (0..n).find(|&j| chunk[j] != want[j]).unwrap_or(0);
+                panic!("byte {} differs: {:#04x} where {:#04x} was sent", base + j, chunk[j], want[j]);
             }
         }
     }

@@ -13,6 +13,13 @@ pub(crate) struct FlushTicket {
     hand_outs: u64,
 }
 
+impl FlushTicket {
+    /// The operations the ticket covers (the issued count when it was taken).
+    pub(crate) fn issued(&self) -> u64 {
+        self.issued
+    }
+}
+
 /// Where the next token value goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum TokenSlot {
@@ -61,6 +68,16 @@ impl IpcCore {
 
     pub(crate) fn max_queue(&self) -> usize {
         self.max_queue
+    }
+
+    /// Operations enqueued so far (the sequence number of the last one).
+    pub(crate) fn issued(&self) -> u64 {
+        self.issued
+    }
+
+    /// Every operation up to this sequence number is known to have run.
+    pub(crate) fn completed(&self) -> u64 {
+        self.completed
     }
 
     /// Operations issued and not yet proven to have run.

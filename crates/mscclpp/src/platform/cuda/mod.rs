@@ -406,6 +406,15 @@ impl Drop for DeviceAlloc {
     }
 }
 
+/// Sets the calling thread's stream-capture interaction mode to relaxed, so that CUDA calls a
+/// proxy thread makes never invalidate (or fail because of) a graph capture running in another
+/// thread. C++ MSCCL++ does the same when its proxy thread starts.
+pub(crate) fn relax_stream_capture_mode() -> Result<()> {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: an in/out pointer to a local enum value; the call only touches thread-local state.
+    check("cuThreadExchangeStreamCaptureMode", unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) })
+}
+
 /// Page-locked host memory from `cuMemHostAlloc`, used for staging.
 pub(crate) struct PinnedAlloc {
     ptr: *mut u8,

@@ -1,5 +1,12 @@
 //! The Ethernet (TCP) transport.
 //!
+//! # Layout
+//! [`core`] holds the protocol without I/O: the sender core (sequence numbers, the write-queue
+//! bound, batching, acknowledgement requests, the peer's records) and the receiver core (headers
+//! reassembled from any cut of the stream, validation, what to apply and when to acknowledge).
+//! [`wire`] holds the byte forms (frame header, records, handshake). This file is the shell that
+//! drives the cores: sockets, the three threads, GPU staging.
+//!
 //! # Sockets
 //! Each side of a connection has two TCP sockets: the one it opened to the peer's endpoint
 //! (`out`: its frames go out, the peer's acknowledgements come back) and the one the peer opened
@@ -10,7 +17,7 @@
 //! peer learned, through the bootstrap); a connection without it is dropped.
 //!
 //! # Frames
-//! A [`FrameHeader`] (48 bytes, little-endian) names the operation, a sequence number, the
+//! A [`wire::FrameHeader`] (48 bytes, little-endian) names the operation, a sequence number, the
 //! destination region (by id, in the receiver's context) and offset, the payload length and a
 //! value. The receiver checks every field against its context's table of registered Ethernet
 //! regions before it touches memory; a frame that fails is refused: nothing is written, the
@@ -32,18 +39,18 @@
 //! it goes out from the sender thread after a 20 us grace; larger writes go through the sender
 //! thread at once, so `write` never blocks on a big transfer.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
-use zerocopy::little_endian::U64;
-use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
+use self::core::{Op, QueueFull, ReceiverCore, RegionInfo, RxEvent, SenderCore};
+use self::wire::{HELLO_ACK_LEN, HELLO_LEN, Hello, HelloAck, Record};
 use super::{ConnInner, Connection, ConnectionImpl};
 use crate::conn::endpoint::{Endpoint, EndpointKind};
 use crate::context::{Context, ContextInner};
@@ -54,111 +61,19 @@ use crate::platform::hostmem::Region;
 use crate::platform::hostmem::{IoPart, send_vectored};
 use crate::sync::lock;
 use crate::transport::Transport;
-use crate::wire::{Reader, Writer, length_prefixed, read_length_prefixed};
+use crate::wire::{WireForm, length_prefixed, read_length_prefixed};
+
+pub(crate) mod core;
+pub(crate) mod wire;
 
 const LOG: &str = "mscclpp::conn";
-const HS_MAGIC: &[u8; 4] = b"MSEH";
-const HS_VERSION: u16 = 1;
-const HS_ACK: u8 = 0xa5;
 /// Writes up to this size may be sent by the calling thread when the sender thread is idle;
 /// larger ones always go through the sender thread, so `write` never blocks on a big transfer.
 pub const INLINE_LIMIT: u64 = 1 << 20;
 /// How long the sender thread holds a small write for the operation that usually follows it.
 const COALESCE_GRACE: Duration = Duration::from_micros(20);
-/// Most frames per `sendmsg`.
-const BATCH_OPS: usize = 64;
-/// Most payload bytes per `sendmsg` batch (a single larger write goes alone).
-const BATCH_BYTES: u64 = 16 << 20;
 /// How long dropping a connection waits for its outstanding operations to land.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
-/// The receiver acknowledges at least every this many frames.
-const ACK_EVERY: u64 = 256;
-
-const OP_WRITE: u8 = 1;
-const OP_SET: u8 = 2;
-const OP_ADD: u8 = 3;
-const OP_NOP: u8 = 4;
-const FLAG_ACK: u8 = 1;
-
-const REC_ACK: u8 = 1;
-const REC_ERR: u8 = 2;
-
-/// The fixed header in front of every frame.
-#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
-#[repr(C)]
-pub(crate) struct FrameHeader {
-    op: u8,
-    flags: u8,
-    _pad: [u8; 6],
-    seq: U64,
-    region: U64,
-    offset: U64,
-    len: U64,
-    value: U64,
-}
-const HEADER: usize = std::mem::size_of::<FrameHeader>();
-const _: () = assert!(HEADER == 48);
-
-/// What the receiver does with a frame that passed validation.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Action {
-    Write { offset: u64, len: u64 },
-    Set { offset: u64, value: u64 },
-    Add { offset: u64, value: u64 },
-    Nop,
-}
-
-/// Checks a header against what the receiver expects and its registered regions.
-/// `lookup` finds a live Ethernet region of the receiver's context.
-pub(crate) fn validate(
-    h: &FrameHeader,
-    expect_seq: u64,
-    lookup: &dyn Fn(u64) -> Option<Arc<LocalRegion>>,
-) -> std::result::Result<(Action, Option<Arc<LocalRegion>>), String> {
-    if h.flags & !FLAG_ACK != 0 || h._pad != [0; 6] {
-        return Err(format!("frame with unknown flags {:#x}", h.flags));
-    }
-    if h.seq.get() != expect_seq {
-        return Err(format!("frame sequence {} where {expect_seq} was due", h.seq.get()));
-    }
-    let (off, len, val) = (h.offset.get(), h.len.get(), h.value.get());
-    if h.op == OP_NOP {
-        if h.region.get() != 0 || off != 0 || len != 0 || val != 0 {
-            return Err("probe frame with non-zero fields".into());
-        }
-        return Ok((Action::Nop, None));
-    }
-    let region = lookup(h.region.get())
-        .ok_or_else(|| format!("frame names region {} which is not registered", h.region.get()))?;
-    if !region.transports.has(Transport::Ethernet) {
-        return Err(format!("frame names region {} which is not registered for Ethernet", h.region.get()));
-    }
-    let (action, need) = match h.op {
-        OP_WRITE => {
-            if val != 0 {
-                return Err("write frame with a non-zero value field".into());
-            }
-            (Action::Write { offset: off, len }, len)
-        }
-        OP_SET | OP_ADD => {
-            if len != 8 {
-                return Err(format!("token frame with length {len}"));
-            }
-            if region.mem.addr().wrapping_add(off) % 8 != 0 {
-                return Err(format!("token frame at unaligned offset {off}"));
-            }
-            let a = if h.op == OP_SET {
-                Action::Set { offset: off, value: val }
-            } else {
-                Action::Add { offset: off, value: val }
-            };
-            (a, 8)
-        }
-        op => return Err(format!("frame with unknown operation {op}")),
-    };
-    region.mem.check(off, need).map_err(|e| format!("frame for region {}: {}", h.region.get(), e.message()))?;
-    Ok((action, Some(region)))
-}
 
 // ---------------------------------------------------------------------------------------------
 // Accepting the peer's socket
@@ -257,17 +172,12 @@ fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], c
 
 fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Result<TcpStream> {
     s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| Error::io("setting a read timeout", e))?;
-    let body = read_length_prefixed(&mut s, 64, "the handshake")?;
-    let mut r = Reader::new(&body, "Ethernet handshake", HS_MAGIC, HS_VERSION)?;
-    let theirs: [u8; 16] = r.array()?;
-    let _peer_context = r.u64()?;
-    r.finish()?;
-    if &theirs != secret {
+    let body = read_length_prefixed(&mut s, HELLO_LEN, "the handshake")?;
+    let hello = Hello::from_wire(&body)?;
+    if &hello.secret != secret {
         return Err(Error::remote("wrong endpoint secret"));
     }
-    let mut ack = vec![HS_ACK];
-    ack.extend_from_slice(&context_id.to_le_bytes());
-    s.write_all(&ack).map_err(|e| Error::io("answering the handshake", e))?;
+    s.write_all(&HelloAck { context: context_id }.to_wire()).map_err(|e| Error::io("answering the handshake", e))?;
     s.set_read_timeout(None).map_err(|e| Error::io("clearing the read timeout", e))?;
     let _ = s.set_nodelay(true);
     Ok(s)
@@ -276,20 +186,15 @@ fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Res
 /// Opens the socket to the peer's endpoint and returns it with the peer's context id.
 fn dial(addr: SocketAddr, secret: &[u8; 16], my_context: u64, deadline: Instant) -> Result<(TcpStream, u64)> {
     let mut s = crate::net::connect_retry(addr, deadline, "the peer's Ethernet endpoint")?;
-    let mut w = Writer::new(HS_MAGIC, HS_VERSION);
-    w.raw(secret);
-    w.u64(my_context);
-    s.write_all(&length_prefixed(&w.finish())).map_err(|e| Error::io("sending the handshake", e))?;
+    let hello = Hello { secret: *secret, context: my_context }.to_wire();
+    s.write_all(&length_prefixed(&hello)).map_err(|e| Error::io("sending the handshake", e))?;
     s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10))))
         .map_err(|e| Error::io("setting a read timeout", e))?;
-    let mut ack = [0u8; 9];
+    let mut ack = [0u8; HELLO_ACK_LEN];
     s.read_exact(&mut ack).map_err(|e| Error::io("waiting for the peer's handshake answer", e))?;
-    if ack[0] != HS_ACK {
-        return Err(Error::remote(format!("the peer answered the handshake with {:#x}", ack[0])));
-    }
+    let ack = HelloAck::from_wire(&ack)?;
     s.set_read_timeout(None).map_err(|e| Error::io("clearing the read timeout", e))?;
-    let ctx = u64::from_le_bytes(ack[1..9].try_into().unwrap_or_default());
-    Ok((s, ctx))
+    Ok((s, ack.context))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -439,36 +344,21 @@ impl Stager {
 // ---------------------------------------------------------------------------------------------
 // The connection
 
-enum Op {
-    Write { region: u64, offset: u64, src: Arc<LocalRegion>, src_off: u64, len: u64 },
-    Set { region: u64, offset: u64, value: u64 },
-    Add { region: u64, offset: u64, value: u64 },
-    Nop,
-}
+/// A write's payload source on this side: a local registered region.
+type Src = Arc<LocalRegion>;
 
-impl Op {
-    /// Whether the calling thread may send it (the sender thread sends larger writes and
-    /// everything staged from GPU memory).
-    fn inline(&self) -> bool {
-        match self {
-            Op::Write { src, len, .. } => *len <= INLINE_LIMIT && matches!(src.mem, Mem::Host(_)),
-            _ => true,
-        }
-    }
-    fn payload(&self) -> u64 {
-        match self {
-            Op::Write { len, .. } => *len,
-            _ => 0,
-        }
+/// Whether the calling thread may send `op` (the sender thread sends larger writes and
+/// everything staged from GPU memory).
+fn inline(op: &Op<Src>) -> bool {
+    match op {
+        Op::Write { src, len, .. } => *len <= INLINE_LIMIT && matches!(src.mem, Mem::Host(_)),
+        _ => true,
     }
 }
 
 struct State {
-    queue: VecDeque<(u64, Op)>,
-    /// Sequence number of the last operation issued (the first is 1).
-    issued: u64,
-    /// Highest sequence number the peer confirmed applied.
-    applied: u64,
+    /// Sequence numbers, the queue and its bound, acknowledgements.
+    core: SenderCore<Src>,
     failed: Option<Error>,
     closing: bool,
     /// The sender thread is waiting for work.
@@ -486,9 +376,10 @@ struct Shared {
     /// A clone of the incoming socket once it arrived, for shutdown.
     in_ctl: Mutex<Option<TcpStream>>,
     stop: AtomicBool,
+    /// Sequence number of the last acknowledgement probe queued by `progress(true)`.
+    ack_asked: AtomicU64,
     /// Pinned staging per GPU for the sender.
     stagers: Mutex<HashMap<u32, Stager>>,
-    max_queue: u64,
     peer_desc: String,
     wait_limit: Duration,
 }
@@ -526,43 +417,43 @@ impl Shared {
         self.fail(Error::remote(why));
     }
 
-    /// Queues `op`, waiting while the queue bound is reached. Returns whether the calling thread
-    /// may send it itself.
-    fn enqueue(&self, op: Op) -> Result<()> {
-        let inline = op.inline();
+    /// Queues `op`, waiting while the queue bound is reached; small operations are sent by the
+    /// calling thread when the sender thread is not sending.
+    fn enqueue(&self, op: Op<Src>) -> Result<()> {
+        let inline = inline(&op);
+        let deferred = inline && matches!(op, Op::Write { .. });
         let mut st = lock(&self.st);
         let mut waited_from: Option<Instant> = None;
+        let mut op = Some(op);
         loop {
             if let Some(e) = &st.failed {
                 return Err(e.duplicate());
             }
-            if st.issued - st.applied < self.max_queue {
-                break;
+            let Some(o) = op.take() else { break };
+            match st.core.issue(o) {
+                Ok(_) => break,
+                Err((o, QueueFull { outstanding })) => {
+                    op = Some(o);
+                    let since = *waited_from.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= self.wait_limit {
+                        return Err(Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "write queue full: {outstanding} operations outstanding at {} and none confirmed for {:?}",
+                                self.peer_desc, self.wait_limit
+                            ),
+                        ));
+                    }
+                    st = self
+                        .cond
+                        .wait_timeout(st, Duration::from_millis(100))
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|p| p.into_inner().0);
+                }
             }
-            let since = *waited_from.get_or_insert_with(Instant::now);
-            if since.elapsed() >= self.wait_limit {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "write queue full: {} operations outstanding at {} and none confirmed for {:?}",
-                        st.issued - st.applied,
-                        self.peer_desc,
-                        self.wait_limit
-                    ),
-                ));
-            }
-            st = self
-                .cond
-                .wait_timeout(st, Duration::from_millis(100))
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
         }
-        st.issued += 1;
-        let seq = st.issued;
         // A small write waits for what follows it (usually a token update) so that both leave in
         // one sendmsg; the sender thread sends it after a short grace if nothing follows.
-        let deferred = inline && matches!(op, Op::Write { .. });
-        st.queue.push_back((seq, op));
         if deferred {
             if st.tx_idle {
                 drop(st);
@@ -575,47 +466,27 @@ impl Shared {
             self.pump(&mut out, true);
         }
         // Wake the sender thread if anything is left (it re-checks under the lock).
-        if !lock(&self.st).queue.is_empty() {
+        if !lock(&self.st).core.is_idle() {
             self.cond.notify_all();
         }
         Ok(())
     }
 
     /// Sends queued operations in order, a batch per `sendmsg`. With `inline_only` (the calling
-    /// thread), stops at the first write larger than [`INLINE_LIMIT`].
+    /// thread), stops at the first operation only the sender thread sends.
     fn pump(&self, out: &mut TcpStream, inline_only: bool) {
         loop {
-            let (batch, applied) = {
+            let batch = {
                 let mut st = lock(&self.st);
                 if st.failed.is_some() {
                     return;
                 }
-                let mut batch: Vec<(u64, Op)> = Vec::new();
-                let mut bytes = 0u64;
-                while let Some((_, op)) = st.queue.front() {
-                    if inline_only && !op.inline() {
-                        break;
-                    }
-                    let len = op.payload();
-                    if !batch.is_empty() && bytes + len > BATCH_BYTES {
-                        break;
-                    }
-                    match st.queue.pop_front() {
-                        Some(x) => batch.push(x),
-                        None => break,
-                    }
-                    bytes += len;
-                    if batch.len() >= BATCH_OPS {
-                        break;
-                    }
-                }
-                (batch, st.applied)
+                st.core.next_batch(|op| !inline_only || inline(op))
             };
             if batch.is_empty() {
                 return;
             }
-            let headers: Vec<FrameHeader> = batch.iter().map(|(seq, op)| self.header(*seq, op, applied)).collect();
-            if let Err(e) = self.send_batch(out, &batch, &headers) {
+            if let Err(e) = self.send_batch(out, &batch) {
                 self.fail(e);
                 return;
             }
@@ -625,11 +496,12 @@ impl Shared {
     /// Sends one batch: host payloads straight from their regions in one `sendmsg`; GPU
     /// payloads staged through pinned memory, the copy of one chunk overlapping the send of the
     /// previous one.
-    fn send_batch(&self, out: &mut TcpStream, batch: &[(u64, Op)], headers: &[FrameHeader]) -> Result<()> {
+    fn send_batch(&self, out: &mut TcpStream, batch: &[(wire::FrameHeader, Op<Src>)]) -> Result<()> {
         let io_err = |e: std::io::Error| Error::remote(format!("sending to {} failed", self.peer_desc)).with_source(e);
+        let headers: Vec<[u8; wire::HEADER]> = batch.iter().map(|(h, _)| h.encode()).collect();
         let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.len());
-        for ((_, op), h) in batch.iter().zip(headers) {
-            parts.push(h.as_bytes().into());
+        for ((_, op), h) in batch.iter().zip(&headers) {
+            parts.push(h[..].into());
             if let Op::Write { src, src_off, len, .. } = op {
                 match &src.mem {
                     Mem::Host(r) => parts.push(r.part(*src_off, *len)?),
@@ -648,49 +520,21 @@ impl Shared {
         }
         send_vectored(out, &parts).map_err(io_err)
     }
-
-    fn header(&self, seq: u64, op: &Op, applied: u64) -> FrameHeader {
-        let mut h = FrameHeader { seq: U64::new(seq), ..Default::default() };
-        // Ask for an acknowledgement once half the bound is unconfirmed.
-        if seq - applied >= (self.max_queue / 2).max(1) {
-            h.flags |= FLAG_ACK;
-        }
-        match op {
-            Op::Write { region, offset, len, .. } => {
-                h.op = OP_WRITE;
-                h.region = U64::new(*region);
-                h.offset = U64::new(*offset);
-                h.len = U64::new(*len);
-            }
-            Op::Set { region, offset, value } | Op::Add { region, offset, value } => {
-                h.op = if matches!(op, Op::Set { .. }) { OP_SET } else { OP_ADD };
-                h.region = U64::new(*region);
-                h.offset = U64::new(*offset);
-                h.len = U64::new(8);
-                h.value = U64::new(*value);
-            }
-            Op::Nop => {
-                h.op = OP_NOP;
-                h.flags |= FLAG_ACK;
-            }
-        }
-        h
-    }
 }
 
 fn sender_loop(sh: Arc<Shared>) {
     loop {
         let small_front = {
             let mut st = lock(&sh.st);
-            while st.queue.is_empty() && st.failed.is_none() && !sh.stop.load(Ordering::Acquire) {
+            while st.core.is_idle() && st.failed.is_none() && !sh.stop.load(Ordering::Acquire) {
                 st.tx_idle = true;
                 st = sh.cond.wait(st).unwrap_or_else(|p| p.into_inner());
             }
             st.tx_idle = false;
-            if st.failed.is_some() || (sh.stop.load(Ordering::Acquire) && st.queue.is_empty()) {
+            if st.failed.is_some() || (sh.stop.load(Ordering::Acquire) && st.core.is_idle()) {
                 return;
             }
-            st.queue.front().is_some_and(|(_, op)| op.inline())
+            st.core.front().is_some_and(inline)
         };
         if small_front && !sh.stop.load(Ordering::Acquire) {
             // Give the caller a moment to queue the token update that usually follows a small
@@ -698,7 +542,7 @@ fn sender_loop(sh: Arc<Shared>) {
             let t0 = Instant::now();
             while t0.elapsed() < COALESCE_GRACE {
                 std::thread::yield_now();
-                if lock(&sh.st).queue.is_empty() {
+                if lock(&sh.st).core.is_idle() {
                     break;
                 }
             }
@@ -708,61 +552,48 @@ fn sender_loop(sh: Arc<Shared>) {
     }
 }
 
-/// Reads acknowledgements and refusals from the outgoing socket.
+/// Reads acknowledgements and refusals from the outgoing socket and hands them to the core.
 fn ack_loop(sh: Arc<Shared>, mut s: TcpStream) {
-    let mut rec = [0u8; 16];
+    let mut buf = [0u8; 4096];
     loop {
-        if let Err(e) = s.read_exact(&mut rec) {
-            sh.fail_read("reading acknowledgements from", e);
+        let n = match s.read(&mut buf) {
+            Ok(0) => {
+                sh.fail_read("reading acknowledgements from", std::io::ErrorKind::UnexpectedEof.into());
+                return;
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                sh.fail_read("reading acknowledgements from", e);
+                return;
+            }
+        };
+        let r = lock(&sh.st).core.handle_bytes(&buf[..n]);
+        if let Err(why) = r {
+            sh.fail(Error::remote(format!("peer {} {why}", sh.peer_desc)));
             return;
         }
-        let v = u64::from_le_bytes(rec[8..16].try_into().unwrap_or_default());
-        match rec[0] {
-            REC_ACK => {
-                let mut st = lock(&sh.st);
-                if v > st.issued {
-                    drop(st);
-                    sh.fail(Error::remote(format!("peer {} acknowledged sequence {v} never sent", sh.peer_desc)));
-                    return;
-                }
-                st.applied = st.applied.max(v);
-                drop(st);
-                sh.cond.notify_all();
-            }
-            REC_ERR => {
-                let n = v.min(4096) as usize;
-                let mut msg = vec![0u8; n];
-                let _ = s.read_exact(&mut msg);
-                sh.fail(Error::remote(format!(
-                    "peer {} refused a frame and closed the connection: {}",
-                    sh.peer_desc,
-                    String::from_utf8_lossy(&msg)
-                )));
-                return;
-            }
-            k => {
-                sh.fail(Error::remote(format!("peer {} sent an unknown record kind {k}", sh.peer_desc)));
-                return;
-            }
-        }
+        sh.cond.notify_all();
     }
 }
 
-fn send_record(s: &TcpStream, kind: u8, v: u64, extra: &[u8]) -> std::io::Result<()> {
-    let mut rec = [0u8; 16];
-    rec[0] = kind;
-    rec[8..].copy_from_slice(&v.to_le_bytes());
+fn send_record(s: &TcpStream, rec: &Record) -> std::io::Result<()> {
     let mut w = s;
-    if extra.is_empty() {
-        w.write_all(&rec)
-    } else {
-        let mut b = rec.to_vec();
-        b.extend_from_slice(extra);
-        w.write_all(&b)
-    }
+    w.write_all(&rec.to_wire())
 }
 
-/// Takes the peer's socket, then applies its frames.
+/// What the receiver core learns of a region of this context.
+fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
+    let r = ctx.lookup_region(id)?;
+    Some(RegionInfo {
+        addr: r.mem.addr(),
+        len: r.mem.len(),
+        ethernet: r.transports.has(Transport::Ethernet),
+        handle: r,
+    })
+}
+
+/// Takes the peer's socket, then applies its frames as the receiver core directs.
 fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Instant) {
     let s = match acceptor.take(deadline, &sh.stop) {
         Ok(s) => s,
@@ -783,49 +614,77 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
     }
     let mut rd = BufReader::with_capacity(256 * 1024, s);
     let mut stagers: HashMap<u32, Stager> = HashMap::new();
-    let mut expect: u64 = 1;
-    let mut last_acked: u64 = 0;
-    let lookup = |id: u64| ctx.lookup_region(id);
-    loop {
-        let mut hb = [0u8; HEADER];
-        if let Err(e) = rd.read_exact(&mut hb) {
-            sh.fail_read("reading frames from", e);
-            return;
-        }
-        let h = match FrameHeader::read_from_bytes(&hb) {
-            Ok(h) => h,
-            Err(_) => {
-                sh.fail(Error::internal("frame header of the wrong size"));
-                return;
-            }
+    let mut core = ReceiverCore::default();
+    let lookup = |id: u64| region_info(&ctx, id);
+    // The region of the write being received.
+    let mut cur: Option<Arc<LocalRegion>> = None;
+    let report = |e: StageError| {
+        let e = match e {
+            StageError::Io(e) => e.to_string(),
+            StageError::Mscclpp(e) => e.to_string(),
         };
-        let (action, region) = match validate(&h, expect, &lookup) {
+        if !sh.stop.load(Ordering::Acquire) {
+            sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
+        }
+    };
+    loop {
+        let (used, ev) = match core.handle_bytes(rd.buffer(), &lookup) {
             Ok(x) => x,
             Err(why) => {
                 warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
-                let _ = send_record(rd.get_ref(), REC_ERR, why.len() as u64, why.as_bytes());
+                let _ = send_record(rd.get_ref(), &Record::refusal(&why));
                 sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
                 return;
             }
         };
-        let applied: std::result::Result<(), StageError> = match (action, region) {
-            (Action::Write { offset, len }, Some(r)) => match &r.mem {
-                Mem::Host(reg) => (|| {
-                    let buffered = rd.buffer().len().min(len as usize);
-                    reg.write(offset, &rd.buffer()[..buffered])?;
-                    rd.consume(buffered);
-                    if (buffered as u64) < len {
-                        reg.recv_exact(offset + buffered as u64, len - buffered as u64, rd.get_ref())?;
-                    }
-                    Ok(())
-                })(),
-                Mem::Gpu(g) => stager_for(&mut stagers, g)
+        let applied: std::result::Result<(), StageError> = match ev {
+            None if used > 0 => {
+                rd.consume(used);
+                Ok(())
+            }
+            None => match (core.payload_pending(), cur.as_ref().map(|r| &r.mem)) {
+                // Past what was buffered: the rest of a host write goes straight to its place.
+                (Some((offset, left)), Some(Mem::Host(reg))) => reg
+                    .recv_exact(offset, left, rd.get_ref())
                     .map_err(StageError::from)
-                    .and_then(|st| st.recv(&mut rd, g, offset, len)),
+                    .map(|()| core.payload_received(left, false)),
+                _ => match rd.fill_buf() {
+                    Ok([]) => {
+                        sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
+                        return;
+                    }
+                    Ok(_) => Ok(()),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+                    Err(e) => {
+                        sh.fail_read("reading frames from", e);
+                        return;
+                    }
+                },
             },
-            (Action::Set { offset, value }, Some(r)) | (Action::Add { offset, value }, Some(r)) => {
-                let add = h.op == OP_ADD;
-                match &r.mem {
+            Some(RxEvent::Data { offset, bytes }) => {
+                let r = match cur.as_ref().map(|r| &r.mem) {
+                    Some(Mem::Host(reg)) => reg.write(offset, bytes).map_err(StageError::from),
+                    _ => Err(StageError::Mscclpp(Error::internal("write payload without a host region"))),
+                };
+                rd.consume(used);
+                r
+            }
+            Some(RxEvent::Write { region, offset, len }) => {
+                rd.consume(used);
+                let r = match &region.mem {
+                    Mem::Host(_) => Ok(()),
+                    // GPU memory: staged through pinned buffers, the whole payload at once.
+                    Mem::Gpu(g) => stager_for(&mut stagers, g)
+                        .map_err(StageError::from)
+                        .and_then(|st| st.recv(&mut rd, g, offset, len))
+                        .map(|()| core.payload_received(len, !rd.buffer().is_empty())),
+                };
+                cur = Some(region);
+                r
+            }
+            Some(RxEvent::Token { region, offset, value, add }) => {
+                rd.consume(used);
+                let r = match &region.mem {
                     Mem::Host(reg) => reg
                         .atomic_u64(offset)
                         .map(|w| {
@@ -839,34 +698,26 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                     Mem::Gpu(g) => stager_for(&mut stagers, g)
                         .and_then(|st| st.token(g, offset, value, add))
                         .map_err(StageError::from),
+                };
+                if r.is_ok() {
+                    ctx.notify_tokens();
                 }
+                r
             }
-            _ => Ok(()),
+            Some(RxEvent::Ack(seq)) => {
+                rd.consume(used);
+                if let Err(e) = send_record(rd.get_ref(), &Record::Ack(seq)) {
+                    if !sh.stop.load(Ordering::Acquire) {
+                        sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
+                    }
+                    return;
+                }
+                Ok(())
+            }
         };
-        let applied = applied.map_err(|e| match e {
-            StageError::Io(e) => e.to_string(),
-            StageError::Mscclpp(e) => e.to_string(),
-        });
         if let Err(e) = applied {
-            if !sh.stop.load(Ordering::Acquire) {
-                sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
-            }
+            report(e);
             return;
-        }
-        if matches!(h.op, OP_SET | OP_ADD) {
-            ctx.notify_tokens();
-        }
-        let seq = expect;
-        expect += 1;
-        let want = h.flags & FLAG_ACK != 0 || (seq - last_acked >= ACK_EVERY && rd.buffer().is_empty());
-        if want {
-            if let Err(e) = send_record(rd.get_ref(), REC_ACK, seq, &[]) {
-                if !sh.stop.load(Ordering::Acquire) {
-                    sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
-                }
-                return;
-            }
-            last_acked = seq;
         }
     }
 }
@@ -922,10 +773,10 @@ impl ConnectionImpl for EthernetConnection {
             if let Some(e) = &st.failed {
                 return Err(e.duplicate());
             }
-            if st.applied >= st.issued {
-                return Ok(());
+            match st.core.flush_target() {
+                Some(t) => t,
+                None => return Ok(()),
             }
-            st.issued
         };
         // Ask the peer to acknowledge now.
         self.sh.enqueue(Op::Nop)?;
@@ -934,7 +785,7 @@ impl ConnectionImpl for EthernetConnection {
             if let Some(e) = &st.failed {
                 return Err(e.duplicate());
             }
-            if st.applied >= target {
+            if st.core.applied() >= target {
                 return Ok(());
             }
             let now = Instant::now();
@@ -944,7 +795,7 @@ impl ConnectionImpl for EthernetConnection {
                         ErrorKind::Timeout,
                         format!(
                             "{} of {} operations not yet applied at peer {} after {timeout:?}",
-                            target - st.applied,
+                            target - st.core.applied(),
                             target,
                             self.sh.peer_desc
                         ),
@@ -962,12 +813,30 @@ impl ConnectionImpl for EthernetConnection {
     }
 
     fn max_write_queue_size(&self) -> usize {
-        self.sh.max_queue as usize
+        lock(&self.sh.st).core.max_queue() as usize
     }
 
     fn outstanding(&self) -> u64 {
-        let st = lock(&self.sh.st);
-        st.issued - st.applied
+        lock(&self.sh.st).core.outstanding()
+    }
+
+    /// Acknowledgements come every 256 frames or when asked: a request queues one probe (a frame
+    /// asking for an acknowledgement) unless one is already queued behind everything issued.
+    fn progress(&self, request: bool) -> Result<super::Progress> {
+        let (issued, applied) = {
+            let st = lock(&self.sh.st);
+            if let Some(e) = &st.failed {
+                return Err(e.duplicate());
+            }
+            (st.core.issued(), st.core.applied())
+        };
+        if request && applied < issued && self.sh.ack_asked.load(Ordering::Acquire) < issued {
+            self.sh.enqueue(Op::Nop)?;
+            // The probe's number is at least `issued + 1` and its acknowledgement covers all
+            // before it: a later request with nothing new issued (the probe itself) skips.
+            self.sh.ack_asked.fetch_max(issued + 1, Ordering::AcqRel);
+        }
+        Ok(super::Progress { issued, completed: applied })
     }
 }
 
@@ -1015,21 +884,14 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
-        st: Mutex::new(State {
-            queue: VecDeque::new(),
-            issued: 0,
-            applied: 0,
-            failed: None,
-            closing: false,
-            tx_idle: false,
-        }),
+        st: Mutex::new(State { core: SenderCore::new(max_queue), failed: None, closing: false, tx_idle: false }),
         cond: Condvar::new(),
         out: Mutex::new(out),
         out_ctl,
         in_ctl: Mutex::new(None),
         stop: AtomicBool::new(false),
+        ack_asked: AtomicU64::new(0),
         stagers: Mutex::new(HashMap::new()),
-        max_queue,
         peer_desc: peer_desc.clone(),
         wait_limit: cfg.ethernet.connect_timeout,
     });
@@ -1090,18 +952,23 @@ mod tests {
     use super::*;
     use crate::{Buffer, TransportFlags};
 
-    fn header(op: u8, seq: u64, region: u64, offset: u64, len: u64, value: u64) -> FrameHeader {
-        FrameHeader {
-            op,
-            seq: U64::new(seq),
-            region: U64::new(region),
-            offset: U64::new(offset),
-            len: U64::new(len),
-            value: U64::new(value),
-            ..Default::default()
+    const OP_WRITE: u8 = 1;
+    const OP_SET: u8 = 2;
+    const OP_ADD: u8 = 3;
+    const OP_NOP: u8 = 4;
+
+    /// A header's bytes, any field as given (malformed ones included).
+    fn header(op: u8, seq: u64, region: u64, offset: u64, len: u64, value: u64) -> [u8; wire::HEADER] {
+        let mut b = [0u8; wire::HEADER];
+        b[0] = op;
+        for (i, v) in [seq, region, offset, len, value].into_iter().enumerate() {
+            b[8 + 8 * i..16 + 8 * i].copy_from_slice(&v.to_le_bytes());
         }
+        b
     }
 
+    /// The receiver core against a real context's region table: what it accepts and what it
+    /// refuses, and why.
     #[test]
     fn validation_refuses_what_it_must() {
         let ctx = Context::new();
@@ -1109,17 +976,35 @@ mod tests {
         let none = Buffer::new(&ctx, 64, TransportFlags::NONE).unwrap();
         let id = eth.memory().desc().region_id;
         let nid = none.memory().desc().region_id;
-        let lookup = |i: u64| ctx.inner().lookup_region(i);
-        let ok = |h: FrameHeader, seq| validate(&h, seq, &lookup).map(|x| x.0);
-        assert_eq!(ok(header(OP_WRITE, 1, id, 0, 64, 0), 1).unwrap(), Action::Write { offset: 0, len: 64 });
-        assert_eq!(ok(header(OP_SET, 3, id, 8, 8, 9), 3).unwrap(), Action::Set { offset: 8, value: 9 });
-        assert_eq!(ok(header(OP_NOP, 2, 0, 0, 0, 0), 2).unwrap(), Action::Nop);
+        let lookup = |i: u64| region_info(ctx.inner(), i);
+        // The event of one header (and the acknowledgement after it, if one is due).
+        let first = |h: [u8; wire::HEADER]| {
+            let mut core = ReceiverCore::default();
+            let (n, ev) = core.handle_bytes(&h, &lookup)?;
+            assert_eq!(n, wire::HEADER);
+            let mut out = match ev {
+                Some(RxEvent::Write { offset, len, .. }) => format!("write {offset} {len}"),
+                Some(RxEvent::Token { offset, value, add, .. }) => format!("token {offset} {value} {add}"),
+                ev => format!("{ev:?}"),
+            };
+            if let (0, Some(RxEvent::Ack(s))) = core.handle_bytes::<Arc<LocalRegion>>(&[], &lookup)? {
+                out += &format!(", ack {s}");
+            }
+            Ok::<_, String>(out)
+        };
+        assert_eq!(first(header(OP_WRITE, 1, id, 0, 64, 0)).unwrap(), "write 0 64");
+        assert_eq!(first(header(OP_SET, 1, id, 8, 8, 9)).unwrap(), "token 8 9 false");
+        assert_eq!(first(header(OP_ADD, 1, id, 56, 8, 9)).unwrap(), "token 56 9 true");
+        let mut probe = header(OP_NOP, 1, 0, 0, 0, 0);
+        probe[1] = 1;
+        assert_eq!(first(probe).unwrap(), "None, ack 1");
         let bad = [
             (header(OP_WRITE, 1, id, 1, 64, 0), "outside"),
             (header(OP_WRITE, 1, id, u64::MAX, 2, 0), "outside"),
             (header(OP_WRITE, 2, id, 0, 1, 0), "sequence"),
             (header(OP_WRITE, 1, id + 100, 0, 1, 0), "not registered"),
             (header(OP_WRITE, 1, nid, 0, 1, 0), "not registered for Ethernet"),
+            (header(OP_WRITE, 1, id, 0, 1, 5), "non-zero value"),
             (header(OP_SET, 1, id, 4, 8, 0), "unaligned"),
             (header(OP_ADD, 1, id, 64, 8, 0), "outside"),
             (header(OP_SET, 1, id, 0, 4, 0), "length"),
@@ -1127,14 +1012,17 @@ mod tests {
             (header(OP_NOP, 1, 1, 0, 0, 0), "non-zero"),
         ];
         for (h, why) in bad {
-            let e = validate(&h, 1, &lookup).unwrap_err();
+            let e = first(h).unwrap_err();
             assert!(e.contains(why), "{e} (expected {why})");
         }
         let mut flagged = header(OP_NOP, 1, 0, 0, 0, 0);
-        flagged.flags = 0x80;
-        assert!(validate(&flagged, 1, &lookup).is_err());
+        flagged[1] = 0x80;
+        assert!(first(flagged).unwrap_err().contains("flags"));
+        let mut padded = header(OP_NOP, 1, 0, 0, 0, 0);
+        padded[5] = 1;
+        assert!(first(padded).is_err());
         drop(eth);
-        assert!(validate(&header(OP_WRITE, 1, id, 0, 1, 0), 1, &lookup).unwrap_err().contains("not registered"));
+        assert!(first(header(OP_WRITE, 1, id, 0, 1, 0)).unwrap_err().contains("not registered"));
     }
 
     /// A peer that passes the handshake and then sends a frame naming memory that is not
@@ -1176,13 +1064,13 @@ mod tests {
                 "past the end" => header(OP_WRITE, 1, id, 4090, 16, 0),
                 _ => header(OP_WRITE, 7, id, 0, 16, 0),
             };
-            let mut frame = h.as_bytes().to_vec();
+            let mut frame = h.to_vec();
             frame.extend_from_slice(&[0xAA; 16]);
             s.write_all(&frame).unwrap();
             // We are told why, then the socket closes.
             let mut rec = [0u8; 16];
             s.read_exact(&mut rec).unwrap();
-            assert_eq!(rec[0], REC_ERR, "{bad}");
+            assert_eq!(rec[0], 2, "{bad}: not a refusal record");
             let n = u64::from_le_bytes(rec[8..].try_into().unwrap()) as usize;
             let mut msg = vec![0u8; n];
             s.read_exact(&mut msg).unwrap();

@@ -1,0 +1,368 @@
+//! `mscclpp-perf device`: kernels that communicate, one process, two ranks (threads with a
+//! loopback bootstrap) on one GPU, two streams. Rows are printed as they finish:
+//!
+//! * FIFO push -> host pop, one GPU thread (MSCCL++'s FifoTest: 1.97 us on an H200);
+//! * proxy throughput, many GPU producers, no-op triggers (flushes of an idle connection);
+//! * PortChannel ping-pong (putWithSignal + flush + wait, 4 B, CUDA IPC) next to the host-driven
+//!   write + update_and_sync + flush round trip;
+//! * PortChannel putWithSignal bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync`.
+
+use std::ffi::c_void;
+use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use mscclpp::device::compile::{CompileOptions, Kernel, KernelModule, compile};
+use mscclpp::device::fifo::Fifo;
+use mscclpp::device::proxy::{ProxyConfig, ProxyService};
+use mscclpp::gpu::Stream;
+use mscclpp::{
+    Bootstrap, Communicator, Connection, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory,
+    RootServer, Semaphore, TcpBootstrap, Transport,
+};
+
+use crate::Args;
+
+const KERNELS: &str = r#"
+#include "mscclpp_rs/device.cuh"
+typedef unsigned long long u64;
+__device__ u64 now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+
+// One thread pushes n triggers, syncing on the last of every `size` (the ring never overflows
+// into the spin-limited wait); out[0] = elapsed ns.
+extern "C" __global__ void fifo_latency(mscclpp::FifoDeviceHandle fifo, int n, u64* out) {
+  mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, 0);
+  u64 t0 = now(), pos = 0;
+  for (int i = 0; i < n; ++i) {
+    pos = fifo.push(t);
+    if ((i + 1) % fifo.size == 0) fifo.sync(pos);
+  }
+  fifo.sync(pos);
+  out[0] = now() - t0;
+}
+
+// Every thread pushes per_thread no-op triggers (a flush of semaphore `sem`'s idle connection).
+extern "C" __global__ void flood(mscclpp::FifoDeviceHandle fifo, int per_thread, unsigned int sem) {
+  mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, sem);
+  for (int i = 0; i < per_thread; ++i) fifo.push(t);
+}
+
+extern "C" __global__ void ping(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) {
+    ch->putWithSignal(0, 4);
+    ch->flush();
+    ch->wait();
+  }
+  out[0] = now() - t0;
+}
+
+extern "C" __global__ void pong(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+  for (int i = 0; i < n; ++i) {
+    ch->wait();
+    ch->putWithSignal(0, 4);
+    ch->flush();
+  }
+}
+
+// n puts of `size` bytes with a signal each, then one flush; out[0] = elapsed ns.
+extern "C" __global__ void put_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64* out) {
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) ch->putWithSignal(0, size);
+  ch->flush();
+  out[0] = now() - t0;
+}
+"#;
+
+fn e(x: impl std::fmt::Display) -> String {
+    x.to_string()
+}
+
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut c_void ),*] };
+}
+
+fn launch(k: &Kernel, grid: u32, block: u32, stream: &Stream, args: &mut [*mut c_void]) -> Result<(), String> {
+    // SAFETY: each call passes arguments matching its kernel's parameters: values, or device
+    // addresses of buffers that stay alive until the stream is synchronized below them.
+    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.map_err(e)
+}
+
+struct Rank {
+    comm: Communicator,
+    conn: Connection,
+    local: DeviceBuffer,
+    remote: RegisteredMemory,
+    /// For the host-driven round trip.
+    host_sem: Host2DeviceSemaphore,
+    /// For the PortChannel (taken by its proxy).
+    dev_sem: Option<Host2DeviceSemaphore>,
+    /// For the throughput test's no-op triggers (taken by its proxy).
+    plain: Option<Semaphore>,
+}
+
+/// Two ranks of this process over CUDA IPC on `dev`, each with a `len`-byte buffer.
+fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, String> {
+    let (root, id) = RootServer::start(2, timeout).map_err(e)?;
+    let ranks = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let id = id.clone();
+                sc.spawn(move || -> Result<Rank, String> {
+                    let bs: Arc<dyn Bootstrap> =
+                        Arc::new(TcpBootstrap::config(rank, 2).timeout(timeout).initialize(&id).map_err(e)?);
+                    let comm = Communicator::new(bs.clone());
+                    let peer = 1 - rank;
+                    let local = DeviceBuffer::new(comm.context(), dev, len, Transport::CudaIpc.into()).map_err(e)?;
+                    let cfg = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
+                    let pc = comm.connect(&cfg, peer, 0).map_err(e)?;
+                    comm.send_memory(local.memory(), peer, 1).map_err(e)?;
+                    let pm = comm.recv_memory(peer, 1).map_err(e)?;
+                    let conn = pc.wait().map_err(e)?;
+                    let remote = pm.wait().map_err(e)?;
+                    let sems = [2, 3, 4].map(|tag| comm.build_semaphore(&conn, peer, tag));
+                    let mut got = Vec::new();
+                    for s in sems {
+                        got.push(s.map_err(e)?.wait().map_err(e)?);
+                    }
+                    let plain = got.pop();
+                    let dev_sem = Some(Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?);
+                    let host_sem = Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?;
+                    bs.barrier().map_err(e)?;
+                    Ok(Rank { comm, conn, local, remote, host_sem, dev_sem, plain })
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().map_err(|_| "a rank thread panicked".to_string())?)
+            .collect::<Result<Vec<_>, _>>()
+    })?;
+    drop(root);
+    Ok(ranks)
+}
+
+fn row(s: String) {
+    println!("{s}");
+    let _ = std::io::stdout().flush();
+}
+
+/// Runs the device benchmarks on `--device`.
+pub fn run(args: &Args) -> Result<(), String> {
+    let dev = args.device;
+    let timeout = args.timeout();
+    let name = mscclpp::gpu::device_name(dev).unwrap_or_else(|_| format!("GPU{dev}"));
+    row(format!("# mscclpp-perf device: one process, two ranks on {name} (GPU {dev}), two streams"));
+    let ptx = compile(KERNELS, &CompileOptions::default()).map_err(e)?;
+    let m = KernelModule::load(dev, &ptx).map_err(e)?;
+    let k = |n: &str| m.function(n).map_err(e);
+
+    // 1. FIFO push -> host pop latency, one GPU thread.
+    {
+        let ctx = mscclpp::Context::new();
+        let fifo = Arc::new(Fifo::new(&ctx, dev, 512).map_err(e)?);
+        let out = DeviceBuffer::new(&ctx, dev, 8, mscclpp::TransportFlags::NONE).map_err(e)?;
+        let stream = Stream::new(dev).map_err(e)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let popped = Arc::new(AtomicU64::new(0));
+        let consumer = {
+            let (fifo, stop, popped) = (fifo.clone(), stop.clone(), popped.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if fifo.poll().is_some() {
+                        fifo.pop();
+                        popped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        };
+        let kern = k("fifo_latency")?;
+        for (n, label) in [(1000i32, "warm-up"), (100_000, "timed")] {
+            let (mut h, mut n2, mut o) = (fifo.device_handle(), n, out.device_ptr());
+            launch(&kern, 1, 1, &stream, &mut args![h, n2, o])?;
+            stream.synchronize(timeout).map_err(e)?;
+            if label == "timed" {
+                let ns = out.read_u64(0).map_err(e)? as f64;
+                row(format!(
+                    "fifo push->pop, 1 GPU thread: {:.3} us/trigger ({n} triggers; goal <= 2.0, MSCCL++ 1.97 on H200)",
+                    ns / 1e3 / n as f64
+                ));
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let _ = consumer.join();
+    }
+
+    // Two ranks for the rest.
+    let max = args.max_bytes.clamp(1 << 10, 1 << 30) as usize;
+    let mut ranks = two_ranks(dev, max, timeout)?;
+
+    // 2. Proxy throughput with many producers (no-op triggers: flushes of an idle connection).
+    {
+        let r = &mut ranks[0];
+        let mut proxy = ProxyService::new(r.comm.context(), dev, ProxyConfig::default()).map_err(e)?;
+        let sem = proxy.add_semaphore(r.plain.take().ok_or("semaphore")?).map_err(e)?;
+        proxy.start().map_err(e)?;
+        let stream = Stream::new(dev).map_err(e)?;
+        let kern = k("flood")?;
+        for (blocks, threads, per) in [(8u32, 32u32, 64i32), (16, 128, 64), (64, 256, 16)] {
+            let total = (blocks * threads) as u64 * per as u64;
+            let before = proxy.processed();
+            let (mut h, mut p, mut s) = (proxy.fifo().device_handle(), per, sem.0);
+            let t0 = Instant::now();
+            launch(&kern, blocks, threads, &stream, &mut args![h, p, s])?;
+            stream.synchronize(timeout).map_err(e)?;
+            while proxy.processed() < before + total {
+                if t0.elapsed() > timeout {
+                    return Err("the proxy did not drain the FIFO".into());
+                }
+                std::hint::spin_loop();
+            }
+            let el = t0.elapsed().as_secs_f64();
+            row(format!(
+                "proxy throughput, {} producer threads, no-op triggers: {:.2} M triggers/s ({total} in {:.1} ms; goal >= 5)",
+                blocks * threads,
+                total as f64 / el / 1e6,
+                el * 1e3
+            ));
+        }
+        proxy.stop().map_err(e)?;
+    }
+
+    // 3. PortChannel ping-pong next to the host-driven round trip; 4. bandwidth.
+    let mut proxies = Vec::new();
+    let mut chans = Vec::new();
+    let mut srcs = Vec::new();
+    for r in ranks.iter_mut() {
+        let src = DeviceBuffer::new(r.comm.context(), dev, max, Transport::CudaIpc.into()).map_err(e)?;
+        let mut proxy = ProxyService::new(r.comm.context(), dev, ProxyConfig::default()).map_err(e)?;
+        let sem = proxy.add_semaphore(r.dev_sem.take().ok_or("semaphore")?).map_err(e)?;
+        let dst = proxy.add_memory(r.remote.clone()).map_err(e)?;
+        let s = proxy.add_memory(src.memory().clone()).map_err(e)?;
+        chans.push(proxy.port_channel(sem, dst, s).map_err(e)?);
+        proxies.push(proxy);
+        srcs.push(src);
+    }
+    // Host-driven first (the proxies are not running yet, so nothing else uses the semaphores).
+    {
+        let n = 2000u64;
+        let t0 = Instant::now();
+        std::thread::scope(|sc| -> Result<(), String> {
+            let hs: Vec<_> = (0..2)
+                .map(|i| {
+                    let (r, src) = (&ranks[i], &srcs[i]);
+                    sc.spawn(move || -> Result<(), String> {
+                        for k in 0..n {
+                            if i == 1 {
+                                host_wait(&r.host_sem, k + 1, timeout)?;
+                            }
+                            r.conn.write(&r.remote, 0, src.memory(), 0, 4).map_err(e)?;
+                            r.host_sem.signal().map_err(e)?;
+                            r.conn.flush(timeout).map_err(e)?;
+                            if i == 0 {
+                                host_wait(&r.host_sem, k + 1, timeout)?;
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().map_err(|_| "a host ping-pong thread panicked".to_string())??;
+            }
+            Ok(())
+        })?;
+        let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        row(format!(
+            "host-driven write 4 B + update_and_sync + flush, token polled by 8 B copies: {us:.2} us round trip"
+        ));
+        // The host's one-way cost alone: what a proxy-free host loop pays per signalled write.
+        let r = &ranks[0];
+        let t0 = Instant::now();
+        for _ in 0..n {
+            r.conn.write(&r.remote, 0, srcs[0].memory(), 0, 4).map_err(e)?;
+            r.host_sem.signal().map_err(e)?;
+            r.conn.flush(timeout).map_err(e)?;
+        }
+        let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        row(format!("host-driven write 4 B + update_and_sync + flush, one way (no wait): {us:.2} us"));
+    }
+    for p in proxies.iter_mut() {
+        p.start().map_err(e)?;
+    }
+    let streams = [Stream::new(dev).map_err(e)?, Stream::new(dev).map_err(e)?];
+    let outs: Vec<DeviceBuffer> = (0..2)
+        .map(|i| DeviceBuffer::new(ranks[i].comm.context(), dev, 8, mscclpp::TransportFlags::NONE).map_err(e))
+        .collect::<Result<_, _>>()?;
+    {
+        let (pk, qk) = (k("ping")?, k("pong")?);
+        for (n, label) in [(100i32, false), (10_000, true)] {
+            for (i, kern) in [&pk, &qk].iter().enumerate() {
+                let (mut c, mut n2, mut o) =
+                    (chans[i].device_handle_ptr().ok_or("no device handle")?, n, outs[i].device_ptr());
+                launch(kern, 1, 1, &streams[i], &mut args![c, n2, o])?;
+            }
+            for s in &streams {
+                s.synchronize(timeout).map_err(e)?;
+            }
+            if label {
+                let us = outs[0].read_u64(0).map_err(e)? as f64 / 1e3 / n as f64;
+                row(format!(
+                    "PortChannel ping-pong, putWithSignal 4 B + flush + wait, CUDA IPC: {us:.2} us round trip ({n} rounds; goal <= 19, MSCCL++ 19.0 on H200)"
+                ));
+            }
+        }
+    }
+    // 4. Bandwidth (rank 0 -> rank 1), next to cuMemcpyDtoDAsync between the same buffers.
+    {
+        let kern = k("put_bw")?;
+        let mut size = 1usize << 10;
+        row("PortChannel putWithSignal bandwidth (GB/s): size, ours, cuMemcpyDtoDAsync, ratio".into());
+        while size <= max {
+            // Enough bytes per measurement (8 GiB, 20 to 1000 puts) that the first push and the
+            // last flush (tens of us) stay small next to the copies.
+            let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
+            let (mut c, mut sz, mut n, mut o) =
+                (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, 3i32, outs[0].device_ptr());
+            launch(&kern, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
+            streams[0].synchronize(timeout).map_err(e)?;
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let mut n = iters;
+                launch(&kern, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
+                streams[0].synchronize(timeout).map_err(e)?;
+                best = best.min(outs[0].read_u64(0).map_err(e)? as f64 / 1e9);
+            }
+            let ours = size as f64 * iters as f64 / best / 1e9;
+            let base =
+                mscclpp::bench::baseline_copy(&[(&srcs[0], &ranks[1].local)], size, 3, iters as u64).map_err(e)?;
+            let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
+            row(format!("{:>10}  {ours:9.2}  {raw:9.2}  {:.3}", human(size), ours / raw));
+            size *= 4;
+        }
+    }
+    for mut p in proxies {
+        p.stop().map_err(e)?;
+    }
+    Ok(())
+}
+
+/// Polls the GPU token with 8-byte copies until it reaches `want`.
+fn host_wait(sem: &Host2DeviceSemaphore, want: u64, timeout: Duration) -> Result<(), String> {
+    let t0 = Instant::now();
+    while sem.inbound_token().map_err(e)? < want {
+        if t0.elapsed() > timeout {
+            return Err(format!("host ping-pong: token below {want} after {timeout:?}"));
+        }
+    }
+    Ok(())
+}
+
+fn human(n: usize) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}

@@ -1,0 +1,490 @@
+//! Kernels that communicate (GPU machine, `--ignored`): kernels compiled at run time with NVRTC
+//! push put/signal/flush through a `ProxyService` and wait on device semaphores. Correctness
+//! across processes uses two processes (they time-slice the one GPU: few round trips per test);
+//! the same-process test uses two ranks in one process on two streams.
+
+mod common;
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Rank, spawn_ranks};
+use mscclpp::device::compile::{CompileOptions, Kernel, KernelModule, compile};
+use mscclpp::device::fifo::Fifo;
+use mscclpp::device::proxy::{PROXY_FAILED, ProxyConfig, ProxyService};
+use mscclpp::device::trigger::decode;
+use mscclpp::gpu::Stream;
+use mscclpp::{
+    Bootstrap, Communicator, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory, RootServer,
+    TcpBootstrap, Transport,
+};
+
+const T: Duration = Duration::from_secs(60);
+
+const KERNELS: &str = r#"
+#include "mscclpp_rs/device.cuh"
+typedef unsigned long long u64;
+
+__device__ unsigned char pat(u64 m, u64 i) { return (unsigned char)((i * 131u + m * 7u + (i >> 9)) & 0xff); }
+__device__ u64 msg_size(u64 m, u64 chunk) { return 1 + (m * 7919u) % chunk; }
+
+// Message m (in slot m % slots): fill src with pat(m), putWithSignal; flush every 4th and at the
+// end. result[0]: flushes that returned false (timeout or proxy error: the kernel then stops).
+extern "C" __global__ void sender(mscclpp::PortChannelDeviceHandle* ch, unsigned char* src, int n, int slots,
+                                  u64 chunk, u64 timeout_ns, u64* result) {
+  __shared__ int stop;
+  if (threadIdx.x == 0) stop = 0;
+  for (int m = 0; m < n; ++m) {
+    u64 off = (u64)(m % slots) * chunk, size = msg_size(m, chunk);
+    for (u64 i = threadIdx.x; i < size; i += blockDim.x) src[off + i] = pat(m, i);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      ch->putWithSignal(off, size);
+      if ((m % 4 == 3 || m == n - 1) && !ch->flush_for(timeout_ns)) { result[0]++; stop = 1; }
+    }
+    __syncthreads();
+    if (stop) return;
+  }
+}
+
+// Waits for each message, then checks every byte. result[0]: wrong bytes, result[1]: waits that
+// timed out (the kernel then stops), result[2]: messages checked.
+extern "C" __global__ void receiver(mscclpp::Host2DeviceSemaphoreDeviceHandle sem, const unsigned char* dst, int n,
+                                    u64 chunk, u64 timeout_ns, u64* result) {
+  __shared__ int ok;
+  for (int m = 0; m < n; ++m) {
+    if (threadIdx.x == 0) {
+      ok = sem.wait_for(timeout_ns);
+      if (!ok) result[1]++;
+    }
+    __syncthreads();
+    if (!ok) return;
+    u64 off = (u64)m * chunk, size = msg_size(m, chunk);
+    u64 bad = 0;
+    for (u64 i = threadIdx.x; i < size; i += blockDim.x) bad += (((volatile const unsigned char*)dst)[off + i] != pat(m, i));
+    if (bad) atomicAdd(&result[0], bad);
+    if (threadIdx.x == 0) result[2]++;
+    __syncthreads();
+  }
+}
+
+// One wait_for on a semaphore nobody signals: result[0] = its return value, result[1] = elapsed ns.
+extern "C" __global__ void lone_wait(mscclpp::Host2DeviceSemaphoreDeviceHandle sem, u64 timeout_ns, u64* result) {
+  u64 t0, t1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  bool r = sem.wait_for(timeout_ns);
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+  result[0] = r;
+  result[1] = t1 - t0;
+}
+
+// Every thread of every block pushes `per_thread` triggers carrying (global thread id, k).
+extern "C" __global__ void producers(mscclpp::FifoDeviceHandle fifo, int per_thread) {
+  u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  for (int k = 0; k < per_thread; ++k) {
+    fifo.push(mscclpp::ProxyTrigger(mscclpp::TriggerData, 0, tid, 0, (u64)k, 1, 0));
+  }
+}
+
+// Rank A of a ping-pong: n rounds of putWithSignal + flush, then wait for the echo and check it.
+// result[0]: bad echoes, result[1]: timeouts.
+extern "C" __global__ void ping(mscclpp::PortChannelDeviceHandle* ch, unsigned int* src, const unsigned int* dst,
+                                int n, u64 timeout_ns, u64* result) {
+  for (int i = 0; i < n; ++i) {
+    src[0] = 1000 + i;
+    __threadfence_system();
+    ch->putWithSignal(0, 4);
+    if (!ch->flush_for(timeout_ns) || !ch->wait_for(timeout_ns)) { result[1]++; return; }
+    if (((volatile const unsigned int*)dst)[0] != 2000 + i) result[0]++;
+  }
+}
+
+// Rank B: wait, check, answer.
+extern "C" __global__ void pong(mscclpp::PortChannelDeviceHandle* ch, unsigned int* src, const unsigned int* dst,
+                                int n, u64 timeout_ns, u64* result) {
+  for (int i = 0; i < n; ++i) {
+    if (!ch->wait_for(timeout_ns)) { result[1]++; return; }
+    if (((volatile const unsigned int*)dst)[0] != 1000 + i) result[0]++;
+    src[0] = 2000 + i;
+    __threadfence_system();
+    ch->putWithSignal(0, 4);
+    if (!ch->flush_for(timeout_ns)) { result[1]++; return; }
+  }
+}
+
+// Fills every SM; block 0 pushes an atomicAdd (refused over CUDA IPC), then every block waits
+// (bounded) for the proxy's error word. result[0]: blocks that saw the error.
+extern "C" __global__ void occupy_and_atomic_add(mscclpp::PortChannelDeviceHandle* ch, u64 timeout_ns, u64* result) {
+  __shared__ int seen;
+  if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) ch->atomicAdd(0, 5);
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    seen = 0;
+    do {
+      if (ch->fifo_.proxy_error() != 0) { seen = 1; break; }
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < timeout_ns);
+    if (seen) atomicAdd(&result[0], 1ull);
+  }
+  __syncthreads();
+}
+
+// A trigger naming a semaphore that does not exist, then a bounded wait that must return early.
+extern "C" __global__ void bad_trigger(mscclpp::PortChannelDeviceHandle* ch, u64 timeout_ns, u64* result) {
+  ch->fifo_.push(mscclpp::ProxyTrigger(mscclpp::TriggerFlag, 0, 0, 0, 0, 0, 1000));
+  result[0] = ch->wait_for(timeout_ns);
+  result[1] = ch->fifo_.proxy_error();
+}
+"#;
+
+/// The kernels, compiled once per process, loaded on `device`.
+fn module(device: u32) -> KernelModule {
+    let ptx = compile(KERNELS, &CompileOptions::default()).expect("NVRTC compile");
+    KernelModule::load(device, &ptx).expect("load the kernels")
+}
+
+fn kernel(m: &KernelModule, name: &str) -> Kernel {
+    m.function(name).unwrap_or_else(|e| panic!("kernel {name}: {e}"))
+}
+
+/// Pointers to each argument, as `cuLaunchKernel` wants them.
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut c_void ),*] };
+}
+
+fn launch(k: &Kernel, grid: u32, block: u32, stream: &Stream, args: &mut [*mut c_void]) {
+    // SAFETY: every test passes arguments matching its kernel's parameter list (by value, or
+    // device addresses of live buffers that outlive the launch: the tests synchronize first).
+    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.expect("launch");
+}
+
+fn results(n: usize, ctx: &mscclpp::Context, device: u32) -> DeviceBuffer {
+    let b = DeviceBuffer::new(ctx, device, 8 * n, mscclpp::TransportFlags::NONE).unwrap();
+    b.fill(0, 8 * n, 0).unwrap();
+    b
+}
+
+fn read(b: &DeviceBuffer, i: usize) -> u64 {
+    b.read_u64(8 * i).unwrap()
+}
+
+fn gpu_for(rank: usize) -> u32 {
+    let n = mscclpp::gpu::device_count().expect("CUDA device count");
+    (rank % n) as u32
+}
+
+struct Pair {
+    bs: Arc<dyn Bootstrap>,
+    comm: Communicator,
+    local: DeviceBuffer,
+    remote: RegisteredMemory,
+    sem: Host2DeviceSemaphore,
+}
+
+fn pair(bs: Arc<dyn Bootstrap>, rank: usize, cfg: EndpointConfig, len: usize) -> Pair {
+    let comm = Communicator::new(bs.clone());
+    let peer = 1 - rank;
+    let dev = match cfg.device {
+        Device::Gpu(d) => d,
+        Device::Cpu => 0,
+    };
+    let local = DeviceBuffer::new(comm.context(), dev, len, cfg.transport.into()).unwrap();
+    local.fill(0, len, 0).unwrap();
+    let pc = comm.connect(&cfg, peer, 0).unwrap();
+    comm.send_memory(local.memory(), peer, 1).unwrap();
+    let pm = comm.recv_memory(peer, 1).unwrap();
+    let conn = pc.wait().unwrap();
+    let remote = pm.wait().unwrap();
+    let sem = Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
+    bs.barrier().unwrap();
+    Pair { bs, comm, local, remote, sem }
+}
+
+fn cfg(t: Transport, dev: u32) -> EndpointConfig {
+    let c = EndpointConfig::new(t).device(Device::Gpu(dev));
+    if t == Transport::Ethernet { c.ethernet_interface("127.0.0.1") } else { c }
+}
+
+const MSGS: i32 = 24;
+const CHUNK: u64 = 64 << 10;
+const TIMEOUT_NS: u64 = 30_000_000_000;
+
+/// Rank 0's kernel puts 24 messages (1 B .. 64 KiB) with signals and flushes through its proxy;
+/// rank 1's kernel waits for each on the device and checks every byte.
+fn transfer(r: &Rank, t: Transport) {
+    let dev = gpu_for(r.rank);
+    let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
+    let p = pair(bs, r.rank, cfg(t, dev), (MSGS as u64 * CHUNK) as usize);
+    let m = module(dev);
+    let stream = Stream::new(dev).unwrap();
+    let res = results(4, p.comm.context(), dev);
+    let (mut n, mut chunk, mut tmo, mut resp) = (MSGS, CHUNK, TIMEOUT_NS, res.device_ptr());
+    if r.rank == 0 {
+        let src = DeviceBuffer::new(p.comm.context(), dev, p.local.len(), t.into()).unwrap();
+        let mut proxy = ProxyService::new(p.comm.context(), dev, ProxyConfig::default()).unwrap();
+        let sem = proxy.add_semaphore(p.sem).unwrap();
+        let dst = proxy.add_memory(p.remote.clone()).unwrap();
+        let s = proxy.add_memory(src.memory().clone()).unwrap();
+        let ch = proxy.port_channel(sem, dst, s).unwrap();
+        proxy.start().unwrap();
+        let (mut chp, mut srcp) = (ch.device_handle_ptr().unwrap(), src.device_ptr());
+        let mut slots = MSGS;
+        launch(&kernel(&m, "sender"), 1, 256, &stream, &mut args![chp, srcp, n, slots, chunk, tmo, resp]);
+        stream.synchronize(T).unwrap();
+        assert_eq!(read(&res, 0), 0, "flushes that failed");
+        proxy.stop().unwrap();
+        p.bs.barrier().unwrap();
+    } else {
+        let mut h = p.sem.device_handle();
+        let mut dstp = p.local.device_ptr();
+        launch(&kernel(&m, "receiver"), 1, 256, &stream, &mut args![h, dstp, n, chunk, tmo, resp]);
+        stream.synchronize(T).unwrap();
+        let (bad, timeouts, checked) = (read(&res, 0), read(&res, 1), read(&res, 2));
+        println!("RESULT {t}: {checked} messages checked on the device, {bad} wrong bytes, {timeouts} timeouts");
+        assert_eq!((bad, timeouts, checked), (0, 0, MSGS as u64));
+        p.bs.barrier().unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn port_channel_over_cuda_ipc() {
+    if let Some(r) = Rank::from_env() {
+        return transfer(&r, Transport::CudaIpc);
+    }
+    spawn_ranks("port_channel_over_cuda_ipc", 2, &[]).assert_success();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn port_channel_over_ethernet_gpu_memory() {
+    if let Some(r) = Rank::from_env() {
+        return transfer(&r, Transport::Ethernet);
+    }
+    spawn_ranks("port_channel_over_ethernet_gpu_memory", 2, &[]).assert_success();
+}
+
+/// A wait nobody signals returns false, after (not before) its limit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn wait_for_times_out_with_false() {
+    let ctx = mscclpp::Context::new();
+    let token = results(1, &ctx, 0);
+    let expected = results(1, &ctx, 0);
+    let res = results(2, &ctx, 0);
+    let mut h = mscclpp::Host2DeviceSemaphoreDeviceHandle {
+        inbound_token: token.device_ptr(),
+        expected_inbound_token: expected.device_ptr(),
+    };
+    let (mut tmo, mut resp) = (50_000_000u64, res.device_ptr());
+    let m = module(0);
+    let stream = Stream::new(0).unwrap();
+    launch(&kernel(&m, "lone_wait"), 1, 1, &stream, &mut args![h, tmo, resp]);
+    stream.synchronize(T).unwrap();
+    let (ret, ns) = (read(&res, 0), read(&res, 1));
+    println!("RESULT wait_for(50 ms) returned {ret} after {:.3} ms (device clock)", ns as f64 / 1e6);
+    assert_eq!(ret, 0, "nobody signalled");
+    assert!(ns >= tmo, "returned after {ns} ns, before its {tmo} ns limit");
+    assert_eq!(expected.read_u64(0).unwrap(), 0, "a timed-out wait gives its expected count back");
+}
+
+/// Rank 1 dies (SIGKILL) while rank 0's kernel streams puts to it over Ethernet: rank 0's proxy
+/// records the transport's error, and the kernel's flushes and a second block's wait return.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn peer_killed_mid_run_releases_device_waiters() {
+    if let Some(r) = Rank::from_env() {
+        let dev = gpu_for(r.rank);
+        let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
+        let p = pair(bs, r.rank, cfg(Transport::Ethernet, dev), (MSGS as u64 * CHUNK) as usize);
+        if r.rank == 1 {
+            p.bs.barrier().unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+            std::thread::sleep(T);
+            return;
+        }
+        let src = DeviceBuffer::new(p.comm.context(), dev, p.local.len(), Transport::Ethernet.into()).unwrap();
+        let mut proxy = ProxyService::new(p.comm.context(), dev, ProxyConfig::default()).unwrap();
+        let sem = proxy.add_semaphore(p.sem).unwrap();
+        let dst = proxy.add_memory(p.remote.clone()).unwrap();
+        let s = proxy.add_memory(src.memory().clone()).unwrap();
+        let ch = proxy.port_channel(sem, dst, s).unwrap();
+        proxy.start().unwrap();
+        p.bs.barrier().unwrap();
+        let m = module(dev);
+        let (send_s, wait_s) = (Stream::new(dev).unwrap(), Stream::new(dev).unwrap());
+        let (res, res2) = (results(4, p.comm.context(), dev), results(2, p.comm.context(), dev));
+        // Far more messages than can go before the peer dies.
+        let (mut chp, mut srcp, mut n, mut chunk, mut tmo) =
+            (ch.device_handle_ptr().unwrap(), src.device_ptr(), 1_000_000i32, CHUNK, TIMEOUT_NS);
+        let mut resp = res.device_ptr();
+        let mut resp2 = res2.device_ptr();
+        let t0 = Instant::now();
+        // The waiter: one ping round flushes its put, then waits for an echo that never comes.
+        let mut one = 1i32;
+        let (mut s2, mut d2) = (src.device_ptr(), p.local.device_ptr());
+        launch(&kernel(&m, "ping"), 1, 1, &wait_s, &mut args![chp, s2, d2, one, tmo, resp2]);
+        let mut slots = MSGS;
+        launch(&kernel(&m, "sender"), 1, 256, &send_s, &mut args![chp, srcp, n, slots, chunk, tmo, resp]);
+        send_s.synchronize(T).unwrap();
+        wait_s.synchronize(T).unwrap();
+        let e = proxy.status().unwrap_err();
+        println!("RESULT after the peer was killed: kernels returned in {:?}; proxy error: {e}", t0.elapsed());
+        assert_eq!(proxy.fifo().proxy_error(), PROXY_FAILED);
+        assert!(read(&res, 0) > 0, "the sender's flushes must have returned false");
+        assert_eq!(read(&res2, 1), 1, "the waiter returned through its failure path");
+        assert!(proxy.stop().is_err());
+        std::process::exit(0);
+    }
+    let job =
+        common::spawn_some("peer_killed_mid_run_releases_device_waiters", 2, &[0, 1], T, &[], Duration::from_secs(150));
+    let (_, o) = &job.outputs[0];
+    let out = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    assert!(o.status.success(), "rank 0 failed:\n{}\n{}", out(&o.stdout), out(&o.stderr));
+    for l in out(&o.stdout).lines().filter(|l| l.starts_with("RESULT")) {
+        println!("{l}");
+    }
+}
+
+/// 64 blocks x 128 threads push 4 triggers each (32768 triggers, 64 laps of a 512-slot ring)
+/// with the device protocol; a host consumer pops them all: each (thread, k) exactly once.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fifo_wraps_with_many_gpu_producers() {
+    let ctx = mscclpp::Context::new();
+    let fifo = Fifo::new(&ctx, 0, 512).unwrap();
+    let m = module(0);
+    let stream = Stream::new(0).unwrap();
+    let (blocks, threads, per) = (64u32, 128u32, 4i32);
+    let mut h = fifo.device_handle();
+    let mut per_thread = per;
+    launch(&kernel(&m, "producers"), blocks, threads, &stream, &mut args![h, per_thread]);
+    let total = (blocks * threads) as usize * per as usize;
+    let mut seen = vec![0u8; total];
+    let t0 = Instant::now();
+    let mut got = 0;
+    while got < total {
+        match fifo.poll() {
+            Some(t) => {
+                let req = decode(t).expect("a trigger pushed by the kernel decodes");
+                let mscclpp::device::trigger::Request::Ops { put: Some(p), .. } = req else {
+                    panic!("unexpected request {req:?}");
+                };
+                let idx = p.dst_off as usize * per as usize + p.src_off as usize;
+                assert!(idx < total, "trigger {t:?} out of range");
+                seen[idx] += 1;
+                fifo.pop();
+                got += 1;
+            }
+            None => assert!(t0.elapsed() < T, "only {got} of {total} triggers arrived"),
+        }
+    }
+    stream.synchronize(T).unwrap();
+    assert!(seen.iter().all(|&c| c == 1), "a trigger was lost or duplicated");
+    assert!(fifo.poll().is_none());
+    println!(
+        "RESULT FIFO: {total} triggers from {} GPU threads through 512 slots in {:?}",
+        blocks * threads,
+        t0.elapsed()
+    );
+}
+
+/// Two ranks of one process (threads, loopback bootstrap, one GPU, two streams) connected over
+/// CUDA IPC with PortChannels.
+struct Local {
+    pairs: Vec<Pair>,
+}
+
+fn local_pairs(t: Transport) -> Local {
+    let (root, id) = RootServer::start(2, T).unwrap();
+    let pairs = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let id = id.clone();
+                sc.spawn(move || {
+                    let bs: Arc<dyn Bootstrap> =
+                        Arc::new(TcpBootstrap::config(rank, 2).timeout(T).initialize(&id).unwrap());
+                    pair(bs, rank, cfg(t, 0), 1 << 20)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    drop(root);
+    Local { pairs }
+}
+
+/// Same-process peers: 200 device ping-pong rounds over CUDA IPC, each echo checked; then an
+/// atomicAdd trigger over CUDA IPC while a kernel occupies every SM is refused with an error
+/// pointing to MemoryChannel, and every block sees it; then a bad trigger in another service on
+/// the same GPU is an error, and its kernel's wait returns.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn same_process_ping_pong_and_refused_requests() {
+    let l = local_pairs(Transport::CudaIpc);
+    let m = module(0);
+    let mut proxies = Vec::new();
+    let mut chans = Vec::new();
+    let mut srcs = Vec::new();
+    for p in l.pairs {
+        let src = DeviceBuffer::new(p.comm.context(), 0, 4096, Transport::CudaIpc.into()).unwrap();
+        let mut proxy = ProxyService::new(p.comm.context(), 0, ProxyConfig::default()).unwrap();
+        let sem = proxy.add_semaphore(p.sem).unwrap();
+        let dst = proxy.add_memory(p.remote.clone()).unwrap();
+        let s = proxy.add_memory(src.memory().clone()).unwrap();
+        chans.push(proxy.port_channel(sem, dst, s).unwrap());
+        proxy.start().unwrap();
+        proxies.push((proxy, p.local, p.comm));
+        srcs.push(src);
+    }
+    assert_eq!(mscclpp::bench::ipc_mapped_count(), 0, "same-process peers use the pointer, not an IPC mapping");
+    let streams = [Stream::new(0).unwrap(), Stream::new(0).unwrap()];
+    let res: Vec<_> = (0..2).map(|i| results(2, proxies[i].2.context(), 0)).collect();
+    let (mut n, mut tmo) = (200i32, TIMEOUT_NS);
+    for (i, name) in ["ping", "pong"].iter().enumerate() {
+        let (mut chp, mut s, mut d, mut r) = (
+            chans[i].device_handle_ptr().unwrap(),
+            srcs[i].device_ptr(),
+            proxies[i].1.device_ptr(),
+            res[i].device_ptr(),
+        );
+        launch(&kernel(&m, name), 1, 1, &streams[i], &mut args![chp, s, d, n, tmo, r]);
+    }
+    let t0 = Instant::now();
+    for s in &streams {
+        s.synchronize(T).unwrap();
+    }
+    let el = t0.elapsed();
+    for (i, r) in res.iter().enumerate() {
+        assert_eq!((read(r, 0), read(r, 1)), (0, 0), "rank {i}: bad echoes, timeouts");
+    }
+    println!(
+        "RESULT same-process ping-pong: 200 rounds in {el:?} ({:.2} us/round incl. launch)",
+        el.as_secs_f64() * 1e6 / 200.0
+    );
+
+    // atomicAdd over CUDA IPC with every SM busy.
+    let occ = results(1, proxies[0].2.context(), 0);
+    let (mut chp, mut tmo10, mut r) = (chans[0].device_handle_ptr().unwrap(), 10_000_000_000u64, occ.device_ptr());
+    let blocks = 1024u32;
+    launch(&kernel(&m, "occupy_and_atomic_add"), blocks, 256, &streams[0], &mut args![chp, tmo10, r]);
+    streams[0].synchronize(T).unwrap();
+    let e = proxies[0].0.status().unwrap_err();
+    println!("RESULT atomicAdd over CUDA IPC: {} of {blocks} blocks saw the error; {e}", read(&occ, 0));
+    assert!(e.to_string().contains("MemoryChannel"), "{e}");
+    assert_eq!(read(&occ, 0), blocks as u64, "every block must see the proxy's error");
+    assert!(proxies[0].0.stop().is_err());
+
+    // A bad trigger, in a second service on the same GPU (rank 1's).
+    let bad = results(2, proxies[1].2.context(), 0);
+    let (mut chp, mut r) = (chans[1].device_handle_ptr().unwrap(), bad.device_ptr());
+    launch(&kernel(&m, "bad_trigger"), 1, 1, &streams[1], &mut args![chp, tmo, r]);
+    streams[1].synchronize(T).unwrap();
+    assert_eq!((read(&bad, 0), read(&bad, 1)), (0, PROXY_FAILED), "wait_for returns false on the proxy's error");
+    let e = proxies[1].0.stop().unwrap_err();
+    assert!(e.to_string().contains("semaphore 1000"), "{e}");
+}
