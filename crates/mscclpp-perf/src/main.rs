@@ -4,6 +4,7 @@
 //! With no flags it starts two local ranks and runs the `p2p` test over Ethernet (TCP) with host
 //! memory, from 8 B to 256 MiB, next to a plain TCP socket between the same two processes.
 
+mod bootstrap;
 mod device;
 mod launch;
 mod p2p;
@@ -20,6 +21,9 @@ use clap::{Parser, ValueEnum};
 pub enum TestKind {
     /// Rank 0 writes to rank 1 and signals: one-way bandwidth and write+signal round trip.
     P2p,
+    /// Bootstrap scaling: initialize and all_gather (8 B, 1 MiB per rank) at each `--scale`
+    /// job size, as local processes.
+    Bootstrap,
     /// Kernels that communicate (one process, two ranks on `--device`): FIFO latency, proxy
     /// throughput, PortChannel ping-pong and bandwidth (up to `--max-bytes`, at most 1 GiB).
     Device,
@@ -95,6 +99,9 @@ pub struct Args {
     /// Seconds any single wait may take before the run fails.
     #[arg(long, default_value_t = 60)]
     pub timeout: u64,
+    /// Job sizes for the `bootstrap` test, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256,512")]
+    pub scale: Vec<usize>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -161,6 +168,12 @@ fn check(args: &Args) -> Result<(), String> {
     if args.bidirectional && !args.cuda_ipc() {
         return Err("--bidirectional is supported with --transport cuda-ipc".into());
     }
+    if args.test == TestKind::Bootstrap {
+        if args.scale.contains(&0) {
+            return Err("--scale sizes must be at least 1".into());
+        }
+        return Ok(());
+    }
     if args.test == TestKind::Device {
         mscclpp::gpu::device_count().map_err(|e| format!("device: {e}"))?;
         return Ok(());
@@ -177,11 +190,12 @@ fn main() -> ExitCode {
         eprintln!("mscclpp-perf: {e}");
         return ExitCode::from(2);
     }
-    let r = match args.test {
-        TestKind::Device => device::run(&args),
+    let res = match args.test {
         TestKind::P2p => launch::run(&args),
+        TestKind::Bootstrap => bootstrap::run(&args),
+        TestKind::Device => device::run(&args),
     };
-    match r {
+    match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("mscclpp-perf: {e}");

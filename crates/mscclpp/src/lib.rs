@@ -82,11 +82,25 @@ mod wire;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
+    use crate::bootstrap::proto;
     use crate::wire::check::check_bytes;
 
     /// The names [`check`] accepts, one fuzz target each.
-    pub const FORMS: &[&str] =
-        &["unique_id", "ethernet_header", "ethernet_record", "ethernet_hello", "ethernet_hello_ack", "ethernet_stream"];
+    pub const FORMS: &[&str] = &[
+        "unique_id",
+        "bootstrap_hello",
+        "bootstrap_root_answer",
+        "bootstrap_address_table",
+        "bootstrap_frame_header",
+        "bootstrap_abort_notice",
+        "bootstrap_gather_blocks",
+        "bootstrap_frames",
+        "ethernet_header",
+        "ethernet_record",
+        "ethernet_hello",
+        "ethernet_hello_ack",
+        "ethernet_stream",
+    ];
 
     /// Decodes `data` as the form `name` and checks that nothing panics and that what decodes
     /// re-encodes to the same bytes. Unknown names panic (a fuzz target naming a form that does
@@ -94,6 +108,13 @@ pub mod fuzzing {
     pub fn check(name: &str, data: &[u8]) {
         match name {
             "unique_id" => check_bytes::<crate::UniqueId>(data),
+            "bootstrap_hello" => check_bytes::<proto::Hello>(data),
+            "bootstrap_root_answer" => check_bytes::<proto::RootAnswer>(data),
+            "bootstrap_address_table" => check_bytes::<proto::AddressTable>(data),
+            "bootstrap_frame_header" => check_bytes::<proto::FrameHeader>(data),
+            "bootstrap_abort_notice" => check_bytes::<proto::AbortNotice>(data),
+            "bootstrap_gather_blocks" => check_bytes::<proto::GatherBlocks>(data),
+            "bootstrap_frames" => proto::check_frame_stream(data),
             "ethernet_header" => check_bytes::<crate::conn::ethernet::wire::FrameHeader>(data),
             "ethernet_record" => check_bytes::<crate::conn::ethernet::wire::Record>(data),
             "ethernet_hello" => check_bytes::<crate::conn::ethernet::wire::Hello>(data),

@@ -200,9 +200,6 @@ pub fn parse_addr_spec_with(spec: &str, family: Option<SocketFamily>) -> Result<
     }
 }
 
-/// The unspecified-address placeholder used where no address applies.
-pub(crate) const NO_ADDR: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0);
-
 /// Encodes a socket address as family byte, 16 address bytes and the port.
 pub(crate) fn put_addr(w: &mut crate::wire::Writer, a: &SocketAddr) {
     match a.ip() {

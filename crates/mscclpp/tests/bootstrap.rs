@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Rank, pattern, spawn_ranks, spawn_some};
+use common::{Rank, pattern, spawn_limited, spawn_ranks, spawn_some};
 use mscclpp::{Bootstrap, Buffer, Communicator, ErrorKind, RegisteredMemory, Transport};
 
 fn collectives_body(r: &Rank, big: usize) {
@@ -246,4 +246,131 @@ fn unresolvable_root_name_is_a_clear_error() {
     let err = mscclpp::TcpBootstrap::initialize_with_addr(1, 2, "no-such-host.invalid:29500").unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidUsage);
     assert!(err.to_string().contains("no-such-host.invalid"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Jobs of hundreds of ranks, as processes on this machine, each under `ulimit -n 1024`.
+
+/// Open file descriptors of this process.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Bootstrap, all_gather, barrier and broadcast at scale; every rank checks what it got and
+/// that its file descriptors stay a small constant, whatever the job size.
+fn scale_body(r: &Rank) {
+    let t0 = Instant::now();
+    let bs = r.bootstrap(Duration::from_secs(120));
+    let t_init = t0.elapsed();
+    let (me, n) = (r.rank, r.size);
+    let all = bs.all_gather(&(me as u32).to_le_bytes()).unwrap();
+    let t_gather = t0.elapsed();
+    assert_eq!(all.len(), n);
+    for (i, m) in all.iter().enumerate() {
+        assert_eq!(m, &(i as u32).to_le_bytes(), "rank {me}: entry {i}");
+    }
+    bs.barrier().unwrap();
+    for root in [0, n / 2 + 1, n - 1] {
+        let got = bs.broadcast(root, &pattern(root as u64, 100 + me % 3)).unwrap();
+        assert_eq!(got, pattern(root as u64, 100 + root % 3), "rank {me}: broadcast from {root}");
+    }
+    // a second all_gather of bigger, uneven pieces
+    let all = bs.all_gather(&pattern(me as u64, me % 700)).unwrap();
+    for (i, m) in all.iter().enumerate() {
+        assert_eq!(m, &pattern(i as u64, i % 700), "rank {me}: second all_gather entry {i}");
+    }
+    bs.barrier().unwrap();
+    let fds = open_fds();
+    assert!(fds <= 32, "rank {me}: {fds} open file descriptors for collectives only");
+    println!(
+        "RESULT rank {me} of {n}: initialize {:.1} ms, +all_gather {:.1} ms, total {:.1} ms, {fds} fds",
+        t_init.as_secs_f64() * 1e3,
+        t_gather.as_secs_f64() * 1e3,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+}
+
+fn run_scale(name: &str, n: usize) {
+    let all: Vec<usize> = (0..n).collect();
+    let job = spawn_limited(name, n, &all, Duration::from_secs(120), &[], Duration::from_secs(300), Some(1024));
+    job.assert_success();
+    let slowest = (0..n)
+        .filter_map(|r| job.stdout(r).lines().find(|l| l.contains("RESULT")).map(|l| l.to_string()))
+        .filter_map(|l| {
+            l.split("total ").nth(1).and_then(|x| x.split(" ms").next()).and_then(|x| x.parse::<f64>().ok())
+        })
+        .fold(0.0f64, f64::max);
+    println!(
+        "{n} ranks under ulimit -n 1024: slowest rank {slowest:.1} ms in the job; whole job (spawn to exit) {:?}",
+        job.elapsed
+    );
+}
+
+#[test]
+fn scale_256_ranks() {
+    if let Some(r) = Rank::from_env() {
+        return scale_body(&r);
+    }
+    run_scale("scale_256_ranks", 256);
+}
+
+/// 512 ranks: about 4.5 s of this 2-core machine, spawn to exit.
+#[test]
+fn scale_512_ranks() {
+    if let Some(r) = Rank::from_env() {
+        return scale_body(&r);
+    }
+    run_scale("scale_512_ranks", 512);
+}
+
+/// A rank killed after its first barrier: every other rank's next collective (the barrier, or
+/// the all_gather after it) and every one after fails naming it, not its own neighbour.
+#[test]
+fn killed_rank_named_by_all_256() {
+    const VICTIM: usize = 100;
+    if let Some(r) = Rank::from_env() {
+        let bs = r.bootstrap(Duration::from_secs(120));
+        let first = bs.barrier();
+        if r.rank == VICTIM {
+            first.unwrap();
+            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+            std::thread::sleep(Duration::from_secs(60));
+            unreachable!("kill -9 did not stop the process");
+        }
+        bs.set_timeout(Duration::from_secs(60));
+        let t0 = Instant::now();
+        // The victim dies once its own barrier returns, while slower ranks may still wait for
+        // theirs: then that barrier is the call that fails, naming it.
+        let err = match first {
+            Ok(()) => bs.all_gather(b"x").unwrap_err(),
+            Err(e) => e,
+        };
+        assert_eq!(err.peer(), Some(VICTIM), "rank {}: {err}", r.rank);
+        assert!(err.to_string().contains(&format!("rank {VICTIM} failed")), "rank {}: {err}", r.rank);
+        let err2 = bs.barrier().unwrap_err();
+        assert_eq!(err2.peer(), Some(VICTIM), "rank {}: {err2}", r.rank);
+        assert_ne!(err.kind(), ErrorKind::Timeout, "{err}");
+        println!("RESULT rank {} saw after {:?}: {err}", r.rank, t0.elapsed());
+        return;
+    }
+    let n = 256;
+    let all: Vec<usize> = (0..n).collect();
+    let job = spawn_limited(
+        "killed_rank_named_by_all_256",
+        n,
+        &all,
+        Duration::from_secs(120),
+        &[],
+        Duration::from_secs(300),
+        Some(1024),
+    );
+    let mut bad = Vec::new();
+    for (r, o) in &job.outputs {
+        if *r != VICTIM && !o.status.success() {
+            bad.push(format!("rank {r}: {}", String::from_utf8_lossy(&o.stderr)));
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    println!("{}", job.stdout(0).lines().find(|l| l.contains("RESULT")).unwrap_or("no result"));
+    println!("whole job {:?}", job.elapsed);
 }

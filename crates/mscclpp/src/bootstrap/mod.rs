@@ -3,6 +3,8 @@
 //! [`Bootstrap`] is the interface the rest of the crate uses (bring your own over MPI if you
 //! like); [`TcpBootstrap`] is the built-in implementation over TCP.
 
+pub(crate) mod proto;
+mod rendezvous;
 mod tcp;
 
 pub use tcp::{RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
@@ -14,6 +16,12 @@ pub const RESERVED_TAG_BASE: u64 = 1 << 63;
 pub(crate) const TAG_ALL_GATHER: u64 = u64::MAX;
 pub(crate) const TAG_BARRIER: u64 = u64::MAX - 1;
 pub(crate) const TAG_BROADCAST: u64 = u64::MAX - 2;
+/// A rank's report that another rank failed (`proto::AbortNotice`), flooded over the collectives' links.
+pub(crate) const TAG_ABORT: u64 = u64::MAX - 3;
+/// The last frame on a connection whose owner closes its bootstrap on purpose.
+pub(crate) const TAG_GOODBYE: u64 = u64::MAX - 4;
+/// `all_gather` pieces passed around the ring (large gathers).
+pub(crate) const TAG_ALL_GATHER_RING: u64 = u64::MAX - 5;
 /// Base of the tags the [`Communicator`](crate::Communicator) uses: `COMM_TAG_BASE + user tag`.
 pub(crate) const COMM_TAG_BASE: u64 = 1 << 62;
 

@@ -1,21 +1,30 @@
-//! The TCP bootstrap.
+//! The TCP bootstrap: the I/O shell around the cores in `proto` (wire forms, message framing)
+//! and `rendezvous` (the root's state machine).
 //!
 //! # Protocol
-//! * **Handshake.** Every socket of a job opens with [`Hello`]: a magic, a version, the socket's
-//!   purpose, the job secret from the [`UniqueId`], the sender's rank and the job size. The
-//!   acceptor checks all of it before reading anything else; a stranger is logged and dropped and
-//!   never counts as a rank. The acceptor answers one byte (`ACK`), so the connector knows it
+//! * **Handshake.** Every socket of a job opens with a hello: a magic, a version, the
+//!   socket's purpose, the job secret from the [`UniqueId`], the sender's rank and the job size.
+//!   The acceptor checks all of it before reading anything else; a stranger is logged and dropped
+//!   and never counts as a rank. The acceptor answers one byte (`ACK`), so the connector knows it
 //!   reached the right job.
 //! * **Rendezvous.** Each rank binds a listener for peer traffic, connects to the root (a thread
 //!   of rank 0, or a [`RootServer`]) and sends its listening address and host hash. When all ranks
-//!   have arrived, the root sends everyone the table; while it waits it sends progress notes that
-//!   list the missing ranks, so a rank that times out can name them. The root's answers carry the
-//!   secret back, so a rank knows it talked to its own root.
-//! * **Messages.** One TCP connection per ordered pair of ranks, made on first send. Frames are
-//!   `[tag u64][len u64][len bytes]`. A reader thread per incoming connection files messages by
-//!   tag, so receives may come in any order across tags and are FIFO within one.
+//!   have arrived, the root sends everyone the address table; while it waits it sends progress
+//!   notes that list the missing ranks, so a rank that times out can name them. The root's
+//!   answers carry the secret back, so a rank knows it talked to its own root.
+//! * **Messages.** At most one TCP connection per ordered pair of ranks, made on first send.
+//!   Frames are a frame header (magic, version, tag, length) and the bytes. A reader thread per
+//!   incoming connection files messages by tag, so receives may come in any order across tags and
+//!   are FIFO within one.
+//! * **Collectives** use the binary tree rooted at rank 0 (parent and two children): up to the
+//!   root and back down, 2 log2(n) hops. An `all_gather` of more than 1 MiB in all passes the
+//!   pieces around the ring (next and previous rank) instead, and the ring also carries the news
+//!   of a failure around a cut tree: at most five peers per rank whatever the job size.
+//!   Point-to-point `send`/`recv` connect on demand.
 //! * **Failure.** Every wait has a deadline (default 30 s). A peer whose connection closes, or
-//!   whose listener refuses us, makes waits on it fail at once with an error naming it.
+//!   whose listener refuses us, makes waits on it fail at once with an error naming it. A
+//!   collective that finds its peer gone floods an abort notice over the tree and ring links, so
+//!   every rank's collective fails naming the failed rank, not its own silent neighbour.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -30,22 +39,24 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use super::{Bootstrap, RESERVED_TAG_BASE, TAG_ALL_GATHER};
+use super::proto::{
+    AbortNotice, FrameReader, GatherBlocks, Hello, KIND_PEER, KIND_ROOT, RootAnswer, RootStatus, frame_header,
+};
+use super::rendezvous::{Join, Rendezvous, Reply};
+use super::{
+    Bootstrap, RESERVED_TAG_BASE, TAG_ABORT, TAG_ALL_GATHER, TAG_ALL_GATHER_RING, TAG_BARRIER, TAG_BROADCAST,
+    TAG_GOODBYE,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{connect_retry, get_addr, put_addr};
 use crate::sync::lock;
-use crate::wire::{Reader, Writer, length_prefixed, read_length_prefixed};
+use crate::wire::{Reader, WireForm, Writer, length_prefixed, read_length_prefixed};
 
 const LOG: &str = "mscclpp::bootstrap";
-const HELLO_MAGIC: &[u8; 4] = b"MSBS";
 const ID_MAGIC: &[u8; 4] = b"MSID";
+/// The `UniqueId` form's version (the messages between ranks have their own, in `proto`).
 const VERSION: u16 = 1;
-const KIND_PEER: u8 = 1;
-const KIND_ROOT: u8 = 2;
 const ACK: u8 = 0x5a;
-const ROOT_DONE: u8 = 0;
-const ROOT_FAILED: u8 = 1;
-const ROOT_PROGRESS: u8 = 2;
 /// The longest a connection may take to present its handshake.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 /// After a peer's listener refuses us, how long an incoming connection may still show up.
@@ -116,7 +127,7 @@ impl UniqueId {
     }
 }
 
-impl crate::wire::WireForm for UniqueId {
+impl WireForm for UniqueId {
     const WHAT: &'static str = "UniqueId";
     fn to_wire(&self) -> Vec<u8> {
         self.encode()
@@ -161,9 +172,23 @@ impl FromStr for UniqueId {
 /// (MSCCL++ closes the socket and binds again, leaving a window for another process).
 static PENDING_ROOTS: Mutex<Vec<(SocketAddr, TcpListener)>> = Mutex::new(Vec::new());
 
+/// A listening socket with a backlog of `backlog` (the kernel caps it at `somaxconn`), so a
+/// burst of connections is queued rather than dropped or reset.
+fn listen_on(addr: SocketAddr, backlog: usize) -> Result<TcpListener> {
+    let sock = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)
+        .map_err(|e| Error::io(format!("creating a bootstrap socket for {addr}"), e))?;
+    sock.bind(&addr.into()).map_err(|e| Error::io(format!("binding a bootstrap listener on {addr}"), e))?;
+    sock.listen(backlog.clamp(128, i32::MAX as usize) as i32)
+        .map_err(|e| Error::io(format!("listening on {addr}"), e))?;
+    Ok(sock.into())
+}
+
+/// The root's backlog: it is bound before the job size is known, so room for a large job.
+const ROOT_BACKLOG: usize = 65535;
+
 fn bind_on_default_interface() -> Result<TcpListener> {
     let ip = crate::net::find_interfaces()?[0].addr;
-    TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("binding the bootstrap root on {ip}"), e))
+    listen_on(SocketAddr::new(ip, 0), ROOT_BACKLOG).map_err(|e| e.during("binding the bootstrap root"))
 }
 
 fn random_secret() -> Result<[u8; 16]> {
@@ -172,65 +197,25 @@ fn random_secret() -> Result<[u8; 16]> {
     Ok(s)
 }
 
-/// The handshake every bootstrap socket opens with.
-struct Hello {
-    kind: u8,
-    secret: [u8; 16],
-    rank: u32,
-    size: u32,
-    /// Root hellos: the rank's peer listening address and host hash.
-    listen: Option<(SocketAddr, u64)>,
-}
-
-impl Hello {
-    fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::new(HELLO_MAGIC, VERSION);
-        w.u8(self.kind);
-        w.raw(&self.secret);
-        w.u32(self.rank);
-        w.u32(self.size);
-        if let Some((a, h)) = &self.listen {
-            put_addr(&mut w, a);
-            w.u64(*h);
-        }
-        length_prefixed(&w.finish())
+/// Reads a length-prefixed [`Hello`] of at most 256 bytes and checks it carries `secret`.
+fn read_hello(s: &mut TcpStream, secret: &[u8; 16]) -> Result<Hello> {
+    let body = read_length_prefixed(s, 256, "the handshake")?;
+    let h = Hello::from_wire(&body)?;
+    if &h.secret != secret {
+        return Err(Error::remote("wrong job secret"));
     }
-
-    /// Reads a hello of at most 256 bytes and checks magic, version and secret.
-    fn read(s: &mut TcpStream, secret: &[u8; 16]) -> Result<Hello> {
-        let body = read_length_prefixed(s, 256, "the handshake")?;
-        let mut r = Reader::new(&body, "bootstrap handshake", HELLO_MAGIC, VERSION)?;
-        let kind = r.u8()?;
-        let their: [u8; 16] = r.array()?;
-        if &their != secret {
-            return Err(Error::remote("wrong job secret"));
-        }
-        let rank = r.u32()?;
-        let size = r.u32()?;
-        let listen = if kind == KIND_ROOT { Some((get_addr(&mut r)?, r.u64()?)) } else { None };
-        r.finish()?;
-        Ok(Hello { kind, secret: their, rank, size, listen })
-    }
-}
-
-fn write_frame(s: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
-    s.write_all(&length_prefixed(&parts.concat()))
+    Ok(h)
 }
 
 // ---------------------------------------------------------------------------------------------
 // Root
 
-struct Arrival {
-    rank: usize,
-    size: usize,
-    stream: TcpStream,
-    listen: SocketAddr,
-    host_hash: u64,
-}
-
 /// The rendezvous point of a job, run on its own thread. Rank 0 starts one by itself; a
 /// launcher that is not a rank (like `mscclpp-perf --ranks N`) starts one with
 /// [`RootServer::start`] and hands the id to its ranks.
+///
+/// The root holds one socket per joined rank until everyone has arrived (it tells waiting ranks
+/// who is missing), so its process needs `size` file descriptors during initialization.
 pub struct RootServer {
     addr: SocketAddr,
     thread: Option<JoinHandle<()>>,
@@ -278,13 +263,14 @@ impl Drop for RootServer {
     }
 }
 
+/// The root's I/O shell around [`Rendezvous`]: an accept thread, a handshake thread per
+/// connection (a silent stranger cannot hold up the rest), and this loop, which feeds joins and
+/// the clock to the core and writes its answers.
 fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Instant) {
     let addr = listener.local_addr().ok();
-    let (tx, rx) = mpsc::channel::<Arrival>();
+    let (tx, rx) = mpsc::channel::<(TcpStream, Join)>();
     let done = Arc::new(AtomicBool::new(false));
     let accept_done = done.clone();
-    // Accept on a thread of its own; each connection's handshake on another, so that a silent
-    // stranger cannot hold up the rendezvous.
     let acceptor = std::thread::Builder::new().name("mscclpp-bs-root-accept".into()).spawn(move || {
         for conn in listener.incoming() {
             if accept_done.load(Ordering::Acquire) {
@@ -292,78 +278,54 @@ fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Inst
             }
             let Ok(mut s) = conn else { continue };
             let tx = tx.clone();
-            let _ = std::thread::Builder::new().name("mscclpp-bs-root-hs".into()).spawn(move || {
-                let peer = s.peer_addr().ok();
-                let _ = s.set_read_timeout(Some(HANDSHAKE_LIMIT));
-                match Hello::read(&mut s, &secret) {
-                    Ok(h) if h.kind == KIND_ROOT => {
-                        let (listen, host_hash) = h.listen.unwrap_or((crate::net::NO_ADDR, 0));
-                        let _ = s.set_read_timeout(None);
-                        let _ = tx.send(Arrival { rank: h.rank as usize, size: h.size as usize, stream: s, listen, host_hash });
+            let _ = std::thread::Builder::new().name("mscclpp-bs-root-hs".into()).stack_size(128 * 1024).spawn(
+                move || {
+                    let peer = s.peer_addr().ok();
+                    let _ = s.set_read_timeout(Some(HANDSHAKE_LIMIT));
+                    match read_hello(&mut s, &secret) {
+                        Ok(Hello { kind: KIND_ROOT, rank, size, listen: Some((listen, host_hash)), .. }) => {
+                            let _ = s.set_read_timeout(None);
+                            let _ = tx.send((s, Join { rank, size, listen, host_hash }));
+                        }
+                        Ok(h) => warn!(target: LOG, "root: dropping connection from {peer:?}: handshake of kind {} is not a rank joining", h.kind),
+                        Err(e) => warn!(target: LOG, "root: dropping connection from {peer:?} that failed the handshake: {e}"),
                     }
-                    Ok(h) => warn!(target: LOG, "root: dropping connection from {peer:?}: handshake of kind {} is not a rank joining", h.kind),
-                    Err(e) => warn!(target: LOG, "root: dropping connection from {peer:?} that failed the handshake: {e}"),
-                }
-            });
+                },
+            );
         }
     });
-    let mut arrived: Vec<Option<Arrival>> = (0..size).map(|_| None).collect();
-    let mut count = 0;
-    let mut last_progress = Instant::now();
-    let reply = |s: &mut TcpStream, status: u8, body: &[u8]| {
-        let _ = write_frame(s, &[&[status], &secret, body]);
-    };
-    while count < size {
-        let now = Instant::now();
-        if now >= deadline {
-            break;
-        }
-        if now.duration_since(last_progress) >= Duration::from_millis(300) {
-            last_progress = now;
-            let missing = missing_list(&arrived);
-            for a in arrived.iter_mut().flatten() {
-                reply(&mut a.stream, ROOT_PROGRESS, missing.as_bytes());
+    let mut rv = Rendezvous::new(secret, size, Instant::now(), deadline);
+    let mut conns: Vec<Option<TcpStream>> = Vec::new();
+    let deliver = |conns: &mut Vec<Option<TcpStream>>, replies: Vec<Reply<usize>>| {
+        for r in replies {
+            let Some(slot) = conns.get_mut(r.conn) else { continue };
+            if let Some(s) = slot.as_mut() {
+                if let RootStatus::Failed { message, .. } = &r.answer.status {
+                    warn!(target: LOG, "root: {message}");
+                }
+                let _ = s.write_all(&length_prefixed(&r.answer.to_wire()));
+            }
+            if r.close {
+                *slot = None;
             }
         }
-        let wait = (deadline - now).min(Duration::from_millis(100));
-        let Ok(mut a) = rx.recv_timeout(wait) else { continue };
-        if a.size != size {
-            let msg = format!("rank {} says the job has {} ranks, the root expects {size}", a.rank, a.size);
-            warn!(target: LOG, "root: {msg}");
-            reply(&mut a.stream, ROOT_FAILED, msg.as_bytes());
-        } else if a.rank >= size {
-            let msg = format!("rank {} is out of range for {size} ranks", a.rank);
-            warn!(target: LOG, "root: {msg}");
-            reply(&mut a.stream, ROOT_FAILED, msg.as_bytes());
-        } else if arrived[a.rank].is_some() {
-            let msg = format!("rank {} joined twice; refusing the second", a.rank);
-            warn!(target: LOG, "root: {msg}");
-            reply(&mut a.stream, ROOT_FAILED, msg.as_bytes());
-        } else {
-            debug!(target: LOG, "root: rank {} arrived from {}", a.rank, a.listen);
-            let r = a.rank;
-            arrived[r] = Some(a);
-            count += 1;
+    };
+    while !rv.is_finished() {
+        let now = Instant::now();
+        deliver(&mut conns, rv.on_time(now));
+        if rv.is_finished() {
+            break;
+        }
+        let wait = rv.next_wakeup().saturating_duration_since(now).max(Duration::from_millis(1));
+        if let Ok((s, j)) = rx.recv_timeout(wait) {
+            debug!(target: LOG, "root: rank {} arrived from {}", j.rank, j.listen);
+            conns.push(Some(s));
+            let replies = rv.on_join(conns.len() - 1, j, Instant::now());
+            deliver(&mut conns, replies);
         }
     }
-    if count == size {
-        let mut w = Writer::default();
-        w.u32(size as u32);
-        for a in arrived.iter().flatten() {
-            put_addr(&mut w, &a.listen);
-            w.u64(a.host_hash);
-        }
-        let table = w.finish();
-        for a in arrived.iter_mut().flatten() {
-            reply(&mut a.stream, ROOT_DONE, &table);
-        }
+    if rv.missing().is_empty() {
         info!(target: LOG, "root: all {size} ranks joined");
-    } else {
-        let msg = format!("ranks {} did not reach the bootstrap root", missing_list(&arrived));
-        warn!(target: LOG, "root: giving up: {msg}");
-        for a in arrived.iter_mut().flatten() {
-            reply(&mut a.stream, ROOT_FAILED, msg.as_bytes());
-        }
     }
     done.store(true, Ordering::Release);
     // wake the acceptor so it sees `done`
@@ -373,11 +335,6 @@ fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Inst
     if let Ok(t) = acceptor {
         let _ = t.join();
     }
-}
-
-fn missing_list(arrived: &[Option<Arrival>]) -> String {
-    let m: Vec<String> = arrived.iter().enumerate().filter(|(_, a)| a.is_none()).map(|(i, _)| i.to_string()).collect();
-    format!("[{}]", m.join(", "))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -416,8 +373,40 @@ struct Shared {
     listen_addr: SocketAddr,
     peers: Vec<Peer>,
     closing: AtomicBool,
+    /// The first failure of another rank this rank heard of; collectives fail with it.
+    abort: Mutex<Option<AbortNotice>>,
+    /// The thread telling the neighbours of `abort` (joined before closing, so the news leaves
+    /// before our goodbye).
+    flood: Mutex<Option<JoinHandle<()>>>,
     /// Incoming streams (to shut down on close) and their reader threads.
     readers: Mutex<Vec<(Option<TcpStream>, JoinHandle<()>)>>,
+}
+
+/// The peers a rank tells of a failure: its parent and children in the binary tree rooted at
+/// rank 0 (every collective's peers) and its ring neighbours, so the news crosses the tree cut
+/// by the failed rank. At most five ranks.
+pub(crate) fn neighbours(rank: usize, size: usize) -> Vec<usize> {
+    let mut v = Vec::with_capacity(6);
+    if size > 1 {
+        v.push((rank + 1) % size);
+        v.push((rank + size - 1) % size);
+    }
+    if let Some(p) = tree_parent(rank) {
+        v.push(p);
+    }
+    v.extend(tree_children(rank, size));
+    v.sort_unstable();
+    v.dedup();
+    v.retain(|p| *p != rank);
+    v
+}
+
+fn tree_parent(rank: usize) -> Option<usize> {
+    (rank > 0).then(|| (rank - 1) / 2)
+}
+
+fn tree_children(rank: usize, size: usize) -> impl Iterator<Item = usize> {
+    [2 * rank + 1, 2 * rank + 2].into_iter().filter(move |c| *c < size)
 }
 
 /// Settings for [`TcpBootstrap`]; start with [`TcpBootstrap::config`].
@@ -446,15 +435,12 @@ impl TcpBootstrapConfig {
             };
             let listener = match listener {
                 Some(l) => l,
-                None => TcpListener::bind(id.root).map_err(|e| {
-                    Error::io(
-                        format!(
-                            "rank 0 binding the bootstrap root at {} (rank 0 must run in the process that called \
-                             create_unique_id, or use RootServer)",
-                            id.root
-                        ),
-                        e,
-                    )
+                None => listen_on(id.root, ROOT_BACKLOG).map_err(|e| {
+                    e.during(format!(
+                        "rank 0 binding the bootstrap root at {} (rank 0 must run in the process that called \
+                         create_unique_id, or use RootServer)",
+                        id.root
+                    ))
                 })?,
             };
             root = Some(RootServer::spawn(listener, self.size, id.secret, self.timeout)?);
@@ -494,7 +480,7 @@ impl TcpBootstrapConfig {
             let _ = sock.set_reuse_address(true);
             sock.bind(&SocketAddr::new(bind_ip, addr.port()).into())
                 .map_err(|e| Error::io(format!("rank 0 binding the bootstrap root at {bind_ip}:{}", addr.port()), e))?;
-            sock.listen(1024).map_err(|e| Error::io("listening for the bootstrap root", e))?;
+            sock.listen(ROOT_BACKLOG as i32).map_err(|e| Error::io("listening for the bootstrap root", e))?;
             root = Some(RootServer::spawn(sock.into(), self.size, secret, self.timeout)?);
         }
         let res = TcpBootstrap::join(&self, addr, secret);
@@ -567,7 +553,7 @@ impl TcpBootstrap {
 
     /// The current wait limit.
     pub fn timeout(&self) -> Duration {
-        Duration::from_millis(self.shared.timeout_ms.load(Ordering::Relaxed))
+        self.shared.timeout()
     }
 
     /// Changes the wait limit of later calls.
@@ -598,10 +584,10 @@ impl TcpBootstrap {
             }
             .during(op.clone())
         })?;
-        // Listen for peers on the address that reaches the root.
+        // Listen for peers on the address that reaches the root. Collectives bring at most five
+        // peers at once (see `neighbours`); point-to-point traffic may bring any number.
         let local_ip: IpAddr = rs.local_addr().map_err(|e| Error::io("reading the local address", e))?.ip();
-        let listener =
-            TcpListener::bind((local_ip, 0)).map_err(|e| Error::io(format!("binding a listener on {local_ip}"), e))?;
+        let listener = listen_on(SocketAddr::new(local_ip, 0), cfg.size)?;
         let listen_addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
         let hello = Hello {
             kind: KIND_ROOT,
@@ -610,7 +596,8 @@ impl TcpBootstrap {
             size: cfg.size as u32,
             listen: Some((listen_addr, crate::identity::host_hash())),
         };
-        rs.write_all(&hello.encode()).map_err(|e| Error::io("sending the hello to the root", e).during(op.clone()))?;
+        rs.write_all(&length_prefixed(&hello.to_wire()))
+            .map_err(|e| Error::io("sending the hello to the root", e).during(op.clone()))?;
         // Wait for the table, keeping the root's latest list of missing ranks.
         let mut missing = String::from("(unknown: the root sent no progress)");
         let table = loop {
@@ -628,29 +615,35 @@ impl TcpBootstrap {
                 Err(e) if e.source_is_timeout() => continue,
                 Err(e) => return Err(e.during(op)),
             };
-            if frame.len() < 17 || frame[1..17] != secret {
+            let answer = RootAnswer::from_wire(&frame).map_err(|e| e.during(op.clone()))?;
+            if answer.secret != secret {
                 return Err(Error::remote("the root's answer does not carry the job secret").during(op));
             }
-            let body = &frame[17..];
-            match frame[0] {
-                ROOT_PROGRESS => missing = String::from_utf8_lossy(body).into_owned(),
-                ROOT_FAILED => {
-                    let msg = String::from_utf8_lossy(body).into_owned();
-                    let kind = if msg.contains("did not reach") { ErrorKind::Timeout } else { ErrorKind::Remote };
-                    return Err(Error::new(kind, format!("the root gave up: {msg}")).during(op));
+            match answer.status {
+                RootStatus::Progress { missing: m } => {
+                    let list: Vec<String> = m.iter().map(|r| r.to_string()).collect();
+                    missing = format!("[{}]", list.join(", "));
                 }
-                ROOT_DONE => break body.to_vec(),
-                s => return Err(Error::remote(format!("unknown root status {s}")).during(op)),
+                RootStatus::Failed { timeout, message } => {
+                    let kind = if timeout { ErrorKind::Timeout } else { ErrorKind::Remote };
+                    return Err(Error::new(kind, format!("the root gave up: {message}")).during(op));
+                }
+                RootStatus::Done(t) => break t,
             }
         };
-        let peers = parse_table(&table, cfg.size).map_err(|e| e.during(op.clone()))?;
+        drop(rs);
+        if table.entries.len() != cfg.size {
+            return Err(Error::remote(format!("root table has {} ranks, expected {}", table.entries.len(), cfg.size))
+                .during(op));
+        }
         let shared = Arc::new(Shared {
             rank: cfg.rank,
             size: cfg.size,
             secret,
             timeout_ms: AtomicU64::new(cfg.timeout.as_millis().min(u64::MAX as u128) as u64),
             listen_addr,
-            peers: peers
+            peers: table
+                .entries
                 .into_iter()
                 .map(|(addr, host_hash)| Peer {
                     addr,
@@ -661,6 +654,8 @@ impl TcpBootstrap {
                 })
                 .collect(),
             closing: AtomicBool::new(false),
+            abort: Mutex::new(None),
+            flood: Mutex::new(None),
             readers: Mutex::new(Vec::new()),
         });
         let sh = shared.clone();
@@ -680,27 +675,97 @@ impl TcpBootstrap {
         Ok(())
     }
 
-    fn send_any(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
+    fn check_tag(tag: u64) -> Result<()> {
+        if tag >= RESERVED_TAG_BASE {
+            return Err(Error::invalid_usage(format!("tag {tag:#x} is reserved (user tags are below 2^63)")));
+        }
+        Ok(())
+    }
+
+    /// One send of a collective: a failure to reach `peer` is that rank's failure, told to the
+    /// neighbours.
+    fn coll_send(&self, peer: usize, tag: u64, data: &[u8], what: &str) -> Result<()> {
         let sh = &self.shared;
-        if peer == sh.rank {
-            let p = &sh.peers[peer];
+        if let Some(e) = sh.abort_error(what) {
+            return Err(e);
+        }
+        sh.send_any(peer, tag, data).map_err(|e| {
+            // The peer may have closed on hearing of another rank's failure, and its notice
+            // may still be on the way here: give it a moment before blaming the peer.
+            let grace = Instant::now() + GONE_GRACE;
+            while Instant::now() < grace && lock(&sh.abort).is_none() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let notice = AbortNotice { failed: peer as u32, reporter: sh.rank as u32, reason: e.to_string() };
+            raise_abort(sh, notice);
+            sh.abort_error(what).unwrap_or_else(|| e.during(what.to_string()).with_peer(peer))
+        })
+    }
+
+    /// One receive of a collective, waiting until `deadline`.
+    fn coll_recv(&self, peer: usize, tag: u64, deadline: Instant, what: &str) -> Result<Vec<u8>> {
+        let mut v = self.shared.recv_many(&[peer], tag, deadline, what, true)?;
+        v.pop().ok_or_else(|| Error::internal("recv_many returned nothing"))
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout()
+    }
+
+    /// The ring: n-1 steps, each passing one rank's piece to the next rank.
+    fn ring_all_gather(&self, data: &[u8], deadline: Instant, what: &str) -> Result<Vec<Vec<u8>>> {
+        let (me, n) = (self.shared.rank, self.shared.size);
+        let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+        let mut out = vec![Vec::new(); n];
+        out[me] = data.to_vec();
+        for step in 0..n - 1 {
+            self.coll_send(next, TAG_ALL_GATHER_RING, &out[(me + n - step) % n], what)?;
+            out[(me + 2 * n - step - 1) % n] = self.coll_recv(prev, TAG_ALL_GATHER_RING, deadline, what)?;
+        }
+        Ok(out)
+    }
+}
+
+/// The most bytes of `all_gather` pieces one subtree sends up the tree; larger gathers take the
+/// ring.
+pub(crate) const TREE_GATHER_LIMIT: usize = 1 << 20;
+
+impl Shared {
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// The error every collective returns once another rank's failure is known.
+    fn abort_error(&self, what: &str) -> Option<Error> {
+        lock(&self.abort).as_ref().map(|a| {
+            Error::remote(format!("rank {} failed (seen by rank {}: {})", a.failed, a.reporter, a.reason))
+                .during(what.to_string())
+                .with_peer(a.failed as usize)
+        })
+    }
+
+    fn send_any(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
+        let timeout = self.timeout();
+        self.send_until(peer, tag, data, Instant::now() + timeout, timeout)
+    }
+
+    fn send_until(&self, peer: usize, tag: u64, data: &[u8], deadline: Instant, write_limit: Duration) -> Result<()> {
+        if peer == self.rank {
+            let p = &self.peers[peer];
             lock(&p.inbox).queues.entry(tag).or_default().push_back(data.to_vec());
             p.cond.notify_all();
             return Ok(());
         }
-        let p = &sh.peers[peer];
+        let p = &self.peers[peer];
         let mut out = lock(&p.out);
         if out.is_none() {
-            let deadline = Instant::now() + self.timeout();
             *out = Some(self.connect_peer(peer, deadline)?);
         }
         let Some(s) = out.as_mut() else { return Err(Error::internal("no stream after connecting")) };
-        let _ = s.set_write_timeout(Some(self.timeout().max(Duration::from_millis(1))));
-        let mut head = [0u8; 16];
-        head[..8].copy_from_slice(&tag.to_le_bytes());
-        head[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        let _ = s.set_write_timeout(Some(write_limit.max(Duration::from_millis(1))));
+        let head = frame_header(tag, data.len());
         let res = if data.len() <= 64 * 1024 {
-            let mut b = Vec::with_capacity(16 + data.len());
+            let mut b = Vec::with_capacity(head.len() + data.len());
             b.extend_from_slice(&head);
             b.extend_from_slice(data);
             s.write_all(&b)
@@ -722,8 +787,7 @@ impl TcpBootstrap {
     }
 
     fn connect_peer(&self, peer: usize, deadline: Instant) -> Result<TcpStream> {
-        let sh = &self.shared;
-        let p = &sh.peers[peer];
+        let p = &self.peers[peer];
         let mut s = match TcpStream::connect_timeout(
             &p.addr,
             (deadline.saturating_duration_since(Instant::now())).max(Duration::from_millis(1)),
@@ -737,11 +801,16 @@ impl TcpBootstrap {
             }
         };
         let _ = s.set_nodelay(true);
-        let hello =
-            Hello { kind: KIND_PEER, secret: sh.secret, rank: sh.rank as u32, size: sh.size as u32, listen: None };
+        let hello = Hello {
+            kind: KIND_PEER,
+            secret: self.secret,
+            rank: self.rank as u32,
+            size: self.size as u32,
+            listen: None,
+        };
         let _ =
             s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))));
-        s.write_all(&hello.encode()).map_err(|e| Error::io("sending the handshake", e))?;
+        s.write_all(&length_prefixed(&hello.to_wire())).map_err(|e| Error::io("sending the handshake", e))?;
         let mut ack = [0u8; 1];
         s.read_exact(&mut ack).map_err(|e| Error::io("waiting for the handshake answer", e))?;
         if ack[0] != ACK {
@@ -753,7 +822,7 @@ impl TcpBootstrap {
 
     /// Checks whether our connection to `peer` still stands, connecting if there is none.
     fn probe(&self, peer: usize) {
-        let p = &self.shared.peers[peer];
+        let p = &self.peers[peer];
         let mut out = lock(&p.out);
         if out.is_none() {
             match self.connect_peer(peer, Instant::now() + Duration::from_secs(2)) {
@@ -780,26 +849,50 @@ impl TcpBootstrap {
     }
 
     /// Waits for one message from each of `peers` under `tag`; on failure names every peer
-    /// that did not deliver.
-    fn recv_many(&self, peers: &[usize], tag: u64, what: &str) -> Result<Vec<Vec<u8>>> {
-        let timeout = self.timeout();
-        let deadline = Instant::now() + timeout;
+    /// that did not deliver. In a `collective`, a failed peer is told to the neighbours, and a
+    /// failure they report ends the wait.
+    fn recv_many(
+        self: &Arc<Self>,
+        peers: &[usize],
+        tag: u64,
+        deadline: Instant,
+        what: &str,
+        collective: bool,
+    ) -> Result<Vec<Vec<u8>>> {
         let mut got: Vec<Option<Vec<u8>>> = vec![None; peers.len()];
         let mut last_probe = Instant::now();
         loop {
+            if let Some(e) = self.abort_error(what).filter(|_| collective) {
+                return Err(e);
+            }
             let mut pending = Vec::new();
             for (i, &p) in peers.iter().enumerate() {
                 if got[i].is_some() {
                     continue;
                 }
-                let peer = &self.shared.peers[p];
+                let peer = &self.peers[p];
                 let mut inbox = lock(&peer.inbox);
                 if let Some(m) = inbox.queues.get_mut(&tag).and_then(|q| q.pop_front()) {
                     got[i] = Some(m);
                     continue;
                 }
                 if let Some(why) = peer_failure(&inbox) {
+                    drop(inbox);
+                    if collective {
+                        raise_abort(
+                            self,
+                            AbortNotice { failed: p as u32, reporter: self.rank as u32, reason: why.clone() },
+                        );
+                        if let Some(e) = self.abort_error(what) {
+                            return Err(e);
+                        }
+                    }
                     return Err(Error::remote(why).during(what.to_string()).with_peer(p));
+                }
+                if let Some(a) = lock(&self.abort).as_ref().filter(|a| a.failed as usize == p) {
+                    return Err(Error::remote(format!("the peer failed (seen by rank {}: {})", a.reporter, a.reason))
+                        .during(what.to_string())
+                        .with_peer(p));
                 }
                 pending.push(p);
             }
@@ -809,11 +902,9 @@ impl TcpBootstrap {
             let now = Instant::now();
             if now >= deadline {
                 let list: Vec<String> = pending.iter().map(|p| p.to_string()).collect();
-                let mut e = Error::new(
-                    ErrorKind::Timeout,
-                    format!("no message from rank(s) [{}] within {timeout:?}", list.join(", ")),
-                )
-                .during(what.to_string());
+                let mut e =
+                    Error::new(ErrorKind::Timeout, format!("no message from rank(s) [{}] in time", list.join(", ")))
+                        .during(what.to_string());
                 if pending.len() == 1 {
                     e = e.with_peer(pending[0]);
                 }
@@ -823,13 +914,13 @@ impl TcpBootstrap {
             if now.duration_since(last_probe) >= Duration::from_millis(200) {
                 last_probe = now;
                 for &p in &pending {
-                    let open = matches!(lock(&self.shared.peers[p].inbox).incoming, Link::Open);
+                    let open = matches!(lock(&self.peers[p].inbox).incoming, Link::Open);
                     if !open {
                         self.probe(p);
                     }
                 }
             }
-            let peer = &self.shared.peers[pending[0]];
+            let peer = &self.peers[pending[0]];
             let inbox = lock(&peer.inbox);
             let has = inbox.queues.get(&tag).is_some_and(|q| !q.is_empty()) || peer_failure(&inbox).is_some();
             if !has {
@@ -838,12 +929,48 @@ impl TcpBootstrap {
             }
         }
     }
+}
 
-    fn check_tag(tag: u64) -> Result<()> {
-        if tag >= RESERVED_TAG_BASE {
-            return Err(Error::invalid_usage(format!("tag {tag:#x} is reserved (user tags are below 2^63)")));
-        }
-        Ok(())
+/// Records the first failure this rank hears of, wakes every wait, and tells the collectives'
+/// neighbours (except the failed rank and the reporter) on a thread of its own, so the news
+/// floods the ring and the tree: every rank learns who failed, not only that a neighbour went
+/// silent. The ring and the tree together stay connected without any one rank.
+fn raise_abort(sh: &Arc<Shared>, notice: AbortNotice) {
+    if sh.closing.load(Ordering::Acquire) {
+        return;
+    }
+    // The abort lock is held until the flood thread is recorded: a wait that sees the abort
+    // returns, and the rank may close at once; its close must find the thread to join, so the
+    // news leaves before the goodbye.
+    let mut a = lock(&sh.abort);
+    if a.is_some() {
+        return;
+    }
+    warn!(target: LOG, "rank {}: rank {} failed (seen by rank {}: {})", sh.rank, notice.failed, notice.reporter, notice.reason);
+    *a = Some(notice.clone());
+    let sh2 = sh.clone();
+    let flood = std::thread::Builder::new().name(format!("mscclpp-bs-abort-{}", sh.rank)).stack_size(128 * 1024).spawn(
+        move || {
+            let sh = sh2;
+            let body = notice.to_wire();
+            let limit = sh.timeout().min(Duration::from_secs(5));
+            for nb in neighbours(sh.rank, sh.size) {
+                if nb == notice.failed as usize || nb == notice.reporter as usize {
+                    continue;
+                }
+                if let Err(e) = sh.send_until(nb, TAG_ABORT, &body, Instant::now() + limit, limit) {
+                    debug!(target: LOG, "rank {}: telling rank {nb} of the failure: {e}", sh.rank);
+                }
+            }
+        },
+    );
+    match flood {
+        Ok(h) => *lock(&sh.flood) = Some(h),
+        Err(e) => warn!(target: LOG, "rank {}: cannot start the thread telling the neighbours: {e}", sh.rank),
+    }
+    drop(a);
+    for p in &sh.peers {
+        p.cond.notify_all();
     }
 }
 
@@ -857,23 +984,6 @@ fn peer_failure(inbox: &Inbox) -> Option<String> {
             .map(|_| "the peer is unreachable (its listener is closed); it has exited or failed".to_string()),
         Link::Open => None,
     }
-}
-
-fn parse_table(b: &[u8], size: usize) -> Result<Vec<(SocketAddr, u64)>> {
-    let mut w = Writer::new(HELLO_MAGIC, VERSION);
-    w.raw(b);
-    let framed = w.finish();
-    let mut r = Reader::new(&framed, "root address table", HELLO_MAGIC, VERSION)?;
-    let n = r.u32()? as usize;
-    if n != size {
-        return Err(Error::remote(format!("root table has {n} ranks, expected {size}")));
-    }
-    let mut v = Vec::with_capacity(n);
-    for _ in 0..n {
-        v.push((get_addr(&mut r)?, r.u64()?));
-    }
-    r.finish()?;
-    Ok(v)
 }
 
 fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
@@ -895,12 +1005,12 @@ fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
     }
 }
 
+/// The reader shell of one incoming connection: the handshake, then bytes into a
+/// [`FrameReader`] and its messages into the inbox.
 fn serve_incoming(sh: Arc<Shared>, mut s: TcpStream) {
     let from = s.peer_addr().ok();
-    let _ = s.set_read_timeout(Some(
-        HANDSHAKE_LIMIT.min(Duration::from_millis(sh.timeout_ms.load(Ordering::Relaxed).max(100))),
-    ));
-    let hello = match Hello::read(&mut s, &sh.secret) {
+    let _ = s.set_read_timeout(Some(HANDSHAKE_LIMIT.min(sh.timeout().max(Duration::from_millis(100)))));
+    let hello = match read_hello(&mut s, &sh.secret) {
         Ok(h) => h,
         Err(e) => {
             if !sh.closing.load(Ordering::Acquire) {
@@ -928,28 +1038,47 @@ fn serve_incoming(sh: Arc<Shared>, mut s: TcpStream) {
         peer.cond.notify_all();
     }
     debug!(target: LOG, "rank {}: connection from rank {rank} open", sh.rank);
+    let mut frames = FrameReader::default();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut msgs = Vec::new();
+    let mut goodbye = false;
     let why = loop {
-        let mut head = [0u8; 16];
-        if let Err(e) = s.read_exact(&mut head) {
-            break if e.kind() == std::io::ErrorKind::UnexpectedEof { "closed".to_string() } else { e.to_string() };
+        let n = match s.read(&mut buf) {
+            Ok(0) if goodbye => break "closed".to_string(),
+            Ok(0) if frames.at_boundary() => break "closed".to_string(),
+            Ok(0) => break "closed in the middle of a message".to_string(),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => break e.to_string(),
+        };
+        if let Err(e) = frames.push(&buf[..n], &mut msgs) {
+            break e.to_string();
         }
-        let tag = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
-        let len = u64::from_le_bytes(head[8..].try_into().unwrap_or_default());
-        let Ok(len) = usize::try_from(len) else { break format!("message of {len} bytes is too large") };
-        let mut data = Vec::new();
-        if data.try_reserve_exact(len).is_err() {
-            break format!("cannot allocate {len} bytes for a message");
+        for (tag, data) in msgs.drain(..) {
+            match tag {
+                TAG_GOODBYE => goodbye = true,
+                TAG_ABORT => match AbortNotice::from_wire(&data) {
+                    Ok(n) if (n.failed as usize) < sh.size => raise_abort(&sh, n),
+                    Ok(n) => {
+                        warn!(target: LOG, "rank {}: abort notice from rank {rank} names rank {}", sh.rank, n.failed)
+                    }
+                    Err(e) => warn!(target: LOG, "rank {}: bad abort notice from rank {rank}: {e}", sh.rank),
+                },
+                _ => {
+                    lock(&peer.inbox).queues.entry(tag).or_default().push_back(data);
+                    peer.cond.notify_all();
+                }
+            }
         }
-        data.resize(len, 0);
-        if let Err(e) = s.read_exact(&mut data) {
-            break format!("message cut short: {e}");
-        }
-        lock(&peer.inbox).queues.entry(tag).or_default().push_back(data);
-        peer.cond.notify_all();
     };
-    if !sh.closing.load(Ordering::Acquire) {
+    let closing = sh.closing.load(Ordering::Acquire);
+    if !closing {
         debug!(target: LOG, "rank {}: connection from rank {rank} ended: {why}", sh.rank);
     }
+    // A close without a goodbye (the peer died) fails the waits on this peer at once; a
+    // collective waiting on it then tells the others (`recv_many`). Nothing is raised here: a
+    // rank that exits without dropping its bootstrap after its last collective harms no one.
+    let why = if goodbye || closing { why } else { format!("{why}, without a goodbye") };
     lock(&peer.inbox).incoming = Link::Closed(why);
     peer.cond.notify_all();
 }
@@ -969,59 +1098,148 @@ impl Bootstrap for TcpBootstrap {
     fn send(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
         Self::check_tag(tag).map_err(|e| e.during("bootstrap send"))?;
         self.check_peer(peer, "bootstrap send")?;
-        self.send_any(peer, tag, data).map_err(|e| e.during(format!("bootstrap send (tag {tag})")).with_peer(peer))
+        self.shared
+            .send_any(peer, tag, data)
+            .map_err(|e| e.during(format!("bootstrap send (tag {tag})")).with_peer(peer))
     }
 
     fn recv(&self, peer: usize, tag: u64) -> Result<Vec<u8>> {
         Self::check_tag(tag).map_err(|e| e.during("bootstrap recv"))?;
         self.check_peer(peer, "bootstrap recv")?;
-        let mut v = self.recv_many(&[peer], tag, &format!("bootstrap recv (tag {tag})"))?;
+        let mut v =
+            self.shared.recv_many(&[peer], tag, self.deadline(), &format!("bootstrap recv (tag {tag})"), false)?;
         v.pop().ok_or_else(|| Error::internal("recv_many returned nothing"))
     }
 
+    /// Up the binary tree rooted at rank 0 (each rank sends its subtree's pieces to its
+    /// parent), then the whole table down it: 2 log2(n) hops, at most three tree peers per rank.
+    /// When a subtree holds more than [`TREE_GATHER_LIMIT`] bytes, an overflow marker goes up
+    /// and down instead and the ranks pass their pieces around the ring (next and previous
+    /// rank, n-1 hops), which moves large data without the tree's store-and-forward. Measured in
+    /// docs/design-notes.md.
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let what = "bootstrap all_gather";
         let (me, n) = (self.shared.rank, self.shared.size);
-        for p in (0..n).filter(|p| *p != me) {
-            self.send_any(p, TAG_ALL_GATHER, data).map_err(|e| e.during("bootstrap all_gather").with_peer(p))?;
+        let deadline = self.deadline();
+        let encode = |g: &GatherBlocks| g.encode().map_err(|e| e.during(what.to_string()));
+        // Up: my subtree's pieces, in rank order, or an overflow marker.
+        let mut mine = GatherBlocks { overflow: data.len() > TREE_GATHER_LIMIT, blocks: Vec::new() };
+        let mut held = data.len();
+        if !mine.overflow {
+            mine.blocks.push((me as u32, data.to_vec()));
         }
-        let others: Vec<usize> = (0..n).filter(|p| *p != me).collect();
-        let mut got = self.recv_many(&others, TAG_ALL_GATHER, "bootstrap all_gather")?.into_iter();
-        Ok((0..n).map(|p| if p == me { data.to_vec() } else { got.next().unwrap_or_default() }).collect())
-    }
-
-    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
-        self.check_peer(root, "bootstrap broadcast")?;
-        if self.shared.rank == root {
-            for p in (0..self.shared.size).filter(|p| *p != root) {
-                self.send_any(p, super::TAG_BROADCAST, data)
-                    .map_err(|e| e.during("bootstrap broadcast").with_peer(p))?;
+        for c in tree_children(me, n) {
+            let got = GatherBlocks::from_wire(&self.coll_recv(c, TAG_ALL_GATHER, deadline, what)?)
+                .map_err(|e| e.during(what.to_string()).with_peer(c))?;
+            held += got.blocks.iter().map(|(_, b)| b.len()).sum::<usize>();
+            mine.overflow |= got.overflow || held > TREE_GATHER_LIMIT;
+            if !mine.overflow {
+                mine.blocks.extend(got.blocks);
             }
-            Ok(data.to_vec())
-        } else {
-            let mut v = self.recv_many(&[root], super::TAG_BROADCAST, "bootstrap broadcast")?;
-            v.pop().ok_or_else(|| Error::internal("recv_many returned nothing"))
         }
+        if mine.overflow {
+            mine.blocks.clear();
+        }
+        mine.blocks.sort_unstable_by_key(|(r, _)| *r);
+        // Down: the full table (or the marker), forwarded as received.
+        let table = match tree_parent(me) {
+            Some(p) => {
+                self.coll_send(p, TAG_ALL_GATHER, &encode(&mine)?, what)?;
+                self.coll_recv(p, TAG_ALL_GATHER, deadline, what)?
+            }
+            None => encode(&mine)?,
+        };
+        for c in tree_children(me, n) {
+            self.coll_send(c, TAG_ALL_GATHER, &table, what)?;
+        }
+        let all = GatherBlocks::from_wire(&table).map_err(|e| e.during(what.to_string()))?;
+        if all.overflow {
+            return self.ring_all_gather(data, deadline, what);
+        }
+        if all.blocks.len() != n || all.blocks.iter().enumerate().any(|(i, (r, _))| *r as usize != i) {
+            return Err(Error::remote(format!(
+                "the gathered table has {} pieces, not one from each of {n} ranks",
+                all.blocks.len()
+            ))
+            .during(what.to_string()));
+        }
+        Ok(all.blocks.into_iter().map(|(_, b)| b).collect())
     }
 
-    fn barrier(&self) -> Result<()> {
+    /// Up the binary tree rooted at rank 0 (along the root's ancestors) to rank 0, then down
+    /// the tree: at most three tree peers per rank.
+    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
+        let what = "bootstrap broadcast";
+        self.check_peer(root, what)?;
         let (me, n) = (self.shared.rank, self.shared.size);
-        for p in (0..n).filter(|p| *p != me) {
-            self.send_any(p, super::TAG_BARRIER, &[]).map_err(|e| e.during("bootstrap barrier").with_peer(p))?;
+        let deadline = self.deadline();
+        let mut payload = (me == root).then(|| data.to_vec());
+        // Up: each ancestor of `root` takes the data from its child on the path.
+        let mut child_on_path = None;
+        let mut v = root;
+        while v != me && v > 0 {
+            child_on_path = Some(v);
+            v = (v - 1) / 2;
         }
-        let others: Vec<usize> = (0..n).filter(|p| *p != me).collect();
-        self.recv_many(&others, super::TAG_BARRIER, "bootstrap barrier").map(|_| ())
+        let on_path = v == me;
+        if on_path {
+            if let Some(c) = child_on_path {
+                payload = Some(self.coll_recv(c, TAG_BROADCAST, deadline, what)?);
+            }
+            if let (Some(p), Some(d)) = (tree_parent(me), payload.as_ref()) {
+                self.coll_send(p, TAG_BROADCAST, d, what)?;
+            }
+        }
+        // Down from rank 0.
+        if let Some(p) = tree_parent(me) {
+            let d = self.coll_recv(p, TAG_BROADCAST, deadline, what)?;
+            payload.get_or_insert(d);
+        }
+        let payload = payload.ok_or_else(|| Error::internal("broadcast without data"))?;
+        for c in tree_children(me, n) {
+            self.coll_send(c, TAG_BROADCAST, &payload, what)?;
+        }
+        Ok(payload)
+    }
+
+    /// Arrivals up the binary tree rooted at rank 0, then the release down it: 2 log2(n) hops.
+    fn barrier(&self) -> Result<()> {
+        let what = "bootstrap barrier";
+        let (me, n) = (self.shared.rank, self.shared.size);
+        let deadline = self.deadline();
+        let children: Vec<usize> = tree_children(me, n).collect();
+        self.shared.recv_many(&children, TAG_BARRIER, deadline, what, true)?;
+        if let Some(p) = tree_parent(me) {
+            self.coll_send(p, TAG_BARRIER, &[], what)?;
+            self.coll_recv(p, TAG_BARRIER, deadline, what)?;
+        }
+        for &c in &children {
+            self.coll_send(c, TAG_BARRIER, &[], what)?;
+        }
+        Ok(())
     }
 }
 
 impl Drop for TcpBootstrap {
     fn drop(&mut self) {
         let sh = &self.shared;
-        sh.closing.store(true, Ordering::Release);
+        let flood = {
+            let _abort = lock(&sh.abort);
+            lock(&sh.flood).take()
+        };
+        if let Some(t) = flood {
+            let _ = t.join();
+        }
+        // A goodbye on each connection we opened, so the peers tell a close from a death.
+        let bye = frame_header(TAG_GOODBYE, 0);
         for p in &sh.peers {
-            if let Some(s) = lock(&p.out).take() {
+            if let Some(mut s) = lock(&p.out).take() {
+                let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+                let _ = s.write_all(&bye);
                 let _ = s.shutdown(Shutdown::Both);
             }
         }
+        sh.closing.store(true, Ordering::Release);
         // wake the accept loop
         let _ = TcpStream::connect_timeout(&sh.listen_addr, Duration::from_secs(1));
         if let Some(t) = self.listener_thread.take() {

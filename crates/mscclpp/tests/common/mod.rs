@@ -80,13 +80,34 @@ pub fn spawn_some(
     env: &[(&str, String)],
     limit: Duration,
 ) -> Job {
+    spawn_limited(name, size, ranks, root_timeout, env, limit, None)
+}
+
+/// [`spawn_some`], with each rank's open-file limit (soft and hard) set to `nofile` before it
+/// starts (through `sh -c 'ulimit -n N; exec ...'`), as a cluster's default 1,024 would.
+pub fn spawn_limited(
+    name: &str,
+    size: usize,
+    ranks: &[usize],
+    root_timeout: Duration,
+    env: &[(&str, String)],
+    limit: Duration,
+    nofile: Option<u64>,
+) -> Job {
     let (root, id) = RootServer::start(size, root_timeout).expect("root server");
     let start = Instant::now();
     let exe = std::env::current_exe().expect("current_exe");
     let mut children: Vec<(usize, Child)> = ranks
         .iter()
         .map(|&r| {
-            let mut c = Command::new(&exe);
+            let mut c = match nofile {
+                Some(n) => {
+                    let mut c = Command::new("sh");
+                    c.arg("-c").arg(format!("ulimit -n {n} && exec \"$0\" \"$@\"")).arg(&exe);
+                    c
+                }
+                None => Command::new(&exe),
+            };
             c.args(["--exact", name, "--nocapture", "--test-threads=1", "--include-ignored"])
                 .env("MSCCLPP_TEST_RANK", r.to_string())
                 .env("MSCCLPP_TEST_SIZE", size.to_string())

@@ -1,0 +1,190 @@
+//! `mscclpp-perf bootstrap`: how the bootstrap scales with the number of ranks.
+//!
+//! For each job size in `--scale` (default 16, 64, 256, 512) the launcher starts that many
+//! local processes with a [`RootServer`]; each rank times `initialize` and `all_gather` of 8 B
+//! and 1 MiB, and prints one line the launcher collects. A row is printed as each job finishes.
+//!
+//! * `init` is from the moment the last rank called `initialize` to the moment the last rank
+//!   had it return: the bootstrap's own latency, without the launcher's process start-up.
+//! * `ag 8B` / `ag 1MiB` are the slowest rank's time for one `all_gather` (median of the
+//!   repetitions), each started right after a `barrier`.
+//!
+//! Jobs whose 1 MiB all_gather would need more memory than half of `MemAvailable` (every rank
+//! holds `n` MiB) skip that column.
+
+use std::process::{Command, Stdio};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use mscclpp::{Bootstrap, RootServer, TcpBootstrap, UniqueId};
+
+use crate::Args;
+
+const ENV_RANK: &str = "MSCCLPP_PERF_BS_RANK";
+const ENV_SIZE: &str = "MSCCLPP_PERF_BS_SIZE";
+const ENV_ID: &str = "MSCCLPP_PERF_BS_ID";
+const ENV_BIG: &str = "MSCCLPP_PERF_BS_BIG";
+const SMALL_REPS: usize = 5;
+const BIG_REPS: usize = 3;
+
+fn unix_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// One rank: `BSPERF <start_us> <end_us> <ag8 ms,...> <ag1m ms,...>` on stdout.
+fn rank_main(args: &Args, rank: usize, size: usize, id: &UniqueId, big: bool) -> Result<(), String> {
+    let start = unix_us();
+    let bs = TcpBootstrap::config(rank, size).timeout(args.timeout()).initialize(id).map_err(|e| e.to_string())?;
+    let end = unix_us();
+    let time = |len: usize, reps: usize| -> Result<Vec<f64>, String> {
+        let data = vec![rank as u8; len];
+        let mut out = Vec::new();
+        for _ in 0..reps {
+            bs.barrier().map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            let all = bs.all_gather(&data).map_err(|e| e.to_string())?;
+            out.push(t.elapsed().as_secs_f64() * 1e3);
+            if all.len() != size
+                || all.iter().enumerate().any(|(i, m)| m.len() != len || m.first().is_some_and(|b| *b != i as u8))
+            {
+                return Err(format!("rank {rank}: all_gather of {len} B returned wrong data"));
+            }
+        }
+        Ok(out)
+    };
+    let small = time(8, SMALL_REPS)?;
+    let large = if big { time(1 << 20, BIG_REPS)? } else { Vec::new() };
+    bs.barrier().map_err(|e| e.to_string())?;
+    let fmt = |v: &[f64]| {
+        if v.is_empty() { "-".to_string() } else { v.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(",") }
+    };
+    println!("BSPERF {start} {end} {} {}", fmt(&small), fmt(&large));
+    Ok(())
+}
+
+/// `MemAvailable` in bytes, if known.
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let l = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    l.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
+/// One row of results.
+struct Row {
+    ranks: usize,
+    init_ms: f64,
+    ag8_ms: f64,
+    ag1m_ms: Option<f64>,
+    job_s: f64,
+}
+
+fn run_job(args: &Args, n: usize) -> Result<Row, String> {
+    let big = mem_available().is_none_or(|m| (n as u64) * (n as u64) * (1 << 20) <= m / 2);
+    let (root, id) = RootServer::start(n, args.timeout()).map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let t0 = Instant::now();
+    let mut children = Vec::new();
+    for r in 0..n {
+        let child = Command::new(&exe)
+            .args(std::env::args_os().skip(1))
+            .env(ENV_RANK, r.to_string())
+            .env(ENV_SIZE, n.to_string())
+            .env(ENV_ID, id.to_string())
+            .env(ENV_BIG, if big { "1" } else { "0" })
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting rank {r} of {n}: {e}"))?;
+        children.push((r, child));
+    }
+    let mut lines = Vec::new();
+    let mut failed = Vec::new();
+    for (r, c) in children {
+        match c.wait_with_output() {
+            Ok(o) if o.status.success() => {
+                let s = String::from_utf8_lossy(&o.stdout).into_owned();
+                match s.lines().find(|l| l.starts_with("BSPERF ")) {
+                    Some(l) => lines.push(l.to_string()),
+                    None => failed.push(format!("rank {r} printed no result")),
+                }
+            }
+            Ok(o) => failed.push(format!("rank {r} ({})", o.status)),
+            Err(e) => failed.push(format!("rank {r} ({e})")),
+        }
+    }
+    root.join();
+    if !failed.is_empty() {
+        return Err(format!("{n} ranks: failed: {}", failed.join(", ")));
+    }
+    let mut last_start = 0u64;
+    let mut last_end = 0u64;
+    let mut small: Vec<Vec<f64>> = Vec::new();
+    let mut large: Vec<Vec<f64>> = Vec::new();
+    for l in &lines {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).ok_or_else(|| format!("bad line {l:?}"));
+        last_start = last_start.max(num(1)?);
+        last_end = last_end.max(num(2)?);
+        let list = |i: usize| -> Vec<f64> {
+            f.get(i).map(|x| x.split(',').filter_map(|v| v.parse().ok()).collect()).unwrap_or_default()
+        };
+        small.push(list(3));
+        large.push(list(4));
+    }
+    // per repetition, the slowest rank; then the median over repetitions
+    let slowest = |per_rank: &[Vec<f64>]| -> Option<f64> {
+        let reps = per_rank.iter().map(|v| v.len()).min().unwrap_or(0);
+        (reps > 0).then(|| median((0..reps).map(|i| per_rank.iter().map(|v| v[i]).fold(0.0, f64::max)).collect()))
+    };
+    Ok(Row {
+        ranks: n,
+        init_ms: last_end.saturating_sub(last_start) as f64 / 1e3,
+        ag8_ms: slowest(&small).unwrap_or(f64::NAN),
+        ag1m_ms: slowest(&large),
+        job_s: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Runs the scaling benchmark (or, in a child, one rank of it).
+pub fn run(args: &Args) -> Result<(), String> {
+    let env = |k: &str| std::env::var(k).ok();
+    if let (Some(r), Some(s), Some(id)) = (env(ENV_RANK), env(ENV_SIZE), env(ENV_ID)) {
+        let rank: usize = r.parse().map_err(|_| format!("bad {ENV_RANK}"))?;
+        let size: usize = s.parse().map_err(|_| format!("bad {ENV_SIZE}"))?;
+        let id: UniqueId = id.parse().map_err(|e: mscclpp::Error| e.to_string())?;
+        return rank_main(args, rank, size, &id, env(ENV_BIG).as_deref() == Some("1"));
+    }
+    println!(
+        "# mscclpp-perf bootstrap: local processes on {} CPUs",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("{:>6} {:>12} {:>12} {:>14} {:>10}", "ranks", "init ms", "ag 8B ms", "ag 1MiB ms", "job s");
+    let mut rows = Vec::new();
+    for &n in &args.scale {
+        let row = run_job(args, n)?;
+        let big = row.ag1m_ms.map_or_else(|| "skipped".to_string(), |v| format!("{v:.2}"));
+        println!("{:>6} {:>12.2} {:>12.3} {:>14} {:>10.2}", row.ranks, row.init_ms, row.ag8_ms, big, row.job_s);
+        rows.push(row);
+    }
+    if let Some(path) = &args.json {
+        let body: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"test\":\"bootstrap\",\"ranks\":{},\"init_ms\":{:.3},\"all_gather_8b_ms\":{:.4},\"all_gather_1mib_ms\":{},\"job_s\":{:.3}}}",
+                    r.ranks,
+                    r.init_ms,
+                    r.ag8_ms,
+                    r.ag1m_ms.map_or("null".to_string(), |v| format!("{v:.3}")),
+                    r.job_s
+                )
+            })
+            .collect();
+        std::fs::write(path, body.join("\n") + "\n").map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
