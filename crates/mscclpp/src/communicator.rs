@@ -5,10 +5,11 @@ use std::sync::{Arc, Mutex};
 
 use crate::bootstrap::{Bootstrap, COMM_TAG_BASE};
 use crate::conn::Connection;
-use crate::context::{Context, lock};
-use crate::endpoint::Endpoint;
+use crate::conn::endpoint::Endpoint;
+use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::memory::RegisteredMemory;
+use crate::sync::lock;
 use crate::transport::{EndpointConfig, TransportFlags};
 
 /// Kind byte in front of every communicator message, so that calls paired out of order give a

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::memory::{LocalRegion, RegisteredMemory, check_host_transports};
-use crate::sys::hostmem::Region;
+use crate::platform::hostmem::Region;
+use crate::sync::lock;
 use crate::transport::{Device, Transport, TransportFlags};
 
 pub(crate) struct ContextInner {
@@ -22,7 +23,7 @@ pub(crate) struct ContextInner {
     token_gen: Mutex<u64>,
     token_cond: Condvar,
     /// One non-blocking stream per GPU for CUDA IPC connections.
-    cuda_streams: Mutex<Vec<Arc<crate::gpu::Stream>>>,
+    cuda_streams: Mutex<Vec<Arc<crate::platform::cuda::Stream>>>,
     /// RDMA devices: names set by `set_ib_device`, choices made, devices opened.
     ib: Mutex<IbDevices>,
 }
@@ -34,7 +35,7 @@ struct IbDevices {
     /// The device chosen for (IB index, GPU or host).
     chosen: HashMap<(usize, Option<u32>), String>,
     /// Opened devices by name (one context and PD per device, shared by every use).
-    opened: HashMap<String, Arc<crate::ib::dev::IbDevice>>,
+    opened: HashMap<String, Arc<crate::platform::verbs::dev::IbDevice>>,
 }
 
 impl ContextInner {
@@ -53,12 +54,15 @@ impl ContextInner {
     }
 
     /// This context's CUDA IPC stream on `dev`, created on first use.
-    pub(crate) fn cuda_stream(&self, dev: &Arc<crate::gpu::GpuDevice>) -> Result<Arc<crate::gpu::Stream>> {
+    pub(crate) fn cuda_stream(
+        &self,
+        dev: &Arc<crate::platform::cuda::GpuDevice>,
+    ) -> Result<Arc<crate::platform::cuda::Stream>> {
         let mut v = lock(&self.cuda_streams);
         if let Some(s) = v.iter().find(|s| s.dev.ordinal == dev.ordinal) {
             return Ok(s.clone());
         }
-        let s = Arc::new(crate::gpu::Stream::new(dev)?);
+        let s = Arc::new(crate::platform::cuda::Stream::new(dev)?);
         v.push(s.clone());
         Ok(s)
     }
@@ -66,7 +70,7 @@ impl ContextInner {
     /// The RDMA device of `IBn` (`t`) for memory or endpoints on `device`, opened on first use:
     /// the name given to `Context::set_ib_device`, else entry n of `MSCCLPP_HCA_DEVICES`, else for
     /// a GPU the n-th closest NIC by PCIe topology, else the n-th device.
-    pub(crate) fn ib_device(&self, t: Transport, device: Device) -> Result<Arc<crate::ib::dev::IbDevice>> {
+    pub(crate) fn ib_device(&self, t: Transport, device: Device) -> Result<Arc<crate::platform::verbs::dev::IbDevice>> {
         let i = t.ib_index().ok_or_else(|| Error::internal(format!("{t} is not an IB transport")))?;
         let gpu = match device {
             Device::Gpu(g) => Some(g),
@@ -84,7 +88,8 @@ impl ContextInner {
         if let Some(d) = st.opened.get(&name) {
             return Ok(d.clone());
         }
-        let d = crate::ib::dev::IbDevice::open(&name).map_err(|e| e.during(format!("opening {name} for {t}")))?;
+        let d = crate::platform::verbs::dev::IbDevice::open(&name)
+            .map_err(|e| e.during(format!("opening {name} for {t}")))?;
         st.opened.insert(name, d.clone());
         Ok(d)
     }
@@ -108,7 +113,7 @@ impl ContextInner {
                 ))
             });
         }
-        let all = crate::ib::devices()?;
+        let all = crate::platform::verbs::devices()?;
         let missing = || {
             Error::not_available(format!(
                 "no IB transport {t}: this machine has {} RDMA device(s) ({})",
@@ -119,8 +124,8 @@ impl ContextInner {
         let Some(g) = gpu else {
             return all.get(i).cloned().ok_or_else(missing);
         };
-        let bus = crate::gpu::pci_bus_id(g)?;
-        let ranked = crate::ib::topo::rank_nics(std::path::Path::new("/sys"), &bus, &all);
+        let bus = crate::platform::cuda::pci_bus_id(g)?;
+        let ranked = crate::platform::topo::rank_nics(std::path::Path::new("/sys"), &bus, &all);
         let pick = ranked.get(i).ok_or_else(missing)?;
         tracing::info!(
             target: "mscclpp::ib",
@@ -161,9 +166,6 @@ impl ContextInner {
         ok
     }
 }
-
-// Moved to `crate::sync`; re-exported until every caller imports it from there.
-pub(crate) use crate::sync::lock;
 
 /// Per-process communication state: the table of registered memory (the Ethernet receiver checks
 /// every incoming write against it), and later CUDA streams and IB device contexts.

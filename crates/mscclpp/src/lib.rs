@@ -43,10 +43,10 @@
 #![warn(missing_docs, unreachable_pub, unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 mod bootstrap;
+mod buffer;
 mod communicator;
 mod conn;
 mod context;
-mod endpoint;
 pub mod env;
 mod error;
 pub mod gpu;
@@ -56,9 +56,9 @@ mod identity;
 mod logging;
 mod memory;
 pub mod net;
+mod platform;
 mod semaphore;
 mod sync;
-mod sys;
 mod transport;
 mod wire;
 
@@ -92,7 +92,7 @@ pub mod fuzzing {
             "socket_addr" => check_bytes::<std::net::SocketAddr>(data),
             "registered_memory" => check_bytes::<crate::RegisteredMemory>(data),
             "endpoint" => check_bytes::<crate::Endpoint>(data),
-            "ipc_info" => check_bytes::<crate::gpu::IpcInfo>(data),
+            "ipc_info" => check_bytes::<crate::platform::cuda::IpcInfo>(data),
             "text_specs" => {
                 // Strings users pass in (command lines, environment): parsing never panics and a
                 // parsed transport prints as a name that parses back to it.
@@ -127,19 +127,19 @@ pub mod fuzzing {
 }
 
 pub use bootstrap::{Bootstrap, RESERVED_TAG_BASE, RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
+pub use buffer::{Buffer, DeviceBuffer};
 pub use communicator::{Communicator, Pending};
 pub use conn::Connection;
+pub use conn::endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
 pub use context::Context;
-pub use endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use error::{Error, ErrorContext, ErrorKind, Result};
-pub use gpu::DeviceBuffer;
 pub use identity::{host_hash, process_hash};
 #[cfg(feature = "logging")]
 pub use logging::init_logging;
-pub use memory::{Buffer, IbMrInfo, RegisteredMemory};
+pub use memory::{IbMrInfo, RegisteredMemory};
+pub use platform::numa::{bind_thread_to_node, pci_numa_node};
 pub use semaphore::{
     Host2DeviceSemaphore, Host2DeviceSemaphoreDeviceHandle, Host2HostSemaphore, Semaphore, SemaphoreStub,
 };
-pub use sys::numa::{bind_thread_to_node, pci_numa_node};
 pub use transport::{Device, EndpointConfig, EthernetConfig, IbConfig, IbMode, Transport, TransportFlags};

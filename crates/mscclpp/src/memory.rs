@@ -1,13 +1,12 @@
 //! Registered memory: what a peer may write into, and its serialized form.
 
 use std::fmt;
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock, Weak};
 
 use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result};
-use crate::gpu::IpcInfo;
-use crate::sys::hostmem::{HostAlloc, Region};
+use crate::platform::cuda::IpcInfo;
+use crate::platform::hostmem::Region;
 use crate::transport::{Device, Transport, TransportFlags};
 use crate::wire::{Reader, WireForm, Writer};
 
@@ -46,7 +45,7 @@ pub(crate) struct MemoryDesc {
 #[derive(Clone, Debug)]
 pub(crate) enum Mem {
     Host(Region),
-    Gpu(crate::gpu::GpuRegion),
+    Gpu(crate::platform::cuda::GpuRegion),
 }
 
 impl Mem {
@@ -74,7 +73,7 @@ impl Mem {
 pub(crate) struct LocalRegion {
     /// IB memory regions by IB index. Declared first: fields drop in order, so the MRs are
     /// deregistered before the memory they cover can go.
-    pub(crate) ib_mrs: [Option<Arc<crate::ib::dev::IbMr>>; 8],
+    pub(crate) ib_mrs: [Option<Arc<crate::platform::verbs::dev::IbMr>>; 8],
     pub(crate) mem: Mem,
     pub(crate) id: u64,
     pub(crate) transports: TransportFlags,
@@ -100,7 +99,7 @@ struct MemInner {
     local: Option<Arc<LocalRegion>>,
     /// A peer's GPU memory mapped into this process through CUDA IPC on first use (kept alive
     /// while this handle lives).
-    import: OnceLock<Arc<crate::gpu::IpcMapping>>,
+    import: OnceLock<Arc<crate::platform::cuda::IpcMapping>>,
     /// The address of this GPU memory in this process, once resolved (the hot path of every
     /// CUDA IPC operation reads only this).
     resolved: OnceLock<u64>,
@@ -147,7 +146,7 @@ impl RegisteredMemory {
 
     pub(crate) fn new_local_gpu(
         ctx: &Context,
-        region: crate::gpu::GpuRegion,
+        region: crate::platform::cuda::GpuRegion,
         transports: TransportFlags,
         ipc: Option<IpcInfo>,
     ) -> Result<Self> {
@@ -164,7 +163,7 @@ impl RegisteredMemory {
     ) -> Result<Self> {
         let inner = ctx.inner();
         let id = inner.next_region_id();
-        let mut ib_mrs: [Option<Arc<crate::ib::dev::IbMr>>; 8] = Default::default();
+        let mut ib_mrs: [Option<Arc<crate::platform::verbs::dev::IbMr>>; 8] = Default::default();
         let mut ib = [None; 8];
         for t in (transports & TransportFlags::ALL_IB).iter() {
             let i = t.ib_index().unwrap_or(0);
@@ -176,7 +175,7 @@ impl RegisteredMemory {
                 }
                 Mem::Gpu(g) => {
                     let dev = inner.ib_device(t, Device::Gpu(g.dev.ordinal)).map_err(during)?;
-                    crate::gpu::reg_ib_mr(&dev, g).map_err(during)?
+                    crate::platform::cuda::reg_ib_mr(&dev, g).map_err(during)?
                 }
             };
             ib[i] = Some(IbMrInfo { addr: mr.addr, rkey: mr.rkey });
@@ -248,7 +247,7 @@ impl RegisteredMemory {
     /// The address of this GPU memory usable on `dev` in this process: the local pointer, the
     /// owner's pointer when the owner is this process, or a CUDA IPC mapping opened on first use
     /// (kept while any clone of this handle lives).
-    pub(crate) fn gpu_ptr(&self, dev: &Arc<crate::gpu::GpuDevice>) -> Result<u64> {
+    pub(crate) fn gpu_ptr(&self, dev: &Arc<crate::platform::cuda::GpuDevice>) -> Result<u64> {
         if let Some(p) = self.inner.resolved.get() {
             return Ok(*p);
         }
@@ -256,7 +255,7 @@ impl RegisteredMemory {
         Ok(*self.inner.resolved.get_or_init(|| p))
     }
 
-    fn resolve_gpu_ptr(&self, dev: &Arc<crate::gpu::GpuDevice>) -> Result<u64> {
+    fn resolve_gpu_ptr(&self, dev: &Arc<crate::platform::cuda::GpuDevice>) -> Result<u64> {
         if let Some(l) = self.local() {
             return match &l.mem {
                 Mem::Gpu(g) => Ok(g.ptr),
@@ -275,7 +274,7 @@ impl RegisteredMemory {
         }
         let info =
             d.cuda_ipc.as_ref().ok_or_else(|| Error::invalid_usage("the peer's memory carries no CUDA IPC handle"))?;
-        let m = crate::gpu::ipc_open(info, dev)?;
+        let m = crate::platform::cuda::ipc_open(info, dev)?;
         if info.offset.checked_add(d.len).is_none_or(|e| e > m.size) {
             return Err(Error::invalid_usage("the peer's memory extends past its CUDA allocation"));
         }
@@ -423,94 +422,6 @@ pub(crate) fn get_device(r: &mut Reader<'_>) -> Result<Device> {
     }
 }
 
-/// An owned, page-aligned, zeroed host buffer, registered with a context at allocation.
-///
-/// Remote peers write into it while it is shared, so access goes through copies
-/// ([`read`](Self::read), [`write`](Self::write), [`to_vec`](Self::to_vec)) and atomics
-/// ([`atomic_u64`](Self::atomic_u64)) rather than `&[u8]`.
-///
-/// ```
-/// use mscclpp::{Buffer, Context, Transport};
-/// let ctx = Context::new();
-/// let buf = Buffer::new(&ctx, 4096, Transport::Ethernet.into()).unwrap();
-/// buf.write(0, b"hello").unwrap();
-/// assert_eq!(&buf.to_vec()[..5], b"hello");
-/// let mem = buf.memory().clone(); // what peers get, via Communicator::send_memory
-/// assert_eq!(mem.len(), 4096);
-/// ```
-#[derive(Clone)]
-pub struct Buffer {
-    mem: RegisteredMemory,
-    region: Region,
-}
-
-impl fmt::Debug for Buffer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Buffer").field(&self.mem).finish()
-    }
-}
-
-impl Buffer {
-    /// Allocates `len` zeroed bytes of host memory and registers them for `transports`.
-    ///
-    /// # Errors
-    /// `InvalidUsage` for `len == 0` or a transport host memory cannot use (CUDA IPC);
-    /// `NotAvailable` for a transport not built yet; `System` when out of memory.
-    pub fn new(ctx: &Context, len: usize, transports: TransportFlags) -> Result<Buffer> {
-        check_host_transports(transports)?;
-        if len == 0 {
-            return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
-        }
-        let alloc = Arc::new(HostAlloc::zeroed(len)?);
-        let region = Region::owned(alloc, len);
-        let mem = RegisteredMemory::new_local(ctx, region.clone(), transports, Device::Cpu)?;
-        Ok(Buffer { mem, region })
-    }
-
-    /// The registration, to give to connections or send to peers.
-    pub fn memory(&self) -> &RegisteredMemory {
-        &self.mem
-    }
-    fn region(&self) -> &Region {
-        &self.region
-    }
-    /// The length in bytes.
-    pub fn len(&self) -> usize {
-        self.mem.len() as usize
-    }
-    /// Always false: buffers hold at least one byte.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-    /// The address of the first byte (for FFI; do not free).
-    pub fn as_ptr(&self) -> *const u8 {
-        self.region().addr() as *const u8
-    }
-    /// Copies `data` into the buffer at `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.region().write(offset as u64, data)
-    }
-    /// Copies `out.len()` bytes from `offset` into `out`.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.region().read(offset as u64, out)
-    }
-    /// Sets `len` bytes from `offset` to `byte`.
-    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        self.region().fill(offset as u64, len as u64, byte)
-    }
-    /// A copy of the whole buffer.
-    pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = vec![0u8; self.len()];
-        // In bounds by construction.
-        let _ = self.region().read(0, &mut v);
-        v
-    }
-    /// The 8-byte word at `offset` (a multiple of 8) as an atomic.
-    pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64> {
-        self.region().atomic_u64(offset as u64)
-    }
-}
-
 pub(crate) fn check_host_transports(t: TransportFlags) -> Result<()> {
     if t.has(Transport::CudaIpc) {
         return Err(Error::invalid_usage("host memory cannot be registered for CUDA IPC (it needs GPU memory)"));
@@ -608,20 +519,5 @@ mod tests {
         b[n - 26..n - 13].copy_from_slice(&second);
         b[n - 13..].copy_from_slice(&first);
         assert!(RegisteredMemory::deserialize(&b).unwrap_err().to_string().contains("out of order"));
-    }
-
-    #[test]
-    fn buffer_registers_and_unregisters() {
-        let ctx = Context::new();
-        let buf = Buffer::new(&ctx, 64, Transport::Ethernet.into()).unwrap();
-        let id = buf.memory().desc().region_id;
-        assert!(ctx.inner().lookup_region(id).is_some());
-        let copy = RegisteredMemory::deserialize(&buf.memory().serialize()).unwrap();
-        assert_eq!(&copy, buf.memory());
-        assert!(!copy.is_local());
-        drop(buf);
-        assert!(ctx.inner().lookup_region(id).is_none(), "dropping the last handle unregisters");
-        assert!(Buffer::new(&ctx, 0, Transport::Ethernet.into()).is_err());
-        assert_eq!(Buffer::new(&ctx, 8, Transport::CudaIpc.into()).unwrap_err().kind(), crate::ErrorKind::InvalidUsage);
     }
 }

@@ -21,11 +21,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::buffer::Buffer;
+use crate::buffer::DeviceBuffer;
 use crate::communicator::{Communicator, MsgKind, Pending};
 use crate::conn::Connection;
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::DeviceBuffer;
-use crate::memory::{Buffer, RegisteredMemory};
+use crate::memory::RegisteredMemory;
 use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 use crate::transport::{Device, Transport};
 
@@ -130,7 +131,9 @@ impl SemaphoreStub {
         if fwd {
             let target = match &token {
                 Token::Host(b) => crate::conn::ib::ForwardTarget::Host(b.clone()),
-                Token::Gpu(b) => crate::conn::ib::ForwardTarget::Gpu(crate::gpu::TokenForwarder::new(b.region())?),
+                Token::Gpu(b) => {
+                    crate::conn::ib::ForwardTarget::Gpu(crate::platform::gdr::TokenForwarder::new(b.region())?)
+                }
             };
             connection.forward_signals_into(target).map_err(|e| connection.ctx_err(e, "building a semaphore"))?;
         }

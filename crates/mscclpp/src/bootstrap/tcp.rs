@@ -31,9 +31,9 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use super::{Bootstrap, RESERVED_TAG_BASE, TAG_ALL_GATHER};
-use crate::context::lock;
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{connect_retry, get_addr, put_addr};
+use crate::sync::lock;
 use crate::wire::{Reader, Writer, length_prefixed, read_length_prefixed};
 
 const LOG: &str = "mscclpp::bootstrap";

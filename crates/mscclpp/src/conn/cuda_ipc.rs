@@ -15,12 +15,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{ConnInner, Connection, ConnectionImpl};
-use crate::context::{Context, lock};
-use crate::endpoint::Endpoint;
+use crate::conn::endpoint::Endpoint;
+use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::{Event, GpuDevice, Stream};
 use crate::memory::{Mem, RegisteredMemory};
-use crate::sys::hostmem::Region;
+use crate::platform::cuda::{Event, GpuDevice, Stream};
+use crate::platform::hostmem::Region;
+use crate::sync::lock;
 use crate::transport::{Device, Transport};
 
 /// Pinned slots holding token values until their copies run. Slots are handed out in order
@@ -38,7 +39,7 @@ struct SlotRing {
 impl SlotRing {
     fn new(dev: &Arc<GpuDevice>) -> Result<SlotRing> {
         Ok(SlotRing {
-            slots: crate::gpu::PinnedAlloc::region(dev, SLOTS * 8)?,
+            slots: crate::platform::cuda::PinnedAlloc::region(dev, SLOTS * 8)?,
             events: (0..SLOTS).map(|_| None).collect(),
             next: 0,
             event_mode: false,
@@ -232,11 +233,11 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     if remote.host_hash() != local.host_hash() {
         return Err(Error::invalid_usage("CUDA IPC connects ranks on one host; the peer is on another"));
     }
-    let dev = crate::gpu::device(ordinal)?;
+    let dev = crate::platform::cuda::device(ordinal)?;
     if remote.process_hash() == local.process_hash() {
         if let Device::Gpu(r) = remote.device() {
             // Same process, another GPU: the pointer path needs peer access.
-            let rdev = crate::gpu::device(r)?;
+            let rdev = crate::platform::cuda::device(r)?;
             dev.enable_peer_access(&rdev)?;
         }
     }

@@ -45,13 +45,14 @@ use zerocopy::little_endian::U64;
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use super::{ConnInner, Connection, ConnectionImpl};
-use crate::context::{Context, ContextInner, lock};
-use crate::endpoint::{Endpoint, EndpointKind};
+use crate::conn::endpoint::{Endpoint, EndpointKind};
+use crate::context::{Context, ContextInner};
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::GpuRegion;
 use crate::memory::{LocalRegion, Mem, RegisteredMemory};
-use crate::sys::hostmem::Region;
-use crate::sys::hostmem::{IoPart, send_vectored};
+use crate::platform::cuda::GpuRegion;
+use crate::platform::hostmem::Region;
+use crate::platform::hostmem::{IoPart, send_vectored};
+use crate::sync::lock;
 use crate::transport::Transport;
 use crate::wire::{Reader, Writer, length_prefixed, read_length_prefixed};
 
@@ -316,8 +317,8 @@ impl From<std::io::Error> for StageError {
 /// Two pinned buffers, a stream and two events on one GPU: double buffering between the GPU's
 /// copy engine and the socket.
 pub(crate) struct Stager {
-    stream: crate::gpu::Stream,
-    events: [crate::gpu::Event; 2],
+    stream: crate::platform::cuda::Stream,
+    events: [crate::platform::cuda::Event; 2],
     stages: [Region; 2],
     /// Whether `events[k]` was recorded since stage `k` was last waited for.
     pending: [bool; 2],
@@ -330,11 +331,11 @@ fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -> Result<&'
         Entry::Vacant(v) => {
             let dev = &g.dev;
             Ok(v.insert(Stager {
-                stream: crate::gpu::Stream::new(dev)?,
-                events: [crate::gpu::Event::new(dev)?, crate::gpu::Event::new(dev)?],
+                stream: crate::platform::cuda::Stream::new(dev)?,
+                events: [crate::platform::cuda::Event::new(dev)?, crate::platform::cuda::Event::new(dev)?],
                 stages: [
-                    crate::gpu::PinnedAlloc::region(dev, STAGE_CHUNK)?,
-                    crate::gpu::PinnedAlloc::region(dev, STAGE_CHUNK)?,
+                    crate::platform::cuda::PinnedAlloc::region(dev, STAGE_CHUNK)?,
+                    crate::platform::cuda::PinnedAlloc::region(dev, STAGE_CHUNK)?,
                 ],
                 pending: [false; 2],
             }))
@@ -1046,12 +1047,12 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     // Threads serving a GPU run on its NUMA node (where its staging copies are cheapest); for
     // host memory they are left to the scheduler.
     let node = match local.device() {
-        crate::Device::Gpu(d) => crate::gpu::numa_node(d),
+        crate::Device::Gpu(d) => crate::platform::cuda::numa_node(d),
         crate::Device::Cpu => None,
     };
     let pin = move |name: &str| {
         if let Some(n) = node {
-            match crate::sys::numa::bind_thread_to_node(n) {
+            match crate::platform::numa::bind_thread_to_node(n) {
                 Ok(()) => debug!(target: LOG, "{name} bound to NUMA node {n}"),
                 Err(e) => warn!(target: LOG, "{name}: could not bind to NUMA node {n}: {e}"),
             }
@@ -1142,7 +1143,7 @@ mod tests {
     /// why, and the connection fails on our side too.
     #[test]
     fn raw_peer_with_bad_frames_is_refused() {
-        use crate::endpoint::EndpointDesc;
+        use crate::conn::endpoint::EndpointDesc;
         for bad in ["unregistered", "past the end", "wrong sequence"] {
             let ctx = Context::new();
             let target = Buffer::new(&ctx, 4096, Transport::Ethernet.into()).unwrap();

@@ -19,14 +19,16 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
-use crate::context::{Context, lock};
-use crate::endpoint::{Endpoint, EndpointKind};
+use crate::buffer::Buffer;
+use crate::conn::endpoint::{Endpoint, EndpointKind};
+use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::TokenForwarder;
-use crate::ib::dev::{IbMr, IbQp, SendOp as Op, wc_status_text};
-use crate::ib::verbs::abi::*;
-use crate::memory::{Buffer, RegisteredMemory};
-use crate::sys::hostmem::HostAlloc;
+use crate::memory::RegisteredMemory;
+use crate::platform::gdr::TokenForwarder;
+use crate::platform::hostmem::HostAlloc;
+use crate::platform::verbs::abi::*;
+use crate::platform::verbs::dev::{IbMr, IbQp, SendOp as Op, wc_status_text};
+use crate::sync::lock;
 use crate::transport::{IbMode, Transport};
 
 use super::{ConnInner, Connection, ConnectionImpl};

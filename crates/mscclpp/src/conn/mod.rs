@@ -1,6 +1,7 @@
 //! Connections: the one-sided operations every transport implements, behind one handle.
 
 pub(crate) mod cuda_ipc;
+pub(crate) mod endpoint;
 pub(crate) mod ethernet;
 pub(crate) mod ib;
 
@@ -11,8 +12,8 @@ use std::time::Duration;
 
 use tracing::trace_span;
 
+use crate::conn::endpoint::Endpoint;
 use crate::context::Context;
-use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::memory::RegisteredMemory;
 use crate::transport::{Device, Transport};

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
-use super::verbs::abi::*;
-use super::verbs::{DeviceList, Verbs, verbs};
+use super::abi::*;
+use super::{DeviceList, Verbs, verbs};
 use crate::error::{Error, ErrorKind, Result};
 
 fn ib_err(what: impl fmt::Display, errno: c_int) -> Error {

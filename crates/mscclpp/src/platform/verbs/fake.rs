@@ -1,6 +1,6 @@
 //! An in-process verbs provider for tests (cargo feature `ib-fake`), behind the same function
 //! table as libibverbs: the transport runs its real code (work requests, completions, QP state
-//! changes) against it. It is selected only by [`crate::ib::fake::install`], never as a fallback.
+//! changes) against it. It is selected only by `mscclpp::ib::fake::install`, never as a fallback.
 //!
 //! Model: every fake device is RoCE-like (link layer Ethernet, one active port, MTU 1024, GID 0
 //! link-local RoCE v1, GID 1 `::ffff:127.0.0.1` RoCE v2, HCA atomics). RC semantics: a fabric
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::abi::*;
 use super::{GidTypeFn, Verbs};
-use crate::context::lock;
+use crate::sync::lock;
 
 /// How long the fake retries a WR whose peer does not answer before retry-exceeded.
 pub const RETRY_WINDOW: Duration = Duration::from_millis(1500);

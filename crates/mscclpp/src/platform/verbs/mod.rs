@@ -6,6 +6,7 @@
 #![allow(unsafe_code)]
 
 pub(crate) mod abi;
+pub(crate) mod dev;
 #[cfg(feature = "ib-fake")]
 pub(crate) mod fake;
 

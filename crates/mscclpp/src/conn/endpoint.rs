@@ -5,10 +5,11 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::sync::Mutex;
 
-use crate::context::{Context, lock};
+use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::memory::{get_device, put_device};
 use crate::net::{get_addr, put_addr};
+use crate::sync::lock;
 use crate::transport::{Device, EndpointConfig, IbMode, Transport};
 use crate::wire::{Reader, Writer};
 
@@ -27,7 +28,7 @@ pub(crate) enum EndpointKind {
     /// CUDA IPC needs nothing beyond the common fields.
     CudaIpc,
     /// The queue pair to connect to, and how its owner signals.
-    Ib { qp: crate::ib::dev::QpInfo, mode: IbMode },
+    Ib { qp: crate::platform::verbs::dev::QpInfo, mode: IbMode },
 }
 
 /// The part of an endpoint that travels.
@@ -48,7 +49,7 @@ pub(crate) struct LocalEndpoint {
     /// from this endpoint.
     pub(crate) acceptor: Mutex<Option<Arc<crate::conn::ethernet::Acceptor>>>,
     /// The IB queue pair (in INIT since creation); taken by the one connection made from it.
-    pub(crate) ib_qp: Mutex<Option<crate::ib::dev::IbQp>>,
+    pub(crate) ib_qp: Mutex<Option<crate::platform::verbs::dev::IbQp>>,
 }
 
 struct EndpointInner {
@@ -180,7 +181,7 @@ impl Endpoint {
             1 => EndpointKind::Ethernet { addr: get_addr(&mut r)?, secret: r.array()? },
             2 => EndpointKind::CudaIpc,
             3 => {
-                let qp = crate::ib::dev::QpInfo {
+                let qp = crate::platform::verbs::dev::QpInfo {
                     lid: r.u16()?,
                     qpn: r.u32()?,
                     gid: r.array()?,
@@ -251,7 +252,7 @@ impl Context {
                 let Device::Gpu(d) = config.device else {
                     return Err(Error::invalid_usage("a CUDA IPC endpoint needs a GPU device (Device::Gpu)").during(op));
                 };
-                crate::gpu::device(d).map_err(|e| e.during(op.clone()))?;
+                crate::platform::cuda::device(d).map_err(|e| e.during(op.clone()))?;
                 (EndpointKind::CudaIpc, (config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE), None))
             }
             t => {
@@ -293,7 +294,7 @@ fn create_ib(
     ctx: &Context,
     config: &EndpointConfig,
     t: Transport,
-) -> Result<(EndpointKind, crate::ib::dev::IbQp, usize)> {
+) -> Result<(EndpointKind, crate::platform::verbs::dev::IbQp, usize)> {
     let ib = &config.ib;
     let mode = match ib.mode {
         IbMode::Default => crate::env::env()?.ibv_mode.filter(|m| *m != IbMode::Default).unwrap_or(IbMode::Host),
@@ -318,19 +319,19 @@ fn create_ib(
     }
     let queue = write_queue_size(config, ib.max_cq_size as usize)?;
     let port = dev.choose_port(ib.port, ib.gid_index)?;
-    let limits = crate::ib::dev::QpLimits {
+    let limits = crate::platform::verbs::dev::QpLimits {
         max_send_wr: ib.max_send_wr,
         max_recv_wr: ib.max_recv_wr,
         cq_size: ib.max_cq_size,
         timeout: ib.timeout,
         retry_cnt: ib.retry_cnt,
     };
-    let qp = crate::ib::dev::IbQp::create(&dev, port, limits, mode == IbMode::Host)?;
+    let qp = crate::platform::verbs::dev::IbQp::create(&dev, port, limits, mode == IbMode::Host)?;
     Ok((EndpointKind::Ib { qp: qp.info(), mode }, qp, queue))
 }
 
 impl LocalEndpoint {
-    pub(crate) fn take_ib_qp(&self) -> Option<crate::ib::dev::IbQp> {
+    pub(crate) fn take_ib_qp(&self) -> Option<crate::platform::verbs::dev::IbQp> {
         lock(&self.ib_qp).take()
     }
 
@@ -352,7 +353,8 @@ mod tests {
         });
         let ib = (0usize..8, any::<u16>(), any::<u32>(), any::<[u8; 16]>(), any::<[u8; 3]>(), any::<bool>()).prop_map(
             |(n, lid, qpn, gid, m, no_atomic)| {
-                let qp = crate::ib::dev::QpInfo { lid, qpn, gid, mtu: m[0], link_layer: m[1], rd_atomic: m[2] };
+                let qp =
+                    crate::platform::verbs::dev::QpInfo { lid, qpn, gid, mtu: m[0], link_layer: m[1], rd_atomic: m[2] };
                 let mode = if no_atomic { IbMode::HostNoAtomic } else { IbMode::Host };
                 (Transport::ib(n).unwrap_or(Transport::IB0), EndpointKind::Ib { qp, mode })
             },

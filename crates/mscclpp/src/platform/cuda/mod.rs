@@ -6,21 +6,21 @@
 //! first, so library threads need no setup.
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
 use std::ffi::CString;
-use std::mem::MaybeUninit;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 
-use crate::context::lock;
 use crate::error::{Error, ErrorKind, Result};
-use crate::sys::hostmem::Region;
+use crate::platform::hostmem::Region;
+use crate::sync::lock;
 
-mod forward;
-use crate::transport::{Transport, TransportFlags};
-pub(crate) use forward::{TokenForwarder, reg_ib_mr};
+mod dmabuf;
+mod ipc;
+pub(crate) use dmabuf::reg_ib_mr;
+pub use ipc::ipc_mapped_count;
+pub(crate) use ipc::{IpcInfo, IpcMapping, ipc_export, ipc_open};
 
 const LOG: &str = "mscclpp::gpu";
 
@@ -168,7 +168,7 @@ pub fn pci_bus_id(ordinal: u32) -> Result<String> {
 
 /// The NUMA node of GPU `ordinal`, where the system reports one.
 pub fn numa_node(ordinal: u32) -> Option<u32> {
-    pci_bus_id(ordinal).ok().and_then(|b| crate::sys::numa::pci_numa_node(&b))
+    pci_bus_id(ordinal).ok().and_then(|b| crate::platform::numa::pci_numa_node(&b))
 }
 
 /// The name of GPU `ordinal`.
@@ -208,6 +208,22 @@ impl Stream {
         // outlive the copy (kept alive until flush/synchronize).
         unsafe { result::memcpy_dtod_async(dst, src, n as usize, self.raw) }
             .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))
+    }
+
+    /// Copies `n` bytes from `src` on GPU `src_dev` to `dst` on GPU `dst_dev`, asynchronously
+    /// (`cuMemcpyPeerAsync`).
+    pub(crate) fn copy_peer(
+        &self,
+        dst_dev: &GpuDevice,
+        dst: u64,
+        src_dev: &GpuDevice,
+        src: u64,
+        n: usize,
+    ) -> Result<()> {
+        self.dev.bind()?;
+        // SAFETY: callers pass ranges checked against live allocations that outlive the copy.
+        unsafe { result::memcpy_peer_async(dst_dev.ctx, dst, src_dev.ctx, src, n, self.raw) }
+            .map_err(|e| cuda_err("cuMemcpyPeerAsync", e))
     }
 
     /// Copies host memory (pinned, kept alive by the caller until the copy completes) to the device.
@@ -445,6 +461,12 @@ impl std::fmt::Debug for GpuRegion {
 }
 
 impl GpuRegion {
+    /// Allocates `len` zeroed bytes on `dev` ([`DeviceAlloc`]); the region keeps them alive.
+    pub(crate) fn alloc(dev: &Arc<GpuDevice>, len: usize) -> Result<GpuRegion> {
+        let alloc = Arc::new(DeviceAlloc::new(dev, len)?);
+        Ok(GpuRegion { ptr: alloc.ptr, len, dev: dev.clone(), _keeper: Some(alloc) })
+    }
+
     pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
         match offset.checked_add(n) {
             Some(end) if end <= self.len as u64 => Ok(()),
@@ -487,353 +509,6 @@ impl GpuRegion {
     }
 }
 
-/// Owned device memory, registered with a context at allocation.
-///
-/// ```no_run
-/// use mscclpp::{Context, DeviceBuffer, Transport};
-/// let ctx = Context::new();
-/// let buf = DeviceBuffer::new(&ctx, 0, 1 << 20, Transport::CudaIpc | Transport::Ethernet)?;
-/// buf.write(0, b"to the GPU")?;
-/// # Ok::<(), mscclpp::Error>(())
-/// ```
-#[derive(Clone)]
-pub struct DeviceBuffer {
-    mem: crate::RegisteredMemory,
-    region: GpuRegion,
-}
-
-impl std::fmt::Debug for DeviceBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("DeviceBuffer").field(&self.region).finish()
-    }
-}
-
-impl DeviceBuffer {
-    /// Allocates `len` zeroed bytes on GPU `device` with `cuMemAlloc` and registers them for
-    /// `transports` (CUDA IPC, Ethernet, IB: a dma-buf registration, else `ibv_reg_mr` through
-    /// nvidia-peermem).
-    ///
-    /// # Errors
-    /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU or zero length;
-    /// `Cuda` when allocation or export fails.
-    pub fn new(ctx: &crate::Context, device: u32, len: usize, transports: TransportFlags) -> Result<DeviceBuffer> {
-        if len == 0 {
-            return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
-        }
-        let dev = self::device(device)?;
-        let alloc = Arc::new(DeviceAlloc::new(&dev, len)?);
-        let region = GpuRegion { ptr: alloc.ptr, len, dev, _keeper: Some(alloc) };
-        let ipc = if transports.has(Transport::CudaIpc) { Some(ipc_export(&region)?) } else { None };
-        let mem = crate::RegisteredMemory::new_local_gpu(ctx, region.clone(), transports, ipc)?;
-        Ok(DeviceBuffer { mem, region })
-    }
-
-    /// The registration, to give to connections or send to peers.
-    pub fn memory(&self) -> &crate::RegisteredMemory {
-        &self.mem
-    }
-    /// The length in bytes.
-    pub fn len(&self) -> usize {
-        self.region.len
-    }
-    /// Always false: buffers hold at least one byte.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-    pub(crate) fn region(&self) -> &GpuRegion {
-        &self.region
-    }
-    /// The device address (for kernels; do not free).
-    pub fn device_ptr(&self) -> u64 {
-        self.region.ptr
-    }
-    /// The GPU ordinal.
-    pub fn device(&self) -> u32 {
-        self.region.dev.ordinal
-    }
-    /// Copies `data` to the buffer at `offset` (synchronous).
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.region.write(offset as u64, data)
-    }
-    /// Copies from the buffer at `offset` into `out` (synchronous).
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.region.read(offset as u64, out)
-    }
-    /// Sets `len` bytes at `offset` to `byte` (synchronous).
-    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        self.region.fill(offset as u64, len as u64, byte)
-    }
-    /// Reads the 8-byte word at `offset` (synchronous).
-    pub fn read_u64(&self, offset: usize) -> Result<u64> {
-        let mut b = [0u8; 8];
-        self.read(offset, &mut b)?;
-        Ok(u64::from_le_bytes(b))
-    }
-    /// A copy of the whole buffer.
-    pub fn to_vec(&self) -> Result<Vec<u8>> {
-        let mut v = vec![0u8; self.len()];
-        self.read(0, &mut v)?;
-        Ok(v)
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Raw baselines for mscclpp-perf
-
-/// Times `iters` rounds of plain copies of `size` bytes, one stream per (source, destination)
-/// pair, all pairs at once (after `warmup` untimed rounds): `cuMemcpyDtoDAsync` where both
-/// buffers are on one GPU, `cuMemcpyPeerAsync` between two GPUs. This is the raw copy-engine
-/// baseline for CUDA IPC; two pairs in opposite directions give the bidirectional one.
-pub fn baseline_copy(
-    pairs: &[(&DeviceBuffer, &DeviceBuffer)],
-    size: usize,
-    warmup: u64,
-    iters: u64,
-) -> Result<Duration> {
-    let mut streams = Vec::with_capacity(pairs.len());
-    for (src, dst) in pairs {
-        src.region.check(0, size as u64)?;
-        dst.region.check(0, size as u64)?;
-        if src.region.dev.ordinal != dst.region.dev.ordinal {
-            src.region.dev.enable_peer_access(&dst.region.dev)?;
-        }
-        streams.push(Stream::new(&src.region.dev)?);
-    }
-    let round = |n: u64| -> Result<()> {
-        for _ in 0..n {
-            for ((src, dst), s) in pairs.iter().zip(&streams) {
-                if src.region.dev.ordinal == dst.region.dev.ordinal {
-                    s.copy_dtod(dst.region.ptr, src.region.ptr, size as u64)?;
-                } else {
-                    s.dev.bind()?;
-                    // SAFETY: both ranges are checked against live allocations above.
-                    unsafe {
-                        result::memcpy_peer_async(
-                            dst.region.dev.ctx,
-                            dst.region.ptr,
-                            src.region.dev.ctx,
-                            src.region.ptr,
-                            size,
-                            s.raw,
-                        )
-                    }
-                    .map_err(|e| cuda_err("cuMemcpyPeerAsync", e))?;
-                }
-            }
-        }
-        streams.iter().try_for_each(|s| s.synchronize())
-    };
-    round(warmup)?;
-    let t0 = Instant::now();
-    round(iters)?;
-    Ok(t0.elapsed())
-}
-
-/// Times `iters` plain 8-byte host-to-device copies from pinned memory, each followed by a stream
-/// synchronize: the raw small-operation latency baseline. Returns the time per operation.
-pub fn baseline_h2d_8b(dst: &DeviceBuffer, warmup: u64, iters: u64) -> Result<Duration> {
-    dst.region.check(0, 8)?;
-    h2d_8b(&dst.region.dev, dst.region.ptr, warmup, iters)
-}
-
-/// As [`baseline_h2d_8b`], into GPU memory registered by any process of this host (a peer's
-/// memory is mapped through CUDA IPC, as a CUDA IPC connection would map it), from GPU `device`.
-pub fn baseline_h2d_8b_into(dst: &crate::RegisteredMemory, device: u32, warmup: u64, iters: u64) -> Result<Duration> {
-    dst.check_bounds(0, 8)?;
-    let dev = self::device(device)?;
-    let p = dst.gpu_ptr(&dev)?;
-    h2d_8b(&dev, p, warmup, iters)
-}
-
-fn h2d_8b(dev: &Arc<GpuDevice>, dst: u64, warmup: u64, iters: u64) -> Result<Duration> {
-    let s = Stream::new(dev)?;
-    let slot = PinnedAlloc::region(dev, 8)?;
-    let mut t0 = Instant::now();
-    for i in 0..warmup + iters {
-        if i == warmup {
-            t0 = Instant::now();
-        }
-        slot.write(0, &i.to_le_bytes())?;
-        s.copy_htod(dst, slot.as_mut_ptr(), 8)?;
-        s.synchronize()?;
-    }
-    Ok(t0.elapsed() / iters.max(1) as u32)
-}
-
-/// Page-locked host memory (`cuMemHostAlloc`), registered with a context like a
-/// [`Buffer`](crate::Buffer): host memory the GPU copy engines reach directly, for staging.
-///
-/// ```no_run
-/// use mscclpp::{Context, Transport, gpu::PinnedBuffer};
-/// let pinned = PinnedBuffer::new(&Context::new(), 0, 1 << 20, Transport::Ethernet.into())?;
-/// pinned.write(0, b"staged")?;
-/// # Ok::<(), mscclpp::Error>(())
-/// ```
-#[derive(Clone)]
-pub struct PinnedBuffer {
-    mem: crate::RegisteredMemory,
-    region: Region,
-}
-
-impl std::fmt::Debug for PinnedBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("PinnedBuffer").field(&self.region).finish()
-    }
-}
-
-impl PinnedBuffer {
-    /// Allocates `len` bytes of pinned host memory (in GPU `device`'s context, portable to all)
-    /// and registers them for `transports` (host transports: Ethernet, IB).
-    ///
-    /// # Errors
-    /// `NotAvailable` without a CUDA driver; `InvalidUsage` for zero length or a transport host
-    /// memory cannot use; `Cuda` when the allocation fails.
-    pub fn new(ctx: &crate::Context, device: u32, len: usize, transports: TransportFlags) -> Result<PinnedBuffer> {
-        crate::memory::check_host_transports(transports)?;
-        if len == 0 {
-            return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
-        }
-        let dev = self::device(device)?;
-        let region = PinnedAlloc::region(&dev, len)?;
-        region.fill(0, len as u64, 0)?;
-        let mem = crate::RegisteredMemory::new_local(ctx, region.clone(), transports, crate::Device::Cpu)?;
-        Ok(PinnedBuffer { mem, region })
-    }
-    /// The registration.
-    pub fn memory(&self) -> &crate::RegisteredMemory {
-        &self.mem
-    }
-    /// The length in bytes.
-    pub fn len(&self) -> usize {
-        self.region.len()
-    }
-    /// Always false: buffers hold at least one byte.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-    /// Copies `data` into the buffer at `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.region.write(offset as u64, data)
-    }
-    /// Copies from the buffer at `offset` into `out`.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.region.read(offset as u64, out)
-    }
-    /// The address of the first byte (for FFI; do not free).
-    pub fn as_ptr(&self) -> *const u8 {
-        self.region.as_mut_ptr()
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// CUDA IPC
-
-/// What a peer process needs to map a device allocation: the legacy IPC handle of the
-/// allocation's base, its size, the offset of the registered range, and the owner's device.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct IpcInfo {
-    pub(crate) handle: [u8; 64],
-    pub(crate) base_size: u64,
-    pub(crate) offset: u64,
-    pub(crate) device: u32,
-}
-
-impl IpcInfo {
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(84);
-        v.extend_from_slice(&self.handle);
-        v.extend_from_slice(&self.base_size.to_le_bytes());
-        v.extend_from_slice(&self.offset.to_le_bytes());
-        v.extend_from_slice(&self.device.to_le_bytes());
-        v
-    }
-    pub(crate) fn decode(b: &[u8]) -> Result<IpcInfo> {
-        if b.len() != 84 {
-            return Err(Error::invalid_usage(format!("CUDA IPC info of {} bytes (expected 84)", b.len())));
-        }
-        let mut handle = [0u8; 64];
-        handle.copy_from_slice(&b[..64]);
-        let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().unwrap_or_default());
-        let base_size = u(64..72);
-        let offset = u(72..80);
-        let device = u32::from_le_bytes(b[80..84].try_into().unwrap_or_default());
-        if offset >= base_size.max(1) {
-            return Err(Error::invalid_usage("CUDA IPC info: offset beyond the allocation"));
-        }
-        Ok(IpcInfo { handle, base_size, offset, device })
-    }
-}
-
-pub(crate) fn ipc_export(r: &GpuRegion) -> Result<IpcInfo> {
-    r.dev.bind()?;
-    let mut base: sys::CUdeviceptr = 0;
-    let mut size: usize = 0;
-    // SAFETY: out-pointers to locals; ptr is a live allocation of this process.
-    check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, r.ptr) })?;
-    let mut h = MaybeUninit::<sys::CUipcMemHandle>::uninit();
-    // SAFETY: h is written by the driver on success (checked before assume_init).
-    check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) })?;
-    // SAFETY: initialized by the successful call above.
-    let h = unsafe { h.assume_init() };
-    let mut handle = [0u8; 64];
-    for (d, s) in handle.iter_mut().zip(h.reserved.iter()) {
-        *d = *s as u8;
-    }
-    Ok(IpcInfo { handle, base_size: size as u64, offset: r.ptr - base, device: r.dev.ordinal })
-}
-
-/// A peer's allocation mapped into this process; unmapped when the last user drops it.
-pub(crate) struct IpcMapping {
-    pub(crate) base: u64,
-    pub(crate) size: u64,
-    dev: Arc<GpuDevice>,
-}
-
-impl Drop for IpcMapping {
-    fn drop(&mut self) {
-        if self.dev.bind().is_ok() {
-            // SAFETY: base came from cuIpcOpenMemHandle and is closed once (the cache holds Weak
-            // references only, so this is the last user).
-            let r = unsafe { sys::cuIpcCloseMemHandle(self.base) };
-            IPC_LIVE.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-            if r != sys::CUresult::CUDA_SUCCESS {
-                tracing::warn!(target: LOG, "cuIpcCloseMemHandle: {r:?}");
-            }
-        }
-    }
-}
-
-/// Opens (once per process, shared by reference count) a peer's allocation on `dev`.
-pub(crate) fn ipc_open(info: &IpcInfo, dev: &Arc<GpuDevice>) -> Result<Arc<IpcMapping>> {
-    static CACHE: Mutex<Option<HashMap<[u8; 64], Weak<IpcMapping>>>> = Mutex::new(None);
-    let mut cache = lock(&CACHE);
-    let map = cache.get_or_insert_with(HashMap::new);
-    if let Some(m) = map.get(&info.handle).and_then(Weak::upgrade) {
-        return Ok(m);
-    }
-    dev.bind()?;
-    let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-    for (d, s) in h.reserved.iter_mut().zip(info.handle.iter()) {
-        *d = *s as std::ffi::c_char;
-    }
-    let mut base: sys::CUdeviceptr = 0;
-    // SAFETY: out-pointer to a local; the handle bytes came from cuIpcGetMemHandle in the peer.
-    check("cuIpcOpenMemHandle", unsafe {
-        sys::cuIpcOpenMemHandle_v2(&mut base, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32)
-    })?;
-    IPC_LIVE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let m = Arc::new(IpcMapping { base, size: info.base_size, dev: dev.clone() });
-    map.retain(|_, w| w.strong_count() > 0);
-    map.insert(info.handle, Arc::downgrade(&m));
-    Ok(m)
-}
-
-/// How many peer allocations this process has mapped through CUDA IPC right now.
-pub fn ipc_mapped_count() -> usize {
-    IPC_LIVE.load(std::sync::atomic::Ordering::Relaxed)
-}
-static IPC_LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
 // ---------------------------------------------------------------------------------------------
 // The atomic-add kernel
 
@@ -864,6 +539,8 @@ fn atomic_add_function(dev: &Arc<GpuDevice>) -> Result<&'static Func> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
     use super::*;
 
     #[test]
@@ -891,11 +568,6 @@ mod tests {
         }
         let e = device_count().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::NotAvailable);
-        assert!(e.to_string().contains("no CUDA driver found"), "{e}");
-        let ctx = crate::Context::new();
-        let e = DeviceBuffer::new(&ctx, 0, 64, Transport::CudaIpc.into()).unwrap_err();
-        assert!(e.to_string().contains("no CUDA driver found"), "{e}");
-        let e = PinnedBuffer::new(&ctx, 0, 64, Transport::Ethernet.into()).unwrap_err();
         assert!(e.to_string().contains("no CUDA driver found"), "{e}");
         assert!(pci_bus_id(0).is_err());
         assert_eq!(numa_node(0), None);
