@@ -200,15 +200,17 @@ impl ConnectionImpl for CudaIpcConnection {
                 self.free_slots(handed_out);
                 Ok(())
             }
-            false => Err(Error::new(
-                ErrorKind::Timeout,
-                format!(
-                    "{} operations on GPU{}'s stream toward {} not finished after {timeout:?}",
-                    target.saturating_sub(self.flushed.load(Ordering::Relaxed)),
-                    self.dev.ordinal,
-                    self.peer_desc
-                ),
-            )),
+            false => {
+                let left = target.saturating_sub(self.flushed.load(Ordering::Relaxed));
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{left} operations on GPU{}'s stream toward {} not finished after {timeout:?}",
+                        self.dev.ordinal, self.peer_desc
+                    ),
+                )
+                .with_outstanding(left))
+            }
         }
     }
 

@@ -950,7 +950,8 @@ impl ConnectionImpl for EthernetConnection {
                             target,
                             self.sh.peer_desc
                         ),
-                    ));
+                    )
+                    .with_outstanding(target - st.applied));
                 }
                 Some(d) => d - now,
                 None => Duration::from_secs(1),

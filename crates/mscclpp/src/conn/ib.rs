@@ -447,7 +447,8 @@ impl ConnectionImpl for IbConnection {
                             target.saturating_sub(st.completed),
                             self.name
                         ),
-                    ));
+                    )
+                    .with_outstanding(target.saturating_sub(st.completed)));
                 }
             }
             spins += 1;

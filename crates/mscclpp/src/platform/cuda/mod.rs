@@ -53,7 +53,7 @@ pub(crate) const ATOMIC_ADD_ENTRY: &str = "mscclpp_atomic_add_u64";
 pub(crate) fn cuda_err(call: &str, e: result::DriverError) -> Error {
     let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
     let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    Error::new(ErrorKind::Cuda, format!("{call} failed: {name} ({text})"))
+    Error::new(ErrorKind::Cuda, format!("{call} failed: {name} ({text})")).with_cuda_result(e.0 as i32)
 }
 
 fn check(call: &str, r: sys::CUresult) -> Result<()> {
