@@ -46,7 +46,7 @@ pub struct IfnameFilter {
 
 impl IfnameFilter {
     /// Parses the syntax above.
-    pub fn parse(s: &str) -> Result<IfnameFilter> {
+    pub(crate) fn parse(s: &str) -> Result<IfnameFilter> {
         let mut rest = s.trim();
         let exclude = rest.starts_with('^');
         if exclude {
@@ -64,7 +64,7 @@ impl IfnameFilter {
     }
 
     /// Whether interface `name` passes the filter.
-    pub fn matches(&self, name: &str) -> bool {
+    pub(crate) fn matches(&self, name: &str) -> bool {
         let hit = self.names.iter().any(|n| if self.exact { name == n } else { name.starts_with(n.as_str()) });
         hit != self.exclude
     }
@@ -87,8 +87,10 @@ pub enum LogLevel {
     Trace,
 }
 
-/// The parsed environment.
+/// The parsed environment ([`env()`]; C++ MSCCL++: `Env`). `#[non_exhaustive]`: new variables
+/// add fields.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Env {
     /// `MSCCLPP_HCA_DEVICES`.
     pub hca_devices: Option<Vec<String>>,
@@ -115,7 +117,7 @@ pub struct Env {
 }
 
 /// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts.
-pub const LOG_SUBSYSTEMS: [&str; 7] = ["ENV", "GPU", "NET", "CONN", "IB", "BOOTSTRAP", "PROXY"];
+pub(crate) const LOG_SUBSYSTEMS: [&str; 7] = ["ENV", "GPU", "NET", "CONN", "IB", "BOOTSTRAP", "PROXY"];
 
 fn bad(var: &str, value: &str, why: impl std::fmt::Display) -> Error {
     Error::invalid_usage(format!("environment variable {var}={value:?} is not valid: {why}"))
@@ -123,7 +125,7 @@ fn bad(var: &str, value: &str, why: impl std::fmt::Display) -> Error {
 }
 
 /// Parses a boolean the way every `MSCCLPP_*` boolean is read.
-pub fn parse_bool(var: &str, value: &str) -> Result<bool> {
+pub(crate) fn parse_bool(var: &str, value: &str) -> Result<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" | "" => Ok(false),
@@ -133,7 +135,7 @@ pub fn parse_bool(var: &str, value: &str) -> Result<bool> {
 
 impl Env {
     /// Reads the variables through `lookup` (the process environment in [`env()`]).
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Env> {
+    pub(crate) fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Env> {
         let get = |k: &str| lookup(k).filter(|v| !v.trim().is_empty());
         let mut env = Env::default();
         if let Some(v) = get("MSCCLPP_HCA_DEVICES") {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 pub use crate::buffer::{DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
 use crate::platform::cuda::{self, GpuDevice, PinnedAlloc, Stream};
-pub use crate::platform::cuda::{device_count, device_name, init, ipc_mapped_count, numa_node, pci_bus_id};
+pub use crate::platform::cuda::{device_count, device_name, ipc_mapped_count, numa_node};
 
 // Raw baselines for mscclpp-perf
 

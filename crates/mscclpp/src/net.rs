@@ -13,6 +13,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// One address of one network interface.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Interface {
     /// The interface name, such as `eth0`.
     pub name: String,
@@ -110,7 +111,7 @@ pub fn resolve_interface(spec: &str) -> Result<IpAddr> {
 /// Parses `"[iface:]ip:port"` (IPv6 as `[addr]:port`) into an address; with an interface prefix,
 /// the address must belong to... nothing: the prefix only names where to listen when this rank is
 /// the root, as in MSCCL++.
-pub fn parse_addr_spec(spec: &str) -> Result<(Option<String>, SocketAddr)> {
+pub(crate) fn parse_addr_spec(spec: &str) -> Result<(Option<String>, SocketAddr)> {
     let s = spec.trim();
     if let Ok(a) = s.parse::<SocketAddr>() {
         return Ok((None, a));

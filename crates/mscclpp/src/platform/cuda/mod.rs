@@ -65,7 +65,7 @@ fn check(call: &str, r: sys::CUresult) -> Result<()> {
 /// # Errors
 /// `NotAvailable` ("no CUDA driver found ...") where `libcuda` cannot be loaded; `Cuda` when
 /// `cuInit` fails.
-pub fn init() -> Result<()> {
+pub(crate) fn init() -> Result<()> {
     static INIT: OnceLock<std::result::Result<(), (ErrorKind, String)>> = OnceLock::new();
     let r = INIT.get_or_init(|| {
         // SAFETY: only probes whether the library can be loaded; it does not call into it.
@@ -155,7 +155,7 @@ impl GpuDevice {
 }
 
 /// The PCI bus id (`0000:17:00.0`) of GPU `ordinal`.
-pub fn pci_bus_id(ordinal: u32) -> Result<String> {
+pub(crate) fn pci_bus_id(ordinal: u32) -> Result<String> {
     let d = device(ordinal)?;
     let dev = result::device::get(d.ordinal as i32).map_err(|e| cuda_err("cuDeviceGet", e))?;
     let mut buf = [0 as std::ffi::c_char; 32];
