@@ -471,7 +471,9 @@ mod tests {
                 std::thread::spawn(move || {
                     for _ in 0..EACH {
                         c.signal_with(|outbound, next| {
-                            // like Connection::update_and_sync: swap, then enqueue
+                            // like Connection::update_and_sync: checks (here a yield, which
+                            // widens the window a racing signal would need), swap, enqueue
+                            std::thread::yield_now();
                             let old = outbound.swap(next, Ordering::AcqRel);
                             assert_eq!(next, old + 1);
                             lock(&wire).push_back(next);
