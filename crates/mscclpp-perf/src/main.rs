@@ -138,10 +138,10 @@ fn check(args: &Args) -> Result<(), String> {
     }
     if args.ib() {
         let devs = mscclpp::ib::devices().map_err(|e| format!("--transport ib: {e}"))?;
-        if let Some(d) = &args.ib_device {
-            if !devs.contains(d) {
-                return Err(format!("--ib-device {d}: no such RDMA device (this machine has: {})", devs.join(", ")));
-            }
+        if let Some(d) = &args.ib_device
+            && !devs.contains(d)
+        {
+            return Err(format!("--ib-device {d}: no such RDMA device (this machine has: {})", devs.join(", ")));
         }
     }
     if args.memory == MemoryKind::Gpu {

@@ -232,7 +232,7 @@ impl Side {
         }
         let pairs: Vec<(&DeviceBuffer, &DeviceBuffer)> =
             if both && b.len() >= 3 { vec![(src, &b[0]), (&b[1], &b[2])] } else { vec![(src, &b[0])] };
-        Ok(mscclpp::gpu::baseline_copy(&pairs, size as usize, warm, iters).map_err(e2s)?.as_secs_f64())
+        Ok(mscclpp::bench::baseline_copy(&pairs, size as usize, warm, iters).map_err(e2s)?.as_secs_f64())
     }
 
     /// CUDA IPC: seconds per `update_and_sync` + `flush` of the peer's token.
@@ -257,7 +257,7 @@ impl Side {
     fn h2d_latency_peer(&self, warm: u64, iters: u64, device: u32) -> Result<f64, String> {
         match &self.ours.sem {
             Sem::Gpu(s) if self.rank == 0 => {
-                Ok(mscclpp::gpu::baseline_h2d_8b_into(s.semaphore().remote_memory(), device, warm, iters)
+                Ok(mscclpp::bench::baseline_h2d_8b_into(s.semaphore().remote_memory(), device, warm, iters)
                     .map_err(e2s)?
                     .as_secs_f64())
             }
@@ -269,7 +269,7 @@ impl Side {
     fn h2d_latency(&self, warm: u64, iters: u64) -> Result<f64, String> {
         match self.ours.baseline.last() {
             Some(dst) if self.rank == 0 => {
-                Ok(mscclpp::gpu::baseline_h2d_8b(dst, warm, iters).map_err(e2s)?.as_secs_f64())
+                Ok(mscclpp::bench::baseline_h2d_8b(dst, warm, iters).map_err(e2s)?.as_secs_f64())
             }
             _ => Ok(1.0),
         }

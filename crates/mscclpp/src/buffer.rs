@@ -1,5 +1,10 @@
 //! Registered buffers that own their memory: host ([`Buffer`]), page-locked host
 //! ([`PinnedBuffer`]) and device ([`DeviceBuffer`]).
+//!
+//! All three have one shape: a registration and the bytes behind it ([`Bytes`]: a host
+//! [`Region`] or a [`GpuRegion`]), with the same `len`, `is_empty`, `memory`, `write`, `read`
+//! and `fill`, written once in [`shared_buffer_api`]. Every access is checked by one range check
+//! ([`check_range`](crate::platform::check_range)), inside the region it reaches.
 
 use std::fmt;
 use std::sync::Arc;
@@ -11,6 +16,107 @@ use crate::memory::{RegisteredMemory, check_host_transports};
 use crate::platform::cuda::{self, GpuRegion, PinnedAlloc, ipc_export};
 use crate::platform::hostmem::{HostAlloc, Region};
 use crate::transport::{Device, Transport, TransportFlags};
+
+/// The bytes behind a buffer. Each method checks its range (one check,
+/// [`check_range`](crate::platform::check_range)) before touching memory.
+pub(crate) trait Bytes: Clone + fmt::Debug {
+    fn len(&self) -> usize;
+    fn write(&self, offset: u64, src: &[u8]) -> Result<()>;
+    fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()>;
+    fn fill(&self, offset: u64, n: u64, byte: u8) -> Result<()>;
+}
+
+impl Bytes for Region {
+    fn len(&self) -> usize {
+        Region::len(self)
+    }
+    fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
+        Region::write(self, offset, src)
+    }
+    fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        Region::read(self, offset, dst)
+    }
+    fn fill(&self, offset: u64, n: u64, byte: u8) -> Result<()> {
+        Region::fill(self, offset, n, byte)
+    }
+}
+
+impl Bytes for GpuRegion {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
+        GpuRegion::write(self, offset, src)
+    }
+    fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        GpuRegion::read(self, offset, dst)
+    }
+    fn fill(&self, offset: u64, n: u64, byte: u8) -> Result<()> {
+        GpuRegion::fill(self, offset, n, byte)
+    }
+}
+
+/// A registration and its bytes: what every buffer is.
+#[derive(Clone)]
+struct Core<B: Bytes> {
+    mem: RegisteredMemory,
+    bytes: B,
+}
+
+/// Buffers hold at least one byte.
+fn check_len(len: usize) -> Result<()> {
+    if len == 0 {
+        return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
+    }
+    Ok(())
+}
+
+/// The methods every buffer has, written once.
+macro_rules! shared_buffer_api {
+    ($name:ident) => {
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_tuple(stringify!($name)).field(&self.core.bytes).field(&self.core.mem).finish()
+            }
+        }
+
+        impl $name {
+            /// The registration, to give to connections or send to peers.
+            pub fn memory(&self) -> &RegisteredMemory {
+                &self.core.mem
+            }
+            /// The length in bytes.
+            pub fn len(&self) -> usize {
+                Bytes::len(&self.core.bytes)
+            }
+            /// Always false: buffers hold at least one byte.
+            pub fn is_empty(&self) -> bool {
+                false
+            }
+            /// Copies `data` into the buffer at `offset` (complete when this returns).
+            ///
+            /// # Errors
+            /// `InvalidUsage` for a range outside the buffer (nothing is written).
+            pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+                Bytes::write(&self.core.bytes, offset as u64, data)
+            }
+            /// Copies `out.len()` bytes from the buffer at `offset` into `out`.
+            ///
+            /// # Errors
+            /// `InvalidUsage` for a range outside the buffer.
+            pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+                Bytes::read(&self.core.bytes, offset as u64, out)
+            }
+            /// Sets `len` bytes from `offset` to `byte` (complete when this returns).
+            ///
+            /// # Errors
+            /// `InvalidUsage` for a range outside the buffer (nothing is written).
+            pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+                Bytes::fill(&self.core.bytes, offset as u64, len as u64, byte)
+            }
+        }
+    };
+}
 
 /// An owned, page-aligned, zeroed host buffer, registered with a context at allocation.
 ///
@@ -29,15 +135,10 @@ use crate::transport::{Device, Transport, TransportFlags};
 /// ```
 #[derive(Clone)]
 pub struct Buffer {
-    mem: RegisteredMemory,
-    region: Region,
+    core: Core<Region>,
 }
 
-impl fmt::Debug for Buffer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Buffer").field(&self.mem).finish()
-    }
-}
+shared_buffer_api!(Buffer);
 
 impl Buffer {
     /// Allocates `len` zeroed bytes of host memory and registers them for `transports`.
@@ -47,56 +148,26 @@ impl Buffer {
     /// `NotAvailable` for a transport not built yet; `System` when out of memory.
     pub fn new(ctx: &Context, len: usize, transports: TransportFlags) -> Result<Buffer> {
         check_host_transports(transports)?;
-        if len == 0 {
-            return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
-        }
+        check_len(len)?;
         let alloc = Arc::new(HostAlloc::zeroed(len)?);
-        let region = Region::owned(alloc, len);
-        let mem = RegisteredMemory::new_local(ctx, region.clone(), transports, Device::Cpu)?;
-        Ok(Buffer { mem, region })
-    }
-
-    /// The registration, to give to connections or send to peers.
-    pub fn memory(&self) -> &RegisteredMemory {
-        &self.mem
-    }
-    fn region(&self) -> &Region {
-        &self.region
-    }
-    /// The length in bytes.
-    pub fn len(&self) -> usize {
-        self.mem.len() as usize
-    }
-    /// Always false: buffers hold at least one byte.
-    pub fn is_empty(&self) -> bool {
-        false
+        let bytes = Region::owned(alloc, len);
+        let mem = RegisteredMemory::new_local(ctx, bytes.clone(), transports, Device::Cpu)?;
+        Ok(Buffer { core: Core { mem, bytes } })
     }
     /// The address of the first byte (for FFI; do not free).
     pub fn as_ptr(&self) -> *const u8 {
-        self.region().addr() as *const u8
-    }
-    /// Copies `data` into the buffer at `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.region().write(offset as u64, data)
-    }
-    /// Copies `out.len()` bytes from `offset` into `out`.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.region().read(offset as u64, out)
-    }
-    /// Sets `len` bytes from `offset` to `byte`.
-    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        self.region().fill(offset as u64, len as u64, byte)
+        self.core.bytes.addr() as *const u8
     }
     /// A copy of the whole buffer.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len()];
         // In bounds by construction.
-        let _ = self.region().read(0, &mut v);
+        let _ = self.core.bytes.read(0, &mut v);
         v
     }
     /// The 8-byte word at `offset` (a multiple of 8) as an atomic.
     pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64> {
-        self.region().atomic_u64(offset as u64)
+        self.core.bytes.atomic_u64(offset as u64)
     }
 }
 
@@ -111,15 +182,10 @@ impl Buffer {
 /// ```
 #[derive(Clone)]
 pub struct DeviceBuffer {
-    mem: RegisteredMemory,
-    region: GpuRegion,
+    core: Core<GpuRegion>,
 }
 
-impl std::fmt::Debug for DeviceBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("DeviceBuffer").field(&self.region).finish()
-    }
-}
+shared_buffer_api!(DeviceBuffer);
 
 impl DeviceBuffer {
     /// Allocates `len` zeroed bytes on GPU `device` with `cuMemAlloc` and registers them for
@@ -130,50 +196,23 @@ impl DeviceBuffer {
     /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU or zero length;
     /// `Cuda` when allocation or export fails.
     pub fn new(ctx: &Context, device: u32, len: usize, transports: TransportFlags) -> Result<DeviceBuffer> {
-        if len == 0 {
-            return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
-        }
+        check_len(len)?;
         let dev = cuda::device(device)?;
-        let region = GpuRegion::alloc(&dev, len)?;
-        let ipc = if transports.has(Transport::CudaIpc) { Some(ipc_export(&region)?) } else { None };
-        let mem = RegisteredMemory::new_local_gpu(ctx, region.clone(), transports, ipc)?;
-        Ok(DeviceBuffer { mem, region })
-    }
-
-    /// The registration, to give to connections or send to peers.
-    pub fn memory(&self) -> &RegisteredMemory {
-        &self.mem
-    }
-    /// The length in bytes.
-    pub fn len(&self) -> usize {
-        self.region.len
-    }
-    /// Always false: buffers hold at least one byte.
-    pub fn is_empty(&self) -> bool {
-        false
+        let bytes = GpuRegion::alloc(&dev, len)?;
+        let ipc = if transports.has(Transport::CudaIpc) { Some(ipc_export(&bytes)?) } else { None };
+        let mem = RegisteredMemory::new_local_gpu(ctx, bytes.clone(), transports, ipc)?;
+        Ok(DeviceBuffer { core: Core { mem, bytes } })
     }
     pub(crate) fn region(&self) -> &GpuRegion {
-        &self.region
+        &self.core.bytes
     }
     /// The device address (for kernels; do not free).
     pub fn device_ptr(&self) -> u64 {
-        self.region.ptr
+        self.core.bytes.ptr
     }
     /// The GPU ordinal.
     pub fn device(&self) -> u32 {
-        self.region.dev.ordinal
-    }
-    /// Copies `data` to the buffer at `offset` (synchronous).
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.region.write(offset as u64, data)
-    }
-    /// Copies from the buffer at `offset` into `out` (synchronous).
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.region.read(offset as u64, out)
-    }
-    /// Sets `len` bytes at `offset` to `byte` (synchronous).
-    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        self.region.fill(offset as u64, len as u64, byte)
+        self.core.bytes.dev.ordinal
     }
     /// Reads the 8-byte word at `offset` (synchronous).
     pub fn read_u64(&self, offset: usize) -> Result<u64> {
@@ -200,15 +239,10 @@ impl DeviceBuffer {
 /// ```
 #[derive(Clone)]
 pub struct PinnedBuffer {
-    mem: RegisteredMemory,
-    region: Region,
+    core: Core<Region>,
 }
 
-impl std::fmt::Debug for PinnedBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("PinnedBuffer").field(&self.region).finish()
-    }
-}
+shared_buffer_api!(PinnedBuffer);
 
 impl PinnedBuffer {
     /// Allocates `len` bytes of pinned host memory (in GPU `device`'s context, portable to all)
@@ -219,38 +253,16 @@ impl PinnedBuffer {
     /// memory cannot use; `Cuda` when the allocation fails.
     pub fn new(ctx: &Context, device: u32, len: usize, transports: TransportFlags) -> Result<PinnedBuffer> {
         check_host_transports(transports)?;
-        if len == 0 {
-            return Err(Error::invalid_usage("a registered buffer needs at least one byte"));
-        }
+        check_len(len)?;
         let dev = cuda::device(device)?;
-        let region = PinnedAlloc::region(&dev, len)?;
-        region.fill(0, len as u64, 0)?;
-        let mem = RegisteredMemory::new_local(ctx, region.clone(), transports, Device::Cpu)?;
-        Ok(PinnedBuffer { mem, region })
-    }
-    /// The registration.
-    pub fn memory(&self) -> &RegisteredMemory {
-        &self.mem
-    }
-    /// The length in bytes.
-    pub fn len(&self) -> usize {
-        self.region.len()
-    }
-    /// Always false: buffers hold at least one byte.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-    /// Copies `data` into the buffer at `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.region.write(offset as u64, data)
-    }
-    /// Copies from the buffer at `offset` into `out`.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.region.read(offset as u64, out)
+        let bytes = PinnedAlloc::region(&dev, len)?;
+        bytes.fill(0, len as u64, 0)?;
+        let mem = RegisteredMemory::new_local(ctx, bytes.clone(), transports, Device::Cpu)?;
+        Ok(PinnedBuffer { core: Core { mem, bytes } })
     }
     /// The address of the first byte (for FFI; do not free).
     pub fn as_ptr(&self) -> *const u8 {
-        self.region.as_mut_ptr()
+        self.core.bytes.as_mut_ptr()
     }
 }
 
@@ -271,6 +283,29 @@ mod tests {
         assert!(ctx.inner().lookup_region(id).is_none(), "dropping the last handle unregisters");
         assert!(Buffer::new(&ctx, 0, Transport::Ethernet.into()).is_err());
         assert_eq!(Buffer::new(&ctx, 8, Transport::CudaIpc.into()).unwrap_err().kind(), crate::ErrorKind::InvalidUsage);
+    }
+
+    #[test]
+    fn host_buffers_check_every_range_the_same_way() {
+        let ctx = Context::new();
+        let buf = Buffer::new(&ctx, 64, Transport::Ethernet.into()).unwrap();
+        buf.fill(0, 64, 7).unwrap();
+        let mut out = [0u8; 4];
+        for e in [
+            buf.write(62, b"abc").unwrap_err(),
+            buf.read(61, &mut out).unwrap_err(),
+            buf.fill(1, 64, 0).unwrap_err(),
+            buf.write(usize::MAX, b"a").unwrap_err(),
+        ] {
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidUsage, "{e}");
+            assert!(e.to_string().contains("64-byte"), "{e}");
+        }
+        assert_eq!(buf.to_vec(), vec![7u8; 64], "a refused access changes nothing");
+        buf.write(60, b"abcd").unwrap();
+        buf.read(60, &mut out).unwrap();
+        assert_eq!(&out, b"abcd");
+        assert_eq!(buf.len(), 64);
+        assert!(!buf.is_empty());
     }
 
     #[test]

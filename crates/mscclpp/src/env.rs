@@ -12,10 +12,9 @@
 //! | `MSCCLPP_LOG_LEVEL` | `NONE`, `ERROR`, `WARN`, `INFO`, `DEBUG`, `TRACE` (default `WARN`) |
 //! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts |
 //! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr |
-//! | `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM` | boolean: CUDA IPC copies on the legacy default stream |
+//! | `MSCCLPP_NVRTC_PATH` | `libnvrtc.so*` or its directory, for [`crate::device::compile`] (read when NVRTC first loads) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
-//! Booleans accept `0/1/true/false/yes/no/on/off` (MSCCL++ reads `false` as true).
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -112,8 +111,6 @@ pub struct Env {
     pub log_subsys: Option<(bool, Vec<String>)>,
     /// `MSCCLPP_LOG_FILE`.
     pub log_file: Option<PathBuf>,
-    /// `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM`.
-    pub cudaipc_use_default_stream: bool,
 }
 
 /// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts.
@@ -122,15 +119,6 @@ pub(crate) const LOG_SUBSYSTEMS: [&str; 7] = ["ENV", "GPU", "NET", "CONN", "IB",
 fn bad(var: &str, value: &str, why: impl std::fmt::Display) -> Error {
     Error::invalid_usage(format!("environment variable {var}={value:?} is not valid: {why}"))
         .during("reading the environment")
-}
-
-/// Parses a boolean the way every `MSCCLPP_*` boolean is read.
-pub(crate) fn parse_bool(var: &str, value: &str) -> Result<bool> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" | "" => Ok(false),
-        _ => Err(bad(var, value, "expected 0/1/true/false/yes/no/on/off")),
-    }
 }
 
 impl Env {
@@ -196,9 +184,6 @@ impl Env {
             env.log_subsys = Some((inv, names));
         }
         env.log_file = get("MSCCLPP_LOG_FILE").map(PathBuf::from);
-        if let Some(v) = get("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM") {
-            env.cudaipc_use_default_stream = parse_bool("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", &v)?;
-        }
         Ok(env)
     }
 }
@@ -237,7 +222,6 @@ mod tests {
             ("MSCCLPP_SOCKET_FAMILY", "AF_INET6"),
             ("MSCCLPP_LOG_LEVEL", "info"),
             ("MSCCLPP_LOG_SUBSYS", "^net,ib"),
-            ("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "yes"),
         ])
         .unwrap();
         assert_eq!(e.hca_devices.unwrap(), vec!["mlx5_0", "mlx5_1"]);
@@ -248,7 +232,6 @@ mod tests {
         assert_eq!(e.socket_family, Some(SocketFamily::Inet6));
         assert_eq!(e.log_level, Some(LogLevel::Info));
         assert_eq!(e.log_subsys, Some((true, vec!["NET".to_string(), "IB".to_string()])));
-        assert!(e.cudaipc_use_default_stream);
     }
 
     #[test]
@@ -260,21 +243,12 @@ mod tests {
             ("MSCCLPP_SOCKET_FAMILY", "AF_UNIX"),
             ("MSCCLPP_LOG_LEVEL", "LOUD"),
             ("MSCCLPP_LOG_SUBSYS", "NET,DISK"),
-            ("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "maybe"),
             ("MSCCLPP_HCA_DEVICES", "mlx5_0,,mlx5_1"),
         ] {
             let err = parse(&[(k, v)]).unwrap_err();
             assert!(err.to_string().contains(k), "{err}");
             assert_eq!(err.kind(), crate::ErrorKind::InvalidUsage);
         }
-    }
-
-    #[test]
-    fn booleans_are_read_as_words() {
-        assert!(!parse_bool("X", "false").unwrap());
-        assert!(!parse_bool("X", "0").unwrap());
-        assert!(parse_bool("X", "TRUE").unwrap());
-        assert!(parse_bool("X", "2").is_err());
     }
 
     #[test]

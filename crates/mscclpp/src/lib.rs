@@ -1,9 +1,12 @@
 //! # mscclpp: one-sided, signalled communication between GPUs and hosts
 //!
 //! A Rust rebuild of [MSCCL++](https://github.com/microsoft/mscclpp)'s communication stack. Ranks
-//! (processes, on one host or many) register memory, connect, and then `write` into each other's
-//! memory and signal semaphores, over TCP (**Ethernet**), and, with later transports, CUDA IPC and
-//! InfiniBand/RoCE.
+//! (processes, on one host or many) register host or GPU memory, connect, and then `write` into
+//! each other's memory and signal semaphores, over three transports behind one [`Connection`]:
+//! **CudaIpc** (GPU memory of another process or GPU on the same host, copies on a CUDA stream),
+//! **IB** (InfiniBand/RoCE verbs: RDMA write, write-with-immediate, fetch-and-add) and
+//! **Ethernet** (TCP, for any host, with or without a GPU). CUDA and libibverbs are loaded at run
+//! time: the crate builds and runs without either, and their calls then return `NotAvailable`.
 //!
 //! ## What it is not
 //! No collectives (build them on top), no async runtime (blocking calls with bounded waits and
@@ -11,12 +14,22 @@
 //! the transport and the operation.
 //!
 //! ## Layers
+//! Each uses only the ones below it (checked by `tests/layers.rs`):
 //! ```text
-//!  Communicator ── setup: exchange endpoints, memories, semaphores over a Bootstrap
-//!  Connection   ── write / update_and_sync / atomic_add / flush   (one per peer and transport)
-//!  Context      ── registered memory table, endpoints, (CUDA streams, IB devices)
-//!  sys          ── the only place with `unsafe`: host memory, NUMA, (CUDA, verbs)
+//!  Device       ── for kernels: the CUDA header, handles, trigger codec, FIFO, NVRTC compile
+//!  Semaphores   ── Host2HostSemaphore, Host2DeviceSemaphore: tokens signalled over a Connection
+//!  Setup        ── TcpBootstrap, Communicator: exchange endpoints, memories, semaphores
+//!  Connections  ── Endpoint, Connection: write / update_and_sync / atomic_add / flush
+//!                  (one per peer and transport: CudaIpc, IB, Ethernet)
+//!  Resources    ── Context (registered memory table, CUDA streams, IB devices), RegisteredMemory,
+//!                  Buffer / PinnedBuffer / DeviceBuffer, wire forms
+//!  Vocabulary   ── Error, Transport, Device, EndpointConfig, environment, lock and deadlines
+//!  Platform     ── the only place with `unsafe`: CUDA driver, libibverbs, GDRCopy, host memory,
+//!                  NUMA, PCIe topology
 //! ```
+//! The public modules [`gpu`], [`ib`], [`net`] and [`mod@env`] expose what users call of the
+//! lower layers (device count, GPU buffers, RDMA devices and the test provider, interfaces,
+//! variables).
 //!
 //! ## Getting started
 //! Bootstrap two ranks (here two threads of one process for brevity; normally two processes):
@@ -42,11 +55,14 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
+#[doc(hidden)]
+pub mod bench;
 mod bootstrap;
 mod buffer;
 mod communicator;
 mod conn;
 mod context;
+pub mod device;
 pub mod env;
 mod error;
 pub mod gpu;

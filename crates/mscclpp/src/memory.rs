@@ -1,9 +1,10 @@
 //! Registered memory: what a peer may write into, and its serialized form.
 
 use std::fmt;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, OnceLock};
 
-use crate::context::{Context, ContextInner};
+use crate::context::Context;
+pub(crate) use crate::context::{LocalRegion, Mem};
 use crate::error::{Error, Result};
 use crate::platform::cuda::IpcInfo;
 use crate::platform::hostmem::Region;
@@ -39,59 +40,6 @@ pub(crate) struct MemoryDesc {
     pub(crate) cuda_ipc: Option<IpcInfo>,
     /// Per-IB-transport MR info (filled by the IB transport).
     pub(crate) ib: [Option<IbMrInfo>; 8],
-}
-
-/// Where a local registration's bytes are.
-#[derive(Clone, Debug)]
-pub(crate) enum Mem {
-    Host(Region),
-    Gpu(crate::platform::cuda::GpuRegion),
-}
-
-impl Mem {
-    pub(crate) fn addr(&self) -> u64 {
-        match self {
-            Mem::Host(r) => r.addr() as u64,
-            Mem::Gpu(g) => g.ptr,
-        }
-    }
-    pub(crate) fn len(&self) -> u64 {
-        match self {
-            Mem::Host(r) => r.len() as u64,
-            Mem::Gpu(g) => g.len as u64,
-        }
-    }
-    pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
-        match self {
-            Mem::Host(r) => r.check(offset, n),
-            Mem::Gpu(g) => g.check(offset, n),
-        }
-    }
-}
-
-/// A registered region of the local context, kept in the context's table while it lives.
-pub(crate) struct LocalRegion {
-    /// IB memory regions by IB index. Declared first: fields drop in order, so the MRs are
-    /// deregistered before the memory they cover can go.
-    pub(crate) ib_mrs: [Option<Arc<crate::platform::verbs::dev::IbMr>>; 8],
-    pub(crate) mem: Mem,
-    pub(crate) id: u64,
-    pub(crate) transports: TransportFlags,
-    ctx: Weak<ContextInner>,
-}
-
-impl fmt::Debug for LocalRegion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "LocalRegion(#{} {:?} {})", self.id, self.mem, self.transports)
-    }
-}
-
-impl Drop for LocalRegion {
-    fn drop(&mut self) {
-        if let Some(ctx) = self.ctx.upgrade() {
-            ctx.forget_region(self.id);
-        }
-    }
 }
 
 struct MemInner {
@@ -283,13 +231,7 @@ impl RegisteredMemory {
 
     /// Checks that `[offset, offset + len)` is inside this memory.
     pub(crate) fn check_bounds(&self, offset: u64, len: u64) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(()),
-            _ => Err(Error::invalid_usage(format!(
-                "range [{offset}, {offset}+{len}) is out of bounds of the {}-byte registered memory",
-                self.len()
-            ))),
-        }
+        crate::platform::check_range(offset, len, self.len(), "registered memory")
     }
 
     /// The serialized form, to send to a peer.
@@ -396,6 +338,40 @@ impl WireForm for IpcInfo {
     }
     fn from_wire(bytes: &[u8]) -> Result<Self> {
         IpcInfo::decode(bytes)
+    }
+}
+
+impl Context {
+    /// Registers caller-owned host memory for `transports`.
+    ///
+    /// Prefer [`Buffer::new`](crate::Buffer::new), which owns its memory and is safe.
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr + len)` must be valid for reads and writes until the returned handle, every
+    ///    clone of it, and every connection operation using it (until its `flush` returns) are
+    ///    gone.
+    /// 2. While it is registered, peers may write into it at any time: the caller must not hold
+    ///    Rust references (`&[u8]`, `&mut [u8]`) to the memory while peers can write it.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for a null pointer, zero length, or a transport host memory cannot use.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_host(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        transports: TransportFlags,
+    ) -> Result<RegisteredMemory> {
+        check_host_transports(transports)?;
+        if ptr.is_null() || len == 0 {
+            return Err(Error::invalid_usage("cannot register a null pointer or an empty range"));
+        }
+        if (ptr as usize).checked_add(len).is_none() {
+            return Err(Error::invalid_usage("pointer + length overflows the address space"));
+        }
+        // SAFETY: the caller upholds the lifetime rule above, which is Region::from_raw's contract.
+        let region = unsafe { Region::from_raw(ptr, len) };
+        RegisteredMemory::new_local(self, region, transports, Device::Cpu)
     }
 }
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::env::{IfnameFilter, SocketFamily};
 use crate::error::{Error, ErrorKind, Result};
+use crate::sync::{Backoff, BackoffPolicy, Deadline};
 
 /// One address of one network interface.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -116,10 +117,10 @@ pub(crate) fn parse_addr_spec(spec: &str) -> Result<(Option<String>, SocketAddr)
     if let Ok(a) = s.parse::<SocketAddr>() {
         return Ok((None, a));
     }
-    if let Some((iface, rest)) = s.split_once(':') {
-        if let Ok(a) = rest.parse::<SocketAddr>() {
-            return Ok((Some(iface.to_string()), a));
-        }
+    if let Some((iface, rest)) = s.split_once(':')
+        && let Ok(a) = rest.parse::<SocketAddr>()
+    {
+        return Ok((Some(iface.to_string()), a));
     }
     Err(Error::invalid_usage(format!("{spec:?} is not an address of the form [iface:]ip:port")))
 }
@@ -178,22 +179,23 @@ impl crate::wire::WireForm for SocketAddr {
 
 /// Connects to `addr`, retrying refused or unreachable attempts until `deadline`.
 pub(crate) fn connect_retry(addr: SocketAddr, deadline: Instant, what: &str) -> Result<TcpStream> {
+    let deadline = Deadline::at(deadline);
+    let mut backoff = Backoff::new(BackoffPolicy::RETRY);
     let mut last: Option<std::io::Error> = None;
     loop {
-        let now = Instant::now();
-        if now >= deadline {
+        let left = deadline.remaining();
+        if left.is_zero() {
             let why = last.map(|e| e.to_string()).unwrap_or_else(|| "no attempt finished".into());
             return Err(Error::new(ErrorKind::Timeout, format!("could not connect to {what} at {addr} ({why})")));
         }
-        let left = (deadline - now).min(Duration::from_secs(5));
-        match TcpStream::connect_timeout(&addr, left) {
+        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
             Ok(s) => {
                 let _ = s.set_nodelay(true);
                 return Ok(s);
             }
             Err(e) => {
                 last = Some(e);
-                std::thread::sleep(Duration::from_millis(10));
+                backoff.snooze(&deadline);
             }
         }
     }

@@ -30,6 +30,9 @@ use crate::memory::RegisteredMemory;
 use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 use crate::transport::{Device, Transport};
 
+/// Moved to [`crate::device::handles`]; re-exported here (and at the crate root) for old paths.
+pub use crate::device::handles::Host2DeviceSemaphoreDeviceHandle;
+
 /// How a host wait polls before it blocks: spin a few microseconds, then yield up to 1 ms. A
 /// signal already on its way lands within microseconds, and yielding (rather than sleeping) keeps
 /// the wake-up off the critical path while letting the transport's threads run on a busy machine
@@ -129,13 +132,9 @@ impl SemaphoreStub {
             )?),
         };
         if fwd {
-            let target = match &token {
-                Token::Host(b) => crate::conn::ib::ForwardTarget::Host(b.clone()),
-                Token::Gpu(b) => {
-                    crate::conn::ib::ForwardTarget::Gpu(crate::platform::gdr::TokenForwarder::new(b.region())?)
-                }
-            };
-            connection.forward_signals_into(target).map_err(|e| connection.ctx_err(e, "building a semaphore"))?;
+            connection
+                .forward_signals_into(token.memory())
+                .map_err(|e| connection.ctx_err(e, "building a semaphore"))?;
         }
         Ok(SemaphoreStub { connection: connection.clone(), token })
     }
@@ -332,19 +331,6 @@ impl Host2HostSemaphore {
             }
         }
     }
-}
-
-/// What a GPU kernel needs to wait on a [`Host2DeviceSemaphore`]: the inbound token (written by
-/// the peer) and the expected count (kept by the waiting kernel). Copy it to the GPU by value.
-///
-/// C++ MSCCL++: `Host2DeviceSemaphoreDeviceHandle` (16 bytes, same layout).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(C)]
-pub struct Host2DeviceSemaphoreDeviceHandle {
-    /// Device address of the inbound token.
-    pub inbound_token: u64,
-    /// Device address of the expected-token counter.
-    pub expected_inbound_token: u64,
 }
 
 /// A semaphore signalled by the host (or a proxy thread) and waited on by the GPU: its token lives

@@ -24,6 +24,10 @@ impl Deadline {
     pub(crate) fn after(timeout: Duration) -> Deadline {
         Deadline(Instant::now().checked_add(timeout))
     }
+    /// The deadline `at`.
+    pub(crate) fn at(at: Instant) -> Deadline {
+        Deadline(Some(at))
+    }
     /// A deadline that never passes.
     pub(crate) fn never() -> Deadline {
         Deadline(None)
@@ -64,6 +68,13 @@ impl BackoffPolicy {
         yield_until: Duration::from_millis(2),
         sleep_min: Duration::from_micros(50),
         sleep_max: Duration::from_millis(1),
+    };
+    /// For retrying an attempt that failed at once (a refused connection): sleeps of 10 ms.
+    pub(crate) const RETRY: BackoffPolicy = BackoffPolicy {
+        spin: Duration::ZERO,
+        yield_until: Duration::ZERO,
+        sleep_min: Duration::from_millis(10),
+        sleep_max: Duration::from_millis(10),
     };
 }
 

@@ -23,6 +23,36 @@ fn ipc_cfg(dev: u32) -> EndpointConfig {
     EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev))
 }
 
+/// The shared connection suite (`common/suite.rs`) on CUDA IPC: two (four) processes, GPU
+/// buffers on GPU `rank % device_count`, Host2DeviceSemaphores.
+mod contract {
+    use crate::common;
+    use crate::common::suite::{Harness, Memory, Mode};
+    use crate::connection_suite;
+    use mscclpp::{EndpointConfig, Transport};
+
+    fn config(queue: Option<usize>) -> EndpointConfig {
+        let mut c = EndpointConfig::new(Transport::CudaIpc);
+        c.max_write_queue_size = queue;
+        c
+    }
+
+    static CUDA_IPC: Harness = Harness {
+        transport: Transport::CudaIpc,
+        mode: Mode::Processes,
+        prepare: |_| {},
+        ib_device: None,
+        config,
+        atomics: true,
+        cpu_atomics_coherent: false,
+        memory: Memory::Gpu,
+        detects_peer_gone: false,
+        local_destination_allowed: true,
+    };
+
+    connection_suite!(&CUDA_IPC, #[ignore = "needs a CUDA GPU"]);
+}
+
 struct Pair {
     bs: Arc<dyn Bootstrap>,
     comm: Communicator,
@@ -85,10 +115,10 @@ fn cuda_ipc_writes_all_sizes() {
             p.bs.barrier().unwrap();
         }
         if r.rank == 0 {
-            assert!(mscclpp::gpu::ipc_mapped_count() >= 1, "the peer's buffer should be mapped");
+            assert!(mscclpp::bench::ipc_mapped_count() >= 1, "the peer's buffer should be mapped");
             let Pair { conn, remote, sem, .. } = p;
             drop((conn, remote, sem));
-            assert_eq!(mscclpp::gpu::ipc_mapped_count(), 0, "mappings must be released with the last handle");
+            assert_eq!(mscclpp::bench::ipc_mapped_count(), 0, "mappings must be released with the last handle");
             println!("RESULT ipc mapping released after the last handle");
         } else {
             p.bs.barrier().unwrap();
@@ -220,7 +250,7 @@ fn same_process_cuda_ipc_uses_the_pointer() {
     let w = u64::from_le_bytes(want[..8].try_into().unwrap()).wrapping_add(1);
     want[..8].copy_from_slice(&w.to_le_bytes());
     assert!(dst.to_vec().unwrap() == want);
-    assert_eq!(mscclpp::gpu::ipc_mapped_count(), 0, "same-process memory must not be IPC-mapped");
+    assert_eq!(mscclpp::bench::ipc_mapped_count(), 0, "same-process memory must not be IPC-mapped");
 }
 
 /// Ethernet with GPU memory on both sides, and mixed host/GPU, byte-exact.

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Rank;
-use common::suite::{Harness, Mode, T, setup};
+use common::suite::{Harness, Memory, Mode, T, setup};
 use mscclpp::{Buffer, EndpointConfig, ErrorKind, Transport};
 
 fn eth_config(queue: Option<usize>) -> EndpointConfig {
@@ -23,6 +23,9 @@ static ETHERNET: Harness = Harness {
     config: eth_config,
     atomics: true,
     cpu_atomics_coherent: true,
+    memory: Memory::Host,
+    detects_peer_gone: true,
+    local_destination_allowed: false,
 };
 
 connection_suite!(&ETHERNET);

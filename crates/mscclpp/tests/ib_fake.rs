@@ -6,7 +6,7 @@ mod common;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::suite::{Harness, Mode, T, setup};
+use common::suite::{Harness, Memory, Mode, T, setup};
 use common::{Rank, pattern};
 use mscclpp::ib::fake;
 use mscclpp::{
@@ -32,6 +32,9 @@ static FAKE_IB: Harness = Harness {
     config: ib_config,
     atomics: true,
     cpu_atomics_coherent: false,
+    memory: Memory::Host,
+    detects_peer_gone: true,
+    local_destination_allowed: false,
 };
 
 connection_suite!(&FAKE_IB);
@@ -55,6 +58,9 @@ mod no_atomic {
         config: no_atomic_config,
         atomics: false,
         cpu_atomics_coherent: false,
+        memory: Memory::Host,
+        detects_peer_gone: true,
+        local_destination_allowed: false,
     };
 
     connection_suite!(&FAKE_IB_NO_ATOMIC);
@@ -84,6 +90,9 @@ fn own_device(name: &'static str) -> Harness {
         },
         atomics: true,
         cpu_atomics_coherent: false,
+        memory: Memory::Host,
+        detects_peer_gone: true,
+        local_destination_allowed: false,
     }
 }
 
@@ -274,7 +283,7 @@ fn no_atomic_tokens_cross_2_pow_32() {
         let s = setup(r, &h, 4096, None);
         let peer = 1 - r.rank;
         let conn = s.conns[peer].as_ref().unwrap();
-        let sem = s.sems[peer].as_ref().unwrap();
+        let sem = s.sems[peer].as_ref().unwrap().host();
         assert_eq!(conn.signal_forwarding().as_deref(), Some("host store"));
         let out = AtomicU64::new(0);
         for (i, &v) in seq.iter().enumerate() {
@@ -311,7 +320,7 @@ fn no_atomic_burst_past_the_receive_queue() {
     threads(2, |r| {
         let s = setup(r, &h, 1 << 16, None);
         let peer = 1 - r.rank;
-        let sem = s.sems[peer].as_ref().unwrap();
+        let sem = s.sems[peer].as_ref().unwrap().host();
         const N: u64 = 2000;
         if r.rank == 0 {
             let conn = s.conns[1].as_ref().unwrap();

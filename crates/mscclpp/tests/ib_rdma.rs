@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::suite::{Harness, Mode};
+use common::suite::{Harness, Memory, Mode};
 use mscclpp::{EndpointConfig, IbMode, Transport};
 
 fn ib_config(queue: Option<usize>) -> EndpointConfig {
@@ -23,6 +23,9 @@ static RDMA: Harness = Harness {
     config: ib_config,
     atomics: true,
     cpu_atomics_coherent: false,
+    memory: Memory::Host,
+    detects_peer_gone: true,
+    local_destination_allowed: false,
 };
 
 connection_suite!(&RDMA, #[ignore = "needs an RDMA device"]);
@@ -47,6 +50,9 @@ mod no_atomic {
         config: no_atomic_config,
         atomics: false,
         cpu_atomics_coherent: false,
+        memory: Memory::Host,
+        detects_peer_gone: true,
+        local_destination_allowed: false,
     };
 
     connection_suite!(&RDMA_NO_ATOMIC, #[ignore = "needs an RDMA device"]);

@@ -175,7 +175,7 @@ impl FromStr for UniqueId {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         let s = s.trim();
-        if s.len() % 2 != 0 || !s.is_ascii() {
+        if !s.len().is_multiple_of(2) || !s.is_ascii() {
             return Err(Error::invalid_usage("a UniqueId in text is an even number of hex digits"));
         }
         let bytes: Result<Vec<u8>> = (0..s.len())

@@ -8,9 +8,15 @@
 //!   `cuStreamWriteValue64`+sync), and by `cuStreamWriteValue64` when all slots are in use since
 //!   the last flush; where stream memory operations are missing, slots are recycled by events;
 //! * `atomic_add` runs on the same stream, so `flush` covers it;
-//! * `flush(timeout)` polls an event, so the timeout holds, and returns CUDA errors as errors.
+//! * `flush(timeout)` polls an event, so the timeout holds, and returns CUDA errors as errors;
+//! * `max_write_queue_size` bounds the operations in flight (MSCCL++ has no bound): an operation
+//!   past it waits for the stream to drain, and fails with `Timeout` naming the peer after 30 s.
+//!
+//! The accounting and the slot hand-out are a core without CUDA ([`ring::IpcCore`]); this file
+//! drives it, holding its lock while it enqueues so a flush counts only what is on the stream.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+pub(crate) mod ring;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,44 +27,50 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Mem, RegisteredMemory};
 use crate::platform::cuda::{Event, GpuDevice, Stream};
 use crate::platform::hostmem::Region;
-use crate::sync::lock;
+use crate::sync::{Deadline, lock};
 use crate::transport::{Device, Transport};
+use ring::{IpcCore, TokenSlot};
 
-/// Pinned slots holding token values until their copies run. Slots are handed out in order
-/// from `next`; a completed flush that began after the last hand-out frees them all. In the
-/// event mode (no stream memory operations) slot `i` is instead reused once the event recorded
-/// behind its copy has passed.
-struct SlotRing {
+/// Pinned slots holding token values until their copies run (which slot is free is the core's
+/// business), and in event mode the event recorded behind each slot's last copy.
+struct SlotMem {
     slots: Region,
     events: Vec<Option<Event>>,
-    next: usize,
-    /// Set once slots are recycled by events; the flush-freed hand-out is then off.
-    event_mode: bool,
 }
 
-impl SlotRing {
-    fn new(dev: &Arc<GpuDevice>) -> Result<SlotRing> {
-        Ok(SlotRing {
+impl SlotMem {
+    fn new(dev: &Arc<GpuDevice>) -> Result<SlotMem> {
+        Ok(SlotMem {
             slots: crate::platform::cuda::PinnedAlloc::region(dev, SLOTS * 8)?,
             events: (0..SLOTS).map(|_| None).collect(),
-            next: 0,
-            event_mode: false,
         })
+    }
+
+    /// Stores `value` in slot `i` and returns the slot's address (valid while `self` lives).
+    fn fill(&mut self, i: usize, value: u64) -> Result<*mut u8> {
+        self.slots.write((i * 8) as u64, &value.to_le_bytes())?;
+        Ok(self.slots.as_mut_ptr().wrapping_add(i * 8))
     }
 }
 
 const SLOTS: usize = 256;
+/// How long an operation past `max_write_queue_size` waits for the stream before failing.
+const QUEUE_WAIT: Duration = Duration::from_secs(30);
+/// How long the switch to event-recycled slots, or the reuse of one, may wait for the stream.
+const SLOT_WAIT: Duration = Duration::from_secs(60);
+
+struct IpcState {
+    core: IpcCore,
+    /// Allocated with the first token.
+    slots: Option<SlotMem>,
+}
 
 pub(crate) struct CudaIpcConnection {
     dev: Arc<GpuDevice>,
     stream: Arc<Stream>,
     failed: Mutex<Option<Error>>,
-    /// Operations since the last completed flush.
-    issued: AtomicU64,
-    flushed: AtomicU64,
-    ring: Mutex<Option<SlotRing>>,
+    state: Mutex<IpcState>,
     peer_desc: String,
-    max_queue: usize,
 }
 
 impl CudaIpcConnection {
@@ -71,10 +83,10 @@ impl CudaIpcConnection {
 
     /// A CUDA error breaks the connection: keep it for every later call.
     fn record<T>(&self, r: Result<T>) -> Result<T> {
-        if let Err(e) = &r {
-            if e.kind() == ErrorKind::Cuda {
-                lock(&self.failed).get_or_insert_with(|| e.duplicate());
-            }
+        if let Err(e) = &r
+            && e.kind() == ErrorKind::Cuda
+        {
+            lock(&self.failed).get_or_insert_with(|| e.duplicate());
         }
         r
     }
@@ -86,69 +98,88 @@ impl CudaIpcConnection {
         }
     }
 
+    /// Enqueues one operation with `op`, first waiting (lock released) while
+    /// `max_write_queue_size` operations are in flight.
+    fn issue(&self, op: impl FnOnce(&Self, &mut IpcState) -> Result<()>) -> Result<()> {
+        self.check_failed()?;
+        let mut st = lock(&self.state);
+        let deadline = Deadline::after(QUEUE_WAIT);
+        while !st.core.can_issue() {
+            let t = st.core.begin_flush();
+            drop(st);
+            let idle = self.record(self.stream.wait_idle(deadline.remaining()))?;
+            st = lock(&self.state);
+            if idle {
+                st.core.flush_done(t);
+            } else if deadline.expired() {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "the write queue toward {} stayed full ({} operations in flight on GPU{}'s stream, \
+                         max_write_queue_size {}) for {QUEUE_WAIT:?}",
+                        self.peer_desc,
+                        st.core.outstanding(),
+                        self.dev.ordinal,
+                        st.core.max_queue()
+                    ),
+                ));
+            }
+        }
+        let r = op(self, &mut st);
+        if r.is_ok() {
+            st.core.on_issued();
+        }
+        self.record(r)
+    }
+
     /// Writes the token: from a free pinned slot, else by `cuStreamWriteValue64`, else from an
     /// event-recycled slot.
-    fn write_token(&self, addr: u64, value: u64) -> Result<()> {
-        {
-            let mut g = lock(&self.ring);
-            if g.is_none() {
-                *g = Some(SlotRing::new(&self.dev)?);
-            }
-            if let Some(ring) = g.as_mut().filter(|r| r.next < SLOTS && !r.event_mode) {
-                let i = ring.next;
-                ring.next += 1;
-                ring.slots.write((i * 8) as u64, &value.to_le_bytes())?;
+    fn write_token(&self, st: &mut IpcState, addr: u64, value: u64) -> Result<()> {
+        if st.slots.is_none() {
+            st.slots = Some(SlotMem::new(&self.dev)?);
+        }
+        let Some(mem) = st.slots.as_mut() else { return Err(Error::internal("token slots missing")) };
+        match st.core.take_slot() {
+            TokenSlot::Pinned(i) => {
                 // The slot stays untouched until a flush that began after this hand-out completes.
-                let p = ring.slots.as_mut_ptr().wrapping_add(i * 8);
-                return self.stream.copy_htod(addr, p, 8);
+                let p = mem.fill(i, value)?;
+                self.stream.copy_htod(addr, p, 8)
+            }
+            TokenSlot::Event(i) => self.token_by_event(mem, i, addr, value),
+            TokenSlot::WriteValue => {
+                if self.stream.write_value64(addr, value)? {
+                    return Ok(());
+                }
+                // No stream memory operations: slots handed out since the last flush may still
+                // be read by pending copies, so drain before recycling them by events.
+                if !self.stream.wait_idle(SLOT_WAIT)? {
+                    return Err(Error::new(ErrorKind::Timeout, format!("the stream did not drain in {SLOT_WAIT:?}")));
+                }
+                st.core.enter_event_mode();
+                match st.core.take_slot() {
+                    TokenSlot::Event(i) => self.token_by_event(mem, i, addr, value),
+                    _ => Err(Error::internal("event mode hands out event slots")),
+                }
             }
         }
-        if self.stream.write_value64(addr, value)? {
-            return Ok(());
-        }
-        self.token_by_event(addr, value)
     }
 
-    /// Called when a flush that began with `handed_out` slots in use completed.
-    fn free_slots(&self, handed_out: usize) {
-        if let Some(r) = lock(&self.ring).as_mut() {
-            if r.next == handed_out && !r.event_mode {
-                r.next = 0;
-            }
+    /// Copies the token from slot `i` once the event behind its last copy has passed, and
+    /// records a new event behind this copy.
+    fn token_by_event(&self, mem: &mut SlotMem, i: usize, addr: u64, value: u64) -> Result<()> {
+        if let Some(ev) = &mem.events[i]
+            && !ev.wait(SLOT_WAIT)?
+        {
+            return Err(Error::new(ErrorKind::Timeout, format!("a token slot's copy did not finish in {SLOT_WAIT:?}")));
         }
-    }
-
-    fn token_by_event(&self, addr: u64, value: u64) -> Result<()> {
-        let mut g = lock(&self.ring);
-        if g.is_none() {
-            *g = Some(SlotRing::new(&self.dev)?);
-        }
-        let Some(ring) = g.as_mut() else { return Err(Error::internal("slot ring missing")) };
-        if !ring.event_mode {
-            // Slots handed out since the last flush may still be read by pending copies.
-            if !self.stream.wait_idle(Duration::from_secs(60))? {
-                return Err(Error::new(ErrorKind::Timeout, "the stream did not drain in 60 s"));
-            }
-            ring.event_mode = true;
-            ring.next = 0;
-        }
-        let i = ring.next;
-        ring.next = (i + 1) % SLOTS;
-        if let Some(ev) = &ring.events[i] {
-            if !ev.wait(Duration::from_secs(60))? {
-                return Err(Error::new(ErrorKind::Timeout, "a token slot's copy did not finish in 60 s"));
-            }
-        }
-        ring.slots.write((i * 8) as u64, &value.to_le_bytes())?;
-        // The slot's address stays valid while the ring (and its Region) lives.
-        let p = ring.slots.as_mut_ptr().wrapping_add(i * 8);
+        let p = mem.fill(i, value)?;
         self.stream.copy_htod(addr, p, 8)?;
-        let ev = match ring.events[i].take() {
+        let ev = match mem.events[i].take() {
             Some(e) => e,
             None => Event::new(&self.dev)?,
         };
         self.stream.record(&ev)?;
-        ring.events[i] = Some(ev);
+        mem.events[i] = Some(ev);
         Ok(())
     }
 }
@@ -168,50 +199,38 @@ impl ConnectionImpl for CudaIpcConnection {
         if len == 0 {
             return Ok(());
         }
-        let r = self.stream.copy_dtod(d + dst_off, s + src_off, len);
-        self.issued.fetch_add(1, Ordering::Relaxed);
-        self.record(r)
+        self.issue(|c, _| c.stream.copy_dtod(d + dst_off, s + src_off, len))
     }
 
     fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, _old: u64, new: u64) -> Result<()> {
         self.check_failed()?;
         let addr = dst.gpu_ptr(&self.dev)? + dst_off;
-        let r = self.write_token(addr, new);
-        self.issued.fetch_add(1, Ordering::Relaxed);
-        self.record(r)
+        self.issue(|c, st| c.write_token(st, addr, new))
     }
 
     fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
         self.check_failed()?;
         let addr = dst.gpu_ptr(&self.dev)? + dst_off;
-        let r = self.stream.atomic_add(addr, value as u64);
-        self.issued.fetch_add(1, Ordering::Relaxed);
-        self.record(r)
+        self.issue(|c, _| c.stream.atomic_add(addr, value as u64))
     }
 
     fn flush(&self, timeout: Duration) -> Result<()> {
         self.check_failed()?;
-        let target = self.issued.load(Ordering::Relaxed);
-        let handed_out = lock(&self.ring).as_ref().map_or(0, |r| r.next);
+        let ticket = lock(&self.state).core.begin_flush();
         let r = self.stream.wait_idle(timeout);
-        match self.record(r)? {
-            true => {
-                self.flushed.fetch_max(target, Ordering::Relaxed);
-                self.free_slots(handed_out);
-                Ok(())
-            }
-            false => {
-                let left = target.saturating_sub(self.flushed.load(Ordering::Relaxed));
-                Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "{left} operations on GPU{}'s stream toward {} not finished after {timeout:?}",
-                        self.dev.ordinal, self.peer_desc
-                    ),
-                )
-                .with_outstanding(left))
-            }
+        if self.record(r)? {
+            lock(&self.state).core.flush_done(ticket);
+            return Ok(());
         }
+        let left = lock(&self.state).core.outstanding();
+        Err(Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "{left} operations on GPU{}'s stream toward {} not finished after {timeout:?}",
+                self.dev.ordinal, self.peer_desc
+            ),
+        )
+        .with_outstanding(left))
     }
 
     fn failure(&self) -> Option<Error> {
@@ -219,11 +238,11 @@ impl ConnectionImpl for CudaIpcConnection {
     }
 
     fn max_write_queue_size(&self) -> usize {
-        self.max_queue
+        lock(&self.state).core.max_queue()
     }
 
     fn outstanding(&self) -> u64 {
-        self.issued.load(Ordering::Relaxed).saturating_sub(self.flushed.load(Ordering::Relaxed))
+        lock(&self.state).core.outstanding()
     }
 }
 
@@ -236,12 +255,12 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         return Err(Error::invalid_usage("CUDA IPC connects ranks on one host; the peer is on another"));
     }
     let dev = crate::platform::cuda::device(ordinal)?;
-    if remote.process_hash() == local.process_hash() {
-        if let Device::Gpu(r) = remote.device() {
-            // Same process, another GPU: the pointer path needs peer access.
-            let rdev = crate::platform::cuda::device(r)?;
-            dev.enable_peer_access(&rdev)?;
-        }
+    if remote.process_hash() == local.process_hash()
+        && let Device::Gpu(r) = remote.device()
+    {
+        // Same process, another GPU: the pointer path needs peer access.
+        let rdev = crate::platform::cuda::device(r)?;
+        dev.enable_peer_access(&rdev)?;
     }
     let stream = ctx.inner().cuda_stream(&dev)?;
     let peer_desc = match peer {
@@ -252,11 +271,8 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         dev,
         stream,
         failed: Mutex::new(None),
-        issued: AtomicU64::new(0),
-        flushed: AtomicU64::new(0),
-        ring: Mutex::new(None),
+        state: Mutex::new(IpcState { core: IpcCore::new(local.max_write_queue_size(), SLOTS), slots: None }),
         peer_desc: peer_desc.clone(),
-        max_queue: local.max_write_queue_size(),
     };
     Ok(Connection::from_inner(ConnInner {
         imp: Box::new(conn),

@@ -571,10 +571,8 @@ impl Shared {
             return Ok(());
         }
         drop(st);
-        if inline {
-            if let Ok(mut out) = self.out.try_lock() {
-                self.pump(&mut out, true);
-            }
+        if inline && let Ok(mut out) = self.out.try_lock() {
+            self.pump(&mut out, true);
         }
         // Wake the sender thread if anything is left (it re-checks under the lock).
         if !lock(&self.st).queue.is_empty() {
@@ -976,10 +974,11 @@ impl ConnectionImpl for EthernetConnection {
 
 impl Drop for EthernetConnection {
     fn drop(&mut self) {
-        if self.sh.failure().is_none() && self.outstanding() > 0 {
-            if let Err(e) = self.flush(CLOSE_GRACE) {
-                warn!(target: LOG, "closing the connection with {}: {e}", self.sh.peer_desc);
-            }
+        if self.sh.failure().is_none()
+            && self.outstanding() > 0
+            && let Err(e) = self.flush(CLOSE_GRACE)
+        {
+            warn!(target: LOG, "closing the connection with {}: {e}", self.sh.peer_desc);
         }
         lock(&self.sh.st).closing = true;
         self.sh.stop.store(true, Ordering::Release);

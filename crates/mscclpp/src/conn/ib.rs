@@ -4,13 +4,17 @@
 //! receive thread per connection rebuilds the 64-bit value and stores it into the one semaphore
 //! token built on the connection (host memory, or GPU memory through [`TokenForwarder`]).
 //!
-//! Accounting: every work request gets a sequence number. Only the last WR of each post is
-//! signalled, with its sequence number as `wr_id`; a successful completion of WR `s` means every
-//! WR up to `s` is done (RC completes in order). So `completed` is one number, `flush` waits for
-//! it to reach what was posted, and a post waits (polling) while it would exceed the queue bound
+//! Accounting ([`proto::SendAccounting`], a core without verbs): every work request gets a
+//! sequence number. Only the last WR of each post is signalled, with its sequence number as
+//! `wr_id`; a successful completion of WR `s` means every WR up to `s` is done (RC completes in
+//! order). So `completed` is one number, `flush` waits for it to reach what was posted, and a
+//! post waits (polling, backing off) while it would exceed the queue bound
 //! (`max_write_queue_size`), the QP's `max_send_wr`, or a signalled count equal to the send CQ's
 //! depth: the CQ can never overflow. The first failed completion breaks the connection; every
-//! later call returns that error.
+//! later call returns that error. Waits spin briefly, then yield, then sleep
+//! ([`crate::sync::Backoff`]), so a stalled peer costs no core.
+
+pub(crate) mod proto;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -19,44 +23,61 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
-use crate::buffer::Buffer;
 use crate::conn::endpoint::{Endpoint, EndpointKind};
 use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
-use crate::memory::RegisteredMemory;
+use crate::memory::{Mem, RegisteredMemory};
 use crate::platform::gdr::TokenForwarder;
-use crate::platform::hostmem::HostAlloc;
+use crate::platform::hostmem::{HostAlloc, Region};
 use crate::platform::verbs::abi::*;
 use crate::platform::verbs::dev::{IbMr, IbQp, SendOp as Op, wc_status_text};
-use crate::sync::lock;
+use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 use crate::transport::{IbMode, Transport};
+use proto::{Completion, SendAccounting, SendLimits, TokenRebuild};
 
 use super::{ConnInner, Connection, ConnectionImpl};
 
 /// How long a post waits for room in a full queue without any completion before failing.
 const QUEUE_WAIT: Duration = Duration::from_secs(30);
+/// How `flush` and a post into a full queue wait for completions. A NIC completes small
+/// operations within microseconds and large ones at line rate (a 64 MiB write takes ~3 ms at
+/// 200 Gb/s), so: spin 50 us, yield until 5 ms (as fast as spinning on an idle core, but
+/// threads that share it, such as the test provider's fabric, still run), then sleep in steps
+/// of 50 to 200 us, which notices the end of a long transfer within ~0.25 ms and leaves the
+/// core free while a peer stalls. (The shared `FAST` policy sleeps up to 1 ms, up to a third of
+/// a 3 ms transfer.)
+const COMPLETION_WAIT: BackoffPolicy = BackoffPolicy {
+    spin: Duration::from_micros(50),
+    yield_until: Duration::from_millis(5),
+    sleep_min: Duration::from_micros(50),
+    sleep_max: Duration::from_micros(200),
+};
 /// Largest single RDMA WRITE (bigger writes are split).
 const MAX_CHUNK: u64 = 1 << 30;
 
 struct SendState {
-    /// Sequence number of the next WR.
-    posted: u64,
-    /// Every WR below this completed successfully.
-    completed: u64,
-    /// Signalled WRs posted and not yet polled.
-    signaled_out: u32,
+    acct: SendAccounting,
     wcs: Vec<ibv_wc>,
 }
 
 /// Where a HostNoAtomic connection stores the tokens it receives.
-pub(crate) enum ForwardTarget {
-    /// A host word (a `Buffer`'s first 8 bytes): an atomic store, then waiters are woken.
-    Host(Buffer),
+enum ForwardTarget {
+    /// A host word (the token's first 8 bytes): an atomic store, then waiters are woken.
+    Host(Region),
     /// A GPU word, through GDRCopy or a stream.
     Gpu(TokenForwarder),
 }
 
 impl ForwardTarget {
+    /// The store path into `token`'s first word (local memory of this process).
+    fn for_token(token: &RegisteredMemory) -> Result<ForwardTarget> {
+        match token.local().map(|l| &l.mem) {
+            Some(Mem::Host(r)) => Ok(ForwardTarget::Host(r.clone())),
+            Some(Mem::Gpu(g)) => Ok(ForwardTarget::Gpu(TokenForwarder::new(g)?)),
+            None => Err(Error::invalid_usage("signals can be forwarded only into a token this process registered")),
+        }
+    }
+
     fn kind(&self) -> String {
         match self {
             ForwardTarget::Host(_) => "host store".into(),
@@ -88,7 +109,6 @@ pub(crate) struct IbConnection {
     state: Mutex<SendState>,
     failure: Arc<OnceLock<Error>>,
     queue: usize,
-    max_wr_per_send: usize,
     chunk: u64,
     /// "QP 17 on rxe0 port 1 -> QP 18": for errors.
     name: String,
@@ -162,14 +182,16 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         atomic_src,
         _atomic_mem: alloc,
         state: Mutex::new(SendState {
-            posted: 0,
-            completed: 0,
-            signaled_out: 0,
+            acct: SendAccounting::new(SendLimits::new(
+                local.max_write_queue_size(),
+                qp.max_send_wr as usize,
+                qp.send_cq.depth,
+                cfg.max_wr_per_send as usize,
+            )),
             wcs: vec![ibv_wc::default(); cfg.max_cq_poll_num.clamp(1, 4096) as usize],
         }),
         failure,
         queue: local.max_write_queue_size(),
-        max_wr_per_send: cfg.max_wr_per_send.max(1) as usize,
         chunk,
         name,
         local_transport: t,
@@ -232,8 +254,30 @@ impl IbConnection {
         };
         for i in 0..n {
             let wc = st.wcs[i];
-            st.signaled_out = st.signaled_out.saturating_sub(1);
-            if wc.status != IBV_WC_SUCCESS {
+            let ok = wc.status == IBV_WC_SUCCESS;
+            match st.acct.on_completion(wc.wr_id, ok) {
+                Completion::Done => {}
+                Completion::Unexpected => {
+                    let e = Error::new(
+                        ErrorKind::Ib,
+                        format!(
+                            "an unexpected completion (work request {}, {} posted) on {}: the provider \
+                             reported work that was never posted or already completed",
+                            wc.wr_id,
+                            st.acct.posted(),
+                            self.name
+                        ),
+                    );
+                    warn!(target: "mscclpp::ib", "{}", e.message());
+                    return Err(self.fail(e));
+                }
+                // A completion after the connection broke: the first error stands.
+                Completion::Failed if ok => {
+                    return Err(self.fail(Error::new(ErrorKind::Ib, format!("{} failed earlier", self.name))));
+                }
+                Completion::Failed => {}
+            }
+            if !ok {
                 let what = match wc.opcode {
                     IBV_WC_FETCH_ADD => "FETCH_AND_ADD",
                     _ => "RDMA WRITE",
@@ -251,7 +295,6 @@ impl IbConnection {
                 warn!(target: "mscclpp::ib", "{}", e.message());
                 return Err(self.fail(e));
             }
-            st.completed = st.completed.max(wc.wr_id + 1);
         }
         Ok(n)
     }
@@ -260,41 +303,41 @@ impl IbConnection {
     /// room when the queue bound, the send queue or the CQ would be exceeded.
     fn post(&self, ops: &[Op]) -> Result<()> {
         self.check()?;
-        let sq = (self.qp.max_send_wr as usize).max(1);
-        let cq = self.qp.send_cq.depth.max(1);
-        let batch_max = self.max_wr_per_send.min(sq).min(self.queue.max(1));
         let mut st = lock(&self.state);
+        let batch_max = st.acct.limits().batch_max();
         for batch in ops.chunks(batch_max) {
-            let mut waited: Option<Instant> = None;
-            loop {
-                let inflight = (st.posted - st.completed) as usize;
-                if inflight + batch.len() <= self.queue.max(batch.len()).min(sq) && st.signaled_out < cq {
-                    break;
-                }
-                if self.poll(&mut st)? == 0 {
-                    let t0 = *waited.get_or_insert_with(Instant::now);
-                    if t0.elapsed() > Duration::from_millis(1) {
-                        // Not a fast drain: let other threads (and a slow peer) run.
-                        std::thread::yield_now();
-                    }
-                    if t0.elapsed() > QUEUE_WAIT {
-                        return Err(Error::new(
-                            ErrorKind::Timeout,
-                            format!(
-                                "the send queue of {} stayed full ({} work requests outstanding) for {QUEUE_WAIT:?}",
-                                self.name,
-                                st.posted - st.completed
-                            ),
-                        ));
-                    }
-                    std::hint::spin_loop();
-                } else {
-                    waited = None;
-                }
+            if !st.acct.can_post(batch.len()) {
+                self.wait_for_room(&mut st, batch.len())?;
             }
-            self.qp.post_batch(batch, st.posted).map_err(|e| self.fail(e))?;
-            st.posted += batch.len() as u64;
-            st.signaled_out += 1;
+            self.qp.post_batch(batch, st.acct.posted()).map_err(|e| self.fail(e))?;
+            st.acct.on_posted(batch.len());
+        }
+        Ok(())
+    }
+
+    /// Polls until a post of `n` WRs fits, backing off between empty polls; fails when no
+    /// completion arrives for [`QUEUE_WAIT`].
+    fn wait_for_room(&self, st: &mut SendState, n: usize) -> Result<()> {
+        let mut deadline = Deadline::after(QUEUE_WAIT);
+        let mut backoff = Backoff::new(COMPLETION_WAIT);
+        while !st.acct.can_post(n) {
+            if self.poll(st)? > 0 {
+                // Progress: the queue drains, so keep polling at full speed.
+                deadline = Deadline::after(QUEUE_WAIT);
+                backoff = Backoff::new(COMPLETION_WAIT);
+                continue;
+            }
+            if deadline.expired() {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "the send queue of {} stayed full ({} work requests outstanding) for {QUEUE_WAIT:?}",
+                        self.name,
+                        st.acct.outstanding()
+                    ),
+                ));
+            }
+            backoff.snooze(&deadline);
         }
         Ok(())
     }
@@ -392,7 +435,7 @@ impl ConnectionImpl for IbConnection {
         self.fwd.is_some()
     }
 
-    fn forward_signals_into(&self, target: ForwardTarget) -> Result<()> {
+    fn forward_signals_into(&self, token: &RegisteredMemory) -> Result<()> {
         let Some(f) = &self.fwd else { return Ok(()) };
         let mut t = lock(&f.target);
         if t.is_some() {
@@ -401,6 +444,7 @@ impl ConnectionImpl for IbConnection {
                  semaphore id, so each connection serves one semaphore: create another connection for another",
             ));
         }
+        let target = ForwardTarget::for_token(token)?;
         debug!(target: "mscclpp::ib", "{}: forwarding signals by {}", self.name, target.kind());
         *t = Some(target);
         Ok(())
@@ -423,40 +467,33 @@ impl ConnectionImpl for IbConnection {
 
     fn flush(&self, timeout: Duration) -> Result<()> {
         self.check()?;
-        let start = Instant::now();
-        let target = lock(&self.state).posted;
-        let mut spins = 0u32;
+        let deadline = Deadline::after(timeout);
+        let target = lock(&self.state).acct.posted();
+        let mut backoff = Backoff::new(COMPLETION_WAIT);
         loop {
             {
                 let mut st = lock(&self.state);
-                if st.completed >= target {
+                if st.acct.covers(target) {
                     return Ok(());
                 }
                 if self.poll(&mut st)? > 0 {
-                    spins = 0;
-                    if st.completed >= target {
+                    if st.acct.covers(target) {
                         return Ok(());
                     }
+                    // Progress: completions are flowing, poll again at full speed.
+                    backoff = Backoff::new(COMPLETION_WAIT);
                     continue;
                 }
-                if start.elapsed() >= timeout {
+                if deadline.expired() {
+                    let left = target.saturating_sub(st.acct.posted() - st.acct.outstanding());
                     return Err(Error::new(
                         ErrorKind::Timeout,
-                        format!(
-                            "{} work requests outstanding on {} after {timeout:?}",
-                            target.saturating_sub(st.completed),
-                            self.name
-                        ),
+                        format!("{left} work requests outstanding on {} after {timeout:?}", self.name),
                     )
-                    .with_outstanding(target.saturating_sub(st.completed)));
+                    .with_outstanding(left));
                 }
             }
-            spins += 1;
-            if spins < 256 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            backoff.snooze(&deadline);
         }
     }
 
@@ -481,18 +518,18 @@ impl ConnectionImpl for IbConnection {
     }
 
     fn outstanding(&self) -> u64 {
-        let st = lock(&self.state);
-        st.posted - st.completed
+        lock(&self.state).acct.outstanding()
     }
 }
 
 impl Drop for IbConnection {
     fn drop(&mut self) {
         // As Ethernet: give operations in flight up to 2 s to land before the QP goes.
-        if self.failure.get().is_none() && self.outstanding() > 0 {
-            if let Err(e) = self.flush(Duration::from_secs(2)) {
-                debug!(target: "mscclpp::ib", "closing {} with work outstanding: {e}", self.name);
-            }
+        if self.failure.get().is_none()
+            && self.outstanding() > 0
+            && let Err(e) = self.flush(Duration::from_secs(2))
+        {
+            debug!(target: "mscclpp::ib", "closing {} with work outstanding: {e}", self.name);
         }
         // The receive thread stops before the QP and the forwarding target go.
         if let Some(f) = &self.fwd {
@@ -513,7 +550,7 @@ impl Drop for IbConnection {
 /// connection's error (the next flush or wait returns it) and ends the thread.
 fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
     let mut wcs = [ibv_wc::default(); 16];
-    let (mut high, mut last_low) = (0u64, 0u32);
+    let mut tokens = TokenRebuild::new();
     let mut idle_since: Option<Instant> = None;
     let mut armed = false;
     let fail = |e: Error| {
@@ -564,17 +601,12 @@ fn recv_loop(qp: Arc<IbQp>, f: Arc<Forwarding>, ctx: Context) {
                     format!("a signal receive failed on {qp:?}: {}", wc_status_text(qp.dev.v, wc.status)),
                 ));
             }
-            let low = u32::from_be(wc.imm_data);
-            if low < last_low {
-                high = high.wrapping_add(1 << 32);
-            }
-            last_low = low;
-            let value = high | low as u64;
+            let value = tokens.next(u32::from_be(wc.imm_data));
             let stored = match lock(&f.target).as_ref() {
                 None => Err(Error::remote(format!(
                     "a signal (token {value}) arrived on {qp:?}, but no semaphore was built on this connection"
                 ))),
-                Some(ForwardTarget::Host(b)) => b.atomic_u64(0).map(|w| {
+                Some(ForwardTarget::Host(r)) => r.atomic_u64(0).map(|w| {
                     w.store(value, Ordering::Release);
                     ctx.inner().notify_tokens();
                 }),

@@ -42,8 +42,9 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     fn forwards_signals(&self) -> bool {
         false
     }
-    /// Sets the local token that incoming signals are stored into (forwarding transports only).
-    fn forward_signals_into(&self, _target: ib::ForwardTarget) -> Result<()> {
+    /// Sets the local token (host or GPU memory of this process) that incoming signals are
+    /// stored into (forwarding transports only).
+    fn forward_signals_into(&self, _token: &RegisteredMemory) -> Result<()> {
         Ok(())
     }
     /// How signals are forwarded into the local token, for transports that forward.
@@ -118,7 +119,7 @@ impl Connection {
 
     fn check_word(&self, dst: &RegisteredMemory, off: u64, registered: bool) -> Result<()> {
         self.check_dst(dst, off, 8, registered)?;
-        if (dst.addr().wrapping_add(off)) % 8 != 0 {
+        if !(dst.addr().wrapping_add(off)).is_multiple_of(8) {
             return Err(Error::invalid_usage(format!("destination word at offset {off} is not 8-byte aligned")));
         }
         Ok(())
@@ -220,7 +221,7 @@ impl Connection {
         self.inner.imp.forwards_signals()
     }
 
-    pub(crate) fn forward_signals_into(&self, t: ib::ForwardTarget) -> Result<()> {
+    pub(crate) fn forward_signals_into(&self, t: &RegisteredMemory) -> Result<()> {
         self.inner.imp.forward_signals_into(t)
     }
 

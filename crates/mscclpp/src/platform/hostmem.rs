@@ -108,13 +108,7 @@ impl Region {
 
     /// Checks that `[offset, offset + n)` lies inside the region.
     pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
-        match offset.checked_add(n) {
-            Some(end) if end <= self.len as u64 => Ok(()),
-            _ => Err(Error::invalid_usage(format!(
-                "range [{offset}, {offset}+{n}) is outside the {}-byte region",
-                self.len
-            ))),
-        }
+        super::check_range(offset, n, self.len as u64, "region")
     }
 
     fn ptr(&self, offset: u64) -> *mut u8 {
@@ -150,7 +144,7 @@ impl Region {
     pub(crate) fn atomic_u64(&self, offset: u64) -> Result<&AtomicU64> {
         self.check(offset, 8)?;
         let p = self.ptr(offset);
-        if (p as usize) % 8 != 0 {
+        if !(p as usize).is_multiple_of(8) {
             return Err(Error::invalid_usage(format!("offset {offset} is not 8-byte aligned for an atomic word")));
         }
         // SAFETY: p is in bounds, 8-byte aligned, and valid for the lifetime of &self (type

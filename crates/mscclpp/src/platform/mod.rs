@@ -16,3 +16,15 @@ pub(crate) mod hostmem;
 pub(crate) mod numa;
 pub(crate) mod topo;
 pub(crate) mod verbs;
+
+use crate::error::{Error, Result};
+
+/// The one range check of the crate: `[offset, offset + n)` must lie inside the `len` bytes of
+/// `what` (a host region, a GPU region, a registered memory). `InvalidUsage` naming the range
+/// otherwise; an `offset + n` that overflows is outside too.
+pub(crate) fn check_range(offset: u64, n: u64, len: u64, what: &str) -> Result<()> {
+    match offset.checked_add(n) {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(Error::invalid_usage(format!("range [{offset}, {offset}+{n}) is outside the {len}-byte {what}"))),
+    }
+}

@@ -1,14 +1,18 @@
 //! The connection test suite every transport runs: Ethernet between processes, IB on the
-//! in-process provider (ranks as threads) and IB on a real RDMA device (processes; the soft-RoCE
-//! machine). A test file picks a [`Harness`] and expands [`connection_suite!`].
+//! in-process provider (ranks as threads), IB on a real RDMA device (processes; the soft-RoCE
+//! machine) and CUDA IPC (processes on the GPU machine). A test file picks a [`Harness`] and
+//! expands [`connection_suite!`]; the harness's [`Memory`] says which buffers (host or GPU) and
+//! which semaphores (host-to-host or host-to-device) the tests use.
 #![allow(dead_code)]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::AtomicU64;
+
 use mscclpp::{
-    Bootstrap, Buffer, Communicator, Connection, Context, EndpointConfig, ErrorKind, Host2HostSemaphore,
-    RegisteredMemory, RootServer, Transport, TransportFlags,
+    Bootstrap, Buffer, Communicator, Connection, Context, Device, DeviceBuffer, EndpointConfig, ErrorKind,
+    Host2DeviceSemaphore, Host2HostSemaphore, RegisteredMemory, RootServer, Semaphore, Transport, TransportFlags,
 };
 
 use super::{Rank, pattern, spawn_ranks};
@@ -22,6 +26,16 @@ pub enum Mode {
     Processes,
     /// One thread per rank in this process (the in-process IB provider).
     Threads,
+}
+
+/// Which memory a suite's buffers and semaphore tokens live in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    /// Host buffers ([`Buffer`]) and [`Host2HostSemaphore`]s; endpoints on the CPU.
+    Host,
+    /// GPU buffers ([`DeviceBuffer`], on GPU `rank % device_count`) and
+    /// [`Host2DeviceSemaphore`]s; endpoints on that GPU.
+    Gpu,
 }
 
 /// A transport under test.
@@ -40,6 +54,15 @@ pub struct Harness {
     /// (Ethernet: yes, the receiver applies them with CPU atomics; IB: only with other atomics
     /// of the same NIC, ATOMIC_HCA).
     pub cpu_atomics_coherent: bool,
+    /// Where buffers and semaphore tokens live.
+    pub memory: Memory,
+    /// Whether the transport notices a vanished peer (Ethernet: the socket closes; IB: retries
+    /// run out). CUDA IPC does not: the peer's memory stays mapped and writes keep landing in
+    /// it, so there only waits on the peer's signals end, by `Timeout`.
+    pub detects_peer_gone: bool,
+    /// Whether a write may name this process's own registration as its destination (CUDA IPC:
+    /// yes, a connection to oneself copies through the pointer; the others refuse it).
+    pub local_destination_allowed: bool,
 }
 
 impl Harness {
@@ -53,6 +76,37 @@ impl Harness {
 
     pub fn flags(&self) -> TransportFlags {
         self.transport.into()
+    }
+
+    /// The GPU rank `rank` uses (GPU memory only); two ranks share a GPU when there is one.
+    pub fn gpu_for(rank: usize) -> u32 {
+        let n = mscclpp::gpu::device_count().expect("CUDA device count").max(1);
+        (rank % n) as u32
+    }
+
+    /// The endpoint config for `rank`, with an optional write-queue bound.
+    pub fn endpoint_config(&self, rank: usize, queue: Option<usize>) -> EndpointConfig {
+        let c = (self.config)(queue);
+        match self.memory {
+            Memory::Host => c,
+            Memory::Gpu => c.device(Device::Gpu(Self::gpu_for(rank))),
+        }
+    }
+
+    /// A buffer of `len` zero bytes in this harness's memory, registered for `transports`.
+    pub fn alloc(&self, ctx: &Context, rank: usize, len: usize, transports: TransportFlags) -> Mem {
+        match self.memory {
+            Memory::Host => Mem::Host(Buffer::new(ctx, len, transports).unwrap()),
+            Memory::Gpu => Mem::Gpu(DeviceBuffer::new(ctx, Self::gpu_for(rank), len, transports).unwrap()),
+        }
+    }
+
+    /// The semaphore that fits this harness's memory.
+    pub fn semaphore(&self, sem: Semaphore) -> Sem {
+        match self.memory {
+            Memory::Host => Sem::Host(Host2HostSemaphore::new(sem).unwrap()),
+            Memory::Gpu => Sem::Gpu(Host2DeviceSemaphore::new(sem).unwrap()),
+        }
     }
 
     /// Makes this rank vanish: the process dies (SIGKILL), or in thread mode the rank drops
@@ -70,11 +124,11 @@ impl Harness {
 
 /// Runs test `name` with `size` ranks of `body`; with `rank0_only`, the other ranks may die.
 pub fn run(h: &Harness, name: &str, size: usize, min_free_bytes: u64, rank0_only: bool, body: fn(&Rank, &Harness)) {
-    if h.mode == Mode::Processes {
-        if let Some(r) = Rank::from_env() {
-            body(&r, h);
-            return;
-        }
+    if h.mode == Mode::Processes
+        && let Some(r) = Rank::from_env()
+    {
+        body(&r, h);
+        return;
     }
     if min_free_bytes > 0 && mem_available() < min_free_bytes {
         println!(
@@ -168,13 +222,95 @@ macro_rules! connection_suite {
     };
 }
 
+/// A test buffer in host or GPU memory (the harness's [`Memory`]).
+#[derive(Clone)]
+pub enum Mem {
+    Host(Buffer),
+    Gpu(DeviceBuffer),
+}
+
+impl Mem {
+    pub fn memory(&self) -> &RegisteredMemory {
+        match self {
+            Mem::Host(b) => b.memory(),
+            Mem::Gpu(b) => b.memory(),
+        }
+    }
+    pub fn write(&self, off: usize, data: &[u8]) -> mscclpp::Result<()> {
+        match self {
+            Mem::Host(b) => b.write(off, data),
+            Mem::Gpu(b) => b.write(off, data),
+        }
+    }
+    pub fn read(&self, off: usize, out: &mut [u8]) -> mscclpp::Result<()> {
+        match self {
+            Mem::Host(b) => b.read(off, out),
+            Mem::Gpu(b) => b.read(off, out),
+        }
+    }
+    pub fn fill(&self, off: usize, len: usize, byte: u8) -> mscclpp::Result<()> {
+        match self {
+            Mem::Host(b) => b.fill(off, len, byte),
+            Mem::Gpu(b) => b.fill(off, len, byte),
+        }
+    }
+    pub fn to_vec(&self) -> Vec<u8> {
+        match self {
+            Mem::Host(b) => b.to_vec(),
+            Mem::Gpu(b) => b.to_vec().unwrap(),
+        }
+    }
+    /// The 8-byte word at `off`, read once (host: an acquire load).
+    pub fn read_u64(&self, off: usize) -> u64 {
+        match self {
+            Mem::Host(b) => b.atomic_u64(off).unwrap().load(std::sync::atomic::Ordering::Acquire),
+            Mem::Gpu(b) => b.read_u64(off).unwrap(),
+        }
+    }
+    /// The host word at `off` (host memory only).
+    pub fn atomic_u64(&self, off: usize) -> mscclpp::Result<&AtomicU64> {
+        match self {
+            Mem::Host(b) => b.atomic_u64(off),
+            Mem::Gpu(_) => panic!("atomic_u64 on GPU memory: the suite only takes CPU atomics on host memory"),
+        }
+    }
+}
+
+/// A host-to-host or host-to-device semaphore (the harness's [`Memory`]).
+pub enum Sem {
+    Host(Host2HostSemaphore),
+    Gpu(Host2DeviceSemaphore),
+}
+
+impl Sem {
+    pub fn signal(&self) -> mscclpp::Result<()> {
+        match self {
+            Sem::Host(s) => s.signal(),
+            Sem::Gpu(s) => s.signal(),
+        }
+    }
+    pub fn wait(&self, timeout: Duration) -> mscclpp::Result<()> {
+        match self {
+            Sem::Host(s) => s.wait(timeout),
+            Sem::Gpu(s) => s.wait(timeout),
+        }
+    }
+    /// The host-to-host semaphore (host-memory harnesses only).
+    pub fn host(&self) -> &Host2HostSemaphore {
+        match self {
+            Sem::Host(s) => s,
+            Sem::Gpu(_) => panic!("a Host2DeviceSemaphore where a Host2HostSemaphore was expected"),
+        }
+    }
+}
+
 pub struct Setup {
     pub bs: Arc<dyn Bootstrap>,
     pub comm: Communicator,
     pub conns: Vec<Option<Connection>>,
-    pub local: Buffer,
+    pub local: Mem,
     pub remote: Vec<Option<RegisteredMemory>>,
-    pub sems: Vec<Option<Host2HostSemaphore>>,
+    pub sems: Vec<Option<Sem>>,
 }
 
 /// Connects every pair, exchanges one buffer of `len` bytes per rank and builds semaphores.
@@ -182,10 +318,11 @@ pub fn setup(r: &Rank, h: &Harness, len: usize, queue: Option<usize>) -> Setup {
     let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
     let comm = Communicator::new(bs.clone());
     h.prepare_context(comm.context());
-    let local = Buffer::new(comm.context(), len, h.flags()).unwrap();
+    let local = h.alloc(comm.context(), r.rank, len, h.flags());
     let n = r.size;
     let peers: Vec<usize> = (0..n).filter(|p| *p != r.rank).collect();
-    let pc: Vec<_> = peers.iter().map(|&p| (p, comm.connect(&(h.config)(queue), p, 0).unwrap())).collect();
+    let cfg = h.endpoint_config(r.rank, queue);
+    let pc: Vec<_> = peers.iter().map(|&p| (p, comm.connect(&cfg, p, 0).unwrap())).collect();
     for &p in &peers {
         comm.send_memory(local.memory(), p, 1).unwrap();
     }
@@ -200,9 +337,9 @@ pub fn setup(r: &Rank, h: &Harness, len: usize, queue: Option<usize>) -> Setup {
     }
     let ps: Vec<_> =
         peers.iter().map(|&p| (p, comm.build_semaphore(conns[p].as_ref().unwrap(), p, 2).unwrap())).collect();
-    let mut sems: Vec<Option<Host2HostSemaphore>> = (0..n).map(|_| None).collect();
+    let mut sems: Vec<Option<Sem>> = (0..n).map(|_| None).collect();
     for (p, s) in ps {
-        sems[p] = Some(Host2HostSemaphore::new(s.wait().unwrap()).unwrap());
+        sems[p] = Some(h.semaphore(s.wait().unwrap()));
     }
     bs.barrier().unwrap();
     Setup { bs, comm, conns, local, remote, sems }
@@ -216,7 +353,7 @@ pub fn writes_of_all_sizes_arrive_exact(r: &Rank, h: &Harness) {
     let conn = s.conns[peer].as_ref().unwrap();
     let dst = s.remote[peer].as_ref().unwrap();
     let sem = s.sems[peer].as_ref().unwrap();
-    let src = Buffer::new(s.comm.context(), cap, h.flags()).unwrap();
+    let src = h.alloc(s.comm.context(), r.rank, cap, h.flags());
     let mut sizes: Vec<usize> = (0..=26).map(|k| 1usize << k).collect();
     sizes.extend([3, 1000, 65535, 65537, 100_003, 5_000_001]);
     for (i, &len) in sizes.iter().enumerate() {
@@ -235,9 +372,9 @@ pub fn writes_of_all_sizes_arrive_exact(r: &Rank, h: &Harness) {
     }
 }
 
-/// One Host2HostSemaphore shared by 16 threads on each rank, 8 signalling and 8 waiting at
-/// once: no signal is lost or consumed twice (every wait returns, the totals are exact, and
-/// nothing is left over).
+/// One semaphore shared by 16 threads on each rank, 8 signalling and 8 waiting at once: no
+/// signal is lost or consumed twice (every wait returns, the totals are exact, and nothing is left
+/// over). Host semaphores are shared as clones (one handle each), GPU ones by reference.
 pub fn semaphore_shared_by_threads(r: &Rank, h: &Harness) {
     const THREADS: u64 = 8;
     const EACH: u64 = 200;
@@ -245,22 +382,26 @@ pub fn semaphore_shared_by_threads(r: &Rank, h: &Harness) {
     let peer = 1 - r.rank;
     let sem = s.sems[peer].as_ref().unwrap();
     std::thread::scope(|sc| {
-        let ts: Vec<_> = (0..2 * THREADS)
-            .map(|i| {
-                let sem = sem.clone();
-                sc.spawn(move || {
-                    for _ in 0..EACH {
-                        if i < THREADS { sem.signal().unwrap() } else { sem.wait(T).unwrap() }
-                    }
-                })
-            })
-            .collect();
-        for t in ts {
-            t.join().unwrap();
+        for i in 0..2 * THREADS {
+            let mine = match sem {
+                Sem::Host(h) => Some(Sem::Host(h.clone())),
+                Sem::Gpu(_) => None,
+            };
+            sc.spawn(move || {
+                let sem = mine.as_ref().unwrap_or(sem);
+                for _ in 0..EACH {
+                    if i < THREADS { sem.signal().unwrap() } else { sem.wait(T).unwrap() }
+                }
+            });
         }
     });
-    assert_eq!(sem.inbound_token(), THREADS * EACH, "the peer's signals as counted here");
-    assert!(!sem.poll().unwrap(), "a signal was left unconsumed");
+    match sem {
+        Sem::Host(h) => {
+            assert_eq!(h.inbound_token(), THREADS * EACH, "the peer's signals as counted here");
+            assert!(!h.poll().unwrap(), "a signal was left unconsumed");
+        }
+        Sem::Gpu(g) => assert_eq!(g.inbound_token().unwrap(), THREADS * EACH, "the peer's signals"),
+    }
     s.bs.barrier().unwrap();
 }
 
@@ -271,7 +412,7 @@ pub fn signal_follows_its_writes(r: &Rank, h: &Harness) {
     let sem = s.sems[peer].as_ref().unwrap();
     if r.rank == 0 {
         let conn = s.conns[1].as_ref().unwrap();
-        let src = Buffer::new(s.comm.context(), 1 << 20, h.flags()).unwrap();
+        let src = h.alloc(s.comm.context(), r.rank, 1 << 20, h.flags());
         for i in 0..300u64 {
             let len = [8usize, 100, 4096, 70_000, 300_000][i as usize % 5];
             let off = (i as usize * 4096) % ((1 << 20) - len);
@@ -320,16 +461,17 @@ pub fn atomic_add_from_both_sides_sums_exactly(r: &Rank, h: &Harness) {
                 conn.atomic_add(&dst, 16, -1).unwrap();
             });
         }
-        let w = s.local.atomic_u64(8).unwrap();
-        for _ in 0..local_adds {
-            w.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        if local_adds > 0 {
+            let w = s.local.atomic_u64(8).unwrap();
+            for _ in 0..local_adds {
+                w.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            }
         }
     });
     conn.flush(T).unwrap();
     s.bs.barrier().unwrap();
-    let w = s.local.atomic_u64(8).unwrap().load(std::sync::atomic::Ordering::Acquire);
-    assert_eq!(w as i64, N * 3 + N * 4 + local_adds);
-    assert_eq!(s.local.atomic_u64(16).unwrap().load(std::sync::atomic::Ordering::Acquire), (-2i64) as u64);
+    assert_eq!(s.local.read_u64(8) as i64, N * 3 + N * 4 + local_adds);
+    assert_eq!(s.local.read_u64(16), (-2i64) as u64);
     s.bs.barrier().unwrap();
 }
 
@@ -339,7 +481,7 @@ pub fn many_writes_past_the_queue_bound(r: &Rank, h: &Harness) {
     if r.rank == 0 {
         let conn = s.conns[1].as_ref().unwrap();
         assert_eq!(conn.max_write_queue_size(), 8);
-        let src = Buffer::new(s.comm.context(), 1 << 16, h.flags()).unwrap();
+        let src = h.alloc(s.comm.context(), r.rank, 1 << 16, h.flags());
         src.write(0, &pattern(9, 1 << 16)).unwrap();
         let mut most = 0;
         for i in 0..20_000u64 {
@@ -362,7 +504,7 @@ pub fn four_ranks_all_to_all(r: &Rank, h: &Harness) {
     let n = r.size;
     let slot = 256 * 1024;
     let s = setup(r, h, slot * n, None);
-    let src = Buffer::new(s.comm.context(), slot, h.flags()).unwrap();
+    let src = h.alloc(s.comm.context(), r.rank, slot, h.flags());
     src.write(0, &pattern(r.rank as u64, slot)).unwrap();
     for p in (0..n).filter(|p| *p != r.rank) {
         let c = s.conns[p].as_ref().unwrap();
@@ -387,21 +529,23 @@ pub fn bad_writes_are_invalid_usage_and_send_nothing(r: &Rank, h: &Harness) {
     let peer = 1 - r.rank;
     let conn = s.conns[peer].as_ref().unwrap();
     let dst = s.remote[peer].as_ref().unwrap();
-    let src = Buffer::new(s.comm.context(), 4096, h.flags()).unwrap();
-    let plain = Buffer::new(s.comm.context(), 4096, TransportFlags::NONE).unwrap();
+    let src = h.alloc(s.comm.context(), r.rank, 4096, h.flags());
+    let plain = h.alloc(s.comm.context(), r.rank, 4096, TransportFlags::NONE);
     src.fill(0, 4096, 0xEE).unwrap();
-    let cases: Vec<(&str, mscclpp::Result<()>)> = vec![
+    let mut cases: Vec<(&str, mscclpp::Result<()>)> = vec![
         ("dst out of bounds", conn.write(dst, 4000, src.memory(), 0, 200)),
         ("dst offset overflow", conn.write(dst, u64::MAX, src.memory(), 0, 2)),
         ("src out of bounds", conn.write(dst, 0, src.memory(), 4090, 10)),
         ("src without transport", conn.write(dst, 0, plain.memory(), 0, 10)),
         ("src is remote", conn.write(dst, 0, dst, 0, 10)),
-        ("dst is local memory", conn.write(s.local.memory(), 0, src.memory(), 0, 10)),
         ("unaligned atomic", conn.atomic_add(dst, 4, 1)),
         ("atomic out of bounds", conn.atomic_add(dst, 4096, 1)),
-        ("unaligned token", conn.update_and_sync(dst, 4, &std::sync::atomic::AtomicU64::new(0), 1)),
-        ("token out of bounds", conn.update_and_sync(dst, 4096, &std::sync::atomic::AtomicU64::new(0), 1)),
+        ("unaligned token", conn.update_and_sync(dst, 4, &AtomicU64::new(0), 1)),
+        ("token out of bounds", conn.update_and_sync(dst, 4096, &AtomicU64::new(0), 1)),
     ];
+    if !h.local_destination_allowed {
+        cases.push(("dst is local memory", conn.write(s.local.memory(), 0, src.memory(), 0, 10)));
+    }
     for (what, res) in cases {
         let e = res.expect_err(what);
         assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{what}: {e}");
@@ -415,7 +559,9 @@ pub fn bad_writes_are_invalid_usage_and_send_nothing(r: &Rank, h: &Harness) {
 }
 
 /// The peer vanishes mid-transfer (killed, or its QPs and memory destroyed): write, flush and
-/// wait fail with an error (not a timeout) well within their timeouts, naming the peer.
+/// wait fail with an error (not a timeout) well within their timeouts, naming the peer. Where
+/// the transport cannot notice (CUDA IPC), nothing hangs or breaks: flush succeeds (the peer's
+/// memory stays mapped) and the wait for the peer's signal ends by `Timeout` naming the peer.
 pub fn peer_gone_mid_transfer(r: &Rank, h: &Harness) {
     let s = setup(r, h, 8 << 20, None);
     if r.rank == 1 {
@@ -424,7 +570,20 @@ pub fn peer_gone_mid_transfer(r: &Rank, h: &Harness) {
         return;
     }
     let conn = s.conns[1].as_ref().unwrap();
-    let src = Buffer::new(s.comm.context(), 8 << 20, h.flags()).unwrap();
+    let src = h.alloc(s.comm.context(), r.rank, 8 << 20, h.flags());
+    if !h.detects_peer_gone {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(2) {
+            conn.write(s.remote[1].as_ref().unwrap(), 0, src.memory(), 0, 8 << 20).unwrap();
+        }
+        conn.flush(T).unwrap();
+        let we = s.sems[1].as_ref().unwrap().wait(Duration::from_secs(2)).expect_err("wait after the peer died");
+        assert_eq!(we.kind(), ErrorKind::Timeout, "{we}");
+        assert_eq!(we.peer(), Some(1), "{we}");
+        conn.status().unwrap();
+        println!("writes and flush after the peer died: Ok\nwait: {we}");
+        return;
+    }
     let t0 = Instant::now();
     let mut res = Ok(());
     while t0.elapsed() < Duration::from_secs(5) {
@@ -454,13 +613,13 @@ pub fn write_over_4gib(r: &Rank, h: &Harness) {
     let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
     let comm = Communicator::new(bs.clone());
     h.prepare_context(comm.context());
-    let buf = Buffer::new(comm.context(), LEN, h.flags()).unwrap();
+    let buf = h.alloc(comm.context(), r.rank, LEN, h.flags());
     let peer = 1 - r.rank;
-    let pc = comm.connect(&(h.config)(None), peer, 0).unwrap();
+    let pc = comm.connect(&h.endpoint_config(r.rank, None), peer, 0).unwrap();
     comm.send_memory(buf.memory(), peer, 1).unwrap();
     let remote = comm.recv_memory(peer, 1).unwrap().wait().unwrap();
     let conn = pc.wait().unwrap();
-    let sem = Host2HostSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
+    let sem = h.semaphore(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap());
     // A position-dependent pattern, cheap to make and check.
     let word = |i: usize| (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes();
     if r.rank == 0 {

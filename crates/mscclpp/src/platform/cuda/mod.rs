@@ -17,7 +17,10 @@ use crate::platform::hostmem::Region;
 use crate::sync::lock;
 
 mod dmabuf;
+pub(crate) mod fifo_mem;
 mod ipc;
+pub(crate) mod module;
+pub(crate) mod nvrtc;
 pub(crate) use dmabuf::reg_ib_mr;
 pub use ipc::ipc_mapped_count;
 pub(crate) use ipc::{IpcInfo, IpcMapping, ipc_export, ipc_open};
@@ -468,13 +471,7 @@ impl GpuRegion {
     }
 
     pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
-        match offset.checked_add(n) {
-            Some(end) if end <= self.len as u64 => Ok(()),
-            _ => Err(Error::invalid_usage(format!(
-                "range [{offset}, {offset}+{n}) is outside the {}-byte GPU region",
-                self.len
-            ))),
-        }
+        crate::platform::check_range(offset, n, self.len as u64, "GPU region")
     }
 
     /// Copy from the host into the region, complete on the device when this returns.

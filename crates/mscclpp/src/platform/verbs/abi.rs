@@ -1,7 +1,7 @@
 //! The part of libibverbs' ABI (`<infiniband/verbs.h>`, rdma-core) the IB transport uses,
 //! declared by hand as NCCL does, so the crate builds with no rdma-core headers. The structs keep
-//! the provider's layout exactly; `tests/verbs_abi.rs` compiles the real header with `gcc` and
-//! checks every size and field offset below against it.
+//! the provider's layout exactly; the unit test `abi_matches_the_system_header` (in `verbs/mod.rs`)
+//! compiles the real header with `gcc` and checks every size and field offset below against it.
 //!
 //! Portions follow the OpenIB.org BSD-licensed declarations of `verbs.h`.
 #![allow(non_camel_case_types, missing_docs, dead_code, unreachable_pub)]

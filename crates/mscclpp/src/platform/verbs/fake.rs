@@ -740,12 +740,12 @@ fn push_cq(f: &mut Fabric, cq: &Cq, wc: ibv_wc, tag: Option<(Arc<Qp>, u64)>) {
     }
     s.entries.push_back((wc, tag));
     f.stats.max_cq_depth = f.stats.max_cq_depth.max(s.entries.len() as u64);
-    if let Some(ch) = &cq.channel {
-        if cq.armed.swap(false, Ordering::SeqCst) {
-            lock(&ch.fired).push_back(cq.handle.load(Ordering::SeqCst));
-            f.stats.cq_events += 1;
-            let _ = nix::unistd::write(&ch.write, &[1u8]);
-        }
+    if let Some(ch) = &cq.channel
+        && cq.armed.swap(false, Ordering::SeqCst)
+    {
+        lock(&ch.fired).push_back(cq.handle.load(Ordering::SeqCst));
+        f.stats.cq_events += 1;
+        let _ = nix::unistd::write(&ch.write, &[1u8]);
     }
 }
 
@@ -874,7 +874,7 @@ fn execute(f: &mut Fabric, a: &Arc<Qp>, dest: u32, wr: &Wr) -> Outcome {
     let (need, n) = match wr.opcode {
         IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM => (IBV_ACCESS_REMOTE_WRITE, len),
         IBV_WR_ATOMIC_FETCH_AND_ADD => {
-            if local.is_none_or(|g| g.length != 8) || wr.remote_addr % 8 != 0 {
+            if local.is_none_or(|g| g.length != 8) || !wr.remote_addr.is_multiple_of(8) {
                 return Outcome::Done(IBV_WC_REM_INV_REQ_ERR);
             }
             (IBV_ACCESS_REMOTE_ATOMIC, 8)

@@ -100,10 +100,10 @@ fn sysfs_gid_type(dev: &str, port: u8, index: u32) -> Option<String> {
 /// The library names tried, in order.
 fn candidates() -> Vec<String> {
     let mut v = Vec::new();
-    if let Ok(e) = crate::env::env() {
-        if let Some(p) = &e.ibv_so {
-            v.push(p.display().to_string());
-        }
+    if let Ok(e) = crate::env::env()
+        && let Some(p) = &e.ibv_so
+    {
+        v.push(p.display().to_string());
     }
     v.push("libibverbs.so.1".into());
     v.push("libibverbs.so".into());

@@ -1,0 +1,82 @@
+//! Not public API: raw baselines and counters that `mscclpp-perf` and this crate's tests use.
+//! Hidden from the docs; it may change in any release.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::buffer::DeviceBuffer;
+use crate::error::Result;
+use crate::memory::RegisteredMemory;
+pub use crate::platform::cuda::ipc_mapped_count;
+use crate::platform::cuda::{self, GpuDevice, PinnedAlloc, Stream};
+
+/// Times `iters` rounds of plain copies of `size` bytes, one stream per (source, destination)
+/// pair, all pairs at once (after `warmup` untimed rounds): `cuMemcpyDtoDAsync` where both
+/// buffers are on one GPU, `cuMemcpyPeerAsync` between two GPUs. This is the raw copy-engine
+/// baseline for CUDA IPC; two pairs in opposite directions give the bidirectional one.
+pub fn baseline_copy(
+    pairs: &[(&DeviceBuffer, &DeviceBuffer)],
+    size: usize,
+    warmup: u64,
+    iters: u64,
+) -> Result<Duration> {
+    let mut streams = Vec::with_capacity(pairs.len());
+    for (src, dst) in pairs {
+        let (src, dst) = (src.region(), dst.region());
+        src.check(0, size as u64)?;
+        dst.check(0, size as u64)?;
+        if src.dev.ordinal != dst.dev.ordinal {
+            src.dev.enable_peer_access(&dst.dev)?;
+        }
+        streams.push(Stream::new(&src.dev)?);
+    }
+    let round = |n: u64| -> Result<()> {
+        for _ in 0..n {
+            for ((src, dst), s) in pairs.iter().zip(&streams) {
+                let (src, dst) = (src.region(), dst.region());
+                if src.dev.ordinal == dst.dev.ordinal {
+                    s.copy_dtod(dst.ptr, src.ptr, size as u64)?;
+                } else {
+                    s.copy_peer(&dst.dev, dst.ptr, &src.dev, src.ptr, size)?;
+                }
+            }
+        }
+        streams.iter().try_for_each(|s| s.synchronize())
+    };
+    round(warmup)?;
+    let t0 = Instant::now();
+    round(iters)?;
+    Ok(t0.elapsed())
+}
+
+/// Times `iters` plain 8-byte host-to-device copies from pinned memory, each followed by a stream
+/// synchronize: the raw small-operation latency baseline. Returns the time per operation.
+pub fn baseline_h2d_8b(dst: &DeviceBuffer, warmup: u64, iters: u64) -> Result<Duration> {
+    let r = dst.region();
+    r.check(0, 8)?;
+    h2d_8b(&r.dev, r.ptr, warmup, iters)
+}
+
+/// As [`baseline_h2d_8b`], into GPU memory registered by any process of this host (a peer's
+/// memory is mapped through CUDA IPC, as a CUDA IPC connection would map it), from GPU `device`.
+pub fn baseline_h2d_8b_into(dst: &RegisteredMemory, device: u32, warmup: u64, iters: u64) -> Result<Duration> {
+    dst.check_bounds(0, 8)?;
+    let dev = cuda::device(device)?;
+    let p = dst.gpu_ptr(&dev)?;
+    h2d_8b(&dev, p, warmup, iters)
+}
+
+fn h2d_8b(dev: &Arc<GpuDevice>, dst: u64, warmup: u64, iters: u64) -> Result<Duration> {
+    let s = Stream::new(dev)?;
+    let slot = PinnedAlloc::region(dev, 8)?;
+    let mut t0 = Instant::now();
+    for i in 0..warmup + iters {
+        if i == warmup {
+            t0 = Instant::now();
+        }
+        slot.write(0, &i.to_le_bytes())?;
+        s.copy_htod(dst, slot.as_mut_ptr(), 8)?;
+        s.synchronize()?;
+    }
+    Ok(t0.elapsed() / iters.max(1) as u32)
+}

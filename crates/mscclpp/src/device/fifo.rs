@@ -1,0 +1,406 @@
+//! The FIFO between kernels (producers) and one proxy thread (the consumer), as MSCCL++'s.
+//!
+//! A ring of `size` 16-byte [`ProxyTrigger`] slots and a control page (`tail` at word 0, the
+//! proxy's error word at word 1) live in mapped pinned host memory; `head` and the kernels'
+//! `tailCache` live in device memory. A producer reserves position `pos` with a relaxed
+//! fetch-add of `head`, waits (acquire loads of `tail`) only when `pos >= size + tailCache`, and
+//! writes its trigger into slot `pos & (size - 1)` with bit 63 of `snd` set to the lap parity
+//! `((pos >> log2(size)) & 1) ^ 1` (lap 0 writes 1, so a zeroed ring reads empty): one 16-byte
+//! release store on the GPU. The consumer reads slot `tail & (size - 1)`: an acquire load of
+//! `snd`, ready when its bit 63 equals the parity of `tail`'s lap, then a relaxed load of `fst`;
+//! [`Fifo::pop`] is a release store of `tail + 1`. Slots are never cleared, so all-zero triggers
+//! are legal. Head of line: the consumer stops at the lowest reserved but unwritten slot.
+//!
+//! Without a GPU, [`Fifo::host_backed`] puts all four areas in host memory and
+//! [`HostProducer`] pushes with the CPU equivalent of the device's orderings (see its docs):
+//! that is how CI tests the consumer.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::handles::FifoDeviceHandle;
+use super::trigger::{COMMIT_BIT, ProxyTrigger};
+use crate::error::{Error, Result};
+use crate::platform::cuda::fifo_mem::FifoMem;
+use crate::sync::{Backoff, BackoffPolicy, Deadline};
+
+/// MSCCL++'s default FIFO size (slots).
+pub const DEFAULT_FIFO_SIZE: u32 = 512;
+/// The largest FIFO accepted (slots; 16 MiB of mapped memory).
+pub const MAX_FIFO_SIZE: u32 = 1 << 20;
+
+/// A trigger FIFO; see the module documentation. One consumer: [`poll`](Self::poll) and
+/// [`pop`](Self::pop) are meant for one thread (two consumers would see triggers twice; nothing
+/// unsafe happens).
+#[derive(Debug)]
+pub struct Fifo {
+    mem: FifoMem,
+    size: u32,
+    shift: u32,
+}
+
+fn check_size(size: u32) -> Result<u32> {
+    if !size.is_power_of_two() || size > MAX_FIFO_SIZE {
+        return Err(Error::invalid_usage(format!(
+            "a FIFO's size must be a power of two from 1 to {MAX_FIFO_SIZE}, not {size} (MSCCL++'s default is \
+             {DEFAULT_FIFO_SIZE})"
+        )));
+    }
+    Ok(size.trailing_zeros())
+}
+
+impl Fifo {
+    /// A FIFO of `size` slots (a power of two; [`DEFAULT_FIFO_SIZE`] is MSCCL++'s) for kernels on
+    /// GPU `device`: ring and control page in mapped pinned memory, head and tailCache in device
+    /// memory, all zeroed. `ctx` is the context the proxy serving it belongs to.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for a size that is not a power of two (or is above [`MAX_FIFO_SIZE`]) or a
+    /// missing GPU; `NotAvailable` without a CUDA driver; `Cuda` when an allocation fails.
+    pub fn new(ctx: &crate::Context, device: u32, size: u32) -> Result<Fifo> {
+        let _ = ctx;
+        let shift = check_size(size)?;
+        Ok(Fifo { mem: FifoMem::gpu(device, size as usize)?, size, shift })
+    }
+
+    /// A FIFO whose four areas are plain host memory, for [`HostProducer`]s (tests without a
+    /// GPU). Its [`device_handle`](Self::device_handle) holds host addresses no kernel can use.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for a bad size, as [`new`](Self::new).
+    #[doc(hidden)]
+    pub fn host_backed(size: u32) -> Result<Fifo> {
+        let shift = check_size(size)?;
+        Ok(Fifo { mem: FifoMem::host(size as usize)?, size, shift })
+    }
+
+    /// Slots in the ring.
+    pub fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn tail_word(&self) -> &AtomicU64 {
+        &self.mem.control()[0]
+    }
+
+    /// The next trigger, if its producer has written it: `snd` with the commit bit cleared.
+    /// Does not consume it: call [`pop`](Self::pop) once it is handled.
+    pub fn poll(&self) -> Option<ProxyTrigger> {
+        // Only the consumer writes tail, so a relaxed load reads its own last store.
+        let t = self.tail_word().load(Ordering::Relaxed);
+        let i = (t & u64::from(self.size - 1)) as usize;
+        let ring = self.mem.ring();
+        let snd = ring[2 * i + 1].load(Ordering::Acquire);
+        let parity = ((t >> self.shift) & 1) ^ 1;
+        if snd >> 63 != parity {
+            return None;
+        }
+        let fst = ring[2 * i].load(Ordering::Relaxed);
+        Some(ProxyTrigger { fst, snd: snd & !COMMIT_BIT })
+    }
+
+    /// Consumes the trigger [`poll`](Self::poll) returned (a release store of `tail + 1`), freeing
+    /// its slot for producers.
+    pub fn pop(&self) {
+        let t = self.tail_word().load(Ordering::Relaxed);
+        self.tail_word().store(t + 1, Ordering::Release);
+    }
+
+    /// The FIFO position of the next trigger to poll (equal to the position its producer's
+    /// `push` returned).
+    pub fn tail(&self) -> u64 {
+        self.tail_word().load(Ordering::Relaxed)
+    }
+
+    /// Publishes the proxy's state to kernels (a release store of the error word): 0 = running
+    /// fine; nonzero = the proxy failed or stopped, and kernels' time-limited waits return false.
+    pub fn set_proxy_error(&self, code: u64) {
+        self.mem.control()[1].store(code, Ordering::Release);
+    }
+
+    /// The proxy's published state (see [`set_proxy_error`](Self::set_proxy_error)).
+    pub fn proxy_error(&self) -> u64 {
+        self.mem.control()[1].load(Ordering::Acquire)
+    }
+
+    /// What kernels push with.
+    pub fn device_handle(&self) -> FifoDeviceHandle {
+        let a = self.mem.addrs();
+        FifoDeviceHandle {
+            triggers: a.triggers,
+            head: a.head,
+            tail: a.tail,
+            tail_cache: a.tail_cache,
+            size: self.size as i32,
+            _pad: 0,
+            size_mask: u64::from(self.size - 1),
+            size_shift: u64::from(self.shift),
+        }
+    }
+
+    /// A CPU producer for a [`host_backed`](Self::host_backed) FIFO (`None` for a GPU one).
+    #[doc(hidden)]
+    pub fn host_producer(&self) -> Option<HostProducer<'_>> {
+        self.mem.host_head().map(|(head, tail_cache)| HostProducer { fifo: self, head, tail_cache })
+    }
+}
+
+/// A CPU producer for a host-backed [`Fifo`], for tests: it follows the device's `push` step by
+/// step. The device writes a trigger with one 16-byte `st.release.sys`; the CPU equivalent here is
+/// a relaxed store of `fst` then a release store of `snd` (the word carrying the commit bit), which
+/// the consumer's acquire load of `snd` pairs with (MSCCL++'s ROCm path does the same). Any number
+/// of threads may push through producers of one FIFO at once.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct HostProducer<'a> {
+    fifo: &'a Fifo,
+    head: &'a AtomicU64,
+    tail_cache: &'a AtomicU64,
+}
+
+impl HostProducer<'_> {
+    /// The device's `push`: reserves the next position (relaxed fetch-add of head), waits while
+    /// the ring is full (acquire loads of tail, for at most `timeout`), writes the trigger.
+    /// Returns its position.
+    ///
+    /// # Errors
+    /// `Timeout` when the ring stays full; the reserved slot is then never written, which stalls
+    /// the consumer at it (as a trapped kernel would): tests only.
+    pub fn push(&self, t: ProxyTrigger, timeout: Duration) -> Result<u64> {
+        let size = u64::from(self.fifo.size);
+        let pos = self.head.fetch_add(1, Ordering::Relaxed);
+        if pos >= size + self.tail_cache.load(Ordering::Relaxed) {
+            self.wait_tail_above(pos - size, timeout)?;
+        }
+        self.write(pos, t);
+        Ok(pos)
+    }
+
+    /// The device's `push_for`: reserves a position (compare-and-swap of head) only once its
+    /// slot is free, so giving up leaves the FIFO intact. `Ok(None)` when the ring stays full
+    /// for `timeout` or the proxy error word is nonzero.
+    pub fn push_for(&self, t: ProxyTrigger, timeout: Duration) -> Result<Option<u64>> {
+        let size = u64::from(self.fifo.size);
+        let deadline = Deadline::after(timeout);
+        let mut backoff = Backoff::new(BackoffPolicy::FAST);
+        let mut h = self.head.load(Ordering::Relaxed);
+        loop {
+            if h >= size + self.tail_cache.load(Ordering::Relaxed) {
+                let tail = self.fifo.tail_word().load(Ordering::Acquire);
+                self.tail_cache.store(tail, Ordering::Relaxed);
+                if h >= size + tail {
+                    if self.fifo.proxy_error() != 0 || deadline.expired() {
+                        return Ok(None);
+                    }
+                    backoff.snooze(&deadline);
+                    h = self.head.load(Ordering::Relaxed);
+                    continue;
+                }
+            }
+            match self.head.compare_exchange(h, h + 1, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(seen) => h = seen,
+            }
+        }
+        self.write(h, t);
+        Ok(Some(h))
+    }
+
+    /// Waits until the consumer popped position `pos` (the device's `sync`), for at most `timeout`.
+    ///
+    /// # Errors
+    /// `Timeout` when it does not.
+    pub fn sync(&self, pos: u64, timeout: Duration) -> Result<()> {
+        self.wait_tail_above(pos, timeout)
+    }
+
+    fn wait_tail_above(&self, pos: u64, timeout: Duration) -> Result<()> {
+        let tail = self.fifo.tail_word();
+        let mut seen = 0;
+        let ok = crate::sync::poll_until(timeout, BackoffPolicy::FAST, || {
+            seen = tail.load(Ordering::Acquire);
+            Ok::<_, Error>(seen > pos)
+        })?;
+        if !ok {
+            return Err(Error::timeout(format!("FIFO position {pos} to be popped (tail {seen})"), timeout));
+        }
+        self.tail_cache.store(seen, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn write(&self, pos: u64, t: ProxyTrigger) {
+        let i = (pos & u64::from(self.fifo.size - 1)) as usize;
+        let parity = ((pos >> self.fifo.shift) & 1) ^ 1;
+        let ring = self.fifo.mem.ring();
+        ring[2 * i].store(t.fst, Ordering::Relaxed);
+        ring[2 * i + 1].store((t.snd & !COMMIT_BIT) | (parity << 63), Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::ErrorKind;
+
+    const T: Duration = Duration::from_secs(30);
+
+    fn trig(fst: u64, snd: u64) -> ProxyTrigger {
+        ProxyTrigger { fst, snd }
+    }
+
+    /// Polls until a trigger arrives (bounded), then pops it.
+    fn next(f: &Fifo) -> ProxyTrigger {
+        let deadline = Instant::now() + T;
+        loop {
+            if let Some(t) = f.poll() {
+                f.pop();
+                return t;
+            }
+            assert!(Instant::now() < deadline, "no trigger at tail {} within {T:?}", f.tail());
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn sizes_must_be_powers_of_two() {
+        for bad in [0, 3, 500, MAX_FIFO_SIZE * 2] {
+            assert_eq!(Fifo::host_backed(bad).unwrap_err().kind(), ErrorKind::InvalidUsage, "size {bad}");
+        }
+        let f = Fifo::host_backed(DEFAULT_FIFO_SIZE).unwrap();
+        let h = f.device_handle();
+        assert_eq!((f.size(), h.size, h.size_mask, h.size_shift), (512, 512, 511, 9));
+        assert_eq!(h.triggers % 16, 0);
+        assert!(h.tail != h.head && h.tail != h.tail_cache && h.head != h.tail_cache);
+        assert_eq!(f.poll(), None, "a zeroed ring reads empty");
+    }
+
+    #[test]
+    fn one_producer_wraps_several_laps_and_positions_match_the_tail() {
+        for size in [1, 2, 8] {
+            let f = Fifo::host_backed(size).unwrap();
+            let p = f.host_producer().unwrap();
+            for i in 0..u64::from(size) * 5 {
+                // snd with bit 63 set by the caller: the FIFO owns that bit and overrides it.
+                let pos = p.push(trig(i, i | COMMIT_BIT), T).unwrap();
+                assert_eq!(pos, i);
+                assert_eq!(f.tail(), pos);
+                assert_eq!(f.poll(), Some(trig(i, i)), "size {size} position {i}");
+                assert_eq!(f.poll(), Some(trig(i, i)), "poll does not consume");
+                f.pop();
+                assert_eq!(f.poll(), None, "size {size}: nothing after {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn zero_triggers_are_delivered_each_once() {
+        let f = Fifo::host_backed(4).unwrap();
+        let p = f.host_producer().unwrap();
+        for lap in 0..4 {
+            for _ in 0..4 {
+                p.push(ProxyTrigger::default(), T).unwrap();
+            }
+            for _ in 0..4 {
+                assert_eq!(f.poll(), Some(ProxyTrigger::default()), "lap {lap}");
+                f.pop();
+            }
+            assert_eq!(f.poll(), None, "lap {lap}");
+        }
+        assert_eq!(f.tail(), 16);
+    }
+
+    #[test]
+    fn a_full_ring_holds_producers_back_until_the_consumer_pops() {
+        let f = Fifo::host_backed(8).unwrap();
+        let p = f.host_producer().unwrap();
+        for i in 0..8 {
+            p.push(trig(i, 0), T).unwrap();
+        }
+        // Full: a bounded push times out (and its reserved slot is then lost: test only).
+        let g = Fifo::host_backed(2).unwrap();
+        let gp = g.host_producer().unwrap();
+        gp.push(trig(0, 0), T).unwrap();
+        gp.push(trig(1, 0), T).unwrap();
+        assert_eq!(gp.push(trig(2, 0), Duration::from_millis(20)).unwrap_err().kind(), ErrorKind::Timeout);
+        // push_for gives up without reserving anything, and at once when the proxy has failed.
+        assert_eq!(p.push_for(trig(99, 0), Duration::from_millis(20)).unwrap(), None);
+        f.set_proxy_error(3);
+        assert_eq!(f.proxy_error(), 3);
+        assert_eq!(p.push_for(trig(99, 0), T).unwrap(), None);
+        f.set_proxy_error(0);
+        std::thread::scope(|s| {
+            let blocked = s.spawn(|| p.push(trig(8, 0), T));
+            let blocked_for = s.spawn(|| p.push_for(trig(9, 0), T));
+            // Both wait for slots: the consumer still sees position 0's trigger, not a newer one.
+            assert_eq!(f.poll(), Some(trig(0, 0)));
+            f.pop();
+            f.pop();
+            let mut got: Vec<u64> = (2..10).map(|_| next(&f).fst).collect();
+            assert_eq!(blocked.join().unwrap().unwrap() + blocked_for.join().unwrap().unwrap().unwrap(), 8 + 9);
+            got.sort_unstable();
+            assert_eq!(got, (2..10).collect::<Vec<_>>());
+        });
+        assert_eq!(f.poll(), None);
+        assert_eq!(f.tail(), 10);
+    }
+
+    #[test]
+    fn the_consumer_waits_at_a_reserved_but_unwritten_slot() {
+        let f = Fifo::host_backed(4).unwrap();
+        let p = f.host_producer().unwrap();
+        // A slow producer reserves position 0 and holds it.
+        let slow = p.head.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(slow, 0);
+        p.push(trig(1, 1), T).unwrap();
+        p.push(trig(2, 2), T).unwrap();
+        assert_eq!(f.poll(), None, "position 0 is not written yet");
+        p.write(slow, trig(0, 0));
+        for i in 0..3 {
+            assert_eq!(next(&f), trig(i, i));
+        }
+        assert_eq!(f.poll(), None);
+    }
+
+    #[test]
+    fn many_producers_deliver_every_trigger_once_in_per_producer_order() {
+        const PRODUCERS: u64 = 6;
+        const EACH: u64 = 2000;
+        let f = Fifo::host_backed(16).unwrap();
+        let failed = AtomicBool::new(false);
+        let mut next_seq = vec![0u64; PRODUCERS as usize];
+        std::thread::scope(|s| {
+            for id in 0..PRODUCERS {
+                let (f, failed) = (&f, &failed);
+                s.spawn(move || {
+                    let p = f.host_producer().unwrap();
+                    for seq in 0..EACH {
+                        // Producer 0 uses push_for (the compare-and-swap reservation) for half.
+                        let t = trig(seq, id << 40 | seq);
+                        let ok = if id == 0 && seq % 2 == 0 {
+                            p.push_for(t, T).map(|r| r.is_some()).unwrap_or(false)
+                        } else {
+                            p.push(t, T).is_ok()
+                        };
+                        if !ok {
+                            failed.store(true, Ordering::Relaxed);
+                            return;
+                        }
+                    }
+                });
+            }
+            for _ in 0..PRODUCERS * EACH {
+                let t = next(&f);
+                let (id, seq) = ((t.snd >> 40) as usize, t.fst);
+                assert_eq!(t.snd & ((1 << 40) - 1), seq, "torn trigger {t:?}");
+                assert_eq!(seq, next_seq[id], "producer {id}: out of order or duplicated");
+                next_seq[id] += 1;
+            }
+        });
+        assert!(!failed.load(Ordering::Relaxed), "a producer timed out");
+        assert_eq!(next_seq, vec![EACH; PRODUCERS as usize]);
+        assert_eq!(f.poll(), None);
+        assert_eq!(f.tail(), PRODUCERS * EACH);
+    }
+}

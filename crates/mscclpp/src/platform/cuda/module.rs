@@ -1,0 +1,203 @@
+//! Loaded CUDA modules (PTX) and kernel launches. Every kernel of a module is resolved with
+//! `cuModuleGetFunction` when it loads, so nothing is loaded lazily later (CUDA's lazy loading
+//! can block a launch behind a spinning kernel; MSCCL++ issue #394).
+#![allow(unsafe_code)]
+
+use std::ffi::{CString, c_void};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{result, sys};
+
+use super::{GpuDevice, LOG, Stream as RawStream, cuda_err};
+use crate::error::{Error, Result};
+
+/// A module loaded into one device's primary context, with its kernels resolved.
+pub(crate) struct Module {
+    raw: sys::CUmodule,
+    dev: Arc<GpuDevice>,
+    funcs: Vec<(String, sys::CUfunction)>,
+}
+
+// SAFETY: module and function handles may be used from any thread once the context is bound
+// (every method binds it first); they are never mutated after load.
+unsafe impl Send for Module {}
+// SAFETY: as above.
+unsafe impl Sync for Module {}
+
+impl std::fmt::Debug for Module {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.funcs.iter().map(|(n, _)| n.as_str()).collect();
+        write!(f, "Module({:?}, kernels {names:?})", self.dev)
+    }
+}
+
+impl Module {
+    /// Loads `ptx` on GPU `ordinal` and resolves each of `entries`.
+    pub(crate) fn load(ordinal: u32, ptx: &str, entries: &[String]) -> Result<Arc<Module>> {
+        let dev = super::device(ordinal)?;
+        dev.bind()?;
+        let image = CString::new(ptx).map_err(|_| Error::invalid_usage("PTX contains a NUL byte"))?;
+        // SAFETY: image is a NUL-terminated PTX text alive for the call (the driver copies it).
+        let raw = unsafe { result::module::load_data(image.as_ptr().cast()) }
+            .map_err(|e| cuda_err(&format!("cuModuleLoadData (GPU{ordinal})"), e))?;
+        let mut m = Module { raw, dev, funcs: Vec::with_capacity(entries.len()) };
+        for name in entries {
+            let c =
+                CString::new(name.as_str()).map_err(|_| Error::invalid_usage("a kernel name contains a NUL byte"))?;
+            // SAFETY: m.raw is the module just loaded (unloaded only in Drop).
+            let f = unsafe { result::module::get_function(m.raw, c) }
+                .map_err(|e| cuda_err(&format!("cuModuleGetFunction({name})"), e))?;
+            m.funcs.push((name.clone(), f));
+        }
+        Ok(Arc::new(m))
+    }
+
+    /// The device ordinal.
+    pub(crate) fn device(&self) -> u32 {
+        self.dev.ordinal
+    }
+
+    /// The kernel `name`, if the module has it.
+    pub(crate) fn function(self: &Arc<Self>, name: &str) -> Option<Kernel> {
+        self.funcs.iter().find(|(n, _)| n == name).map(|(n, f)| Kernel {
+            name: n.clone(),
+            raw: *f,
+            module: self.clone(),
+        })
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: raw is a loaded module, unloaded once; every Function holds an Arc of it.
+            if let Err(e) = unsafe { result::module::unload(self.raw) } {
+                tracing::warn!(target: LOG, "cuModuleUnload: {e}");
+            }
+        }
+    }
+}
+
+/// One kernel of a loaded module (it keeps the module loaded). Get it from
+/// [`KernelModule::function`](crate::device::compile::KernelModule::function).
+#[derive(Clone)]
+pub struct Kernel {
+    name: String,
+    raw: sys::CUfunction,
+    module: Arc<Module>,
+}
+
+// SAFETY: as for Module.
+unsafe impl Send for Kernel {}
+// SAFETY: as for Module.
+unsafe impl Sync for Kernel {}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kernel({} on GPU{})", self.name, self.module.dev.ordinal)
+    }
+}
+
+impl Kernel {
+    /// The kernel's (PTX entry) name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Launches the kernel on `stream` with `grid` blocks of `block` threads and `shared_mem`
+    /// bytes of dynamic shared memory.
+    ///
+    /// # Errors
+    /// `InvalidUsage` when the stream belongs to another GPU; `Cuda` when the launch fails.
+    ///
+    /// # Safety
+    /// `args` holds one pointer per kernel parameter, each to a value of that parameter's type
+    /// (the driver copies them during the call), and everything the kernel touches stays valid
+    /// until it finishes.
+    pub unsafe fn launch(
+        &self,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem: u32,
+        stream: &Stream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let stream = &stream.inner;
+        if stream.dev.ordinal != self.module.dev.ordinal {
+            return Err(Error::invalid_usage(format!(
+                "a kernel loaded on GPU{} cannot be launched on a stream of GPU{}",
+                self.module.dev.ordinal, stream.dev.ordinal
+            )));
+        }
+        self.module.dev.bind()?;
+        // SAFETY: the function and stream are live handles of the bound context; the caller
+        // guarantees the arguments (see above).
+        unsafe { result::launch_kernel(self.raw, grid, block, shared_mem, stream.raw, args) }
+            .map_err(|e| cuda_err(&format!("cuLaunchKernel({})", self.name), e))
+    }
+}
+
+/// The compute capability `(major, minor)` of GPU `ordinal`.
+pub(crate) fn compute_capability(ordinal: u32) -> Result<(i32, i32)> {
+    let dev = super::device(ordinal)?;
+    let raw = result::device::get(ordinal as i32).map_err(|e| cuda_err("cuDeviceGet", e))?;
+    dev.bind()?;
+    let attr = |a| {
+        // SAFETY: raw is a valid device handle and `a` a valid attribute.
+        unsafe { result::device::get_attribute(raw, a) }.map_err(|e| cuda_err("cuDeviceGetAttribute", e))
+    };
+    Ok((
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
+/// A non-blocking CUDA stream on one GPU (it never synchronizes with the legacy default stream),
+/// for launching kernels compiled with `mscclpp::device::compile`. Public as `mscclpp::gpu::Stream`.
+pub struct Stream {
+    inner: RawStream,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream(GPU{})", self.device())
+    }
+}
+
+impl Stream {
+    /// A new non-blocking stream on GPU `device`.
+    ///
+    /// # Errors
+    /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU; `Cuda` when the
+    /// driver refuses.
+    pub fn new(device: u32) -> Result<Stream> {
+        Ok(Stream { inner: RawStream::new(&super::device(device)?)? })
+    }
+
+    /// The GPU it belongs to.
+    pub fn device(&self) -> u32 {
+        self.inner.dev.ordinal
+    }
+
+    /// Whether everything submitted so far has finished.
+    ///
+    /// # Errors
+    /// `Cuda` when a kernel on it failed (for example trapped).
+    pub fn is_idle(&self) -> Result<bool> {
+        self.inner.idle()
+    }
+
+    /// Waits, polling with backoff, until everything submitted so far has finished.
+    ///
+    /// # Errors
+    /// `Timeout` when work is still running after `timeout` (the stream is left as it is);
+    /// `Cuda` when a kernel on it failed.
+    pub fn synchronize(&self, timeout: Duration) -> Result<()> {
+        if self.inner.wait_idle(timeout)? {
+            Ok(())
+        } else {
+            Err(Error::timeout(format!("stream of GPU{} to finish", self.device()), timeout))
+        }
+    }
+}

@@ -1,0 +1,390 @@
+//! The device header against the Rust side, without a GPU:
+//! - compiled by the host C++ compiler (device code gated off), every size, alignment and offset
+//!   of the handles equals the Rust `#[repr(C)]` one, and the header's host-callable
+//!   `ProxyTrigger` constructors produce the same bits as the Rust encoders;
+//! - compiled by NVRTC (with a kernel that calls every device method) to PTX for compute_90, and
+//!   assembled by `ptxas` for sm_90 when it is available (that is what checks the inline PTX).
+//!
+//! Without g++ or NVRTC the tests print why and pass, except in CI (`CI` set), where they fail.
+use std::path::PathBuf;
+use std::process::Command;
+
+use mscclpp::device::handles::layout_table;
+use mscclpp::device::trigger::ProxyTrigger;
+
+fn in_ci() -> bool {
+    std::env::var_os("CI").is_some()
+}
+
+fn skip(test: &str, why: &str) {
+    assert!(!in_ci(), "{test} cannot run in CI: {why}");
+    println!("SKIPPED {test}: {why}");
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("mscclpp-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Trigger constructor arguments: (type, dstId, dstOffset, srcId, srcOffset, bytes, semaphoreId).
+const TRIGGER_CASES: &[(u64, u32, u64, u32, u64, u64, u32)] = &[
+    (1, 0, 0, 0, 0, 0, 0),
+    (1, 1, 2, 3, 4, 5, 6),
+    (3, 511, 0xffff_ffff, 511, 0xffff_ffff, 0xffff_ffff, 1023),
+    (7, 17, 0x1234_5678, 300, 0x9abc_def0, 4096, 512),
+    (2, 0, 0, 0, 0, 0, 1),
+    (4, 0, 0, 0, 0, 0, 1023),
+    (5, 9, 64, 8, 128, 1 << 20, 77),
+    (6, 0, 0, 0, 0, 0, 3),
+    // Values wider than their fields: both sides mask.
+    (15, 1023, 0x1_0000_0001, 513, 0x1_0000_0002, 0x1_0000_0003, 2047),
+];
+/// The fixed cases plus 256 pseudo-random ones over the whole range of every argument (wider than
+/// the fields, so masking is compared too).
+fn trigger_cases() -> Vec<(u64, u32, u64, u32, u64, u64, u32)> {
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        // splitmix64
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut v = TRIGGER_CASES.to_vec();
+    for _ in 0..256 {
+        let w = [next(), next(), next(), next()];
+        v.push((
+            w[0] & 0xf,
+            (w[0] >> 8) as u32 & 0x3ff,
+            w[1],
+            (w[0] >> 20) as u32 & 0x3ff,
+            w[2],
+            w[3],
+            (w[0] >> 32) as u32 & 0x7ff,
+        ));
+    }
+    v
+}
+
+/// atomicAdd arguments: (dstId, dstOffset, value, semaphoreId).
+const ATOMIC_CASES: &[(u32, u64, i64, u32)] = &[(0, 0, 0, 0), (7, 64, -3, 5), (511, 0xffff_ffff, i64::MIN, 1023)];
+
+#[test]
+fn header_layout_and_trigger_bits_match_rust() {
+    let rows = layout_table();
+    let mut c = String::from(
+        "#include <cstdio>\n#include <cstddef>\n#include \"mscclpp_rs/device.cuh\"\nusing namespace mscclpp;\nint main(){\n",
+    );
+    for (s, f, _) in &rows {
+        match *f {
+            "sizeof" | "alignof" => c.push_str(&format!("printf(\"%zu\\n\", (size_t){f}({s}));\n")),
+            _ => c.push_str(&format!("printf(\"%zu\\n\", offsetof({s}, {f}));\n")),
+        }
+    }
+    let cases = trigger_cases();
+    for (ty, dst, doff, src, soff, n, sem) in &cases {
+        c.push_str(&format!(
+            "{{ ProxyTrigger t({ty}ull, {dst}u, {doff}ull, {src}u, {soff}ull, {n}ull, {sem}u); \
+             printf(\"%llu %llu\\n\", t.fst, t.snd); }}\n"
+        ));
+    }
+    for (dst, doff, v, sem) in ATOMIC_CASES {
+        c.push_str(&format!(
+            "{{ ProxyTrigger t = ProxyTrigger::atomicAdd({dst}u, {doff}ull, (i64){}ull, {sem}u); \
+             printf(\"%llu %llu\\n\", t.fst, t.snd); }}\n",
+            *v as u64
+        ));
+    }
+    c.push_str("printf(\"%u\\n\", ABI_VERSION);\nreturn 0;}\n");
+    let dir = scratch("device-abi");
+    let (src, exe) = (dir.join("abi.cpp"), dir.join("abi"));
+    std::fs::write(&src, c).unwrap();
+    let out = match Command::new("g++")
+        .args(["-std=c++17", "-Wall", "-Werror", "-Wno-invalid-offsetof", "-I"])
+        .arg(mscclpp::device::include_dir())
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => return skip("header_layout_and_trigger_bits_match_rust", &format!("no g++ ({e})")),
+    };
+    assert!(out.status.success(), "g++ failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let run = Command::new(&exe).output().unwrap();
+    let text = String::from_utf8(run.stdout).unwrap();
+    let mut lines = text.lines();
+    let mut bad = Vec::new();
+    for (s, f, ours) in &rows {
+        let theirs: usize = lines.next().unwrap().parse().unwrap();
+        if *ours != theirs {
+            bad.push(format!("{s}.{f}: Rust {ours}, device.cuh {theirs}"));
+        }
+    }
+    for &(ty, dst, doff, src, soff, n, sem) in &cases {
+        let ours = ProxyTrigger::from_fields(ty, dst, doff as u32, src, soff as u32, n as u32, sem);
+        let theirs = lines.next().unwrap();
+        if format!("{} {}", ours.fst, ours.snd) != theirs {
+            bad.push(format!("trigger {:?}: Rust {ours:?}, device.cuh {theirs}", (ty, dst, doff, src, soff, n, sem)));
+        }
+    }
+    for &(dst, doff, v, sem) in ATOMIC_CASES {
+        let ours = ProxyTrigger::atomic_add(sem, dst, doff as u32, v).unwrap();
+        let theirs = lines.next().unwrap();
+        if format!("{} {}", ours.fst, ours.snd) != theirs {
+            bad.push(format!("atomicAdd {:?}: Rust {ours:?}, device.cuh {theirs}", (dst, doff, v, sem)));
+        }
+    }
+    assert_eq!(lines.next().unwrap(), mscclpp::device::ABI_VERSION.to_string());
+    assert!(lines.next().is_none());
+    assert!(bad.is_empty(), "device.cuh and Rust disagree:\n{}", bad.join("\n"));
+    println!(
+        "checked {} sizes/offsets and {} triggers against device.cuh",
+        rows.len(),
+        cases.len() + ATOMIC_CASES.len()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `ptxas` to assemble with: `MSCCLPP_PTXAS`, next to NVRTC (`../bin/ptxas`, as in the pip
+/// wheels and the toolkit), `$CUDA_PATH/bin`, `/usr/local/cuda/bin`, else `PATH`.
+fn ptxas(nvrtc_path: &str) -> Option<PathBuf> {
+    let mut c: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("MSCCLPP_PTXAS") {
+        c.push(PathBuf::from(p));
+    }
+    if let Some(dir) = std::path::Path::new(nvrtc_path).parent() {
+        c.push(dir.join("../bin/ptxas"));
+    }
+    if let Some(p) = std::env::var_os("CUDA_PATH") {
+        c.push(PathBuf::from(p).join("bin/ptxas"));
+    }
+    c.push(PathBuf::from("/usr/local/cuda/bin/ptxas"));
+    if let Some(found) = c.into_iter().find(|p| p.is_file()) {
+        return Some(found);
+    }
+    Command::new("ptxas").arg("--version").output().ok().filter(|o| o.status.success()).map(|_| PathBuf::from("ptxas"))
+}
+
+/// The kernel that calls every device method of the header.
+const API_KERNELS: &str = include_str!("kernels/device_api.cu");
+
+#[test]
+fn header_compiles_with_nvrtc_and_assembles_with_ptxas() {
+    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    let test = "header_compiles_with_nvrtc_and_assembles_with_ptxas";
+    let (path, version) = match nvrtc_info() {
+        Ok(i) => i,
+        Err(e) => return skip(test, e.message()),
+    };
+    println!("NVRTC {}.{} from {path}", version.0, version.1);
+    let opts =
+        CompileOptions { arch: Some("compute_90".into()), name: Some("device_api.cu".into()), ..Default::default() };
+    let ptx = compile(API_KERNELS, &opts).unwrap_or_else(|e| panic!("{e}"));
+    assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
+    assert_eq!(ptx.kernels(), ["fifo_api", "semaphore_api", "port_channel_api"]);
+    assert_eq!(ptx.arch(), "compute_90");
+    // The orderings the header promises appear as such in the PTX.
+    for insn in [
+        "st.global.release.sys.v2.u64",
+        "atom.relaxed.gpu.add.u64",
+        "atom.relaxed.gpu.cas.b64",
+        "ld.acquire.sys.u64",
+        "ld.relaxed.gpu.u64",
+        "red.release.sys.global.add.u64",
+        "%globaltimer",
+        "trap;",
+    ] {
+        assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
+    }
+    let Some(ptxas) = ptxas(&path) else {
+        return skip(test, "NVRTC compiled the header, but no ptxas was found to assemble it (MSCCLPP_PTXAS)");
+    };
+    let dir = scratch("device-ptx");
+    let (src, out) = (dir.join("device_api.ptx"), dir.join("device_api.cubin"));
+    std::fs::write(&src, ptx.as_str()).unwrap();
+    let r = Command::new(&ptxas).args(["-arch=sm_90", "-o"]).arg(&out).arg(&src).output().unwrap();
+    assert!(r.status.success(), "{} failed:\n{}", ptxas.display(), String::from_utf8_lossy(&r.stderr));
+    assert!(std::fs::metadata(&out).unwrap().len() > 0);
+    println!("assembled {} kernels for sm_90 with {}", ptx.kernels().len(), ptxas.display());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_compile_error_carries_nvrtc_log() {
+    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    if let Err(e) = nvrtc_info() {
+        return skip("a_compile_error_carries_nvrtc_log", e.message());
+    }
+    let src = "#include \"mscclpp_rs/device.cuh\"\nextern \"C\" __global__ void k(mscclpp::FifoDeviceHandle f) { f.no_such_method(); }\n";
+    let e = compile(src, &CompileOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), mscclpp::ErrorKind::InvalidUsage);
+    assert!(e.message().contains("no_such_method"), "{e}");
+}
+
+/// On a GPU: a compiled kernel loads, launches on a public stream and writes device memory.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_compiled_kernel_runs() {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    let ctx = mscclpp::Context::new();
+    let buf = mscclpp::DeviceBuffer::new(&ctx, 0, 16, mscclpp::TransportFlags::NONE).unwrap();
+    let src = "#include \"mscclpp_rs/device.cuh\"\n\
+               extern \"C\" __global__ void put(mscclpp::u64* p, mscclpp::u64 v) { p[0] = v; p[1] = mscclpp::ABI_VERSION; }\n";
+    let ptx = compile(src, &CompileOptions::for_device(0)).unwrap();
+    let m = KernelModule::load(0, &ptx).unwrap();
+    assert!(m.function("nope").is_err());
+    let k = m.function("put").unwrap();
+    let s = mscclpp::gpu::Stream::new(0).unwrap();
+    let (mut p, mut v) = (buf.device_ptr(), 0xfeed_u64);
+    let mut args = [(&mut p as *mut u64).cast(), (&mut v as *mut u64).cast()];
+    // SAFETY: the kernel takes (u64*, u64); p is a live 16-byte allocation kept until synchronize.
+    unsafe { k.launch((1, 1, 1), (1, 1, 1), 0, &s, &mut args) }.unwrap();
+    s.synchronize(std::time::Duration::from_secs(30)).unwrap();
+    assert_eq!(buf.read_u64(0).unwrap(), 0xfeed);
+    assert_eq!(buf.read_u64(8).unwrap(), u64::from(mscclpp::device::ABI_VERSION));
+}
+
+/// Launches `kernel` with `args` (pointers to its parameters) and waits for it (bounded).
+fn launch_and_wait(
+    k: &mscclpp::device::compile::Kernel,
+    grid: u32,
+    block: u32,
+    args: &mut [*mut std::ffi::c_void],
+) -> mscclpp::Result<()> {
+    let s = mscclpp::gpu::Stream::new(0)?;
+    // SAFETY: every caller passes pointers to values of the kernel's parameter types, alive until
+    // this function returns, and the memories they name outlive the synchronize below.
+    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, &s, args) }?;
+    s.synchronize(std::time::Duration::from_secs(60))
+}
+
+fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+    (v as *mut T).cast()
+}
+
+/// On a GPU: 1024 GPU threads push 8 triggers each through a 64-slot FIFO (128 laps) while the
+/// host consumes; half use `push`, half `push_for`. Every trigger arrives once, in per-thread order.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_producers_push_through_a_small_fifo() {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    use mscclpp::device::fifo::Fifo;
+    const THREADS: u64 = 1024;
+    const ROUNDS: u64 = 8;
+    let src = r#"#include "mscclpp_rs/device.cuh"
+using namespace mscclpp;
+extern "C" __global__ void produce(FifoDeviceHandle fifo, u64 rounds, u64* failures) {
+  u64 id = blockIdx.x * blockDim.x + threadIdx.x;
+  for (u64 r = 0; r < rounds; r++) {
+    ProxyTrigger t;
+    t.fst = id;
+    t.snd = r;
+    if (id % 2 == 0) {
+      fifo.push(t);
+    } else if (!fifo.push_for(t, 10000000000ull)) {
+      atomicAdd(failures, 1ull);
+      return;
+    }
+  }
+}
+"#;
+    let ctx = mscclpp::Context::new();
+    let fifo = Fifo::new(&ctx, 0, 64).unwrap();
+    let failures = mscclpp::DeviceBuffer::new(&ctx, 0, 8, mscclpp::TransportFlags::NONE).unwrap();
+    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
+        .unwrap()
+        .function("produce")
+        .unwrap();
+    let mut next = vec![0u64; THREADS as usize];
+    std::thread::scope(|s| {
+        let producer = s.spawn(|| {
+            let (mut h, mut rounds, mut f) = (fifo.device_handle(), ROUNDS, failures.device_ptr());
+            launch_and_wait(&k, (THREADS / 128) as u32, 128, &mut [arg(&mut h), arg(&mut rounds), arg(&mut f)])
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut got = 0;
+        while got < THREADS * ROUNDS && std::time::Instant::now() < deadline {
+            if let Some(t) = fifo.poll() {
+                fifo.pop();
+                assert_eq!(t.snd, next[t.fst as usize], "thread {}: out of order or duplicated", t.fst);
+                next[t.fst as usize] += 1;
+                got += 1;
+            }
+        }
+        producer.join().unwrap().unwrap();
+    });
+    assert_eq!(failures.read_u64(0).unwrap(), 0);
+    assert_eq!(next, vec![ROUNDS; THREADS as usize]);
+    assert_eq!(fifo.poll(), None);
+}
+
+/// On a GPU: the time-limited waits return false instead of hanging or trapping: an unsignalled
+/// semaphore (its expected count restored), a full FIFO (nothing reserved), a PortChannel whose
+/// proxy published an error, and a flush abandoned with UINT64_MAX.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_time_limited_waits_return_false() {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    use mscclpp::device::fifo::Fifo;
+    use mscclpp::device::handles::{BasePortChannelDeviceHandle, Host2DeviceSemaphoreDeviceHandle};
+    let src = r#"#include "mscclpp_rs/device.cuh"
+using namespace mscclpp;
+extern "C" __global__ void timed(Host2DeviceSemaphoreDeviceHandle sem, FifoDeviceHandle full,
+                                 BasePortChannelDeviceHandle ch, u64* out) {
+  out[0] = sem.wait_for(2000000);               // no signal: false
+  out[1] = *sem.expectedInboundToken;           // restored: 0
+  atomicAdd(sem.inboundToken, 1ull);            // a signal
+  out[2] = sem.wait_for(2000000);               // true
+  for (int i = 0; i < full.size; i++) full.push(ProxyTrigger(TriggerFlag, 0, 0, 0, 0, 0, 1));
+  out[3] = full.push_for(ProxyTrigger(TriggerFlag, 0, 0, 0, 0, 0, 1), 2000000, nullptr);  // false
+  out[4] = *full.head;                          // size: nothing reserved
+  out[5] = ch.fifo_.proxy_error();              // 7, set by the host
+  out[6] = ch.wait_for(600000000000ull);        // false at once (proxy error), not after 600 s
+  out[7] = ch.flush_for(600000000000ull);       // false: flushDonePos is UINT64_MAX
+}
+"#;
+    let ctx = mscclpp::Context::new();
+    let buf = |n| mscclpp::DeviceBuffer::new(&ctx, 0, n, mscclpp::TransportFlags::NONE).unwrap();
+    let (token, expected, done, out) = (buf(8), buf(8), buf(8), buf(64));
+    done.write(0, &u64::MAX.to_ne_bytes()).unwrap();
+    let full = Fifo::new(&ctx, 0, 4).unwrap();
+    let chf = Fifo::new(&ctx, 0, 4).unwrap();
+    chf.set_proxy_error(7);
+    let mut sem = Host2DeviceSemaphoreDeviceHandle {
+        inbound_token: token.device_ptr(),
+        expected_inbound_token: expected.device_ptr(),
+    };
+    let ch_sem = buf(16);
+    let mut ch = BasePortChannelDeviceHandle {
+        semaphore_id: 1,
+        _pad: 0,
+        semaphore: Host2DeviceSemaphoreDeviceHandle {
+            inbound_token: ch_sem.device_ptr(),
+            expected_inbound_token: ch_sem.device_ptr() + 8,
+        },
+        fifo: chf.device_handle(),
+        flush_done_pos: done.device_ptr(),
+    };
+    let (mut fh, mut o) = (full.device_handle(), out.device_ptr());
+    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
+        .unwrap()
+        .function("timed")
+        .unwrap();
+    launch_and_wait(&k, 1, 1, &mut [arg(&mut sem), arg(&mut fh), arg(&mut ch), arg(&mut o)]).unwrap();
+    let got: Vec<u64> = (0..8).map(|i| out.read_u64(8 * i).unwrap()).collect();
+    assert_eq!(got, vec![0, 0, 1, 0, 4, 7, 0, 0]);
+    // The full FIFO holds exactly its four pushes; the channel's FIFO got the flush's Sync.
+    for _ in 0..4 {
+        assert!(full.poll().is_some());
+        full.pop();
+    }
+    assert_eq!(full.poll(), None);
+    let sync = chf.poll().unwrap();
+    assert_eq!(
+        mscclpp::device::decode(sync).unwrap(),
+        mscclpp::device::Request::Ops { sem_id: 1, put: None, signal: false, flush: true }
+    );
+}
