@@ -2,9 +2,13 @@
 //! queues and RC queue pairs. Every object keeps the device alive (`Arc<IbDevice>`), so nothing is
 //! destroyed after the PD or the device context it came from (MSCCL++'s MRs and QPs hold no
 //! reference to their `IbCtx`).
+//!
+//! Every verbs call goes through [`super::result`], which holds the FFI `unsafe`; what is left
+//! here is the few calls whose contract only an owner can keep: destroying an object (in `Drop`,
+//! children first) and registering host memory (the caller keeps it valid).
 #![allow(unsafe_code)]
 
-use std::ffi::{CStr, c_int, c_void};
+use std::ffi::c_int;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,17 +16,9 @@ use std::time::Duration;
 use tracing::{debug, info, warn};
 
 use super::abi::*;
+use super::result::{self as r, CompChannel, Context, Cq, Mr, Pd, Qp};
 use super::{DeviceList, Verbs, verbs};
 use crate::error::{Error, ErrorKind, Result};
-
-fn ib_err(what: impl fmt::Display, errno: c_int) -> Error {
-    let os = std::io::Error::from_raw_os_error(errno);
-    Error::new(ErrorKind::Ib, format!("{what}: {os}"))
-}
-
-fn last_errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
 
 /// What the transport needs of a device's capabilities.
 #[derive(Clone, Copy, Debug)]
@@ -39,16 +35,10 @@ pub(crate) struct DeviceCaps {
 pub(crate) struct IbDevice {
     pub(crate) v: &'static Verbs,
     pub(crate) name: String,
-    ctx: *mut ibv_context,
-    pd: *mut ibv_pd,
+    ctx: Context,
+    pd: Pd,
     pub(crate) caps: DeviceCaps,
 }
-
-// SAFETY: libibverbs objects may be used from any thread (the library locks internally where it
-// must); the raw pointers are owned by this struct and freed once in Drop.
-unsafe impl Send for IbDevice {}
-// SAFETY: as above; no method hands out interior references.
-unsafe impl Sync for IbDevice {}
 
 impl fmt::Debug for IbDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -58,11 +48,11 @@ impl fmt::Debug for IbDevice {
 
 impl Drop for IbDevice {
     fn drop(&mut self) {
-        // SAFETY: pd and ctx came from alloc_pd/open_device, every MR/CQ/QP holds an Arc to this
-        // device so all of them are gone, and each is freed once.
-        unsafe {
-            (self.v.dealloc_pd)(self.pd);
-            (self.v.close_device)(self.ctx);
+        // SAFETY: every MR, CQ, channel and QP holds an Arc to this device, so all of them are
+        // destroyed; the PD goes before its context, and neither handle is used again.
+        let (pd, ctx) = unsafe { (r::dealloc_pd(&self.pd), r::close_device(&self.ctx)) };
+        for e in [pd, ctx].into_iter().filter_map(|x| x.err()) {
+            warn!(target: "mscclpp::ib", "closing {}: {e}", self.name);
         }
     }
 }
@@ -95,38 +85,28 @@ impl IbDevice {
     /// Opens the device called `name` and allocates its protection domain.
     pub(crate) fn open(name: &str) -> Result<Arc<IbDevice>> {
         let list = DeviceList::get()?;
-        let Some(found) = list.find(name) else {
+        let v = verbs()?;
+        let Some(opened) = r::open_device(&list, name) else {
             let names = list.names();
             return Err(Error::invalid_usage(format!(
                 "RDMA device {name:?} does not exist (this machine has: {})",
                 if names.is_empty() { "none".to_string() } else { names.join(", ") }
             )));
         };
-        let v = verbs()?;
-        // SAFETY: found is a device of the live list.
-        let ctx = unsafe { (v.open_device)(found) };
-        let errno = last_errno();
         drop(list);
-        if ctx.is_null() {
-            return Err(ib_err(format!("ibv_open_device({name})"), errno));
-        }
-        // SAFETY: zeroed is a valid ibv_device_attr (plain integers); ctx is open.
-        let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: ctx is open and attr is a valid out-pointer of the declared layout.
-        let rc = unsafe { (v.query_device)(ctx, &mut attr) };
-        if rc != 0 {
-            // SAFETY: ctx is open and closed once here.
-            unsafe { (v.close_device)(ctx) };
-            return Err(ib_err(format!("ibv_query_device({name})"), rc));
-        }
-        // SAFETY: ctx is open.
-        let pd = unsafe { (v.alloc_pd)(ctx) };
-        if pd.is_null() {
-            let errno = last_errno();
-            // SAFETY: ctx is open and closed once here.
-            unsafe { (v.close_device)(ctx) };
-            return Err(ib_err(format!("ibv_alloc_pd({name})"), errno));
-        }
+        let ctx = opened.map_err(|e| e.on(format_args!("({name})")))?;
+        let made = r::query_device(&ctx).and_then(|attr| Ok((attr, r::alloc_pd(&ctx)?)));
+        let (attr, pd) = match made {
+            Ok(x) => x,
+            Err(e) => {
+                // SAFETY: nothing was made from ctx (alloc_pd is the only call that makes
+                // anything, and it failed), and ctx is dropped unused right after.
+                if let Err(c) = unsafe { r::close_device(&ctx) } {
+                    warn!(target: "mscclpp::ib", "closing {name} after a failed open: {c}");
+                }
+                return Err(e.on(format_args!("({name})")));
+            }
+        };
         let caps = DeviceCaps {
             atomics: attr.atomic_cap != IBV_ATOMIC_NONE,
             max_qp_wr: attr.max_qp_wr.max(1) as u32,
@@ -140,22 +120,11 @@ impl IbDevice {
     }
 
     fn query_port(&self, port: u8) -> Result<ibv_port_attr> {
-        // SAFETY: zeroed is a valid ibv_port_attr; the exported ibv_query_port fills at most the
-        // compat (older, smaller) layout, which ours contains.
-        let mut a: ibv_port_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: ctx is open; a is a valid out-pointer.
-        let rc = unsafe { (self.v.query_port)(self.ctx, port, &mut a) };
-        if rc != 0 {
-            return Err(ib_err(format!("ibv_query_port({} port {port})", self.name), rc));
-        }
-        Ok(a)
+        r::query_port(&self.ctx, port).map_err(|e| e.on(format_args!("({} port {port})", self.name)))
     }
 
     fn query_gid(&self, port: u8, index: u32) -> Option<[u8; 16]> {
-        let mut g = ibv_gid { raw: [0; 16] };
-        // SAFETY: ctx is open; g is a valid out-pointer.
-        let rc = unsafe { (self.v.query_gid)(self.ctx, port, index as c_int, &mut g) };
-        (rc == 0 && g.raw != [0; 16]).then_some(g.raw)
+        r::query_gid(&self.ctx, port, index).ok().filter(|g| *g != [0; 16])
     }
 
     /// Chooses the port (the configured one, else the first active port with an IB or Ethernet
@@ -266,42 +235,34 @@ impl IbDevice {
     pub(crate) fn reg_mr(self: &Arc<Self>, addr: u64, len: u64) -> Result<IbMr> {
         let access =
             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-        // SAFETY: the PD is live; the range is memory the caller keeps valid while the MR lives
-        // (LocalRegion drops its MRs before its memory).
-        let mr = unsafe { (self.v.reg_mr)(self.pd, addr as *mut c_void, len as usize, access as c_int) };
-        if mr.is_null() {
-            let errno = last_errno();
-            let hint = if errno == nix::errno::Errno::ENOMEM as c_int {
+        // SAFETY: the range is memory the caller keeps valid while the MR lives (LocalRegion
+        // drops its MRs before its memory).
+        let mr = unsafe { r::reg_mr(&self.pd, addr, len as usize, access) }.map_err(|e| {
+            let hint = if e.os_error() == Some(nix::errno::Errno::ENOMEM as c_int) {
                 " (the locked-memory limit may be too low: raise `ulimit -l`)"
             } else {
                 ""
             };
-            return Err(ib_err(format!("ibv_reg_mr of {len} bytes at {addr:#x} on {}{hint}", self.name), errno));
-        }
-        // SAFETY: mr is a valid MR returned above.
-        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+            e.on(format_args!(" of {len} bytes at {addr:#x} on {}{hint}", self.name))
+        })?;
+        let (lkey, rkey) = mr.keys();
         Ok(IbMr { dev: self.clone(), mr, addr, len, lkey, rkey })
     }
 
     /// Registers `len` bytes at `offset` of the dma-buf `fd` (GPU memory exported by the CUDA
     /// driver), seen by peers at address `iova`.
     pub(crate) fn reg_dmabuf_mr(self: &Arc<Self>, offset: u64, len: u64, iova: u64, fd: c_int) -> Result<IbMr> {
-        let Some(f) = self.v.reg_dmabuf_mr else {
+        if self.v.reg_dmabuf_mr.is_none() {
             return Err(Error::not_available(format!(
                 "{} has no ibv_reg_dmabuf_mr (rdma-core 34 or later is needed)",
                 self.v.path
             )));
-        };
+        }
         let access =
             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-        // SAFETY: the PD is live; fd is a dma-buf the caller keeps open for the call (the MR keeps
-        // its own reference to the buffer).
-        let mr = unsafe { f(self.pd, offset, len as usize, iova, fd, access as c_int) };
-        if mr.is_null() {
-            return Err(ib_err(format!("ibv_reg_dmabuf_mr of {len} bytes on {}", self.name), last_errno()));
-        }
-        // SAFETY: mr is a valid MR returned above.
-        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        let mr = r::reg_dmabuf_mr(&self.pd, offset, len as usize, iova, fd, access)
+            .map_err(|e| e.on(format_args!(" of {len} bytes on {}", self.name)))?;
+        let (lkey, rkey) = mr.keys();
         Ok(IbMr { dev: self.clone(), mr, addr: iova, len, lkey, rkey })
     }
 
@@ -310,23 +271,15 @@ impl IbDevice {
     pub(crate) fn create_cq(self: &Arc<Self>, cqe: u32, events: bool) -> Result<IbCq> {
         let n = cqe.min(self.caps.max_cqe).max(1);
         let channel = if events {
-            // SAFETY: ctx is open.
-            let ch = unsafe { (self.v.create_comp_channel)(self.ctx) };
-            if ch.is_null() {
-                return Err(ib_err(format!("ibv_create_comp_channel on {}", self.name), last_errno()));
-            }
+            let ch = r::create_comp_channel(&self.ctx).map_err(|e| e.on(format_args!(" on {}", self.name)))?;
             Some(IbChannel { dev: self.clone(), ch })
         } else {
             None
         };
-        let chp = channel.as_ref().map(|c| c.ch).unwrap_or(std::ptr::null_mut());
-        // SAFETY: ctx is open; chp is null or a live channel of this context (kept by the IbCq).
-        let cq = unsafe { (self.v.create_cq)(self.ctx, n as c_int, std::ptr::null_mut(), chp, 0) };
-        if cq.is_null() {
-            return Err(ib_err(format!("ibv_create_cq({n}) on {}", self.name), last_errno()));
-        }
-        // SAFETY: cq is valid.
-        let depth = unsafe { (*cq).cqe }.max(1) as u32;
+        // The IbCq keeps the channel and drops it after destroying the CQ.
+        let cq = r::create_cq(&self.ctx, n as c_int, channel.as_ref().map(|c| &c.ch))
+            .map_err(|e| e.on(format_args!("({n}) on {}", self.name)))?;
+        let depth = cq.cqe().max(1) as u32;
         Ok(IbCq { dev: self.clone(), cq, depth, channel })
     }
 }
@@ -334,17 +287,12 @@ impl IbDevice {
 /// A registered memory region (deregistered on drop).
 pub(crate) struct IbMr {
     dev: Arc<IbDevice>,
-    mr: *mut ibv_mr,
+    mr: Mr,
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) lkey: u32,
     pub(crate) rkey: u32,
 }
-
-// SAFETY: see IbDevice; the MR pointer is owned and freed once.
-unsafe impl Send for IbMr {}
-// SAFETY: no interior mutation through &IbMr.
-unsafe impl Sync for IbMr {}
 
 impl IbMr {
     /// The device the region is registered on.
@@ -361,52 +309,42 @@ impl fmt::Debug for IbMr {
 
 impl Drop for IbMr {
     fn drop(&mut self) {
-        // SAFETY: mr came from reg_mr and is deregistered once; the PD is alive (self.dev).
-        unsafe { (self.dev.v.dereg_mr)(self.mr) };
+        // SAFETY: the handle is dropped unused right after; the PD is alive (self.dev).
+        if let Err(e) = unsafe { r::dereg_mr(&self.mr) } {
+            warn!(target: "mscclpp::ib", "{self:?}: {e}");
+        }
     }
 }
 
 /// A completion channel (destroyed after its CQ: the `IbCq` owning it drops it last).
 struct IbChannel {
     dev: Arc<IbDevice>,
-    ch: *mut ibv_comp_channel,
+    ch: CompChannel,
 }
 
 impl Drop for IbChannel {
     fn drop(&mut self) {
-        // SAFETY: ch came from create_comp_channel; its CQ is destroyed (IbCq::drop runs first)
-        // and every event was acknowledged.
-        unsafe { (self.dev.v.destroy_comp_channel)(self.ch) };
+        // SAFETY: its CQ is destroyed (IbCq::drop runs before its fields drop), every event was
+        // acknowledged as it was taken (IbCq::wait_event), and the handle is dropped unused.
+        if let Err(e) = unsafe { r::destroy_comp_channel(&self.ch) } {
+            warn!(target: "mscclpp::ib", "completion channel on {}: {e}", self.dev.name);
+        }
     }
 }
 
 /// A completion queue (destroyed on drop, after the QPs using it).
 pub(crate) struct IbCq {
     dev: Arc<IbDevice>,
-    cq: *mut ibv_cq,
+    cq: Cq,
     pub(crate) depth: u32,
     channel: Option<IbChannel>,
 }
 
-// SAFETY: see IbDevice; polling is serialized by the owner (the connection's state lock).
-unsafe impl Send for IbCq {}
-// SAFETY: as above.
-unsafe impl Sync for IbCq {}
-
 impl IbCq {
     /// Takes up to `out.len()` completions; returns how many.
+    #[inline]
     pub(crate) fn poll(&self, out: &mut [ibv_wc]) -> Result<usize> {
-        // SAFETY: the CQ belongs to an open context whose ops table the provider filled.
-        let f = unsafe { (*(*self.cq).context).ops.poll_cq };
-        let Some(f) = f else {
-            return Err(Error::new(ErrorKind::Ib, format!("{}: the provider has no poll_cq", self.dev.name)));
-        };
-        // SAFETY: out is valid for out.len() entries of the declared layout.
-        let n = unsafe { f(self.cq, out.len().min(c_int::MAX as usize) as c_int, out.as_mut_ptr()) };
-        if n < 0 {
-            return Err(Error::new(ErrorKind::Ib, format!("ibv_poll_cq on {} failed ({n})", self.dev.name)));
-        }
-        Ok(n as usize)
+        r::poll_cq(&self.cq, out).map_err(|e| e.on(format_args!(" on {}", self.dev.name)))
     }
 }
 
@@ -414,17 +352,7 @@ impl IbCq {
     /// Asks for an event on the next completion (`ibv_req_notify_cq`). Poll once more after
     /// arming: a completion that arrived just before does not raise one.
     pub(crate) fn arm(&self) -> Result<()> {
-        // SAFETY: the CQ belongs to an open context whose ops table the provider filled.
-        let f = unsafe { (*(*self.cq).context).ops.req_notify_cq };
-        let Some(f) = f else {
-            return Err(Error::new(ErrorKind::Ib, format!("{}: the provider has no req_notify_cq", self.dev.name)));
-        };
-        // SAFETY: the CQ is live.
-        let rc = unsafe { f(self.cq, 0) };
-        if rc != 0 {
-            return Err(ib_err(format!("ibv_req_notify_cq on {}", self.dev.name), rc));
-        }
-        Ok(())
+        r::req_notify_cq(&self.cq, false).map_err(|e| e.on(format_args!(" on {}", self.dev.name)))
     }
 
     /// Sleeps until the armed CQ raises an event or `timeout` passes; `Ok(true)` for an event
@@ -434,9 +362,7 @@ impl IbCq {
             std::thread::sleep(timeout.min(Duration::from_micros(50)));
             return Ok(false);
         };
-        // SAFETY: ch.ch is a live channel; its fd stays open while the channel lives.
-        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw((*ch.ch).fd) };
-        let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
+        let mut fds = [nix::poll::PollFd::new(ch.ch.fd(), nix::poll::PollFlags::POLLIN)];
         let ms = timeout.as_millis().min(u16::MAX as u128) as u16;
         match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)) {
             Ok(0) => return Ok(false),
@@ -444,36 +370,37 @@ impl IbCq {
             Err(nix::errno::Errno::EINTR) => return Ok(false),
             Err(e) => return Err(Error::io(format!("waiting for a completion event on {}", self.dev.name), e.into())),
         }
-        let mut cq: *mut ibv_cq = std::ptr::null_mut();
-        let mut ctx: *mut c_void = std::ptr::null_mut();
-        // SAFETY: the channel's fd is readable, so this does not block; valid out-pointers.
-        let rc = unsafe { (self.dev.v.get_cq_event)(ch.ch, &mut cq, &mut ctx) };
-        if rc != 0 {
-            return Err(ib_err(format!("ibv_get_cq_event on {}", self.dev.name), last_errno()));
+        // The channel's fd is readable, so this does not block.
+        let cq = r::get_cq_event(&ch.ch).map_err(|e| e.on(format_args!(" on {}", self.dev.name)))?;
+        if cq != self.cq.as_ptr() {
+            return Err(Error::internal(format!(
+                "a completion event on {} for a CQ that is not its own",
+                self.dev.name
+            )));
         }
-        // SAFETY: cq is the CQ the event was for (ours, the channel's only CQ); one event taken.
-        unsafe { (self.dev.v.ack_cq_events)(cq, 1) };
+        // One event taken, for this CQ (the channel's only one).
+        r::ack_cq_events(&self.cq, 1);
         Ok(true)
     }
 }
 
 impl Drop for IbCq {
     fn drop(&mut self) {
-        // SAFETY: cq came from create_cq and is destroyed once, after the QPs that used it
-        // (IbQp destroys its QP before its CQ fields drop).
-        unsafe { (self.dev.v.destroy_cq)(self.cq) };
+        // SAFETY: the QP that used this CQ is destroyed (IbQp::drop runs before its CQ fields
+        // drop), every event was acknowledged as it was taken (wait_event), and the handle is
+        // dropped unused; its channel (a field) is destroyed after this.
+        if let Err(e) = unsafe { r::destroy_cq(&self.cq) } {
+            warn!(target: "mscclpp::ib", "completion queue on {}: {e}", self.dev.name);
+        }
     }
 }
 
 /// The text of a work-completion status.
 pub(crate) fn wc_status_text(v: &Verbs, status: u32) -> String {
-    // SAFETY: ibv_wc_status_str accepts any value and returns a static string.
-    let p = unsafe { (v.wc_status_str)(status) };
-    if p.is_null() {
-        return format!("status {status}");
+    match r::wc_status_str(v, status) {
+        Some(s) => format!("{} ({status})", s.to_string_lossy()),
+        None => format!("status {status}"),
     }
-    // SAFETY: non-null, static and NUL-terminated.
-    format!("{} ({status})", unsafe { CStr::from_ptr(p) }.to_string_lossy())
 }
 
 /// What a peer needs to connect to a queue pair.
@@ -514,7 +441,7 @@ pub(crate) enum SendOp {
 /// An RC queue pair with its send and receive CQs (destroyed on drop, QP first).
 pub(crate) struct IbQp {
     pub(crate) dev: Arc<IbDevice>,
-    qp: *mut ibv_qp,
+    qp: Qp,
     pub(crate) qpn: u32,
     pub(crate) port: PortInfo,
     pub(crate) send_cq: IbCq,
@@ -525,16 +452,13 @@ pub(crate) struct IbQp {
     pub(crate) limits: QpLimits,
 }
 
-// SAFETY: see IbDevice; posting and polling are serialized by the connection's state lock.
-unsafe impl Send for IbQp {}
-// SAFETY: as above.
-unsafe impl Sync for IbQp {}
-
 impl Drop for IbQp {
     fn drop(&mut self) {
-        // SAFETY: qp came from create_qp and is destroyed once, before its CQs (fields drop after
-        // this body).
-        unsafe { (self.dev.v.destroy_qp)(self.qp) };
+        // SAFETY: the handle is dropped unused right after (its CQs, fields, drop after this
+        // body).
+        if let Err(e) = unsafe { r::destroy_qp(&self.qp) } {
+            warn!(target: "mscclpp::ib", "{self:?}: {e}");
+        }
     }
 }
 
@@ -552,28 +476,17 @@ impl IbQp {
         // Only a HostNoAtomic receive thread sleeps on the receive CQ.
         let recv_cq = dev.create_cq(limits.max_recv_wr.max(1), !atomics)?;
         let want_send = limits.max_send_wr.min(dev.caps.max_qp_wr).max(1);
-        let mut init = ibv_qp_init_attr {
-            qp_context: std::ptr::null_mut(),
-            send_cq: send_cq.cq,
-            recv_cq: recv_cq.cq,
-            srq: std::ptr::null_mut(),
-            cap: ibv_qp_cap {
-                max_send_wr: want_send,
-                max_recv_wr: limits.max_recv_wr.min(dev.caps.max_qp_wr).max(1),
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
-            qp_type: IBV_QPT_RC,
-            sq_sig_all: 0,
+        let cap = ibv_qp_cap {
+            max_send_wr: want_send,
+            max_recv_wr: limits.max_recv_wr.min(dev.caps.max_qp_wr).max(1),
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
         };
-        // SAFETY: the PD and CQs are live; init is a valid attribute struct.
-        let qp = unsafe { (dev.v.create_qp)(dev.pd, &mut init) };
-        if qp.is_null() {
-            return Err(ib_err(format!("ibv_create_qp (RC, {} send WRs) on {}", want_send, dev.name), last_errno()));
-        }
-        // SAFETY: qp is valid.
-        let qpn = unsafe { (*qp).qp_num };
+        // The IbQp keeps both CQs and destroys the QP before them.
+        let qp = r::create_qp(&dev.pd, &send_cq.cq, &recv_cq.cq, cap)
+            .map_err(|e| e.on(format_args!(" (RC, {want_send} send WRs) on {}", dev.name)))?;
+        let qpn = qp.num();
         let me = IbQp { dev: dev.clone(), qp, qpn, port, send_cq, recv_cq, max_send_wr: want_send, limits };
         let mut a = ibv_qp_attr { qp_state: IBV_QPS_INIT, ..Default::default() };
         a.pkey_index = 0;
@@ -587,12 +500,7 @@ impl IbQp {
     }
 
     fn modify(&self, a: &mut ibv_qp_attr, mask: c_int, to: &str) -> Result<()> {
-        // SAFETY: qp is live; a is a valid attribute struct.
-        let rc = unsafe { (self.dev.v.modify_qp)(self.qp, a, mask) };
-        if rc != 0 {
-            return Err(ib_err(format!("ibv_modify_qp({self:?} -> {to})"), rc));
-        }
-        Ok(())
+        r::modify_qp(&self.qp, a, mask).map_err(|e| e.on(format_args!("({to}) on {self:?}")))
     }
 
     /// This QP as a peer needs it.
@@ -702,40 +610,8 @@ impl IbQp {
                 bind_mw_or_tso: [0; 6],
             });
         }
-        // Link the list now that neither vector grows (their buffers stay put).
-        let n = wrs.len();
-        let base = wrs.as_mut_ptr();
-        let sbase = sges.as_mut_ptr();
-        for i in 0..n {
-            // SAFETY: i < n, so base + i and sbase + i are elements of the two vectors, which are
-            // not touched otherwise until the post returns.
-            unsafe {
-                let w = &mut *base.add(i);
-                w.sg_list = if w.num_sge > 0 { sbase.add(i) } else { std::ptr::null_mut() };
-                w.next = if i + 1 < n { base.add(i + 1) } else { std::ptr::null_mut() };
-            }
-        }
-        // SAFETY: base is a valid list of n linked WRs with one SGE each (built above).
-        unsafe { self.post_send(base) }
-    }
-
-    /// Posts the linked list starting at `wr`.
-    ///
-    /// # Safety
-    /// `wr` must be a valid list of send work requests (each `sg_list` valid for `num_sge`).
-    unsafe fn post_send(&self, wr: *mut ibv_send_wr) -> Result<()> {
-        // SAFETY: the QP belongs to an open context whose ops table the provider filled.
-        let f = unsafe { (*(*self.qp).context).ops.post_send };
-        let Some(f) = f else {
-            return Err(Error::new(ErrorKind::Ib, format!("{}: the provider has no post_send", self.dev.name)));
-        };
-        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the caller guarantees wr; bad is a valid out-pointer.
-        let rc = unsafe { f(self.qp, wr, &mut bad) };
-        if rc != 0 {
-            return Err(ib_err(format!("ibv_post_send on {self:?}"), rc));
-        }
-        Ok(())
+        // result::post_send links the list (next, sg_list) and checks opcodes and flags.
+        r::post_send(&self.qp, &mut wrs, &mut sges).map_err(|e| e.on(format_args!(" on {self:?}")))
     }
 
     /// Takes up to `out.len()` receive completions.
@@ -755,18 +631,6 @@ impl IbQp {
 
     /// Posts one receive without scatter entries (for write-with-immediate).
     pub(crate) fn post_recv_empty(&self, wr_id: u64) -> Result<()> {
-        // SAFETY: the QP belongs to an open context whose ops table the provider filled.
-        let f = unsafe { (*(*self.qp).context).ops.post_recv };
-        let Some(f) = f else {
-            return Err(Error::new(ErrorKind::Ib, format!("{}: the provider has no post_recv", self.dev.name)));
-        };
-        let mut wr = ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge: 0 };
-        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: wr is a valid one-element list with no SGEs; bad is a valid out-pointer.
-        let rc = unsafe { f(self.qp, &mut wr, &mut bad) };
-        if rc != 0 {
-            return Err(ib_err(format!("ibv_post_recv on {self:?}"), rc));
-        }
-        Ok(())
+        r::post_recv(&self.qp, wr_id, None).map_err(|e| e.on(format_args!(" on {self:?}")))
     }
 }

@@ -9,6 +9,7 @@ pub(crate) mod abi;
 pub(crate) mod dev;
 #[cfg(feature = "ib-fake")]
 pub(crate) mod fake;
+pub(crate) mod result;
 
 use std::ffi::{CStr, c_char, c_int};
 use std::sync::OnceLock;
@@ -215,7 +216,11 @@ impl DeviceList {
     /// # Errors
     /// `NotAvailable` when libibverbs cannot be loaded or the kernel has no RDMA support.
     pub(crate) fn get() -> Result<DeviceList> {
-        let v = verbs()?;
+        Self::of(verbs()?)
+    }
+
+    /// Lists the devices of the library `v` (a test passes the in-process provider's table).
+    pub(crate) fn of(v: &'static Verbs) -> Result<DeviceList> {
         let mut n: c_int = 0;
         // SAFETY: n is a valid out-pointer; the list is freed in Drop with ibv_free_device_list.
         let list = unsafe { (v.get_device_list)(&mut n) };
