@@ -16,7 +16,6 @@
 //! | `MSCCLPP_NVRTC_PATH` | `libnvrtc.so*` or its directory, for [`crate::device::compile`] (read when NVRTC first loads) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
-//! Booleans accept `0/1/true/false/yes/no/on/off` (MSCCL++ reads `false` as true).
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -47,7 +46,7 @@ pub struct IfnameFilter {
 
 impl IfnameFilter {
     /// Parses the syntax above.
-    pub fn parse(s: &str) -> Result<IfnameFilter> {
+    pub(crate) fn parse(s: &str) -> Result<IfnameFilter> {
         let mut rest = s.trim();
         let exclude = rest.starts_with('^');
         if exclude {
@@ -65,7 +64,7 @@ impl IfnameFilter {
     }
 
     /// Whether interface `name` passes the filter.
-    pub fn matches(&self, name: &str) -> bool {
+    pub(crate) fn matches(&self, name: &str) -> bool {
         let hit = self.names.iter().any(|n| if self.exact { name == n } else { name.starts_with(n.as_str()) });
         hit != self.exclude
     }
@@ -88,8 +87,10 @@ pub enum LogLevel {
     Trace,
 }
 
-/// The parsed environment.
+/// The parsed environment ([`env()`]; C++ MSCCL++: `Env`). `#[non_exhaustive]`: new variables
+/// add fields.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Env {
     /// `MSCCLPP_HCA_DEVICES`.
     pub hca_devices: Option<Vec<String>>,
@@ -116,8 +117,8 @@ pub struct Env {
     pub log_warnings: Vec<String>,
 }
 
-/// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts as this library's own.
-pub const LOG_SUBSYSTEMS: [&str; 7] = ["ENV", "GPU", "NET", "CONN", "IB", "BOOTSTRAP", "PROXY"];
+/// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts.
+pub(crate) const LOG_SUBSYSTEMS: [&str; 7] = ["ENV", "GPU", "NET", "CONN", "IB", "BOOTSTRAP", "PROXY"];
 
 /// MSCCL++ and NCCL subsystem names that have a counterpart here, and that counterpart.
 pub const LOG_SUBSYSTEM_ALIASES: [(&str, &str); 2] = [("INIT", "BOOTSTRAP"), ("P2P", "CONN")];
@@ -163,18 +164,9 @@ fn bad(var: &str, value: &str, why: impl std::fmt::Display) -> Error {
         .during("reading the environment")
 }
 
-/// Parses a boolean the way every `MSCCLPP_*` boolean is read.
-pub fn parse_bool(var: &str, value: &str) -> Result<bool> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" | "" => Ok(false),
-        _ => Err(bad(var, value, "expected 0/1/true/false/yes/no/on/off")),
-    }
-}
-
 impl Env {
     /// Reads the variables through `lookup` (the process environment in [`env()`]).
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Env> {
+    pub(crate) fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Env> {
         let get = |k: &str| lookup(k).filter(|v| !v.trim().is_empty());
         let mut env = Env::default();
         if let Some(v) = get("MSCCLPP_HCA_DEVICES") {
@@ -332,14 +324,6 @@ mod tests {
         // a bad value names the variable it came from
         let err = parse(&[("MSCCLPP_DEBUG", "LOUD")]).unwrap_err();
         assert!(err.to_string().contains("MSCCLPP_DEBUG="), "{err}");
-    }
-
-    #[test]
-    fn booleans_are_read_as_words() {
-        assert!(!parse_bool("X", "false").unwrap());
-        assert!(!parse_bool("X", "0").unwrap());
-        assert!(parse_bool("X", "TRUE").unwrap());
-        assert!(parse_bool("X", "2").is_err());
     }
 
     #[test]

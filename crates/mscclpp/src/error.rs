@@ -54,6 +54,7 @@ impl fmt::Display for ErrorKind {
 
 /// Where an error happened: the operation, and where known the peer and the transport.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ErrorContext {
     /// The operation that failed, such as `"write"`, `"flush"` or `"bootstrap recv"`.
     pub operation: Option<String>,
@@ -85,32 +86,55 @@ impl fmt::Display for ErrorContext {
 ///
 /// `Display` gives one line: `"<context>: <message>[: <cause>] (<kind>)"`, for example
 /// `"flush over ETH with peer rank 1: 3 operations still outstanding after 100ms (timeout)"`.
-#[derive(Debug, thiserror::Error)]
-#[error("{}{message}{} ({kind})", prefix(.context), cause_suffix(.source))]
+///
+/// The structured parts are accessors too, so code can act on them without parsing text:
+/// [`kind`](Self::kind), [`operation`](Self::operation), [`peer`](Self::peer),
+/// [`transport`](Self::transport), [`os_error`](Self::os_error) and [`io_kind`](Self::io_kind)
+/// (for operating-system failures), [`cuda_result`](Self::cuda_result) (for CUDA driver
+/// failures) and [`outstanding`](Self::outstanding) (for flush timeouts). They survive
+/// [`duplicate`](Self::duplicate), which a failed connection hands to every later call.
+#[derive(Debug)]
 pub struct Error {
     kind: ErrorKind,
     message: String,
-    context: Box<ErrorContext>,
-    #[source]
+    detail: Box<Detail>,
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
 }
 
-fn prefix(ctx: &ErrorContext) -> String {
-    let s = ctx.to_string();
-    if s.is_empty() { s } else { format!("{s}: ") }
+/// The structured detail of an [`Error`] (boxed: errors stay small on the happy path).
+#[derive(Clone, Debug, Default)]
+struct Detail {
+    context: ErrorContext,
+    os_error: Option<i32>,
+    io_kind: Option<std::io::ErrorKind>,
+    cuda_result: Option<i32>,
+    outstanding: Option<u64>,
 }
 
-fn cause_suffix(src: &Option<Box<dyn std::error::Error + Send + Sync + 'static>>) -> String {
-    match src {
-        Some(e) => format!(": {e}"),
-        None => String::new(),
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ctx = self.detail.context.to_string();
+        if !ctx.is_empty() {
+            write!(f, "{ctx}: ")?;
+        }
+        f.write_str(&self.message)?;
+        if let Some(e) = &self.source {
+            write!(f, ": {e}")?;
+        }
+        write!(f, " ({})", self.kind)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
     }
 }
 
 impl Error {
     /// Creates an error of `kind` with a message and no context.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into(), context: Box::default(), source: None }
+        Error { kind, message: message.into(), detail: Box::default(), source: None }
     }
 
     /// An [`ErrorKind::InvalidUsage`] error.
@@ -138,38 +162,57 @@ impl Error {
         Self::new(ErrorKind::NotAvailable, message)
     }
 
-    /// An [`ErrorKind::System`] error wrapping an I/O error, with what was being done.
+    /// An [`ErrorKind::System`] error wrapping an I/O error, with what was being done; the I/O
+    /// error's kind and OS error number stay available ([`io_kind`](Self::io_kind),
+    /// [`os_error`](Self::os_error)).
     pub fn io(what: impl Into<String>, err: std::io::Error) -> Self {
-        Error { kind: ErrorKind::System, message: what.into(), context: Box::default(), source: Some(Box::new(err)) }
+        Self::new(ErrorKind::System, what).with_source(err)
     }
 
-    /// Attaches a cause.
+    /// Attaches a cause (an [`std::io::Error`] cause also sets [`io_kind`](Self::io_kind) and
+    /// [`os_error`](Self::os_error)).
     pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        if let Some(io) = (&source as &dyn std::any::Any).downcast_ref::<std::io::Error>() {
+            self.detail.io_kind = Some(io.kind());
+            self.detail.os_error = io.raw_os_error();
+        }
         self.source = Some(Box::new(source));
         self
     }
 
     /// Sets the operation, unless one is already set (the innermost name wins).
     pub fn during(mut self, operation: impl Into<String>) -> Self {
-        if self.context.operation.is_none() {
-            self.context.operation = Some(operation.into());
+        if self.detail.context.operation.is_none() {
+            self.detail.context.operation = Some(operation.into());
         }
         self
     }
 
     /// Sets the peer rank, unless one is already set.
     pub fn with_peer(mut self, peer: usize) -> Self {
-        if self.context.peer.is_none() {
-            self.context.peer = Some(peer);
+        if self.detail.context.peer.is_none() {
+            self.detail.context.peer = Some(peer);
         }
         self
     }
 
     /// Sets the transport, unless one is already set.
     pub fn with_transport(mut self, transport: Transport) -> Self {
-        if self.context.transport.is_none() {
-            self.context.transport = Some(transport);
+        if self.detail.context.transport.is_none() {
+            self.detail.context.transport = Some(transport);
         }
+        self
+    }
+
+    /// Records how many operations were still outstanding (flush timeouts).
+    pub(crate) fn with_outstanding(mut self, n: u64) -> Self {
+        self.detail.outstanding = Some(n);
+        self
+    }
+
+    /// Records the CUDA driver's result code (`CUresult`).
+    pub(crate) fn with_cuda_result(mut self, code: i32) -> Self {
+        self.detail.cuda_result = Some(code);
         self
     }
 
@@ -185,15 +228,48 @@ impl Error {
 
     /// Where the error happened.
     pub fn context(&self) -> &ErrorContext {
-        &self.context
+        &self.detail.context
+    }
+
+    /// The operation that failed (`"flush"`, `"bootstrap recv"`, ...), if named.
+    pub fn operation(&self) -> Option<&str> {
+        self.detail.context.operation.as_deref()
     }
 
     /// The peer rank named by this error, if any.
     pub fn peer(&self) -> Option<usize> {
-        self.context.peer
+        self.detail.context.peer
     }
 
-    /// A copy of this error for a second observer (causes are flattened into text).
+    /// The transport in use, if there was one.
+    pub fn transport(&self) -> Option<Transport> {
+        self.detail.context.transport
+    }
+
+    /// The operating system's error number (`errno`) behind this error, if an OS call failed
+    /// with one.
+    pub fn os_error(&self) -> Option<i32> {
+        self.detail.os_error
+    }
+
+    /// The kind of the I/O error behind this error, if an I/O call failed.
+    pub fn io_kind(&self) -> Option<std::io::ErrorKind> {
+        self.detail.io_kind
+    }
+
+    /// The CUDA driver's result code (`CUresult`, as its number: 2 is `CUDA_ERROR_OUT_OF_MEMORY`),
+    /// if a driver call failed.
+    pub fn cuda_result(&self) -> Option<i32> {
+        self.detail.cuda_result
+    }
+
+    /// How many operations were still outstanding, for a flush that timed out.
+    pub fn outstanding(&self) -> Option<u64> {
+        self.detail.outstanding
+    }
+
+    /// A copy of this error for a second observer (causes are flattened into text; the
+    /// structured detail is kept).
     ///
     /// Connections keep their first failure and hand a copy to every later call.
     pub fn duplicate(&self) -> Self {
@@ -201,7 +277,7 @@ impl Error {
             Some(s) => format!("{}: {s}", self.message),
             None => self.message.clone(),
         };
-        Error { kind: self.kind, message, context: self.context.clone(), source: None }
+        Error { kind: self.kind, message, detail: self.detail.clone(), source: None }
     }
 }
 
@@ -215,7 +291,7 @@ impl From<std::io::Error> for Error {
             | std::io::ErrorKind::UnexpectedEof => ErrorKind::Remote,
             _ => ErrorKind::System,
         };
-        Error { kind, message: "I/O error".into(), context: Box::default(), source: Some(Box::new(err)) }
+        Error::new(kind, "I/O error").with_source(err)
     }
 }
 
@@ -233,6 +309,25 @@ mod tests {
         assert_eq!(e.peer(), Some(3));
         let d = e.duplicate();
         assert_eq!(d.to_string(), s);
+        assert_eq!(d.io_kind(), Some(std::io::ErrorKind::ConnectionReset));
+        assert_eq!((d.operation(), d.peer(), d.transport()), (Some("flush"), Some(3), Some(Transport::Ethernet)));
+    }
+
+    /// A real failed system call: its errno and I/O kind are accessors, and survive duplicate.
+    #[test]
+    fn io_errors_carry_errno() {
+        let err = std::fs::File::open("/nonexistent/mscclpp-test").unwrap_err();
+        let e = Error::io("opening a file", err);
+        assert_eq!(e.os_error(), Some(nix::errno::Errno::ENOENT as i32));
+        assert_eq!(e.io_kind(), Some(std::io::ErrorKind::NotFound));
+        assert_eq!(e.duplicate().os_error(), Some(nix::errno::Errno::ENOENT as i32));
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken = std::net::TcpListener::bind(l.local_addr().unwrap()).unwrap_err();
+        let e: Error = taken.into();
+        assert_eq!(e.os_error(), Some(nix::errno::Errno::EADDRINUSE as i32));
+        assert_eq!(e.io_kind(), Some(std::io::ErrorKind::AddrInUse));
+        assert_eq!(Error::invalid_usage("x").os_error(), None);
+        assert_eq!(Error::invalid_usage("x").outstanding(), None);
     }
 
     #[test]

@@ -4,4 +4,4 @@
 
 pub use crate::buffer::{DeviceBuffer, PinnedBuffer};
 pub use crate::platform::cuda::module::Stream;
-pub use crate::platform::cuda::{device_count, device_name, init, numa_node, pci_bus_id};
+pub use crate::platform::cuda::{device_count, device_name, numa_node};

@@ -100,11 +100,19 @@ pub mod fuzzing {
         "ethernet_hello",
         "ethernet_hello_ack",
         "ethernet_stream",
+        "unique_id_bytes",
+        "unique_id_text",
+        "socket_addr",
+        "registered_memory",
+        "endpoint",
+        "ipc_info",
+        "text_specs",
     ];
 
     /// Decodes `data` as the form `name` and checks that nothing panics and that what decodes
-    /// re-encodes to the same bytes. Unknown names panic (a fuzz target naming a form that does
-    /// not exist is a build mistake).
+    /// re-encodes to the same bytes (for text forms: prints as text that parses to the same
+    /// value). Unknown names panic (a fuzz target naming a form that does not exist is a build
+    /// mistake).
     pub fn check(name: &str, data: &[u8]) {
         match name {
             "unique_id" => check_bytes::<crate::UniqueId>(data),
@@ -120,7 +128,41 @@ pub mod fuzzing {
             "ethernet_hello" => check_bytes::<crate::conn::ethernet::wire::Hello>(data),
             "ethernet_hello_ack" => check_bytes::<crate::conn::ethernet::wire::HelloAck>(data),
             "ethernet_stream" => crate::conn::ethernet::core::fuzz_stream(data),
+            "unique_id_bytes" => crate::bootstrap::check_padded(data),
+            "unique_id_text" => crate::bootstrap::check_text(&String::from_utf8_lossy(data)),
+            "socket_addr" => check_bytes::<std::net::SocketAddr>(data),
+            "registered_memory" => check_bytes::<crate::RegisteredMemory>(data),
+            "endpoint" => check_bytes::<crate::Endpoint>(data),
+            "ipc_info" => check_bytes::<crate::platform::cuda::IpcInfo>(data),
+            "text_specs" => {
+                // Strings users pass in (command lines, environment): parsing never panics and a
+                // parsed transport prints as a name that parses back to it.
+                let s = String::from_utf8_lossy(data);
+                if let Ok(t) = s.parse::<crate::Transport>() {
+                    assert_eq!(t.to_string().parse::<crate::Transport>().ok(), Some(t));
+                }
+                let _ = crate::net::parse_addr_spec(&s);
+                let _ = s.parse::<crate::IbMode>();
+            }
             _ => panic!("no wire form named {name:?}"),
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        /// Every form has its fuzz target, and every target is listed in fuzz/Cargo.toml.
+        #[test]
+        fn every_form_has_a_fuzz_target() {
+            let fuzz = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz");
+            let manifest = std::fs::read_to_string(format!("{fuzz}/Cargo.toml")).unwrap();
+            for name in super::FORMS {
+                let path = format!("{fuzz}/fuzz_targets/{name}.rs");
+                let src = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+                assert!(src.contains(&format!("check({name:?}")), "{path} does not check {name}");
+                assert!(manifest.contains(&format!("name = {name:?}")), "fuzz/Cargo.toml has no [[bin]] {name}");
+                super::check(name, b"");
+                super::check(name, &[0xff; 64]);
+            }
         }
     }
 }

@@ -6,14 +6,15 @@ use std::sync::{Arc, OnceLock};
 use crate::context::Context;
 pub(crate) use crate::context::{LocalRegion, Mem};
 use crate::error::{Error, Result};
+use crate::platform::cuda::IpcInfo;
 use crate::platform::hostmem::Region;
 use crate::transport::{Device, Transport, TransportFlags};
-use crate::wire::{Reader, Writer};
+use crate::wire::{Reader, WireForm, Writer};
 
 const MAGIC: &[u8; 4] = b"MSRM";
 const VERSION: u16 = 1;
-/// Largest CUDA IPC handle blob accepted on the wire.
-const MAX_IPC_INFO: usize = 1024;
+/// Bytes of an [`IpcInfo`] on the wire.
+const IPC_INFO_BYTES: usize = 84;
 
 /// An IB memory region as a peer needs it: the address and the remote key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -36,7 +37,7 @@ pub(crate) struct MemoryDesc {
     pub(crate) transports: TransportFlags,
     pub(crate) device: Device,
     /// CUDA IPC export (filled by the CUDA transport).
-    pub(crate) cuda_ipc: Option<Vec<u8>>,
+    pub(crate) cuda_ipc: Option<IpcInfo>,
     /// Per-IB-transport MR info (filled by the IB transport).
     pub(crate) ib: [Option<IbMrInfo>; 8],
 }
@@ -95,10 +96,10 @@ impl RegisteredMemory {
         ctx: &Context,
         region: crate::platform::cuda::GpuRegion,
         transports: TransportFlags,
-        ipc: Option<crate::platform::cuda::IpcInfo>,
+        ipc: Option<IpcInfo>,
     ) -> Result<Self> {
         let dev = Device::Gpu(region.dev.ordinal);
-        Self::new_local_mem(ctx, Mem::Gpu(region), transports, dev, ipc.map(|i| i.encode()))
+        Self::new_local_mem(ctx, Mem::Gpu(region), transports, dev, ipc)
     }
 
     fn new_local_mem(
@@ -106,7 +107,7 @@ impl RegisteredMemory {
         region: Mem,
         transports: TransportFlags,
         device: Device,
-        cuda_ipc: Option<Vec<u8>>,
+        cuda_ipc: Option<IpcInfo>,
     ) -> Result<Self> {
         let inner = ctx.inner();
         let id = inner.next_region_id();
@@ -219,10 +220,9 @@ impl RegisteredMemory {
         if d.process_hash == crate::identity::process_hash() {
             return Ok(d.addr);
         }
-        let bytes =
+        let info =
             d.cuda_ipc.as_ref().ok_or_else(|| Error::invalid_usage("the peer's memory carries no CUDA IPC handle"))?;
-        let info = crate::platform::cuda::IpcInfo::decode(bytes)?;
-        let m = crate::platform::cuda::ipc_open(&info, dev)?;
+        let m = crate::platform::cuda::ipc_open(info, dev)?;
         if info.offset.checked_add(d.len).is_none_or(|e| e > m.size) {
             return Err(Error::invalid_usage("the peer's memory extends past its CUDA allocation"));
         }
@@ -247,10 +247,12 @@ impl RegisteredMemory {
         w.u16(d.transports.bits());
         put_device(&mut w, d.device);
         match &d.cuda_ipc {
-            Some(b) => {
+            Some(info) => {
                 w.u8(1);
-                // Only this crate fills cuda_ipc, always below MAX_IPC_INFO.
-                let _ = w.bytes(b);
+                // A length in front (always IPC_INFO_BYTES today) keeps the form open to longer
+                // handles (fabric handles) in a later version.
+                // 84 bytes: never over the 4 GiB a length field holds.
+                let _ = w.bytes(&info.to_wire());
             }
             None => w.u8(0),
         }
@@ -286,21 +288,24 @@ impl RegisteredMemory {
             0 => None,
             1 => {
                 let b = r.bytes()?;
-                if b.len() > MAX_IPC_INFO {
-                    return Err(r.err(format!("CUDA IPC info of {} bytes is too long", b.len())));
+                if b.len() != IPC_INFO_BYTES {
+                    return Err(r.err(format!("CUDA IPC info of {} bytes (expected {IPC_INFO_BYTES})", b.len())));
                 }
-                Some(b.to_vec())
+                Some(IpcInfo::from_wire(b).map_err(|e| r.err(e.message()))?)
             }
             x => return Err(r.err(format!("bad CUDA IPC presence byte {x}"))),
         };
         let mut ib = [None; 8];
         let n = r.u8()?;
+        let mut next = 0;
         for _ in 0..n {
+            // Entries come in increasing index order (the only order serialize writes).
             let i = r.u8()? as usize;
-            if i >= 8 || ib[i].is_some() {
-                return Err(r.err(format!("bad or repeated IB index {i}")));
+            if i >= 8 || i < next {
+                return Err(r.err(format!("IB index {i} is out of range or out of order")));
             }
             ib[i] = Some(IbMrInfo { addr: r.u64()?, rkey: r.u32()? });
+            next = i + 1;
         }
         r.finish()?;
         if addr.checked_add(len).is_none() {
@@ -311,6 +316,28 @@ impl RegisteredMemory {
         Ok(RegisteredMemory {
             inner: Arc::new(MemInner { desc, local: None, import: OnceLock::new(), resolved: OnceLock::new() }),
         })
+    }
+}
+
+impl WireForm for RegisteredMemory {
+    const WHAT: &'static str = "serialized RegisteredMemory";
+    fn to_wire(&self) -> Vec<u8> {
+        self.serialize()
+    }
+    fn from_wire(bytes: &[u8]) -> Result<Self> {
+        Self::deserialize(bytes)
+    }
+}
+
+/// The CUDA IPC export inside a serialized GPU memory: 84 bytes (handle, allocation size, offset
+/// of the range, owner's device).
+impl WireForm for IpcInfo {
+    const WHAT: &'static str = "CUDA IPC info";
+    fn to_wire(&self) -> Vec<u8> {
+        self.encode()
+    }
+    fn from_wire(bytes: &[u8]) -> Result<Self> {
+        IpcInfo::decode(bytes)
     }
 }
 
@@ -383,6 +410,18 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Any valid CUDA IPC info: the offset lies inside the allocation.
+    pub(crate) fn arb_ipc_info() -> impl Strategy<Value = IpcInfo> {
+        (proptest::collection::vec(any::<u8>(), 64), 1u64.., any::<u64>(), any::<u32>()).prop_map(
+            |(h, base_size, off, device)| {
+                let mut handle = [0u8; 64];
+                handle.copy_from_slice(&h);
+                IpcInfo { handle, base_size, offset: off % base_size, device }
+            },
+        )
+    }
+
+    /// Any valid memory description: host or GPU, with or without IPC info, any set of IB entries.
     fn arb_desc() -> impl Strategy<Value = MemoryDesc> {
         (
             any::<u64>(),
@@ -390,7 +429,7 @@ mod tests {
             any::<[u64; 4]>(),
             0u16..(1 << 11),
             proptest::option::of(any::<u32>()),
-            proptest::option::of(proptest::collection::vec(any::<u8>(), 0..200)),
+            proptest::option::of(arb_ipc_info()),
             any::<[Option<(u64, u32)>; 8]>(),
         )
             .prop_map(|(addr, len, h, bits, gpu, ipc, ib)| MemoryDesc {
@@ -415,34 +454,46 @@ mod tests {
 
     proptest! {
         #[test]
-        fn round_trip(desc in arb_desc()) {
+        fn wire_form(desc in arb_desc(), junk in proptest::collection::vec(any::<u8>(), 0..300)) {
             let m = from_desc(desc);
-            let b = m.serialize();
-            let back = RegisteredMemory::deserialize(&b).unwrap();
+            crate::wire::check::check_value(&m);
+            let back = RegisteredMemory::deserialize(&m.serialize()).unwrap();
             prop_assert_eq!(back.desc(), m.desc());
-            // every truncation fails cleanly
-            for cut in 0..b.len() {
-                prop_assert!(RegisteredMemory::deserialize(&b[..cut]).is_err());
-            }
-            let mut longer = b.clone();
-            longer.push(0);
-            prop_assert!(RegisteredMemory::deserialize(&longer).is_err());
-        }
-
-        #[test]
-        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
-            let _ = RegisteredMemory::deserialize(&bytes);
+            crate::wire::check::check_bytes::<RegisteredMemory>(&junk);
             let mut framed = b"MSRM\x01\x00".to_vec();
-            framed.extend_from_slice(&bytes);
-            let _ = RegisteredMemory::deserialize(&framed);
+            framed.extend_from_slice(&junk);
+            crate::wire::check::check_bytes::<RegisteredMemory>(&framed);
         }
 
         #[test]
-        fn flipped_bytes_never_panic(desc in arb_desc(), pos in any::<usize>(), val in any::<u8>()) {
-            let mut b = from_desc(desc).serialize();
-            let i = pos % b.len();
-            b[i] = val;
-            let _ = RegisteredMemory::deserialize(&b);
+        fn ipc_info_wire_form(info in arb_ipc_info(), junk in proptest::collection::vec(any::<u8>(), 80..90)) {
+            crate::wire::check::check_value(&info);
+            crate::wire::check::check_bytes::<IpcInfo>(&junk);
         }
+    }
+
+    #[test]
+    fn ib_entries_must_be_in_order() {
+        let mut d = MemoryDesc {
+            addr: 0,
+            len: 8,
+            region_id: 0,
+            context_id: 0,
+            host_hash: 0,
+            process_hash: 0,
+            transports: TransportFlags::NONE,
+            device: Device::Cpu,
+            cuda_ipc: None,
+            ib: [None; 8],
+        };
+        d.ib[1] = Some(IbMrInfo { addr: 1, rkey: 1 });
+        d.ib[3] = Some(IbMrInfo { addr: 3, rkey: 3 });
+        let mut b = from_desc(d).serialize();
+        // entries are 13 bytes (index, addr, rkey) at the end: swap them
+        let n = b.len();
+        let (first, second) = (b[n - 26..n - 13].to_vec(), b[n - 13..].to_vec());
+        b[n - 26..n - 13].copy_from_slice(&second);
+        b[n - 13..].copy_from_slice(&first);
+        assert!(RegisteredMemory::deserialize(&b).unwrap_err().to_string().contains("out of order"));
     }
 }

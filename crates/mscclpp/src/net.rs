@@ -14,6 +14,7 @@ use crate::sync::{Backoff, BackoffPolicy, Deadline};
 
 /// One address of one network interface.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Interface {
     /// The interface name, such as `eth0`.
     pub name: String,
@@ -231,6 +232,24 @@ pub(crate) fn get_addr(r: &mut crate::wire::Reader<'_>) -> Result<SocketAddr> {
     Ok(SocketAddr::new(ip, port))
 }
 
+/// A socket address alone on the wire is the 19 bytes [`put_addr`] writes (inside the endpoint,
+/// the UniqueId and the bootstrap messages); checked on its own so every form that embeds it
+/// inherits a canonical address.
+impl crate::wire::WireForm for SocketAddr {
+    const WHAT: &'static str = "socket address";
+    fn to_wire(&self) -> Vec<u8> {
+        let mut w = crate::wire::Writer::default();
+        put_addr(&mut w, self);
+        w.finish()
+    }
+    fn from_wire(bytes: &[u8]) -> Result<Self> {
+        let mut r = crate::wire::Reader::bare(bytes, Self::WHAT);
+        let a = get_addr(&mut r)?;
+        r.finish()?;
+        Ok(a)
+    }
+}
+
 /// Connects to `addr`, retrying refused or unreachable attempts until `deadline`.
 pub(crate) fn connect_retry(addr: SocketAddr, deadline: Instant, what: &str) -> Result<TcpStream> {
     let deadline = Deadline::at(deadline);
@@ -281,6 +300,27 @@ mod tests {
         assert_eq!(order_interfaces(raw.clone(), Some(&f), None), vec![i("lo", "127.0.0.1")]);
         let v6 = order_interfaces(raw, None, Some(SocketFamily::Inet6));
         assert_eq!(v6, vec![i("eth0", "fd00::2")]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn socket_addr_wire_form(ip in proptest::prelude::any::<IpAddr>(), port: u16,
+                                 junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40)) {
+            crate::wire::check::check_value(&SocketAddr::new(ip, port));
+            crate::wire::check::check_bytes::<SocketAddr>(&junk);
+        }
+    }
+
+    #[test]
+    fn socket_addr_refuses_bad_family_and_padding() {
+        use crate::wire::WireForm;
+        let mut b = "10.0.0.1:80".parse::<SocketAddr>().unwrap().to_wire();
+        assert_eq!(b.len(), 19);
+        b[0] = 5;
+        assert!(SocketAddr::from_wire(&b).unwrap_err().to_string().contains("unknown address family 5"));
+        b[0] = 4;
+        b[10] = 1;
+        assert!(SocketAddr::from_wire(&b).unwrap_err().to_string().contains("padding"));
     }
 
     #[test]

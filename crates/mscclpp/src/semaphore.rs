@@ -2,12 +2,24 @@
 //!
 //! Tokens only grow. The signalling side keeps an outbound counter and each `signal` sets the
 //! peer's token to `outbound + 1` with [`Connection::update_and_sync`], which lands after every
-//! earlier write of the connection. The waiting side keeps the count it expects; `wait` returns
-//! once the token reaches it. So N signals allow N waits, and a waiter sees the data of every
-//! write issued before the signal it consumed.
+//! earlier write of the connection. The waiting side keeps the count it has consumed; a `wait`
+//! consumes one signal once the token is above it. So N signals allow N waits, and a waiter sees
+//! the data of every write issued before the signal it consumed.
+//!
+//! # Threads
+//! Signals and waits on one semaphore may come from many threads at once and lose nothing:
+//! * `signal` holds a small per-semaphore lock across "next value" and `update_and_sync`, so
+//!   token updates of one semaphore enter the connection in increasing order (Ethernet and IB
+//!   HostNoAtomic send the absolute value: a lower token landing after a higher one would take
+//!   signals back). Uncontended, the lock costs tens of nanoseconds against a signal's
+//!   microseconds.
+//! * `wait` and `poll` consume with a compare-and-swap on the consumed count, and only while the
+//!   token is above it: each signal is consumed by exactly one waiter, and a wait that times out
+//!   consumes nothing.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::buffer::Buffer;
 use crate::buffer::DeviceBuffer;
@@ -15,13 +27,64 @@ use crate::communicator::{Communicator, MsgKind, Pending};
 use crate::conn::Connection;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
+use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 use crate::transport::{Device, Transport};
 
 /// Moved to [`crate::device::handles`]; re-exported here (and at the crate root) for old paths.
 pub use crate::device::handles::Host2DeviceSemaphoreDeviceHandle;
 
-/// How long `wait` polls (spinning, then yielding) before it blocks.
-const SPIN_THEN_YIELD: Duration = Duration::from_millis(1);
+/// How a host wait polls before it blocks: spin a few microseconds, then yield up to 1 ms. A
+/// signal already on its way lands within microseconds, and yielding (rather than sleeping) keeps
+/// the wake-up off the critical path while letting the transport's threads run on a busy machine
+/// (measured in mscclpp-perf: an 8-byte round trip drops from about 110 to 50 us on a 2-core VM).
+/// After that the wait blocks on the transport's token notification (see `Host2HostSemaphore::wait`).
+const HOST_WAIT: BackoffPolicy = BackoffPolicy {
+    spin: Duration::from_micros(5),
+    yield_until: Duration::from_millis(1),
+    sleep_min: Duration::from_micros(50),
+    sleep_max: Duration::from_millis(1),
+};
+
+/// The counters of one signalling direction and one waiting direction of a semaphore, shared by
+/// every thread that signals or waits on it.
+#[derive(Debug, Default)]
+struct Counters {
+    /// Serializes `signal`s of this semaphore (see the module notes).
+    signal: Mutex<()>,
+    /// The last token value sent to the peer.
+    outbound: AtomicU64,
+    /// Signals consumed by waits.
+    consumed: AtomicU64,
+}
+
+impl Counters {
+    /// Sends the next token value: `outbound + 1`, in order with every other signal.
+    fn signal(&self, conn: &Connection, remote: &RegisteredMemory) -> Result<()> {
+        self.signal_with(|outbound, next| conn.update_and_sync(remote, 0, outbound, next))
+    }
+
+    /// [`signal`](Self::signal) with the connection's `update_and_sync` as `send(outbound, next)`
+    /// (which swaps `outbound` to `next`).
+    fn signal_with(&self, send: impl FnOnce(&AtomicU64, u64) -> Result<()>) -> Result<()> {
+        let _order = lock(&self.signal);
+        let next = self.outbound.load(Ordering::Acquire) + 1;
+        send(&self.outbound, next)
+    }
+
+    /// Consumes one signal if the inbound token `inbound` is above the consumed count.
+    fn try_consume(&self, inbound: impl Fn() -> u64) -> bool {
+        let mut seen = self.consumed.load(Ordering::Acquire);
+        loop {
+            if inbound() <= seen {
+                return false;
+            }
+            match self.consumed.compare_exchange_weak(seen, seen + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(now) => seen = now,
+            }
+        }
+    }
+}
 
 /// The local half of a semaphore: a token word registered for the connection's transport.
 ///
@@ -138,7 +201,10 @@ impl Communicator {
     }
 }
 
-/// A semaphore signalled and waited on by host threads (over Ethernet, and IB later).
+/// A semaphore signalled and waited on by host threads (over Ethernet or IB).
+///
+/// A cheap-clone handle: clones share the counters, and any number of threads may `signal` and
+/// `wait` at once without losing a signal (see the module notes on threads).
 ///
 /// ```no_run
 /// # fn f(comm: &mscclpp::Communicator, conn: &mscclpp::Connection) -> mscclpp::Result<()> {
@@ -147,16 +213,22 @@ impl Communicator {
 /// let sem = Host2HostSemaphore::new(comm.build_semaphore(conn, 1, 0)?.wait()?)?;
 /// sem.signal()?;                              // tell rank 1
 /// sem.wait(Duration::from_secs(5))?;          // until rank 1 signals us
+/// let other = sem.clone();                    // e.g. for another thread
+/// std::thread::spawn(move || other.signal());
 /// # Ok(()) }
 /// ```
 ///
 /// C++ MSCCL++: `Host2HostSemaphore` (its `wait` takes a spin count; this one a time).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Host2HostSemaphore {
+    inner: Arc<H2h>,
+}
+
+#[derive(Debug)]
+struct H2h {
     sem: Semaphore,
     token: Buffer,
-    outbound: AtomicU64,
-    expected: AtomicU64,
+    counters: Counters,
 }
 
 impl Host2HostSemaphore {
@@ -172,21 +244,21 @@ impl Host2HostSemaphore {
         let Some(token) = sem.host_token().cloned() else {
             return Err(Error::invalid_usage("a Host2HostSemaphore needs a connection whose local device is the CPU"));
         };
-        Ok(Host2HostSemaphore { sem, token, outbound: AtomicU64::new(0), expected: AtomicU64::new(0) })
+        Ok(Host2HostSemaphore { inner: Arc::new(H2h { sem, token, counters: Counters::default() }) })
     }
 
     /// The underlying semaphore.
     pub fn semaphore(&self) -> &Semaphore {
-        &self.sem
+        &self.inner.sem
     }
     /// The connection.
     pub fn connection(&self) -> &Connection {
-        self.sem.connection()
+        self.inner.sem.connection()
     }
 
     fn inbound(&self) -> u64 {
         // The token buffer is 8 bytes at a page-aligned address: offset 0 is a valid atomic word.
-        self.token.atomic_u64(0).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
+        self.inner.token.atomic_u64(0).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
     }
 
     /// The peer's last signal count as seen here.
@@ -195,9 +267,14 @@ impl Host2HostSemaphore {
     }
 
     /// Signals the peer once (after every earlier write of the connection).
+    ///
+    /// Safe to call from several threads at once: each call adds exactly one to the peer's token.
     pub fn signal(&self) -> Result<()> {
-        let next = self.outbound.load(Ordering::Acquire) + 1;
-        self.connection().update_and_sync(self.sem.remote_memory(), 0, &self.outbound, next)
+        self.inner.counters.signal(self.connection(), self.inner.sem.remote_memory())
+    }
+
+    fn try_consume(&self) -> bool {
+        self.inner.counters.try_consume(|| self.inbound())
     }
 
     /// Consumes one signal if one is available.
@@ -205,69 +282,50 @@ impl Host2HostSemaphore {
     /// # Errors
     /// The connection's failure, when no signal is available and the connection has failed.
     pub fn poll(&self) -> Result<bool> {
-        let want = self.expected.load(Ordering::Acquire) + 1;
-        if self.inbound() >= want {
-            self.expected.store(want, Ordering::Release);
+        if self.try_consume() {
             return Ok(true);
         }
         self.connection().status().map(|_| false)
     }
 
-    /// Waits until the peer has signalled once more than this side has consumed.
+    /// Waits until a signal not yet consumed (by this or another thread) is available, and
+    /// consumes it.
     ///
-    /// Polls for up to 1 ms (spinning, then yielding the CPU), then sleeps until the transport
-    /// reports a token change, so a long wait does not hold a CPU core.
+    /// Polls for up to 1 ms (spinning briefly, then yielding the CPU), then sleeps until the
+    /// transport reports a token change, so a long wait does not hold a CPU core.
     ///
     /// # Errors
-    /// `Timeout` naming the peer and the counts; or the connection's failure (a peer that
-    /// closed or died), as soon as it is known.
+    /// `Timeout` naming the peer and the counts (a wait that times out consumes nothing); or the
+    /// connection's failure (a peer that closed or died), as soon as it is known.
     pub fn wait(&self, timeout: Duration) -> Result<()> {
-        let want = self.expected.load(Ordering::Acquire) + 1;
-        let start = Instant::now();
-        let deadline = start.checked_add(timeout);
-        // Short spin: a signal that is already on its way lands within microseconds.
-        // Spin, then yield, then block: a signal already on its way lands within microseconds,
-        // and yielding (rather than sleeping) keeps the wake-up off the critical path while
-        // letting the transport's threads run on a busy machine (measured in mscclpp-perf: an
-        // 8-byte round trip drops from about 110 to 50 us on a 2-core VM).
-        let mut n = 0u32;
-        while start.elapsed() < SPIN_THEN_YIELD {
-            if self.inbound() >= want {
-                self.expected.store(want, Ordering::Release);
+        let deadline = Deadline::after(timeout);
+        let mut backoff = Backoff::new(HOST_WAIT);
+        while backoff.polling() {
+            if self.try_consume() {
                 return Ok(());
             }
-            if n < 64 {
-                std::hint::spin_loop();
-                n += 1;
-            } else {
-                std::thread::yield_now();
-            }
+            backoff.snooze(&deadline);
         }
         let ctx = self.connection().context().inner().clone();
+        // The NIC writes IB tokens without telling this process: poll them often. Other
+        // transports wake the waiter when they apply a token.
+        let cap =
+            if self.connection().transport().is_ib() { Duration::from_micros(50) } else { Duration::from_millis(20) };
         loop {
-            let mut ready = || self.inbound() >= want;
-            // The NIC writes IB tokens without telling this process: poll them often. Other
-            // transports wake the waiter when they apply a token.
-            let cap = if self.connection().transport().is_ib() {
-                Duration::from_micros(50)
-            } else {
-                Duration::from_millis(20)
-            };
-            let slice = match deadline {
-                Some(d) => d.saturating_duration_since(Instant::now()).min(cap),
-                None => cap,
-            };
-            if ctx.wait_tokens(slice, &mut ready) {
-                self.expected.store(want, Ordering::Release);
+            if ctx.wait_tokens(deadline.remaining().min(cap), &mut || self.try_consume()) {
                 return Ok(());
             }
             if let Err(e) = self.connection().status() {
                 return Err(e.during("Host2HostSemaphore wait"));
             }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            if deadline.expired() {
                 let e = Error::new(
                     ErrorKind::Timeout,
-                    format!("Host2HostSemaphore: token is {}, waiting for {want}, after {timeout:?}", self.inbound()),
+                    format!(
+                        "Host2HostSemaphore: token is {}, {} signals consumed, after {timeout:?}",
+                        self.inbound(),
+                        self.inner.counters.consumed.load(Ordering::Acquire)
+                    ),
                 );
                 return Err(self.connection().ctx_err(e, "Host2HostSemaphore wait"));
             }
@@ -287,8 +345,7 @@ pub struct Host2DeviceSemaphore {
     sem: Semaphore,
     token: DeviceBuffer,
     expected: DeviceBuffer,
-    outbound: AtomicU64,
-    host_expected: AtomicU64,
+    counters: Counters,
 }
 
 impl Host2DeviceSemaphore {
@@ -301,7 +358,7 @@ impl Host2DeviceSemaphore {
             return Err(Error::invalid_usage("a Host2DeviceSemaphore needs a connection whose local device is a GPU"));
         };
         let expected = DeviceBuffer::new(sem.connection().context(), token.device(), 8, crate::TransportFlags::NONE)?;
-        Ok(Host2DeviceSemaphore { sem, token, expected, outbound: AtomicU64::new(0), host_expected: AtomicU64::new(0) })
+        Ok(Host2DeviceSemaphore { sem, token, expected, counters: Counters::default() })
     }
 
     /// The underlying semaphore.
@@ -321,10 +378,10 @@ impl Host2DeviceSemaphore {
         }
     }
 
-    /// Signals the peer once (after every earlier operation of the connection).
+    /// Signals the peer once (after every earlier operation of the connection); safe to call
+    /// from several threads at once.
     pub fn signal(&self) -> Result<()> {
-        let next = self.outbound.load(Ordering::Acquire) + 1;
-        self.connection().update_and_sync(self.sem.remote_memory(), 0, &self.outbound, next)
+        self.counters.signal(self.connection(), self.sem.remote_memory())
     }
 
     /// The inbound token as the GPU holds it now.
@@ -337,26 +394,26 @@ impl Host2DeviceSemaphore {
     /// # Errors
     /// `Timeout` naming the peer and the counts; the connection's failure; CUDA errors.
     pub fn wait(&self, timeout: Duration) -> Result<()> {
-        let want = self.host_expected.load(Ordering::Acquire) + 1;
-        let start = Instant::now();
-        let mut sleep = Duration::from_micros(2);
-        loop {
-            let have = self.inbound_token()?;
-            if have >= want {
-                self.host_expected.store(want, Ordering::Release);
-                return Ok(());
+        let mut have = 0;
+        let ready = || -> Result<bool> {
+            have = self.inbound_token()?;
+            if self.counters.try_consume(|| have) {
+                return Ok(true);
             }
             self.connection().status().map_err(|e| e.during("Host2DeviceSemaphore wait"))?;
-            if start.elapsed() >= timeout {
-                let e = Error::new(
-                    ErrorKind::Timeout,
-                    format!("Host2DeviceSemaphore: token is {have}, waiting for {want}, after {timeout:?}"),
-                );
-                return Err(self.connection().ctx_err(e, "Host2DeviceSemaphore wait"));
-            }
-            std::thread::sleep(sleep);
-            sleep = (sleep * 2).min(Duration::from_micros(200));
+            Ok(false)
+        };
+        if crate::sync::poll_until(timeout, BackoffPolicy::FAST, ready)? {
+            return Ok(());
         }
+        let e = Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "Host2DeviceSemaphore: token is {have}, {} signals consumed, after {timeout:?}",
+                self.counters.consumed.load(Ordering::Acquire)
+            ),
+        );
+        Err(self.connection().ctx_err(e, "Host2DeviceSemaphore wait"))
     }
 }
 
@@ -365,7 +422,7 @@ impl From<Host2DeviceSemaphore> for crate::device::proxy::ProxySemaphore {
     /// outbound count) while kernels wait on its device handle.
     fn from(s: Host2DeviceSemaphore) -> Self {
         let handle = s.device_handle();
-        let outbound = s.outbound.load(Ordering::Acquire);
+        let outbound = s.counters.outbound.load(Ordering::Acquire);
         let (conn, remote) = (s.connection().clone(), s.sem.remote_memory().clone());
         crate::device::proxy::ProxySemaphore::from_parts(conn, remote, outbound, Some(handle), Box::new(s))
     }
@@ -376,5 +433,95 @@ impl From<Semaphore> for crate::device::proxy::ProxySemaphore {
     fn from(s: Semaphore) -> Self {
         let (conn, remote) = (s.connection().clone(), s.remote_memory().clone());
         crate::device::proxy::ProxySemaphore::from_parts(conn, remote, 0, None, Box::new(s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::sync::atomic::AtomicBool;
+
+    /// The counter logic under 8 signalling and 8 waiting threads, with a transport that behaves
+    /// like Ethernet (a FIFO of absolute token values applied by one receiver thread, which checks
+    /// that tokens only grow): every signal is sent once, with a distinct value, in order, and
+    /// every signal is consumed exactly once.
+    #[test]
+    fn counters_lose_nothing_under_contention() {
+        const THREADS: u64 = 8;
+        const EACH: u64 = 2000;
+        let c = Arc::new(Counters::default());
+        let wire = Arc::new(Mutex::new(VecDeque::<u64>::new()));
+        let token = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let receiver = {
+            let (wire, token, stop) = (wire.clone(), token.clone(), stop.clone());
+            std::thread::spawn(move || {
+                loop {
+                    let next = lock(&wire).pop_front();
+                    match next {
+                        Some(v) => {
+                            let old = token.swap(v, Ordering::AcqRel);
+                            assert_eq!(v, old + 1, "token went from {old} to {v}");
+                        }
+                        None if stop.load(Ordering::Acquire) => return,
+                        None => std::thread::yield_now(),
+                    }
+                }
+            })
+        };
+        let signallers: Vec<_> = (0..THREADS)
+            .map(|_| {
+                let (c, wire) = (c.clone(), wire.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..EACH {
+                        c.signal_with(|outbound, next| {
+                            // like Connection::update_and_sync: checks (here a yield, which
+                            // widens the window a racing signal would need), swap, enqueue
+                            std::thread::yield_now();
+                            let old = outbound.swap(next, Ordering::AcqRel);
+                            assert_eq!(next, old + 1);
+                            lock(&wire).push_back(next);
+                            Ok(())
+                        })
+                        .unwrap();
+                    }
+                })
+            })
+            .collect();
+        let waiters: Vec<_> = (0..THREADS)
+            .map(|_| {
+                let (c, token) = (c.clone(), token.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..EACH {
+                        while !c.try_consume(|| token.load(Ordering::Acquire)) {
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in signallers.into_iter().chain(waiters) {
+            t.join().unwrap();
+        }
+        stop.store(true, Ordering::Release);
+        receiver.join().unwrap();
+        assert_eq!(token.load(Ordering::Acquire), THREADS * EACH);
+        assert_eq!(c.outbound.load(Ordering::Acquire), THREADS * EACH);
+        assert_eq!(c.consumed.load(Ordering::Acquire), THREADS * EACH);
+        // nothing left to consume
+        assert!(!c.try_consume(|| token.load(Ordering::Acquire)));
+    }
+
+    /// A consume happens only while the token is above the consumed count, so a failed wait
+    /// takes nothing.
+    #[test]
+    fn try_consume_takes_only_what_arrived() {
+        let c = Counters::default();
+        assert!(!c.try_consume(|| 0));
+        assert!(c.try_consume(|| 2));
+        assert!(c.try_consume(|| 2));
+        assert!(!c.try_consume(|| 2));
+        assert_eq!(c.consumed.load(Ordering::Acquire), 2);
     }
 }

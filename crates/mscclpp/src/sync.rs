@@ -92,6 +92,12 @@ impl Backoff {
         Backoff { policy, start: Instant::now(), sleep: policy.sleep_min }
     }
 
+    /// Whether the wait is still in its spinning or yielding phase (waits that block on a
+    /// notification afterwards, rather than sleep, poll only while this holds).
+    pub(crate) fn polling(&self) -> bool {
+        self.start.elapsed() < self.policy.yield_until
+    }
+
     /// Waits a little before the next poll, never past `deadline`.
     pub(crate) fn snooze(&mut self, deadline: &Deadline) {
         let el = self.start.elapsed();

@@ -258,7 +258,17 @@ impl FromStr for IbMode {
 }
 
 /// InfiniBand part of an [`EndpointConfig`], with MSCCL++'s defaults.
+///
+/// Start from [`Default`] and change what you need, with the setters or the fields (the struct is
+/// `#[non_exhaustive]`: later versions may add settings without breaking your code).
+///
+/// ```
+/// use mscclpp::{IbConfig, IbMode};
+/// let ib = IbConfig::default().mode(IbMode::HostNoAtomic).max_cq_size(256);
+/// assert_eq!((ib.mode, ib.max_cq_size, ib.max_send_wr), (IbMode::HostNoAtomic, 256, 8192));
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct IbConfig {
     /// Port number; `None` picks the first active port.
     pub port: Option<u8>,
@@ -302,8 +312,70 @@ impl Default for IbConfig {
     }
 }
 
+impl IbConfig {
+    /// Sets the port number (the default picks the first active port).
+    pub fn port(mut self, v: u8) -> Self {
+        self.port = Some(v);
+        self
+    }
+    /// Sets the GID index (the default takes `MSCCLPP_IB_GID_INDEX` or picks the RoCE v2 GID).
+    pub fn gid_index(mut self, v: u32) -> Self {
+        self.gid_index = Some(v);
+        self
+    }
+    /// Sets the send completion-queue depth.
+    pub fn max_cq_size(mut self, v: u32) -> Self {
+        self.max_cq_size = v;
+        self
+    }
+    /// Sets how many completions one poll takes.
+    pub fn max_cq_poll_num(mut self, v: u32) -> Self {
+        self.max_cq_poll_num = v;
+        self
+    }
+    /// Sets how many send work requests the queue pair holds.
+    pub fn max_send_wr(mut self, v: u32) -> Self {
+        self.max_send_wr = v;
+        self
+    }
+    /// Sets how many receive work requests stay posted in `HostNoAtomic` mode.
+    pub fn max_recv_wr(mut self, v: u32) -> Self {
+        self.max_recv_wr = v;
+        self
+    }
+    /// Sets how many work requests one `ibv_post_send` posts.
+    pub fn max_wr_per_send(mut self, v: u32) -> Self {
+        self.max_wr_per_send = v;
+        self
+    }
+    /// Sets the signalling mode.
+    pub fn mode(mut self, v: IbMode) -> Self {
+        self.mode = v;
+        self
+    }
+    /// Sets the local ACK timeout exponent.
+    pub fn timeout(mut self, v: u8) -> Self {
+        self.timeout = v;
+        self
+    }
+    /// Sets the resend count (at most 7).
+    pub fn retry_cnt(mut self, v: u8) -> Self {
+        self.retry_cnt = v;
+        self
+    }
+}
+
 /// Ethernet part of an [`EndpointConfig`].
+///
+/// Start from [`Default`] and change what you need (the struct is `#[non_exhaustive]`).
+///
+/// ```
+/// use mscclpp::EthernetConfig;
+/// let eth = EthernetConfig::default().interface("127.0.0.1").port(0);
+/// assert_eq!(eth.interface.as_deref(), Some("127.0.0.1"));
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EthernetConfig {
     /// Where to listen: an interface name (`"eth0"`), an IP address, or `None` to choose as the
     /// bootstrap does (`MSCCLPP_SOCKET_IFNAME`, then any non-loopback interface, loopback last).
@@ -321,16 +393,42 @@ impl Default for EthernetConfig {
     }
 }
 
+impl EthernetConfig {
+    /// Sets where to listen: an interface name or an IP address.
+    pub fn interface(mut self, iface: impl Into<String>) -> Self {
+        self.interface = Some(iface.into());
+        self
+    }
+    /// Sets the listening port (0: any free port).
+    pub fn port(mut self, port: u16) -> Self {
+        self.port = port;
+        self
+    }
+    /// Sets how long `connect` waits for the peer, and a `write` on a full queue without
+    /// progress.
+    pub fn connect_timeout(mut self, t: std::time::Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+}
+
 /// Everything needed to create an [`Endpoint`](crate::Endpoint).
+///
+/// Build it with [`new`](Self::new) and the setters (the struct is `#[non_exhaustive]`: later
+/// versions may add settings without breaking your code; the fields stay public to read and
+/// assign).
 ///
 /// C++ MSCCL++: `EndpointConfig`.
 ///
 /// ```
-/// use mscclpp::{Device, EndpointConfig, Transport};
+/// use mscclpp::{Device, EndpointConfig, IbConfig, IbMode, Transport};
 /// let cfg = EndpointConfig::new(Transport::Ethernet).device(Device::Cpu).max_write_queue_size(64);
 /// assert_eq!(cfg.ib.max_cq_size, 1024);
+/// let ib = EndpointConfig::new(Transport::IB0).ib(IbConfig::default().mode(IbMode::HostNoAtomic));
+/// assert_eq!(ib.ib.mode, IbMode::HostNoAtomic);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EndpointConfig {
     /// The transport.
     pub transport: Transport,
@@ -370,6 +468,23 @@ impl EndpointConfig {
     pub fn ethernet_interface(mut self, iface: impl Into<String>) -> Self {
         self.ethernet.interface = Some(iface.into());
         self
+    }
+    /// Sets the IB settings.
+    pub fn ib(mut self, ib: IbConfig) -> Self {
+        self.ib = ib;
+        self
+    }
+    /// Sets the Ethernet settings.
+    pub fn ethernet(mut self, ethernet: EthernetConfig) -> Self {
+        self.ethernet = ethernet;
+        self
+    }
+}
+
+impl Default for EndpointConfig {
+    /// An Ethernet config (the transport every machine has) with every default.
+    fn default() -> Self {
+        EndpointConfig::new(Transport::Ethernet)
     }
 }
 

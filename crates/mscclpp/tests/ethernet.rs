@@ -52,6 +52,9 @@ fn flush_times_out_when_peer_stalls() {
         assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
         assert_eq!(e.peer(), Some(1));
         assert!(e.to_string().contains("not yet applied"), "{e}");
+        // the structured detail, not only the text
+        assert_eq!((e.operation(), e.transport()), (Some("flush"), Some(Transport::Ethernet)), "{e}");
+        assert!(e.outstanding().is_some_and(|n| n >= 1), "{e}: outstanding {:?}", e.outstanding());
         assert!(el < Duration::from_secs(2), "{el:?}");
         println!("{e}");
         std::process::exit(0);

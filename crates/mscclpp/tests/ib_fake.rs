@@ -115,6 +115,9 @@ fn broken_link_fails_every_call_without_hanging() {
             assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
             assert_eq!(e.peer(), Some(1), "{e}");
             assert!(e.to_string().contains("QP") && e.to_string().contains("brk0"), "{e}");
+            // the structured detail, not only the text: the write and the signal are outstanding
+            assert_eq!((e.operation(), e.transport()), (Some("flush"), Some(Transport::IB0)), "{e}");
+            assert!(e.outstanding().is_some_and(|n| n >= 2), "{e}: outstanding {:?}", e.outstanding());
             assert!(t0.elapsed() < Duration::from_secs(2));
             let e = conn.flush(T).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Ib, "{e}");

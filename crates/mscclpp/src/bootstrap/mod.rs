@@ -8,6 +8,8 @@ mod rendezvous;
 mod tcp;
 
 pub use tcp::{RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
+#[cfg(feature = "fuzzing")]
+pub(crate) use tcp::{check_padded, check_text};
 
 use crate::error::{Error, Result};
 

@@ -109,10 +109,21 @@ impl UniqueId {
         out
     }
 
-    /// Reads [`to_bytes`](Self::to_bytes) output (or its prefix without padding).
+    /// Reads [`to_bytes`](Self::to_bytes) output, or a prefix of it that keeps every field (at
+    /// most [`BYTES`](Self::BYTES) bytes; whatever follows the fields must be zero padding).
+    ///
+    /// # Errors
+    /// `InvalidUsage` for anything else (never panics).
     pub fn from_bytes(b: &[u8]) -> Result<UniqueId> {
+        if b.len() > Self::BYTES {
+            return Err(Error::invalid_usage(format!("a UniqueId is at most {} bytes, not {}", Self::BYTES, b.len())));
+        }
         let mut r = Reader::new(b, "UniqueId", ID_MAGIC, VERSION)?;
-        Self::read_fields(&mut r)
+        let id = Self::read_fields(&mut r)?;
+        if r.rest().iter().any(|&x| x != 0) {
+            return Err(Error::invalid_usage("malformed UniqueId: non-zero bytes after the fields"));
+        }
+        Ok(id)
     }
 
     fn read_fields(r: &mut Reader<'_>) -> Result<UniqueId> {
@@ -138,6 +149,26 @@ impl WireForm for UniqueId {
         let id = Self::read_fields(&mut r)?;
         r.finish()?;
         Ok(id)
+    }
+}
+
+/// The checks of the padded byte form ([`UniqueId::from_bytes`]): never panics, and what decodes
+/// is a prefix of its own padded encoding (so the padding was zero and nothing else varies).
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check_padded(bytes: &[u8]) {
+    if let Ok(id) = UniqueId::from_bytes(bytes) {
+        assert_eq!(&id.to_bytes()[..bytes.len()], bytes, "UniqueId::from_bytes accepted bytes it does not write");
+    }
+}
+
+/// The checks of the text form (`FromStr`): never panics, and what parses prints as text that
+/// parses to the same id (text is lenient about case and surrounding space, so only the value is
+/// canonical).
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check_text(s: &str) {
+    if let Ok(id) = s.parse::<UniqueId>() {
+        let again = id.to_string();
+        assert_eq!(again.parse::<UniqueId>().ok().as_ref(), Some(&id), "UniqueId text {again:?} does not parse back");
     }
 }
 
@@ -1289,6 +1320,38 @@ mod tests {
             let id = UniqueId { root: SocketAddr::new(ip, port), secret, external_root: ext };
             crate::wire::check::check_value(&id);
             crate::wire::check::check_bytes::<UniqueId>(&junk);
+        }
+    }
+
+    #[test]
+    fn unique_id_padding_must_be_zero() {
+        let id = UniqueId { root: "10.1.2.3:4567".parse().unwrap(), secret: [7; 16], external_root: false };
+        let mut b = id.to_bytes();
+        assert_eq!(UniqueId::from_bytes(&b[..60]).unwrap(), id);
+        b[127] = 1;
+        assert!(UniqueId::from_bytes(&b).unwrap_err().to_string().contains("non-zero bytes after"));
+        let mut long = id.to_bytes().to_vec();
+        long.push(0);
+        assert!(UniqueId::from_bytes(&long).is_err());
+        // Text is lenient about case and surrounding space, strict about everything else.
+        assert_eq!(format!(" {} ", id.to_string().to_uppercase()).parse::<UniqueId>().unwrap(), id);
+        assert_eq!(format!("{id}00").parse::<UniqueId>().unwrap(), id);
+        assert!(format!("{id}01").parse::<UniqueId>().is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn unique_id_padded_and_text_forms(ip in proptest::prelude::any::<std::net::IpAddr>(), port: u16,
+                                           secret: [u8; 16], ext: bool, cut in 0usize..=128,
+                                           junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..160)) {
+            let id = UniqueId { root: SocketAddr::new(ip, port), secret, external_root: ext };
+            let padded = id.to_bytes();
+            let fields = crate::wire::WireForm::to_wire(&id).len();
+            proptest::prop_assert_eq!(UniqueId::from_bytes(&padded[..cut]).is_ok(), cut >= fields);
+            check_padded(&padded[..cut]);
+            check_padded(&junk);
+            check_text(&id.to_string());
+            check_text(&String::from_utf8_lossy(&junk));
         }
     }
 

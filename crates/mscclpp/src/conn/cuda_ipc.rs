@@ -232,15 +232,15 @@ impl ConnectionImpl for CudaIpcConnection {
             lock(&self.state).core.flush_done(ticket);
             return Ok(());
         }
+        let left = lock(&self.state).core.outstanding();
         Err(Error::new(
             ErrorKind::Timeout,
             format!(
-                "{} operations on GPU{}'s stream toward {} not finished after {timeout:?}",
-                lock(&self.state).core.outstanding(),
-                self.dev.ordinal,
-                self.peer_desc
+                "{left} operations on GPU{}'s stream toward {} not finished after {timeout:?}",
+                self.dev.ordinal, self.peer_desc
             ),
-        ))
+        )
+        .with_outstanding(left))
     }
 
     fn failure(&self) -> Option<Error> {

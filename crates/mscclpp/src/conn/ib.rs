@@ -485,14 +485,12 @@ impl ConnectionImpl for IbConnection {
                     continue;
                 }
                 if deadline.expired() {
+                    let left = target.saturating_sub(st.acct.posted() - st.acct.outstanding());
                     return Err(Error::new(
                         ErrorKind::Timeout,
-                        format!(
-                            "{} work requests outstanding on {} after {timeout:?}",
-                            target.saturating_sub(st.acct.posted() - st.acct.outstanding()),
-                            self.name
-                        ),
-                    ));
+                        format!("{left} work requests outstanding on {} after {timeout:?}", self.name),
+                    )
+                    .with_outstanding(left));
                 }
             }
             backoff.snooze(&deadline);

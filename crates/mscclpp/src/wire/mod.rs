@@ -92,6 +92,12 @@ impl<'a> Reader<'a> {
         Ok(r)
     }
 
+    /// Reads a form without a magic of its own (a field type such as a socket address, when it is
+    /// decoded alone).
+    pub(crate) fn bare(buf: &'a [u8], what: &'static str) -> Reader<'a> {
+        Reader { buf, what, pos: 0 }
+    }
+
     pub(crate) fn err(&self, why: impl std::fmt::Display) -> Error {
         Error::invalid_usage(format!("malformed {} at byte {}: {why}", self.what, self.pos))
     }
@@ -126,6 +132,12 @@ impl<'a> Reader<'a> {
     pub(crate) fn bytes(&mut self) -> Result<&'a [u8]> {
         let n = self.u32()? as usize;
         self.take(n)
+    }
+    /// Everything not read yet (for fixed-size forms with padding).
+    pub(crate) fn rest(&mut self) -> &'a [u8] {
+        let s = &self.buf[self.pos..];
+        self.pos = self.buf.len();
+        s
     }
     /// Fails if bytes are left over.
     pub(crate) fn finish(self) -> Result<()> {

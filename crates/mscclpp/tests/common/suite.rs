@@ -211,6 +211,7 @@ macro_rules! connection_suite {
         $crate::connection_suite!(@one $h, bad_writes_are_invalid_usage_and_send_nothing, 2, 0, false $(, #[$m])*);
         $crate::connection_suite!(@one $h, peer_gone_mid_transfer, 2, 0, true $(, #[$m])*);
         $crate::connection_suite!(@one $h, write_over_4gib, 2, 10 << 30, false $(, #[$m])*);
+        $crate::connection_suite!(@one $h, semaphore_shared_by_threads, 2, 0, false $(, #[$m])*);
     };
     (@one $h:expr, $name:ident, $size:expr, $mem:expr, $r0:expr $(, #[$m:meta])*) => {
         #[test]
@@ -370,6 +371,39 @@ pub fn writes_of_all_sizes_arrive_exact(r: &Rank, h: &Harness) {
         assert!(got == pattern(seed + peer as u64, len), "size {len} at offset {dst_off} differs");
         s.bs.barrier().unwrap();
     }
+}
+
+/// One semaphore shared by 16 threads on each rank, 8 signalling and 8 waiting at once: no
+/// signal is lost or consumed twice (every wait returns, the totals are exact, and nothing is left
+/// over). Host semaphores are shared as clones (one handle each), GPU ones by reference.
+pub fn semaphore_shared_by_threads(r: &Rank, h: &Harness) {
+    const THREADS: u64 = 8;
+    const EACH: u64 = 200;
+    let s = setup(r, h, 4096, None);
+    let peer = 1 - r.rank;
+    let sem = s.sems[peer].as_ref().unwrap();
+    std::thread::scope(|sc| {
+        for i in 0..2 * THREADS {
+            let mine = match sem {
+                Sem::Host(h) => Some(Sem::Host(h.clone())),
+                Sem::Gpu(_) => None,
+            };
+            sc.spawn(move || {
+                let sem = mine.as_ref().unwrap_or(sem);
+                for _ in 0..EACH {
+                    if i < THREADS { sem.signal().unwrap() } else { sem.wait(T).unwrap() }
+                }
+            });
+        }
+    });
+    match sem {
+        Sem::Host(h) => {
+            assert_eq!(h.inbound_token(), THREADS * EACH, "the peer's signals as counted here");
+            assert!(!h.poll().unwrap(), "a signal was left unconsumed");
+        }
+        Sem::Gpu(g) => assert_eq!(g.inbound_token().unwrap(), THREADS * EACH, "the peer's signals"),
+    }
+    s.bs.barrier().unwrap();
 }
 
 /// Signals never overtake the writes before them.

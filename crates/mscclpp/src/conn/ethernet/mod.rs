@@ -799,7 +799,8 @@ impl ConnectionImpl for EthernetConnection {
                             target,
                             self.sh.peer_desc
                         ),
-                    ));
+                    )
+                    .with_outstanding(target - st.core.applied()));
                 }
                 Some(d) => d - now,
                 None => Duration::from_secs(1),

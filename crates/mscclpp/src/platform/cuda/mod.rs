@@ -56,7 +56,7 @@ pub(crate) const ATOMIC_ADD_ENTRY: &str = "mscclpp_atomic_add_u64";
 pub(crate) fn cuda_err(call: &str, e: result::DriverError) -> Error {
     let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
     let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    Error::new(ErrorKind::Cuda, format!("{call} failed: {name} ({text})"))
+    Error::new(ErrorKind::Cuda, format!("{call} failed: {name} ({text})")).with_cuda_result(e.0 as i32)
 }
 
 fn check(call: &str, r: sys::CUresult) -> Result<()> {
@@ -68,7 +68,7 @@ fn check(call: &str, r: sys::CUresult) -> Result<()> {
 /// # Errors
 /// `NotAvailable` ("no CUDA driver found ...") where `libcuda` cannot be loaded; `Cuda` when
 /// `cuInit` fails.
-pub fn init() -> Result<()> {
+pub(crate) fn init() -> Result<()> {
     static INIT: OnceLock<std::result::Result<(), (ErrorKind, String)>> = OnceLock::new();
     let r = INIT.get_or_init(|| {
         // SAFETY: only probes whether the library can be loaded; it does not call into it.
@@ -158,7 +158,7 @@ impl GpuDevice {
 }
 
 /// The PCI bus id (`0000:17:00.0`) of GPU `ordinal`.
-pub fn pci_bus_id(ordinal: u32) -> Result<String> {
+pub(crate) fn pci_bus_id(ordinal: u32) -> Result<String> {
     let d = device(ordinal)?;
     let dev = result::device::get(d.ordinal as i32).map_err(|e| cuda_err("cuDeviceGet", e))?;
     let mut buf = [0 as std::ffi::c_char; 32];

@@ -1,0 +1,5 @@
+//! Fuzzes the `unique_id` decoder: see `mscclpp::fuzzing::check`.
+//! Run: `RUSTC_BOOTSTRAP=1 cargo fuzz run unique_id` (from the repository root, or `fuzz/`).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| mscclpp::fuzzing::check("unique_id", data));
