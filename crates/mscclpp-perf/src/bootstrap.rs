@@ -186,5 +186,53 @@ pub fn run(args: &Args) -> Result<(), String> {
             .collect();
         std::fs::write(path, body.join("\n") + "\n").map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
+    if let Some(path) = &args.plot {
+        write_svg(&rows, path)?;
+    }
     Ok(())
+}
+
+/// Draws the three times against the job size, log-log, in milliseconds.
+fn write_svg(rows: &[Row], path: &std::path::Path) -> Result<(), String> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
+    type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+    let series: [Series; 3] = [
+        ("initialize", BLUE, rows.iter().map(|r| (r.ranks as f64, r.init_ms)).collect()),
+        ("all_gather 8 B", RED, rows.iter().map(|r| (r.ranks as f64, r.ag8_ms)).collect()),
+        ("all_gather 1 MiB", GREEN, rows.iter().filter_map(|r| r.ag1m_ms.map(|v| (r.ranks as f64, v))).collect()),
+    ];
+    let all = || series.iter().flat_map(|s| s.2.iter()).filter(|p| p.1.is_finite() && p.1 > 0.0);
+    let xmin = rows.iter().map(|r| r.ranks as f64).fold(f64::MAX, f64::min).min(1e9) / 1.5;
+    let xmax = rows.iter().map(|r| r.ranks as f64).fold(2.0, f64::max) * 1.5;
+    let ymax = all().map(|p| p.1).fold(1e-3, f64::max) * 2.0;
+    let ymin = all().map(|p| p.1).fold(f64::MAX, f64::min).min(ymax / 10.0) / 2.0;
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("mscclpp-perf bootstrap: time against ranks (local processes)", ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(64)
+        .build_cartesian_2d((xmin..xmax).log_scale(), (ymin..ymax).log_scale())
+        .map_err(|e| err(&e))?;
+    chart.configure_mesh().x_desc("ranks").y_desc("time, ms (slowest rank)").draw().map_err(|e| err(&e))?;
+    for (name, color, pts) in &series {
+        let pts: Vec<(f64, f64)> = pts.iter().copied().filter(|p| p.1.is_finite() && p.1 > 0.0).collect();
+        let c = *color;
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, c.filled()))).map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))
 }

@@ -93,7 +93,8 @@ pub struct Args {
     /// Write one JSON record per size to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Draw bandwidth against size (ours and the baseline) as an SVG file.
+    /// Draw the results as an SVG file (p2p: bandwidth against size, ours and the baseline;
+    /// bootstrap: times against ranks).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// Seconds any single wait may take before the run fails.
