@@ -68,6 +68,7 @@ mod error;
 pub mod gpu;
 pub mod ib;
 mod identity;
+pub mod launcher;
 #[cfg(feature = "logging")]
 mod logging;
 mod memory;
