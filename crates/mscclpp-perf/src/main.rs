@@ -9,6 +9,7 @@ mod device;
 mod launch;
 mod p2p;
 mod report;
+mod trace;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
