@@ -68,14 +68,18 @@ pub struct Mesh {
 /// Bootstraps from the launcher's variables and connects every pair over Ethernet (interface:
 /// the library's choice, `MSCCLPP_SOCKET_IFNAME` included), with a buffer of `slot * size` bytes.
 pub fn mesh(info: &LaunchInfo, slot: usize, timeout: Duration) -> Mesh {
+    mesh_with(info, slot, timeout, &EndpointConfig::new(Transport::Ethernet))
+}
+
+/// [`mesh`] with the endpoint config given (an Ethernet interface, say).
+pub fn mesh_with(info: &LaunchInfo, slot: usize, timeout: Duration, cfg: &EndpointConfig) -> Mesh {
     let bs: Arc<dyn Bootstrap> = Arc::new(info.bootstrap(timeout).expect("bootstrap from the launcher's variables"));
     let (rank, n) = (bs.rank(), bs.size());
     assert_eq!((rank, n), (info.rank, info.size));
     let comm = Communicator::new(bs.clone());
     let buf = Buffer::new(comm.context(), slot * n, Transport::Ethernet.into()).unwrap();
-    let cfg = EndpointConfig::new(Transport::Ethernet);
     let peers: Vec<usize> = (0..n).filter(|p| *p != rank).collect();
-    let pc: Vec<_> = peers.iter().map(|&p| (p, comm.connect(&cfg, p, 0).unwrap())).collect();
+    let pc: Vec<_> = peers.iter().map(|&p| (p, comm.connect(cfg, p, 0).unwrap())).collect();
     for &p in &peers {
         comm.send_memory(buf.memory(), p, 1).unwrap();
     }
