@@ -29,7 +29,7 @@
 //! ```
 //! The public modules [`gpu`], [`ib`], [`net`] and [`mod@env`] expose what users call of the
 //! lower layers (device count, GPU buffers, RDMA devices and the test provider, interfaces,
-//! variables).
+//! variables); [`launcher`] reads rank, size and root from `mpirun`, `srun` or `torchrun`.
 //!
 //! ## Getting started
 //! Bootstrap two ranks (here two threads of one process for brevity; normally two processes):
