@@ -1,9 +1,9 @@
 //! Several hosts on one machine: network namespaces joined by veth pairs through bridges, each a
 //! "host" with its own addresses, host name and `MSCCLPP_HOSTID`, its rank a process inside it
-//! (`ip netns exec`). Every host has two networks, `ctl0` (10.78.0.0/24) and `dat0`
-//! (10.77.0.0/24); the host names `node0`, `node1`, ... resolve (through
-//! `/etc/netns/<ns>/hosts`, which `ip netns exec` mounts over `/etc/hosts`) to the `ctl0`
-//! addresses, and `MASTER_ADDR=node0`.
+//! (`ip netns exec`). Every host has two networks, `ctl0` (10.78.0.0/24, fd78::/64) and `dat0`
+//! (10.77.0.0/24, fd77::/64); the host names `node0`, `node1`, ... (and `node0-v6`, ... for the
+//! IPv6 addresses) resolve (through `/etc/netns/<ns>/hosts`, which `ip netns exec` mounts over
+//! `/etc/hosts`) to the `ctl0` addresses, and `MASTER_ADDR=node0` unless a test says otherwise.
 //!
 //! Needs root (CI runs as root). Where a namespace cannot be created the tests say so and pass;
 //! anything that fails after that fails the test. Namespaces are deleted when a test ends, also
@@ -54,7 +54,8 @@ impl Net {
             run(&["ip", "-n", &sw, "link", "add", br, "type", "bridge"])?;
             run(&["ip", "-n", &sw, "link", "set", br, "up"])?;
         }
-        let hosts_file: String = (0..n).map(|i| format!("10.78.0.{} node{i}\n", i + 1)).collect();
+        let hosts_file: String =
+            (0..n).map(|i| format!("10.78.0.{} node{i}\nfd78::{} node{i}-v6\n", i + 1, i + 1)).collect();
         for i in 0..n {
             let ns = format!("msch{id}x{i}");
             run(&["ip", "netns", "add", &ns])?;
@@ -74,6 +75,9 @@ impl Net {
                 let ifname = format!("{net_name}0");
                 run(&["ip", "-n", &ns, "link", "set", &a, "name", &ifname])?;
                 run(&["ip", "-n", &ns, "addr", "add", &format!("10.{subnet}.0.{}/24", i + 1), "dev", &ifname])?;
+                // IPv6 too (no duplicate-address wait), fd<subnet>::<host>.
+                let v6 = format!("fd{subnet}::{}/64", i + 1);
+                run(&["ip", "-n", &ns, "addr", "add", &v6, "dev", &ifname, "nodad"])?;
                 run(&["ip", "-n", &ns, "link", "set", &ifname, "up"])?;
                 run(&["ip", "-n", &sw, "link", "set", &b, "master", br])?;
                 run(&["ip", "-n", &sw, "link", "set", &b, "up"])?;
@@ -366,4 +370,26 @@ fn added_latency_keeps_timeouts_and_data_right() {
     println!("link: {how}");
     let text = all_ok(&net.job(NAME, &[("MSCCLPP_SOCKET_IFNAME", "ctl")], T * 2));
     assert!(text.contains("rank 1: 4 MiB exact"), "{text}");
+}
+
+#[test]
+fn ipv6_hosts_bootstrap_by_literal_and_by_name() {
+    const NAME: &str = "ipv6_hosts_bootstrap_by_literal_and_by_name";
+    if let Some(info) = child(NAME) {
+        let m = mesh(&info, 1 << 20, T);
+        let addr = m.listen;
+        assert!(addr.is_ipv6(), "MSCCLPP_SOCKET_FAMILY=AF_INET6, yet the bootstrap listens on {addr}");
+        println!(
+            "{} (root {}, listening on {addr})",
+            all_pairs_exchange(&m, 1 << 20, T),
+            info.root.as_ref().unwrap().spec
+        );
+        return;
+    }
+    let Some(net) = Net::new(2).unwrap() else { return };
+    for master in ["fd78::1", "node0-v6"] {
+        let env = [("MASTER_ADDR", master), ("MSCCLPP_SOCKET_FAMILY", "AF_INET6"), ("MSCCLPP_SOCKET_IFNAME", "dat")];
+        let text = all_ok(&net.job(NAME, &env, T * 2));
+        assert!(text.contains("rank 1 of 2: exchanged 1048576 B with 1 peers, all exact"), "{text}");
+    }
 }

@@ -58,6 +58,8 @@ pub fn unavailable(what: &str) {
 /// One rank's connections, its buffer and the peers' buffers.
 pub struct Mesh {
     pub bs: Arc<dyn Bootstrap>,
+    /// Where this rank's bootstrap listens for peers.
+    pub listen: std::net::SocketAddr,
     pub comm: Communicator,
     pub buf: Buffer,
     pub conns: Vec<Option<Connection>>,
@@ -73,7 +75,9 @@ pub fn mesh(info: &LaunchInfo, slot: usize, timeout: Duration) -> Mesh {
 
 /// [`mesh`] with the endpoint config given (an Ethernet interface, say).
 pub fn mesh_with(info: &LaunchInfo, slot: usize, timeout: Duration, cfg: &EndpointConfig) -> Mesh {
-    let bs: Arc<dyn Bootstrap> = Arc::new(info.bootstrap(timeout).expect("bootstrap from the launcher's variables"));
+    let tcp = info.bootstrap(timeout).expect("bootstrap from the launcher's variables");
+    let listen = tcp.listen_addr();
+    let bs: Arc<dyn Bootstrap> = Arc::new(tcp);
     let (rank, n) = (bs.rank(), bs.size());
     assert_eq!((rank, n), (info.rank, info.size));
     let comm = Communicator::new(bs.clone());
@@ -99,7 +103,7 @@ pub fn mesh_with(info: &LaunchInfo, slot: usize, timeout: Duration, cfg: &Endpoi
         sems[p] = Some(Host2HostSemaphore::new(s.wait().unwrap()).unwrap());
     }
     bs.barrier().unwrap();
-    Mesh { bs, comm, buf, conns, remote, sems }
+    Mesh { bs, listen, comm, buf, conns, remote, sems }
 }
 
 /// Each rank writes `slot` bytes of its own pattern into its slot of every peer's buffer, signals,
