@@ -305,7 +305,9 @@ fn a_link_taken_down_mid_transfer_is_an_error_naming_the_peer() {
 }
 
 /// Adds latency to both ends of the data network with `tc netem` (or, where the kernel has no
-/// netem, as here in some VMs, slows the link with `tbf`, which delays the same way under load).
+/// netem, as in the Firecracker VM CI runs in, slows the link with `tbf`, which delays the same
+/// way under load): short waits time out naming the peer, the connection goes on, the data is
+/// exact, and the bandwidth measured by write + flush is no more than the link allows.
 #[test]
 fn added_latency_keeps_timeouts_and_data_right() {
     const NAME: &str = "added_latency_keeps_timeouts_and_data_right";
@@ -328,10 +330,15 @@ fn added_latency_keeps_timeouts_and_data_right() {
             // The connection goes on: a longer flush covers the write.
             conn.flush(T).unwrap();
             let el = t0.elapsed();
-            println!(
-                "4 MiB over the slowed link: {:.1} MB/s ({el:?}); the 5 ms flush: {e}",
-                LEN as f64 / el.as_secs_f64() / 1e6
-            );
+            let rate = LEN as f64 / el.as_secs_f64();
+            println!("4 MiB over the slowed link: {:.2} MB/s ({el:?}); the 5 ms flush: {e}", rate / 1e6);
+            // A flush returns only once the peer has applied the data, so the measured bandwidth
+            // cannot beat the link: under tbf not above its 5 MB/s rate (10% for its burst and
+            // the clock), under netem not faster than one round trip (2 x 20 ms).
+            match std::env::var("MSCCLPP_NS_SHAPING").unwrap().as_str() {
+                "tbf" => assert!(rate <= 5.5e6, "{rate:.0} B/s over a 40 mbit/s link"),
+                _ => assert!(el >= Duration::from_millis(40), "{el:?} for a write and flush over a 40 ms round trip"),
+            }
         } else {
             // The signal comes after 4 MiB on the slowed link: a 5 ms wait times out, naming rank 0.
             let e = sem.wait(Duration::from_millis(5)).unwrap_err();
@@ -347,10 +354,10 @@ fn added_latency_keeps_timeouts_and_data_right() {
     }
     let Some(net) = Net::new(2).unwrap() else { return };
     let netem = net.exec(0, &["tc", "qdisc", "add", "dev", "dat0", "root", "netem", "delay", "20ms"]);
-    let how = match &netem {
+    let shaping = match &netem {
         Ok(()) => {
             net.exec(1, &["tc", "qdisc", "add", "dev", "dat0", "root", "netem", "delay", "20ms"]).unwrap();
-            "netem delay 20ms each way"
+            "netem"
         }
         Err(e) => {
             eprintln!("tc netem is not available here ({e}); slowing the link with tbf instead");
@@ -364,11 +371,12 @@ fn added_latency_keeps_timeouts_and_data_right() {
                 )
                 .unwrap();
             }
-            "tbf rate 40mbit"
+            "tbf"
         }
     };
-    println!("link: {how}");
-    let text = all_ok(&net.job(NAME, &[("MSCCLPP_SOCKET_IFNAME", "ctl")], T * 2));
+    println!("link: {shaping} (netem: delay 20 ms each way; tbf: rate 40 mbit/s)");
+    let env = [("MSCCLPP_SOCKET_IFNAME", "ctl"), ("MSCCLPP_NS_SHAPING", shaping)];
+    let text = all_ok(&net.job(NAME, &env, T * 2));
     assert!(text.contains("rank 1: 4 MiB exact"), "{text}");
 }
 
