@@ -177,7 +177,7 @@ impl LaunchInfo {
         TcpBootstrap::config(self.rank, self.size)
             .timeout(timeout)
             .initialize_with_addr(&root.spec)
-            .map_err(|e| e.during(format!("bootstrap through the root at {} ({})", root.spec, root.source)))
+            .map_err(|e| e.with_note(format!("the root address {} came from {}", root.spec, root.source)))
     }
 }
 
@@ -335,5 +335,16 @@ mod tests {
                 .unwrap();
         let e = i.bootstrap(Duration::from_secs(1)).unwrap_err();
         assert!(e.to_string().contains("MASTER_ADDR=\"no-such-host.invalid\""), "{e}");
+    }
+
+    #[test]
+    fn a_root_that_does_not_answer_is_a_timeout_naming_the_variables() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let i = info(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)])
+            .unwrap()
+            .unwrap();
+        let e = i.bootstrap(Duration::from_millis(300)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(e.to_string().contains(&format!("came from MASTER_ADDR=\"127.0.0.1\" MASTER_PORT=\"{port}\"")), "{e}");
     }
 }
