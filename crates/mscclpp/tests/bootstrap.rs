@@ -326,11 +326,13 @@ fn scale_256_ranks() {
 /// `host:port` form) and every rank, rank 0 included, runs under `ulimit -n 256`: more ranks
 /// than descriptors. The root must not hold a
 /// socket per rank (it answers each join and closes, then connects back a few at a time), nor
-/// may the collectives open one per peer.
+/// may the collectives open one per peer. `MSCCLPP_TEST_BS_RANKS` and `MSCCLPP_TEST_BS_NOFILE`
+/// change the two numbers for a manual run (e.g. 1100 ranks under 1024).
 #[test]
 fn root_in_rank_0_with_more_ranks_than_descriptors() {
-    const N: usize = 512;
-    const NOFILE: u64 = 256;
+    let env_or = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let n = env_or("MSCCLPP_TEST_BS_RANKS", 512) as usize;
+    let nofile = env_or("MSCCLPP_TEST_BS_NOFILE", 256);
     if let Some(r) = Rank::from_env() {
         let t0 = Instant::now();
         let spec = std::env::var("MSCCLPP_TEST_ROOT_SPEC").unwrap();
@@ -343,10 +345,10 @@ fn root_in_rank_0_with_more_ranks_than_descriptors() {
     // a free port (the harness's own root is not used; its short wait for ranks then lapses)
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let env = [("MSCCLPP_TEST_ROOT_SPEC", format!("127.0.0.1:{port}"))];
-    let all: Vec<usize> = (0..N).collect();
+    let all: Vec<usize> = (0..n).collect();
     let name = "root_in_rank_0_with_more_ranks_than_descriptors";
-    let job = spawn_limited(name, N, &all, Duration::from_millis(100), &env, Duration::from_secs(300), Some(NOFILE));
-    report_scale(&job, N, NOFILE);
+    let job = spawn_limited(name, n, &all, Duration::from_millis(100), &env, Duration::from_secs(300), Some(nofile));
+    report_scale(&job, n, nofile);
 }
 
 /// A rank killed after its first barrier: every other rank's next collective (the barrier, or

@@ -1593,4 +1593,64 @@ mod tests {
         }
         root.join();
     }
+
+    /// Ranks 0 and 1 of 3 join; rank 2 never comes. Each joined rank's error names rank 2,
+    /// whether the root's deadline comes first (it delivers the failure) or the ranks' own (they
+    /// ask the root who is missing).
+    #[test]
+    fn missing_rank_named_whoever_gives_up_first() {
+        for (root_timeout, rank_timeout) in
+            [(Duration::from_secs(1), Duration::from_secs(20)), (Duration::from_secs(20), Duration::from_millis(1500))]
+        {
+            let (root, id) = RootServer::start(3, root_timeout).unwrap();
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let id = id.clone();
+                    std::thread::spawn(move || {
+                        let t0 = Instant::now();
+                        let e = TcpBootstrap::config(r, 3).timeout(rank_timeout).initialize(&id).unwrap_err();
+                        (e, t0.elapsed())
+                    })
+                })
+                .collect();
+            for h in hs {
+                let (e, took) = h.join().unwrap();
+                assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+                assert!(e.to_string().contains("[2]"), "the error must name rank 2: {e}");
+                // which side gave up shows in the words: the root's delivered failure, or the
+                // answer to the rank's own question
+                let said =
+                    if root_timeout < rank_timeout { "did not reach the bootstrap root" } else { "missing ranks [2]" };
+                assert!(e.to_string().contains(said), "{e}");
+                println!("gave up after {took:?}: {e}");
+            }
+            if root_timeout < rank_timeout {
+                root.join();
+            } else {
+                // the root waits out its own deadline on a thread of its own
+                drop(std::thread::spawn(move || root.join()));
+            }
+        }
+    }
+
+    /// A second rank 1 is refused at once, by name; the job goes on without noticing.
+    #[test]
+    fn duplicate_rank_refused_at_once() {
+        let (root, id) = RootServer::start(2, Duration::from_secs(20)).unwrap();
+        let id1 = id.clone();
+        let first =
+            std::thread::spawn(move || TcpBootstrap::config(1, 2).timeout(Duration::from_secs(20)).initialize(&id1));
+        // let the first rank 1 arrive
+        std::thread::sleep(Duration::from_millis(300));
+        let e = TcpBootstrap::config(1, 2).timeout(Duration::from_secs(20)).initialize(&id).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Remote, "{e}");
+        assert!(e.to_string().contains("rank 1 joined twice"), "{e}");
+        let r0 = TcpBootstrap::config(0, 2).timeout(Duration::from_secs(20)).initialize(&id).unwrap();
+        let r1 = first.join().unwrap().unwrap();
+        let hs = [r0, r1].map(|bs| std::thread::spawn(move || bs.all_gather(&[bs.rank() as u8]).unwrap()));
+        for h in hs {
+            assert_eq!(h.join().unwrap(), vec![vec![0u8], vec![1u8]]);
+        }
+        root.join();
+    }
 }
