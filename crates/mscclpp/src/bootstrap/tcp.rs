@@ -8,10 +8,13 @@
 //!   and never counts as a rank. The acceptor answers one byte (`ACK`), so the connector knows it
 //!   reached the right job.
 //! * **Rendezvous.** Each rank binds a listener for peer traffic, connects to the root (a thread
-//!   of rank 0, or a [`RootServer`]) and sends its listening address and host hash. When all ranks
-//!   have arrived, the root sends everyone the address table; while it waits it sends progress
-//!   notes that list the missing ranks, so a rank that times out can name them. The root's
-//!   answers carry the secret back, so a rank knows it talked to its own root.
+//!   of rank 0, or a [`RootServer`]) and sends its listening address and host hash; the root
+//!   answers with a receipt (or a refusal) and closes. When all ranks have arrived, the root
+//!   connects to each rank's listener (a few at a time) and delivers the address table; at its
+//!   deadline it delivers the failure naming the missing ranks instead. A rank that has heard
+//!   nothing shortly before its own deadline asks the root which ranks are missing, so it can
+//!   name them. The root's answers carry the secret back, so a rank knows it talked to its own
+//!   root. The root holds no socket per rank: its process needs a few dozen descriptors.
 //! * **Messages.** At most one TCP connection per ordered pair of ranks, made on first send.
 //!   Frames are a frame header (magic, version, tag, length) and the bytes. A reader thread per
 //!   incoming connection files messages by tag, so receives may come in any order across tags and
@@ -246,11 +249,13 @@ fn read_hello(s: &mut TcpStream, secret: &[u8; 16]) -> Result<Hello> {
 /// launcher that is not a rank (like `mscclpp-perf --ranks N`) starts one with
 /// [`RootServer::start`] and hands the id to its ranks.
 ///
-/// The root answers each rank's join at once and closes that connection. Once all ranks have
-/// joined (or at its deadline) it connects to each rank's listener to deliver the table (or the
-/// failure naming the missing ranks), [`ROOT_DELIVERIES`] at a time. It serves at most
-/// [`ROOT_HANDSHAKES`] connections at once (the rest wait in the listen backlog, which costs no
-/// descriptor), so its process needs a few dozen file descriptors whatever the job size.
+/// The root keeps the connections of the first [`ROOT_HELD`] ranks to join; it answers every
+/// later join with a receipt at once and closes that connection. Once all ranks have joined (or
+/// at its deadline) it sends the table (or the failure naming the missing ranks) on the held
+/// connections, and connects to the other ranks' listeners to deliver it, [`ROOT_DELIVERIES`]
+/// at a time. It serves at most [`ROOT_HANDSHAKES`] new connections at once (the rest wait in
+/// the listen backlog, which costs no descriptor), so its process needs under a hundred file
+/// descriptors whatever the job size.
 pub struct RootServer {
     addr: SocketAddr,
     thread: Option<JoinHandle<()>>,
@@ -300,6 +305,8 @@ impl Drop for RootServer {
 
 /// Connections the root serves at once (joins and queries); more wait in the listen backlog.
 pub(crate) const ROOT_HANDSHAKES: usize = 32;
+/// Join connections the root keeps open to answer on them (the first ranks to arrive).
+pub(crate) const ROOT_HELD: usize = 32;
 /// Connections the root opens at once to deliver final answers.
 pub(crate) const ROOT_DELIVERIES: usize = 8;
 
@@ -336,9 +343,12 @@ impl Drop for Slot {
     }
 }
 
-/// One handshake at the root: reads the hello, hands the request to the root loop and writes
-/// the answer it gets back, then closes.
-fn root_handshake(mut s: TcpStream, secret: [u8; 16], tx: mpsc::Sender<(RootRequest, mpsc::Sender<Vec<u8>>)>) {
+/// A connection to the root, with the handshake slot it holds until the root loop is done with it.
+type RootConn = (RootRequest, TcpStream, Slot);
+
+/// One handshake at the root: reads the hello and hands the request, with its connection, to
+/// the root loop.
+fn root_handshake(mut s: TcpStream, secret: [u8; 16], slot: Slot, tx: mpsc::Sender<RootConn>) {
     let peer = s.peer_addr().ok();
     let _ = s.set_read_timeout(Some(HANDSHAKE_LIMIT));
     let req = match read_hello(&mut s, &secret) {
@@ -355,15 +365,14 @@ fn root_handshake(mut s: TcpStream, secret: [u8; 16], tx: mpsc::Sender<(RootRequ
             return;
         }
     };
-    let (reply_tx, reply_rx) = mpsc::channel();
-    if tx.send((req, reply_tx)).is_err() {
-        return;
-    }
-    if let Ok(bytes) = reply_rx.recv_timeout(HANDSHAKE_LIMIT) {
-        let _ = s.set_write_timeout(Some(HANDSHAKE_LIMIT));
-        if let Err(e) = s.write_all(&bytes) {
-            debug!(target: LOG, "root: answering {peer:?}: {e}");
-        }
+    let _ = s.set_write_timeout(Some(HANDSHAKE_LIMIT));
+    let _ = tx.send((req, s, slot));
+}
+
+/// Writes one answer on a connection to the root (which then closes, when dropped).
+fn write_answer(s: &mut TcpStream, bytes: &[u8]) {
+    if let Err(e) = s.write_all(bytes) {
+        debug!(target: LOG, "root: answering {:?}: {e}", s.peer_addr().ok());
     }
 }
 
@@ -381,10 +390,19 @@ fn deliver_answer(rank: u32, addr: SocketAddr, secret: [u8; 16], size: u32, body
     Ok(())
 }
 
-/// Delivers one final answer to `targets` on [`ROOT_DELIVERIES`] threads.
+/// Delivers one final answer to `targets` on [`ROOT_DELIVERIES`] threads (or here, for a job
+/// that small: a connect and a write into the socket buffer need no thread of the rank to run).
 fn start_deliveries(targets: Vec<(u32, SocketAddr)>, answer: &RootAnswer, size: u32) -> Vec<JoinHandle<()>> {
     let body = Arc::new(length_prefixed(&answer.to_wire()));
     let secret = answer.secret;
+    if targets.len() <= ROOT_DELIVERIES {
+        for (rank, addr) in targets {
+            if let Err(e) = deliver_answer(rank, addr, secret, size, &body) {
+                warn!(target: LOG, "root: rank {rank} did not take its answer (it has probably exited): {e}");
+            }
+        }
+        return Vec::new();
+    }
     let threads = ROOT_DELIVERIES.min(targets.len());
     let queue = Arc::new(Mutex::new(VecDeque::from(targets)));
     (0..threads)
@@ -413,7 +431,7 @@ fn start_deliveries(targets: Vec<(u32, SocketAddr)>, answer: &RootAnswer, size: 
 /// its answers.
 fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Instant) {
     let addr = listener.local_addr().ok();
-    let (tx, rx) = mpsc::channel::<(RootRequest, mpsc::Sender<Vec<u8>>)>();
+    let (tx, rx) = mpsc::channel::<RootConn>();
     let done = Arc::new(AtomicBool::new(false));
     let accept_done = done.clone();
     let slots = Arc::new(Slots { free: Mutex::new(ROOT_HANDSHAKES), cond: Condvar::new() });
@@ -433,34 +451,46 @@ fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Inst
             };
             let slot = slots.take();
             let tx = tx.clone();
-            let _ =
-                std::thread::Builder::new().name("mscclpp-bs-root-hs".into()).stack_size(128 * 1024).spawn(move || {
-                    let _slot = slot;
-                    root_handshake(s, secret, tx);
-                });
+            let _ = std::thread::Builder::new()
+                .name("mscclpp-bs-root-hs".into())
+                .stack_size(128 * 1024)
+                .spawn(move || root_handshake(s, secret, slot, tx));
         }
     });
     let mut rv = Rendezvous::new(secret, size, deadline);
     let mut deliveries: Vec<JoinHandle<()>> = Vec::new();
-    // Answers on the asking connection go back to its handshake thread; final answers start
-    // the delivery threads (returned).
-    let route = |replies: Vec<Reply<()>>, conn: Option<&mpsc::Sender<Vec<u8>>>| -> Vec<JoinHandle<()>> {
+    // The first joins' connections stay open and get the final answer on them (one hop less
+    // for small jobs); later joins get a receipt and their answer on their listener.
+    let mut held: HashMap<u32, TcpStream> = HashMap::new();
+    // Answers on the asking connection go back on it; final answers go on a held connection or
+    // to the delivery threads (returned).
+    let mut route = |replies: Vec<Reply<()>>, mut conn: Option<(u32, TcpStream)>| -> Vec<JoinHandle<()>> {
         let mut targets = Vec::new();
         let mut final_answer = None;
+        let mut final_bytes = None;
         for r in replies {
             if let RootStatus::Failed { message, .. } = &r.answer.status {
                 warn!(target: LOG, "root: {message}");
             }
             match r.to {
                 To::Conn(()) => {
-                    if let Some(c) = conn {
-                        let _ = c.send(length_prefixed(&r.answer.to_wire()));
+                    let Some((rank, mut s)) = conn.take() else { continue };
+                    if r.answer.status == RootStatus::Joined && held.len() < ROOT_HELD {
+                        held.insert(rank, s);
+                    } else {
+                        write_answer(&mut s, &length_prefixed(&r.answer.to_wire()));
                     }
                 }
-                To::Rank(rank, a) => {
-                    targets.push((rank, a));
-                    final_answer = Some(r.answer);
-                }
+                To::Rank(rank, a) => match held.remove(&rank) {
+                    Some(mut s) => {
+                        let b = final_bytes.get_or_insert_with(|| length_prefixed(&r.answer.to_wire()));
+                        write_answer(&mut s, b);
+                    }
+                    None => {
+                        targets.push((rank, a));
+                        final_answer = Some(r.answer);
+                    }
+                },
             }
         }
         match final_answer {
@@ -481,11 +511,11 @@ fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Inst
             rv.next_wakeup().saturating_duration_since(now).max(Duration::from_millis(1))
         };
         match rx.recv_timeout(wait) {
-            Ok((RootRequest::Join(j), conn)) => {
+            Ok((RootRequest::Join(j), s, _slot)) => {
                 debug!(target: LOG, "root: rank {} arrived from {}", j.rank, j.listen);
-                deliveries.extend(route(rv.on_join((), j), Some(&conn)));
+                deliveries.extend(route(rv.on_join((), j), Some((j.rank, s))));
             }
-            Ok((RootRequest::Query, conn)) => deliveries.extend(route(vec![rv.on_query(())], Some(&conn))),
+            Ok((RootRequest::Query, s, _slot)) => deliveries.extend(route(vec![rv.on_query(())], Some((u32::MAX, s)))),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => std::thread::sleep(wait),
         }
@@ -531,6 +561,14 @@ fn query_root(root: SocketAddr, secret: [u8; 16], rank: usize, size: usize, dead
     let hello = Hello { kind: KIND_QUERY, secret, rank: rank as u32, size: size as u32, listen: None };
     s.write_all(&length_prefixed(&hello.to_wire())).map_err(|e| Error::io("asking the root", e))?;
     read_root_answer(&mut s, deadline, secret, size)
+}
+
+/// Whether the I/O cause of `e` is a read timeout.
+fn is_timeout(e: &Error) -> bool {
+    use std::error::Error as _;
+    e.source()
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .is_some_and(|e| matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
 }
 
 fn root_gave_up(timeout: bool, message: &str) -> Error {
@@ -824,19 +862,22 @@ impl TcpBootstrap {
         };
         rs.write_all(&length_prefixed(&hello.to_wire()))
             .map_err(|e| Error::io("sending the hello to the root", e).during(op.clone()))?;
-        // The root answers at once (joined, or refused) and closes.
-        match read_root_answer(&mut rs, deadline, secret, cfg.size).map_err(|e| e.during(op.clone()))? {
-            RootStatus::Joined => {}
-            RootStatus::Failed { timeout, message } => return Err(root_gave_up(timeout, &message).during(op)),
-            s => {
-                return Err(Error::remote(format!("the root answered the join with {s:?}, not a receipt")).during(op));
-            }
-        }
-        drop(rs);
-        // The final answer comes to our listener. Shortly before our deadline, a rank that has
-        // heard nothing asks the root which ranks are missing, so it can name them.
+        // The root answers a refusal at once; a receipt (our answer will come to our listener);
+        // or, for the first ranks to arrive, the final answer on this connection. Shortly before
+        // our deadline, a rank that has heard nothing asks the root which ranks are missing, so
+        // it can name them.
         let margin = (cfg.timeout / 10).min(Duration::from_secs(2));
-        let status = match bs.shared.wait_root_answer(deadline - margin) {
+        let heard = match read_root_answer(&mut rs, deadline - margin, secret, cfg.size) {
+            Ok(RootStatus::Joined) => {
+                drop(rs);
+                bs.shared.wait_root_answer(deadline - margin)
+            }
+            Ok(s @ (RootStatus::Done(_) | RootStatus::Failed { .. })) => Some(s),
+            Ok(s) => return Err(Error::remote(format!("the root answered the join with {s:?}")).during(op)),
+            Err(e) if is_timeout(&e) => None,
+            Err(e) => return Err(e.during(op)),
+        };
+        let status = match heard {
             Some(s) => s,
             None => match query_root(root, secret, cfg.rank, cfg.size, deadline) {
                 Ok(RootStatus::Progress { missing }) => {
