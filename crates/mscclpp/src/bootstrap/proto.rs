@@ -1,9 +1,10 @@
 //! The bootstrap's wire forms and its per-connection framing core, without I/O.
 //!
 //! Every form here is a [`WireForm`]: [`Hello`] (the first message on every socket),
-//! [`RootAnswer`] (what the root sends a joining rank), [`AddressTable`] (every rank's listening
-//! address and host hash), [`FrameHeader`] (in front of every message between ranks) and
-//! [`AbortNotice`] (a rank telling its neighbours that another rank failed).
+//! [`RootAnswer`] (what the root sends a rank: a receipt, the table, a failure, or the missing
+//! ranks), [`AddressTable`] (every rank's listening address and host hash), [`FrameHeader`] (in
+//! front of every message between ranks) and [`AbortNotice`] (a rank telling its neighbours that
+//! another rank failed).
 //! [`FrameReader`] turns a byte stream cut anywhere into whole messages.
 
 use std::net::SocketAddr;

@@ -8,13 +8,14 @@
 //!   and never counts as a rank. The acceptor answers one byte (`ACK`), so the connector knows it
 //!   reached the right job.
 //! * **Rendezvous.** Each rank binds a listener for peer traffic, connects to the root (a thread
-//!   of rank 0, or a [`RootServer`]) and sends its listening address and host hash; the root
-//!   answers with a receipt (or a refusal) and closes. When all ranks have arrived, the root
-//!   connects to each rank's listener (a few at a time) and delivers the address table; at its
-//!   deadline it delivers the failure naming the missing ranks instead. A rank that has heard
-//!   nothing shortly before its own deadline asks the root which ranks are missing, so it can
-//!   name them. The root's answers carry the secret back, so a rank knows it talked to its own
-//!   root. The root holds no socket per rank: its process needs a few dozen descriptors.
+//!   of rank 0, or a [`RootServer`]) and sends its listening address and host hash. The root
+//!   keeps the first ranks' connections open; it answers later ones with a receipt (or a
+//!   refusal) and closes. When all ranks have arrived, the root sends the address table on the
+//!   held connections and connects to every other rank's listener (a few at a time) to deliver
+//!   it; at its deadline it sends the failure naming the missing ranks instead. A rank that has
+//!   heard nothing shortly before its own deadline asks the root which ranks are missing, so it
+//!   can name them. The root's answers carry the secret back, so a rank knows it talked to its
+//!   own root. The root's descriptors are bounded whatever the job size (see [`RootServer`]).
 //! * **Messages.** At most one TCP connection per ordered pair of ranks, made on first send.
 //!   Frames are a frame header (magic, version, tag, length) and the bytes. A reader thread per
 //!   incoming connection files messages by tag, so receives may come in any order across tags and
