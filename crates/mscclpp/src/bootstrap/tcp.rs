@@ -250,13 +250,12 @@ fn read_hello(s: &mut TcpStream, secret: &[u8; 16]) -> Result<Hello> {
 /// launcher that is not a rank (like `mscclpp-perf --ranks N`) starts one with
 /// [`RootServer::start`] and hands the id to its ranks.
 ///
-/// The root keeps the connections of the first [`ROOT_HELD`] ranks to join; it answers every
-/// later join with a receipt at once and closes that connection. Once all ranks have joined (or
-/// at its deadline) it sends the table (or the failure naming the missing ranks) on the held
-/// connections, and connects to the other ranks' listeners to deliver it, [`ROOT_DELIVERIES`]
-/// at a time. It serves at most [`ROOT_HANDSHAKES`] new connections at once (the rest wait in
-/// the listen backlog, which costs no descriptor), so its process needs under a hundred file
-/// descriptors whatever the job size.
+/// The root keeps the connections of the first 32 ranks to join; it answers every later join
+/// with a receipt at once and closes that connection. Once all ranks have joined (or at its
+/// deadline) it sends the table (or the failure naming the missing ranks) on the held
+/// connections, and connects to the other ranks' listeners to deliver it, 8 at a time. It
+/// serves at most 32 new connections at once (the rest wait in the listen backlog, which costs
+/// no descriptor), so its process needs under a hundred file descriptors whatever the job size.
 pub struct RootServer {
     addr: SocketAddr,
     thread: Option<JoinHandle<()>>,
@@ -1412,7 +1411,7 @@ impl Bootstrap for TcpBootstrap {
 
     /// Up the binary tree rooted at rank 0 (each rank sends its subtree's pieces to its
     /// parent), then the whole table down it: 2 log2(n) hops, at most three tree peers per rank.
-    /// When a subtree holds more than [`TREE_GATHER_LIMIT`] bytes, an overflow marker goes up
+    /// When a subtree holds more than 1 MiB, an overflow marker goes up
     /// and down instead and the ranks pass their pieces around the ring (next and previous
     /// rank, n-1 hops), which moves large data without the tree's store-and-forward. Measured in
     /// docs/design-notes.md.
