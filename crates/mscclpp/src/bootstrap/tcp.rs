@@ -1694,4 +1694,39 @@ mod tests {
         }
         root.join();
     }
+
+    /// Rank 2 joins, then dies before the table comes (its hello names a listener that is
+    /// already closed). Ranks 0 and 1 still get the table, and their first collective fails
+    /// naming rank 2, not a timeout.
+    #[test]
+    fn rank_dying_after_its_join_is_named() {
+        let (root, id) = RootServer::start(3, Duration::from_secs(20)).unwrap();
+        let dead_listener = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let mut s = TcpStream::connect(id.root).unwrap();
+        let hello = Hello {
+            kind: KIND_ROOT,
+            secret: id.secret,
+            rank: 2,
+            size: 3,
+            listen: Some((dead_listener, crate::identity::host_hash())),
+        };
+        s.write_all(&length_prefixed(&hello.to_wire())).unwrap();
+        drop(s);
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let id = id.clone();
+                std::thread::spawn(move || {
+                    let bs = TcpBootstrap::config(r, 3).timeout(Duration::from_secs(20)).initialize(&id).unwrap();
+                    bs.all_gather(&[r as u8]).unwrap_err()
+                })
+            })
+            .collect();
+        for h in hs {
+            let e = h.join().unwrap();
+            assert_eq!(e.peer(), Some(2), "{e}");
+            assert_ne!(e.kind(), ErrorKind::Timeout, "{e}");
+            assert!(e.to_string().contains("rank 2 failed"), "{e}");
+        }
+        root.join();
+    }
 }
