@@ -12,6 +12,7 @@ pub use tcp::{RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
 pub(crate) use tcp::{check_padded, check_text};
 
 use crate::error::{Error, Result};
+use crate::wire::WireForm;
 
 /// Tags at or above this value are reserved for the library's own messages.
 pub const RESERVED_TAG_BASE: u64 = 1 << 63;
@@ -48,38 +49,216 @@ pub trait Bootstrap: Send + Sync {
     fn recv(&self, peer: usize, tag: u64) -> Result<Vec<u8>>;
 
     /// Every rank's `data`, indexed by rank.
+    ///
+    /// The default runs on the binary tree rooted at rank 0 over [`send`](Self::send) and
+    /// [`recv`](Self::recv): each rank sends its subtree's pieces to its parent, rank 0 sends
+    /// the whole table down, so a rank talks to at most three peers (2 log2 n hops) and an
+    /// implementation whose `send` connects on demand opens a bounded number of connections.
+    /// [`TcpBootstrap`] overrides it with the same tree plus a ring for large gathers and
+    /// failure reports that name the failed rank on every rank.
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         let (me, n) = (self.rank(), self.size());
-        for p in (0..n).filter(|p| *p != me) {
-            self.send(p, TAG_ALL_GATHER, data)?;
+        let what = "bootstrap all_gather";
+        let mut mine = proto::GatherBlocks { overflow: false, blocks: vec![(me as u32, data.to_vec())] };
+        for c in tree_children(me, n) {
+            let got = proto::GatherBlocks::from_wire(&self.recv(c, TAG_ALL_GATHER)?)
+                .map_err(|e| e.during(what).with_peer(c))?;
+            mine.blocks.extend(got.blocks);
         }
-        (0..n).map(|p| if p == me { Ok(data.to_vec()) } else { self.recv(p, TAG_ALL_GATHER) }).collect()
+        mine.blocks.sort_unstable_by_key(|(r, _)| *r);
+        let table = match tree_parent(me) {
+            Some(p) => {
+                self.send(p, TAG_ALL_GATHER, &mine.encode().map_err(|e| e.during(what))?)?;
+                self.recv(p, TAG_ALL_GATHER)?
+            }
+            None => mine.encode().map_err(|e| e.during(what))?,
+        };
+        for c in tree_children(me, n) {
+            self.send(c, TAG_ALL_GATHER, &table)?;
+        }
+        let all = proto::GatherBlocks::from_wire(&table).map_err(|e| e.during(what))?;
+        if all.blocks.len() != n || all.blocks.iter().enumerate().any(|(i, (r, _))| *r as usize != i) {
+            return Err(Error::remote(format!(
+                "the gathered table has {} pieces, not one from each of {n} ranks",
+                all.blocks.len()
+            ))
+            .during(what));
+        }
+        Ok(all.blocks.into_iter().map(|(_, b)| b).collect())
     }
 
     /// `root`'s `data`, on every rank (other ranks' `data` is ignored).
+    ///
+    /// The default climbs from `root` to rank 0 along the binary tree, then goes down it: at
+    /// most three peers per rank.
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
         if root >= self.size() {
             return Err(Error::invalid_usage(format!("broadcast root {root} is not a rank of {}", self.size())));
         }
-        if self.rank() == root {
-            for p in (0..self.size()).filter(|p| *p != root) {
-                self.send(p, TAG_BROADCAST, data)?;
-            }
-            Ok(data.to_vec())
-        } else {
-            self.recv(root, TAG_BROADCAST)
-        }
+        tree_broadcast(
+            self.rank(),
+            self.size(),
+            root,
+            data,
+            |p, d| self.send(p, TAG_BROADCAST, d),
+            |p| self.recv(p, TAG_BROADCAST),
+        )
     }
 
     /// Returns once every rank has called `barrier`.
+    ///
+    /// The default gathers arrivals up the binary tree rooted at rank 0 and sends the release
+    /// down it: at most three peers per rank.
     fn barrier(&self) -> Result<()> {
         let (me, n) = (self.rank(), self.size());
-        for p in (0..n).filter(|p| *p != me) {
-            self.send(p, TAG_BARRIER, &[])?;
+        for c in tree_children(me, n) {
+            self.recv(c, TAG_BARRIER)?;
         }
-        for p in (0..n).filter(|p| *p != me) {
+        if let Some(p) = tree_parent(me) {
+            self.send(p, TAG_BARRIER, &[])?;
             self.recv(p, TAG_BARRIER)?;
         }
+        for c in tree_children(me, n) {
+            self.send(c, TAG_BARRIER, &[])?;
+        }
         Ok(())
+    }
+}
+
+/// A rank's parent in the binary tree rooted at rank 0 that every collective uses.
+pub(crate) fn tree_parent(rank: usize) -> Option<usize> {
+    (rank > 0).then(|| (rank - 1) / 2)
+}
+
+/// A rank's children (zero to two) in the binary tree rooted at rank 0.
+pub(crate) fn tree_children(rank: usize, size: usize) -> impl Iterator<Item = usize> {
+    [2 * rank + 1, 2 * rank + 2].into_iter().filter(move |c| *c < size)
+}
+
+/// A broadcast from `root` on the binary tree: up `root`'s ancestors to rank 0, then down.
+/// `send(peer, data)` and `recv(peer)` carry the messages (one tag).
+pub(crate) fn tree_broadcast(
+    me: usize,
+    n: usize,
+    root: usize,
+    data: &[u8],
+    send: impl Fn(usize, &[u8]) -> Result<()>,
+    recv: impl Fn(usize) -> Result<Vec<u8>>,
+) -> Result<Vec<u8>> {
+    let mut payload = (me == root).then(|| data.to_vec());
+    // Up: each ancestor of `root` takes the data from its child on the path.
+    let mut child_on_path = None;
+    let mut v = root;
+    while v != me && v > 0 {
+        child_on_path = Some(v);
+        v = (v - 1) / 2;
+    }
+    if v == me {
+        if let Some(c) = child_on_path {
+            payload = Some(recv(c)?);
+        }
+        if let (Some(p), Some(d)) = (tree_parent(me), payload.as_ref()) {
+            send(p, d)?;
+        }
+    }
+    // Down from rank 0.
+    if let Some(p) = tree_parent(me) {
+        let d = recv(p)?;
+        payload.get_or_insert(d);
+    }
+    let payload = payload.ok_or_else(|| Error::internal("broadcast without data"))?;
+    for c in tree_children(me, n) {
+        send(c, &payload)?;
+    }
+    Ok(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{BTreeSet, HashMap, VecDeque};
+    use std::sync::{Arc, Condvar, Mutex};
+
+    /// Messages in flight, keyed by (from, to, tag).
+    type Mailboxes = HashMap<(usize, usize, u64), VecDeque<Vec<u8>>>;
+
+    /// An in-memory job: mailboxes; each rank records whom it sent to.
+    struct Mem {
+        boxes: Mutex<Mailboxes>,
+        cond: Condvar,
+        sent_to: Vec<Mutex<BTreeSet<usize>>>,
+    }
+
+    /// One rank of a [`Mem`] job, with only the required methods: the collectives are the
+    /// trait's defaults.
+    struct MemRank {
+        rank: usize,
+        job: Arc<Mem>,
+    }
+
+    impl Bootstrap for MemRank {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn size(&self) -> usize {
+            self.job.sent_to.len()
+        }
+        fn ranks_per_node(&self) -> usize {
+            self.size()
+        }
+        fn send(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
+            self.job.sent_to[self.rank].lock().unwrap().insert(peer);
+            self.job.boxes.lock().unwrap().entry((self.rank, peer, tag)).or_default().push_back(data.to_vec());
+            self.job.cond.notify_all();
+            Ok(())
+        }
+        fn recv(&self, peer: usize, tag: u64) -> Result<Vec<u8>> {
+            let mut b = self.job.boxes.lock().unwrap();
+            loop {
+                if let Some(m) = b.get_mut(&(peer, self.rank, tag)).and_then(|q| q.pop_front()) {
+                    return Ok(m);
+                }
+                let (g, t) = self.job.cond.wait_timeout(b, std::time::Duration::from_secs(20)).unwrap();
+                assert!(!t.timed_out(), "rank {} waited 20 s for rank {peer}", self.rank);
+                b = g;
+            }
+        }
+    }
+
+    /// The default collectives give the right results at sizes that fill the tree unevenly,
+    /// and each rank sends to at most three peers (its tree parent and children).
+    #[test]
+    fn default_collectives_use_the_tree() {
+        for n in [1usize, 2, 3, 7, 10, 33] {
+            let job = Arc::new(Mem {
+                boxes: Mutex::new(HashMap::new()),
+                cond: Condvar::new(),
+                sent_to: (0..n).map(|_| Mutex::new(BTreeSet::new())).collect(),
+            });
+            let hs: Vec<_> = (0..n)
+                .map(|rank| {
+                    let bs = MemRank { rank, job: job.clone() };
+                    std::thread::spawn(move || {
+                        let all = bs.all_gather(&vec![rank as u8; rank % 5]).unwrap();
+                        assert_eq!(all, (0..n).map(|i| vec![i as u8; i % 5]).collect::<Vec<_>>());
+                        for root in [0, n / 2, n - 1] {
+                            let got = bs.broadcast(root, &[rank as u8; 3]).unwrap();
+                            assert_eq!(got, vec![root as u8; 3], "rank {rank}, root {root}");
+                        }
+                        bs.barrier().unwrap();
+                        assert_eq!(bs.broadcast(n, b"x").unwrap_err().kind(), crate::ErrorKind::InvalidUsage);
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().unwrap();
+            }
+            for (r, s) in job.sent_to.iter().enumerate() {
+                let s = s.lock().unwrap();
+                let tree: BTreeSet<usize> = tree_parent(r).into_iter().chain(tree_children(r, n)).collect();
+                assert!(s.is_subset(&tree), "{n} ranks: rank {r} sent to {s:?}, outside its tree peers {tree:?}");
+            }
+            assert!(job.boxes.lock().unwrap().values().all(|q| q.is_empty()), "{n} ranks: messages left over");
+        }
     }
 }

@@ -1,9 +1,10 @@
 //! The bootstrap's wire forms and its per-connection framing core, without I/O.
 //!
 //! Every form here is a [`WireForm`]: [`Hello`] (the first message on every socket),
-//! [`RootAnswer`] (what the root sends a joining rank), [`AddressTable`] (every rank's listening
-//! address and host hash), [`FrameHeader`] (in front of every message between ranks) and
-//! [`AbortNotice`] (a rank telling its neighbours that another rank failed).
+//! [`RootAnswer`] (what the root sends a rank: a receipt, the table, a failure, or the missing
+//! ranks), [`AddressTable`] (every rank's listening address and host hash), [`FrameHeader`] (in
+//! front of every message between ranks) and [`AbortNotice`] (a rank telling its neighbours that
+//! another rank failed).
 //! [`FrameReader`] turns a byte stream cut anywhere into whole messages.
 
 use std::net::SocketAddr;
@@ -13,8 +14,9 @@ use crate::net::{get_addr, put_addr};
 use crate::wire::{Reader, WireForm, Writer};
 
 /// Version of every bootstrap form below (2: frame headers carry a magic, the root's answers
-/// and abort notices are structured).
-pub(crate) const PROTO_VERSION: u16 = 2;
+/// and abort notices are structured; 3: the root answers a join at once and delivers the table
+/// later on a connection of its own to the rank's listener, and ranks may query the root).
+pub(crate) const PROTO_VERSION: u16 = 3;
 const HELLO_MAGIC: &[u8; 4] = b"MSBS";
 const ANSWER_MAGIC: &[u8; 4] = b"MSRA";
 const TABLE_MAGIC: &[u8; 4] = b"MSAT";
@@ -26,6 +28,11 @@ const BLOCKS_MAGIC: &[u8; 4] = b"MSGB";
 pub(crate) const KIND_PEER: u8 = 1;
 /// Hello kind: a rank joining at the root.
 pub(crate) const KIND_ROOT: u8 = 2;
+/// Hello kind: the root connecting to a rank's listener to deliver its final answer (the table,
+/// or the failure); `rank` is the rank it is for.
+pub(crate) const KIND_ANSWER: u8 = 3;
+/// Hello kind: a rank that has joined asking the root which ranks are still missing.
+pub(crate) const KIND_QUERY: u8 = 4;
 
 /// The longest message between two ranks (1 TiB): a header announcing more is corrupt.
 pub(crate) const MAX_MESSAGE: u64 = 1 << 40;
@@ -37,7 +44,7 @@ fn utf8(r: &Reader<'_>, b: &[u8]) -> Result<String> {
 /// The handshake every bootstrap socket opens with (after a `u32` length).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Hello {
-    /// [`KIND_PEER`] or [`KIND_ROOT`].
+    /// [`KIND_PEER`], [`KIND_ROOT`], [`KIND_ANSWER`] or [`KIND_QUERY`].
     pub(crate) kind: u8,
     /// The job secret from the `UniqueId`.
     pub(crate) secret: [u8; 16],
@@ -66,7 +73,7 @@ impl WireForm for Hello {
     fn from_wire(bytes: &[u8]) -> Result<Self> {
         let mut r = Reader::new(bytes, Self::WHAT, HELLO_MAGIC, PROTO_VERSION)?;
         let kind = r.u8()?;
-        if kind != KIND_PEER && kind != KIND_ROOT {
+        if !matches!(kind, KIND_PEER | KIND_ROOT | KIND_ANSWER | KIND_QUERY) {
             return Err(r.err(format!("unknown hello kind {kind}")));
         }
         let secret = r.array()?;
@@ -118,15 +125,18 @@ impl WireForm for AddressTable {
     }
 }
 
-/// What the root tells a joining rank.
+/// What the root tells a rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum RootStatus {
-    /// Still waiting; these ranks have not arrived yet.
+    /// Still waiting; these ranks have not arrived yet (the answer to a query).
     Progress { missing: Vec<u32> },
     /// The root gave up on this rank or on the job; `timeout` when ranks did not arrive in time.
     Failed { timeout: bool, message: String },
     /// Everyone arrived.
     Done(AddressTable),
+    /// The join is recorded; the final answer comes later, on a connection from the root to the
+    /// rank's listener.
+    Joined,
 }
 
 /// A root answer: the job secret (so a rank knows it talked to its own root) and a status.
@@ -159,6 +169,7 @@ impl WireForm for RootAnswer {
                 w.u8(2);
                 t.put(&mut w);
             }
+            RootStatus::Joined => w.u8(3),
         }
         w.finish()
     }
@@ -184,6 +195,7 @@ impl WireForm for RootAnswer {
                 RootStatus::Failed { timeout, message: utf8(&r, b)? }
             }
             2 => RootStatus::Done(AddressTable::get(&mut r)?),
+            3 => RootStatus::Joined,
             s => return Err(r.err(format!("unknown root status {s}"))),
         };
         r.finish()?;
@@ -506,6 +518,7 @@ mod tests {
             RootStatus::Progress { missing: vec![3, 4, 511] },
             RootStatus::Failed { timeout: true, message: "ranks [2] did not reach the root".into() },
             RootStatus::Done(t.clone()),
+            RootStatus::Joined,
         ] {
             check_value(&RootAnswer { secret: [5; 16], status });
         }
@@ -524,10 +537,10 @@ mod tests {
 
     proptest! {
         #[test]
-        fn hello_wire_form(root: bool, secret: [u8; 16], rank: u32, size: u32, addr in any_addr(), hash: u64,
+        fn hello_wire_form(kind in 1u8..=4, secret: [u8; 16], rank: u32, size: u32, addr in any_addr(), hash: u64,
                            junk in proptest::collection::vec(any::<u8>(), 0..96)) {
-            let h = Hello { kind: if root { KIND_ROOT } else { KIND_PEER }, secret, rank, size,
-                            listen: root.then_some((addr, hash)) };
+            let root = kind == KIND_ROOT;
+            let h = Hello { kind, secret, rank, size, listen: root.then_some((addr, hash)) };
             check_value(&h);
             check_bytes::<Hello>(&junk);
         }
@@ -540,14 +553,15 @@ mod tests {
         }
 
         #[test]
-        fn root_answer_wire_form(secret: [u8; 16], which in 0..3u8, missing in proptest::collection::vec(any::<u32>(), 0..6),
+        fn root_answer_wire_form(secret: [u8; 16], which in 0..4u8, missing in proptest::collection::vec(any::<u32>(), 0..6),
                                  timeout: bool, message in ".{0,20}",
                                  entries in proptest::collection::vec((any_addr(), any::<u64>()), 0..4),
                                  junk in proptest::collection::vec(any::<u8>(), 0..96)) {
             let status = match which {
                 0 => RootStatus::Progress { missing },
                 1 => RootStatus::Failed { timeout, message },
-                _ => RootStatus::Done(AddressTable { entries }),
+                2 => RootStatus::Done(AddressTable { entries }),
+                _ => RootStatus::Joined,
             };
             check_value(&RootAnswer { secret, status });
             check_bytes::<RootAnswer>(&junk);

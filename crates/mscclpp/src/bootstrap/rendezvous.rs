@@ -1,14 +1,19 @@
-//! The root's rendezvous as a plain state machine: fed "rank r joined with address A" and "time
-//! passed", it says what to answer on which connection. The root thread in `tcp.rs` only accepts
-//! sockets, reads hellos and writes the answers this core returns.
+//! The root's rendezvous as a plain state machine: fed "rank r joined with address A", "rank r
+//! asks who is missing" and "time passed", it says what to answer on which connection and what
+//! to deliver to which rank. The root thread in `tcp.rs` only accepts sockets, reads hellos,
+//! writes the answers and makes the deliveries this core returns.
+//!
+//! The root holds no connection to a rank once it has answered its join: the final answer (the
+//! table, or the failure naming the missing ranks) is delivered later by connecting to the
+//! rank's listener, a bounded number at a time, so the root needs a handful of file descriptors
+//! whatever the job size. Every final answer shares one [`Arc`]: the root's memory is the table
+//! once, not once per rank.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
 use super::proto::{AddressTable, RootAnswer, RootStatus};
-
-/// How often ranks that have arrived hear which ranks are still missing.
-pub(crate) const PROGRESS_EVERY: Duration = Duration::from_millis(300);
 
 /// A rank's join request, as its root hello said it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,40 +24,48 @@ pub(crate) struct Join {
     pub(crate) host_hash: u64,
 }
 
-/// What to send: `answer` on the connection the shell knows as `conn`; `close` when that
-/// connection has nothing more to hear.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Reply<C> {
-    pub(crate) conn: C,
-    pub(crate) answer: RootAnswer,
-    pub(crate) close: bool,
+/// Where an answer goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum To<C> {
+    /// On the connection the shell knows as `C` (which then closes).
+    Conn(C),
+    /// To this rank, by connecting to its listening address.
+    Rank(u32, SocketAddr),
 }
 
-/// The rendezvous of one job of `size` ranks. `C` names a connection for the shell.
-pub(crate) struct Rendezvous<C> {
+/// What to send, and where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Reply<C> {
+    pub(crate) to: To<C>,
+    pub(crate) answer: Arc<RootAnswer>,
+}
+
+/// The rendezvous of one job of `size` ranks. The `C` of its replies names a connection for the
+/// shell.
+pub(crate) struct Rendezvous {
     secret: [u8; 16],
     size: usize,
     deadline: Instant,
-    last_progress: Instant,
-    joined: Vec<Option<(C, SocketAddr, u64)>>,
+    joined: Vec<Option<(SocketAddr, u64)>>,
     count: usize,
-    finished: bool,
+    /// The final answer, once there is one (everyone joined, or the root gave up).
+    outcome: Option<Arc<RootAnswer>>,
 }
 
-impl<C: Copy> Rendezvous<C> {
+impl Rendezvous {
     /// A rendezvous that gives up at `deadline`.
-    pub(crate) fn new(secret: [u8; 16], size: usize, now: Instant, deadline: Instant) -> Rendezvous<C> {
-        Rendezvous { secret, size, deadline, last_progress: now, joined: vec![None; size], count: 0, finished: false }
+    pub(crate) fn new(secret: [u8; 16], size: usize, deadline: Instant) -> Rendezvous {
+        Rendezvous { secret, size, deadline, joined: vec![None; size], count: 0, outcome: None }
     }
 
-    /// Whether the rendezvous is over (everyone answered, or the root gave up).
+    /// Whether the rendezvous is over (everyone arrived, or the root gave up).
     pub(crate) fn is_finished(&self) -> bool {
-        self.finished
+        self.outcome.is_some()
     }
 
     /// When [`on_time`](Self::on_time) next has something to do.
     pub(crate) fn next_wakeup(&self) -> Instant {
-        (self.last_progress + PROGRESS_EVERY).min(self.deadline)
+        self.deadline
     }
 
     /// The ranks that have not joined yet.
@@ -60,62 +73,71 @@ impl<C: Copy> Rendezvous<C> {
         self.joined.iter().enumerate().filter(|(_, j)| j.is_none()).map(|(i, _)| i as u32).collect()
     }
 
-    fn answer(&self, conn: C, status: RootStatus, close: bool) -> Reply<C> {
-        Reply { conn, answer: RootAnswer { secret: self.secret, status }, close }
+    fn answer<C>(&self, to: To<C>, status: RootStatus) -> Reply<C> {
+        Reply { to, answer: Arc::new(RootAnswer { secret: self.secret, status }) }
     }
 
-    fn refuse(&self, conn: C, message: String) -> Reply<C> {
-        self.answer(conn, RootStatus::Failed { timeout: false, message }, true)
+    fn refuse<C>(&self, conn: C, message: String) -> Vec<Reply<C>> {
+        vec![self.answer(To::Conn(conn), RootStatus::Failed { timeout: false, message })]
     }
 
-    /// A rank asks to join on connection `conn`.
-    pub(crate) fn on_join(&mut self, conn: C, j: Join, _now: Instant) -> Vec<Reply<C>> {
-        if self.finished {
-            return vec![self.refuse(conn, format!("rank {} joined after the rendezvous ended", j.rank))];
+    /// The final answer, to every rank that joined.
+    fn finish<C>(&mut self, status: RootStatus) -> Vec<Reply<C>> {
+        let answer = Arc::new(RootAnswer { secret: self.secret, status });
+        self.outcome = Some(answer.clone());
+        self.joined
+            .iter()
+            .enumerate()
+            .filter_map(|(r, j)| j.map(|(a, _)| Reply { to: To::Rank(r as u32, a), answer: answer.clone() }))
+            .collect()
+    }
+
+    /// A rank asks to join on connection `conn`: a refusal, or `Joined` on `conn` (and, from the
+    /// last rank, the table to every rank).
+    pub(crate) fn on_join<C>(&mut self, conn: C, j: Join) -> Vec<Reply<C>> {
+        if self.outcome.is_some() {
+            return self.refuse(conn, format!("rank {} joined after the rendezvous ended", j.rank));
         }
         let rank = j.rank as usize;
         if j.size as usize != self.size {
-            return vec![self.refuse(
+            return self.refuse(
                 conn,
                 format!("rank {} says the job has {} ranks, the root expects {}", j.rank, j.size, self.size),
-            )];
+            );
         }
         if rank >= self.size {
-            return vec![self.refuse(conn, format!("rank {} is out of range for {} ranks", j.rank, self.size))];
+            return self.refuse(conn, format!("rank {} is out of range for {} ranks", j.rank, self.size));
         }
         if self.joined[rank].is_some() {
-            return vec![self.refuse(conn, format!("rank {} joined twice; refusing the second", j.rank))];
+            return self.refuse(conn, format!("rank {} joined twice; refusing the second", j.rank));
         }
-        self.joined[rank] = Some((conn, j.listen, j.host_hash));
+        self.joined[rank] = Some((j.listen, j.host_hash));
         self.count += 1;
-        if self.count < self.size {
-            return Vec::new();
+        let mut out = vec![self.answer(To::Conn(conn), RootStatus::Joined)];
+        if self.count == self.size {
+            let table = AddressTable { entries: self.joined.iter().flatten().copied().collect() };
+            out.extend(self.finish(RootStatus::Done(table)));
         }
-        self.finished = true;
-        let table = AddressTable { entries: self.joined.iter().flatten().map(|(_, a, h)| (*a, *h)).collect() };
-        self.joined.iter().flatten().map(|(c, _, _)| self.answer(*c, RootStatus::Done(table.clone()), true)).collect()
+        out
     }
 
-    /// Time passed: progress notes every [`PROGRESS_EVERY`], and at the deadline a failure naming
-    /// the missing ranks to everyone who arrived.
-    pub(crate) fn on_time(&mut self, now: Instant) -> Vec<Reply<C>> {
-        if self.finished {
+    /// A rank asks on connection `conn` who is missing: the list, or the final answer once
+    /// there is one (a rank whose delivery was lost gets it this way).
+    pub(crate) fn on_query<C>(&self, conn: C) -> Reply<C> {
+        match &self.outcome {
+            Some(a) => Reply { to: To::Conn(conn), answer: a.clone() },
+            None => self.answer(To::Conn(conn), RootStatus::Progress { missing: self.missing() }),
+        }
+    }
+
+    /// Time passed: at the deadline, a failure naming the missing ranks to everyone who arrived.
+    pub(crate) fn on_time<C>(&mut self, now: Instant) -> Vec<Reply<C>> {
+        if self.outcome.is_some() || now < self.deadline {
             return Vec::new();
         }
-        let missing = self.missing();
-        if now >= self.deadline {
-            self.finished = true;
-            let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
-            let message = format!("ranks [{}] did not reach the bootstrap root", list.join(", "));
-            let status = RootStatus::Failed { timeout: true, message };
-            return self.joined.iter().flatten().map(|(c, _, _)| self.answer(*c, status.clone(), true)).collect();
-        }
-        if now.duration_since(self.last_progress) < PROGRESS_EVERY {
-            return Vec::new();
-        }
-        self.last_progress = now;
-        let status = RootStatus::Progress { missing };
-        self.joined.iter().flatten().map(|(c, _, _)| self.answer(*c, status.clone(), false)).collect()
+        let list: Vec<String> = self.missing().iter().map(|m| m.to_string()).collect();
+        let message = format!("ranks [{}] did not reach the bootstrap root", list.join(", "));
+        self.finish(RootStatus::Failed { timeout: true, message })
     }
 }
 
@@ -123,6 +145,7 @@ impl<C: Copy> Rendezvous<C> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::time::Duration;
 
     fn join(rank: u32, size: u32) -> Join {
         Join { rank, size, listen: SocketAddr::from(([10, 0, 0, 1], 1000 + rank as u16)), host_hash: rank as u64 }
@@ -135,83 +158,96 @@ mod tests {
         }
     }
 
+    fn deliveries(out: &[Reply<usize>]) -> Vec<&Reply<usize>> {
+        out.iter().filter(|r| matches!(r.to, To::Rank(..))).collect()
+    }
+
     #[test]
     fn everyone_gets_the_table_when_the_last_rank_arrives() {
         let t0 = Instant::now();
-        let mut rv = Rendezvous::new([1; 16], 3, t0, t0 + Duration::from_secs(5));
-        assert!(rv.on_join(10, join(2, 3), t0).is_empty());
-        assert!(rv.on_join(11, join(0, 3), t0).is_empty());
+        let mut rv = Rendezvous::new([1; 16], 3, t0 + Duration::from_secs(5));
+        for (conn, r) in [(10, 2), (11, 0)] {
+            let out = rv.on_join(conn, join(r, 3));
+            assert_eq!(out.len(), 1);
+            assert_eq!(out[0].to, To::Conn(conn));
+            assert_eq!(out[0].answer.status, RootStatus::Joined);
+        }
         assert_eq!(rv.missing(), vec![1]);
-        let out = rv.on_join(12, join(1, 3), t0);
+        assert_eq!(rv.on_query(99).answer.status, RootStatus::Progress { missing: vec![1] });
+        let out = rv.on_join(12, join(1, 3));
         assert!(rv.is_finished());
-        let mut conns: Vec<usize> = out.iter().map(|r| r.conn).collect();
-        conns.sort();
-        assert_eq!(conns, vec![10, 11, 12]);
-        for r in &out {
+        assert_eq!(
+            out[0],
+            Reply { to: To::Conn(12), answer: Arc::new(RootAnswer { secret: [1; 16], status: RootStatus::Joined }) }
+        );
+        let d = deliveries(&out);
+        assert_eq!(d.len(), 3);
+        for (i, r) in d.iter().enumerate() {
+            assert_eq!(r.to, To::Rank(i as u32, join(i as u32, 3).listen));
             assert_eq!(r.answer.secret, [1; 16]);
-            assert!(r.close);
+            assert!(Arc::ptr_eq(&r.answer, &d[0].answer), "one table shared by every delivery");
             let t = done_table(r);
             assert_eq!(t.entries, (0..3).map(|i| (join(i, 3).listen, i as u64)).collect::<Vec<_>>());
         }
-        assert!(rv.on_time(t0 + Duration::from_secs(10)).is_empty(), "nothing after the end");
+        assert!(rv.on_time::<usize>(t0 + Duration::from_secs(10)).is_empty(), "nothing after the end");
+        // a rank whose delivery was lost asks, and gets the table
+        assert!(Arc::ptr_eq(&rv.on_query(13).answer, &d[0].answer));
     }
 
     #[test]
     fn duplicates_wrong_sizes_and_strangers_are_refused_alone() {
         let t0 = Instant::now();
-        let mut rv = Rendezvous::new([0; 16], 2, t0, t0 + Duration::from_secs(5));
-        assert!(rv.on_join(1, join(0, 2), t0).is_empty());
+        let mut rv = Rendezvous::new([0; 16], 2, t0 + Duration::from_secs(5));
+        assert_eq!(rv.on_join(1, join(0, 2)).len(), 1);
         for (conn, j, what) in
             [(2, join(0, 2), "joined twice"), (3, join(1, 3), "expects 2"), (4, join(7, 2), "out of range")]
         {
-            let out = rv.on_join(conn, j, t0);
+            let out = rv.on_join(conn, j);
             assert_eq!(out.len(), 1);
-            assert_eq!(out[0].conn, conn);
+            assert_eq!(out[0].to, To::Conn(conn));
             match &out[0].answer.status {
                 RootStatus::Failed { timeout: false, message } => assert!(message.contains(what), "{message}"),
                 s => panic!("{s:?}"),
             }
         }
         assert!(!rv.is_finished(), "a refused rank does not disturb the job");
-        let out = rv.on_join(5, join(1, 2), t0);
-        assert_eq!(out.len(), 2);
-        assert_eq!(done_table(&out[0]).entries[0].0, join(0, 2).listen, "the first rank 0 keeps its place");
-        let late = rv.on_join(6, join(1, 2), t0);
+        let out = rv.on_join(5, join(1, 2));
+        let d = deliveries(&out);
+        assert_eq!(d.len(), 2);
+        assert_eq!(done_table(d[0]).entries[0].0, join(0, 2).listen, "the first rank 0 keeps its place");
+        let late = rv.on_join(6, join(1, 2));
+        assert_eq!(late.len(), 1);
         assert!(matches!(&late[0].answer.status, RootStatus::Failed { message, .. } if message.contains("after")));
     }
 
     #[test]
-    fn progress_then_failure_naming_the_missing_ranks() {
+    fn failure_at_the_deadline_names_the_missing_ranks() {
         let t0 = Instant::now();
         let deadline = t0 + Duration::from_secs(2);
-        let mut rv = Rendezvous::new([0; 16], 4, t0, deadline);
-        rv.on_join(0, join(0, 4), t0);
-        rv.on_join(3, join(3, 4), t0);
-        assert!(rv.on_time(t0 + PROGRESS_EVERY / 2).is_empty());
-        assert_eq!(rv.next_wakeup(), t0 + PROGRESS_EVERY);
-        let p = rv.on_time(t0 + PROGRESS_EVERY);
-        assert_eq!(p.len(), 2);
-        for r in &p {
-            assert!(!r.close);
-            assert_eq!(r.answer.status, RootStatus::Progress { missing: vec![1, 2] });
-        }
-        rv.on_join(2, join(2, 4), t0 + Duration::from_secs(1)); // late but in time
-        let f = rv.on_time(deadline);
+        let mut rv = Rendezvous::new([0; 16], 4, deadline);
+        rv.on_join(0, join(0, 4));
+        rv.on_join(3, join(3, 4));
+        assert!(rv.on_time::<usize>(deadline - Duration::from_millis(1)).is_empty());
+        assert_eq!(rv.next_wakeup(), deadline);
+        assert_eq!(rv.on_query(7).answer.status, RootStatus::Progress { missing: vec![1, 2] });
+        rv.on_join(2, join(2, 4)); // late but in time
+        let f = rv.on_time::<usize>(deadline);
         assert!(rv.is_finished());
-        assert_eq!(f.len(), 3);
+        let to: Vec<To<usize>> = f.iter().map(|r| r.to).collect();
+        assert_eq!(to, [0, 2, 3].map(|r| To::Rank(r, join(r, 4).listen)).to_vec());
         for r in &f {
-            assert!(r.close);
             match &r.answer.status {
                 RootStatus::Failed { timeout: true, message } => assert!(message.contains("[1]"), "{message}"),
                 s => panic!("{s:?}"),
             }
         }
+        assert_eq!(rv.on_query(8).answer, f[0].answer, "a query after the end gets the failure");
     }
 
     proptest! {
-        /// Any arrival order, with duplicates and strangers mixed in: each genuine rank gets
-        /// exactly one final answer, the same table in rank order, and every refused connection
-        /// exactly one refusal.
+        /// Any arrival order, with duplicates, strangers and queries mixed in: each genuine rank
+        /// gets exactly one `Joined` on its connection and exactly one delivery of the same
+        /// table in rank order; every refused connection exactly one refusal.
         #[test]
         fn any_arrival_order(n in 1usize..24, seed in any::<u64>(), dups in proptest::collection::vec(0u32..24, 0..6)) {
             let mut order: Vec<u32> = (0..n as u32).collect();
@@ -221,7 +257,7 @@ mod tests {
                 order.swap(i, (x % (i as u64 + 1)) as usize);
             }
             let t0 = Instant::now();
-            let mut rv = Rendezvous::new([9; 16], n, t0, t0 + Duration::from_secs(60));
+            let mut rv = Rendezvous::new([9; 16], n, t0 + Duration::from_secs(60));
             let mut replies = Vec::new();
             let mut conn = 0usize;
             let mut arrived = std::collections::HashSet::new();
@@ -229,7 +265,7 @@ mod tests {
                 if let Some(d) = dups.get(i) {
                     // a duplicate of an arrived rank, or an out-of-range rank
                     conn += 1;
-                    let out = rv.on_join(1000 + conn, join(*d, n as u32), t0);
+                    let out = rv.on_join(1000 + conn, join(*d, n as u32));
                     let expect_refusal = arrived.contains(d) || *d as usize >= n;
                     if expect_refusal {
                         prop_assert_eq!(out.len(), 1);
@@ -242,17 +278,23 @@ mod tests {
                 }
                 if arrived.insert(*r) {
                     conn += 1;
-                    replies.extend(rv.on_join(conn, join(*r, n as u32), t0));
+                    replies.extend(rv.on_join(conn, join(*r, n as u32)));
                 }
-                replies.extend(rv.on_time(t0 + PROGRESS_EVERY * (i as u32 + 1)).into_iter().filter(|r| r.close));
+                let q = rv.on_query(5000 + i);
+                if !rv.is_finished() {
+                    let missing = (0..n as u32).filter(|m| !arrived.contains(m)).collect();
+                    prop_assert_eq!(&q.answer.status, &RootStatus::Progress { missing });
+                }
+                replies.extend(rv.on_time(t0 + Duration::from_millis(i as u64)));
             }
             prop_assert!(rv.is_finished());
-            let finals: Vec<&Reply<usize>> = replies.iter().filter(|r| r.close).collect();
+            let joined: Vec<&Reply<usize>> = replies.iter().filter(|r| r.answer.status == RootStatus::Joined).collect();
+            prop_assert_eq!(joined.len(), n);
+            let finals = deliveries(&replies);
             prop_assert_eq!(finals.len(), n);
-            let mut conns: Vec<usize> = finals.iter().map(|r| r.conn).collect();
-            conns.sort();
-            conns.dedup();
-            prop_assert_eq!(conns.len(), n);
+            let mut ranks: Vec<u32> = finals.iter().map(|r| match r.to { To::Rank(k, _) => k, To::Conn(_) => u32::MAX }).collect();
+            ranks.sort();
+            prop_assert_eq!(ranks, (0..n as u32).collect::<Vec<_>>());
             for r in finals {
                 let t = done_table(r);
                 prop_assert_eq!(t.entries.len(), n);

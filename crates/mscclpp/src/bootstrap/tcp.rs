@@ -8,10 +8,14 @@
 //!   and never counts as a rank. The acceptor answers one byte (`ACK`), so the connector knows it
 //!   reached the right job.
 //! * **Rendezvous.** Each rank binds a listener for peer traffic, connects to the root (a thread
-//!   of rank 0, or a [`RootServer`]) and sends its listening address and host hash. When all ranks
-//!   have arrived, the root sends everyone the address table; while it waits it sends progress
-//!   notes that list the missing ranks, so a rank that times out can name them. The root's
-//!   answers carry the secret back, so a rank knows it talked to its own root.
+//!   of rank 0, or a [`RootServer`]) and sends its listening address and host hash. The root
+//!   keeps the first ranks' connections open; it answers later ones with a receipt (or a
+//!   refusal) and closes. When all ranks have arrived, the root sends the address table on the
+//!   held connections and connects to every other rank's listener (a few at a time) to deliver
+//!   it; at its deadline it sends the failure naming the missing ranks instead. A rank that has
+//!   heard nothing shortly before its own deadline asks the root which ranks are missing, so it
+//!   can name them. The root's answers carry the secret back, so a rank knows it talked to its
+//!   own root. The root's descriptors are bounded whatever the job size (see [`RootServer`]).
 //! * **Messages.** At most one TCP connection per ordered pair of ranks, made on first send.
 //!   Frames are a frame header (magic, version, tag, length) and the bytes. A reader thread per
 //!   incoming connection files messages by tag, so receives may come in any order across tags and
@@ -33,19 +37,20 @@ use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
 use super::proto::{
-    AbortNotice, FrameReader, GatherBlocks, Hello, KIND_PEER, KIND_ROOT, RootAnswer, RootStatus, frame_header,
+    AbortNotice, FrameReader, GatherBlocks, Hello, KIND_ANSWER, KIND_PEER, KIND_QUERY, KIND_ROOT, RootAnswer,
+    RootStatus, frame_header,
 };
-use super::rendezvous::{Join, Rendezvous, Reply};
+use super::rendezvous::{Join, Rendezvous, Reply, To};
 use super::{
     Bootstrap, RESERVED_TAG_BASE, TAG_ABORT, TAG_ALL_GATHER, TAG_ALL_GATHER_RING, TAG_BARRIER, TAG_BROADCAST,
-    TAG_GOODBYE,
+    TAG_GOODBYE, tree_broadcast, tree_children, tree_parent,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{connect_retry, get_addr, put_addr};
@@ -245,8 +250,12 @@ fn read_hello(s: &mut TcpStream, secret: &[u8; 16]) -> Result<Hello> {
 /// launcher that is not a rank (like `mscclpp-perf --ranks N`) starts one with
 /// [`RootServer::start`] and hands the id to its ranks.
 ///
-/// The root holds one socket per joined rank until everyone has arrived (it tells waiting ranks
-/// who is missing), so its process needs `size` file descriptors during initialization.
+/// The root keeps the connections of the first 32 ranks to join; it answers every later join
+/// with a receipt at once and closes that connection. Once all ranks have joined (or at its
+/// deadline) it sends the table (or the failure naming the missing ranks) on the held
+/// connections, and connects to the other ranks' listeners to deliver it, 8 at a time. It
+/// serves at most 32 new connections at once (the rest wait in the listen backlog, which costs
+/// no descriptor), so its process needs under a hundred file descriptors whatever the job size.
 pub struct RootServer {
     addr: SocketAddr,
     thread: Option<JoinHandle<()>>,
@@ -294,69 +303,228 @@ impl Drop for RootServer {
     }
 }
 
+/// Connections the root serves at once (joins and queries); more wait in the listen backlog.
+pub(crate) const ROOT_HANDSHAKES: usize = 32;
+/// Join connections the root keeps open to answer on them (the first ranks to arrive).
+pub(crate) const ROOT_HELD: usize = 32;
+/// Connections the root opens at once to deliver final answers.
+pub(crate) const ROOT_DELIVERIES: usize = 8;
+
+/// What a connection to the root asks.
+enum RootRequest {
+    Join(Join),
+    Query,
+}
+
+/// A counting semaphore for the root's handshake threads.
+struct Slots {
+    free: Mutex<usize>,
+    cond: Condvar,
+}
+
+/// One taken slot, given back when dropped.
+struct Slot(Arc<Slots>);
+
+impl Slots {
+    fn take(self: &Arc<Self>) -> Slot {
+        let mut free = lock(&self.free);
+        while *free == 0 {
+            free = self.cond.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+        *free -= 1;
+        Slot(self.clone())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        *lock(&self.0.free) += 1;
+        self.0.cond.notify_one();
+    }
+}
+
+/// A connection to the root, with the handshake slot it holds until the root loop is done with it.
+type RootConn = (RootRequest, TcpStream, Slot);
+
+/// One handshake at the root: reads the hello and hands the request, with its connection, to
+/// the root loop.
+fn root_handshake(mut s: TcpStream, secret: [u8; 16], slot: Slot, tx: mpsc::Sender<RootConn>) {
+    let peer = s.peer_addr().ok();
+    let _ = s.set_read_timeout(Some(HANDSHAKE_LIMIT));
+    let req = match read_hello(&mut s, &secret) {
+        Ok(Hello { kind: KIND_ROOT, rank, size, listen: Some((listen, host_hash)), .. }) => {
+            RootRequest::Join(Join { rank, size, listen, host_hash })
+        }
+        Ok(Hello { kind: KIND_QUERY, .. }) => RootRequest::Query,
+        Ok(h) => {
+            warn!(target: LOG, "root: dropping connection from {peer:?}: handshake of kind {} is not a rank joining", h.kind);
+            return;
+        }
+        Err(e) => {
+            warn!(target: LOG, "root: dropping connection from {peer:?} that failed the handshake: {e}");
+            return;
+        }
+    };
+    let _ = s.set_write_timeout(Some(HANDSHAKE_LIMIT));
+    let _ = tx.send((req, s, slot));
+}
+
+/// Writes one answer on a connection to the root (which then closes, when dropped).
+fn write_answer(s: &mut TcpStream, bytes: &[u8]) {
+    if let Err(e) = s.write_all(bytes) {
+        debug!(target: LOG, "root: answering {:?}: {e}", s.peer_addr().ok());
+    }
+}
+
+/// Connects to rank `rank`'s listener and sends it its final answer (`body`, length-prefixed).
+fn deliver_answer(rank: u32, addr: SocketAddr, secret: [u8; 16], size: u32, body: &[u8]) -> Result<()> {
+    let mut s = TcpStream::connect_timeout(&addr, HANDSHAKE_LIMIT)
+        .map_err(|e| Error::io(format!("connecting to rank {rank} at {addr}"), e))?;
+    let _ = s.set_nodelay(true);
+    let _ = s.set_write_timeout(Some(HANDSHAKE_LIMIT));
+    let hello = Hello { kind: KIND_ANSWER, secret, rank, size, listen: None };
+    s.write_all(&length_prefixed(&hello.to_wire()))
+        .and_then(|_| s.write_all(body))
+        .map_err(|e| Error::io(format!("sending rank {rank} its answer"), e))?;
+    // The rank writes nothing on this connection: closing now is a clean end after the data.
+    Ok(())
+}
+
+/// Delivers one final answer to `targets` on [`ROOT_DELIVERIES`] threads (or here, for a job
+/// that small: a connect and a write into the socket buffer need no thread of the rank to run).
+fn start_deliveries(targets: Vec<(u32, SocketAddr)>, answer: &RootAnswer, size: u32) -> Vec<JoinHandle<()>> {
+    let body = Arc::new(length_prefixed(&answer.to_wire()));
+    let secret = answer.secret;
+    if targets.len() <= ROOT_DELIVERIES {
+        for (rank, addr) in targets {
+            if let Err(e) = deliver_answer(rank, addr, secret, size, &body) {
+                warn!(target: LOG, "root: rank {rank} did not take its answer (it has probably exited): {e}");
+            }
+        }
+        return Vec::new();
+    }
+    let threads = ROOT_DELIVERIES.min(targets.len());
+    let queue = Arc::new(Mutex::new(VecDeque::from(targets)));
+    (0..threads)
+        .filter_map(|_| {
+            let (queue, body) = (queue.clone(), body.clone());
+            std::thread::Builder::new()
+                .name("mscclpp-bs-root-tx".into())
+                .stack_size(128 * 1024)
+                .spawn(move || {
+                    loop {
+                        let Some((rank, addr)) = lock(&queue).pop_front() else { break };
+                        if let Err(e) = deliver_answer(rank, addr, secret, size, &body) {
+                            warn!(target: LOG, "root: rank {rank} did not take its answer (it has probably exited): {e}");
+                        }
+                    }
+                })
+                .map_err(|e| warn!(target: LOG, "root: cannot start a delivery thread: {e}"))
+                .ok()
+        })
+        .collect()
+}
+
 /// The root's I/O shell around [`Rendezvous`]: an accept thread, a handshake thread per
-/// connection (a silent stranger cannot hold up the rest), and this loop, which feeds joins and
-/// the clock to the core and writes its answers.
+/// connection (at most [`ROOT_HANDSHAKES`] at once; a silent stranger cannot hold up the rest),
+/// delivery threads, and this loop, which feeds requests and the clock to the core and routes
+/// its answers.
 fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Instant) {
     let addr = listener.local_addr().ok();
-    let (tx, rx) = mpsc::channel::<(TcpStream, Join)>();
+    let (tx, rx) = mpsc::channel::<RootConn>();
     let done = Arc::new(AtomicBool::new(false));
     let accept_done = done.clone();
+    let slots = Arc::new(Slots { free: Mutex::new(ROOT_HANDSHAKES), cond: Condvar::new() });
     let acceptor = std::thread::Builder::new().name("mscclpp-bs-root-accept".into()).spawn(move || {
         for conn in listener.incoming() {
             if accept_done.load(Ordering::Acquire) {
                 break;
             }
-            let Ok(mut s) = conn else { continue };
+            let s = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    // out of descriptors or a transient error: do not spin
+                    debug!(target: LOG, "root: accept: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let slot = slots.take();
             let tx = tx.clone();
-            let _ = std::thread::Builder::new().name("mscclpp-bs-root-hs".into()).stack_size(128 * 1024).spawn(
-                move || {
-                    let peer = s.peer_addr().ok();
-                    let _ = s.set_read_timeout(Some(HANDSHAKE_LIMIT));
-                    match read_hello(&mut s, &secret) {
-                        Ok(Hello { kind: KIND_ROOT, rank, size, listen: Some((listen, host_hash)), .. }) => {
-                            let _ = s.set_read_timeout(None);
-                            let _ = tx.send((s, Join { rank, size, listen, host_hash }));
-                        }
-                        Ok(h) => warn!(target: LOG, "root: dropping connection from {peer:?}: handshake of kind {} is not a rank joining", h.kind),
-                        Err(e) => warn!(target: LOG, "root: dropping connection from {peer:?} that failed the handshake: {e}"),
-                    }
-                },
-            );
+            let _ = std::thread::Builder::new()
+                .name("mscclpp-bs-root-hs".into())
+                .stack_size(128 * 1024)
+                .spawn(move || root_handshake(s, secret, slot, tx));
         }
     });
-    let mut rv = Rendezvous::new(secret, size, Instant::now(), deadline);
-    let mut conns: Vec<Option<TcpStream>> = Vec::new();
-    let deliver = |conns: &mut Vec<Option<TcpStream>>, replies: Vec<Reply<usize>>| {
+    let mut rv = Rendezvous::new(secret, size, deadline);
+    let mut deliveries: Vec<JoinHandle<()>> = Vec::new();
+    // The first joins' connections stay open and get the final answer on them (one hop less
+    // for small jobs); later joins get a receipt and their answer on their listener.
+    let mut held: HashMap<u32, TcpStream> = HashMap::new();
+    // Answers on the asking connection go back on it; final answers go on a held connection or
+    // to the delivery threads (returned).
+    let mut route = |replies: Vec<Reply<()>>, mut conn: Option<(u32, TcpStream)>| -> Vec<JoinHandle<()>> {
+        let mut targets = Vec::new();
+        let mut final_answer = None;
+        let mut final_bytes = None;
         for r in replies {
-            let Some(slot) = conns.get_mut(r.conn) else { continue };
-            if let Some(s) = slot.as_mut() {
-                if let RootStatus::Failed { message, .. } = &r.answer.status {
-                    warn!(target: LOG, "root: {message}");
+            if let RootStatus::Failed { message, .. } = &r.answer.status {
+                warn!(target: LOG, "root: {message}");
+            }
+            match r.to {
+                To::Conn(()) => {
+                    let Some((rank, mut s)) = conn.take() else { continue };
+                    if r.answer.status == RootStatus::Joined && held.len() < ROOT_HELD {
+                        held.insert(rank, s);
+                    } else {
+                        write_answer(&mut s, &length_prefixed(&r.answer.to_wire()));
+                    }
                 }
-                let _ = s.write_all(&length_prefixed(&r.answer.to_wire()));
+                To::Rank(rank, a) => match held.remove(&rank) {
+                    Some(mut s) => {
+                        let b = final_bytes.get_or_insert_with(|| length_prefixed(&r.answer.to_wire()));
+                        write_answer(&mut s, b);
+                    }
+                    None => {
+                        targets.push((rank, a));
+                        final_answer = Some(r.answer);
+                    }
+                },
             }
-            if r.close {
-                *slot = None;
-            }
+        }
+        match final_answer {
+            Some(answer) => start_deliveries(targets, &answer, size as u32),
+            None => Vec::new(),
         }
     };
-    while !rv.is_finished() {
+    loop {
         let now = Instant::now();
-        deliver(&mut conns, rv.on_time(now));
-        if rv.is_finished() {
+        deliveries.extend(route(rv.on_time(now), None));
+        if rv.is_finished() && deliveries.iter().all(|h| h.is_finished()) {
             break;
         }
-        let wait = rv.next_wakeup().saturating_duration_since(now).max(Duration::from_millis(1));
-        if let Ok((s, j)) = rx.recv_timeout(wait) {
-            debug!(target: LOG, "root: rank {} arrived from {}", j.rank, j.listen);
-            conns.push(Some(s));
-            let replies = rv.on_join(conns.len() - 1, j, Instant::now());
-            deliver(&mut conns, replies);
+        // After the end, queries are still answered (with the outcome) while deliveries run.
+        let wait = if rv.is_finished() {
+            Duration::from_millis(20)
+        } else {
+            rv.next_wakeup().saturating_duration_since(now).max(Duration::from_millis(1))
+        };
+        match rx.recv_timeout(wait) {
+            Ok((RootRequest::Join(j), s, _slot)) => {
+                debug!(target: LOG, "root: rank {} arrived from {}", j.rank, j.listen);
+                deliveries.extend(route(rv.on_join((), j), Some((j.rank, s))));
+            }
+            Ok((RootRequest::Query, s, _slot)) => deliveries.extend(route(vec![rv.on_query(())], Some((u32::MAX, s)))),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => std::thread::sleep(wait),
         }
     }
+    for h in deliveries {
+        let _ = h.join();
+    }
     if rv.missing().is_empty() {
-        info!(target: LOG, "root: all {size} ranks joined");
+        info!(target: LOG, "root: all {size} ranks joined and were answered");
     }
     done.store(true, Ordering::Release);
     // wake the acceptor so it sees `done`
@@ -366,6 +534,46 @@ fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Inst
     if let Ok(t) = acceptor {
         let _ = t.join();
     }
+}
+
+/// The longest root answer a rank accepts: the table of a `size`-rank job (27 bytes an entry)
+/// with room to spare.
+fn root_answer_limit(size: usize) -> usize {
+    size.saturating_mul(64).saturating_add(64 * 1024)
+}
+
+/// Reads one root answer from `s` until `deadline`, checking that it carries the job secret.
+fn read_root_answer(s: &mut TcpStream, deadline: Instant, secret: [u8; 16], size: usize) -> Result<RootStatus> {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let _ = s.set_read_timeout(Some(left));
+    let frame = read_length_prefixed(s, root_answer_limit(size), "the bootstrap root's answer")?;
+    let answer = RootAnswer::from_wire(&frame)?;
+    if answer.secret != secret {
+        return Err(Error::remote("the root's answer does not carry the job secret"));
+    }
+    Ok(answer.status)
+}
+
+/// Asks the root which ranks are still missing (or for the outcome, once there is one).
+fn query_root(root: SocketAddr, secret: [u8; 16], rank: usize, size: usize, deadline: Instant) -> Result<RootStatus> {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let mut s = TcpStream::connect_timeout(&root, left).map_err(|e| Error::io("connecting to the root", e))?;
+    let hello = Hello { kind: KIND_QUERY, secret, rank: rank as u32, size: size as u32, listen: None };
+    s.write_all(&length_prefixed(&hello.to_wire())).map_err(|e| Error::io("asking the root", e))?;
+    read_root_answer(&mut s, deadline, secret, size)
+}
+
+/// Whether the I/O cause of `e` is a read timeout.
+fn is_timeout(e: &Error) -> bool {
+    use std::error::Error as _;
+    e.source()
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .is_some_and(|e| matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+}
+
+fn root_gave_up(timeout: bool, message: &str) -> Error {
+    let kind = if timeout { ErrorKind::Timeout } else { ErrorKind::Remote };
+    Error::new(kind, format!("the root gave up: {message}"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -389,8 +597,6 @@ struct Inbox {
 }
 
 struct Peer {
-    addr: SocketAddr,
-    host_hash: u64,
     out: Mutex<Option<TcpStream>>,
     inbox: Mutex<Inbox>,
     cond: Condvar,
@@ -402,6 +608,11 @@ struct Shared {
     secret: [u8; 16],
     timeout_ms: AtomicU64,
     listen_addr: SocketAddr,
+    /// Every rank's listening address and host hash, once the root's table arrived.
+    table: OnceLock<Vec<(SocketAddr, u64)>>,
+    /// The root's final answer, delivered to our listener.
+    root_answer: Mutex<Option<RootStatus>>,
+    root_cond: Condvar,
     peers: Vec<Peer>,
     closing: AtomicBool,
     /// The first failure of another rank this rank heard of; collectives fail with it.
@@ -430,14 +641,6 @@ pub(crate) fn neighbours(rank: usize, size: usize) -> Vec<usize> {
     v.dedup();
     v.retain(|p| *p != rank);
     v
-}
-
-fn tree_parent(rank: usize) -> Option<usize> {
-    (rank > 0).then(|| (rank - 1) / 2)
-}
-
-fn tree_children(rank: usize, size: usize) -> impl Iterator<Item = usize> {
-    [2 * rank + 1, 2 * rank + 2].into_iter().filter(move |c| *c < size)
 }
 
 /// Settings for [`TcpBootstrap`]; start with [`TcpBootstrap::config`].
@@ -616,69 +819,23 @@ impl TcpBootstrap {
             .during(op.clone())
         })?;
         // Listen for peers on the address that reaches the root. Collectives bring at most five
-        // peers at once (see `neighbours`); point-to-point traffic may bring any number.
+        // peers at once (see `neighbours`); point-to-point traffic may bring any number. The
+        // listener runs before we join: the root delivers the table to it, and peers that got
+        // the table first may already send.
         let local_ip: IpAddr = rs.local_addr().map_err(|e| Error::io("reading the local address", e))?.ip();
         let listener = listen_on(SocketAddr::new(local_ip, 0), cfg.size)?;
         let listen_addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
-        let hello = Hello {
-            kind: KIND_ROOT,
-            secret,
-            rank: cfg.rank as u32,
-            size: cfg.size as u32,
-            listen: Some((listen_addr, crate::identity::host_hash())),
-        };
-        rs.write_all(&length_prefixed(&hello.to_wire()))
-            .map_err(|e| Error::io("sending the hello to the root", e).during(op.clone()))?;
-        // Wait for the table, keeping the root's latest list of missing ranks.
-        let mut missing = String::from("(unknown: the root sent no progress)");
-        let table = loop {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!("not all ranks joined within {:?}; missing ranks {missing}", cfg.timeout),
-                )
-                .during(op));
-            }
-            let _ = rs.set_read_timeout(Some(deadline - now));
-            let frame = match read_length_prefixed(&mut rs, 1 << 30, "the bootstrap root's answer") {
-                Ok(f) => f,
-                Err(e) if e.source_is_timeout() => continue,
-                Err(e) => return Err(e.during(op)),
-            };
-            let answer = RootAnswer::from_wire(&frame).map_err(|e| e.during(op.clone()))?;
-            if answer.secret != secret {
-                return Err(Error::remote("the root's answer does not carry the job secret").during(op));
-            }
-            match answer.status {
-                RootStatus::Progress { missing: m } => {
-                    let list: Vec<String> = m.iter().map(|r| r.to_string()).collect();
-                    missing = format!("[{}]", list.join(", "));
-                }
-                RootStatus::Failed { timeout, message } => {
-                    let kind = if timeout { ErrorKind::Timeout } else { ErrorKind::Remote };
-                    return Err(Error::new(kind, format!("the root gave up: {message}")).during(op));
-                }
-                RootStatus::Done(t) => break t,
-            }
-        };
-        drop(rs);
-        if table.entries.len() != cfg.size {
-            return Err(Error::remote(format!("root table has {} ranks, expected {}", table.entries.len(), cfg.size))
-                .during(op));
-        }
         let shared = Arc::new(Shared {
             rank: cfg.rank,
             size: cfg.size,
             secret,
             timeout_ms: AtomicU64::new(cfg.timeout.as_millis().min(u64::MAX as u128) as u64),
             listen_addr,
-            peers: table
-                .entries
-                .into_iter()
-                .map(|(addr, host_hash)| Peer {
-                    addr,
-                    host_hash,
+            table: OnceLock::new(),
+            root_answer: Mutex::new(None),
+            root_cond: Condvar::new(),
+            peers: (0..cfg.size)
+                .map(|_| Peer {
                     out: Mutex::new(None),
                     inbox: Mutex::new(Inbox { queues: HashMap::new(), incoming: Link::None, out_gone: None }),
                     cond: Condvar::new(),
@@ -694,8 +851,73 @@ impl TcpBootstrap {
             .name(format!("mscclpp-bs-listen-{}", cfg.rank))
             .spawn(move || accept_loop(sh, listener))
             .map_err(|e| Error::io("starting the bootstrap listener thread", e))?;
+        // From here on, dropping `bs` on an error closes the listener and its threads.
+        let bs = TcpBootstrap { shared, listener_thread: Some(listener_thread) };
+        let hello = Hello {
+            kind: KIND_ROOT,
+            secret,
+            rank: cfg.rank as u32,
+            size: cfg.size as u32,
+            listen: Some((listen_addr, crate::identity::host_hash())),
+        };
+        rs.write_all(&length_prefixed(&hello.to_wire()))
+            .map_err(|e| Error::io("sending the hello to the root", e).during(op.clone()))?;
+        // The root answers a refusal at once; a receipt (our answer will come to our listener);
+        // or, for the first ranks to arrive, the final answer on this connection. Shortly before
+        // our deadline, a rank that has heard nothing asks the root which ranks are missing, so
+        // it can name them.
+        let margin = (cfg.timeout / 10).min(Duration::from_secs(2));
+        let heard = match read_root_answer(&mut rs, deadline - margin, secret, cfg.size) {
+            Ok(RootStatus::Joined) => {
+                drop(rs);
+                bs.shared.wait_root_answer(deadline - margin)
+            }
+            Ok(s @ (RootStatus::Done(_) | RootStatus::Failed { .. })) => Some(s),
+            Ok(s) => return Err(Error::remote(format!("the root answered the join with {s:?}")).during(op)),
+            Err(e) if is_timeout(&e) => None,
+            Err(e) => return Err(e.during(op)),
+        };
+        let status = match heard {
+            Some(s) => s,
+            None => match query_root(root, secret, cfg.rank, cfg.size, deadline) {
+                Ok(RootStatus::Progress { missing }) => {
+                    let list: Vec<String> = missing.iter().map(|r| r.to_string()).collect();
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!("not all ranks joined within {:?}; missing ranks [{}]", cfg.timeout, list.join(", ")),
+                    )
+                    .during(op));
+                }
+                // the delivery to us was lost, or it crossed the query
+                Ok(s) => s,
+                Err(e) => match bs.shared.wait_root_answer(deadline) {
+                    Some(s) => s,
+                    None => {
+                        return Err(Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "no answer from the bootstrap root within {:?}, and it did not say which ranks are \
+                                 missing ({e})",
+                                cfg.timeout
+                            ),
+                        )
+                        .during(op));
+                    }
+                },
+            },
+        };
+        let table = match status {
+            RootStatus::Done(t) => t,
+            RootStatus::Failed { timeout, message } => return Err(root_gave_up(timeout, &message).during(op)),
+            s => return Err(Error::remote(format!("the root's final answer is {s:?}")).during(op)),
+        };
+        if table.entries.len() != cfg.size {
+            return Err(Error::remote(format!("root table has {} ranks, expected {}", table.entries.len(), cfg.size))
+                .during(op));
+        }
+        let _ = bs.shared.table.set(table.entries);
         info!(target: LOG, "rank {} of {} joined in {:?}", cfg.rank, cfg.size, start.elapsed());
-        Ok(TcpBootstrap { shared, listener_thread: Some(listener_thread) })
+        Ok(bs)
     }
 
     fn check_peer(&self, peer: usize, op: &str) -> Result<()> {
@@ -762,6 +984,21 @@ impl TcpBootstrap {
 pub(crate) const TREE_GATHER_LIMIT: usize = 1 << 20;
 
 impl Shared {
+    /// Waits until `until` for the root's final answer.
+    fn wait_root_answer(&self, until: Instant) -> Option<RootStatus> {
+        let mut a = lock(&self.root_answer);
+        loop {
+            if let Some(s) = a.take() {
+                return Some(s);
+            }
+            let now = Instant::now();
+            if now >= until {
+                return None;
+            }
+            a = self.root_cond.wait_timeout(a, until - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
     fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
     }
@@ -819,16 +1056,23 @@ impl Shared {
 
     fn connect_peer(&self, peer: usize, deadline: Instant) -> Result<TcpStream> {
         let p = &self.peers[peer];
+        let addr = self
+            .table
+            .get()
+            .and_then(|t| t.get(peer))
+            .map(|(a, _)| *a)
+            .ok_or_else(|| Error::internal(format!("no address for rank {peer} before the root's table")))?;
         let mut s = match TcpStream::connect_timeout(
-            &p.addr,
+            &addr,
             (deadline.saturating_duration_since(Instant::now())).max(Duration::from_millis(1)),
         ) {
             Ok(s) => s,
             Err(e) => {
                 lock(&p.inbox).out_gone.get_or_insert_with(Instant::now);
                 p.cond.notify_all();
-                return Err(Error::remote(format!("cannot connect to {} (the peer has probably exited)", p.addr))
-                    .with_source(e));
+                return Err(
+                    Error::remote(format!("cannot connect to {addr} (the peer has probably exited)")).with_source(e)
+                );
             }
         };
         let _ = s.set_nodelay(true);
@@ -845,7 +1089,7 @@ impl Shared {
         let mut ack = [0u8; 1];
         s.read_exact(&mut ack).map_err(|e| Error::io("waiting for the handshake answer", e))?;
         if ack[0] != ACK {
-            return Err(Error::remote(format!("peer at {} answered the handshake with {:#x}", p.addr, ack[0])));
+            return Err(Error::remote(format!("peer at {addr} answered the handshake with {:#x}", ack[0])));
         }
         let _ = s.set_read_timeout(None);
         Ok(s)
@@ -1022,9 +1266,20 @@ fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
         if sh.closing.load(Ordering::Acquire) {
             break;
         }
-        let Ok(s) = conn else { continue };
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                // out of descriptors or a transient error: do not spin
+                debug!(target: LOG, "rank {}: accept: {e}", sh.rank);
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
         let sh2 = sh.clone();
         let clone = s.try_clone().ok();
+        // Forget finished readers (the root's delivery, strangers, peers gone): their stream
+        // clones would hold descriptors until the bootstrap closes.
+        lock(&sh.readers).retain(|(_, h)| !h.is_finished());
         let h = std::thread::Builder::new()
             .name(format!("mscclpp-bs-rx-{}", sh.rank))
             .stack_size(256 * 1024)
@@ -1051,6 +1306,17 @@ fn serve_incoming(sh: Arc<Shared>, mut s: TcpStream) {
         }
     };
     let rank = hello.rank as usize;
+    if hello.kind == KIND_ANSWER && hello.size as usize == sh.size && rank == sh.rank {
+        // The root delivering its final answer; nothing else comes on this connection.
+        match read_root_answer(&mut s, Instant::now() + HANDSHAKE_LIMIT, sh.secret, sh.size) {
+            Ok(status) => {
+                *lock(&sh.root_answer) = Some(status);
+                sh.root_cond.notify_all();
+            }
+            Err(e) => warn!(target: LOG, "rank {}: reading the root's answer from {from:?}: {e}", sh.rank),
+        }
+        return;
+    }
     if hello.kind != KIND_PEER || hello.size as usize != sh.size || rank >= sh.size || rank == sh.rank {
         warn!(
             target: LOG,
@@ -1122,8 +1388,9 @@ impl Bootstrap for TcpBootstrap {
         self.shared.size
     }
     fn ranks_per_node(&self) -> usize {
-        let me = self.shared.peers[self.shared.rank].host_hash;
-        self.shared.peers.iter().filter(|p| p.host_hash == me).count()
+        let table = self.shared.table.get().map(Vec::as_slice).unwrap_or_default();
+        let me = table.get(self.shared.rank).map(|(_, h)| *h);
+        table.iter().filter(|(_, h)| Some(*h) == me).count()
     }
 
     fn send(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
@@ -1144,7 +1411,7 @@ impl Bootstrap for TcpBootstrap {
 
     /// Up the binary tree rooted at rank 0 (each rank sends its subtree's pieces to its
     /// parent), then the whole table down it: 2 log2(n) hops, at most three tree peers per rank.
-    /// When a subtree holds more than [`TREE_GATHER_LIMIT`] bytes, an overflow marker goes up
+    /// When a subtree holds more than 1 MiB, an overflow marker goes up
     /// and down instead and the ranks pass their pieces around the ring (next and previous
     /// rank, n-1 hops), which moves large data without the tree's store-and-forward. Measured in
     /// docs/design-notes.md.
@@ -1204,33 +1471,14 @@ impl Bootstrap for TcpBootstrap {
         self.check_peer(root, what)?;
         let (me, n) = (self.shared.rank, self.shared.size);
         let deadline = self.deadline();
-        let mut payload = (me == root).then(|| data.to_vec());
-        // Up: each ancestor of `root` takes the data from its child on the path.
-        let mut child_on_path = None;
-        let mut v = root;
-        while v != me && v > 0 {
-            child_on_path = Some(v);
-            v = (v - 1) / 2;
-        }
-        let on_path = v == me;
-        if on_path {
-            if let Some(c) = child_on_path {
-                payload = Some(self.coll_recv(c, TAG_BROADCAST, deadline, what)?);
-            }
-            if let (Some(p), Some(d)) = (tree_parent(me), payload.as_ref()) {
-                self.coll_send(p, TAG_BROADCAST, d, what)?;
-            }
-        }
-        // Down from rank 0.
-        if let Some(p) = tree_parent(me) {
-            let d = self.coll_recv(p, TAG_BROADCAST, deadline, what)?;
-            payload.get_or_insert(d);
-        }
-        let payload = payload.ok_or_else(|| Error::internal("broadcast without data"))?;
-        for c in tree_children(me, n) {
-            self.coll_send(c, TAG_BROADCAST, &payload, what)?;
-        }
-        Ok(payload)
+        tree_broadcast(
+            me,
+            n,
+            root,
+            data,
+            |p, d| self.coll_send(p, TAG_BROADCAST, d, what),
+            |p| self.coll_recv(p, TAG_BROADCAST, deadline, what),
+        )
     }
 
     /// Arrivals up the binary tree rooted at rank 0, then the release down it: 2 log2(n) hops.
@@ -1285,16 +1533,6 @@ impl Drop for TcpBootstrap {
         for (_, h) in readers {
             let _ = h.join();
         }
-    }
-}
-
-impl Error {
-    /// Whether the I/O cause of this error is a read timeout.
-    fn source_is_timeout(&self) -> bool {
-        use std::error::Error as _;
-        self.source()
-            .and_then(|s| s.downcast_ref::<std::io::Error>())
-            .is_some_and(|e| matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
     }
 }
 
@@ -1393,6 +1631,101 @@ mod tests {
             .collect();
         for h in hs {
             h.join().unwrap();
+        }
+        root.join();
+    }
+
+    /// Ranks 0 and 1 of 3 join; rank 2 never comes. Each joined rank's error names rank 2,
+    /// whether the root's deadline comes first (it delivers the failure) or the ranks' own (they
+    /// ask the root who is missing).
+    #[test]
+    fn missing_rank_named_whoever_gives_up_first() {
+        for (root_timeout, rank_timeout) in
+            [(Duration::from_secs(1), Duration::from_secs(20)), (Duration::from_secs(20), Duration::from_millis(1500))]
+        {
+            let (root, id) = RootServer::start(3, root_timeout).unwrap();
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let id = id.clone();
+                    std::thread::spawn(move || {
+                        let t0 = Instant::now();
+                        let e = TcpBootstrap::config(r, 3).timeout(rank_timeout).initialize(&id).unwrap_err();
+                        (e, t0.elapsed())
+                    })
+                })
+                .collect();
+            for h in hs {
+                let (e, took) = h.join().unwrap();
+                assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+                assert!(e.to_string().contains("[2]"), "the error must name rank 2: {e}");
+                // which side gave up shows in the words: the root's delivered failure, or the
+                // answer to the rank's own question
+                let said =
+                    if root_timeout < rank_timeout { "did not reach the bootstrap root" } else { "missing ranks [2]" };
+                assert!(e.to_string().contains(said), "{e}");
+                println!("gave up after {took:?}: {e}");
+            }
+            if root_timeout < rank_timeout {
+                root.join();
+            } else {
+                // the root waits out its own deadline on a thread of its own
+                drop(std::thread::spawn(move || root.join()));
+            }
+        }
+    }
+
+    /// A second rank 1 is refused at once, by name; the job goes on without noticing.
+    #[test]
+    fn duplicate_rank_refused_at_once() {
+        let (root, id) = RootServer::start(2, Duration::from_secs(20)).unwrap();
+        let id1 = id.clone();
+        let first =
+            std::thread::spawn(move || TcpBootstrap::config(1, 2).timeout(Duration::from_secs(20)).initialize(&id1));
+        // let the first rank 1 arrive
+        std::thread::sleep(Duration::from_millis(300));
+        let e = TcpBootstrap::config(1, 2).timeout(Duration::from_secs(20)).initialize(&id).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Remote, "{e}");
+        assert!(e.to_string().contains("rank 1 joined twice"), "{e}");
+        let r0 = TcpBootstrap::config(0, 2).timeout(Duration::from_secs(20)).initialize(&id).unwrap();
+        let r1 = first.join().unwrap().unwrap();
+        let hs = [r0, r1].map(|bs| std::thread::spawn(move || bs.all_gather(&[bs.rank() as u8]).unwrap()));
+        for h in hs {
+            assert_eq!(h.join().unwrap(), vec![vec![0u8], vec![1u8]]);
+        }
+        root.join();
+    }
+
+    /// Rank 2 joins, then dies before the table comes (its hello names a listener that is
+    /// already closed). Ranks 0 and 1 still get the table, and their first collective fails
+    /// naming rank 2, not a timeout.
+    #[test]
+    fn rank_dying_after_its_join_is_named() {
+        let (root, id) = RootServer::start(3, Duration::from_secs(20)).unwrap();
+        let dead_listener = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let mut s = TcpStream::connect(id.root).unwrap();
+        let hello = Hello {
+            kind: KIND_ROOT,
+            secret: id.secret,
+            rank: 2,
+            size: 3,
+            listen: Some((dead_listener, crate::identity::host_hash())),
+        };
+        s.write_all(&length_prefixed(&hello.to_wire())).unwrap();
+        drop(s);
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let id = id.clone();
+                std::thread::spawn(move || {
+                    let bs = TcpBootstrap::config(r, 3).timeout(Duration::from_secs(20)).initialize(&id).unwrap();
+                    bs.all_gather(&[r as u8]).unwrap_err()
+                })
+            })
+            .collect();
+        for h in hs {
+            let e = h.join().unwrap();
+            assert_eq!(e.peer(), Some(2), "{e}");
+            assert_ne!(e.kind(), ErrorKind::Timeout, "{e}");
+            assert!(e.to_string().contains("rank 2 failed"), "{e}");
         }
         root.join();
     }
