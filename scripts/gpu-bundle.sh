@@ -16,7 +16,7 @@ cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
-want = {"cuda", "device", "mscclpp", "ib_fake"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider
+want = {"cuda", "device", "device_header", "mscclpp", "ib_fake"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider
 for line in sys.stdin:
     try:
         m = json.loads(line)

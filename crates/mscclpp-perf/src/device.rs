@@ -23,6 +23,13 @@ use mscclpp::{
 };
 
 use crate::Args;
+use mscclpp::device::proxy::experiment;
+
+/// `MSCCLPP_PERF_DEVICE_EXPLORE=1`: also measure the alternatives behind
+/// `mscclpp::device::proxy::experiment` (for tuning on the GPU machine).
+fn explore() -> bool {
+    std::env::var("MSCCLPP_PERF_DEVICE_EXPLORE").is_ok_and(|v| v == "1")
+}
 
 const KERNELS: &str = r#"
 #include "mscclpp_rs/device.cuh"
@@ -64,6 +71,28 @@ extern "C" __global__ void pong(mscclpp::PortChannelDeviceHandle* ch, int n, u64
     ch->putWithSignal(0, 4);
     ch->flush();
   }
+}
+
+// MSCCL++'s push: every producer that finds the ring full polls `tail` across PCIe (for
+// comparison with the header's push, which waits on tailCache with backoff).
+__device__ u64 push_polling(mscclpp::FifoDeviceHandle& f, mscclpp::ProxyTrigger t) {
+  u64 pos = mscclpp::detail::fetch_add_relaxed_gpu(f.head, 1);
+  if (pos >= (u64)f.size + *f.tailCache) f.sync(pos - f.size);
+  t.fields.reserved = ((pos >> f.sizeShift) & 1ull) ^ 1ull;
+  mscclpp::detail::store_trigger_release_sys(&f.triggers[pos & f.sizeMask], t.fst, t.snd);
+  return pos;
+}
+extern "C" __global__ void flood_polling(mscclpp::FifoDeviceHandle fifo, int per_thread, unsigned int sem) {
+  mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, sem);
+  for (int i = 0; i < per_thread; ++i) push_polling(fifo, t);
+}
+
+// n puts of `size` bytes without signals, then one flush; out[0] = elapsed ns.
+extern "C" __global__ void put_only_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64* out) {
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) ch->put(0, size);
+  ch->flush();
+  out[0] = now() - t0;
 }
 
 // n puts of `size` bytes with a signal each, then one flush; out[0] = elapsed ns.
@@ -205,12 +234,12 @@ pub fn run(args: &Args) -> Result<(), String> {
         proxy.start().map_err(e)?;
         let stream = Stream::new(dev).map_err(e)?;
         let kern = k("flood")?;
-        for (blocks, threads, per) in [(8u32, 32u32, 64i32), (16, 128, 64), (64, 256, 16)] {
+        let flood = |kern: &Kernel, proxy: &ProxyService, blocks: u32, threads: u32, per: i32| -> Result<f64, String> {
             let total = (blocks * threads) as u64 * per as u64;
             let before = proxy.processed();
             let (mut h, mut p, mut s) = (proxy.fifo().device_handle(), per, sem.0);
             let t0 = Instant::now();
-            launch(&kern, blocks, threads, &stream, &mut args![h, p, s])?;
+            launch(kern, blocks, threads, &stream, &mut args![h, p, s])?;
             stream.synchronize(timeout).map_err(e)?;
             while proxy.processed() < before + total {
                 if t0.elapsed() > timeout {
@@ -218,13 +247,59 @@ pub fn run(args: &Args) -> Result<(), String> {
                 }
                 std::hint::spin_loop();
             }
-            let el = t0.elapsed().as_secs_f64();
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        let configs = [(8u32, 32u32, 64i32), (16, 128, 64), (64, 256, 16), (128, 512, 4)];
+        for (blocks, threads, per) in configs {
+            let total = (blocks * threads) as u64 * per as u64;
+            let el = flood(&kern, &proxy, blocks, threads, per)?;
             row(format!(
                 "proxy throughput, {} producer threads, no-op triggers: {:.2} M triggers/s ({total} in {:.1} ms; goal >= 5)",
                 blocks * threads,
                 total as f64 / el / 1e6,
                 el * 1e3
             ));
+        }
+        if explore() {
+            // The header's wait with other constants, MSCCL++'s polling push, and pops one at a time.
+            let mut variants: Vec<(String, Kernel)> = Vec::new();
+            for (lead, per_slot, max) in [(8, 64, 16384), (64, 16, 4096), (32, 32, 2048), (128, 32, 8192)] {
+                let opts = CompileOptions {
+                    flags: vec![
+                        format!("-DMSCCLPP_RS_FIFO_WAIT_LEAD={lead}"),
+                        format!("-DMSCCLPP_RS_FIFO_WAIT_NS_PER_SLOT={per_slot}"),
+                        format!("-DMSCCLPP_RS_FIFO_WAIT_MAX_NS={max}"),
+                    ],
+                    ..CompileOptions::default()
+                };
+                let m = KernelModule::load(dev, &compile(KERNELS, &opts).map_err(e)?).map_err(e)?;
+                variants
+                    .push((format!("lead {lead}, {per_slot} ns/slot, max {max} ns"), m.function("flood").map_err(e)?));
+            }
+            for (blocks, threads, per) in configs {
+                let total = (blocks * threads) as u64 * per as u64;
+                let mut line = format!("explore throughput, {} producers (M/s):", blocks * threads);
+                let el = flood(&kern, &proxy, blocks, threads, per)?;
+                line += &format!(" default {:.2};", total as f64 / el / 1e6);
+                experiment::FLAGS.store(experiment::NO_POP_BATCH, Ordering::Relaxed);
+                let el = flood(&kern, &proxy, blocks, threads, per)?;
+                line += &format!(" default, pop one at a time {:.2};", total as f64 / el / 1e6);
+                experiment::FLAGS.store(0, Ordering::Relaxed);
+                for (name, kv) in &variants {
+                    let el = flood(kv, &proxy, blocks, threads, per)?;
+                    line += &format!(" {name} {:.2};", total as f64 / el / 1e6);
+                }
+                if blocks * threads <= 16384 {
+                    let kp = k("flood_polling")?;
+                    let el = flood(&kp, &proxy, blocks, threads, per)?;
+                    line += &format!(" MSCCL++ polling push {:.2};", total as f64 / el / 1e6);
+                    experiment::FLAGS.store(experiment::NO_POP_BATCH, Ordering::Relaxed);
+                    let el = flood(&kp, &proxy, blocks, threads, per)?;
+                    line += &format!(" polling push, pop one at a time {:.2}", total as f64 / el / 1e6);
+                    experiment::FLAGS.store(0, Ordering::Relaxed);
+                }
+                row(line);
+            }
         }
         proxy.stop().map_err(e)?;
     }
@@ -286,6 +361,52 @@ pub fn run(args: &Args) -> Result<(), String> {
         }
         let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
         row(format!("host-driven write 4 B + update_and_sync + flush, one way (no wait): {us:.2} us"));
+        if explore() {
+            // The host cost of one 4-byte CUDA IPC write call, alone and while another thread of
+            // this process drives the other rank's connection (write, event, polls) as a proxy does.
+            let time_writes = |busy: bool| -> Result<(f64, f64), String> {
+                let stop = AtomicBool::new(false);
+                std::thread::scope(|sc| -> Result<(f64, f64), String> {
+                    let other = busy.then(|| {
+                        let (r1, src1, stop) = (&ranks[1], &srcs[1], &stop);
+                        sc.spawn(move || -> Result<(), String> {
+                            while !stop.load(Ordering::Relaxed) {
+                                r1.conn.write(&r1.remote, 0, src1.memory(), 0, 4).map_err(e)?;
+                                let want = r1.conn.request_progress().map_err(e)?;
+                                while r1.conn.progress().map_err(e)?.completed < want {}
+                            }
+                            Ok(())
+                        })
+                    });
+                    let r = &ranks[0];
+                    let (mut wsum, mut ssum) = (0.0, 0.0);
+                    for _ in 0..n {
+                        let t0 = Instant::now();
+                        r.conn.write(&r.remote, 0, srcs[0].memory(), 0, 4).map_err(e)?;
+                        let t1 = Instant::now();
+                        r.host_sem.signal().map_err(e)?;
+                        ssum += t1.elapsed().as_secs_f64();
+                        wsum += (t1 - t0).as_secs_f64();
+                        r.conn.flush(timeout).map_err(e)?;
+                    }
+                    stop.store(true, Ordering::Relaxed);
+                    if let Some(h) = other {
+                        h.join().map_err(|_| "the busy thread panicked".to_string())??;
+                    }
+                    Ok((wsum * 1e6 / n as f64, ssum * 1e6 / n as f64))
+                })
+            };
+            for f in [0, experiment::IPC_COPY_ASYNC] {
+                experiment::FLAGS.store(f, Ordering::Relaxed);
+                let (w, s) = time_writes(false)?;
+                let (wb, sb) = time_writes(true)?;
+                row(format!(
+                    "explore host calls{}: write 4 B {w:.2} us, signal {s:.2} us; with the other rank's connection busy: {wb:.2} / {sb:.2} us",
+                    if f != 0 { " (cuMemcpyAsync)" } else { "" }
+                ));
+            }
+            experiment::FLAGS.store(0, Ordering::Relaxed);
+        }
     }
     for p in proxies.iter_mut() {
         p.start().map_err(e)?;
@@ -296,7 +417,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     {
         let (pk, qk) = (k("ping")?, k("pong")?);
-        for (n, label) in [(100i32, false), (10_000, true)] {
+        let pingpong = |n: i32| -> Result<f64, String> {
             for (i, kern) in [&pk, &qk].iter().enumerate() {
                 let (mut c, mut n2, mut o) =
                     (chans[i].device_handle_ptr().ok_or("no device handle")?, n, outs[i].device_ptr());
@@ -305,10 +426,42 @@ pub fn run(args: &Args) -> Result<(), String> {
             for s in &streams {
                 s.synchronize(timeout).map_err(e)?;
             }
-            if label {
-                let us = outs[0].read_u64(0).map_err(e)? as f64 / 1e3 / n as f64;
+            Ok(outs[0].read_u64(0).map_err(e)? as f64 / 1e3 / n as f64)
+        };
+        pingpong(100)?;
+        let n = 10_000;
+        let us = pingpong(n)?;
+        row(format!(
+            "PortChannel ping-pong, putWithSignal 4 B + flush + wait, CUDA IPC: {us:.2} us round trip ({n} rounds; goal <= 19, MSCCL++ 19.0 on H200)"
+        ));
+        if explore() {
+            use experiment::*;
+            let variants = [
+                ("current", 0),
+                ("cuMemcpyAsync puts", IPC_COPY_ASYNC),
+                ("flush by stream write", STREAM_FLUSH),
+                ("tokens from pinned slots", SLOT_TOKENS),
+                ("cuMemcpyAsync + stream flush", IPC_COPY_ASYNC | STREAM_FLUSH),
+                ("pop one at a time", NO_POP_BATCH),
+                ("current", 0),
+                ("flush by stream write", STREAM_FLUSH),
+            ];
+            for (name, f) in variants {
+                FLAGS.store(f, Ordering::Relaxed);
+                pingpong(100)?;
+                let us = pingpong(n)?;
+                FLAGS.store(f | TIMERS, Ordering::Relaxed);
+                let _ = take();
+                let ust = pingpong(n / 2)?;
+                let t = take();
+                FLAGS.store(0, Ordering::Relaxed);
                 row(format!(
-                    "PortChannel ping-pong, putWithSignal 4 B + flush + wait, CUDA IPC: {us:.2} us round trip ({n} rounds; goal <= 19, MSCCL++ 19.0 on H200)"
+                    "explore ping-pong, {name}: {us:.2} us ({ust:.2} timed); proxy calls (us): put {:.2}, signal {:.2}, flush {:.2}, progress poll {:.2} x{:.1}/flush",
+                    t[0].0,
+                    t[1].0,
+                    t[2].0,
+                    t[3].0,
+                    t[3].1 as f64 / t[2].1.max(1) as f64
                 ));
             }
         }
@@ -339,6 +492,43 @@ pub fn run(args: &Args) -> Result<(), String> {
             let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
             row(format!("{:>10}  {ours:9.2}  {raw:9.2}  {:.3}", human(size), ours / raw));
             size *= 4;
+        }
+        if explore() {
+            let kp = k("put_only_bw")?;
+            for size in [16usize << 20, 64 << 20, 256 << 20] {
+                if size > max {
+                    continue;
+                }
+                let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
+                let mut line = format!("explore bandwidth {} (ratio to cuMemcpyDtoDAsync):", human(size));
+                let base =
+                    mscclpp::bench::baseline_copy(&[(&srcs[0], &ranks[1].local)], size, 3, iters as u64).map_err(e)?;
+                let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
+                for (name, kern, f) in [
+                    ("putWithSignal", &kern, 0),
+                    ("put only", &kp, 0),
+                    ("putWithSignal, slot tokens", &kern, experiment::SLOT_TOKENS),
+                    ("putWithSignal, cuMemcpyAsync", &kern, experiment::IPC_COPY_ASYNC),
+                ] {
+                    experiment::FLAGS.store(f, Ordering::Relaxed);
+                    let mut best = f64::MAX;
+                    for _ in 0..3 {
+                        let (mut c, mut sz, mut n, mut o) = (
+                            chans[0].device_handle_ptr().ok_or("no device handle")?,
+                            size as u64,
+                            iters,
+                            outs[0].device_ptr(),
+                        );
+                        launch(kern, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
+                        streams[0].synchronize(timeout).map_err(e)?;
+                        best = best.min(outs[0].read_u64(0).map_err(e)? as f64 / 1e9);
+                    }
+                    experiment::FLAGS.store(0, Ordering::Relaxed);
+                    let ours = size as f64 * iters as f64 / best / 1e9;
+                    line += &format!(" {name} {:.3};", ours / raw);
+                }
+                row(line + &format!(" (raw {raw:.0} GB/s)"));
+            }
         }
     }
     for mut p in proxies {

@@ -150,7 +150,7 @@ impl CudaIpcConnection {
     fn write_token(&self, st: &mut IpcState, addr: u64, value: u64) -> Result<()> {
         // A stream memory operation first: the GPU's front end writes the value it carries, so
         // the token needs no PCIe read of pinned memory by a copy engine.
-        if !st.memops_missing {
+        if !st.memops_missing && !crate::device::proxy::experiment::on(crate::device::proxy::experiment::SLOT_TOKENS) {
             if self.stream.write_value64(addr, value)? {
                 return Ok(());
             }
@@ -220,7 +220,26 @@ impl ConnectionImpl for CudaIpcConnection {
         if len == 0 {
             return Ok(());
         }
+        if crate::device::proxy::experiment::on(crate::device::proxy::experiment::IPC_COPY_ASYNC) {
+            return self.issue(|c, _| c.stream.copy_async(d + dst_off, s + src_off, len));
+        }
         self.issue(|c, _| c.stream.copy_dtod(d + dst_off, s + src_off, len))
+    }
+
+    fn write_word_when_done(&self, addr: u64, value: u64) -> Result<bool> {
+        self.check_failed()?;
+        if lock(&self.state).memops_missing {
+            return Ok(false);
+        }
+        let mut ok = true;
+        self.issue(|c, st| {
+            ok = c.stream.write_value64(addr, value)?;
+            if !ok {
+                st.memops_missing = true;
+            }
+            Ok(())
+        })?;
+        Ok(ok)
     }
 
     fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, _old: u64, new: u64) -> Result<()> {

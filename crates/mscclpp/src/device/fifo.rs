@@ -86,7 +86,15 @@ impl Fifo {
     /// Does not consume it: call [`pop`](Self::pop) once it is handled.
     pub fn poll(&self) -> Option<ProxyTrigger> {
         // Only the consumer writes tail, so a relaxed load reads its own last store.
-        let t = self.tail_word().load(Ordering::Relaxed);
+        self.poll_at(self.tail_word().load(Ordering::Relaxed))
+    }
+
+    /// The trigger at position `t`, if its producer has written it; for a consumer that reads
+    /// ahead of [`tail`](Self::tail) and pops several at once with [`pop_to`](Self::pop_to).
+    /// `t` must be at least `tail` and below `tail + size` (slots beyond are not yet reserved
+    /// for this lap; reading one shows a trigger of the previous lap as not ready, or, a whole
+    /// lap ahead, as ready: callers never look further than the triggers they have not popped).
+    pub fn poll_at(&self, t: u64) -> Option<ProxyTrigger> {
         let i = (t & u64::from(self.size - 1)) as usize;
         let ring = self.mem.ring();
         let snd = ring[2 * i + 1].load(Ordering::Acquire);
@@ -103,6 +111,14 @@ impl Fifo {
     pub fn pop(&self) {
         let t = self.tail_word().load(Ordering::Relaxed);
         self.tail_word().store(t + 1, Ordering::Release);
+    }
+
+    /// Consumes every trigger below position `t` at once (a release store of `tail = t`): the
+    /// consumer has polled and handled them all. Never moves `tail` back.
+    pub fn pop_to(&self, t: u64) {
+        if t > self.tail_word().load(Ordering::Relaxed) {
+            self.tail_word().store(t, Ordering::Release);
+        }
     }
 
     /// The FIFO position of the next trigger to poll (equal to the position its producer's

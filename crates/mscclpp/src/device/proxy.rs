@@ -60,7 +60,7 @@ use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
 use crate::platform::hostmem::Region;
-use crate::sync::lock;
+use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 use crate::transport::Transport;
 
 const LOG: &str = "mscclpp::proxy";
@@ -76,6 +76,67 @@ const STOP_CHECK_PERIOD: u32 = 1000;
 const STOP_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long back pressure waits for one connection to make room before failing.
 const BACK_PRESSURE_LIMIT: Duration = Duration::from_secs(30);
+/// Most triggers handled before the tail is published (at most the FIFO's size).
+const POP_BATCH: u64 = 64;
+/// While the FIFO stays empty: spin 50 us, then yield (never sleep: the proxy stays ready).
+const IDLE_SPIN: BackoffPolicy = BackoffPolicy {
+    spin: Duration::from_micros(50),
+    yield_until: Duration::MAX,
+    sleep_min: Duration::ZERO,
+    sleep_max: Duration::ZERO,
+};
+/// [`ProxyConfig::idle_backoff`]: spin 50 us, yield until 2 ms, then sleeps of 1 us growing to
+/// 50 us.
+const IDLE_BACKOFF: BackoffPolicy = BackoffPolicy {
+    spin: Duration::from_micros(50),
+    yield_until: Duration::from_millis(2),
+    sleep_min: Duration::from_micros(1),
+    sleep_max: Duration::from_micros(50),
+};
+
+/// Switches for measuring alternatives on the GPU machine (`mscclpp-perf device`); not an API.
+#[doc(hidden)]
+pub mod experiment {
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+    /// The switches in force (OR of the constants below).
+    pub static FLAGS: AtomicU32 = AtomicU32::new(0);
+    /// CUDA IPC puts by `cuMemcpyAsync` instead of `cuMemcpyDtoDAsync`.
+    pub const IPC_COPY_ASYNC: u32 = 1;
+    /// Flushes published by the connection's stream (`cuStreamWriteValue64` of the flush word)
+    /// instead of an event the proxy polls.
+    pub const STREAM_FLUSH: u32 = 2;
+    /// CUDA IPC tokens by 8-byte copies from pinned slots instead of `cuStreamWriteValue64`.
+    pub const SLOT_TOKENS: u32 = 4;
+    /// One trigger per pop (no batching of pops).
+    pub const NO_POP_BATCH: u32 = 8;
+    /// Time the proxy's connection calls (see [`TIMERS`]).
+    pub const TIMERS: u32 = 16;
+
+    /// Whether switch `f` is on.
+    pub fn on(f: u32) -> bool {
+        FLAGS.load(Ordering::Relaxed) & f != 0
+    }
+
+    /// (total ns, calls) of: put, signal, flush handling, flush progress polls.
+    pub static TIMERS_NS: [[AtomicU64; 2]; 4] = [const { [AtomicU64::new(0), AtomicU64::new(0)] }; 4];
+
+    /// Adds one timed call to timer `i`.
+    pub fn add(i: usize, t0: std::time::Instant) {
+        TIMERS_NS[i][0].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        TIMERS_NS[i][1].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Mean microseconds per call of each timer, and the call counts; resets them.
+    pub fn take() -> [(f64, u64); 4] {
+        let mut out = [(0.0, 0); 4];
+        for (o, t) in out.iter_mut().zip(&TIMERS_NS) {
+            let (ns, n) = (t[0].swap(0, Ordering::Relaxed), t[1].swap(0, Ordering::Relaxed));
+            *o = (if n == 0 { 0.0 } else { ns as f64 / n as f64 / 1e3 }, n);
+        }
+        out
+    }
+}
 
 /// A memory's ID in one [`ProxyService`] (what triggers carry, at most 511).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -215,6 +276,10 @@ struct Worker {
     max_queue: Option<u64>,
     idle_backoff: bool,
     device: Option<u32>,
+    /// The next FIFO position to handle (ahead of the FIFO's tail within a batch of pops).
+    cursor: u64,
+    /// Whether any connection has recorded flushes to publish.
+    flushes_pending: bool,
 }
 
 /// Executes the requests kernels push into its FIFO, on the connections of registered
@@ -316,6 +381,8 @@ impl ProxyService {
             max_queue: config.max_write_queue_size.map(|q| q.max(1) as u64),
             idle_backoff: config.idle_backoff,
             device,
+            cursor: 0,
+            flushes_pending: false,
         };
         ProxyService {
             sh,
@@ -551,8 +618,15 @@ impl Worker {
 
     fn run(&mut self) {
         let mut countdown = STOP_CHECK_PERIOD;
-        let mut idle: u32 = 0;
+        let mut idle: Option<Backoff> = None;
+        let idle_policy = if self.idle_backoff { IDLE_BACKOFF } else { IDLE_SPIN };
+        // Pops are batched: the proxy reads ahead of `tail` and publishes it once per batch, so
+        // producers waiting for slots see fewer, larger steps and the tail's cache line moves
+        // between the CPU and the GPU's reads less often.
+        let max_batch = u64::from(self.sh.fifo.size()).min(POP_BATCH);
+        self.cursor = self.sh.fifo.tail();
         loop {
+            let batch = if experiment::on(experiment::NO_POP_BATCH) { 1 } else { max_batch };
             countdown -= 1;
             if countdown == 0 {
                 countdown = STOP_CHECK_PERIOD;
@@ -561,43 +635,31 @@ impl Worker {
                 }
             }
             if !self.failed()
+                && self.flushes_pending
                 && let Err(e) = self.progress_flushes()
             {
                 self.fail(e);
             }
-            match self.sh.fifo.poll() {
-                Some(t) => {
-                    idle = 0;
-                    if !self.failed() {
-                        let pos = self.sh.fifo.tail();
-                        if let Err(e) = self.handle(t, pos) {
-                            self.fail(e.during(format!("executing the trigger at FIFO position {pos}")));
-                        }
-                    }
-                    self.sh.fifo.pop();
-                    self.sh.processed.fetch_add(1, Ordering::AcqRel);
+            let first = self.cursor;
+            while self.cursor - first < batch {
+                let Some(t) = self.sh.fifo.poll_at(self.cursor) else { break };
+                let pos = self.cursor;
+                if !self.failed()
+                    && let Err(e) = self.handle(t, pos)
+                {
+                    self.fail(e.during(format!("executing the trigger at FIFO position {pos}")));
                 }
-                None => {
-                    idle = idle.saturating_add(1);
-                    self.snooze(idle);
-                }
+                self.cursor += 1;
+            }
+            if self.cursor > first {
+                idle = None;
+                self.sh.fifo.pop_to(self.cursor);
+                self.sh.processed.fetch_add(self.cursor - first, Ordering::AcqRel);
+            } else {
+                idle.get_or_insert_with(|| Backoff::new(idle_policy)).snooze(&Deadline::never());
             }
         }
         self.shutdown();
-    }
-
-    fn snooze(&self, idle: u32) {
-        if idle < 64 {
-            std::hint::spin_loop();
-        } else if !self.idle_backoff || idle < 20_000 {
-            if idle.is_multiple_of(64) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        } else {
-            std::thread::sleep(Duration::from_micros(((idle - 20_000) as u64 / 16).clamp(1, 50)));
-        }
     }
 
     fn shutdown(&mut self) {
@@ -621,6 +683,8 @@ impl Worker {
                 self.fail(e.during("stopping the proxy service"));
             }
         }
+        // Flush words written by the streams themselves may have landed after the release.
+        self.sh.release_flushes(self.conns.len());
     }
 
     /// Marks the service stopped on the device and releases every flush waiter.
@@ -633,11 +697,17 @@ impl Worker {
 
     /// Publishes every recorded flush whose connection has completed its sequence number.
     fn progress_flushes(&mut self) -> Result<()> {
+        let mut left = false;
+        let timers = experiment::on(experiment::TIMERS);
         for (i, c) in self.conns.iter_mut().enumerate() {
             if c.pending.is_empty() {
                 continue;
             }
+            let t0 = Instant::now();
             let done = c.conn.progress()?.completed;
+            if timers {
+                experiment::add(3, t0);
+            }
             let mut publish = None;
             while let Some(&(pos, seq)) = c.pending.front() {
                 if seq > done {
@@ -649,6 +719,37 @@ impl Worker {
             if let (Some(pos), Some(w)) = (publish, self.sh.flush_word(i)) {
                 w.fetch_max(pos + 1, Ordering::AcqRel);
             }
+            left |= !c.pending.is_empty();
+        }
+        self.flushes_pending = left;
+        Ok(())
+    }
+
+    /// Records the flush at `pos` on connection `ci`, or publishes it at once when nothing is
+    /// outstanding.
+    fn flush(&mut self, ci: usize, pos: u64) -> Result<()> {
+        let word = self.sh.flush_words.addr() as u64 + ci as u64 * 8;
+        let c = &mut self.conns[ci];
+        if experiment::on(experiment::STREAM_FLUSH) && c.pending.is_empty() {
+            if c.conn.outstanding() == 0 {
+                if let Some(w) = self.sh.flush_word(ci) {
+                    w.fetch_max(pos + 1, Ordering::AcqRel);
+                }
+                return Ok(());
+            }
+            if self.device.is_some() && c.conn.write_word_when_done(word, pos + 1)? {
+                return Ok(());
+            }
+        }
+        let p = c.conn.progress_requested()?;
+        if p.completed >= p.issued && c.pending.is_empty() {
+            // Nothing outstanding: done now (the common case for back-to-back flushes).
+            if let Some(w) = self.sh.flush_word(ci) {
+                w.fetch_max(pos + 1, Ordering::AcqRel);
+            }
+        } else {
+            c.pending.push_back((pos, p.issued));
+            self.flushes_pending = true;
         }
         Ok(())
     }
@@ -672,7 +773,8 @@ impl Worker {
     }
 
     /// Waits, publishing flushes meanwhile, until connection `ci` has fewer than the bound in
-    /// flight.
+    /// flight. Triggers handled before this one are popped first, so their slots are free while
+    /// it waits.
     fn make_room(&mut self, ci: usize) -> Result<()> {
         let Some(max) = self.max_queue else { return Ok(()) };
         let conn = self.conns[ci].conn.clone();
@@ -680,9 +782,10 @@ impl Worker {
         if p.issued - p.completed < max {
             return Ok(());
         }
+        self.sh.fifo.pop_to(self.cursor);
         conn.request_progress()?;
-        let t0 = Instant::now();
-        let mut n = 0u32;
+        let deadline = Deadline::after(BACK_PRESSURE_LIMIT);
+        let mut backoff = Backoff::new(BackoffPolicy::FAST);
         loop {
             self.progress_flushes()?;
             let p = conn.progress()?;
@@ -695,7 +798,7 @@ impl Worker {
                     p.issued - p.completed
                 )));
             }
-            if t0.elapsed() > BACK_PRESSURE_LIMIT {
+            if deadline.expired() {
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
@@ -705,12 +808,7 @@ impl Worker {
                     ),
                 ));
             }
-            n += 1;
-            if n.is_multiple_of(64) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            backoff.snooze(&deadline);
         }
     }
 
@@ -718,27 +816,31 @@ impl Worker {
         match decode(t)? {
             Request::Ops { sem_id, put, signal, flush } => {
                 let ci = self.sem(sem_id)?.conn;
+                let timers = experiment::on(experiment::TIMERS);
                 if let Some(p) = put {
                     let dst = self.memory(p.dst_mem, "destination")?.clone();
                     let src = self.memory(p.src_mem, "source")?.clone();
                     self.make_room(ci)?;
                     let conn = &self.conns[ci].conn;
+                    let t0 = Instant::now();
                     conn.write(&dst, p.dst_off as u64, &src, p.src_off as u64, p.size as u64)?;
+                    if timers {
+                        experiment::add(0, t0);
+                    }
                 }
                 if signal {
                     self.make_room(ci)?;
+                    let t0 = Instant::now();
                     self.sem(sem_id)?.signal()?;
+                    if timers {
+                        experiment::add(1, t0);
+                    }
                 }
                 if flush {
-                    let c = &mut self.conns[ci];
-                    let p = c.conn.progress_requested()?;
-                    if p.completed >= p.issued && c.pending.is_empty() {
-                        // Nothing outstanding: done now (the common case for back-to-back flushes).
-                        if let Some(w) = self.sh.flush_word(ci) {
-                            w.fetch_max(pos + 1, Ordering::AcqRel);
-                        }
-                    } else {
-                        c.pending.push_back((pos, p.issued));
+                    let t0 = Instant::now();
+                    self.flush(ci, pos)?;
+                    if timers {
+                        experiment::add(2, t0);
                     }
                 }
                 Ok(())
