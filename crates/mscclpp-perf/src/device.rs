@@ -87,6 +87,24 @@ extern "C" __global__ void flood_polling(mscclpp::FifoDeviceHandle fifo, int per
   for (int i = 0; i < per_thread; ++i) push_polling(fifo, t);
 }
 
+// The ping-pong with one flush at the end instead of one per round (what the flush costs).
+extern "C" __global__ void ping_noflush(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) {
+    ch->putWithSignal(0, 4);
+    ch->wait();
+  }
+  ch->flush();
+  out[0] = now() - t0;
+}
+extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+  for (int i = 0; i < n; ++i) {
+    ch->wait();
+    ch->putWithSignal(0, 4);
+  }
+  ch->flush();
+}
+
 // n puts of `size` bytes without signals, then one flush; out[0] = elapsed ns.
 extern "C" __global__ void put_only_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64* out) {
   u64 t0 = now();
@@ -417,8 +435,9 @@ pub fn run(args: &Args) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     {
         let (pk, qk) = (k("ping")?, k("pong")?);
-        let pingpong = |n: i32| -> Result<f64, String> {
-            for (i, kern) in [&pk, &qk].iter().enumerate() {
+        let (pk2, qk2) = (k("ping_noflush")?, k("pong_noflush")?);
+        let pingpong_with = |n: i32, pk: &Kernel, qk: &Kernel| -> Result<f64, String> {
+            for (i, kern) in [pk, qk].iter().enumerate() {
                 let (mut c, mut n2, mut o) =
                     (chans[i].device_handle_ptr().ok_or("no device handle")?, n, outs[i].device_ptr());
                 launch(kern, 1, 1, &streams[i], &mut args![c, n2, o])?;
@@ -428,6 +447,7 @@ pub fn run(args: &Args) -> Result<(), String> {
             }
             Ok(outs[0].read_u64(0).map_err(e)? as f64 / 1e3 / n as f64)
         };
+        let pingpong = |n: i32| pingpong_with(n, &pk, &qk);
         pingpong(100)?;
         let n = 10_000;
         let us = pingpong(n)?;
@@ -445,7 +465,15 @@ pub fn run(args: &Args) -> Result<(), String> {
                 ("pop one at a time", NO_POP_BATCH),
                 ("current", 0),
                 ("flush by stream write", STREAM_FLUSH),
+                ("cuMemcpyAsync + stream flush", IPC_COPY_ASYNC | STREAM_FLUSH),
             ];
+            for (name, f) in [("current", 0), ("flush by stream write", STREAM_FLUSH)] {
+                FLAGS.store(f, Ordering::Relaxed);
+                pingpong_with(100, &pk2, &qk2)?;
+                let us = pingpong_with(n, &pk2, &qk2)?;
+                FLAGS.store(0, Ordering::Relaxed);
+                row(format!("explore ping-pong without a flush per round (one at the end), {name}: {us:.2} us"));
+            }
             for (name, f) in variants {
                 FLAGS.store(f, Ordering::Relaxed);
                 pingpong(100)?;

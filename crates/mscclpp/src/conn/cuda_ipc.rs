@@ -232,11 +232,9 @@ impl ConnectionImpl for CudaIpcConnection {
             return Ok(false);
         }
         let mut ok = true;
-        self.issue(|c, st| {
-            ok = c.stream.write_value64(addr, value)?;
-            if !ok {
-                st.memops_missing = true;
-            }
+        self.issue(|c, _| {
+            // Refused (the word cannot take a stream write here): the caller polls instead.
+            ok = c.stream.write_value64(addr, value).unwrap_or(false);
             Ok(())
         })?;
         Ok(ok)

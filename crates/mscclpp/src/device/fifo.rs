@@ -311,6 +311,44 @@ mod tests {
     }
 
     #[test]
+    fn reading_ahead_and_popping_a_batch_over_several_laps() {
+        let f = Fifo::host_backed(8).unwrap();
+        let p = f.host_producer().unwrap();
+        let mut next = 0u64;
+        for (round, n) in [3u64, 8, 5, 8, 1, 7].into_iter().enumerate() {
+            let start = f.tail();
+            for _ in 0..n {
+                p.push(trig(next, next), T).unwrap();
+                next += 1;
+            }
+            for k in 0..n {
+                assert_eq!(f.poll_at(start + k), Some(trig(start + k, start + k)), "round {round}, ahead {k}");
+            }
+            assert_eq!(f.poll_at(start + n), None, "round {round}: nothing past the last push");
+            assert_eq!(f.tail(), start, "reading ahead pops nothing");
+            f.pop_to(start + n);
+            f.pop_to(start);
+            assert_eq!(f.tail(), start + n, "pop_to never moves the tail back");
+            assert_eq!(f.poll(), None);
+        }
+        // A full ring: the producer waits until the batch is popped.
+        for _ in 0..8 {
+            p.push(trig(next, next), T).unwrap();
+            next += 1;
+        }
+        let start = f.tail();
+        std::thread::scope(|s| {
+            let h = s.spawn(|| p.push(trig(next, next), T).unwrap());
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(!h.is_finished(), "the ninth push waits for a free slot");
+            assert!((0..8).all(|k| f.poll_at(start + k).is_some()));
+            f.pop_to(start + 8);
+            assert_eq!(h.join().unwrap(), start + 8);
+        });
+        assert_eq!(f.poll(), Some(trig(next, next)));
+    }
+
+    #[test]
     fn zero_triggers_are_delivered_each_once() {
         let f = Fifo::host_backed(4).unwrap();
         let p = f.host_producer().unwrap();
