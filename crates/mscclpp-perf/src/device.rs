@@ -2,10 +2,13 @@
 //! loopback bootstrap) on one GPU, two streams. Rows are printed as they finish:
 //!
 //! * FIFO push -> host pop, one GPU thread (MSCCL++'s FifoTest: 1.97 us on an H200);
-//! * proxy throughput, many GPU producers, no-op triggers (flushes of an idle connection);
+//! * proxy throughput, 256 .. 65536 GPU producers, no-op triggers (flushes of an idle
+//!   connection), and MSCCL++'s push (every waiter polls the host tail) for comparison;
 //! * PortChannel ping-pong (putWithSignal + flush + wait, 4 B, CUDA IPC) next to the host-driven
-//!   write + update_and_sync + flush round trip;
-//! * PortChannel putWithSignal bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync`.
+//!   write + update_and_sync + flush round trip, the host cost of the CUDA IPC calls, and the
+//!   ping-pong with one flush at the end;
+//! * PortChannel putWithSignal bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync`,
+//!   and plain puts at 64 MiB (what the signals cost).
 
 use std::ffi::c_void;
 use std::io::Write;
@@ -23,14 +26,6 @@ use mscclpp::{
 };
 
 use crate::Args;
-use mscclpp::device::proxy::experiment;
-
-/// `MSCCLPP_PERF_DEVICE_EXPLORE=1`: also measure the alternatives behind
-/// `mscclpp::device::proxy::experiment` (for tuning on the GPU machine).
-fn explore() -> bool {
-    std::env::var("MSCCLPP_PERF_DEVICE_EXPLORE").is_ok_and(|v| v == "1")
-}
-
 const KERNELS: &str = r#"
 #include "mscclpp_rs/device.cuh"
 typedef unsigned long long u64;
@@ -278,46 +273,16 @@ pub fn run(args: &Args) -> Result<(), String> {
                 el * 1e3
             ));
         }
-        if explore() {
-            // The header's wait with other constants, MSCCL++'s polling push, and pops one at a time.
-            let mut variants: Vec<(String, Kernel)> = Vec::new();
-            for (lead, per_slot, max) in [(8, 64, 16384), (64, 16, 4096), (32, 32, 2048), (128, 32, 8192)] {
-                let opts = CompileOptions {
-                    flags: vec![
-                        format!("-DMSCCLPP_RS_FIFO_WAIT_LEAD={lead}"),
-                        format!("-DMSCCLPP_RS_FIFO_WAIT_NS_PER_SLOT={per_slot}"),
-                        format!("-DMSCCLPP_RS_FIFO_WAIT_MAX_NS={max}"),
-                    ],
-                    ..CompileOptions::default()
-                };
-                let m = KernelModule::load(dev, &compile(KERNELS, &opts).map_err(e)?).map_err(e)?;
-                variants
-                    .push((format!("lead {lead}, {per_slot} ns/slot, max {max} ns"), m.function("flood").map_err(e)?));
-            }
-            for (blocks, threads, per) in configs {
-                let total = (blocks * threads) as u64 * per as u64;
-                let mut line = format!("explore throughput, {} producers (M/s):", blocks * threads);
-                let el = flood(&kern, &proxy, blocks, threads, per)?;
-                line += &format!(" default {:.2};", total as f64 / el / 1e6);
-                experiment::FLAGS.store(experiment::NO_POP_BATCH, Ordering::Relaxed);
-                let el = flood(&kern, &proxy, blocks, threads, per)?;
-                line += &format!(" default, pop one at a time {:.2};", total as f64 / el / 1e6);
-                experiment::FLAGS.store(0, Ordering::Relaxed);
-                for (name, kv) in &variants {
-                    let el = flood(kv, &proxy, blocks, threads, per)?;
-                    line += &format!(" {name} {:.2};", total as f64 / el / 1e6);
-                }
-                if blocks * threads <= 16384 {
-                    let kp = k("flood_polling")?;
-                    let el = flood(&kp, &proxy, blocks, threads, per)?;
-                    line += &format!(" MSCCL++ polling push {:.2};", total as f64 / el / 1e6);
-                    experiment::FLAGS.store(experiment::NO_POP_BATCH, Ordering::Relaxed);
-                    let el = flood(&kp, &proxy, blocks, threads, per)?;
-                    line += &format!(" polling push, pop one at a time {:.2}", total as f64 / el / 1e6);
-                    experiment::FLAGS.store(0, Ordering::Relaxed);
-                }
-                row(line);
-            }
+        // MSCCL++'s push, where every waiter polls the host tail across PCIe, for comparison.
+        let kp = k("flood_polling")?;
+        for (blocks, threads, per) in [(16u32, 128u32, 64i32), (64, 256, 16)] {
+            let total = (blocks * threads) as u64 * per as u64;
+            let el = flood(&kp, &proxy, blocks, threads, per)?;
+            row(format!(
+                "proxy throughput, {} producer threads, MSCCL++'s polling push: {:.2} M triggers/s",
+                blocks * threads,
+                total as f64 / el / 1e6
+            ));
         }
         proxy.stop().map_err(e)?;
     }
@@ -379,7 +344,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         }
         let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
         row(format!("host-driven write 4 B + update_and_sync + flush, one way (no wait): {us:.2} us"));
-        if explore() {
+        {
             // The host cost of one 4-byte CUDA IPC write call, alone and while another thread of
             // this process drives the other rank's connection (write, event, polls) as a proxy does.
             let time_writes = |busy: bool| -> Result<(f64, f64), String> {
@@ -414,16 +379,11 @@ pub fn run(args: &Args) -> Result<(), String> {
                     Ok((wsum * 1e6 / n as f64, ssum * 1e6 / n as f64))
                 })
             };
-            for f in [0, experiment::IPC_COPY_ASYNC] {
-                experiment::FLAGS.store(f, Ordering::Relaxed);
-                let (w, s) = time_writes(false)?;
-                let (wb, sb) = time_writes(true)?;
-                row(format!(
-                    "explore host calls{}: write 4 B {w:.2} us, signal {s:.2} us; with the other rank's connection busy: {wb:.2} / {sb:.2} us",
-                    if f != 0 { " (cuMemcpyAsync)" } else { "" }
-                ));
-            }
-            experiment::FLAGS.store(0, Ordering::Relaxed);
+            let (w, s) = time_writes(false)?;
+            let (wb, sb) = time_writes(true)?;
+            row(format!(
+                "host calls: CUDA IPC write 4 B {w:.2} us, update_and_sync {s:.2} us; with the other rank's connection busy: {wb:.2} / {sb:.2} us"
+            ));
         }
     }
     for p in proxies.iter_mut() {
@@ -454,45 +414,9 @@ pub fn run(args: &Args) -> Result<(), String> {
         row(format!(
             "PortChannel ping-pong, putWithSignal 4 B + flush + wait, CUDA IPC: {us:.2} us round trip ({n} rounds; goal <= 19, MSCCL++ 19.0 on H200)"
         ));
-        if explore() {
-            use experiment::*;
-            let variants = [
-                ("current", 0),
-                ("cuMemcpyAsync puts", IPC_COPY_ASYNC),
-                ("flush by stream write", STREAM_FLUSH),
-                ("tokens from pinned slots", SLOT_TOKENS),
-                ("cuMemcpyAsync + stream flush", IPC_COPY_ASYNC | STREAM_FLUSH),
-                ("pop one at a time", NO_POP_BATCH),
-                ("current", 0),
-                ("flush by stream write", STREAM_FLUSH),
-                ("cuMemcpyAsync + stream flush", IPC_COPY_ASYNC | STREAM_FLUSH),
-            ];
-            for (name, f) in [("current", 0), ("flush by stream write", STREAM_FLUSH)] {
-                FLAGS.store(f, Ordering::Relaxed);
-                pingpong_with(100, &pk2, &qk2)?;
-                let us = pingpong_with(n, &pk2, &qk2)?;
-                FLAGS.store(0, Ordering::Relaxed);
-                row(format!("explore ping-pong without a flush per round (one at the end), {name}: {us:.2} us"));
-            }
-            for (name, f) in variants {
-                FLAGS.store(f, Ordering::Relaxed);
-                pingpong(100)?;
-                let us = pingpong(n)?;
-                FLAGS.store(f | TIMERS, Ordering::Relaxed);
-                let _ = take();
-                let ust = pingpong(n / 2)?;
-                let t = take();
-                FLAGS.store(0, Ordering::Relaxed);
-                row(format!(
-                    "explore ping-pong, {name}: {us:.2} us ({ust:.2} timed); proxy calls (us): put {:.2}, signal {:.2}, flush {:.2}, progress poll {:.2} x{:.1}/flush",
-                    t[0].0,
-                    t[1].0,
-                    t[2].0,
-                    t[3].0,
-                    t[3].1 as f64 / t[2].1.max(1) as f64
-                ));
-            }
-        }
+        pingpong_with(100, &pk2, &qk2)?;
+        let us = pingpong_with(n, &pk2, &qk2)?;
+        row(format!("PortChannel ping-pong without a flush per round (one at the end): {us:.2} us round trip"));
     }
     // 4. Bandwidth (rank 0 -> rank 1), next to cuMemcpyDtoDAsync between the same buffers.
     {
@@ -521,43 +445,27 @@ pub fn run(args: &Args) -> Result<(), String> {
             row(format!("{:>10}  {ours:9.2}  {raw:9.2}  {:.3}", human(size), ours / raw));
             size *= 4;
         }
-        if explore() {
-            let kp = k("put_only_bw")?;
-            for size in [16usize << 20, 64 << 20, 256 << 20] {
-                if size > max {
-                    continue;
-                }
-                let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
-                let mut line = format!("explore bandwidth {} (ratio to cuMemcpyDtoDAsync):", human(size));
-                let base =
-                    mscclpp::bench::baseline_copy(&[(&srcs[0], &ranks[1].local)], size, 3, iters as u64).map_err(e)?;
-                let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
-                for (name, kern, f) in [
-                    ("putWithSignal", &kern, 0),
-                    ("put only", &kp, 0),
-                    ("putWithSignal, slot tokens", &kern, experiment::SLOT_TOKENS),
-                    ("putWithSignal, cuMemcpyAsync", &kern, experiment::IPC_COPY_ASYNC),
-                ] {
-                    experiment::FLAGS.store(f, Ordering::Relaxed);
-                    let mut best = f64::MAX;
-                    for _ in 0..3 {
-                        let (mut c, mut sz, mut n, mut o) = (
-                            chans[0].device_handle_ptr().ok_or("no device handle")?,
-                            size as u64,
-                            iters,
-                            outs[0].device_ptr(),
-                        );
-                        launch(kern, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
-                        streams[0].synchronize(timeout).map_err(e)?;
-                        best = best.min(outs[0].read_u64(0).map_err(e)? as f64 / 1e9);
-                    }
-                    experiment::FLAGS.store(0, Ordering::Relaxed);
-                    let ours = size as f64 * iters as f64 / best / 1e9;
-                    line += &format!(" {name} {:.3};", ours / raw);
-                }
-                row(line + &format!(" (raw {raw:.0} GB/s)"));
-            }
+        // What the signals cost: the same puts without them.
+        let kp = k("put_only_bw")?;
+        let size = max.min(64 << 20);
+        let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let (mut c, mut sz, mut n, mut o) =
+                (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, iters, outs[0].device_ptr());
+            launch(&kp, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
+            streams[0].synchronize(timeout).map_err(e)?;
+            best = best.min(outs[0].read_u64(0).map_err(e)? as f64 / 1e9);
         }
+        let base = mscclpp::bench::baseline_copy(&[(&srcs[0], &ranks[1].local)], size, 3, iters as u64).map_err(e)?;
+        let (ours, raw) = (size as f64 * iters as f64 / best, size as f64 * iters as f64 / base.as_secs_f64());
+        row(format!(
+            "{:>10}  {:9.2}  {:9.2}  {:.3}  (put without signals)",
+            human(size),
+            ours / 1e9,
+            raw / 1e9,
+            ours / raw
+        ));
     }
     for mut p in proxies {
         p.stop().map_err(e)?;

@@ -38,12 +38,6 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     /// later calls without another request (Ethernet asks the peer for an acknowledgement, CUDA
     /// IPC records an event). The connection's failure is an error.
     fn progress(&self, request: bool) -> Result<Progress>;
-    /// Writes `value` into the mapped host word at device address `addr` once every operation
-    /// issued before has completed, in the connection's own order, with nothing for the caller
-    /// to poll. `Ok(false)` where the transport cannot (the caller tracks completion itself).
-    fn write_word_when_done(&self, _addr: u64, _value: u64) -> Result<bool> {
-        Ok(false)
-    }
     /// Refuses token updates the transport cannot carry (before anything changes).
     fn check_update(&self, _old: u64, _new: u64) -> Result<()> {
         Ok(())
@@ -279,11 +273,6 @@ impl Connection {
     /// The error that broke the connection.
     pub fn request_progress(&self) -> Result<u64> {
         self.inner.imp.progress(true).map(|p| p.issued).map_err(|e| self.ctx_err(e, "request_progress"))
-    }
-
-    /// See `ConnectionImpl::write_word_when_done` (the proxy publishes flushes with it).
-    pub(crate) fn write_word_when_done(&self, addr: u64, value: u64) -> Result<bool> {
-        self.inner.imp.write_word_when_done(addr, value).map_err(|e| self.ctx_err(e, "flush publication"))
     }
 
     /// [`request_progress`](Self::request_progress) and [`progress`](Self::progress) in one call:

@@ -49,7 +49,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tracing::{debug, warn};
 
@@ -93,50 +93,6 @@ const IDLE_BACKOFF: BackoffPolicy = BackoffPolicy {
     sleep_min: Duration::from_micros(1),
     sleep_max: Duration::from_micros(50),
 };
-
-/// Switches for measuring alternatives on the GPU machine (`mscclpp-perf device`); not an API.
-#[doc(hidden)]
-pub mod experiment {
-    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-
-    /// The switches in force (OR of the constants below).
-    pub static FLAGS: AtomicU32 = AtomicU32::new(0);
-    /// CUDA IPC puts by `cuMemcpyAsync` instead of `cuMemcpyDtoDAsync`.
-    pub const IPC_COPY_ASYNC: u32 = 1;
-    /// Flushes published by the connection's stream (`cuStreamWriteValue64` of the flush word)
-    /// instead of an event the proxy polls.
-    pub const STREAM_FLUSH: u32 = 2;
-    /// CUDA IPC tokens by 8-byte copies from pinned slots instead of `cuStreamWriteValue64`.
-    pub const SLOT_TOKENS: u32 = 4;
-    /// One trigger per pop (no batching of pops).
-    pub const NO_POP_BATCH: u32 = 8;
-    /// Time the proxy's connection calls (see [`TIMERS`]).
-    pub const TIMERS: u32 = 16;
-
-    /// Whether switch `f` is on.
-    pub fn on(f: u32) -> bool {
-        FLAGS.load(Ordering::Relaxed) & f != 0
-    }
-
-    /// (total ns, calls) of: put, signal, flush handling, flush progress polls.
-    pub static TIMERS_NS: [[AtomicU64; 2]; 4] = [const { [AtomicU64::new(0), AtomicU64::new(0)] }; 4];
-
-    /// Adds one timed call to timer `i`.
-    pub fn add(i: usize, t0: std::time::Instant) {
-        TIMERS_NS[i][0].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        TIMERS_NS[i][1].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Mean microseconds per call of each timer, and the call counts; resets them.
-    pub fn take() -> [(f64, u64); 4] {
-        let mut out = [(0.0, 0); 4];
-        for (o, t) in out.iter_mut().zip(&TIMERS_NS) {
-            let (ns, n) = (t[0].swap(0, Ordering::Relaxed), t[1].swap(0, Ordering::Relaxed));
-            *o = (if n == 0 { 0.0 } else { ns as f64 / n as f64 / 1e3 }, n);
-        }
-        out
-    }
-}
 
 /// A memory's ID in one [`ProxyService`] (what triggers carry, at most 511).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -623,10 +579,9 @@ impl Worker {
         // Pops are batched: the proxy reads ahead of `tail` and publishes it once per batch, so
         // producers waiting for slots see fewer, larger steps and the tail's cache line moves
         // between the CPU and the GPU's reads less often.
-        let max_batch = u64::from(self.sh.fifo.size()).min(POP_BATCH);
+        let batch = u64::from(self.sh.fifo.size()).min(POP_BATCH);
         self.cursor = self.sh.fifo.tail();
         loop {
-            let batch = if experiment::on(experiment::NO_POP_BATCH) { 1 } else { max_batch };
             countdown -= 1;
             if countdown == 0 {
                 countdown = STOP_CHECK_PERIOD;
@@ -683,8 +638,6 @@ impl Worker {
                 self.fail(e.during("stopping the proxy service"));
             }
         }
-        // Flush words written by the streams themselves may have landed after the release.
-        self.sh.release_flushes(self.conns.len());
     }
 
     /// Marks the service stopped on the device and releases every flush waiter.
@@ -698,16 +651,11 @@ impl Worker {
     /// Publishes every recorded flush whose connection has completed its sequence number.
     fn progress_flushes(&mut self) -> Result<()> {
         let mut left = false;
-        let timers = experiment::on(experiment::TIMERS);
         for (i, c) in self.conns.iter_mut().enumerate() {
             if c.pending.is_empty() {
                 continue;
             }
-            let t0 = Instant::now();
             let done = c.conn.progress()?.completed;
-            if timers {
-                experiment::add(3, t0);
-            }
             let mut publish = None;
             while let Some(&(pos, seq)) = c.pending.front() {
                 if seq > done {
@@ -728,19 +676,7 @@ impl Worker {
     /// Records the flush at `pos` on connection `ci`, or publishes it at once when nothing is
     /// outstanding.
     fn flush(&mut self, ci: usize, pos: u64) -> Result<()> {
-        let word = self.sh.flush_words.addr() as u64 + ci as u64 * 8;
         let c = &mut self.conns[ci];
-        if experiment::on(experiment::STREAM_FLUSH) && c.pending.is_empty() {
-            if c.conn.outstanding() == 0 {
-                if let Some(w) = self.sh.flush_word(ci) {
-                    w.fetch_max(pos + 1, Ordering::AcqRel);
-                }
-                return Ok(());
-            }
-            if self.device.is_some() && c.conn.write_word_when_done(word, pos + 1)? {
-                return Ok(());
-            }
-        }
         let p = c.conn.progress_requested()?;
         if p.completed >= p.issued && c.pending.is_empty() {
             // Nothing outstanding: done now (the common case for back-to-back flushes).
@@ -816,32 +752,19 @@ impl Worker {
         match decode(t)? {
             Request::Ops { sem_id, put, signal, flush } => {
                 let ci = self.sem(sem_id)?.conn;
-                let timers = experiment::on(experiment::TIMERS);
                 if let Some(p) = put {
                     let dst = self.memory(p.dst_mem, "destination")?.clone();
                     let src = self.memory(p.src_mem, "source")?.clone();
                     self.make_room(ci)?;
                     let conn = &self.conns[ci].conn;
-                    let t0 = Instant::now();
                     conn.write(&dst, p.dst_off as u64, &src, p.src_off as u64, p.size as u64)?;
-                    if timers {
-                        experiment::add(0, t0);
-                    }
                 }
                 if signal {
                     self.make_room(ci)?;
-                    let t0 = Instant::now();
                     self.sem(sem_id)?.signal()?;
-                    if timers {
-                        experiment::add(1, t0);
-                    }
                 }
                 if flush {
-                    let t0 = Instant::now();
                     self.flush(ci, pos)?;
-                    if timers {
-                        experiment::add(2, t0);
-                    }
                 }
                 Ok(())
             }

@@ -213,14 +213,6 @@ impl Stream {
             .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))
     }
 
-    /// Copies `n` bytes between unified addresses (`cuMemcpyAsync`; the driver finds each
-    /// side's kind), asynchronously.
-    pub(crate) fn copy_async(&self, dst: u64, src: u64, n: u64) -> Result<()> {
-        self.dev.bind()?;
-        // SAFETY: as copy_dtod: checked ranges of live allocations that outlive the copy.
-        check("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, self.raw) })
-    }
-
     /// Copies `n` bytes from `src` on GPU `src_dev` to `dst` on GPU `dst_dev`, asynchronously
     /// (`cuMemcpyPeerAsync`).
     pub(crate) fn copy_peer(
