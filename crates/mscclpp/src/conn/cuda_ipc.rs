@@ -5,7 +5,8 @@
 //! * `update_and_sync` writes the token in stream order after the data, at `dst + offset` (MSCCL++
 //!   adds the offset twice): by `cuStreamWriteValue64` (on the H200 the PortChannel ping-pong
 //!   took 24.0-25.8 us round trip this way against 27.7-30.4 us with 8-byte copies from pinned
-//!   memory); where stream memory operations are missing, by an 8-byte copy from a pinned slot
+//!   memory); right after a copy of 16 MiB or more, and where stream memory operations are
+//!   missing, by an 8-byte copy from a pinned slot
 //!   that is not reused before a flush has proven the copy ran, slots being recycled by events
 //!   once all are in use since the last flush;
 //! * `atomic_add` runs on the same stream, so `flush` covers it;
@@ -154,8 +155,9 @@ impl CudaIpcConnection {
         self.record(r)
     }
 
-    /// Writes the token: by `cuStreamWriteValue64`, else (no stream memory operations) from a
-    /// free pinned slot, else from an event-recycled slot.
+    /// Writes the token: by `cuStreamWriteValue64`, else (no stream memory operations, or right
+    /// after a large copy) from a free pinned slot, else from an event-recycled slot (only
+    /// without stream memory operations; with them, by `cuStreamWriteValue64`).
     fn write_token(&self, st: &mut IpcState, addr: u64, value: u64) -> Result<()> {
         // A stream memory operation first: the GPU's front end writes the value it carries, so
         // the token needs no PCIe read of pinned memory by a copy engine. Right after a large
