@@ -16,7 +16,7 @@ cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
-want = {"cuda", "device", "mscclpp", "ib_fake", "launchers"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider, the job torchrun-check.sh starts
+want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts
 for line in sys.stdin:
     try:
         m = json.loads(line)

@@ -2,10 +2,13 @@
 //! loopback bootstrap) on one GPU, two streams. Rows are printed as they finish:
 //!
 //! * FIFO push -> host pop, one GPU thread (MSCCL++'s FifoTest: 1.97 us on an H200);
-//! * proxy throughput, many GPU producers, no-op triggers (flushes of an idle connection);
+//! * proxy throughput, 256 .. 65536 GPU producers, no-op triggers (flushes of an idle
+//!   connection), and MSCCL++'s push (every waiter polls the host tail) for comparison;
 //! * PortChannel ping-pong (putWithSignal + flush + wait, 4 B, CUDA IPC) next to the host-driven
-//!   write + update_and_sync + flush round trip;
-//! * PortChannel putWithSignal bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync`.
+//!   write + update_and_sync + flush round trip, the host cost of the CUDA IPC calls, and the
+//!   ping-pong with one flush at the end;
+//! * PortChannel putWithSignal bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync`,
+//!   and plain puts at 64 MiB (what the signals cost).
 
 use std::ffi::c_void;
 use std::io::Write;
@@ -23,7 +26,6 @@ use mscclpp::{
 };
 
 use crate::Args;
-
 const KERNELS: &str = r#"
 #include "mscclpp_rs/device.cuh"
 typedef unsigned long long u64;
@@ -64,6 +66,46 @@ extern "C" __global__ void pong(mscclpp::PortChannelDeviceHandle* ch, int n, u64
     ch->putWithSignal(0, 4);
     ch->flush();
   }
+}
+
+// MSCCL++'s push: every producer that finds the ring full polls `tail` across PCIe (for
+// comparison with the header's push, which waits on tailCache with backoff).
+__device__ u64 push_polling(mscclpp::FifoDeviceHandle& f, mscclpp::ProxyTrigger t) {
+  u64 pos = mscclpp::detail::fetch_add_relaxed_gpu(f.head, 1);
+  if (pos >= (u64)f.size + *f.tailCache) f.sync(pos - f.size);
+  t.fields.reserved = ((pos >> f.sizeShift) & 1ull) ^ 1ull;
+  mscclpp::detail::store_trigger_release_sys(&f.triggers[pos & f.sizeMask], t.fst, t.snd);
+  return pos;
+}
+extern "C" __global__ void flood_polling(mscclpp::FifoDeviceHandle fifo, int per_thread, unsigned int sem) {
+  mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, sem);
+  for (int i = 0; i < per_thread; ++i) push_polling(fifo, t);
+}
+
+// The ping-pong with one flush at the end instead of one per round (what the flush costs).
+extern "C" __global__ void ping_noflush(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) {
+    ch->putWithSignal(0, 4);
+    ch->wait();
+  }
+  ch->flush();
+  out[0] = now() - t0;
+}
+extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+  for (int i = 0; i < n; ++i) {
+    ch->wait();
+    ch->putWithSignal(0, 4);
+  }
+  ch->flush();
+}
+
+// n puts of `size` bytes without signals, then one flush; out[0] = elapsed ns.
+extern "C" __global__ void put_only_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64* out) {
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) ch->put(0, size);
+  ch->flush();
+  out[0] = now() - t0;
 }
 
 // n puts of `size` bytes with a signal each, then one flush; out[0] = elapsed ns.
@@ -205,12 +247,12 @@ pub fn run(args: &Args) -> Result<(), String> {
         proxy.start().map_err(e)?;
         let stream = Stream::new(dev).map_err(e)?;
         let kern = k("flood")?;
-        for (blocks, threads, per) in [(8u32, 32u32, 64i32), (16, 128, 64), (64, 256, 16)] {
+        let flood = |kern: &Kernel, proxy: &ProxyService, blocks: u32, threads: u32, per: i32| -> Result<f64, String> {
             let total = (blocks * threads) as u64 * per as u64;
             let before = proxy.processed();
             let (mut h, mut p, mut s) = (proxy.fifo().device_handle(), per, sem.0);
             let t0 = Instant::now();
-            launch(&kern, blocks, threads, &stream, &mut args![h, p, s])?;
+            launch(kern, blocks, threads, &stream, &mut args![h, p, s])?;
             stream.synchronize(timeout).map_err(e)?;
             while proxy.processed() < before + total {
                 if t0.elapsed() > timeout {
@@ -218,12 +260,28 @@ pub fn run(args: &Args) -> Result<(), String> {
                 }
                 std::hint::spin_loop();
             }
-            let el = t0.elapsed().as_secs_f64();
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        let configs = [(8u32, 32u32, 64i32), (16, 128, 64), (64, 256, 16), (128, 512, 4)];
+        for (blocks, threads, per) in configs {
+            let total = (blocks * threads) as u64 * per as u64;
+            let el = flood(&kern, &proxy, blocks, threads, per)?;
             row(format!(
                 "proxy throughput, {} producer threads, no-op triggers: {:.2} M triggers/s ({total} in {:.1} ms; goal >= 5)",
                 blocks * threads,
                 total as f64 / el / 1e6,
                 el * 1e3
+            ));
+        }
+        // MSCCL++'s push, where every waiter polls the host tail across PCIe, for comparison.
+        let kp = k("flood_polling")?;
+        for (blocks, threads, per) in [(16u32, 128u32, 64i32), (64, 256, 16)] {
+            let total = (blocks * threads) as u64 * per as u64;
+            let el = flood(&kp, &proxy, blocks, threads, per)?;
+            row(format!(
+                "proxy throughput, {} producer threads, MSCCL++'s polling push: {:.2} M triggers/s",
+                blocks * threads,
+                total as f64 / el / 1e6
             ));
         }
         proxy.stop().map_err(e)?;
@@ -286,6 +344,47 @@ pub fn run(args: &Args) -> Result<(), String> {
         }
         let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
         row(format!("host-driven write 4 B + update_and_sync + flush, one way (no wait): {us:.2} us"));
+        {
+            // The host cost of one 4-byte CUDA IPC write call, alone and while another thread of
+            // this process drives the other rank's connection (write, event, polls) as a proxy does.
+            let time_writes = |busy: bool| -> Result<(f64, f64), String> {
+                let stop = AtomicBool::new(false);
+                std::thread::scope(|sc| -> Result<(f64, f64), String> {
+                    let other = busy.then(|| {
+                        let (r1, src1, stop) = (&ranks[1], &srcs[1], &stop);
+                        sc.spawn(move || -> Result<(), String> {
+                            while !stop.load(Ordering::Relaxed) {
+                                r1.conn.write(&r1.remote, 0, src1.memory(), 0, 4).map_err(e)?;
+                                let want = r1.conn.request_progress().map_err(e)?;
+                                while r1.conn.progress().map_err(e)?.completed < want {}
+                            }
+                            Ok(())
+                        })
+                    });
+                    let r = &ranks[0];
+                    let (mut wsum, mut ssum) = (0.0, 0.0);
+                    for _ in 0..n {
+                        let t0 = Instant::now();
+                        r.conn.write(&r.remote, 0, srcs[0].memory(), 0, 4).map_err(e)?;
+                        let t1 = Instant::now();
+                        r.host_sem.signal().map_err(e)?;
+                        ssum += t1.elapsed().as_secs_f64();
+                        wsum += (t1 - t0).as_secs_f64();
+                        r.conn.flush(timeout).map_err(e)?;
+                    }
+                    stop.store(true, Ordering::Relaxed);
+                    if let Some(h) = other {
+                        h.join().map_err(|_| "the busy thread panicked".to_string())??;
+                    }
+                    Ok((wsum * 1e6 / n as f64, ssum * 1e6 / n as f64))
+                })
+            };
+            let (w, s) = time_writes(false)?;
+            let (wb, sb) = time_writes(true)?;
+            row(format!(
+                "host calls: CUDA IPC write 4 B {w:.2} us, update_and_sync {s:.2} us; with the other rank's connection busy: {wb:.2} / {sb:.2} us"
+            ));
+        }
     }
     for p in proxies.iter_mut() {
         p.start().map_err(e)?;
@@ -296,8 +395,9 @@ pub fn run(args: &Args) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     {
         let (pk, qk) = (k("ping")?, k("pong")?);
-        for (n, label) in [(100i32, false), (10_000, true)] {
-            for (i, kern) in [&pk, &qk].iter().enumerate() {
+        let (pk2, qk2) = (k("ping_noflush")?, k("pong_noflush")?);
+        let pingpong_with = |n: i32, pk: &Kernel, qk: &Kernel| -> Result<f64, String> {
+            for (i, kern) in [pk, qk].iter().enumerate() {
                 let (mut c, mut n2, mut o) =
                     (chans[i].device_handle_ptr().ok_or("no device handle")?, n, outs[i].device_ptr());
                 launch(kern, 1, 1, &streams[i], &mut args![c, n2, o])?;
@@ -305,13 +405,18 @@ pub fn run(args: &Args) -> Result<(), String> {
             for s in &streams {
                 s.synchronize(timeout).map_err(e)?;
             }
-            if label {
-                let us = outs[0].read_u64(0).map_err(e)? as f64 / 1e3 / n as f64;
-                row(format!(
-                    "PortChannel ping-pong, putWithSignal 4 B + flush + wait, CUDA IPC: {us:.2} us round trip ({n} rounds; goal <= 19, MSCCL++ 19.0 on H200)"
-                ));
-            }
-        }
+            Ok(outs[0].read_u64(0).map_err(e)? as f64 / 1e3 / n as f64)
+        };
+        let pingpong = |n: i32| pingpong_with(n, &pk, &qk);
+        pingpong(100)?;
+        let n = 10_000;
+        let us = pingpong(n)?;
+        row(format!(
+            "PortChannel ping-pong, putWithSignal 4 B + flush + wait, CUDA IPC: {us:.2} us round trip ({n} rounds; goal <= 19, MSCCL++ 19.0 on H200)"
+        ));
+        pingpong_with(100, &pk2, &qk2)?;
+        let us = pingpong_with(n, &pk2, &qk2)?;
+        row(format!("PortChannel ping-pong without a flush per round (one at the end): {us:.2} us round trip"));
     }
     // 4. Bandwidth (rank 0 -> rank 1), next to cuMemcpyDtoDAsync between the same buffers.
     {
@@ -340,6 +445,27 @@ pub fn run(args: &Args) -> Result<(), String> {
             row(format!("{:>10}  {ours:9.2}  {raw:9.2}  {:.3}", human(size), ours / raw));
             size *= 4;
         }
+        // What the signals cost: the same puts without them.
+        let kp = k("put_only_bw")?;
+        let size = max.min(64 << 20);
+        let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let (mut c, mut sz, mut n, mut o) =
+                (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, iters, outs[0].device_ptr());
+            launch(&kp, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
+            streams[0].synchronize(timeout).map_err(e)?;
+            best = best.min(outs[0].read_u64(0).map_err(e)? as f64 / 1e9);
+        }
+        let base = mscclpp::bench::baseline_copy(&[(&srcs[0], &ranks[1].local)], size, 3, iters as u64).map_err(e)?;
+        let (ours, raw) = (size as f64 * iters as f64 / best, size as f64 * iters as f64 / base.as_secs_f64());
+        row(format!(
+            "{:>10}  {:9.2}  {:9.2}  {:.3}  (put without signals)",
+            human(size),
+            ours / 1e9,
+            raw / 1e9,
+            ours / raw
+        ));
     }
     for mut p in proxies {
         p.stop().map_err(e)?;

@@ -6,27 +6,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Rank;
-use common::suite::{Harness, Memory, Mode, T, setup};
-use mscclpp::{Buffer, EndpointConfig, ErrorKind, Transport};
+use common::harnesses;
+use common::suite::{Harness, Mode, T, setup};
+use mscclpp::{Buffer, ErrorKind, Transport};
 
-fn eth_config(queue: Option<usize>) -> EndpointConfig {
-    let mut c = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1");
-    c.max_write_queue_size = queue;
-    c
-}
-
-static ETHERNET: Harness = Harness {
-    transport: Transport::Ethernet,
-    mode: Mode::Processes,
-    prepare: |_| {},
-    ib_device: None,
-    config: eth_config,
-    atomics: true,
-    cpu_atomics_coherent: true,
-    memory: Memory::Host,
-    detects_peer_gone: true,
-    local_destination_allowed: false,
-};
+static ETHERNET: Harness = Harness { mode: Mode::Processes, ..harnesses::ETHERNET };
 
 connection_suite!(&ETHERNET);
 

@@ -6,6 +6,7 @@ mod common;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::harnesses::{self, ib_config, install_fake};
 use common::suite::{Harness, Memory, Mode, T, setup};
 use common::{Rank, pattern};
 use mscclpp::ib::fake;
@@ -14,28 +15,7 @@ use mscclpp::{
     IbMode, Transport,
 };
 
-fn ib_config(queue: Option<usize>) -> EndpointConfig {
-    let mut c = EndpointConfig::new(Transport::IB0);
-    c.max_write_queue_size = queue;
-    c
-}
-
-fn install_fake(_: &Context) {
-    fake::install().unwrap();
-}
-
-static FAKE_IB: Harness = Harness {
-    transport: Transport::IB0,
-    mode: Mode::Threads,
-    prepare: install_fake,
-    ib_device: Some("fake0"),
-    config: ib_config,
-    atomics: true,
-    cpu_atomics_coherent: false,
-    memory: Memory::Host,
-    detects_peer_gone: true,
-    local_destination_allowed: false,
-};
+static FAKE_IB: Harness = harnesses::FAKE_IB;
 
 connection_suite!(&FAKE_IB);
 

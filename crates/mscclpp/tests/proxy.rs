@@ -7,57 +7,15 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::suite::{Harness, Memory, Mode, T, run_threads};
+use common::harnesses;
+use common::suite::{Harness, T, run_threads};
 use common::{Rank, pattern};
 use mscclpp::device::proxy::{PROXY_FAILED, PROXY_STOPPED, ProxyConfig, ProxyService, SemaphoreId};
 use mscclpp::device::trigger::{ProxyTrigger, Put};
-use mscclpp::ib::fake;
-use mscclpp::{
-    Bootstrap, Buffer, Communicator, Context, EndpointConfig, ErrorKind, Host2HostSemaphore, RegisteredMemory,
-    Semaphore, Transport,
-};
+use mscclpp::{Bootstrap, Buffer, Communicator, ErrorKind, Host2HostSemaphore, RegisteredMemory, Semaphore};
 
-fn eth_config(queue: Option<usize>) -> EndpointConfig {
-    let mut c = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1");
-    c.max_write_queue_size = queue;
-    c
-}
-
-fn ib_config(queue: Option<usize>) -> EndpointConfig {
-    let mut c = EndpointConfig::new(Transport::IB0);
-    c.max_write_queue_size = queue;
-    c
-}
-
-fn install_fake(_: &Context) {
-    fake::install().unwrap();
-}
-
-static ETHERNET: Harness = Harness {
-    transport: Transport::Ethernet,
-    mode: Mode::Threads,
-    prepare: |_| {},
-    ib_device: None,
-    config: eth_config,
-    atomics: true,
-    cpu_atomics_coherent: true,
-    memory: Memory::Host,
-    detects_peer_gone: true,
-    local_destination_allowed: false,
-};
-
-static FAKE_IB: Harness = Harness {
-    transport: Transport::IB0,
-    mode: Mode::Threads,
-    prepare: install_fake,
-    ib_device: Some("fake0"),
-    config: ib_config,
-    atomics: true,
-    cpu_atomics_coherent: false,
-    memory: Memory::Host,
-    detects_peer_gone: true,
-    local_destination_allowed: false,
-};
+static ETHERNET: Harness = harnesses::ETHERNET;
+static FAKE_IB: Harness = harnesses::FAKE_IB;
 
 /// One rank's side: the connection to the other rank, this rank's buffer and the peer's, a
 /// semaphore the proxy signals (plain) and one this rank waits on (the same pair, host side).

@@ -5,7 +5,8 @@
 //! * `update_and_sync` writes the token in stream order after the data, at `dst + offset` (MSCCL++
 //!   adds the offset twice): by `cuStreamWriteValue64` (on the H200 the PortChannel ping-pong
 //!   took 24.0-25.8 us round trip this way against 27.7-30.4 us with 8-byte copies from pinned
-//!   memory); where stream memory operations are missing, by an 8-byte copy from a pinned slot
+//!   memory); right after a copy of 16 MiB or more, and where stream memory operations are
+//!   missing, by an 8-byte copy from a pinned slot
 //!   that is not reused before a flush has proven the copy ran, slots being recycled by events
 //!   once all are in use since the last flush;
 //! * `atomic_add` runs on the same stream, so `flush` covers it;
@@ -55,6 +56,13 @@ impl SlotMem {
 }
 
 const SLOTS: usize = 256;
+/// A token written right after a copy of at least this many bytes is an 8-byte copy from a
+/// pinned slot rather than `cuStreamWriteValue64`: on the H200 the stream memory operation
+/// (which waits for the copy engine, then fences) left about 3 us of stream time between two
+/// 64 MiB puts, the slot copy about 1.6 us (putWithSignal at 64 MiB: 0.916 -> 0.953 of plain
+/// `cuMemcpyDtoDAsync`; 256 MiB 0.972 -> 0.982; 16 MiB 0.694 -> 0.705), while after small puts the
+/// stream memory operation is the faster signal (ping-pong 26.8 us against 29.6 us with slots).
+const SLOT_TOKEN_AFTER: u64 = 16 << 20;
 /// How long an operation past `max_write_queue_size` waits for the stream before failing.
 const QUEUE_WAIT: Duration = Duration::from_secs(30);
 /// How long the switch to event-recycled slots, or the reuse of one, may wait for the stream.
@@ -66,6 +74,8 @@ struct IpcState {
     slots: Option<SlotMem>,
     /// `cuStreamWriteValue64` is not supported here: tokens go through the slots.
     memops_missing: bool,
+    /// The last operation enqueued is a copy of at least [`SLOT_TOKEN_AFTER`] bytes.
+    after_large_copy: bool,
 }
 
 pub(crate) struct CudaIpcConnection {
@@ -145,12 +155,15 @@ impl CudaIpcConnection {
         self.record(r)
     }
 
-    /// Writes the token: by `cuStreamWriteValue64`, else (no stream memory operations) from a
-    /// free pinned slot, else from an event-recycled slot.
+    /// Writes the token: by `cuStreamWriteValue64`, else (no stream memory operations, or right
+    /// after a large copy) from a free pinned slot, else from an event-recycled slot (only
+    /// without stream memory operations; with them, by `cuStreamWriteValue64`).
     fn write_token(&self, st: &mut IpcState, addr: u64, value: u64) -> Result<()> {
         // A stream memory operation first: the GPU's front end writes the value it carries, so
-        // the token needs no PCIe read of pinned memory by a copy engine.
-        if !st.memops_missing {
+        // the token needs no PCIe read of pinned memory by a copy engine. Right after a large
+        // copy, though, a pinned-slot copy follows it on the stream sooner (SLOT_TOKEN_AFTER).
+        let after_large = std::mem::take(&mut st.after_large_copy);
+        if !st.memops_missing && !after_large {
             if self.stream.write_value64(addr, value)? {
                 return Ok(());
             }
@@ -220,7 +233,10 @@ impl ConnectionImpl for CudaIpcConnection {
         if len == 0 {
             return Ok(());
         }
-        self.issue(|c, _| c.stream.copy_dtod(d + dst_off, s + src_off, len))
+        self.issue(|c, st| {
+            st.after_large_copy = len >= SLOT_TOKEN_AFTER;
+            c.stream.copy_dtod(d + dst_off, s + src_off, len)
+        })
     }
 
     fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, _old: u64, new: u64) -> Result<()> {
@@ -232,7 +248,10 @@ impl ConnectionImpl for CudaIpcConnection {
     fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
         self.check_failed()?;
         let addr = dst.gpu_ptr(&self.dev)? + dst_off;
-        self.issue(|c, _| c.stream.atomic_add(addr, value as u64))
+        self.issue(|c, st| {
+            st.after_large_copy = false;
+            c.stream.atomic_add(addr, value as u64)
+        })
     }
 
     fn flush(&self, timeout: Duration) -> Result<()> {
@@ -344,6 +363,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             core: IpcCore::new(local.max_write_queue_size(), SLOTS),
             slots: None,
             memops_missing: false,
+            after_large_copy: false,
         }),
         peer_desc: peer_desc.clone(),
         marks: Mutex::new(Marks::default()),

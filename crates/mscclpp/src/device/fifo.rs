@@ -86,7 +86,15 @@ impl Fifo {
     /// Does not consume it: call [`pop`](Self::pop) once it is handled.
     pub fn poll(&self) -> Option<ProxyTrigger> {
         // Only the consumer writes tail, so a relaxed load reads its own last store.
-        let t = self.tail_word().load(Ordering::Relaxed);
+        self.poll_at(self.tail_word().load(Ordering::Relaxed))
+    }
+
+    /// The trigger at position `t`, if its producer has written it; for a consumer that reads
+    /// ahead of [`tail`](Self::tail) and pops several at once with [`pop_to`](Self::pop_to).
+    /// `t` must be at least `tail` and below `tail + size` (slots beyond are not yet reserved
+    /// for this lap; reading one shows a trigger of the previous lap as not ready, or, a whole
+    /// lap ahead, as ready: callers never look further than the triggers they have not popped).
+    pub fn poll_at(&self, t: u64) -> Option<ProxyTrigger> {
         let i = (t & u64::from(self.size - 1)) as usize;
         let ring = self.mem.ring();
         let snd = ring[2 * i + 1].load(Ordering::Acquire);
@@ -103,6 +111,14 @@ impl Fifo {
     pub fn pop(&self) {
         let t = self.tail_word().load(Ordering::Relaxed);
         self.tail_word().store(t + 1, Ordering::Release);
+    }
+
+    /// Consumes every trigger below position `t` at once (a release store of `tail = t`): the
+    /// consumer has polled and handled them all. Never moves `tail` back.
+    pub fn pop_to(&self, t: u64) {
+        if t > self.tail_word().load(Ordering::Relaxed) {
+            self.tail_word().store(t, Ordering::Release);
+        }
     }
 
     /// The FIFO position of the next trigger to poll (equal to the position its producer's
@@ -292,6 +308,44 @@ mod tests {
                 assert_eq!(f.poll(), None, "size {size}: nothing after {i}");
             }
         }
+    }
+
+    #[test]
+    fn reading_ahead_and_popping_a_batch_over_several_laps() {
+        let f = Fifo::host_backed(8).unwrap();
+        let p = f.host_producer().unwrap();
+        let mut next = 0u64;
+        for (round, n) in [3u64, 8, 5, 8, 1, 7].into_iter().enumerate() {
+            let start = f.tail();
+            for _ in 0..n {
+                p.push(trig(next, next), T).unwrap();
+                next += 1;
+            }
+            for k in 0..n {
+                assert_eq!(f.poll_at(start + k), Some(trig(start + k, start + k)), "round {round}, ahead {k}");
+            }
+            assert_eq!(f.poll_at(start + n), None, "round {round}: nothing past the last push");
+            assert_eq!(f.tail(), start, "reading ahead pops nothing");
+            f.pop_to(start + n);
+            f.pop_to(start);
+            assert_eq!(f.tail(), start + n, "pop_to never moves the tail back");
+            assert_eq!(f.poll(), None);
+        }
+        // A full ring: the producer waits until the batch is popped.
+        for _ in 0..8 {
+            p.push(trig(next, next), T).unwrap();
+            next += 1;
+        }
+        let start = f.tail();
+        std::thread::scope(|s| {
+            let h = s.spawn(|| p.push(trig(next, next), T).unwrap());
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(!h.is_finished(), "the ninth push waits for a free slot");
+            assert!((0..8).all(|k| f.poll_at(start + k).is_some()));
+            f.pop_to(start + 8);
+            assert_eq!(h.join().unwrap(), start + 8);
+        });
+        assert_eq!(f.poll(), Some(trig(next, next)));
     }
 
     #[test]

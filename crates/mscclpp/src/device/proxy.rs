@@ -49,7 +49,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tracing::{debug, warn};
 
@@ -60,7 +60,7 @@ use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
 use crate::platform::hostmem::Region;
-use crate::sync::lock;
+use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 use crate::transport::Transport;
 
 const LOG: &str = "mscclpp::proxy";
@@ -76,6 +76,23 @@ const STOP_CHECK_PERIOD: u32 = 1000;
 const STOP_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long back pressure waits for one connection to make room before failing.
 const BACK_PRESSURE_LIMIT: Duration = Duration::from_secs(30);
+/// Most triggers handled before the tail is published (at most the FIFO's size).
+const POP_BATCH: u64 = 64;
+/// While the FIFO stays empty: spin 50 us, then yield (never sleep: the proxy stays ready).
+const IDLE_SPIN: BackoffPolicy = BackoffPolicy {
+    spin: Duration::from_micros(50),
+    yield_until: Duration::MAX,
+    sleep_min: Duration::ZERO,
+    sleep_max: Duration::ZERO,
+};
+/// [`ProxyConfig::idle_backoff`]: spin 50 us, yield until 2 ms, then sleeps of 1 us growing to
+/// 50 us.
+const IDLE_BACKOFF: BackoffPolicy = BackoffPolicy {
+    spin: Duration::from_micros(50),
+    yield_until: Duration::from_millis(2),
+    sleep_min: Duration::from_micros(1),
+    sleep_max: Duration::from_micros(50),
+};
 
 /// A memory's ID in one [`ProxyService`] (what triggers carry, at most 511).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -215,6 +232,10 @@ struct Worker {
     max_queue: Option<u64>,
     idle_backoff: bool,
     device: Option<u32>,
+    /// The next FIFO position to handle (ahead of the FIFO's tail within a batch of pops).
+    cursor: u64,
+    /// Whether any connection has recorded flushes to publish.
+    flushes_pending: bool,
 }
 
 /// Executes the requests kernels push into its FIFO, on the connections of registered
@@ -316,6 +337,8 @@ impl ProxyService {
             max_queue: config.max_write_queue_size.map(|q| q.max(1) as u64),
             idle_backoff: config.idle_backoff,
             device,
+            cursor: 0,
+            flushes_pending: false,
         };
         ProxyService {
             sh,
@@ -551,7 +574,13 @@ impl Worker {
 
     fn run(&mut self) {
         let mut countdown = STOP_CHECK_PERIOD;
-        let mut idle: u32 = 0;
+        let mut idle: Option<Backoff> = None;
+        let idle_policy = if self.idle_backoff { IDLE_BACKOFF } else { IDLE_SPIN };
+        // Pops are batched: the proxy reads ahead of `tail` and publishes it once per batch, so
+        // producers waiting for slots see fewer, larger steps and the tail's cache line moves
+        // between the CPU and the GPU's reads less often.
+        let batch = u64::from(self.sh.fifo.size()).min(POP_BATCH);
+        self.cursor = self.sh.fifo.tail();
         loop {
             countdown -= 1;
             if countdown == 0 {
@@ -561,43 +590,31 @@ impl Worker {
                 }
             }
             if !self.failed()
+                && self.flushes_pending
                 && let Err(e) = self.progress_flushes()
             {
                 self.fail(e);
             }
-            match self.sh.fifo.poll() {
-                Some(t) => {
-                    idle = 0;
-                    if !self.failed() {
-                        let pos = self.sh.fifo.tail();
-                        if let Err(e) = self.handle(t, pos) {
-                            self.fail(e.during(format!("executing the trigger at FIFO position {pos}")));
-                        }
-                    }
-                    self.sh.fifo.pop();
-                    self.sh.processed.fetch_add(1, Ordering::AcqRel);
+            let first = self.cursor;
+            while self.cursor - first < batch {
+                let Some(t) = self.sh.fifo.poll_at(self.cursor) else { break };
+                let pos = self.cursor;
+                if !self.failed()
+                    && let Err(e) = self.handle(t, pos)
+                {
+                    self.fail(e.during(format!("executing the trigger at FIFO position {pos}")));
                 }
-                None => {
-                    idle = idle.saturating_add(1);
-                    self.snooze(idle);
-                }
+                self.cursor += 1;
+            }
+            if self.cursor > first {
+                idle = None;
+                self.sh.fifo.pop_to(self.cursor);
+                self.sh.processed.fetch_add(self.cursor - first, Ordering::AcqRel);
+            } else {
+                idle.get_or_insert_with(|| Backoff::new(idle_policy)).snooze(&Deadline::never());
             }
         }
         self.shutdown();
-    }
-
-    fn snooze(&self, idle: u32) {
-        if idle < 64 {
-            std::hint::spin_loop();
-        } else if !self.idle_backoff || idle < 20_000 {
-            if idle.is_multiple_of(64) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        } else {
-            std::thread::sleep(Duration::from_micros(((idle - 20_000) as u64 / 16).clamp(1, 50)));
-        }
     }
 
     fn shutdown(&mut self) {
@@ -633,6 +650,7 @@ impl Worker {
 
     /// Publishes every recorded flush whose connection has completed its sequence number.
     fn progress_flushes(&mut self) -> Result<()> {
+        let mut left = false;
         for (i, c) in self.conns.iter_mut().enumerate() {
             if c.pending.is_empty() {
                 continue;
@@ -649,6 +667,25 @@ impl Worker {
             if let (Some(pos), Some(w)) = (publish, self.sh.flush_word(i)) {
                 w.fetch_max(pos + 1, Ordering::AcqRel);
             }
+            left |= !c.pending.is_empty();
+        }
+        self.flushes_pending = left;
+        Ok(())
+    }
+
+    /// Records the flush at `pos` on connection `ci`, or publishes it at once when nothing is
+    /// outstanding.
+    fn flush(&mut self, ci: usize, pos: u64) -> Result<()> {
+        let c = &mut self.conns[ci];
+        let p = c.conn.progress_requested()?;
+        if p.completed >= p.issued && c.pending.is_empty() {
+            // Nothing outstanding: done now (the common case for back-to-back flushes).
+            if let Some(w) = self.sh.flush_word(ci) {
+                w.fetch_max(pos + 1, Ordering::AcqRel);
+            }
+        } else {
+            c.pending.push_back((pos, p.issued));
+            self.flushes_pending = true;
         }
         Ok(())
     }
@@ -672,7 +709,8 @@ impl Worker {
     }
 
     /// Waits, publishing flushes meanwhile, until connection `ci` has fewer than the bound in
-    /// flight.
+    /// flight. Triggers handled before this one are popped first, so their slots are free while
+    /// it waits.
     fn make_room(&mut self, ci: usize) -> Result<()> {
         let Some(max) = self.max_queue else { return Ok(()) };
         let conn = self.conns[ci].conn.clone();
@@ -680,9 +718,10 @@ impl Worker {
         if p.issued - p.completed < max {
             return Ok(());
         }
+        self.sh.fifo.pop_to(self.cursor);
         conn.request_progress()?;
-        let t0 = Instant::now();
-        let mut n = 0u32;
+        let deadline = Deadline::after(BACK_PRESSURE_LIMIT);
+        let mut backoff = Backoff::new(BackoffPolicy::FAST);
         loop {
             self.progress_flushes()?;
             let p = conn.progress()?;
@@ -695,7 +734,7 @@ impl Worker {
                     p.issued - p.completed
                 )));
             }
-            if t0.elapsed() > BACK_PRESSURE_LIMIT {
+            if deadline.expired() {
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
@@ -705,12 +744,7 @@ impl Worker {
                     ),
                 ));
             }
-            n += 1;
-            if n.is_multiple_of(64) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            backoff.snooze(&deadline);
         }
     }
 
@@ -730,16 +764,7 @@ impl Worker {
                     self.sem(sem_id)?.signal()?;
                 }
                 if flush {
-                    let c = &mut self.conns[ci];
-                    let p = c.conn.progress_requested()?;
-                    if p.completed >= p.issued && c.pending.is_empty() {
-                        // Nothing outstanding: done now (the common case for back-to-back flushes).
-                        if let Some(w) = self.sh.flush_word(ci) {
-                            w.fetch_max(pos + 1, Ordering::AcqRel);
-                        }
-                    } else {
-                        c.pending.push_back((pos, p.issued));
-                    }
+                    self.flush(ci, pos)?;
                 }
                 Ok(())
             }

@@ -9,6 +9,7 @@
 //! ```
 #![allow(dead_code)]
 
+pub mod harnesses;
 pub mod suite;
 
 use std::process::{Child, Command, Output, Stdio};
