@@ -72,6 +72,12 @@ const LOG: &str = "mscclpp::conn";
 pub const INLINE_LIMIT: u64 = 1 << 20;
 /// How long the sender thread holds a small write for the operation that usually follows it.
 const COALESCE_GRACE: Duration = Duration::from_micros(20);
+/// While it lingers, the idle sender thread looks for held small writes this often on its own,
+/// so that queueing one needs no wake-up.
+const TX_TICK: Duration = Duration::from_micros(200);
+/// How long the sender thread lingers (ticking) after its last small write before it sleeps
+/// until woken.
+const TX_LINGER: Duration = Duration::from_millis(5);
 /// How long dropping a connection waits for its outstanding operations to land.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -356,19 +362,34 @@ fn inline(op: &Op<Src>) -> bool {
     }
 }
 
+/// What the sender thread is doing, so that queueing an operation wakes it only when it must.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tx {
+    /// Sending, or about to look at the queue.
+    Busy,
+    /// Idle but lingering: it looks at the queue every [`TX_TICK`] on its own.
+    Ticking,
+    /// Asleep until woken.
+    Asleep,
+}
+
 struct State {
     /// Sequence numbers, the queue and its bound, acknowledgements.
     core: SenderCore<Src>,
     failed: Option<Error>,
     closing: bool,
-    /// The sender thread is waiting for work.
-    tx_idle: bool,
+    tx: Tx,
+    /// When the small write now held at the queue's front was queued (it waits up to
+    /// [`COALESCE_GRACE`] for the operation that usually follows it).
+    held_since: Option<Instant>,
 }
 
 struct Shared {
     st: Mutex<State>,
-    /// Signals state changes: queue not empty, acknowledgements, failure.
+    /// Signals acknowledgements, free queue slots and failure (to `flush` and full-queue waits).
     cond: Condvar,
+    /// Wakes the sender thread: work queued, failure, stop.
+    tx_cond: Condvar,
     /// The outgoing socket, locked by whoever sends.
     out: Mutex<TcpStream>,
     /// A clone of the outgoing socket, for shutdown.
@@ -394,6 +415,7 @@ impl Shared {
         }
         drop(st);
         self.cond.notify_all();
+        self.tx_cond.notify_all();
         let _ = self.out_ctl.shutdown(Shutdown::Both);
         if let Some(s) = lock(&self.in_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
@@ -453,11 +475,17 @@ impl Shared {
             }
         }
         // A small write waits for what follows it (usually a token update) so that both leave in
-        // one sendmsg; the sender thread sends it after a short grace if nothing follows.
+        // one sendmsg, from this thread, with no hand-off. If nothing follows, the sender thread
+        // sends it after a short grace: a lingering one finds it on its next tick; only a
+        // sleeping one is woken.
         if deferred {
-            if st.tx_idle {
+            if st.held_since.is_none() {
+                st.held_since = Some(Instant::now());
+            }
+            if st.tx == Tx::Asleep {
+                st.tx = Tx::Busy;
                 drop(st);
-                self.cond.notify_all();
+                self.tx_cond.notify_one();
             }
             return Ok(());
         }
@@ -466,8 +494,11 @@ impl Shared {
             self.pump(&mut out, true);
         }
         // Wake the sender thread if anything is left (it re-checks under the lock).
-        if !lock(&self.st).core.is_idle() {
-            self.cond.notify_all();
+        let mut st = lock(&self.st);
+        if !st.core.is_idle() && st.tx != Tx::Busy {
+            st.tx = Tx::Busy;
+            drop(st);
+            self.tx_cond.notify_one();
         }
         Ok(())
     }
@@ -481,7 +512,11 @@ impl Shared {
                 if st.failed.is_some() {
                     return;
                 }
-                st.core.next_batch(|op| !inline_only || inline(op))
+                let b = st.core.next_batch(|op| !inline_only || inline(op));
+                if st.core.is_idle() {
+                    st.held_since = None;
+                }
+                b
             };
             if batch.is_empty() {
                 return;
@@ -523,30 +558,44 @@ impl Shared {
 }
 
 fn sender_loop(sh: Arc<Shared>) {
+    let mut last_work = Instant::now();
     loop {
-        let small_front = {
+        {
             let mut st = lock(&sh.st);
-            while st.core.is_idle() && st.failed.is_none() && !sh.stop.load(Ordering::Acquire) {
-                st.tx_idle = true;
-                st = sh.cond.wait(st).unwrap_or_else(|p| p.into_inner());
-            }
-            st.tx_idle = false;
-            if st.failed.is_some() || (sh.stop.load(Ordering::Acquire) && st.core.is_idle()) {
-                return;
-            }
-            st.core.front().is_some_and(inline)
-        };
-        if small_front && !sh.stop.load(Ordering::Acquire) {
-            // Give the caller a moment to queue the token update that usually follows a small
-            // write, and to send both itself; send whatever is still here afterwards.
-            let t0 = Instant::now();
-            while t0.elapsed() < COALESCE_GRACE {
-                std::thread::yield_now();
-                if lock(&sh.st).core.is_idle() {
-                    break;
+            loop {
+                let stop = sh.stop.load(Ordering::Acquire);
+                if st.failed.is_some() || (stop && st.core.is_idle()) {
+                    return;
+                }
+                if !st.core.is_idle() {
+                    // A small write at the front waits out its grace for the operation that
+                    // usually follows it (whose caller then sends both).
+                    let held = st.held_since.map(|t| t.elapsed()).filter(|_| st.core.front().is_some_and(inline));
+                    match held {
+                        Some(age) if age < COALESCE_GRACE && !stop => {
+                            st.tx = Tx::Ticking;
+                            st = sh
+                                .tx_cond
+                                .wait_timeout(st, COALESCE_GRACE - age)
+                                .map(|(g, _)| g)
+                                .unwrap_or_else(|p| p.into_inner().0);
+                        }
+                        _ => break,
+                    }
+                } else if last_work.elapsed() < TX_LINGER {
+                    st.tx = Tx::Ticking;
+                    st = sh.tx_cond.wait_timeout(st, TX_TICK).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+                } else {
+                    st.tx = Tx::Asleep;
+                    st = sh.tx_cond.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+                if st.held_since.is_some() {
+                    last_work = Instant::now();
                 }
             }
+            st.tx = Tx::Busy;
         }
+        last_work = Instant::now();
         let mut out = lock(&sh.out);
         sh.pump(&mut out, false);
     }
@@ -852,6 +901,7 @@ impl Drop for EthernetConnection {
         lock(&self.sh.st).closing = true;
         self.sh.stop.store(true, Ordering::Release);
         self.sh.cond.notify_all();
+        self.sh.tx_cond.notify_all();
         let _ = self.sh.out_ctl.shutdown(Shutdown::Both);
         if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
@@ -885,8 +935,15 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
-        st: Mutex::new(State { core: SenderCore::new(max_queue), failed: None, closing: false, tx_idle: false }),
+        st: Mutex::new(State {
+            core: SenderCore::new(max_queue),
+            failed: None,
+            closing: false,
+            tx: Tx::Busy,
+            held_since: None,
+        }),
         cond: Condvar::new(),
+        tx_cond: Condvar::new(),
         out: Mutex::new(out),
         out_ctl,
         in_ctl: Mutex::new(None),
