@@ -302,7 +302,7 @@ impl Stager {
     /// the other is copied to the GPU. Returns once the data is in GPU memory.
     fn recv(
         &mut self,
-        rd: &mut BufReader<TcpStream>,
+        rd: &mut BufReader<RxSocket>,
         dst: &GpuRegion,
         off: u64,
         len: u64,
@@ -318,7 +318,7 @@ impl Stager {
             self.stages[k].write(0, &rd.buffer()[..b])?;
             rd.consume(b);
             if b < n {
-                self.stages[k].recv_exact(b as u64, (n - b) as u64, rd.get_ref())?;
+                self.stages[k].recv_exact(b as u64, (n - b) as u64, &rd.get_ref().sock)?;
             }
             self.stream.copy_htod(dst.ptr + off + done, self.stages[k].as_mut_ptr(), n)?;
             self.stream.record(&self.events[k])?;
@@ -631,6 +631,45 @@ fn send_record(s: &TcpStream, rec: &Record) -> std::io::Result<()> {
     w.write_all(&rec.to_wire())
 }
 
+/// How long after data last arrived the receiver polls its socket (yielding the CPU between
+/// tries) before it blocks in `recv`.
+const RX_POLL: Duration = Duration::from_micros(100);
+
+/// The receiver's socket. A read first tries without blocking and, for up to [`RX_POLL`] after
+/// data last arrived, tries again after yielding the CPU; only then does it block. A frame that
+/// follows soon (the answer in a ping-pong, the next signal) is picked up without the wake-up of
+/// a blocked thread, which on a busy machine costs more than the frame itself.
+struct RxSocket {
+    sock: TcpStream,
+    last_data: Instant,
+}
+
+impl Read for RxSocket {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use nix::errno::Errno;
+        use nix::sys::socket::{MsgFlags, recv};
+        use std::os::fd::AsRawFd;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            match recv(self.sock.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
+                Ok(n) => {
+                    self.last_data = Instant::now();
+                    return Ok(n);
+                }
+                Err(Errno::EINTR) => {}
+                Err(Errno::EAGAIN) if self.last_data.elapsed() < RX_POLL => std::thread::yield_now(),
+                Err(Errno::EAGAIN) => break,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let n = (&self.sock).read(buf)?;
+        self.last_data = Instant::now();
+        Ok(n)
+    }
+}
+
 /// What the receiver core learns of a region of this context.
 fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
     let r = ctx.lookup_region(id)?;
@@ -661,7 +700,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
-    let mut rd = BufReader::with_capacity(256 * 1024, s);
+    let mut rd = BufReader::with_capacity(256 * 1024, RxSocket { sock: s, last_data: Instant::now() });
     let mut stagers: HashMap<u32, Stager> = HashMap::new();
     let mut core = ReceiverCore::default();
     let lookup = |id: u64| region_info(&ctx, id);
@@ -681,7 +720,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
             Ok(x) => x,
             Err(why) => {
                 warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
-                let _ = send_record(rd.get_ref(), &Record::refusal(&why));
+                let _ = send_record(&rd.get_ref().sock, &Record::refusal(&why));
                 sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
                 return;
             }
@@ -694,7 +733,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
             None => match (core.payload_pending(), cur.as_ref().map(|r| &r.mem)) {
                 // Past what was buffered: the rest of a host write goes straight to its place.
                 (Some((offset, left)), Some(Mem::Host(reg))) => reg
-                    .recv_exact(offset, left, rd.get_ref())
+                    .recv_exact(offset, left, &rd.get_ref().sock)
                     .map_err(StageError::from)
                     .map(|()| core.payload_received(left, false)),
                 _ => match rd.fill_buf() {
@@ -755,7 +794,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
             }
             Some(RxEvent::Ack(seq)) => {
                 rd.consume(used);
-                if let Err(e) = send_record(rd.get_ref(), &Record::Ack(seq)) {
+                if let Err(e) = send_record(&rd.get_ref().sock, &Record::Ack(seq)) {
                     if !sh.stop.load(Ordering::Acquire) {
                         sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
                     }
