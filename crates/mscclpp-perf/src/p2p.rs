@@ -268,8 +268,9 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
         ours: Ours { links, to_next: 0, from_prev, src, dst, remote, baseline },
         out,
         inn,
-        raw_src: vec![0x5a; len],
-        raw_dst: vec![0; len],
+        // CUDA IPC's baseline is a GPU copy: no host buffers for it.
+        raw_src: vec![0x5a; if ipc { 0 } else { len }],
+        raw_dst: vec![0; if ipc { 0 } else { len }],
     })
 }
 
