@@ -184,18 +184,18 @@ impl Report {
         };
         let label = format!("mscclpp {}", self.meta.transport);
         let bw = Panel {
-            x_desc: "message size (B, KiB, MiB)".into(),
+            x_desc: "message size, bytes (k = 1e3, M = 1e6)".into(),
             y_desc: "bandwidth per sender, GB/s".into(),
-            x_label: &|x| human(x.round() as u64),
+            x_label: &si_bytes,
             series: vec![
                 Series { name: label.clone(), color: BLUE, points: pts(&|r| r.ours_gbps.median) },
                 Series { name: "baseline".into(), color: RED, points: pts(&|r| r.baseline_gbps.median) },
             ],
         };
         let lat = Panel {
-            x_desc: "message size (B, KiB, MiB)".into(),
+            x_desc: "message size, bytes (k = 1e3, M = 1e6)".into(),
             y_desc: "round trip, us".into(),
-            x_label: &|x| human(x.round() as u64),
+            x_label: &si_bytes,
             series: vec![
                 Series { name: label, color: BLUE, points: pts(&|r| r.ours_rtt_us.median) },
                 Series { name: "baseline".into(), color: RED, points: pts(&|r| r.baseline_rtt_us.median) },
@@ -222,6 +222,15 @@ pub struct Panel<'a> {
     /// Tick labels of the x axis.
     pub x_label: &'a dyn Fn(f64) -> String,
     pub series: Vec<Series>,
+}
+
+/// Tick labels of a log size axis, whose ticks fall on powers of ten: `100 B`, `1 kB`, `10 MB`
+/// (decimal, like the GB/s of the bandwidth axis; binary units would label them 9.8 KiB).
+pub fn si_bytes(x: f64) -> String {
+    const U: [(f64, &str); 4] = [(1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B")];
+    let (d, u) = U.iter().copied().find(|(d, _)| x >= *d).unwrap_or((1.0, "B"));
+    let v = x / d;
+    if (v - v.round()).abs() < 1e-6 { format!("{v:.0} {u}") } else { format!("{v:.1} {u}") }
 }
 
 /// Tick labels of a log y axis: plain numbers in the axis's unit, as many digits as they need.
@@ -309,5 +318,8 @@ mod tests {
         assert_eq!((bw.min, bw.median, bw.max), (2.0, 3.0, 6.0));
         assert_eq!(y_label(0.0125), "0.0125");
         assert_eq!(y_label(12.0), "12.0");
+        assert_eq!(si_bytes(1000.0), "1 kB");
+        assert_eq!(si_bytes(100.0), "100 B");
+        assert_eq!(si_bytes(1e7), "10 MB");
     }
 }
