@@ -49,8 +49,11 @@
 //! sender's acknowledgement thread each time; and each reply in a ping-pong woke the receiver
 //! thread from a blocking `recv`. Now the idle sender thread lingers for 5 ms, looking at the
 //! queue every 200 us on its own, and is woken only from its long sleep; acknowledgements are
-//! asked for once per half bound; and the receiver polls its socket without blocking (yielding
-//! the CPU between tries) for 100 us after data last arrived before it blocks.
+//! asked for once per half bound; and a thread waiting on a semaphore applies what arrived itself
+//! (`poll_incoming`: non-blocking reads under the receiver's lock, which the receiver thread
+//! takes only with `try_lock` and only after waiting for data in `poll` without it; while a
+//! waiter polls, the receiver thread keeps away from the socket), so a ping-pong reply needs no
+//! hand-off from the receiver thread.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -409,6 +412,11 @@ struct Shared {
     out_ctl: TcpStream,
     /// A clone of the incoming socket once it arrived, for shutdown.
     in_ctl: Mutex<Option<TcpStream>>,
+    /// The receiving half, once the peer's socket arrived.
+    rx: Mutex<Option<RxState>>,
+    /// When a waiting thread last polled the socket itself, in ns since `born`.
+    waiter_polled: AtomicU64,
+    born: Instant,
     stop: AtomicBool,
     /// Sequence number of the last acknowledgement probe queued by `progress(true)`.
     ack_asked: AtomicU64,
@@ -644,17 +652,18 @@ fn send_record(s: &TcpStream, rec: &Record) -> std::io::Result<()> {
     w.write_all(&rec.to_wire())
 }
 
-/// How long after data last arrived the receiver polls its socket (yielding the CPU between
-/// tries) before it blocks in `recv`.
-const RX_POLL: Duration = Duration::from_micros(100);
+/// While a waiting thread polled the socket itself (`poll_incoming`) this recently, the receiver
+/// thread keeps away from it (two readers of one socket only contend), and looks again after
+/// half this time.
+const RX_DEFER: Duration = Duration::from_micros(200);
+/// How often a blocked receiver thread looks at the stop flag.
+const RX_STOP_CHECK: Duration = Duration::from_millis(100);
 
-/// The receiver's socket. A read first tries without blocking and, for up to [`RX_POLL`] after
-/// data last arrived, tries again after yielding the CPU; only then does it block. A frame that
-/// follows soon (the answer in a ping-pong, the next signal) is picked up without the wake-up of
-/// a blocked thread, which on a busy machine costs more than the frame itself.
+/// The receiver's socket: reads never block (`MSG_DONTWAIT`); "nothing yet" is `WouldBlock`.
+/// The receiver thread waits for data with `poll`, outside the receiver's lock, so that a
+/// waiting thread (`poll_incoming`) may apply what arrived in the meantime.
 struct RxSocket {
     sock: TcpStream,
-    last_data: Instant,
 }
 
 impl Read for RxSocket {
@@ -667,19 +676,24 @@ impl Read for RxSocket {
         }
         loop {
             match recv(self.sock.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
-                Ok(n) => {
-                    self.last_data = Instant::now();
-                    return Ok(n);
-                }
+                Ok(n) => return Ok(n),
                 Err(Errno::EINTR) => {}
-                Err(Errno::EAGAIN) if self.last_data.elapsed() < RX_POLL => std::thread::yield_now(),
-                Err(Errno::EAGAIN) => break,
                 Err(e) => return Err(e.into()),
             }
         }
-        let n = (&self.sock).read(buf)?;
-        self.last_data = Instant::now();
-        Ok(n)
+    }
+}
+
+/// Whether the socket has something to read (or an error or end), waiting up to `timeout`.
+fn readable(s: &TcpStream, timeout: Duration) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::os::fd::AsFd;
+    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::from(ms)) {
+        Ok(n) => n > 0,
+        // Interrupted: let the caller look again.
+        Err(_) => false,
     }
 }
 
@@ -694,7 +708,151 @@ fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion
     })
 }
 
-/// Takes the peer's socket, then applies its frames as the receiver core directs.
+/// The receiving half's state, behind a lock: the receiver thread applies frames with it, and so
+/// may a thread waiting for a signal (`poll_incoming`), whichever gets there first.
+struct RxState {
+    rd: BufReader<RxSocket>,
+    core: ReceiverCore,
+    /// The region of the write being received.
+    cur: Option<Arc<LocalRegion>>,
+    stagers: HashMap<u32, Stager>,
+    ctx: Arc<ContextInner>,
+    /// The connection is over on this side (failed or closed): nothing more is read.
+    done: bool,
+}
+
+/// Who is applying frames.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Drainer {
+    /// The receiver thread: may read the rest of a payload it has begun straight into place.
+    Thread,
+    /// A waiting thread: only what is already here.
+    Waiter,
+}
+
+impl RxState {
+    /// Applies every frame the socket holds now, in order; returns whether any byte was taken.
+    /// A payload begun is finished (reads of its remaining bytes may block, bounded by the
+    /// socket's read timeout). Failures end the connection (`done`).
+    fn drain(&mut self, sh: &Shared, who: Drainer) -> bool {
+        let mut progressed = false;
+        let ctx = self.ctx.clone();
+        let lookup = |id: u64| region_info(&ctx, id);
+        let report = |e: StageError| {
+            let e = match e {
+                StageError::Io(e) => e.to_string(),
+                StageError::Mscclpp(e) => e.to_string(),
+            };
+            if !sh.stop.load(Ordering::Acquire) {
+                sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
+            }
+        };
+        while !self.done {
+            let (used, ev) = match self.core.handle_bytes(self.rd.buffer(), &lookup) {
+                Ok(x) => x,
+                Err(why) => {
+                    warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
+                    let _ = send_record(&self.rd.get_ref().sock, &Record::refusal(&why));
+                    sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
+                    self.done = true;
+                    break;
+                }
+            };
+            let applied: std::result::Result<(), StageError> = match ev {
+                None if used > 0 => {
+                    self.rd.consume(used);
+                    Ok(())
+                }
+                None => match (self.core.payload_pending(), self.cur.as_ref().map(|r| &r.mem), who) {
+                    // Past what was buffered: the rest of a host write goes straight to its place.
+                    (Some((offset, left)), Some(Mem::Host(reg)), Drainer::Thread) => reg
+                        .recv_exact(offset, left, &self.rd.get_ref().sock)
+                        .map_err(StageError::from)
+                        .map(|()| self.core.payload_received(left, false)),
+                    _ => match self.rd.fill_buf() {
+                        Ok([]) => {
+                            sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
+                            self.done = true;
+                            break;
+                        }
+                        Ok(_) => Ok(()),
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+                        // Nothing more for now.
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => {
+                            sh.fail_read("reading frames from", e);
+                            self.done = true;
+                            break;
+                        }
+                    },
+                },
+                Some(RxEvent::Data { offset, bytes }) => {
+                    let r = match self.cur.as_ref().map(|r| &r.mem) {
+                        Some(Mem::Host(reg)) => reg.write(offset, bytes).map_err(StageError::from),
+                        _ => Err(StageError::Mscclpp(Error::internal("write payload without a host region"))),
+                    };
+                    self.rd.consume(used);
+                    r
+                }
+                Some(RxEvent::Write { region, offset, len }) => {
+                    self.rd.consume(used);
+                    let r = match &region.mem {
+                        Mem::Host(_) => Ok(()),
+                        // GPU memory: staged through pinned buffers, the whole payload at once.
+                        Mem::Gpu(g) => stager_for(&mut self.stagers, g)
+                            .map_err(StageError::from)
+                            .and_then(|st| st.recv(&mut self.rd, g, offset, len))
+                            .map(|()| self.core.payload_received(len, !self.rd.buffer().is_empty())),
+                    };
+                    self.cur = Some(region);
+                    r
+                }
+                Some(RxEvent::Token { region, offset, value, add }) => {
+                    self.rd.consume(used);
+                    let r = match &region.mem {
+                        Mem::Host(reg) => reg
+                            .atomic_u64(offset)
+                            .map(|w| {
+                                if add {
+                                    w.fetch_add(value, Ordering::AcqRel);
+                                } else {
+                                    w.store(value, Ordering::Release);
+                                }
+                            })
+                            .map_err(StageError::from),
+                        Mem::Gpu(g) => stager_for(&mut self.stagers, g)
+                            .and_then(|st| st.token(g, offset, value, add))
+                            .map_err(StageError::from),
+                    };
+                    if r.is_ok() {
+                        self.ctx.notify_tokens();
+                    }
+                    r
+                }
+                Some(RxEvent::Ack(seq)) => {
+                    self.rd.consume(used);
+                    if let Err(e) = send_record(&self.rd.get_ref().sock, &Record::Ack(seq)) {
+                        if !sh.stop.load(Ordering::Acquire) {
+                            sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
+                        }
+                        self.done = true;
+                        break;
+                    }
+                    Ok(())
+                }
+            };
+            progressed = true;
+            if let Err(e) = applied {
+                report(e);
+                self.done = true;
+            }
+        }
+        progressed
+    }
+}
+
+/// Takes the peer's socket, then applies its frames as the receiver core directs, waiting for
+/// data outside the receiver's lock.
 fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Instant) {
     let s = match acceptor.take(deadline, &sh.stop) {
         Ok(s) => s,
@@ -713,111 +871,44 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
-    let mut rd = BufReader::with_capacity(256 * 1024, RxSocket { sock: s, last_data: Instant::now() });
-    let mut stagers: HashMap<u32, Stager> = HashMap::new();
-    let mut core = ReceiverCore::default();
-    let lookup = |id: u64| region_info(&ctx, id);
-    // The region of the write being received.
-    let mut cur: Option<Arc<LocalRegion>> = None;
-    let report = |e: StageError| {
-        let e = match e {
-            StageError::Io(e) => e.to_string(),
-            StageError::Mscclpp(e) => e.to_string(),
-        };
-        if !sh.stop.load(Ordering::Acquire) {
-            sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
-        }
+    // Reads of a payload's remaining bytes block; a peer that stops in the middle of a frame
+    // fails the connection after this long instead of hanging it.
+    let _ = s.set_read_timeout(Some(sh.wait_limit.max(Duration::from_secs(1))));
+    let Ok(watch) = s.try_clone() else {
+        sh.fail(Error::new(ErrorKind::Internal, "cloning the incoming socket failed"));
+        return;
     };
+    *lock(&sh.rx) = Some(RxState {
+        rd: BufReader::with_capacity(256 * 1024, RxSocket { sock: s }),
+        core: ReceiverCore::default(),
+        cur: None,
+        stagers: HashMap::new(),
+        ctx,
+        done: false,
+    });
     loop {
-        let (used, ev) = match core.handle_bytes(rd.buffer(), &lookup) {
-            Ok(x) => x,
-            Err(why) => {
-                warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
-                let _ = send_record(&rd.get_ref().sock, &Record::refusal(&why));
-                sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
-                return;
-            }
+        if sh.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
+        if since < RX_DEFER.as_nanos() as u64 {
+            // A waiter is reading the socket itself.
+            std::thread::sleep(RX_DEFER / 2);
+            continue;
+        }
+        // Block in `poll` without the lock, so a waiter may take the data first.
+        if !readable(&watch, RX_STOP_CHECK) {
+            continue;
+        }
+        // Never queue behind a waiter that holds the lock (its unlock would then have to wake
+        // this thread, on the waiter's critical path).
+        let Ok(mut g) = sh.rx.try_lock() else {
+            std::thread::yield_now();
+            continue;
         };
-        let applied: std::result::Result<(), StageError> = match ev {
-            None if used > 0 => {
-                rd.consume(used);
-                Ok(())
-            }
-            None => match (core.payload_pending(), cur.as_ref().map(|r| &r.mem)) {
-                // Past what was buffered: the rest of a host write goes straight to its place.
-                (Some((offset, left)), Some(Mem::Host(reg))) => reg
-                    .recv_exact(offset, left, &rd.get_ref().sock)
-                    .map_err(StageError::from)
-                    .map(|()| core.payload_received(left, false)),
-                _ => match rd.fill_buf() {
-                    Ok([]) => {
-                        sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
-                        return;
-                    }
-                    Ok(_) => Ok(()),
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
-                    Err(e) => {
-                        sh.fail_read("reading frames from", e);
-                        return;
-                    }
-                },
-            },
-            Some(RxEvent::Data { offset, bytes }) => {
-                let r = match cur.as_ref().map(|r| &r.mem) {
-                    Some(Mem::Host(reg)) => reg.write(offset, bytes).map_err(StageError::from),
-                    _ => Err(StageError::Mscclpp(Error::internal("write payload without a host region"))),
-                };
-                rd.consume(used);
-                r
-            }
-            Some(RxEvent::Write { region, offset, len }) => {
-                rd.consume(used);
-                let r = match &region.mem {
-                    Mem::Host(_) => Ok(()),
-                    // GPU memory: staged through pinned buffers, the whole payload at once.
-                    Mem::Gpu(g) => stager_for(&mut stagers, g)
-                        .map_err(StageError::from)
-                        .and_then(|st| st.recv(&mut rd, g, offset, len))
-                        .map(|()| core.payload_received(len, !rd.buffer().is_empty())),
-                };
-                cur = Some(region);
-                r
-            }
-            Some(RxEvent::Token { region, offset, value, add }) => {
-                rd.consume(used);
-                let r = match &region.mem {
-                    Mem::Host(reg) => reg
-                        .atomic_u64(offset)
-                        .map(|w| {
-                            if add {
-                                w.fetch_add(value, Ordering::AcqRel);
-                            } else {
-                                w.store(value, Ordering::Release);
-                            }
-                        })
-                        .map_err(StageError::from),
-                    Mem::Gpu(g) => stager_for(&mut stagers, g)
-                        .and_then(|st| st.token(g, offset, value, add))
-                        .map_err(StageError::from),
-                };
-                if r.is_ok() {
-                    ctx.notify_tokens();
-                }
-                r
-            }
-            Some(RxEvent::Ack(seq)) => {
-                rd.consume(used);
-                if let Err(e) = send_record(&rd.get_ref().sock, &Record::Ack(seq)) {
-                    if !sh.stop.load(Ordering::Acquire) {
-                        sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
-                    }
-                    return;
-                }
-                Ok(())
-            }
-        };
-        if let Err(e) = applied {
-            report(e);
+        let Some(rx) = g.as_mut() else { return };
+        rx.drain(&sh, Drainer::Thread);
+        if rx.done {
             return;
         }
     }
@@ -922,6 +1013,15 @@ impl ConnectionImpl for EthernetConnection {
         lock(&self.sh.st).core.outstanding()
     }
 
+    fn poll_incoming(&self) -> bool {
+        self.sh.waiter_polled.store(self.sh.born.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        // Only if nobody else is at it: the receiver thread holds the lock while it applies.
+        match self.sh.rx.try_lock() {
+            Ok(mut g) => g.as_mut().is_some_and(|rx| !rx.done && rx.drain(&self.sh, Drainer::Waiter)),
+            Err(_) => false,
+        }
+    }
+
     /// Acknowledgements come every 256 frames or when asked: a request queues one probe (a frame
     /// asking for an acknowledgement) unless one is already queued behind everything issued.
     fn progress(&self, request: bool) -> Result<super::Progress> {
@@ -999,6 +1099,9 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         out: Mutex::new(out),
         out_ctl,
         in_ctl: Mutex::new(None),
+        rx: Mutex::new(None),
+        waiter_polled: AtomicU64::new(0),
+        born: Instant::now(),
         stop: AtomicBool::new(false),
         ack_asked: AtomicU64::new(0),
         stagers: Mutex::new(HashMap::new()),
