@@ -12,10 +12,9 @@
 //! Jobs whose 1 MiB all_gather would need more memory than half of `MemAvailable` (every rank
 //! holds `n` MiB) skip that column.
 
-use std::process::{Command, Stdio};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use mscclpp::{Bootstrap, RootServer, TcpBootstrap, UniqueId};
+use mscclpp::{Bootstrap, TcpBootstrap, UniqueId};
 
 use crate::Args;
 
@@ -84,41 +83,22 @@ struct Row {
 
 fn run_job(args: &Args, n: usize) -> Result<Row, String> {
     let big = mem_available().is_none_or(|m| (n as u64) * (n as u64) * (1 << 20) <= m / 2);
-    let (root, id) = RootServer::start(n, args.timeout()).map_err(|e| e.to_string())?;
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let t0 = Instant::now();
-    let mut children = Vec::new();
-    for r in 0..n {
-        let child = Command::new(&exe)
-            .args(std::env::args_os().skip(1))
-            .env(ENV_RANK, r.to_string())
-            .env(ENV_SIZE, n.to_string())
-            .env(ENV_ID, id.to_string())
-            .env(ENV_BIG, if big { "1" } else { "0" })
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("starting rank {r} of {n}: {e}"))?;
-        children.push((r, child));
-    }
+    let big_flag = if big { "1" } else { "0" };
+    let outs = crate::launch::run_local_ranks(
+        n,
+        args.timeout(),
+        ENV_ID,
+        &|r| vec![(ENV_RANK, r.to_string()), (ENV_SIZE, n.to_string()), (ENV_BIG, big_flag.to_string())],
+        true,
+    )?;
     let mut lines = Vec::new();
-    let mut failed = Vec::new();
-    for (r, c) in children {
-        match c.wait_with_output() {
-            Ok(o) if o.status.success() => {
-                let s = String::from_utf8_lossy(&o.stdout).into_owned();
-                match s.lines().find(|l| l.starts_with("BSPERF ")) {
-                    Some(l) => lines.push(l.to_string()),
-                    None => failed.push(format!("rank {r} printed no result")),
-                }
-            }
-            Ok(o) => failed.push(format!("rank {r} ({})", o.status)),
-            Err(e) => failed.push(format!("rank {r} ({e})")),
+    for (r, o) in outs.iter().enumerate() {
+        let s = String::from_utf8_lossy(&o.stdout);
+        match s.lines().find(|l| l.starts_with("BSPERF ")) {
+            Some(l) => lines.push(l.to_string()),
+            None => return Err(format!("{n} ranks: rank {r} printed no result")),
         }
-    }
-    root.join();
-    if !failed.is_empty() {
-        return Err(format!("{n} ranks: failed: {}", failed.join(", ")));
     }
     let mut last_start = 0u64;
     let mut last_end = 0u64;
@@ -194,45 +174,18 @@ pub fn run(args: &Args) -> Result<(), String> {
 
 /// Draws the three times against the job size, log-log, in milliseconds.
 fn write_svg(rows: &[Row], path: &std::path::Path) -> Result<(), String> {
-    use plotters::prelude::*;
-    let err = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
-    type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
-    let series: [Series; 3] = [
-        ("initialize", BLUE, rows.iter().map(|r| (r.ranks as f64, r.init_ms)).collect()),
-        ("all_gather 8 B", RED, rows.iter().map(|r| (r.ranks as f64, r.ag8_ms)).collect()),
-        ("all_gather 1 MiB", GREEN, rows.iter().filter_map(|r| r.ag1m_ms.map(|v| (r.ranks as f64, v))).collect()),
-    ];
-    let all = || series.iter().flat_map(|s| s.2.iter()).filter(|p| p.1.is_finite() && p.1 > 0.0);
-    let xmin = rows.iter().map(|r| r.ranks as f64).fold(f64::MAX, f64::min).min(1e9) / 1.5;
-    let xmax = rows.iter().map(|r| r.ranks as f64).fold(2.0, f64::max) * 1.5;
-    let ymax = all().map(|p| p.1).fold(1e-3, f64::max) * 2.0;
-    let ymin = all().map(|p| p.1).fold(f64::MAX, f64::min).min(ymax / 10.0) / 2.0;
-    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("mscclpp-perf bootstrap: time against ranks (local processes)", ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(44)
-        .y_label_area_size(64)
-        .build_cartesian_2d((xmin..xmax).log_scale(), (ymin..ymax).log_scale())
-        .map_err(|e| err(&e))?;
-    chart.configure_mesh().x_desc("ranks").y_desc("time, ms (slowest rank)").draw().map_err(|e| err(&e))?;
-    for (name, color, pts) in &series {
-        let pts: Vec<(f64, f64)> = pts.iter().copied().filter(|p| p.1.is_finite() && p.1 > 0.0).collect();
-        let c = *color;
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(*name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
-        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, c.filled()))).map_err(|e| err(&e))?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))
+    use crate::report::{Panel, Series, draw_svg};
+    use plotters::style::{BLUE, GREEN, RED};
+    let pts = |f: &dyn Fn(&Row) -> Option<f64>| rows.iter().filter_map(|r| f(r).map(|v| (r.ranks as f64, v))).collect();
+    let panel = Panel {
+        x_desc: "ranks (local processes)".into(),
+        y_desc: "time, ms (slowest rank)".into(),
+        x_label: &|x| format!("{x:.0}"),
+        series: vec![
+            Series { name: "initialize".into(), color: BLUE, points: pts(&|r| Some(r.init_ms)) },
+            Series { name: "all_gather 8 B".into(), color: RED, points: pts(&|r| Some(r.ag8_ms)) },
+            Series { name: "all_gather 1 MiB".into(), color: GREEN, points: pts(&|r| r.ag1m_ms) },
+        ],
+    };
+    draw_svg(path, "mscclpp-perf bootstrap: time against ranks", &[panel])
 }

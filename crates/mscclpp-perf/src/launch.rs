@@ -74,31 +74,54 @@ pub fn run(args: &Args) -> Result<(), String> {
     launch_local(args)
 }
 
-/// Starts `--ranks` copies of this program on this machine and waits for them.
-fn launch_local(args: &Args) -> Result<(), String> {
-    let n = args.ranks;
-    let (root, id) = RootServer::start(n, args.timeout()).map_err(|e| e.to_string())?;
+/// Starts `n` copies of this program on this machine, each with `env(rank)` added to its
+/// environment (and stdout captured when `capture`), behind a [`RootServer`] whose id goes in
+/// `id_var`; waits for all of them. Returns each rank's output, or which ranks failed.
+/// The one way both the `p2p` launcher and the `bootstrap` jobs start local ranks.
+pub fn run_local_ranks(
+    n: usize,
+    timeout: std::time::Duration,
+    id_var: &str,
+    env: &dyn Fn(usize) -> Vec<(&'static str, String)>,
+    capture: bool,
+) -> Result<Vec<std::process::Output>, String> {
+    let (root, id) = RootServer::start(n, timeout).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let mut children = Vec::new();
     for r in 0..n {
-        let child = Command::new(&exe)
-            .args(std::env::args_os().skip(1))
-            .env(ENV_RANK, r.to_string())
-            .env(ENV_SIZE, n.to_string())
-            .env(ENV_ID, id.to_string())
-            .stdin(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("starting rank {r}: {e}"))?;
-        children.push((r, child));
+        let mut cmd = Command::new(&exe);
+        cmd.args(std::env::args_os().skip(1)).env(id_var, id.to_string()).envs(env(r)).stdin(Stdio::null());
+        if capture {
+            cmd.stdout(Stdio::piped());
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push((r, c)),
+            Err(e) => {
+                // The ranks already started fail at the bootstrap's timeout; do not wait for it.
+                for (_, c) in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(format!("starting rank {r} of {n}: {e}"));
+            }
+        }
     }
+    let mut outs = Vec::new();
     let mut failed = Vec::new();
-    for (r, mut c) in children {
-        match c.wait() {
-            Ok(s) if s.success() => {}
-            Ok(s) => failed.push(format!("rank {r} ({s})")),
+    for (r, c) in children {
+        match c.wait_with_output() {
+            Ok(o) if o.status.success() => outs.push(o),
+            Ok(o) => failed.push(format!("rank {r} ({})", o.status)),
             Err(e) => failed.push(format!("rank {r} ({e})")),
         }
     }
     root.join();
-    if failed.is_empty() { Ok(()) } else { Err(format!("failed: {}", failed.join(", "))) }
+    if failed.is_empty() { Ok(outs) } else { Err(format!("{n} ranks: failed: {}", failed.join(", "))) }
+}
+
+/// Starts `--ranks` copies of this program on this machine and waits for them.
+fn launch_local(args: &Args) -> Result<(), String> {
+    let n = args.ranks;
+    run_local_ranks(n, args.timeout(), ENV_ID, &|r| vec![(ENV_RANK, r.to_string()), (ENV_SIZE, n.to_string())], false)
+        .map(drop)
 }

@@ -59,20 +59,28 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "host")]
     pub memory: MemoryKind,
     /// Smallest message (bytes; K, M, G suffixes allowed).
-    #[arg(long, default_value = "8", value_parser = parse_size)]
+    #[arg(short = 'b', long, default_value = "8", value_parser = parse_size)]
     pub min_bytes: u64,
     /// Largest message (bytes; K, M, G suffixes allowed).
-    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    #[arg(short = 'e', long, default_value = "256M", value_parser = parse_size)]
     pub max_bytes: u64,
-    /// Timed iterations per size (default: enough to move about 512 MiB, 10 to 2000).
-    #[arg(long)]
+    /// Multiplication factor between sizes (at least 2).
+    #[arg(short = 'f', long, default_value_t = 2)]
+    pub step_factor: u64,
+    /// Timed iterations per size (default: enough to move about 512 MiB, 10 to 2000); at least 1.
+    #[arg(short = 'n', long)]
     pub iters: Option<u64>,
-    /// Measurements per size, ours and the baseline alternating; the table shows medians.
+    /// Measurements per size, ours and the baseline alternating; the table shows medians, the
+    /// JSON min/median/max. At least 1.
     #[arg(long, default_value_t = 3)]
     pub rounds: u64,
     /// Untimed iterations before each measurement.
-    #[arg(long, default_value_t = 5)]
+    #[arg(short = 'w', long, default_value_t = 5)]
     pub warmup: u64,
+    /// Check the data each receiver got and add a `#wrong` column (`-c`, `-c 1`; `-c 0` is off).
+    #[arg(short = 'c', long, num_args = 0..=1, default_value = "0", default_missing_value = "1",
+          value_parser = parse_flag)]
+    pub check: bool,
     /// Interface or IP address for Ethernet and the TCP baseline (default 127.0.0.1 for local
     /// ranks; the bootstrap's choice under a launcher).
     #[arg(long)]
@@ -89,14 +97,15 @@ pub struct Args {
     /// port's IPv4 address).
     #[arg(long)]
     pub gid_index: Option<u32>,
-    /// CUDA IPC: both ranks write to each other at once (bandwidth is per direction).
+    /// With 2 ranks, both write to each other at once (bandwidth is per direction); with more,
+    /// the ring has every rank write anyway.
     #[arg(long)]
     pub bidirectional: bool,
-    /// Write one JSON record per size to this file.
+    /// Write the run (metadata and one record per size) to this JSON file; checked before the run.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Draw the results as an SVG file (p2p: bandwidth against size, ours and the baseline;
-    /// bootstrap: times against ranks).
+    /// Draw the results as an SVG file, `.svg` only, checked before the run (p2p: bandwidth and
+    /// round trip against size, ours and the baseline; bootstrap: times against ranks).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// Seconds any single wait may take before the run fails.
@@ -114,6 +123,42 @@ impl Args {
     pub fn timeout(&self) -> Duration {
         Duration::from_secs(self.timeout.max(1))
     }
+}
+
+/// Parses `-c`'s value: 1/0, true/false, yes/no.
+pub fn parse_flag(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!("{s:?} is not 0 or 1")),
+    }
+}
+
+/// Checks that `path` can be written (its folder exists and takes a file) and, for `--plot`,
+/// that it names an SVG file, so that a typo fails before the sweep and not after it.
+fn check_output(flag: &str, path: &std::path::Path, ext: Option<&str>) -> Result<(), String> {
+    if let Some(want) = ext {
+        let got = path.extension().map(|e| e.to_string_lossy().to_ascii_lowercase());
+        if got.as_deref() != Some(want) {
+            return Err(format!("{flag} {}: the plot is an SVG file, name it *.{want}", path.display()));
+        }
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("{flag} {}: folder {} does not exist", path.display(), dir.display()));
+    }
+    if path.is_dir() {
+        return Err(format!("{flag} {}: is a folder", path.display()));
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map(drop)
+        .map_err(|e| format!("{flag} {}: cannot write there: {e}", path.display()))
 }
 
 /// Parses `4096`, `64K`, `1M`, `1G` (powers of two).
@@ -168,8 +213,20 @@ fn check(args: &Args) -> Result<(), String> {
             args.min_bytes, args.max_bytes
         ));
     }
-    if args.bidirectional && !args.cuda_ipc() {
-        return Err("--bidirectional is supported with --transport cuda-ipc".into());
+    if args.iters == Some(0) {
+        return Err("--iters (-n) must be at least 1".into());
+    }
+    if args.rounds == 0 {
+        return Err("--rounds must be at least 1".into());
+    }
+    if args.step_factor < 2 {
+        return Err(format!("--step-factor (-f) {} must be at least 2", args.step_factor));
+    }
+    if let Some(p) = &args.json {
+        check_output("--json", p, None)?;
+    }
+    if let Some(p) = &args.plot {
+        check_output("--plot", p, Some("svg"))?;
     }
     if args.test == TestKind::Bootstrap {
         if args.scale.contains(&0) {

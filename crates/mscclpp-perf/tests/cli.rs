@@ -16,7 +16,7 @@ fn tmp(name: &str) -> std::path::PathBuf {
 fn small_sweep_prints_table_json_plot_and_trace() {
     let (json, svg, trace) = (tmp("p2p.json"), tmp("p2p.svg"), tmp("trace.json"));
     let out = perf()
-        .args(["--max-bytes", "4K", "--iters", "20", "--warmup", "2", "--quiet"])
+        .args(["-e", "4K", "-n", "20", "-w", "2", "--rounds", "2", "-c", "--quiet"])
         .arg("--json")
         .arg(&json)
         .arg("--plot")
@@ -26,24 +26,76 @@ fn small_sweep_prints_table_json_plot_and_trace() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("ours GB/s") && stdout.contains("4 KiB"), "{stdout}");
-    let recs: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let recs = recs.as_array().unwrap();
+    assert!(stdout.contains("ours GB/s") && stdout.contains("time(us)") && stdout.contains("#wrong"), "{stdout}");
+    assert!(stdout.contains("# pattern: rank 0 writes to rank 1"), "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.contains("  rank ") && l.contains("pid")).count(), 2, "{stdout}");
+    // Integer sizes, one row per size, 0 wrong bytes.
+    let rows: Vec<Vec<&str>> =
+        stdout.lines().filter(|l| !l.starts_with('#')).map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows.iter().map(|r| r[0]).collect::<Vec<_>>().join(","), "8,16,32,64,128,256,512,1024,2048,4096");
+    assert!(rows.iter().all(|r| r.last() == Some(&"0")), "{stdout}");
+    let run: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for k in ["version", "transport", "hosts", "interface", "rounds", "pattern"] {
+        assert!(!run[k].is_null(), "{k} missing in {run}");
+    }
+    assert_eq!(run["rounds"], 2);
+    assert_eq!(run["hosts"].as_array().unwrap().len(), 2);
+    let recs = run["records"].as_array().unwrap();
     assert_eq!(recs.len(), 10, "8 B .. 4 KiB is ten sizes");
     for r in recs {
-        for k in ["size", "ours_gbps", "baseline_gbps", "bw_ratio", "ours_rtt_us", "baseline_rtt_us", "rtt_ratio"] {
-            assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "{k} in {r}");
+        for k in ["ours_gbps", "baseline_gbps", "ours_rtt_us", "baseline_rtt_us", "time_us"] {
+            let (lo, mid, hi) = (r[k]["min"].as_f64(), r[k]["median"].as_f64(), r[k]["max"].as_f64());
+            assert!(
+                lo.zip(mid).zip(hi).is_some_and(|((lo, mid), hi)| 0.0 < lo && lo <= mid && mid <= hi),
+                "{k} in {r}"
+            );
         }
-        assert_eq!(r["transport"], "ethernet");
+        assert_eq!(r["wrong"], 0);
     }
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("baseline"), "not an SVG plot");
+    assert!(svg.contains("round trip, us") && svg.contains("GB/s"), "the plot lacks the latency panel");
     let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let names: Vec<&str> = t.as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
     for op in ["write", "update_and_sync", "flush"] {
         assert!(names.contains(&op), "trace lacks {op} spans");
     }
     assert!(trace.with_file_name("trace.rank1.json").exists(), "rank 1 writes its own trace");
+}
+
+/// Every rank of an odd-sized job moves data (a ring), with several rounds.
+#[test]
+fn three_ranks_ring_with_rounds() {
+    let out =
+        perf().args(["--ranks", "3", "-b", "1K", "-e", "2K", "-n", "10", "--rounds", "3", "-c", "1"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("# pattern: ring"), "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.contains("  rank ") && l.contains("pid")).count(), 3, "{stdout}");
+    let rows: Vec<&str> = stdout.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(rows.iter().all(|r| r.split_whitespace().last() == Some("0")), "{stdout}");
+}
+
+/// Bad output paths and zero counts fail before anything runs.
+#[test]
+fn bad_arguments_fail_before_the_run() {
+    let dir = tmp("x");
+    let cases: [(&[&str], &str); 6] = [
+        (&["-n", "0"], "at least 1"),
+        (&["--rounds", "0"], "at least 1"),
+        (&["-f", "1"], "at least 2"),
+        (&["--plot", "out.png"], "*.svg"),
+        (&["--json", "/no/such/folder/x.json"], "does not exist"),
+        (&["-c", "maybe"], "not 0 or 1"),
+    ];
+    for (a, why) in cases {
+        let out = perf().args(a).arg("--timeout").arg("5").current_dir(dir.parent().unwrap()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{a:?}: {err}");
+        assert!(err.contains(why), "{a:?}: {err}");
+        assert!(String::from_utf8_lossy(&out.stdout).is_empty(), "{a:?} ran");
+    }
 }
 
 #[test]
@@ -106,5 +158,6 @@ fn torchrun_style_launch() {
     for (r, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "rank {r}: {}", String::from_utf8_lossy(&o.stderr));
     }
-    assert!(String::from_utf8_lossy(&outs[0].stdout).contains("64 B"));
+    let out = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(out.lines().any(|l| l.split_whitespace().next() == Some("64")), "{out}");
 }

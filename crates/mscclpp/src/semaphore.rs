@@ -304,6 +304,11 @@ impl Host2HostSemaphore {
             if self.try_consume() {
                 return Ok(());
             }
+            // Apply what already arrived ourselves (Ethernet), rather than wait for the
+            // transport's receive thread to be scheduled.
+            if self.connection().poll_incoming() && self.try_consume() {
+                return Ok(());
+            }
             backoff.snooze(&deadline);
         }
         let ctx = self.connection().context().inner().clone();

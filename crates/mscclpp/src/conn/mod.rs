@@ -56,6 +56,12 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     fn signal_forwarding(&self) -> Option<String> {
         None
     }
+    /// Applies what the peer sent that is already here, without blocking, on the calling thread
+    /// (a waiter's poll); false when the transport has nothing to do or another thread is at it.
+    /// Transports whose receiving needs no thread keep the default.
+    fn poll_incoming(&self) -> bool {
+        false
+    }
 }
 
 /// How far a connection has got, in sequence numbers counted from the connection's start: every
@@ -279,6 +285,13 @@ impl Connection {
     /// the progress now, with completion of `issued` requested.
     pub(crate) fn progress_requested(&self) -> Result<Progress> {
         self.inner.imp.progress(true).map_err(|e| self.ctx_err(e, "request_progress"))
+    }
+
+    /// Applies incoming operations already here on the calling thread, without blocking (see
+    /// `ConnectionImpl::poll_incoming`): a waiter sees a signal without a hand-off from the
+    /// transport's receive thread.
+    pub(crate) fn poll_incoming(&self) -> bool {
+        self.inner.imp.poll_incoming()
     }
 
     /// Operations issued whose application at the peer is not yet confirmed.

@@ -109,6 +109,8 @@ pub(crate) struct SenderCore<S> {
     /// Highest sequence number the peer confirmed applied.
     applied: u64,
     max_queue: u64,
+    /// Sequence number of the last frame that asked for an acknowledgement.
+    asked: u64,
     records: RecordReader,
     failed: Option<String>,
 }
@@ -121,6 +123,7 @@ impl<S> SenderCore<S> {
             issued: 0,
             applied: 0,
             max_queue: max_queue.max(1),
+            asked: 0,
             records: RecordReader::default(),
             failed: None,
         }
@@ -198,9 +201,15 @@ impl<S> SenderCore<S> {
         batch
     }
 
-    fn header(&self, seq: u64, op: &Op<S>) -> FrameHeader {
-        // Ask for an acknowledgement once half the bound is unconfirmed, and on every probe.
-        let ack = seq - self.applied >= (self.max_queue / 2).max(1) || matches!(op, Op::Nop);
+    fn header(&mut self, seq: u64, op: &Op<S>) -> FrameHeader {
+        // Ask for an acknowledgement once half the bound is unconfirmed, then again only half the
+        // bound later (not on every frame until the answer is back: that would have the receiver
+        // answer each of them), and on every probe.
+        let half = (self.max_queue / 2).max(1);
+        let ack = (seq - self.applied >= half && seq - self.asked >= half) || matches!(op, Op::Nop);
+        if ack {
+            self.asked = seq;
+        }
         let op = match *op {
             Op::Write { region, offset, len, .. } => FrameOp::Write { region, offset, len },
             Op::Set { region, offset, value } => FrameOp::Set { region, offset, value },

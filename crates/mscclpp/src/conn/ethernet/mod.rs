@@ -35,9 +35,25 @@
 //! region (only bytes that arrived in the same read as a header pass through its small buffer).
 //! Token updates, atomics and flush probes are sent by the calling thread itself when the sender
 //! thread is idle, together with the small writes (up to [`INLINE_LIMIT`]) queued before them:
-//! a write followed by a signal is one `sendmsg` and one packet. A small write with nothing after
-//! it goes out from the sender thread after a 20 us grace; larger writes go through the sender
-//! thread at once, so `write` never blocks on a big transfer.
+//! a write followed by a signal is one `sendmsg` and one packet, with no hand-off to another
+//! thread. A small write with nothing after it goes out from the sender thread after a 20 us
+//! grace (up to one 200 us tick later while that thread lingers); larger writes go through the
+//! sender thread at once, so `write` never blocks on a big transfer.
+//!
+//! # Small operations (where the time went, and what was done)
+//! Profiled on a 2-core VM (`strace -f -c`, `perf record`, `mscclpp-perf -b 8 -e 8`): per
+//! write+signal the caller used to wake the sender thread (a futex wake, a context switch and a
+//! yielding grace loop that fought the caller for the state lock: about 2 futex calls and 1-4
+//! `sched_yield` per operation); once half the queue bound was unconfirmed every frame asked for
+//! an acknowledgement until the answer arrived, so the receiver sent one per frame and woke the
+//! sender's acknowledgement thread each time; and each reply in a ping-pong woke the receiver
+//! thread from a blocking `recv`. Now the idle sender thread lingers for 5 ms, looking at the
+//! queue every 200 us on its own, and is woken only from its long sleep; acknowledgements are
+//! asked for once per half bound; and a thread waiting on a semaphore applies what arrived itself
+//! (`poll_incoming`: non-blocking reads under the receiver's lock, which the receiver thread
+//! takes only with `try_lock` and only after waiting for data in `poll` without it; while a
+//! waiter polls, the receiver thread keeps away from the socket), so a ping-pong reply needs no
+//! hand-off from the receiver thread.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -72,6 +88,12 @@ const LOG: &str = "mscclpp::conn";
 pub const INLINE_LIMIT: u64 = 1 << 20;
 /// How long the sender thread holds a small write for the operation that usually follows it.
 const COALESCE_GRACE: Duration = Duration::from_micros(20);
+/// While it lingers, the idle sender thread looks for held small writes this often on its own,
+/// so that queueing one needs no wake-up.
+const TX_TICK: Duration = Duration::from_micros(200);
+/// How long the sender thread lingers (ticking) after its last small write before it sleeps
+/// until woken.
+const TX_LINGER: Duration = Duration::from_millis(5);
 /// How long dropping a connection waits for its outstanding operations to land.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -296,7 +318,7 @@ impl Stager {
     /// the other is copied to the GPU. Returns once the data is in GPU memory.
     fn recv(
         &mut self,
-        rd: &mut BufReader<TcpStream>,
+        rd: &mut BufReader<RxSocket>,
         dst: &GpuRegion,
         off: u64,
         len: u64,
@@ -312,7 +334,7 @@ impl Stager {
             self.stages[k].write(0, &rd.buffer()[..b])?;
             rd.consume(b);
             if b < n {
-                self.stages[k].recv_exact(b as u64, (n - b) as u64, rd.get_ref())?;
+                self.stages[k].recv_exact(b as u64, (n - b) as u64, &rd.get_ref().sock)?;
             }
             self.stream.copy_htod(dst.ptr + off + done, self.stages[k].as_mut_ptr(), n)?;
             self.stream.record(&self.events[k])?;
@@ -356,25 +378,45 @@ fn inline(op: &Op<Src>) -> bool {
     }
 }
 
+/// What the sender thread is doing, so that queueing an operation wakes it only when it must.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tx {
+    /// Sending, or about to look at the queue.
+    Busy,
+    /// Idle but lingering: it looks at the queue every [`TX_TICK`] on its own.
+    Ticking,
+    /// Asleep until woken.
+    Asleep,
+}
+
 struct State {
     /// Sequence numbers, the queue and its bound, acknowledgements.
     core: SenderCore<Src>,
     failed: Option<Error>,
     closing: bool,
-    /// The sender thread is waiting for work.
-    tx_idle: bool,
+    tx: Tx,
+    /// When the small write now held at the queue's front was queued (it waits up to
+    /// [`COALESCE_GRACE`] for the operation that usually follows it).
+    held_since: Option<Instant>,
 }
 
 struct Shared {
     st: Mutex<State>,
-    /// Signals state changes: queue not empty, acknowledgements, failure.
+    /// Signals acknowledgements, free queue slots and failure (to `flush` and full-queue waits).
     cond: Condvar,
+    /// Wakes the sender thread: work queued, failure, stop.
+    tx_cond: Condvar,
     /// The outgoing socket, locked by whoever sends.
     out: Mutex<TcpStream>,
     /// A clone of the outgoing socket, for shutdown.
     out_ctl: TcpStream,
     /// A clone of the incoming socket once it arrived, for shutdown.
     in_ctl: Mutex<Option<TcpStream>>,
+    /// The receiving half, once the peer's socket arrived.
+    rx: Mutex<Option<RxState>>,
+    /// When a waiting thread last polled the socket itself, in ns since `born`.
+    waiter_polled: AtomicU64,
+    born: Instant,
     stop: AtomicBool,
     /// Sequence number of the last acknowledgement probe queued by `progress(true)`.
     ack_asked: AtomicU64,
@@ -394,6 +436,7 @@ impl Shared {
         }
         drop(st);
         self.cond.notify_all();
+        self.tx_cond.notify_all();
         let _ = self.out_ctl.shutdown(Shutdown::Both);
         if let Some(s) = lock(&self.in_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
@@ -453,11 +496,17 @@ impl Shared {
             }
         }
         // A small write waits for what follows it (usually a token update) so that both leave in
-        // one sendmsg; the sender thread sends it after a short grace if nothing follows.
+        // one sendmsg, from this thread, with no hand-off. If nothing follows, the sender thread
+        // sends it after a short grace: a lingering one finds it on its next tick; only a
+        // sleeping one is woken.
         if deferred {
-            if st.tx_idle {
+            if st.held_since.is_none() {
+                st.held_since = Some(Instant::now());
+            }
+            if st.tx == Tx::Asleep {
+                st.tx = Tx::Busy;
                 drop(st);
-                self.cond.notify_all();
+                self.tx_cond.notify_one();
             }
             return Ok(());
         }
@@ -466,8 +515,11 @@ impl Shared {
             self.pump(&mut out, true);
         }
         // Wake the sender thread if anything is left (it re-checks under the lock).
-        if !lock(&self.st).core.is_idle() {
-            self.cond.notify_all();
+        let mut st = lock(&self.st);
+        if !st.core.is_idle() && st.tx != Tx::Busy {
+            st.tx = Tx::Busy;
+            drop(st);
+            self.tx_cond.notify_one();
         }
         Ok(())
     }
@@ -481,7 +533,11 @@ impl Shared {
                 if st.failed.is_some() {
                     return;
                 }
-                st.core.next_batch(|op| !inline_only || inline(op))
+                let b = st.core.next_batch(|op| !inline_only || inline(op));
+                if st.core.is_idle() {
+                    st.held_since = None;
+                }
+                b
             };
             if batch.is_empty() {
                 return;
@@ -523,30 +579,44 @@ impl Shared {
 }
 
 fn sender_loop(sh: Arc<Shared>) {
+    let mut last_work = Instant::now();
     loop {
-        let small_front = {
+        {
             let mut st = lock(&sh.st);
-            while st.core.is_idle() && st.failed.is_none() && !sh.stop.load(Ordering::Acquire) {
-                st.tx_idle = true;
-                st = sh.cond.wait(st).unwrap_or_else(|p| p.into_inner());
-            }
-            st.tx_idle = false;
-            if st.failed.is_some() || (sh.stop.load(Ordering::Acquire) && st.core.is_idle()) {
-                return;
-            }
-            st.core.front().is_some_and(inline)
-        };
-        if small_front && !sh.stop.load(Ordering::Acquire) {
-            // Give the caller a moment to queue the token update that usually follows a small
-            // write, and to send both itself; send whatever is still here afterwards.
-            let t0 = Instant::now();
-            while t0.elapsed() < COALESCE_GRACE {
-                std::thread::yield_now();
-                if lock(&sh.st).core.is_idle() {
-                    break;
+            loop {
+                let stop = sh.stop.load(Ordering::Acquire);
+                if st.failed.is_some() || (stop && st.core.is_idle()) {
+                    return;
+                }
+                if !st.core.is_idle() {
+                    // A small write at the front waits out its grace for the operation that
+                    // usually follows it (whose caller then sends both).
+                    let held = st.held_since.map(|t| t.elapsed()).filter(|_| st.core.front().is_some_and(inline));
+                    match held {
+                        Some(age) if age < COALESCE_GRACE && !stop => {
+                            st.tx = Tx::Ticking;
+                            st = sh
+                                .tx_cond
+                                .wait_timeout(st, COALESCE_GRACE - age)
+                                .map(|(g, _)| g)
+                                .unwrap_or_else(|p| p.into_inner().0);
+                        }
+                        _ => break,
+                    }
+                } else if last_work.elapsed() < TX_LINGER {
+                    st.tx = Tx::Ticking;
+                    st = sh.tx_cond.wait_timeout(st, TX_TICK).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+                } else {
+                    st.tx = Tx::Asleep;
+                    st = sh.tx_cond.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+                if st.held_since.is_some() {
+                    last_work = Instant::now();
                 }
             }
+            st.tx = Tx::Busy;
         }
+        last_work = Instant::now();
         let mut out = lock(&sh.out);
         sh.pump(&mut out, false);
     }
@@ -582,6 +652,51 @@ fn send_record(s: &TcpStream, rec: &Record) -> std::io::Result<()> {
     w.write_all(&rec.to_wire())
 }
 
+/// While a waiting thread polled the socket itself (`poll_incoming`) this recently, the receiver
+/// thread keeps away from it (two readers of one socket only contend), and looks again after
+/// half this time.
+const RX_DEFER: Duration = Duration::from_micros(200);
+/// How often a blocked receiver thread looks at the stop flag.
+const RX_STOP_CHECK: Duration = Duration::from_millis(100);
+
+/// The receiver's socket: reads never block (`MSG_DONTWAIT`); "nothing yet" is `WouldBlock`.
+/// The receiver thread waits for data with `poll`, outside the receiver's lock, so that a
+/// waiting thread (`poll_incoming`) may apply what arrived in the meantime.
+struct RxSocket {
+    sock: TcpStream,
+}
+
+impl Read for RxSocket {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use nix::errno::Errno;
+        use nix::sys::socket::{MsgFlags, recv};
+        use std::os::fd::AsRawFd;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            match recv(self.sock.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
+                Ok(n) => return Ok(n),
+                Err(Errno::EINTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+/// Whether the socket has something to read (or an error or end), waiting up to `timeout`.
+fn readable(s: &TcpStream, timeout: Duration) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::os::fd::AsFd;
+    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::from(ms)) {
+        Ok(n) => n > 0,
+        // Interrupted: let the caller look again.
+        Err(_) => false,
+    }
+}
+
 /// What the receiver core learns of a region of this context.
 fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
     let r = ctx.lookup_region(id)?;
@@ -593,7 +708,151 @@ fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion
     })
 }
 
-/// Takes the peer's socket, then applies its frames as the receiver core directs.
+/// The receiving half's state, behind a lock: the receiver thread applies frames with it, and so
+/// may a thread waiting for a signal (`poll_incoming`), whichever gets there first.
+struct RxState {
+    rd: BufReader<RxSocket>,
+    core: ReceiverCore,
+    /// The region of the write being received.
+    cur: Option<Arc<LocalRegion>>,
+    stagers: HashMap<u32, Stager>,
+    ctx: Arc<ContextInner>,
+    /// The connection is over on this side (failed or closed): nothing more is read.
+    done: bool,
+}
+
+/// Who is applying frames.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Drainer {
+    /// The receiver thread: may read the rest of a payload it has begun straight into place.
+    Thread,
+    /// A waiting thread: only what is already here.
+    Waiter,
+}
+
+impl RxState {
+    /// Applies every frame the socket holds now, in order; returns whether any byte was taken.
+    /// A payload begun is finished (reads of its remaining bytes may block, bounded by the
+    /// socket's read timeout). Failures end the connection (`done`).
+    fn drain(&mut self, sh: &Shared, who: Drainer) -> bool {
+        let mut progressed = false;
+        let ctx = self.ctx.clone();
+        let lookup = |id: u64| region_info(&ctx, id);
+        let report = |e: StageError| {
+            let e = match e {
+                StageError::Io(e) => e.to_string(),
+                StageError::Mscclpp(e) => e.to_string(),
+            };
+            if !sh.stop.load(Ordering::Acquire) {
+                sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
+            }
+        };
+        while !self.done {
+            let (used, ev) = match self.core.handle_bytes(self.rd.buffer(), &lookup) {
+                Ok(x) => x,
+                Err(why) => {
+                    warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
+                    let _ = send_record(&self.rd.get_ref().sock, &Record::refusal(&why));
+                    sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
+                    self.done = true;
+                    break;
+                }
+            };
+            let applied: std::result::Result<(), StageError> = match ev {
+                None if used > 0 => {
+                    self.rd.consume(used);
+                    Ok(())
+                }
+                None => match (self.core.payload_pending(), self.cur.as_ref().map(|r| &r.mem), who) {
+                    // Past what was buffered: the rest of a host write goes straight to its place.
+                    (Some((offset, left)), Some(Mem::Host(reg)), Drainer::Thread) => reg
+                        .recv_exact(offset, left, &self.rd.get_ref().sock)
+                        .map_err(StageError::from)
+                        .map(|()| self.core.payload_received(left, false)),
+                    _ => match self.rd.fill_buf() {
+                        Ok([]) => {
+                            sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
+                            self.done = true;
+                            break;
+                        }
+                        Ok(_) => Ok(()),
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+                        // Nothing more for now.
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => {
+                            sh.fail_read("reading frames from", e);
+                            self.done = true;
+                            break;
+                        }
+                    },
+                },
+                Some(RxEvent::Data { offset, bytes }) => {
+                    let r = match self.cur.as_ref().map(|r| &r.mem) {
+                        Some(Mem::Host(reg)) => reg.write(offset, bytes).map_err(StageError::from),
+                        _ => Err(StageError::Mscclpp(Error::internal("write payload without a host region"))),
+                    };
+                    self.rd.consume(used);
+                    r
+                }
+                Some(RxEvent::Write { region, offset, len }) => {
+                    self.rd.consume(used);
+                    let r = match &region.mem {
+                        Mem::Host(_) => Ok(()),
+                        // GPU memory: staged through pinned buffers, the whole payload at once.
+                        Mem::Gpu(g) => stager_for(&mut self.stagers, g)
+                            .map_err(StageError::from)
+                            .and_then(|st| st.recv(&mut self.rd, g, offset, len))
+                            .map(|()| self.core.payload_received(len, !self.rd.buffer().is_empty())),
+                    };
+                    self.cur = Some(region);
+                    r
+                }
+                Some(RxEvent::Token { region, offset, value, add }) => {
+                    self.rd.consume(used);
+                    let r = match &region.mem {
+                        Mem::Host(reg) => reg
+                            .atomic_u64(offset)
+                            .map(|w| {
+                                if add {
+                                    w.fetch_add(value, Ordering::AcqRel);
+                                } else {
+                                    w.store(value, Ordering::Release);
+                                }
+                            })
+                            .map_err(StageError::from),
+                        Mem::Gpu(g) => stager_for(&mut self.stagers, g)
+                            .and_then(|st| st.token(g, offset, value, add))
+                            .map_err(StageError::from),
+                    };
+                    if r.is_ok() {
+                        self.ctx.notify_tokens();
+                    }
+                    r
+                }
+                Some(RxEvent::Ack(seq)) => {
+                    self.rd.consume(used);
+                    if let Err(e) = send_record(&self.rd.get_ref().sock, &Record::Ack(seq)) {
+                        if !sh.stop.load(Ordering::Acquire) {
+                            sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
+                        }
+                        self.done = true;
+                        break;
+                    }
+                    Ok(())
+                }
+            };
+            progressed = true;
+            if let Err(e) = applied {
+                report(e);
+                self.done = true;
+            }
+        }
+        progressed
+    }
+}
+
+/// Takes the peer's socket, then applies its frames as the receiver core directs, waiting for
+/// data outside the receiver's lock.
 fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Instant) {
     let s = match acceptor.take(deadline, &sh.stop) {
         Ok(s) => s,
@@ -612,111 +871,44 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
-    let mut rd = BufReader::with_capacity(256 * 1024, s);
-    let mut stagers: HashMap<u32, Stager> = HashMap::new();
-    let mut core = ReceiverCore::default();
-    let lookup = |id: u64| region_info(&ctx, id);
-    // The region of the write being received.
-    let mut cur: Option<Arc<LocalRegion>> = None;
-    let report = |e: StageError| {
-        let e = match e {
-            StageError::Io(e) => e.to_string(),
-            StageError::Mscclpp(e) => e.to_string(),
-        };
-        if !sh.stop.load(Ordering::Acquire) {
-            sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
-        }
+    // Reads of a payload's remaining bytes block; a peer that stops in the middle of a frame
+    // fails the connection after this long instead of hanging it.
+    let _ = s.set_read_timeout(Some(sh.wait_limit.max(Duration::from_secs(1))));
+    let Ok(watch) = s.try_clone() else {
+        sh.fail(Error::new(ErrorKind::Internal, "cloning the incoming socket failed"));
+        return;
     };
+    *lock(&sh.rx) = Some(RxState {
+        rd: BufReader::with_capacity(256 * 1024, RxSocket { sock: s }),
+        core: ReceiverCore::default(),
+        cur: None,
+        stagers: HashMap::new(),
+        ctx,
+        done: false,
+    });
     loop {
-        let (used, ev) = match core.handle_bytes(rd.buffer(), &lookup) {
-            Ok(x) => x,
-            Err(why) => {
-                warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
-                let _ = send_record(rd.get_ref(), &Record::refusal(&why));
-                sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
-                return;
-            }
+        if sh.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
+        if since < RX_DEFER.as_nanos() as u64 {
+            // A waiter is reading the socket itself.
+            std::thread::sleep(RX_DEFER / 2);
+            continue;
+        }
+        // Block in `poll` without the lock, so a waiter may take the data first.
+        if !readable(&watch, RX_STOP_CHECK) {
+            continue;
+        }
+        // Never queue behind a waiter that holds the lock (its unlock would then have to wake
+        // this thread, on the waiter's critical path).
+        let Ok(mut g) = sh.rx.try_lock() else {
+            std::thread::yield_now();
+            continue;
         };
-        let applied: std::result::Result<(), StageError> = match ev {
-            None if used > 0 => {
-                rd.consume(used);
-                Ok(())
-            }
-            None => match (core.payload_pending(), cur.as_ref().map(|r| &r.mem)) {
-                // Past what was buffered: the rest of a host write goes straight to its place.
-                (Some((offset, left)), Some(Mem::Host(reg))) => reg
-                    .recv_exact(offset, left, rd.get_ref())
-                    .map_err(StageError::from)
-                    .map(|()| core.payload_received(left, false)),
-                _ => match rd.fill_buf() {
-                    Ok([]) => {
-                        sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
-                        return;
-                    }
-                    Ok(_) => Ok(()),
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
-                    Err(e) => {
-                        sh.fail_read("reading frames from", e);
-                        return;
-                    }
-                },
-            },
-            Some(RxEvent::Data { offset, bytes }) => {
-                let r = match cur.as_ref().map(|r| &r.mem) {
-                    Some(Mem::Host(reg)) => reg.write(offset, bytes).map_err(StageError::from),
-                    _ => Err(StageError::Mscclpp(Error::internal("write payload without a host region"))),
-                };
-                rd.consume(used);
-                r
-            }
-            Some(RxEvent::Write { region, offset, len }) => {
-                rd.consume(used);
-                let r = match &region.mem {
-                    Mem::Host(_) => Ok(()),
-                    // GPU memory: staged through pinned buffers, the whole payload at once.
-                    Mem::Gpu(g) => stager_for(&mut stagers, g)
-                        .map_err(StageError::from)
-                        .and_then(|st| st.recv(&mut rd, g, offset, len))
-                        .map(|()| core.payload_received(len, !rd.buffer().is_empty())),
-                };
-                cur = Some(region);
-                r
-            }
-            Some(RxEvent::Token { region, offset, value, add }) => {
-                rd.consume(used);
-                let r = match &region.mem {
-                    Mem::Host(reg) => reg
-                        .atomic_u64(offset)
-                        .map(|w| {
-                            if add {
-                                w.fetch_add(value, Ordering::AcqRel);
-                            } else {
-                                w.store(value, Ordering::Release);
-                            }
-                        })
-                        .map_err(StageError::from),
-                    Mem::Gpu(g) => stager_for(&mut stagers, g)
-                        .and_then(|st| st.token(g, offset, value, add))
-                        .map_err(StageError::from),
-                };
-                if r.is_ok() {
-                    ctx.notify_tokens();
-                }
-                r
-            }
-            Some(RxEvent::Ack(seq)) => {
-                rd.consume(used);
-                if let Err(e) = send_record(rd.get_ref(), &Record::Ack(seq)) {
-                    if !sh.stop.load(Ordering::Acquire) {
-                        sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
-                    }
-                    return;
-                }
-                Ok(())
-            }
-        };
-        if let Err(e) = applied {
-            report(e);
+        let Some(rx) = g.as_mut() else { return };
+        rx.drain(&sh, Drainer::Thread);
+        if rx.done {
             return;
         }
     }
@@ -821,6 +1013,15 @@ impl ConnectionImpl for EthernetConnection {
         lock(&self.sh.st).core.outstanding()
     }
 
+    fn poll_incoming(&self) -> bool {
+        self.sh.waiter_polled.store(self.sh.born.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        // Only if nobody else is at it: the receiver thread holds the lock while it applies.
+        match self.sh.rx.try_lock() {
+            Ok(mut g) => g.as_mut().is_some_and(|rx| !rx.done && rx.drain(&self.sh, Drainer::Waiter)),
+            Err(_) => false,
+        }
+    }
+
     /// Acknowledgements come every 256 frames or when asked: a request queues one probe (a frame
     /// asking for an acknowledgement) unless one is already queued behind everything issued.
     fn progress(&self, request: bool) -> Result<super::Progress> {
@@ -852,6 +1053,7 @@ impl Drop for EthernetConnection {
         lock(&self.sh.st).closing = true;
         self.sh.stop.store(true, Ordering::Release);
         self.sh.cond.notify_all();
+        self.sh.tx_cond.notify_all();
         let _ = self.sh.out_ctl.shutdown(Shutdown::Both);
         if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
@@ -885,11 +1087,21 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
-        st: Mutex::new(State { core: SenderCore::new(max_queue), failed: None, closing: false, tx_idle: false }),
+        st: Mutex::new(State {
+            core: SenderCore::new(max_queue),
+            failed: None,
+            closing: false,
+            tx: Tx::Busy,
+            held_since: None,
+        }),
         cond: Condvar::new(),
+        tx_cond: Condvar::new(),
         out: Mutex::new(out),
         out_ctl,
         in_ctl: Mutex::new(None),
+        rx: Mutex::new(None),
+        waiter_polled: AtomicU64::new(0),
+        born: Instant::now(),
         stop: AtomicBool::new(false),
         ack_asked: AtomicU64::new(0),
         stagers: Mutex::new(HashMap::new()),
