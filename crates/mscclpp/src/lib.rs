@@ -183,4 +183,6 @@ pub use platform::numa::{bind_thread_to_node, pci_numa_node};
 pub use semaphore::{
     Host2DeviceSemaphore, Host2DeviceSemaphoreDeviceHandle, Host2HostSemaphore, Semaphore, SemaphoreStub,
 };
+pub use device::memory_channel::{BaseMemoryChannel, MemoryChannel};
+pub use semaphore::MemoryDevice2DeviceSemaphore;
 pub use transport::{Device, EndpointConfig, EthernetConfig, IbConfig, IbMode, Transport, TransportFlags};
