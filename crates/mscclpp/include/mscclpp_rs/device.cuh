@@ -20,7 +20,7 @@
 //                ((pos >> sizeShift) & 1) ^ 1 (lap 0 writes 1, so a zeroed ring reads empty).
 //   FIFO poll/sync: ld.acquire.sys of tail.
 //   semaphore wait: expected: atom.relaxed.gpu.add 1; inbound: ld.acquire.sys until >= expected.
-//   semaphore poll: ld.acquire.sys inbound > ld.relaxed.gpu expected, then expected += 1.
+//   semaphore poll: ld.acquire.sys inbound > ld.relaxed.gpu expected, then atom.relaxed.gpu.cas expected += 1.
 //   flush:       push a Sync trigger at position pos, then ld.acquire.sys of flushDonePos until
 //                it is > pos (each flusher waits for its own position).
 //   MemoryDevice2Device signal: red.release.sys.global.add.u64 on the peer's token (relaxedSignal:
@@ -298,13 +298,19 @@ namespace detail {
 // consumed. A wait takes the next count with one relaxed fetch-add (so concurrent waiters each
 // consume a distinct signal) and spins until `inbound` reaches it.
 
-/// True (and one signal consumed) if `inbound` is above `expected`: an acquire load of
-/// `inbound`, then a separate increment (MSCCL++'s poll; not a compare-and-swap, so two threads
-/// polling the same semaphore at once may both consume the same signal).
+/// True (and one signal consumed) if `inbound` is above `expected`. The count is claimed with a
+/// compare-and-swap, so concurrent pollers and waiters each consume a distinct signal (MSCCL++'s
+/// poll loads, compares and then increments: two threads polling at once can both take one
+/// signal there).
 MSCCLPP_RS_DEVICE bool poll_inbound(const u64* inbound, u64* expected) {
-  bool signaled = load_acquire_sys(inbound) > load_relaxed_gpu(expected);
-  if (signaled) fetch_add_relaxed_gpu(expected, 1);
-  return signaled;
+  u64 e = load_relaxed_gpu(expected);
+  const u64 in = load_acquire_sys(inbound);
+  while (in > e) {
+    const u64 seen = cas_relaxed_gpu(expected, e, e + 1);
+    if (seen == e) return true;
+    e = seen;
+  }
+  return false;
 }
 
 /// Waits for one signal: acquire loads (`Acquire`, data written before the signal is visible
@@ -319,6 +325,9 @@ MSCCLPP_RS_DEVICE void wait_inbound(const u64* inbound, u64* expected, i64 maxSp
 
 /// Time-limited wait. `abort_word` (may be null) is checked while waiting; nonzero ends the wait
 /// with false. On timeout the expected count is taken back, so a retry waits for the same signal.
+/// That give-back is exact for one waiter; with several threads waiting on one semaphore at
+/// once, a timeout can let two of the others wait for the same count (one signal then releases
+/// both): after a timeout with concurrent waiters, treat the semaphore's count as lost.
 MSCCLPP_RS_DEVICE bool wait_inbound_for(u64* inbound, u64* expected, u64 timeout_ns, const u64* abort_word) {
   u64 e = fetch_add_relaxed_gpu(expected, 1) + 1;
   u64 start = globaltimer();
