@@ -301,8 +301,10 @@ fn side(r: &Rank, lens: &[usize]) -> Side {
 
 impl Side {
     fn semaphore(&self, tag: u32) -> MemoryDevice2DeviceSemaphore {
-        MemoryDevice2DeviceSemaphore::new(self.comm.build_semaphore(&self.conn, self.peer, tag).unwrap().wait().unwrap())
-            .unwrap()
+        MemoryDevice2DeviceSemaphore::new(
+            self.comm.build_semaphore(&self.conn, self.peer, tag).unwrap().wait().unwrap(),
+        )
+        .unwrap()
     }
 }
 
@@ -389,7 +391,8 @@ fn put_get(r: &Rank) {
         let (mut p, mut len, mut sd) = (buf.device_ptr(), region, seed);
         launch(&kernel(&m, "fill"), grid, block, &stream, &mut args![p, len, sd]);
         for k in &cases {
-            let (mut get, mut al, mut rem, mut t, mut o, mut n) = (0i32, k.align, k.rem as i32, region + k.tgt, k.org, k.size);
+            let (mut get, mut al, mut rem, mut t, mut o, mut n) =
+                (0i32, k.align, k.rem as i32, region + k.tgt, k.org, k.size);
             launch(&mv, grid, block, &stream, &mut args![chp, get, al, rem, t, o, n]);
         }
         launch(&kernel(&m, "signal_one"), 1, 1, &stream, &mut args![chp]);
@@ -561,8 +564,8 @@ fn semaphore_counts_exact_under_many_signallers_and_waiters() {
 fn a_dead_peer_releases_time_limited_waits() {
     if let Some(r) = Rank::from_env() {
         let s = side(&r, &[4096, 4096]);
-        let ch = MemoryChannel::new(s.semaphore(1), &s.remote[1], s.local[0].memory(), Some(s.local[1].memory()))
-            .unwrap();
+        let ch =
+            MemoryChannel::new(s.semaphore(1), &s.remote[1], s.local[0].memory(), Some(s.local[1].memory())).unwrap();
         s.bs.barrier().unwrap();
         if r.rank == 1 {
             let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
@@ -590,7 +593,8 @@ fn a_dead_peer_releases_time_limited_waits() {
         assert!(got[3] >= 3 * tmo);
         std::process::exit(0);
     }
-    let job = common::spawn_some("a_dead_peer_releases_time_limited_waits", 2, &[0, 1], T, &[], Duration::from_secs(120));
+    let job =
+        common::spawn_some("a_dead_peer_releases_time_limited_waits", 2, &[0, 1], T, &[], Duration::from_secs(120));
     let (_, o) = &job.outputs[0];
     let out = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     assert!(o.status.success(), "rank 0 failed:\n{}\n{}", out(&o.stdout), out(&o.stderr));

@@ -16,7 +16,9 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use super::handles::{BaseMemoryChannelDeviceHandle, MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle};
+use super::handles::{
+    BaseMemoryChannelDeviceHandle, MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle,
+};
 use crate::buffer::DeviceBuffer;
 use crate::context::Context;
 use crate::error::{Error, Result};

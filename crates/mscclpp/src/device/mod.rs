@@ -23,7 +23,8 @@ pub mod trigger;
 pub use fifo::{DEFAULT_FIFO_SIZE, Fifo};
 pub use handles::{
     BaseMemoryChannelDeviceHandle, BasePortChannelDeviceHandle, FifoDeviceHandle, Host2DeviceSemaphoreDeviceHandle,
-    LL8Packet, LL16Packet, MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle, PortChannelDeviceHandle,
+    LL8Packet, LL16Packet, MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle,
+    PortChannelDeviceHandle,
 };
 pub use memory_channel::{BaseMemoryChannel, ChannelSemaphore, MemoryChannel};
 pub use port_channel::PortChannel;

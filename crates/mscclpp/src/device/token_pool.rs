@@ -149,8 +149,11 @@ impl PoolToken {
     }
 }
 
-/// Live pools by (context id, GPU); weak, so a pool goes with its last token.
-static POOLS: Mutex<Vec<((u64, u32), Weak<Pool>)>> = Mutex::new(Vec::new());
+/// A pool's key: (context id, GPU).
+type PoolKey = (u64, u32);
+
+/// Live pools by key; weak, so a pool goes with its last token.
+static POOLS: Mutex<Vec<(PoolKey, Weak<Pool>)>> = Mutex::new(Vec::new());
 
 fn pool_for(ctx: &Context, device: u32, chunk_slots: u32) -> Arc<Pool> {
     let key = (ctx.inner().id, device);
