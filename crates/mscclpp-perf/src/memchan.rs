@@ -70,7 +70,8 @@ extern "C" __global__ void ll_ping(MemoryChannelDeviceHandle* ch, u64 bytes, int
     ch->putPackets(half, 0, bytes, tid, nt, flag0 + r);
     ch->unpackPackets(half, 0, bytes, tid, nt, flag0 + r, -1);
   }
-  if (tid == 0) out[0] = now() - t0;
+  // The slowest thread's time (threads pipeline independently; out[0] is zeroed before launch).
+  atomicMax(out, now() - t0);
 }
 extern "C" __global__ void ll_pong(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64* out) {
   u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
@@ -254,6 +255,7 @@ pub fn run(args: &Args) -> Result<(), String> {
             for _ in 0..3 {
                 for (i, kern) in [&kq, &kp].into_iter().enumerate() {
                     let r = 1 - i;
+                    ranks[r].out.fill(0, 8, 0).map_err(e)?;
                     let (mut c, mut b, mut nn, mut f, mut o) =
                         (ranks[r].pk_chan.device_handle_ptr(), bytes as u64, n, flag0, ranks[r].out.device_ptr());
                     launch(kern, blocks, threads, &streams[r], &mut args![c, b, nn, f, o])?;

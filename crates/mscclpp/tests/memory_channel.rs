@@ -22,6 +22,16 @@ use mscclpp::{
     MemoryDevice2DeviceSemaphore, RegisteredMemory, Transport,
 };
 
+/// Checks that every rank succeeded and prints the ranks' RESULT lines.
+fn relay(job: &common::Job) {
+    job.assert_success();
+    for (r, _) in &job.outputs {
+        for l in job.stdout(*r).lines().filter(|l| l.starts_with("RESULT")) {
+            println!("rank {r}: {l}");
+        }
+    }
+}
+
 const T: Duration = Duration::from_secs(60);
 const TIMEOUT_NS: u64 = 30_000_000_000;
 const SENTINEL: u8 = 0xa5;
@@ -454,7 +464,7 @@ fn put_get_every_size_and_alignment_byte_exact() {
     if let Some(r) = Rank::from_env() {
         return put_get(&r);
     }
-    spawn_ranks("put_get_every_size_and_alignment_byte_exact", 2, &[]).assert_success();
+    relay(&spawn_ranks("put_get_every_size_and_alignment_byte_exact", 2, &[]));
 }
 
 const ROUNDS: i32 = 64;
@@ -496,7 +506,7 @@ fn ll16_and_ll8_packets_over_many_rounds() {
     if let Some(r) = Rank::from_env() {
         return packets(&r);
     }
-    spawn_ranks("ll16_and_ll8_packets_over_many_rounds", 2, &[]).assert_success();
+    relay(&spawn_ranks("ll16_and_ll8_packets_over_many_rounds", 2, &[]));
 }
 
 /// 32 semaphores to the peer open one CUDA IPC mapping (the peer's token pool); then both ranks
@@ -554,7 +564,7 @@ fn semaphore_counts_exact_under_many_signallers_and_waiters() {
     if let Some(r) = Rank::from_env() {
         return semaphores(&r);
     }
-    spawn_ranks("semaphore_counts_exact_under_many_signallers_and_waiters", 2, &[]).assert_success();
+    relay(&spawn_ranks("semaphore_counts_exact_under_many_signallers_and_waiters", 2, &[]));
 }
 
 /// Rank 1 dies (SIGKILL) after the setup; rank 0's kernel then waits on the semaphore and for

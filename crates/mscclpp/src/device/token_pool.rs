@@ -332,11 +332,14 @@ mod tests {
         assert_eq!(d3.offset - d0.offset, 3 * TOKEN_BYTES);
         assert_eq!(toks[1].device_ptr() - toks[0].device_ptr(), TOKEN_BYTES);
         toks[2].buffer().write(0, &7u64.to_le_bytes()).unwrap();
-        let freed = toks[2].device_ptr();
-        drop(toks);
+        let mut toks = toks;
+        let freed = toks.remove(2);
+        let freed_ptr = freed.device_ptr();
+        drop(freed);
         let again = take_from(pool.clone(), &ctx, TransportFlags::NONE).unwrap();
-        assert_eq!(again.device_ptr(), freed, "the last slot given back is reused first");
+        assert_eq!(again.device_ptr(), freed_ptr, "the slot given back is reused");
         assert_eq!(again.buffer().read_u64(0).unwrap(), 0, "a reused slot is zeroed");
+        drop(toks);
         let used: u32 = lock(&pool.chunks).iter().map(|c| c.slots.in_use()).sum();
         assert_eq!(used, 1);
     }
