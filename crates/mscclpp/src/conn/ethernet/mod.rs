@@ -47,7 +47,7 @@
 //! `sched_yield` per operation); once half the queue bound was unconfirmed every frame asked for
 //! an acknowledgement until the answer arrived, so the receiver sent one per frame and woke the
 //! sender's acknowledgement thread each time; and each reply in a ping-pong woke the receiver
-//! thread from a blocking `recv`. Now the idle sender thread lingers for 5 ms, looking at the
+//! thread from a blocking `recv`. Now the idle sender thread lingers for 1 s, looking at the
 //! queue every 1 ms on its own, and is woken only from its long sleep; acknowledgements are
 //! asked for once per half bound; and a thread waiting on a semaphore applies what arrived itself
 //! (`poll_incoming`: non-blocking reads under the receiver's lock, which the receiver thread
@@ -93,7 +93,7 @@ const COALESCE_GRACE: Duration = Duration::from_micros(20);
 const TX_TICK: Duration = Duration::from_millis(1);
 /// How long the sender thread lingers (ticking) after its last small write before it sleeps
 /// until woken.
-const TX_LINGER: Duration = Duration::from_millis(5);
+const TX_LINGER: Duration = Duration::from_secs(1);
 /// How long dropping a connection waits for its outstanding operations to land.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
