@@ -37,7 +37,7 @@
 //! thread is idle, together with the small writes (up to [`INLINE_LIMIT`]) queued before them:
 //! a write followed by a signal is one `sendmsg` and one packet, with no hand-off to another
 //! thread. A small write with nothing after it goes out from the sender thread after a 20 us
-//! grace (up to one 200 us tick later while that thread lingers); larger writes go through the
+//! grace (up to one 1 ms tick later while that thread lingers); larger writes go through the
 //! sender thread at once, so `write` never blocks on a big transfer.
 //!
 //! # Small operations (where the time went, and what was done)
@@ -47,8 +47,8 @@
 //! `sched_yield` per operation); once half the queue bound was unconfirmed every frame asked for
 //! an acknowledgement until the answer arrived, so the receiver sent one per frame and woke the
 //! sender's acknowledgement thread each time; and each reply in a ping-pong woke the receiver
-//! thread from a blocking `recv`. Now the idle sender thread lingers for 5 ms, looking at the
-//! queue every 200 us on its own, and is woken only from its long sleep; acknowledgements are
+//! thread from a blocking `recv`. Now the idle sender thread lingers for 1 s, looking at the
+//! queue every 1 ms on its own, and is woken only from its long sleep; acknowledgements are
 //! asked for once per half bound; and a thread waiting on a semaphore applies what arrived itself
 //! (`poll_incoming`: non-blocking reads under the receiver's lock, which the receiver thread
 //! takes only with `try_lock` and only after waiting for data in `poll` without it; while a
@@ -90,10 +90,10 @@ pub const INLINE_LIMIT: u64 = 1 << 20;
 const COALESCE_GRACE: Duration = Duration::from_micros(20);
 /// While it lingers, the idle sender thread looks for held small writes this often on its own,
 /// so that queueing one needs no wake-up.
-const TX_TICK: Duration = Duration::from_micros(200);
+const TX_TICK: Duration = Duration::from_millis(1);
 /// How long the sender thread lingers (ticking) after its last small write before it sleeps
 /// until woken.
-const TX_LINGER: Duration = Duration::from_millis(5);
+const TX_LINGER: Duration = Duration::from_secs(1);
 /// How long dropping a connection waits for its outstanding operations to land.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -654,8 +654,8 @@ fn send_record(s: &TcpStream, rec: &Record) -> std::io::Result<()> {
 
 /// While a waiting thread polled the socket itself (`poll_incoming`) this recently, the receiver
 /// thread keeps away from it (two readers of one socket only contend), and looks again after
-/// half this time.
-const RX_DEFER: Duration = Duration::from_micros(200);
+/// the rest of this time (each wake-up takes a CPU from a spinning waiter on a small machine).
+const RX_DEFER: Duration = Duration::from_millis(1);
 /// How often a blocked receiver thread looks at the stop flag.
 const RX_STOP_CHECK: Duration = Duration::from_millis(100);
 
@@ -893,7 +893,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
         let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
         if since < RX_DEFER.as_nanos() as u64 {
             // A waiter is reading the socket itself.
-            std::thread::sleep(RX_DEFER / 2);
+            std::thread::sleep(RX_DEFER - Duration::from_nanos(since));
             continue;
         }
         // Block in `poll` without the lock, so a waiter may take the data first.
