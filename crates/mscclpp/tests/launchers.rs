@@ -122,8 +122,18 @@ impl Slurm {
             if o.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "idle") {
                 return Ok(s);
             }
-            if start.elapsed() > Duration::from_secs(30) {
-                return Err(format!("the Slurm node is not idle after 30 s; logs in {}", s.dir.display()));
+            if start.elapsed() > Duration::from_secs(60) {
+                // The logs go with the directory when `s` drops: put their ends in the error.
+                let tail = |f: &str| {
+                    let t = std::fs::read_to_string(s.dir.join(f)).unwrap_or_default();
+                    let lines: Vec<&str> = t.lines().collect();
+                    lines[lines.len().saturating_sub(8)..].join("\n")
+                };
+                return Err(format!(
+                    "the Slurm node is not idle after 60 s\n--- slurmctld:\n{}\n--- slurmd:\n{}",
+                    tail("ctld.log"),
+                    tail("d.log")
+                ));
             }
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -153,7 +163,12 @@ fn srun_starts_four_ranks() {
     if !have("slurmd", "-V") || !have("slurmctld", "-V") {
         return unavailable("Slurm (Debian slurm-wlm) is not installed");
     }
-    let slurm = Slurm::start().unwrap();
+    // One retry: the daemons' ports come from free_port(), which another test may take first.
+    let slurm = Slurm::start().or_else(|e| {
+        eprintln!("first Slurm start failed, retrying: {e}");
+        Slurm::start()
+    });
+    let slurm = slurm.unwrap();
     let out = wait_limited(
         Command::new("srun")
             .args(["-n", "4", "--overcommit", "--export=ALL"])
