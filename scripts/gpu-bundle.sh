@@ -16,7 +16,7 @@ cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
-want = {"cuda", "device", "mscclpp", "ib_fake"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider
+want = {"cuda", "device", "mscclpp", "ib_fake", "user_memory", "peer_death"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider, the user's own GPU memory, peer death
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -48,6 +48,10 @@ echo "== kernels that communicate: FIFO, proxy, PortChannel (--ignored; NVRTC fr
 timeout 300 ./bin/device --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== IB on the in-process provider with GPU memory and GPU tokens (--ignored gpu_)" | tee -a "$logs/tests.log"
 timeout 200 ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |forwarding|registered|refused|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== the user's own GPU memory: register_device, CudaSlice, cuMemCreate over a POSIX fd (--ignored)" | tee -a "$logs/tests.log"
+timeout 200 ./bin/user_memory --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== peer death: CUDA IPC sender learns its peer died (--ignored)" | tee -a "$logs/tests.log"
+timeout 200 ./bin/peer_death --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== perf: device (FIFO, proxy, PortChannel; one process, two ranks)" | tee "$logs/perf.txt"
 timeout 200 ./bin/mscclpp-perf device --max-bytes 1G 2>&1 | tee -a "$logs/perf.txt" || rc=1
 echo "== perf: CUDA IPC" | tee -a "$logs/perf.txt"
