@@ -16,7 +16,7 @@ cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
-want = {"cuda", "device", "mscclpp", "ib_fake", "user_memory", "peer_death"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider, the user's own GPU memory, peer death
+want = {"cuda", "device", "mscclpp", "ib_fake", "user_memory", "peer_death"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider, user GPU memory, peer death
 for line in sys.stdin:
     try:
         m = json.loads(line)
