@@ -54,6 +54,11 @@ fn attr(a: sys::CUpointer_attribute, ptr: u64) -> std::result::Result<u64, sys::
 pub(crate) fn pointer_info(ptr: u64, len: u64) -> Result<PointerInfo> {
     use sys::CUpointer_attribute as A;
     init()?;
+    // Pointer queries need a current context (any: addresses are unified); bind GPU 0's primary
+    // context where the calling thread has none.
+    if cudarc::driver::result::ctx::get_current().ok().flatten().is_none() {
+        device(0)?.bind()?;
+    }
     let mt = match attr(A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) {
         Ok(v) => v,
         Err(r) => {
@@ -287,13 +292,33 @@ impl Drop for VmmMapping {
     }
 }
 
+/// A copy of the owner's exported descriptor: `pidfd_getfd(2)`, else opening
+/// `/proc/<pid>/fd/<n>` (which needs only ptrace read access, allowed where attaching is not).
+fn take_fd(owner: &crate::platform::pidfd::PidFd, info: &VmmInfo) -> Result<OwnedFd> {
+    let e1 = match owner.get_fd(info.fd) {
+        Ok(fd) => return Ok(fd),
+        Err(e) => e,
+    };
+    let path = format!("/proc/{}/fd/{}", info.pid, info.fd);
+    match std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+        Ok(f) => {
+            tracing::debug!(target: LOG, "VMM descriptor taken by opening {path} ({e1})");
+            Ok(OwnedFd::from(f))
+        }
+        Err(e2) => Err(Error::new(
+            ErrorKind::System,
+            format!("cannot take the owner's descriptor: {}; opening {path}: {e2}", e1.message()),
+        )),
+    }
+}
+
 /// Maps a peer's VMM allocation on `dev`: takes a copy of its descriptor (`pidfd_getfd`),
 /// imports it, reserves an address range, maps it and grants `dev` read-write access.
 pub(crate) fn vmm_open(info: &VmmInfo, dev: &Arc<GpuDevice>) -> Result<Arc<VmmMapping>> {
     let during = |e: Error| e.during(format!("mapping the peer's cuMemCreate memory (process {})", info.pid));
     let owner =
         crate::platform::pidfd::PidFd::open(info.pid, Some(info.start_time).filter(|s| *s != 0)).map_err(during)?;
-    let fd = owner.get_fd(info.fd).map_err(during)?;
+    let fd = take_fd(&owner, info).map_err(during)?;
     dev.bind()?;
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: for POSIX_FILE_DESCRIPTOR the "OS handle" argument is the descriptor's value cast
