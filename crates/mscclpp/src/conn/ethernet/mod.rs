@@ -31,12 +31,12 @@
 //!
 //! # Closing
 //! Dropping a connection acknowledges everything its receiver applied before the socket closes:
-//! the receiver is woken (its socket shut for reading), sends one last acknowledgement of the
-//! frames it applied, and only then is the socket closed. The peer's `flush` succeeds when every
-//! operation it covers was acknowledged, even after the connection closed (the peer's closing
-//! does not cut this side's acknowledgement stream short: an end of the peer's frames leaves the
-//! acknowledgement socket open until its own end arrives), and fails with the closing error
-//! otherwise. Operations still in flight when the peer closes are not applied.
+//! the receiver is woken (its socket shut for reading) and sends a closing record naming the last
+//! frame it applied ([`wire::Record::Closing`]), and only then is the socket closed. The peer's
+//! `flush` succeeds when every operation it covers is acknowledged and the peer closed this way
+//! (the end of the peer's frames does not cut this side's acknowledgement stream short), and
+//! fails with the closing error otherwise: for operations still in flight at the close, and after
+//! a peer that died (no closing record), as before.
 //!
 //! # Copies
 //! None on either side: the sender hands headers and payloads, straight from the source region, to
@@ -660,10 +660,10 @@ fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadlin
     let applied_all = apply_frames(sh, &ctx, &mut rd, &mut core);
     // Closing (this side dropped the connection): acknowledge every frame applied, so that the
     // peer's flush of those succeeds; the socket closes after this.
-    if applied_all && sh.stop.load(Ordering::Acquire) && core.applied_through() > 0 {
+    if applied_all && sh.stop.load(Ordering::Acquire) {
         let s = rd.get_ref();
         let _ = s.set_write_timeout(Some(LAST_ACK_WAIT));
-        if let Err(e) = send_record(s, &Record::Ack(core.applied_through())) {
+        if let Err(e) = send_record(s, &Record::Closing(core.applied_through())) {
             debug!(target: LOG, "last acknowledgement to {}: {e}", sh.peer_desc);
         }
     }
@@ -827,26 +827,22 @@ impl ConnectionImpl for EthernetConnection {
     }
 
     /// Succeeds once every operation issued before it is acknowledged, even when the peer has
-    /// closed the connection since (a closing peer acknowledges what it applied); fails with the
-    /// closing error once no more acknowledgements can come (or [`CLOSE_GRACE`] after it). Any
-    /// other failure (a refused frame, an I/O error) fails every flush.
+    /// dropped the connection since (its closing record acknowledges what it applied); fails with
+    /// the closing error once no more acknowledgements can come (or [`CLOSE_GRACE`] after it).
+    /// Any other failure (a peer that died, a refused frame, an I/O error) fails every flush.
     fn flush(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         let deadline = start.checked_add(timeout);
         let target = {
             let st = lock(&self.sh.st);
-            if let Some(e) = &st.failed
-                && !st.failed_by_close
-            {
-                return Err(e.duplicate());
-            }
-            match st.core.flush_target() {
-                Some(t) => t,
-                None => return Ok(()),
+            match (&st.failed, st.core.flush_target()) {
+                (Some(e), _) if !st.failed_by_close => return Err(e.duplicate()),
+                (None, None) => return Ok(()),
+                (_, t) => t.unwrap_or(st.core.issued()),
             }
         };
         // Ask the peer to acknowledge now (a failed connection sends nothing more; what the peer
-        // acknowledged on closing decides).
+        // said on closing decides).
         if let Err(e) = self.sh.enqueue(Op::Nop)
             && self.sh.failure().is_none()
         {
@@ -855,15 +851,18 @@ impl ConnectionImpl for EthernetConnection {
         let mut failed_at: Option<Instant> = None;
         let mut st = lock(&self.sh.st);
         loop {
-            if st.core.applied() >= target {
+            // After a failure, only a peer that closed deliberately (a Closing record: its
+            // acknowledgements are final) lets a flush succeed; a peer that died fails it.
+            let acked = st.core.applied() >= target;
+            if acked && (st.failed.is_none() || st.core.peer_closed()) {
                 return Ok(());
             }
             let now = Instant::now();
             if let Some(e) = &st.failed {
                 let since = *failed_at.get_or_insert(now);
-                let final_ = st.acks_ended || !st.failed_by_close;
+                let final_ = st.acks_ended || !st.failed_by_close || st.core.peer_closed();
                 if final_ || now.duration_since(since) >= CLOSE_GRACE || deadline.is_some_and(|d| now >= d) {
-                    return Err(e.duplicate().with_outstanding(target - st.core.applied()));
+                    return Err(e.duplicate().with_outstanding(target - st.core.applied().min(target)));
                 }
             }
             let left = match deadline {
