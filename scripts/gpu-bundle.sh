@@ -16,7 +16,7 @@ cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
-want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel
+want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel", "user_memory", "peer_death"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel, user GPU memory, peer death
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -55,6 +55,10 @@ timeout 60 ./bin/memory_channel_put 2>&1 | tee -a "$logs/tests.log" || rc=1
 timeout 90 ./bin/memory_channel_allgather 4 2>&1 | tee -a "$logs/tests.log" || rc=1
 echo "== IB on the in-process provider with GPU memory and GPU tokens (--ignored gpu_)" | tee -a "$logs/tests.log"
 timeout 200 ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |forwarding|registered|refused|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== the user's own GPU memory: register_device, CudaSlice, cuMemCreate over a POSIX fd (--ignored)" | tee -a "$logs/tests.log"
+timeout 200 ./bin/user_memory --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== peer death: CUDA IPC sender learns its peer died (--ignored)" | tee -a "$logs/tests.log"
+timeout 200 ./bin/peer_death --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== perf: device (FIFO, proxy, PortChannel; one process, two ranks)" | tee "$logs/perf.txt"
 timeout 200 ./bin/mscclpp-perf device --max-bytes 1G 2>&1 | tee -a "$logs/perf.txt" || rc=1
 echo "== perf: CUDA IPC" | tee -a "$logs/perf.txt"

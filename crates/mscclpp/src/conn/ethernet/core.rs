@@ -90,6 +90,7 @@ impl RecordReader {
         self.have = 0;
         match Record::decode_head(&self.head).map_err(|e| format!("sent a malformed record: {}", e.message()))? {
             RecordHead::Ack(v) => Ok((take, Some(Record::Ack(v)))),
+            RecordHead::Closing(v) => Ok((take, Some(Record::Closing(v)))),
             RecordHead::Refusal(n) => {
                 self.reason = Some((Vec::with_capacity(n), n));
                 let (more, rec) = self.read(&input[take..])?;
@@ -108,6 +109,8 @@ pub(crate) struct SenderCore<S> {
     issued: u64,
     /// Highest sequence number the peer confirmed applied.
     applied: u64,
+    /// The peer said it is closing ([`Record::Closing`]): its acknowledgements are final.
+    peer_closed: bool,
     max_queue: u64,
     /// Sequence number of the last frame that asked for an acknowledgement.
     asked: u64,
@@ -122,6 +125,7 @@ impl<S> SenderCore<S> {
             queue: VecDeque::new(),
             issued: 0,
             applied: 0,
+            peer_closed: false,
             max_queue: max_queue.max(1),
             asked: 0,
             records: RecordReader::default(),
@@ -147,6 +151,11 @@ impl<S> SenderCore<S> {
     /// Highest sequence number confirmed applied.
     pub(crate) fn applied(&self) -> u64 {
         self.applied
+    }
+
+    /// Whether the peer closed the connection deliberately (dropped it) and said what it applied.
+    pub(crate) fn peer_closed(&self) -> bool {
+        self.peer_closed
     }
 
     /// Queues `op` under the next sequence number, unless the queue bound is reached (then
@@ -230,9 +239,16 @@ impl<S> SenderCore<S> {
             let r = self.records.read(input).and_then(|(n, rec)| {
                 input = &input[n..];
                 match rec {
-                    Some(Record::Ack(v)) if v > self.issued => Err(format!("acknowledged sequence {v} never sent")),
+                    Some(Record::Ack(v) | Record::Closing(v)) if v > self.issued => {
+                        Err(format!("acknowledged sequence {v} never sent"))
+                    }
                     Some(Record::Ack(v)) => {
                         self.applied = self.applied.max(v);
+                        Ok(())
+                    }
+                    Some(Record::Closing(v)) => {
+                        self.applied = self.applied.max(v);
+                        self.peer_closed = true;
                         Ok(())
                     }
                     Some(Record::Refusal(why)) => Err(format!("refused a frame and closed the connection: {why}")),
@@ -372,6 +388,13 @@ impl ReceiverCore {
                 Err(why)
             }
         }
+    }
+
+    /// The last sequence number applied: every frame up to it has been handed to the shell as
+    /// an event, and a write's payload has fully arrived (between calls, once the shell has acted
+    /// on the events it got, all of them are in memory). What a closing receiver acknowledges.
+    pub(crate) fn applied_through(&self) -> u64 {
+        self.expect - 1
     }
 
     /// The current write's next offset and the payload bytes still due, if a write is being

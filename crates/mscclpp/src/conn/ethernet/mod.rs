@@ -29,6 +29,15 @@
 //! (a flag set on frames once half the queue bound is unconfirmed, and on the probe `flush`
 //! sends) and every 256 frames; `flush` waits for the acknowledgement of everything issued.
 //!
+//! # Closing
+//! Dropping a connection acknowledges everything its receiver applied before the socket closes:
+//! the receiver is woken (its socket shut for reading), applies what had already arrived, and
+//! sends a closing record naming the last frame it applied ([`wire::Record::Closing`]); only then
+//! is the socket closed. The peer's `flush` succeeds when every operation it covers is
+//! acknowledged and the peer closed this way (the end of the peer's frames does not cut this
+//! side's acknowledgement stream short), and fails with the closing error otherwise: for
+//! operations still in flight at the close, and after a peer that died (no closing record).
+//!
 //! # Copies
 //! None on either side: the sender hands headers and payloads, straight from the source region, to
 //! one `sendmsg` per batch of frames, and the receiver reads payloads straight into the destination
@@ -398,6 +407,12 @@ struct State {
     /// When the small write now held at the queue's front was queued (it waits up to
     /// [`COALESCE_GRACE`] for the operation that usually follows it).
     held_since: Option<Instant>,
+    /// The acknowledgement reader has stopped: no more acknowledgements can arrive.
+    acks_ended: bool,
+    /// The failure is the peer closing (its frames ended): what it acknowledged still counts.
+    failed_by_close: bool,
+    /// The receiver thread has finished (after its closing record when closing).
+    rx_done: bool,
 }
 
 struct Shared {
@@ -429,15 +444,25 @@ struct Shared {
 impl Shared {
     /// Records the first failure and wakes everyone.
     fn fail(&self, e: Error) {
+        self.fail_with(e, true);
+    }
+
+    /// Records the first failure and wakes everyone; with `cut_acks`, also shuts the outgoing
+    /// socket, ending the acknowledgement stream (not when the peer merely closed its side: its
+    /// last acknowledgements may still be on their way here).
+    fn fail_with(&self, e: Error, cut_acks: bool) {
         let mut st = lock(&self.st);
         if st.failed.is_none() && !st.closing {
             debug!(target: LOG, "connection with {} failed: {e}", self.peer_desc);
             st.failed = Some(e);
+            st.failed_by_close = !cut_acks;
         }
         drop(st);
         self.cond.notify_all();
         self.tx_cond.notify_all();
-        let _ = self.out_ctl.shutdown(Shutdown::Both);
+        if cut_acks {
+            let _ = self.out_ctl.shutdown(Shutdown::Both);
+        }
         if let Some(s) = lock(&self.in_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -452,12 +477,13 @@ impl Shared {
         if self.stop.load(Ordering::Acquire) {
             return;
         }
-        let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        let closed = e.kind() == std::io::ErrorKind::UnexpectedEof;
+        let why = if closed {
             format!("peer {} closed the connection", self.peer_desc)
         } else {
             format!("{what} {} failed: {e}", self.peer_desc)
         };
-        self.fail(Error::remote(why));
+        self.fail_with(Error::remote(why), !closed);
     }
 
     /// Queues `op`, waiting while the queue bound is reached; small operations are sent by the
@@ -622,8 +648,15 @@ fn sender_loop(sh: Arc<Shared>) {
     }
 }
 
-/// Reads acknowledgements and refusals from the outgoing socket and hands them to the core.
-fn ack_loop(sh: Arc<Shared>, mut s: TcpStream) {
+/// Reads acknowledgements and refusals from the outgoing socket and hands them to the core,
+/// until the socket ends; then says so (a flush waiting on a closed connection may decide).
+fn ack_loop(sh: Arc<Shared>, s: TcpStream) {
+    read_acks(&sh, s);
+    lock(&sh.st).acks_ended = true;
+    sh.cond.notify_all();
+}
+
+fn read_acks(sh: &Shared, mut s: TcpStream) {
     let mut buf = [0u8; 4096];
     loop {
         let n = match s.read(&mut buf) {
@@ -719,6 +752,9 @@ struct RxState {
     ctx: Arc<ContextInner>,
     /// The connection is over on this side (failed or closed): nothing more is read.
     done: bool,
+    /// No frame failed to apply or was refused: what `core` counts as applied may be
+    /// acknowledged on closing.
+    applied_all: bool,
 }
 
 /// Who is applying frames.
@@ -754,6 +790,7 @@ impl RxState {
                     warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
                     let _ = send_record(&self.rd.get_ref().sock, &Record::refusal(&why));
                     sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
+                    self.applied_all = false;
                     self.done = true;
                     break;
                 }
@@ -843,6 +880,11 @@ impl RxState {
             };
             progressed = true;
             if let Err(e) = applied {
+                // A read that ended mid-payload leaves that write unapplied (and uncounted); a
+                // failed token store was counted as applied: nothing more may be acknowledged then.
+                if !matches!(e, StageError::Io(_)) {
+                    self.applied_all = false;
+                }
                 report(e);
                 self.done = true;
             }
@@ -852,8 +894,17 @@ impl RxState {
 }
 
 /// Takes the peer's socket, then applies its frames as the receiver core directs, waiting for
-/// data outside the receiver's lock.
+/// data outside the receiver's lock; then says it has finished.
 fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Instant) {
+    receive(&sh, ctx, acceptor, deadline);
+    lock(&sh.st).rx_done = true;
+    sh.cond.notify_all();
+}
+
+/// How long a closing receiver's last acknowledgement may take to send.
+const LAST_ACK_WAIT: Duration = Duration::from_secs(1);
+
+fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Instant) {
     let s = match acceptor.take(deadline, &sh.stop) {
         Ok(s) => s,
         Err(e) => {
@@ -885,10 +936,11 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
         stagers: HashMap::new(),
         ctx,
         done: false,
+        applied_all: true,
     });
     loop {
         if sh.stop.load(Ordering::Acquire) {
-            return;
+            break;
         }
         let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
         if since < RX_DEFER.as_nanos() as u64 {
@@ -907,9 +959,25 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
             continue;
         };
         let Some(rx) = g.as_mut() else { return };
-        rx.drain(&sh, Drainer::Thread);
+        rx.drain(sh, Drainer::Thread);
         if rx.done {
-            return;
+            break;
+        }
+    }
+    // Closing (this side dropped the connection): apply what had already arrived (the socket is
+    // shut for reading, so the reads end), then acknowledge every frame applied, so that the
+    // peer's flush of those succeeds; the socket closes after this.
+    if !sh.stop.load(Ordering::Acquire) {
+        return;
+    }
+    let mut g = lock(&sh.rx);
+    let Some(rx) = g.as_mut() else { return };
+    while !rx.done && rx.drain(sh, Drainer::Thread) {}
+    if rx.applied_all {
+        let s = &rx.rd.get_ref().sock;
+        let _ = s.set_write_timeout(Some(LAST_ACK_WAIT));
+        if let Err(e) = send_record(s, &Record::Closing(rx.core.applied_through())) {
+            debug!(target: LOG, "last acknowledgement to {}: {e}", sh.peer_desc);
         }
     }
 }
@@ -957,30 +1025,45 @@ impl ConnectionImpl for EthernetConnection {
         self.sh.enqueue(Op::Add { region, offset: dst_off, value: value as u64 })
     }
 
+    /// Succeeds once every operation issued before it is acknowledged, even when the peer has
+    /// dropped the connection since (its closing record acknowledges what it applied); fails with
+    /// the closing error once no more acknowledgements can come (or [`CLOSE_GRACE`] after it).
+    /// Any other failure (a peer that died, a refused frame, an I/O error) fails every flush.
     fn flush(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         let deadline = start.checked_add(timeout);
         let target = {
             let st = lock(&self.sh.st);
-            if let Some(e) = &st.failed {
-                return Err(e.duplicate());
-            }
-            match st.core.flush_target() {
-                Some(t) => t,
-                None => return Ok(()),
+            match (&st.failed, st.core.flush_target()) {
+                (Some(e), _) if !st.failed_by_close => return Err(e.duplicate()),
+                (None, None) => return Ok(()),
+                (_, t) => t.unwrap_or(st.core.issued()),
             }
         };
-        // Ask the peer to acknowledge now.
-        self.sh.enqueue(Op::Nop)?;
+        // Ask the peer to acknowledge now (a failed connection sends nothing more; what the peer
+        // said on closing decides).
+        if let Err(e) = self.sh.enqueue(Op::Nop)
+            && self.sh.failure().is_none()
+        {
+            return Err(e);
+        }
+        let mut failed_at: Option<Instant> = None;
         let mut st = lock(&self.sh.st);
         loop {
-            if let Some(e) = &st.failed {
-                return Err(e.duplicate());
-            }
-            if st.core.applied() >= target {
+            // After a failure, only a peer that closed deliberately (a Closing record: its
+            // acknowledgements are final) lets a flush succeed; a peer that died fails it.
+            let acked = st.core.applied() >= target;
+            if acked && (st.failed.is_none() || st.core.peer_closed()) {
                 return Ok(());
             }
             let now = Instant::now();
+            if let Some(e) = &st.failed {
+                let since = *failed_at.get_or_insert(now);
+                let final_ = st.acks_ended || !st.failed_by_close || st.core.peer_closed();
+                if final_ || now.duration_since(since) >= CLOSE_GRACE || deadline.is_some_and(|d| now >= d) {
+                    return Err(e.duplicate().with_outstanding(target - st.core.applied().min(target)));
+                }
+            }
             let left = match deadline {
                 Some(d) if now >= d => {
                     return Err(Error::new(
@@ -1054,6 +1137,22 @@ impl Drop for EthernetConnection {
         self.sh.stop.store(true, Ordering::Release);
         self.sh.cond.notify_all();
         self.sh.tx_cond.notify_all();
+        // The receiver first: its socket shut for reading wakes it, it acknowledges every frame
+        // it applied (see "Closing" above), and only then does the socket close.
+        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
+            let _ = s.shutdown(Shutdown::Read);
+        }
+        {
+            let end = Instant::now() + CLOSE_GRACE;
+            let mut st = lock(&self.sh.st);
+            while !st.rx_done && lock(&self.sh.in_ctl).is_some() {
+                let now = Instant::now();
+                if now >= end {
+                    break;
+                }
+                st = self.sh.cond.wait_timeout(st, end - now).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+            }
+        }
         let _ = self.sh.out_ctl.shutdown(Shutdown::Both);
         if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
@@ -1093,6 +1192,9 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             closing: false,
             tx: Tx::Busy,
             held_since: None,
+            acks_ended: false,
+            failed_by_close: false,
+            rx_done: false,
         }),
         cond: Condvar::new(),
         tx_cond: Condvar::new(),

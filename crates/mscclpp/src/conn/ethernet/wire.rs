@@ -22,6 +22,7 @@ const FLAG_ACK: u8 = 1;
 
 const REC_ACK: u8 = 1;
 const REC_ERR: u8 = 2;
+const REC_CLOSE: u8 = 3;
 
 const HS_MAGIC: &[u8; 4] = b"MSEH";
 const HS_VERSION: u16 = 1;
@@ -135,6 +136,9 @@ pub(crate) enum Record {
     Ack(u64),
     /// A frame was refused for this reason; the receiver closes the connection.
     Refusal(String),
+    /// The receiver is closing (its connection was dropped): every frame up to this sequence
+    /// number is applied, and nothing after it will be.
+    Closing(u64),
 }
 
 /// What the fixed part of a record says.
@@ -143,6 +147,8 @@ pub(crate) enum RecordHead {
     Ack(u64),
     /// A refusal whose reason (this many bytes) follows.
     Refusal(usize),
+    /// A complete closing acknowledgement.
+    Closing(u64),
 }
 
 impl Record {
@@ -165,6 +171,7 @@ impl Record {
         }
         match b[0] {
             REC_ACK => Ok(RecordHead::Ack(v)),
+            REC_CLOSE => Ok(RecordHead::Closing(v)),
             REC_ERR => match usize::try_from(v) {
                 Ok(n) if n <= MAX_REASON => Ok(RecordHead::Refusal(n)),
                 _ => Err(Error::remote(format!("a refusal of {v} bytes is longer than {MAX_REASON}"))),
@@ -186,6 +193,7 @@ impl WireForm for Record {
     fn to_wire(&self) -> Vec<u8> {
         let (kind, v, extra) = match self {
             Record::Ack(s) => (REC_ACK, *s, &[][..]),
+            Record::Closing(s) => (REC_CLOSE, *s, &[][..]),
             Record::Refusal(why) => (REC_ERR, why.len() as u64, why.as_bytes()),
         };
         let mut b = Vec::with_capacity(RECORD + extra.len());
@@ -201,6 +209,7 @@ impl WireForm for Record {
         let rest = &bytes[RECORD..];
         match Record::decode_head(head)? {
             RecordHead::Ack(v) if rest.is_empty() => Ok(Record::Ack(v)),
+            RecordHead::Closing(v) if rest.is_empty() => Ok(Record::Closing(v)),
             RecordHead::Refusal(n) if rest.len() == n => Record::decode_reason(rest),
             _ => Err(short()),
         }
@@ -299,6 +308,7 @@ mod tests {
         #[test]
         fn record_wire_form(seq: u64, why in ".{0,40}", junk in proptest::collection::vec(any::<u8>(), 0..40)) {
             check_value(&Record::Ack(seq));
+            check_value(&Record::Closing(seq));
             check_value(&Record::refusal(&why));
             check_bytes::<Record>(&junk);
         }
