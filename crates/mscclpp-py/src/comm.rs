@@ -266,6 +266,9 @@ impl Communicator {
         transports: &Bound<'_, PyAny>,
     ) -> PyResult<RegisteredMemory> {
         let t = transport_flags(py, transports)?;
+        if t.is_empty() {
+            return Err(invalid(py, "register needs at least one transport"));
+        }
         register_object(py, self.comm.context(), obj, t)
     }
 
@@ -500,7 +503,8 @@ impl Connection {
     }
 
     fn __repr__(&self) -> String {
-        format!("Connection(peer={:?}, transport={})", self.conn.peer_rank(), self.conn.transport())
+        let peer = self.conn.peer_rank().map_or("None".to_string(), |p| p.to_string());
+        format!("Connection(peer={peer}, transport={})", self.conn.transport())
     }
 }
 
