@@ -106,6 +106,7 @@ pub mod fuzzing {
         "registered_memory",
         "endpoint",
         "ipc_info",
+        "vmm_info",
         "text_specs",
     ];
 
@@ -134,6 +135,7 @@ pub mod fuzzing {
             "registered_memory" => check_bytes::<crate::RegisteredMemory>(data),
             "endpoint" => check_bytes::<crate::Endpoint>(data),
             "ipc_info" => check_bytes::<crate::platform::cuda::IpcInfo>(data),
+            "vmm_info" => check_bytes::<crate::platform::cuda::usermem::VmmInfo>(data),
             "text_specs" => {
                 // Strings users pass in (command lines, environment): parsing never panics and a
                 // parsed transport prints as a name that parses back to it.

@@ -7,6 +7,7 @@ use crate::context::Context;
 pub(crate) use crate::context::{LocalRegion, Mem};
 use crate::error::{Error, Result};
 use crate::platform::cuda::IpcInfo;
+use crate::platform::cuda::usermem::{VMM_INFO_BYTES, VmmInfo};
 use crate::platform::hostmem::Region;
 use crate::transport::{Device, Transport, TransportFlags};
 use crate::wire::{Reader, WireForm, Writer};
@@ -38,6 +39,8 @@ pub(crate) struct MemoryDesc {
     pub(crate) device: Device,
     /// CUDA IPC export (filled by the CUDA transport).
     pub(crate) cuda_ipc: Option<IpcInfo>,
+    /// Export of `cuMemCreate` memory through a POSIX file descriptor (instead of `cuda_ipc`).
+    pub(crate) vmm: Option<VmmInfo>,
     /// Per-IB-transport MR info (filled by the IB transport).
     pub(crate) ib: [Option<IbMrInfo>; 8],
 }
@@ -45,9 +48,9 @@ pub(crate) struct MemoryDesc {
 struct MemInner {
     desc: MemoryDesc,
     local: Option<Arc<LocalRegion>>,
-    /// A peer's GPU memory mapped into this process through CUDA IPC on first use (kept alive
-    /// while this handle lives).
-    import: OnceLock<Arc<crate::platform::cuda::IpcMapping>>,
+    /// A peer's GPU memory mapped into this process through CUDA IPC (a legacy handle or a VMM
+    /// descriptor) on first use (kept alive while this handle lives).
+    import: OnceLock<Arc<dyn Send + Sync>>,
     /// The address of this GPU memory in this process, once resolved (the hot path of every
     /// CUDA IPC operation reads only this).
     resolved: OnceLock<u64>,
@@ -89,7 +92,7 @@ impl fmt::Debug for RegisteredMemory {
 
 impl RegisteredMemory {
     pub(crate) fn new_local(ctx: &Context, region: Region, transports: TransportFlags, device: Device) -> Result<Self> {
-        Self::new_local_mem(ctx, Mem::Host(region), transports, device, None)
+        Self::new_local_mem(ctx, Mem::Host(region), transports, device, None, None)
     }
 
     pub(crate) fn new_local_gpu(
@@ -99,7 +102,7 @@ impl RegisteredMemory {
         ipc: Option<IpcInfo>,
     ) -> Result<Self> {
         let dev = Device::Gpu(region.dev.ordinal);
-        Self::new_local_mem(ctx, Mem::Gpu(region), transports, dev, ipc)
+        Self::new_local_mem(ctx, Mem::Gpu(region), transports, dev, ipc, None)
     }
 
     fn new_local_mem(
@@ -108,6 +111,7 @@ impl RegisteredMemory {
         transports: TransportFlags,
         device: Device,
         cuda_ipc: Option<IpcInfo>,
+        vmm: Option<VmmInfo>,
     ) -> Result<Self> {
         let inner = ctx.inner();
         let id = inner.next_region_id();
@@ -139,6 +143,7 @@ impl RegisteredMemory {
             transports,
             device,
             cuda_ipc,
+            vmm,
             ib,
         };
         let local = Arc::new(LocalRegion { ib_mrs, mem: region, id, transports, ctx: Arc::downgrade(inner) });
@@ -220,13 +225,29 @@ impl RegisteredMemory {
         if d.process_hash == crate::identity::process_hash() {
             return Ok(d.addr);
         }
-        let info =
-            d.cuda_ipc.as_ref().ok_or_else(|| Error::invalid_usage("the peer's memory carries no CUDA IPC handle"))?;
-        let m = crate::platform::cuda::ipc_open(info, dev)?;
-        if info.offset.checked_add(d.len).is_none_or(|e| e > m.size) {
-            return Err(Error::invalid_usage("the peer's memory extends past its CUDA allocation"));
-        }
-        Ok(self.inner.import.get_or_init(|| m).base + info.offset)
+        let (base, offset, keep): (u64, u64, Arc<dyn Send + Sync>) = match (&d.cuda_ipc, &d.vmm) {
+            (Some(info), _) => {
+                let m = crate::platform::cuda::ipc_open(info, dev)?;
+                if info.offset.checked_add(d.len).is_none_or(|e| e > m.size) {
+                    return Err(Error::invalid_usage("the peer's memory extends past its CUDA allocation"));
+                }
+                (m.base, info.offset, m)
+            }
+            (None, Some(info)) => {
+                if info.offset.checked_add(d.len).is_none_or(|e| e > info.size) {
+                    return Err(Error::invalid_usage("the peer's memory extends past its cuMemCreate allocation"));
+                }
+                let m = crate::platform::cuda::usermem::vmm_open(info, dev)?;
+                (m.base, info.offset, m)
+            }
+            (None, None) => {
+                return Err(Error::invalid_usage(
+                    "the peer's memory carries no CUDA IPC handle (registered without Transport::CudaIpc)",
+                ));
+            }
+        };
+        self.inner.import.get_or_init(|| keep);
+        Ok(base + offset)
     }
 
     /// Checks that `[offset, offset + len)` is inside this memory.
@@ -246,15 +267,20 @@ impl RegisteredMemory {
         w.u64(d.process_hash);
         w.u16(d.transports.bits());
         put_device(&mut w, d.device);
-        match &d.cuda_ipc {
-            Some(info) => {
+        match (&d.cuda_ipc, &d.vmm) {
+            (Some(info), _) => {
                 w.u8(1);
                 // A length in front (always IPC_INFO_BYTES today) keeps the form open to longer
                 // handles (fabric handles) in a later version.
                 // 84 bytes: never over the 4 GiB a length field holds.
                 let _ = w.bytes(&info.to_wire());
             }
-            None => w.u8(0),
+            (None, Some(info)) => {
+                w.u8(2);
+                // 36 bytes: never over the 4 GiB a length field holds.
+                let _ = w.bytes(&info.to_wire());
+            }
+            (None, None) => w.u8(0),
         }
         let n = d.ib.iter().filter(|x| x.is_some()).count() as u8;
         w.u8(n);
@@ -284,14 +310,21 @@ impl RegisteredMemory {
         let transports =
             TransportFlags::from_bits(bits).ok_or_else(|| r.err(format!("unknown transport bits {bits:#x}")))?;
         let device = get_device(&mut r)?;
-        let cuda_ipc = match r.u8()? {
-            0 => None,
+        let (cuda_ipc, vmm) = match r.u8()? {
+            0 => (None, None),
             1 => {
                 let b = r.bytes()?;
                 if b.len() != IPC_INFO_BYTES {
                     return Err(r.err(format!("CUDA IPC info of {} bytes (expected {IPC_INFO_BYTES})", b.len())));
                 }
-                Some(IpcInfo::from_wire(b).map_err(|e| r.err(e.message()))?)
+                (Some(IpcInfo::from_wire(b).map_err(|e| r.err(e.message()))?), None)
+            }
+            2 => {
+                let b = r.bytes()?;
+                if b.len() != VMM_INFO_BYTES {
+                    return Err(r.err(format!("VMM info of {} bytes (expected {VMM_INFO_BYTES})", b.len())));
+                }
+                (None, Some(VmmInfo::from_wire(b).map_err(|e| r.err(e.message()))?))
             }
             x => return Err(r.err(format!("bad CUDA IPC presence byte {x}"))),
         };
@@ -311,8 +344,19 @@ impl RegisteredMemory {
         if addr.checked_add(len).is_none() {
             return Err(Error::invalid_usage("malformed serialized RegisteredMemory: address + length overflows"));
         }
-        let desc =
-            MemoryDesc { addr, len, region_id, context_id, host_hash, process_hash, transports, device, cuda_ipc, ib };
+        let desc = MemoryDesc {
+            addr,
+            len,
+            region_id,
+            context_id,
+            host_hash,
+            process_hash,
+            transports,
+            device,
+            cuda_ipc,
+            vmm,
+            ib,
+        };
         Ok(RegisteredMemory {
             inner: Arc::new(MemInner { desc, local: None, import: OnceLock::new(), resolved: OnceLock::new() }),
         })
@@ -338,6 +382,18 @@ impl WireForm for IpcInfo {
     }
     fn from_wire(bytes: &[u8]) -> Result<Self> {
         IpcInfo::decode(bytes)
+    }
+}
+
+/// The POSIX-descriptor export of `cuMemCreate` memory inside a serialized GPU memory: 36 bytes
+/// (owner's pid and start time, descriptor number, mapping size, offset of the range, device).
+impl WireForm for VmmInfo {
+    const WHAT: &'static str = "VMM info";
+    fn to_wire(&self) -> Vec<u8> {
+        self.encode()
+    }
+    fn from_wire(bytes: &[u8]) -> Result<Self> {
+        VmmInfo::decode(bytes)
     }
 }
 
@@ -373,6 +429,147 @@ impl Context {
         let region = unsafe { Region::from_raw(ptr, len) };
         RegisteredMemory::new_local(self, region, transports, Device::Cpu)
     }
+}
+
+impl Context {
+    /// Registers GPU memory the caller allocated (a KV cache, a torch tensor's storage, memory
+    /// from `cudaMalloc`, `cuMemCreate` or a pool) for `transports`: MSCCL++'s
+    /// `registerMemory(ptr, size, transports)` for device pointers.
+    ///
+    /// The driver is asked about `ptr` (`cuPointerGetAttribute`): its device (the registration's
+    /// [`Device`]), the allocation holding it (the range must lie inside one allocation; a range
+    /// in the middle of one is exported as the allocation's handle plus the offset), and how it
+    /// was made, which decides whether CUDA IPC can share it:
+    ///
+    /// | memory | CUDA IPC | Ethernet, IB |
+    /// |---|---|---|
+    /// | `cuMemAlloc`, `cudaMalloc` (torch's caching allocator) | legacy IPC handle | yes |
+    /// | `cuMemCreate` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` | a POSIX descriptor, taken by the peer with `pidfd_getfd(2)` (same host, and the peer may ptrace this process) | yes |
+    /// | `cuMemCreate` without that handle type | refused, naming why | yes |
+    /// | pool memory (`cuMemAllocAsync`, `cudaMallocAsync`), managed memory | refused, naming why | yes |
+    ///
+    /// Ethernet copies through the GPU (pinned staging); IB registers a dma-buf of the
+    /// allocation, else the pointer itself (nvidia-peermem), as for [`DeviceBuffer`](crate::DeviceBuffer).
+    ///
+    /// ```no_run
+    /// use mscclpp::{Context, Transport};
+    /// # fn user_alloc(len: usize) -> u64 { unimplemented!() }
+    /// let ctx = Context::new();
+    /// let len = 1 << 20;
+    /// let ptr: u64 = user_alloc(len); // e.g. torch's tensor.data_ptr(), or cuMemAlloc
+    /// // SAFETY: the allocation outlives the registration and every operation that uses it.
+    /// let mem = unsafe { ctx.register_device(ptr, len, Transport::CudaIpc | Transport::Ethernet)? };
+    /// assert_eq!(mem.len(), len as u64);
+    /// // send `mem` to peers with Communicator::send_memory
+    /// # Ok::<(), mscclpp::Error>(())
+    /// ```
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr + len)` must stay allocated (not freed, not unmapped) until the returned
+    ///    handle, every clone of it, every peer's use of it, and every connection operation using
+    ///    it (until its `flush` returns) are gone.
+    /// 2. While it is registered, peers may write into it at any time: the caller orders its own
+    ///    kernels and copies against peers' writes (through semaphores), as with any registered
+    ///    memory.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for a null pointer, zero length, an overflowing range, a pointer the driver
+    /// does not know, host memory, a range past its allocation, or CUDA IPC asked for memory it
+    /// cannot share (the message says why); `NotAvailable` without a CUDA driver; `Cuda` when an
+    /// export fails.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_device(&self, ptr: u64, len: usize, transports: TransportFlags) -> Result<RegisteredMemory> {
+        register_gpu(self, ptr, len, transports, None)
+    }
+}
+
+#[cfg(feature = "cudarc-slice")]
+impl Context {
+    /// Registers a cudarc [`CudaSlice`](cudarc::driver::CudaSlice) for `transports`, safely: the
+    /// registration keeps the slice (and so its memory) alive until the last clone of the
+    /// returned handle and every peer's use through it are gone. Work queued on the slice's
+    /// stream is waited for first. Feature `cudarc-slice`.
+    ///
+    /// cudarc allocates with `cuMemAllocAsync` where the GPU has memory pools (every recent GPU),
+    /// and pool memory has no CUDA IPC handle: such a slice registers for Ethernet and IB, and
+    /// asking for CUDA IPC is an `InvalidUsage` error saying so (see
+    /// [`register_device`](Self::register_device)).
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use mscclpp::{Context, Transport};
+    /// let cuda = cudarc::driver::CudaContext::new(0).unwrap();
+    /// let slice = cuda.default_stream().alloc_zeros::<f32>(1 << 20).unwrap();
+    /// let ctx = Context::new();
+    /// let mem = ctx.register_cuda_slice(Arc::new(slice), Transport::Ethernet.into())?;
+    /// assert_eq!(mem.len(), 4 << 20);
+    /// # Ok::<(), mscclpp::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`register_device`](Self::register_device); `Cuda` when the slice's stream fails.
+    pub fn register_cuda_slice<T: 'static>(
+        &self,
+        slice: Arc<cudarc::driver::CudaSlice<T>>,
+        transports: TransportFlags,
+    ) -> Result<RegisteredMemory> {
+        use cudarc::driver::DevicePtr;
+        let stream = slice.stream().clone();
+        stream
+            .synchronize()
+            .map_err(|e| crate::platform::cuda::cuda_err("cuStreamSynchronize (the slice's stream)", e))?;
+        let (ptr, sync) = slice.device_ptr(&stream);
+        drop(sync);
+        let len = slice.num_bytes();
+        register_gpu(self, ptr, len, transports, Some(slice))
+    }
+}
+
+/// [`Context::register_device`], keeping `keeper` (what owns the memory) alive with the
+/// registration. Crate-internal and not `unsafe`: the caller upholds `register_device`'s safety
+/// contract when `keeper` is `None` (it touches no memory itself; peers and copies do later).
+pub(crate) fn register_gpu(
+    ctx: &Context,
+    ptr: u64,
+    len: usize,
+    transports: TransportFlags,
+    keeper: Option<Arc<dyn Send + Sync>>,
+) -> Result<RegisteredMemory> {
+    use crate::platform::cuda::usermem::{AllocKind, pointer_info, vmm_export};
+    let during = |e: Error| e.during(format!("registering device memory {ptr:#x} (+{len} bytes)"));
+    if ptr == 0 || len == 0 {
+        return Err(during(Error::invalid_usage("cannot register a null pointer or an empty range")));
+    }
+    if ptr.checked_add(len as u64).is_none() {
+        return Err(during(Error::invalid_usage("pointer + length overflows the address space")));
+    }
+    let info = pointer_info(ptr, len as u64).map_err(during)?;
+    if transports.has(Transport::CudaIpc)
+        && let Some(why) = info.ipc_refusal()
+    {
+        return Err(during(Error::invalid_usage(format!(
+            "GPU{} memory cannot be registered for CUDA IPC: {why}",
+            info.ordinal
+        ))));
+    }
+    let (vmm_keep, vmm) = match (transports.has(Transport::CudaIpc), info.kind) {
+        (true, AllocKind::Vmm { posix_fd: true }) => {
+            let (keep, vi) = vmm_export(&info, ptr).map_err(during)?;
+            (Some(keep), Some(vi))
+        }
+        _ => (None, None),
+    };
+    let keeper: Option<Arc<dyn Send + Sync>> = match (keeper, vmm_keep) {
+        (k, None) => k,
+        (k, Some(v)) => Some(Arc::new((k, v))),
+    };
+    let region = info.region(ptr, len, keeper).map_err(during)?;
+    let ipc = match (transports.has(Transport::CudaIpc), info.kind) {
+        (true, AllocKind::Plain) => Some(crate::platform::cuda::ipc_export(&region).map_err(during)?),
+        _ => None,
+    };
+    let dev = Device::Gpu(info.ordinal);
+    RegisteredMemory::new_local_mem(ctx, Mem::Gpu(region), transports, dev, ipc, vmm).map_err(during)
 }
 
 pub(crate) fn put_device(w: &mut Writer, d: Device) {
@@ -421,6 +618,20 @@ mod tests {
         )
     }
 
+    /// Any valid VMM export: the offset lies inside the mapping, the descriptor is not negative.
+    pub(crate) fn arb_vmm_info() -> impl Strategy<Value = VmmInfo> {
+        (any::<u32>(), any::<u64>(), 0i32.., 1u64.., any::<u64>(), any::<u32>()).prop_map(
+            |(pid, start_time, fd, size, off, device)| VmmInfo {
+                pid,
+                start_time,
+                fd,
+                size,
+                offset: off % size,
+                device,
+            },
+        )
+    }
+
     /// Any valid memory description: host or GPU, with or without IPC info, any set of IB entries.
     fn arb_desc() -> impl Strategy<Value = MemoryDesc> {
         (
@@ -430,9 +641,10 @@ mod tests {
             0u16..(1 << 11),
             proptest::option::of(any::<u32>()),
             proptest::option::of(arb_ipc_info()),
+            proptest::option::of(arb_vmm_info()),
             any::<[Option<(u64, u32)>; 8]>(),
         )
-            .prop_map(|(addr, len, h, bits, gpu, ipc, ib)| MemoryDesc {
+            .prop_map(|(addr, len, h, bits, gpu, ipc, vmm, ib)| MemoryDesc {
                 addr: addr / 2,
                 len: len / 2,
                 region_id: h[0],
@@ -441,6 +653,8 @@ mod tests {
                 process_hash: h[3],
                 transports: TransportFlags::from_bits(bits & TransportFlags::ALL.bits()).unwrap_or_default(),
                 device: gpu.map(Device::Gpu).unwrap_or(Device::Cpu),
+                // One export or the other, never both (the form carries one).
+                vmm: if ipc.is_some() { None } else { vmm },
                 cuda_ipc: ipc,
                 ib: ib.map(|x| x.map(|(addr, rkey)| IbMrInfo { addr, rkey })),
             })
@@ -466,10 +680,36 @@ mod tests {
         }
 
         #[test]
+        fn vmm_info_wire_form(info in arb_vmm_info(), junk in proptest::collection::vec(any::<u8>(), 30..40)) {
+            crate::wire::check::check_value(&info);
+            crate::wire::check::check_bytes::<VmmInfo>(&junk);
+        }
+
+        #[test]
         fn ipc_info_wire_form(info in arb_ipc_info(), junk in proptest::collection::vec(any::<u8>(), 80..90)) {
             crate::wire::check::check_value(&info);
             crate::wire::check::check_bytes::<IpcInfo>(&junk);
         }
+    }
+
+    #[test]
+    fn register_device_refuses_bad_ranges_without_a_gpu() {
+        let ctx = Context::new();
+        let t = TransportFlags::from(Transport::CudaIpc);
+        // register_gpu is register_device without `unsafe` (crate-internal): every call below is
+        // refused before anything touches memory.
+        let e = register_gpu(&ctx, 0, 64, t, None).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidUsage, "{e}");
+        assert!(e.to_string().contains("null pointer"), "{e}");
+        let e = register_gpu(&ctx, 0x1000, 0, t, None).unwrap_err();
+        assert!(e.to_string().contains("empty range"), "{e}");
+        let e = register_gpu(&ctx, u64::MAX - 8, 64, t, None).unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{e}");
+        assert!(e.to_string().contains("registering device memory"), "{e}");
+        // A pointer that is host memory: without a driver NotAvailable, with one InvalidUsage.
+        let host = [0u8; 64];
+        let e = register_gpu(&ctx, host.as_ptr() as u64, 64, Transport::Ethernet.into(), None).unwrap_err();
+        assert!(matches!(e.kind(), crate::ErrorKind::NotAvailable | crate::ErrorKind::InvalidUsage), "{e}");
     }
 
     #[test]
@@ -484,6 +724,7 @@ mod tests {
             transports: TransportFlags::NONE,
             device: Device::Cpu,
             cuda_ipc: None,
+            vmm: None,
             ib: [None; 8],
         };
         d.ib[1] = Some(IbMrInfo { addr: 1, rkey: 1 });

@@ -14,6 +14,7 @@ pub(crate) mod cuda;
 pub(crate) mod gdr;
 pub(crate) mod hostmem;
 pub(crate) mod numa;
+pub(crate) mod pidfd;
 pub(crate) mod topo;
 pub(crate) mod verbs;
 

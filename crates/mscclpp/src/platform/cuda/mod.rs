@@ -21,9 +21,10 @@ pub(crate) mod fifo_mem;
 mod ipc;
 pub(crate) mod module;
 pub(crate) mod nvrtc;
+pub(crate) mod usermem;
 pub(crate) use dmabuf::reg_ib_mr;
 pub use ipc::ipc_mapped_count;
-pub(crate) use ipc::{IpcInfo, IpcMapping, ipc_export, ipc_open};
+pub(crate) use ipc::{IpcInfo, ipc_export, ipc_open};
 
 const LOG: &str = "mscclpp::gpu";
 
@@ -463,7 +464,9 @@ pub(crate) struct GpuRegion {
     pub(crate) ptr: u64,
     pub(crate) len: usize,
     pub(crate) dev: Arc<GpuDevice>,
-    _keeper: Option<Arc<DeviceAlloc>>,
+    /// What keeps the memory alive: the library's allocation, or what the user registered it
+    /// with (an owned `CudaSlice`, an exported VMM descriptor); `None` when the caller vouches.
+    _keeper: Option<Arc<dyn Send + Sync>>,
 }
 
 impl std::fmt::Debug for GpuRegion {
@@ -477,6 +480,12 @@ impl GpuRegion {
     pub(crate) fn alloc(dev: &Arc<GpuDevice>, len: usize) -> Result<GpuRegion> {
         let alloc = Arc::new(DeviceAlloc::new(dev, len)?);
         Ok(GpuRegion { ptr: alloc.ptr, len, dev: dev.clone(), _keeper: Some(alloc) })
+    }
+
+    /// A region over memory the user allocated, checked by [`usermem::pointer_info`] to lie in
+    /// one allocation on `dev`; `keeper` (if any) is kept alive with the region.
+    pub(crate) fn user(dev: Arc<GpuDevice>, ptr: u64, len: usize, keeper: Option<Arc<dyn Send + Sync>>) -> GpuRegion {
+        GpuRegion { ptr, len, dev, _keeper: keeper }
     }
 
     pub(crate) fn check(&self, offset: u64, n: u64) -> Result<()> {
