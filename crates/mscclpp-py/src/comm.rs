@@ -19,6 +19,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Host2HostSemaphore>()?;
     m.add_class::<Host2DeviceSemaphore>()?;
     m.add("UNIQUE_ID_BYTES", mscclpp::UniqueId::BYTES)?;
+    m.add_function(wrap_pyfunction!(_time_rust_writes, m)?)?;
     Ok(())
 }
 
@@ -593,4 +594,35 @@ impl Host2DeviceSemaphore {
         let h = self.with(py, |s| Ok(s.device_handle().to_bytes()))?;
         Ok(PyBytes::new(py, &h))
     }
+}
+
+/// For `examples/bench_write.py`: times `iters` Rust `Connection::write` calls (a flush after
+/// every `flush_every`), the loop `bench_write` runs from Python, so the difference per call is
+/// the Python-side overhead. Returns seconds.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn _time_rust_writes(
+    py: Python<'_>,
+    conn: &Connection,
+    dst: &RegisteredMemory,
+    dst_offset: u64,
+    src: &RegisteredMemory,
+    src_offset: u64,
+    size: u64,
+    iters: u64,
+    flush_every: u64,
+) -> PyResult<f64> {
+    let flush_every = flush_every.max(1);
+    py.detach(|| -> mscclpp::Result<f64> {
+        let t0 = std::time::Instant::now();
+        for i in 0..iters {
+            conn.conn.write(&dst.mem, dst_offset, &src.mem, src_offset, size)?;
+            if (i + 1) % flush_every == 0 {
+                conn.conn.flush(Duration::from_secs(30))?;
+            }
+        }
+        conn.conn.flush(Duration::from_secs(30))?;
+        Ok(t0.elapsed().as_secs_f64())
+    })
+    .py(py)
 }

@@ -177,16 +177,14 @@ pub(crate) fn register_object(
 /// GPU memory (a device pointer from `__cuda_array_interface__` or DLPack).
 fn register_gpu(
     py: Python<'_>,
-    _ctx: &Context,
+    ctx: &Context,
     ptr: u64,
     len: usize,
     transports: TransportFlags,
 ) -> PyResult<mscclpp::RegisteredMemory> {
-    Err(crate::errors::to_py(
-        py,
-        &mscclpp::Error::not_available(format!(
-            "registering caller-owned GPU memory ({len} bytes at {ptr:#x} for {transports}) needs \
-             Context::register_device, which this build of mscclpp does not have yet"
-        )),
-    ))
+    // SAFETY: the pointer and length come from the object's CUDA array interface or DLPack
+    // capsule, which `keep` holds in the returned RegisteredMemory object for as long as the
+    // registration is usable from Python (see register_object); register_device checks with the
+    // driver that the range lies inside one live device allocation.
+    py.detach(move || unsafe { ctx.register_device(ptr, len, transports) }).py(py)
 }
