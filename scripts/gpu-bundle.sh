@@ -16,7 +16,7 @@ cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
-want = {"cuda", "device", "mscclpp", "ib_fake"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider
+want = {"cuda", "device", "mscclpp", "ib_fake", "memory_channel"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -29,6 +29,8 @@ for line in sys.stdin:
         print("bundled", dst)
 '
 cp target/release/mscclpp-perf "$out/bin/"
+cargo build --release -p mscclpp --example memory_channel_put --example memory_channel_allgather
+cp target/release/examples/memory_channel_put target/release/examples/memory_channel_allgather "$out/bin/"
 cp scripts/nccl_sendrecv.py "$out/"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -46,6 +48,10 @@ echo "== GPU tests (--ignored)" | tee -a "$logs/tests.log"
 timeout 400 ./bin/cuda --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result|differs" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== kernels that communicate: FIFO, proxy, PortChannel (--ignored; NVRTC from the CUDA toolkit)" | tee -a "$logs/tests.log"
 timeout 300 ./bin/device --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== MemoryChannel, device-to-device semaphores, LL packets (--ignored; two processes) and the examples" | tee -a "$logs/tests.log"
+timeout 300 ./bin/memory_channel --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result|failed" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+timeout 60 ./bin/memory_channel_put 2>&1 | tee -a "$logs/tests.log" || rc=1
+timeout 90 ./bin/memory_channel_allgather 4 2>&1 | tee -a "$logs/tests.log" || rc=1
 echo "== IB on the in-process provider with GPU memory and GPU tokens (--ignored gpu_)" | tee -a "$logs/tests.log"
 timeout 200 ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |forwarding|registered|refused|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== perf: device (FIFO, proxy, PortChannel; one process, two ranks)" | tee "$logs/perf.txt"

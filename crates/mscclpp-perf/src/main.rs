@@ -7,6 +7,7 @@
 mod bootstrap;
 mod device;
 mod launch;
+mod memchan;
 mod p2p;
 mod report;
 
@@ -25,7 +26,8 @@ pub enum TestKind {
     /// job size, as local processes.
     Bootstrap,
     /// Kernels that communicate (one process, two ranks on `--device`): FIFO latency, proxy
-    /// throughput, PortChannel ping-pong and bandwidth (up to `--max-bytes`, at most 1 GiB).
+    /// throughput, PortChannel ping-pong and bandwidth (up to `--max-bytes`, at most 1 GiB);
+    /// MemoryChannel: device semaphore ping-pong, put bandwidth, LL16 packets.
     Device,
 }
 
@@ -194,7 +196,11 @@ fn main() -> ExitCode {
     let res = match args.test {
         TestKind::P2p => launch::run(&args),
         TestKind::Bootstrap => bootstrap::run(&args),
-        TestKind::Device => device::run(&args),
+        TestKind::Device => {
+            // The MemoryChannel rows run even when the proxy rows failed.
+            let proxy = device::run(&args);
+            proxy.and(memchan::run(&args))
+        }
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

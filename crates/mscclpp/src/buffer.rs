@@ -203,6 +203,18 @@ impl DeviceBuffer {
         let mem = RegisteredMemory::new_local_gpu(ctx, bytes.clone(), transports, ipc)?;
         Ok(DeviceBuffer { core: Core { mem, bytes } })
     }
+    /// A buffer over `bytes` (a window of an allocation someone else keeps, e.g. a token-pool
+    /// slot), registered for `transports` with the CUDA IPC export `ipc` (None: not exported).
+    pub(crate) fn from_region(
+        ctx: &Context,
+        bytes: GpuRegion,
+        transports: TransportFlags,
+        ipc: Option<crate::platform::cuda::IpcInfo>,
+    ) -> Result<DeviceBuffer> {
+        check_len(bytes.len)?;
+        let mem = RegisteredMemory::new_local_gpu(ctx, bytes.clone(), transports, ipc)?;
+        Ok(DeviceBuffer { core: Core { mem, bytes } })
+    }
     pub(crate) fn region(&self) -> &GpuRegion {
         &self.core.bytes
     }

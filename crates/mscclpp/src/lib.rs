@@ -176,12 +176,14 @@ pub use conn::endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};
 pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
 pub use conn::{Connection, Progress};
 pub use context::Context;
+pub use device::memory_channel::{BaseMemoryChannel, MemoryChannel};
 pub use error::{Error, ErrorContext, ErrorKind, Result};
 pub use identity::{host_hash, process_hash, process_rank};
 #[cfg(feature = "logging")]
 pub use logging::init_logging;
 pub use memory::{IbMrInfo, RegisteredMemory};
 pub use platform::numa::{bind_thread_to_node, pci_numa_node};
+pub use semaphore::MemoryDevice2DeviceSemaphore;
 pub use semaphore::{
     Host2DeviceSemaphore, Host2DeviceSemaphoreDeviceHandle, Host2HostSemaphore, Semaphore, SemaphoreStub,
 };

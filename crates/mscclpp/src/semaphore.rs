@@ -25,6 +25,9 @@ use crate::buffer::Buffer;
 use crate::buffer::DeviceBuffer;
 use crate::communicator::{Communicator, MsgKind, Pending};
 use crate::conn::Connection;
+use crate::device::handles::MemoryDevice2DeviceSemaphoreDeviceHandle;
+use crate::device::memory_channel::ChannelSemaphore;
+use crate::device::token_pool::{self, PoolToken};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
 use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
@@ -100,6 +103,8 @@ pub struct SemaphoreStub {
 enum Token {
     Host(Buffer),
     Gpu(DeviceBuffer),
+    /// A slot of the GPU's token pool (CUDA IPC connections: one mapping per peer allocation).
+    Pooled(PoolToken),
 }
 
 impl Token {
@@ -107,6 +112,7 @@ impl Token {
         match self {
             Token::Host(b) => b.memory(),
             Token::Gpu(b) => b.memory(),
+            Token::Pooled(t) => t.buffer().memory(),
         }
     }
 }
@@ -124,6 +130,10 @@ impl SemaphoreStub {
         let fwd = connection.forwards_signals();
         let token = match connection.local_device() {
             Device::Cpu => Token::Host(Buffer::new(connection.context(), 8, t)?),
+            // The peer maps CUDA IPC tokens: slots of one pool allocation share one mapping.
+            Device::Gpu(d) if connection.transport() == Transport::CudaIpc && !fwd => {
+                Token::Pooled(token_pool::take(connection.context(), d, t)?)
+            }
             Device::Gpu(d) => Token::Gpu(DeviceBuffer::new(
                 connection.context(),
                 d,
@@ -175,12 +185,13 @@ impl Semaphore {
     fn host_token(&self) -> Option<&Buffer> {
         match &self.local.token {
             Token::Host(b) => Some(b),
-            Token::Gpu(_) => None,
+            Token::Gpu(_) | Token::Pooled(_) => None,
         }
     }
     fn gpu_token(&self) -> Option<&DeviceBuffer> {
         match &self.local.token {
             Token::Gpu(b) => Some(b),
+            Token::Pooled(t) => Some(t.buffer()),
             Token::Host(_) => None,
         }
     }
@@ -433,6 +444,103 @@ impl From<Semaphore> for crate::device::proxy::ProxySemaphore {
     fn from(s: Semaphore) -> Self {
         let (conn, remote) = (s.connection().clone(), s.remote_memory().clone());
         crate::device::proxy::ProxySemaphore::from_parts(conn, remote, 0, None, Box::new(s))
+    }
+}
+
+/// A semaphore one GPU signals directly in another GPU's memory and the other waits on, both
+/// from kernels, with no host thread: over a CUDA IPC connection the local token is a slot of
+/// this GPU's token pool, and the peer's token is mapped into this process, where the kernel's
+/// `signal()` adds one to it (`red.release.sys`).
+///
+/// Kernels use [`device_handle`](Self::device_handle) (24 bytes, MSCCL++'s layout), usually
+/// through a [`MemoryChannel`](crate::MemoryChannel) or
+/// [`BaseMemoryChannel`](crate::BaseMemoryChannel), which take it (or an `Arc` of it) with
+/// `into()`. Many semaphores to one peer cost that peer one CUDA IPC mapping per pool
+/// allocation (32768 tokens), not one per semaphore.
+///
+/// Lifetime: the peer's kernels signal the local token until they stop; keep the semaphore (and
+/// its peer's) alive until every kernel that uses either has finished.
+///
+/// C++ MSCCL++: `MemoryDevice2DeviceSemaphore`.
+#[derive(Debug)]
+pub struct MemoryDevice2DeviceSemaphore {
+    sem: Semaphore,
+    token: DeviceBuffer,
+    expected: PoolToken,
+    remote_token: u64,
+    device: u32,
+}
+
+impl MemoryDevice2DeviceSemaphore {
+    /// Wraps a semaphore built over a CUDA IPC connection between GPUs (maps the peer's token).
+    ///
+    /// # Errors
+    /// `InvalidUsage` for another transport or a connection whose local side is the CPU; CUDA
+    /// errors mapping the peer's token or allocating the expected count.
+    pub fn new(sem: Semaphore) -> Result<MemoryDevice2DeviceSemaphore> {
+        let c = sem.connection();
+        if c.transport() != Transport::CudaIpc {
+            return Err(c.ctx_err(
+                Error::invalid_usage("a MemoryDevice2DeviceSemaphore needs a CUDA IPC connection"),
+                "MemoryDevice2DeviceSemaphore::new",
+            ));
+        }
+        let (Device::Gpu(device), Some(token)) = (c.local_device(), sem.gpu_token().cloned()) else {
+            return Err(Error::invalid_usage("a MemoryDevice2DeviceSemaphore needs a GPU on the local side"));
+        };
+        let gpu = crate::platform::cuda::device(device)?;
+        let remote_token = sem
+            .remote_memory()
+            .gpu_ptr(&gpu)
+            .map_err(|e| c.ctx_err(e, "MemoryDevice2DeviceSemaphore: mapping the peer's token"))?;
+        let expected = token_pool::take(c.context(), device, crate::TransportFlags::NONE)?;
+        Ok(MemoryDevice2DeviceSemaphore { sem, token, expected, remote_token, device })
+    }
+
+    /// The underlying semaphore.
+    pub fn semaphore(&self) -> &Semaphore {
+        &self.sem
+    }
+    /// The connection.
+    pub fn connection(&self) -> &Connection {
+        self.sem.connection()
+    }
+    /// The GPU whose kernels use this semaphore.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// The pointers a kernel signals and waits with.
+    pub fn device_handle(&self) -> MemoryDevice2DeviceSemaphoreDeviceHandle {
+        MemoryDevice2DeviceSemaphoreDeviceHandle {
+            inbound_token: self.token.device_ptr(),
+            remote_inbound_token: self.remote_token,
+            expected_inbound_token: self.expected.device_ptr(),
+        }
+    }
+
+    /// The inbound token as the GPU holds it now (signals received), read by the host.
+    pub fn inbound_token(&self) -> Result<u64> {
+        self.token.read_u64(0)
+    }
+
+    /// The signals kernels have consumed so far (the expected count), read by the host.
+    pub fn expected_inbound_token(&self) -> Result<u64> {
+        self.expected.buffer().read_u64(0)
+    }
+}
+
+impl From<MemoryDevice2DeviceSemaphore> for ChannelSemaphore {
+    fn from(s: MemoryDevice2DeviceSemaphore) -> Self {
+        Arc::new(s).into()
+    }
+}
+
+impl From<Arc<MemoryDevice2DeviceSemaphore>> for ChannelSemaphore {
+    /// Several channels may share one semaphore.
+    fn from(s: Arc<MemoryDevice2DeviceSemaphore>) -> Self {
+        let (handle, device, ctx) = (s.device_handle(), s.device, s.connection().context().clone());
+        ChannelSemaphore::from_parts(handle, device, ctx, s)
     }
 }
 

@@ -1,4 +1,5 @@
-// mscclpp (Rust) device API for CUDA kernels: FIFO, semaphores and PortChannel handles.
+// mscclpp (Rust) device API for CUDA kernels: FIFO, semaphores, PortChannel and MemoryChannel
+// handles, LL packets.
 //
 // Include it as "mscclpp_rs/device.cuh" (the crate ships it under `include/`; `mscclpp::device::
 // include_dir()` and `write_header(dir)` find or write it; `mscclpp::device::compile` hands it to
@@ -19,15 +20,20 @@
 //                ((pos >> sizeShift) & 1) ^ 1 (lap 0 writes 1, so a zeroed ring reads empty).
 //   FIFO poll/sync: ld.acquire.sys of tail.
 //   semaphore wait: expected: atom.relaxed.gpu.add 1; inbound: ld.acquire.sys until >= expected.
-//   semaphore poll: ld.acquire.sys inbound > ld.relaxed.gpu expected, then expected += 1.
+//   semaphore poll: ld.acquire.sys inbound > ld.relaxed.gpu expected, then atom.relaxed.gpu.cas expected += 1.
 //   flush:       push a Sync trigger at position pos, then ld.acquire.sys of flushDonePos until
 //                it is > pos (each flusher waits for its own position).
-//   MemoryDevice2Device signal: red.release.sys.global.add.u64 on the peer's token.
+//   MemoryDevice2Device signal: red.release.sys.global.add.u64 on the peer's token (relaxedSignal:
+//                red.relaxed.sys); its waits as the semaphore waits above (relaxedWait: ld.relaxed.sys).
+//   MemoryChannel put/get: plain loads into registers and plain stores through the mapped pointer
+//                (ordered for the peer only by a later signal). LL packets: one
+//                st/ld.volatile.global.v4.u32 (LL16) or .v2.u32 (LL8) per packet; the flags are the sync.
 //
 // Waits. MSCCL++'s waits take a spin count and trap (`__trap()`, the kernel fails with an illegal
 // instruction error) when it runs out; a negative count never traps. They are kept with
 // MSCCL++'s defaults. Each also has a time-limited form using %globaltimer (nanoseconds) that
-// returns false instead of trapping: `push_for`, `sync_for`, `wait_for`, `flush_for`.
+// returns false instead of trapping: `push_for`, `sync_for`, `wait_for`, `flush_for`, the packets'
+// `read_for` and MemoryChannel's `unpackPacket_for`/`unpackPackets_for`.
 //
 // Proxy error publication. The FIFO's `tail` word lives in a mapped host control page whose next
 // word (tail[1]) is `proxy_error`: 0 while the proxy runs; nonzero once it failed or stopped (the
@@ -287,9 +293,41 @@ struct FifoDeviceHandle {
 
 #if defined(MSCCLPP_RS_DEVICE_COMPILE)
 namespace detail {
-/// The counting semaphore wait both semaphore kinds share. `abort_word` (may be null) is checked
-/// while waiting; nonzero ends the wait with false. On timeout the expected count is taken back,
-/// so a retry waits for the same signal.
+// The counting protocol every semaphore handle shares (Host2Device and MemoryDevice2Device):
+// `inbound` only grows (the peer adds one per signal); `expected` counts the signals this side
+// consumed. A wait takes the next count with one relaxed fetch-add (so concurrent waiters each
+// consume a distinct signal) and spins until `inbound` reaches it.
+
+/// True (and one signal consumed) if `inbound` is above `expected`. The count is claimed with a
+/// compare-and-swap, so concurrent pollers and waiters each consume a distinct signal (MSCCL++'s
+/// poll loads, compares and then increments: two threads polling at once can both take one
+/// signal there).
+MSCCLPP_RS_DEVICE bool poll_inbound(const u64* inbound, u64* expected) {
+  u64 e = load_relaxed_gpu(expected);
+  const u64 in = load_acquire_sys(inbound);
+  while (in > e) {
+    const u64 seen = cas_relaxed_gpu(expected, e, e + 1);
+    if (seen == e) return true;
+    e = seen;
+  }
+  return false;
+}
+
+/// Waits for one signal: acquire loads (`Acquire`, data written before the signal is visible
+/// after) or relaxed loads (execution sync only). Traps after `maxSpinCount` spins (never when
+/// negative).
+template <bool Acquire>
+MSCCLPP_RS_DEVICE void wait_inbound(const u64* inbound, u64* expected, i64 maxSpinCount) {
+  u64 e = fetch_add_relaxed_gpu(expected, 1) + 1;
+  i64 spins = 0;
+  while ((Acquire ? load_acquire_sys(inbound) : load_relaxed_sys(inbound)) < e) spin_check(spins, maxSpinCount);
+}
+
+/// Time-limited wait. `abort_word` (may be null) is checked while waiting; nonzero ends the wait
+/// with false. On timeout the expected count is taken back, so a retry waits for the same signal.
+/// That give-back is exact for one waiter; with several threads waiting on one semaphore at
+/// once, a timeout can let two of the others wait for the same count (one signal then releases
+/// both): after a timeout with concurrent waiters, treat the semaphore's count as lost.
 MSCCLPP_RS_DEVICE bool wait_inbound_for(u64* inbound, u64* expected, u64 timeout_ns, const u64* abort_word) {
   u64 e = fetch_add_relaxed_gpu(expected, 1) + 1;
   u64 start = globaltimer();
@@ -309,17 +347,11 @@ MSCCLPP_RS_DEVICE bool wait_inbound_for(u64* inbound, u64* expected, u64 timeout
 struct Host2DeviceSemaphoreDeviceHandle {
 #if defined(MSCCLPP_RS_DEVICE_COMPILE)
   /// True (and one signal consumed) if a signal is pending.
-  MSCCLPP_RS_DEVICE bool poll() {
-    bool signaled = detail::load_acquire_sys(inboundToken) > detail::load_relaxed_gpu(expectedInboundToken);
-    if (signaled) detail::fetch_add_relaxed_gpu(expectedInboundToken, 1);
-    return signaled;
-  }
+  MSCCLPP_RS_DEVICE bool poll() { return detail::poll_inbound(inboundToken, expectedInboundToken); }
 
   /// Waits for one signal (traps after `maxSpinCount` spins; never if negative).
   MSCCLPP_RS_DEVICE void wait(i64 maxSpinCount = 100000000) {
-    u64 e = detail::fetch_add_relaxed_gpu(expectedInboundToken, 1) + 1;
-    i64 spins = 0;
-    while (detail::load_acquire_sys(inboundToken) < e) detail::spin_check(spins, maxSpinCount);
+    detail::wait_inbound<true>(inboundToken, expectedInboundToken, maxSpinCount);
   }
 
   /// Waits for one signal for at most `timeout_ns`; false on timeout (nothing consumed).
@@ -332,28 +364,37 @@ struct Host2DeviceSemaphoreDeviceHandle {
   u64* expectedInboundToken;  // device memory, this side's count of consumed signals
 };
 
-/// A semaphore one GPU signals directly in another's memory (CUDA IPC) and the other waits on.
+/// A semaphore one GPU signals directly in another's memory (CUDA IPC, NVLink or PCIe) and the
+/// other waits on, with no host thread in between. The host side is
+/// `mscclpp::MemoryDevice2DeviceSemaphore` (Rust); tokens come from a per-GPU token pool.
+///
+/// Orderings: `signal` is one `red.release.sys.global.add.u64` on the peer's token: every write
+/// this thread made before (to any memory, the peer's included) is visible to a thread that
+/// consumed the signal with `wait`/`poll`/`wait_for` (acquire loads at system scope). Writes of
+/// *other* threads of the block are ordered only if they are ordered before the signalling
+/// thread (`__syncthreads()` first, or a fence). `relaxedSignal`/`relaxedWait` order execution
+/// only (no data): pair them with your own fences.
+///
+/// Device atomics over CUDA IPC: a kernel may apply `atom`/`red` with `.sys` scope straight on a
+/// pointer mapped from a peer (a MemoryChannel's `dst_`, a token): that is how `signal` works, and
+/// it is the way to do remote atomics between GPUs of one host. Do not ask a proxy to do them
+/// (PortChannel `atomicAdd` over CUDA IPC is refused): a proxy would have to launch a kernel,
+/// which either cannot be scheduled while the caller's kernel spins waiting for it (same
+/// context) or costs milliseconds per operation (a separate context).
 struct MemoryDevice2DeviceSemaphoreDeviceHandle {
 #if defined(MSCCLPP_RS_DEVICE_COMPILE)
   /// True (and one signal consumed) if a signal is pending.
-  MSCCLPP_RS_DEVICE bool poll() {
-    bool signaled = detail::load_acquire_sys(inboundToken) > detail::load_relaxed_gpu(expectedInboundToken);
-    if (signaled) detail::fetch_add_relaxed_gpu(expectedInboundToken, 1);
-    return signaled;
-  }
+  MSCCLPP_RS_DEVICE bool poll() { return detail::poll_inbound(inboundToken, expectedInboundToken); }
   /// Waits for one signal (traps after `maxSpinCount` spins; never if negative).
   MSCCLPP_RS_DEVICE void wait(i64 maxSpinCount = 100000000) {
-    u64 e = detail::fetch_add_relaxed_gpu(expectedInboundToken, 1) + 1;
-    i64 spins = 0;
-    while (detail::load_acquire_sys(inboundToken) < e) detail::spin_check(spins, maxSpinCount);
+    detail::wait_inbound<true>(inboundToken, expectedInboundToken, maxSpinCount);
   }
   /// `wait` without ordering the data before the signal (execution sync only).
   MSCCLPP_RS_DEVICE void relaxedWait(i64 maxSpinCount = 100000000) {
-    u64 e = detail::fetch_add_relaxed_gpu(expectedInboundToken, 1) + 1;
-    i64 spins = 0;
-    while (detail::load_relaxed_sys(inboundToken) < e) detail::spin_check(spins, maxSpinCount);
+    detail::wait_inbound<false>(inboundToken, expectedInboundToken, maxSpinCount);
   }
-  /// Waits for one signal for at most `timeout_ns`; false on timeout (nothing consumed).
+  /// Waits for one signal for at most `timeout_ns`; false on timeout (nothing consumed). A peer
+  /// that died never signals: this is the wait that returns then.
   MSCCLPP_RS_DEVICE bool wait_for(u64 timeout_ns) {
     return detail::wait_inbound_for(inboundToken, expectedInboundToken, timeout_ns, nullptr);
   }
@@ -363,9 +404,9 @@ struct MemoryDevice2DeviceSemaphoreDeviceHandle {
   MSCCLPP_RS_DEVICE void relaxedSignal() { detail::red_add_relaxed_sys(remoteInboundToken, 1); }
 #endif  // MSCCLPP_RS_DEVICE_COMPILE
 
-  u64* inboundToken;          // local token the peer signals
+  u64* inboundToken;          // local token the peer signals (a token-pool slot)
   u64* remoteInboundToken;    // the peer's token, mapped by CUDA IPC
-  u64* expectedInboundToken;  // device memory
+  u64* expectedInboundToken;  // device memory (a token-pool slot)
 };
 
 /// A PortChannel without fixed memories: every put names its memory IDs.
@@ -484,20 +525,35 @@ struct PortChannelDeviceHandle : public BasePortChannelDeviceHandle {
 #endif  // MSCCLPP_RS_DEVICE_COMPILE
 };
 
-/// A MemoryChannel without fixed memories (semaphore only).
-struct BaseMemoryChannelDeviceHandle {
-  MemoryDevice2DeviceSemaphoreDeviceHandle semaphore_;
-};
+#if defined(MSCCLPP_RS_DEVICE_COMPILE)
+namespace detail {
+/// Both flags of an LL16 packet and both data words in one 16-byte volatile load / store (the
+/// packet protocol relies on each 8-byte half {data, flag} landing whole).
+MSCCLPP_RS_DEVICE void st_volatile_v4_u32(void* p, u32 a, u32 b, u32 c, u32 d) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d));
+}
+MSCCLPP_RS_DEVICE void ld_volatile_v4_u32(const void* p, u32& a, u32& b, u32& c, u32& d) {
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
+}
+MSCCLPP_RS_DEVICE void st_volatile_v2_u32(void* p, u32 a, u32 b) {
+  asm volatile("st.volatile.global.v2.u32 [%0], {%1,%2};" ::"l"(p), "r"(a), "r"(b));
+}
+MSCCLPP_RS_DEVICE void ld_volatile_v2_u32(const void* p, u32& a, u32& b) {
+  asm volatile("ld.volatile.global.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+}
+}  // namespace detail
+#endif  // MSCCLPP_RS_DEVICE_COMPILE
 
-/// A MemoryChannel: the peer's memory mapped here (`dst_`), local memory (`src_`) and an optional
-/// local packet buffer. Its data-movement methods come with MemoryChannel.
-struct MemoryChannelDeviceHandle : public BaseMemoryChannelDeviceHandle {
-  void* dst_;
-  void* src_;
-  void* packetBuffer_;
-};
-
-/// An LL packet of 16 bytes: two data words, each with its own flag.
+/// An LL ("low latency") packet of 16 bytes: two 4-byte data words, each followed by its flag.
+///
+/// The flag protocol: a writer stores {data1, flag, data2, flag} with one 16-byte volatile store;
+/// a reader spins on 16-byte volatile loads until both flags equal the flag of the round it
+/// expects, then uses the data. Only 8-byte atomicity is assumed (each half carries its own
+/// flag). Flags are never cleared: a caller gives every round a new flag (e.g. a round counter
+/// starting at 1 over a zeroed buffer) and double-buffers the packet memory, so a reader can
+/// never mistake last round's packet for this round's and a writer never overwrites a packet
+/// the reader has not consumed (the reader tells the writer with a semaphore, or the writer
+/// alternates halves every round).
 union alignas(16) LL16Packet {
   struct {
     u32 data1;
@@ -506,15 +562,356 @@ union alignas(16) LL16Packet {
     u32 flag2;
   };
   u64 raw_[2];
+
+#if defined(MSCCLPP_RS_DEVICE_COMPILE)
+  /// What one packet carries.
+  typedef uint2 Payload;
+
+  LL16Packet() = default;
+  MSCCLPP_RS_DEVICE LL16Packet(uint2 val, u32 flag) : data1(val.x), flag1(flag), data2(val.y), flag2(flag) {}
+
+  /// Writes 8 bytes of data with `flag` (one 16-byte volatile store).
+  MSCCLPP_RS_DEVICE void write(u32 val1, u32 val2, u32 flag) {
+    detail::st_volatile_v4_u32(raw_, val1, flag, val2, flag);
+  }
+  /// Writes 8 bytes of data (low word first) with `flag`.
+  MSCCLPP_RS_DEVICE void write(u64 val, u32 flag) { write((u32)val, (u32)(val >> 32), flag); }
+  /// Writes 8 bytes of data with `flag`.
+  MSCCLPP_RS_DEVICE void write(uint2 val, u32 flag) { write(val.x, val.y, flag); }
+  /// One load: true while the packet is NOT ready (a flag differs from `flag`); `data` gets the
+  /// data words either way (MSCCL++'s convention).
+  MSCCLPP_RS_DEVICE bool readOnce(u32 flag, uint2& data) const {
+    u32 f1, f2;
+    detail::ld_volatile_v4_u32(raw_, data.x, f1, data.y, f2);
+    return (f1 != flag) || (f2 != flag);
+  }
+  /// Spins until both flags equal `flag` and returns the data (traps after `maxSpinCount` spins;
+  /// never if negative).
+  MSCCLPP_RS_DEVICE uint2 read(u32 flag, i64 maxSpinCount = 100000000) const {
+    uint2 data;
+    i64 spins = 0;
+    while (readOnce(flag, data)) detail::spin_check(spins, maxSpinCount);
+    return data;
+  }
+  /// Time-limited `read`: true with the data in `data` once both flags equal `flag`; false after
+  /// `timeout_ns` (a writer that never came, e.g. a dead peer).
+  MSCCLPP_RS_DEVICE bool read_for(u32 flag, u64 timeout_ns, uint2& data) const {
+    if (!readOnce(flag, data)) return true;
+    u64 start = detail::globaltimer();
+    while (readOnce(flag, data)) {
+      if (detail::expired(start, timeout_ns)) return false;
+    }
+    return true;
+  }
+  /// Zeroes the packet (data and flags).
+  MSCCLPP_RS_DEVICE void clear() { detail::st_volatile_v4_u32(raw_, 0, 0, 0, 0); }
+#endif  // MSCCLPP_RS_DEVICE_COMPILE
 };
 
-/// An LL packet of 8 bytes: one data word and its flag.
+/// An LL packet of 8 bytes: one 4-byte data word and its flag (one 8-byte volatile store / load).
+/// The same flag rules as `LL16Packet`; half the payload per byte of packet buffer, but a packet
+/// needs only 4-byte alignment of the data.
 union alignas(8) LL8Packet {
   struct {
     u32 data;
     u32 flag;
   };
   u64 raw_;
+
+#if defined(MSCCLPP_RS_DEVICE_COMPILE)
+  /// What one packet carries.
+  typedef u32 Payload;
+
+  LL8Packet() = default;
+  MSCCLPP_RS_DEVICE LL8Packet(u32 val, u32 flag) : data(val), flag(flag) {}
+
+  /// Writes 4 bytes of data with `flag` (one 8-byte volatile store).
+  MSCCLPP_RS_DEVICE void write(u32 val, u32 flag) { detail::st_volatile_v2_u32(&raw_, val, flag); }
+  /// One load: true while the packet is NOT ready; `out` gets the data word either way.
+  MSCCLPP_RS_DEVICE bool readOnce(u32 flag, u32& out) const {
+    u32 f;
+    detail::ld_volatile_v2_u32(&raw_, out, f);
+    return f != flag;
+  }
+  /// Spins until the flag equals `flag` and returns the data (traps after `maxSpinCount`
+  /// spins; never if negative).
+  MSCCLPP_RS_DEVICE u32 read(u32 flag, i64 maxSpinCount = 1000000) const {
+    u32 out;
+    i64 spins = 0;
+    while (readOnce(flag, out)) detail::spin_check(spins, maxSpinCount);
+    return out;
+  }
+  /// Time-limited `read`: true with the data in `out` once the flag equals `flag`; false after
+  /// `timeout_ns`.
+  MSCCLPP_RS_DEVICE bool read_for(u32 flag, u64 timeout_ns, u32& out) const {
+    if (!readOnce(flag, out)) return true;
+    u64 start = detail::globaltimer();
+    while (readOnce(flag, out)) {
+      if (detail::expired(start, timeout_ns)) return false;
+    }
+    return true;
+  }
+  /// Zeroes the packet.
+  MSCCLPP_RS_DEVICE void clear() { detail::st_volatile_v2_u32(&raw_, 0, 0); }
+#endif  // MSCCLPP_RS_DEVICE_COMPILE
+};
+
+/// MSCCL++'s name for the default packet.
+typedef LL16Packet LLPacket;
+
+#if defined(MSCCLPP_RS_DEVICE_COMPILE)
+namespace detail {
+/// The element a copy moves per thread and step, by alignment (4, 8 or 16 bytes; other values
+/// do not compile).
+template <int Alignment>
+struct CopyElem;
+template <>
+struct CopyElem<4> {
+  typedef int type;
+};
+template <>
+struct CopyElem<8> {
+  typedef long long type;
+};
+template <>
+struct CopyElem<16> {
+  typedef longlong2 type;
+};
+
+/// Threads `tid` of `nthreads` copy elements `tid, tid + nthreads, ...` of `n` (each loaded into
+/// a register, then stored).
+template <typename T>
+MSCCLPP_RS_DEVICE void copy_elems(T* dst, const T* src, u64 n, u32 tid, u32 nthreads) {
+  for (u64 i = tid; i < n; i += nthreads) {
+    T r = src[i];
+    dst[i] = r;
+  }
+}
+
+/// The collective copy behind MemoryChannel `put`/`get` (the contract is documented on `put`).
+template <int Alignment, bool CopyRemainder>
+MSCCLPP_RS_DEVICE void copy(void* dst, const void* src, u64 bytes, u32 tid, u32 nthreads) {
+  typedef typename CopyElem<Alignment>::type T;
+  const u64 dp = (u64)dst, sp = (u64)src;
+  char* d = (char*)dst;
+  const char* s = (const char*)src;
+  if (CopyRemainder && (((dp | sp) & 3) != 0 || ((dp - sp) % sizeof(T)) != 0)) {
+    // Outside the fast path's contract, still exact: 4-byte words when both ends are 4-aligned,
+    // else bytes.
+    if (((dp | sp) & 3) == 0) {
+      copy_elems<int>((int*)d, (const int*)s, bytes / 4, tid, nthreads);
+      copy_elems<char>(d + (bytes & ~3ull), s + (bytes & ~3ull), bytes & 3, tid, nthreads);
+    } else {
+      copy_elems<char>(d, s, bytes, tid, nthreads);
+    }
+    return;
+  }
+  // Fast path (src and dst equally misaligned to sizeof(T), both 4-aligned): head words up to
+  // the element boundary, elements, tail words, tail bytes.
+  const u64 numInt = bytes / 4;
+  u64 head = (((dp + sizeof(T) - 1) / sizeof(T) * sizeof(T)) - dp) / 4;
+  if (head > numInt) head = numInt;
+  if (CopyRemainder) copy_elems<int>((int*)d, (const int*)s, head, tid, nthreads);
+  const u64 intsPerElem = sizeof(T) / 4;
+  const u64 nElem = (numInt - head) / intsPerElem;
+  copy_elems<T>((T*)(d + head * 4), (const T*)(s + head * 4), nElem, tid, nthreads);
+  if (CopyRemainder) {
+    const u64 done = head + nElem * intsPerElem;
+    copy_elems<int>((int*)d + done, (const int*)s + done, numInt - done, tid, nthreads);
+    copy_elems<char>(d + numInt * 4, s + numInt * 4, bytes & 3, tid, nthreads);
+  }
+}
+
+/// LL16: packet i carries source words 2i and 2i+1 (`bytes / 8` packets; a remainder is not sent).
+MSCCLPP_RS_DEVICE void copy_to_packets(LL16Packet* dst, const u32* src, u64 bytes, u32 tid, u32 nthreads, u32 flag) {
+  for (u64 i = tid; i < bytes / 8; i += nthreads) dst[i].write(src[2 * i], src[2 * i + 1], flag);
+}
+/// LL8: packet i carries source word i (`bytes / 4` packets).
+MSCCLPP_RS_DEVICE void copy_to_packets(LL8Packet* dst, const u32* src, u64 bytes, u32 tid, u32 nthreads, u32 flag) {
+  for (u64 i = tid; i < bytes / 4; i += nthreads) dst[i].write(src[i], flag);
+}
+MSCCLPP_RS_DEVICE void copy_from_packets(u32* dst, const LL16Packet* src, u64 bytes, u32 tid, u32 nthreads, u32 flag,
+                                         i64 maxSpinCount) {
+  uint2* out = (uint2*)dst;
+  for (u64 i = tid; i < bytes / 8; i += nthreads) out[i] = src[i].read(flag, maxSpinCount);
+}
+MSCCLPP_RS_DEVICE void copy_from_packets(u32* dst, const LL8Packet* src, u64 bytes, u32 tid, u32 nthreads, u32 flag,
+                                         i64 maxSpinCount) {
+  for (u64 i = tid; i < bytes / 4; i += nthreads) dst[i] = src[i].read(flag, maxSpinCount);
+}
+MSCCLPP_RS_DEVICE bool copy_from_packets_for(u32* dst, const LL16Packet* src, u64 bytes, u32 tid, u32 nthreads,
+                                             u32 flag, u64 start, u64 timeout_ns) {
+  uint2* out = (uint2*)dst;
+  for (u64 i = tid; i < bytes / 8; i += nthreads) {
+    uint2 v;
+    while (src[i].readOnce(flag, v)) {
+      if (expired(start, timeout_ns)) return false;
+    }
+    out[i] = v;
+  }
+  return true;
+}
+MSCCLPP_RS_DEVICE bool copy_from_packets_for(u32* dst, const LL8Packet* src, u64 bytes, u32 tid, u32 nthreads,
+                                             u32 flag, u64 start, u64 timeout_ns) {
+  for (u64 i = tid; i < bytes / 4; i += nthreads) {
+    u32 v;
+    while (src[i].readOnce(flag, v)) {
+      if (expired(start, timeout_ns)) return false;
+    }
+    dst[i] = v;
+  }
+  return true;
+}
+}  // namespace detail
+#endif  // MSCCLPP_RS_DEVICE_COMPILE
+
+/// A MemoryChannel without fixed memories (semaphore only): what MSCCL++'s own expert-parallel
+/// kernels use next to raw peer pointers.
+struct BaseMemoryChannelDeviceHandle {
+  MemoryDevice2DeviceSemaphoreDeviceHandle semaphore_;
+
+  BaseMemoryChannelDeviceHandle() = default;
+  MSCCLPP_RS_HOST_DEVICE BaseMemoryChannelDeviceHandle(MemoryDevice2DeviceSemaphoreDeviceHandle semaphore)
+      : semaphore_(semaphore) {}
+
+#if defined(MSCCLPP_RS_DEVICE_COMPILE)
+  /// Signals the peer after every earlier write of this thread (see the semaphore's orderings).
+  MSCCLPP_RS_DEVICE void signal() { semaphore_.signal(); }
+  /// Signals without ordering earlier writes (fence yourself).
+  MSCCLPP_RS_DEVICE void relaxedSignal() { semaphore_.relaxedSignal(); }
+  /// True (and one signal consumed) if the peer has signalled.
+  MSCCLPP_RS_DEVICE bool poll() { return semaphore_.poll(); }
+  /// Waits for one signal from the peer (traps after `maxSpinCount` spins; never if negative).
+  MSCCLPP_RS_DEVICE void wait(i64 maxSpinCount = 10000000) { semaphore_.wait(maxSpinCount); }
+  /// `wait` for execution sync only (no data ordering).
+  MSCCLPP_RS_DEVICE void relaxedWait(i64 maxSpinCount = 10000000) { semaphore_.relaxedWait(maxSpinCount); }
+  /// Waits for one signal for at most `timeout_ns`; false on timeout (nothing consumed).
+  MSCCLPP_RS_DEVICE bool wait_for(u64 timeout_ns) { return semaphore_.wait_for(timeout_ns); }
+#endif  // MSCCLPP_RS_DEVICE_COMPILE
+};
+
+/// A MemoryChannel: the peer's memory mapped here (`dst_`), local memory (`src_`) and an optional
+/// local packet buffer (`packetBuffer_`, where the peer's `putPackets` land).
+///
+/// Copy contract of `put`/`get` (threads `threadId` of `numThreads` call them together, e.g.
+/// every thread of a grid with its global index; each copies a share):
+///  * Fast path, MSCCL++'s: both addresses (base + offset) 4-byte aligned and equally misaligned
+///    to `Alignment` (4, 8 or 16; 16 moves `longlong2`): leading 4-byte words up to the
+///    `Alignment` boundary, then `Alignment`-byte elements, then trailing words.
+///  * `CopyRemainder = true` (default): every one of `bytes` bytes is copied, for any size and
+///    any addresses. Inputs outside the fast path (differently misaligned ends, addresses not
+///    4-aligned, `bytes % 4 != 0`) are copied with 4-byte words or single bytes: exact, slower.
+///    (MSCCL++ leaves these undefined and drops `bytes % 4`.)
+///  * `CopyRemainder = false`: only the whole `Alignment`-byte elements of the fast path are
+///    copied (the caller handles head and tail), as in MSCCL++; outside the fast path's
+///    alignment rule the result is undefined.
+/// A copy is not ordered with the peer: `signal()` after it (from one thread, after a
+/// `__syncthreads()` or a grid-wide barrier covering every copying thread) publishes it.
+struct MemoryChannelDeviceHandle : public BaseMemoryChannelDeviceHandle {
+  void* dst_;
+  void* src_;
+  void* packetBuffer_;
+
+  MemoryChannelDeviceHandle() = default;
+  MSCCLPP_RS_HOST_DEVICE MemoryChannelDeviceHandle(MemoryDevice2DeviceSemaphoreDeviceHandle semaphore, void* dst,
+                                                   void* src, void* packetBuffer)
+      : BaseMemoryChannelDeviceHandle(semaphore), dst_(dst), src_(src), packetBuffer_(packetBuffer) {}
+
+#if defined(MSCCLPP_RS_DEVICE_COMPILE)
+  /// Loads element `index` (of type T) of the peer's memory.
+  template <typename T>
+  MSCCLPP_RS_DEVICE T read(u64 index) {
+    return *((T*)dst_ + index);
+  }
+  /// Stores `v` as element `index` (of type T) of the peer's memory.
+  template <typename T>
+  MSCCLPP_RS_DEVICE void write(u64 index, const T& v) {
+    *((T*)dst_ + index) = v;
+  }
+
+  /// Collective copy of `originBytes` from `src_ + originOffset` (here) to `dst_ + targetOffset`
+  /// (the peer), under the contract above.
+  template <int Alignment = 16, bool CopyRemainder = true>
+  MSCCLPP_RS_DEVICE void put(u64 targetOffset, u64 originOffset, u64 originBytes, u32 threadId, u32 numThreads) {
+    detail::copy<Alignment, CopyRemainder>((char*)dst_ + targetOffset, (const char*)src_ + originOffset, originBytes,
+                                           threadId, numThreads);
+  }
+  /// `put` with one offset for both sides.
+  template <int Alignment = 16, bool CopyRemainder = true>
+  MSCCLPP_RS_DEVICE void put(u64 offset, u64 originBytes, u32 threadId, u32 numThreads) {
+    put<Alignment, CopyRemainder>(offset, offset, originBytes, threadId, numThreads);
+  }
+  /// Collective copy of `originBytes` from the peer (`dst_ + originOffset`) to here
+  /// (`src_ + targetOffset`), under the contract above.
+  template <int Alignment = 16, bool CopyRemainder = true>
+  MSCCLPP_RS_DEVICE void get(u64 targetOffset, u64 originOffset, u64 originBytes, u32 threadId, u32 numThreads) {
+    detail::copy<Alignment, CopyRemainder>((char*)src_ + targetOffset, (const char*)dst_ + originOffset, originBytes,
+                                           threadId, numThreads);
+  }
+  /// `get` with one offset for both sides.
+  template <int Alignment = 16, bool CopyRemainder = true>
+  MSCCLPP_RS_DEVICE void get(u64 offset, u64 originBytes, u32 threadId, u32 numThreads) {
+    get<Alignment, CopyRemainder>(offset, offset, originBytes, threadId, numThreads);
+  }
+
+  /// Collective: packs `originBytes` from `src_ + originOffset` into packets written with `flag`
+  /// at `dst_ + targetOffset` (the peer's packet buffer: `dst_` must be the peer's memory its
+  /// channel uses as `packetBuffer_`). LL16: 8 data bytes per 16-byte packet (offsets 8-aligned,
+  /// `originBytes` a multiple of 8); LL8: 4 per 8 (4-aligned, a multiple of 4); a remainder is
+  /// not sent. The destination needs 2 x `originBytes`.
+  template <typename PacketType = LL16Packet>
+  MSCCLPP_RS_DEVICE void putPackets(u64 targetOffset, u64 originOffset, u64 originBytes, u32 threadId,
+                                    u32 numThreads, u32 flag) {
+    detail::copy_to_packets((PacketType*)((char*)dst_ + targetOffset), (const u32*)((const char*)src_ + originOffset),
+                            originBytes, threadId, numThreads, flag);
+  }
+  /// `putPackets` with one offset for both sides.
+  template <typename PacketType = LL16Packet>
+  MSCCLPP_RS_DEVICE void putPackets(u64 offset, u64 originBytes, u32 threadId, u32 numThreads, u32 flag) {
+    putPackets<PacketType>(offset, offset, originBytes, threadId, numThreads, flag);
+  }
+  /// Reads packet `index` of the local packet buffer once its flag(s) equal `flag` (traps after
+  /// `maxSpinCount` spins; never if negative, the default). Traps if there is no packet buffer.
+  template <typename PacketType = LL16Packet>
+  MSCCLPP_RS_DEVICE typename PacketType::Payload unpackPacket(u64 index, u32 flag, i64 maxSpinCount = -1) {
+    if (packetBuffer_ == nullptr) __trap();
+    return ((const PacketType*)packetBuffer_)[index].read(flag, maxSpinCount);
+  }
+  /// Time-limited `unpackPacket`: true with the payload in `out`, false after `timeout_ns`.
+  template <typename PacketType = LL16Packet>
+  MSCCLPP_RS_DEVICE bool unpackPacket_for(u64 index, u32 flag, u64 timeout_ns, typename PacketType::Payload& out) {
+    if (packetBuffer_ == nullptr) __trap();
+    return ((const PacketType*)packetBuffer_)[index].read_for(flag, timeout_ns, out);
+  }
+  /// Collective: waits for the packets at `packetBuffer_ + targetOffset` to carry `flag` and
+  /// writes their data to `src_ + originOffset` (`originBytes` of payload; the packets span
+  /// 2 x `originBytes`). Traps after `maxSpinCount` spins per packet (never if negative, the
+  /// default) or if there is no packet buffer.
+  template <typename PacketType = LL16Packet>
+  MSCCLPP_RS_DEVICE void unpackPackets(u64 targetOffset, u64 originOffset, u64 originBytes, u32 threadId,
+                                       u32 numThreads, u32 flag, i64 maxSpinCount = -1) {
+    if (packetBuffer_ == nullptr) __trap();
+    detail::copy_from_packets((u32*)((char*)src_ + originOffset),
+                              (const PacketType*)((const char*)packetBuffer_ + targetOffset), originBytes, threadId,
+                              numThreads, flag, maxSpinCount);
+  }
+  /// `unpackPackets` with one offset for both sides.
+  template <typename PacketType = LL16Packet>
+  MSCCLPP_RS_DEVICE void unpackPackets(u64 offset, u64 originBytes, u32 threadId, u32 numThreads, u32 flag,
+                                       i64 maxSpinCount = -1) {
+    unpackPackets<PacketType>(offset, offset, originBytes, threadId, numThreads, flag, maxSpinCount);
+  }
+  /// Time-limited `unpackPackets`: true when this thread's share of packets arrived and was
+  /// written; false once `timeout_ns` passed since the call (its share is then incomplete).
+  template <typename PacketType = LL16Packet>
+  MSCCLPP_RS_DEVICE bool unpackPackets_for(u64 targetOffset, u64 originOffset, u64 originBytes, u32 threadId,
+                                           u32 numThreads, u32 flag, u64 timeout_ns) {
+    if (packetBuffer_ == nullptr) __trap();
+    return detail::copy_from_packets_for((u32*)((char*)src_ + originOffset),
+                                         (const PacketType*)((const char*)packetBuffer_ + targetOffset), originBytes,
+                                         threadId, numThreads, flag, detail::globaltimer(), timeout_ns);
+  }
+#endif  // MSCCLPP_RS_DEVICE_COMPILE
 };
 
 static_assert(sizeof(ProxyTrigger) == 16 && alignof(ProxyTrigger) == 16, "ProxyTrigger layout");

@@ -93,6 +93,16 @@ pub struct PortChannelDeviceHandle {
     pub src: u32,
 }
 
+/// A MemoryChannel's device side without fixed memories (semaphore only).
+///
+/// C++: `BaseMemoryChannelDeviceHandle` (24 bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct BaseMemoryChannelDeviceHandle {
+    /// The semaphore (`semaphore_`).
+    pub semaphore: MemoryDevice2DeviceSemaphoreDeviceHandle,
+}
+
 /// A MemoryChannel's device side.
 ///
 /// C++: `MemoryChannelDeviceHandle` (48 bytes; its first 24 bytes are `BaseMemoryChannelDeviceHandle`).
@@ -158,6 +168,7 @@ const _: () = {
     assert!(size_of::<PortChannelDeviceHandle>() == 96);
     assert!(offset_of!(PortChannelDeviceHandle, dst) == 88);
     assert!(offset_of!(PortChannelDeviceHandle, src) == 92);
+    assert!(size_of::<BaseMemoryChannelDeviceHandle>() == 24);
     assert!(size_of::<MemoryChannelDeviceHandle>() == 48);
     assert!(offset_of!(MemoryChannelDeviceHandle, dst) == 24);
     assert!(offset_of!(MemoryChannelDeviceHandle, src) == 32);
@@ -198,6 +209,7 @@ pub fn layout_table() -> Vec<LayoutRow> {
         "flushDonePos_" => flush_done_pos
     ]);
     rows!(v, PortChannelDeviceHandle, ["dst_" => dst, "src_" => src]);
+    rows!(v, BaseMemoryChannelDeviceHandle, ["semaphore_" => semaphore]);
     rows!(v, MemoryChannelDeviceHandle, [
         "semaphore_" => semaphore, "dst_" => dst, "src_" => src, "packetBuffer_" => packet_buffer
     ]);
@@ -230,6 +242,27 @@ impl BasePortChannelDeviceHandle {
 impl PortChannelDeviceHandle {
     /// The handle's bytes, as a kernel argument or for a copy to device memory.
     pub fn to_bytes(&self) -> [u8; 96] {
+        as_bytes(self)
+    }
+}
+
+impl MemoryDevice2DeviceSemaphoreDeviceHandle {
+    /// The handle's bytes, as a kernel argument or for a copy to device memory.
+    pub fn to_bytes(&self) -> [u8; 24] {
+        as_bytes(self)
+    }
+}
+
+impl BaseMemoryChannelDeviceHandle {
+    /// The handle's bytes, as a kernel argument or for a copy to device memory.
+    pub fn to_bytes(&self) -> [u8; 24] {
+        as_bytes(self)
+    }
+}
+
+impl MemoryChannelDeviceHandle {
+    /// The handle's bytes, as a kernel argument or for a copy to device memory.
+    pub fn to_bytes(&self) -> [u8; 48] {
         as_bytes(self)
     }
 }
@@ -289,6 +322,29 @@ impl Fields for PortChannelDeviceHandle {
     }
 }
 
+impl Fields for MemoryDevice2DeviceSemaphoreDeviceHandle {
+    fn put(&self, out: &mut [u8], at: usize) {
+        put_u64(out, at, self.inbound_token);
+        put_u64(out, at + offset_of!(Self, remote_inbound_token), self.remote_inbound_token);
+        put_u64(out, at + offset_of!(Self, expected_inbound_token), self.expected_inbound_token);
+    }
+}
+
+impl Fields for BaseMemoryChannelDeviceHandle {
+    fn put(&self, out: &mut [u8], at: usize) {
+        self.semaphore.put(out, at);
+    }
+}
+
+impl Fields for MemoryChannelDeviceHandle {
+    fn put(&self, out: &mut [u8], at: usize) {
+        self.semaphore.put(out, at);
+        put_u64(out, at + offset_of!(Self, dst), self.dst);
+        put_u64(out, at + offset_of!(Self, src), self.src);
+        put_u64(out, at + offset_of!(Self, packet_buffer), self.packet_buffer);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -328,5 +384,20 @@ mod tests {
         assert_eq!(&h.base.fifo.to_bytes()[..], &b[24..80]);
         assert_eq!(&h.base.to_bytes()[..], &b[..88]);
         assert_eq!(&h.base.semaphore.to_bytes()[..], &b[8..24]);
+    }
+
+    #[test]
+    fn memory_channel_bytes_put_each_field_at_its_offset() {
+        let sem = MemoryDevice2DeviceSemaphoreDeviceHandle {
+            inbound_token: 0x11,
+            remote_inbound_token: 0x22,
+            expected_inbound_token: 0x33,
+        };
+        let h = MemoryChannelDeviceHandle { semaphore: sem, dst: 0x44, src: 0x55, packet_buffer: 0x66 };
+        let b = h.to_bytes();
+        let u64_at = |o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap());
+        assert_eq!((0..6).map(|i| u64_at(8 * i)).collect::<Vec<_>>(), [0x11, 0x22, 0x33, 0x44, 0x55, 0x66]);
+        assert_eq!(&sem.to_bytes()[..], &b[..24]);
+        assert_eq!(BaseMemoryChannelDeviceHandle { semaphore: sem }.to_bytes(), sem.to_bytes());
     }
 }

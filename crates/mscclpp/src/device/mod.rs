@@ -14,15 +14,19 @@ use crate::error::{Error, Result};
 pub mod compile;
 pub mod fifo;
 pub mod handles;
+pub mod memory_channel;
 pub mod port_channel;
 pub mod proxy;
+pub mod token_pool;
 pub mod trigger;
 
 pub use fifo::{DEFAULT_FIFO_SIZE, Fifo};
 pub use handles::{
-    BasePortChannelDeviceHandle, FifoDeviceHandle, Host2DeviceSemaphoreDeviceHandle, LL8Packet, LL16Packet,
-    MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle, PortChannelDeviceHandle,
+    BaseMemoryChannelDeviceHandle, BasePortChannelDeviceHandle, FifoDeviceHandle, Host2DeviceSemaphoreDeviceHandle,
+    LL8Packet, LL16Packet, MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle,
+    PortChannelDeviceHandle,
 };
+pub use memory_channel::{BaseMemoryChannel, ChannelSemaphore, MemoryChannel};
 pub use port_channel::PortChannel;
 pub use proxy::{MemoryId, ProxyConfig, ProxySemaphore, ProxyService, SemaphoreId};
 pub use trigger::{ProxyTrigger, Put, Request, decode};

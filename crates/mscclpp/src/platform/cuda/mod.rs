@@ -492,6 +492,13 @@ impl GpuRegion {
         crate::platform::check_range(offset, n, self.len as u64, "GPU region")
     }
 
+    /// The window `[offset, offset + len)` of this region, sharing (and keeping alive) its
+    /// allocation: how a token pool hands out 8-byte slots of one allocation.
+    pub(crate) fn sub(&self, offset: u64, len: usize) -> Result<GpuRegion> {
+        self.check(offset, len as u64)?;
+        Ok(GpuRegion { ptr: self.ptr + offset, len, dev: self.dev.clone(), _keeper: self._keeper.clone() })
+    }
+
     /// Copy from the host into the region, complete on the device when this returns.
     pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
         self.check(offset, src.len() as u64)?;

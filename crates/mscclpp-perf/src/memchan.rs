@@ -1,0 +1,288 @@
+//! `mscclpp-perf device`, MemoryChannel part: one process, two ranks (threads with a loopback
+//! bootstrap) on one GPU, two streams, each row next to a raw baseline measured in the same run:
+//!
+//! * MemoryDevice2DeviceSemaphore signal + wait ping-pong next to a raw flag ping-pong
+//!   (`st.release.sys` / `ld.acquire.sys` on plain device words);
+//! * MemoryChannel `put` bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync` between
+//!   the same buffers;
+//! * LL16 packets: putPackets + unpackPackets ping-pong (one way = half a round trip) at 1 KiB
+//!   (latency) and 1 MiB (bandwidth), next to the raw flag one-way time and `cuMemcpyDtoDAsync`.
+
+use std::ffi::c_void;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mscclpp::device::compile::{CompileOptions, Kernel, KernelModule, compile};
+use mscclpp::gpu::Stream;
+use mscclpp::{
+    Bootstrap, Communicator, Device, DeviceBuffer, EndpointConfig, MemoryChannel, MemoryDevice2DeviceSemaphore,
+    RootServer, TcpBootstrap, Transport, TransportFlags,
+};
+
+use crate::Args;
+
+const KERNELS: &str = r#"
+#include "mscclpp_rs/device.cuh"
+using namespace mscclpp;
+__device__ u64 now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+
+extern "C" __global__ void sem_ping(MemoryDevice2DeviceSemaphoreDeviceHandle s, int n, u64* out) {
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) { s.signal(); s.wait(); }
+  out[0] = now() - t0;
+}
+extern "C" __global__ void sem_pong(MemoryDevice2DeviceSemaphoreDeviceHandle s, int n, u64* out) {
+  for (int i = 0; i < n; ++i) { s.wait(); s.signal(); }
+}
+
+// The raw baseline: `mine` is written by the peer, `theirs` is the peer's word.
+extern "C" __global__ void raw_ping(u64* mine, u64* theirs, int n, u64* out) {
+  u64 t0 = now();
+  for (u64 i = 1; i <= (u64)n; ++i) {
+    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(theirs), "l"(i) : "memory");
+    u64 v;
+    do { asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(mine) : "memory"); } while (v < i);
+  }
+  out[0] = now() - t0;
+}
+extern "C" __global__ void raw_pong(u64* mine, u64* theirs, int n, u64* out) {
+  for (u64 i = 1; i <= (u64)n; ++i) {
+    u64 v;
+    do { asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(mine) : "memory"); } while (v < i);
+    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(theirs), "l"(i) : "memory");
+  }
+}
+
+// n collective puts of `size` bytes by the whole grid.
+extern "C" __global__ void put_bw(MemoryChannelDeviceHandle* ch, u64 size, int n) {
+  u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
+  for (int i = 0; i < n; ++i) ch->put(0, 0, size, tid, nt);
+}
+
+// LL16 ping-pong, per thread (each thread echoes exactly the packets it unpacked, so no grid
+// barrier is needed); round r uses half r % 2 of each packet buffer and flag flag0 + r.
+extern "C" __global__ void ll_ping(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64* out) {
+  u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
+  u64 t0 = now();
+  for (int r = 0; r < n; ++r) {
+    u64 half = (u64)(r % 2) * 2 * bytes;
+    ch->putPackets(half, 0, bytes, tid, nt, flag0 + r);
+    ch->unpackPackets(half, 0, bytes, tid, nt, flag0 + r, -1);
+  }
+  if (tid == 0) out[0] = now() - t0;
+}
+extern "C" __global__ void ll_pong(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64* out) {
+  u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
+  for (int r = 0; r < n; ++r) {
+    u64 half = (u64)(r % 2) * 2 * bytes;
+    ch->unpackPackets(half, 0, bytes, tid, nt, flag0 + r, -1);
+    ch->putPackets(half, 0, bytes, tid, nt, flag0 + r);
+  }
+}
+"#;
+
+fn e(x: impl std::fmt::Display) -> String {
+    x.to_string()
+}
+
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut c_void ),*] };
+}
+
+fn launch(k: &Kernel, grid: u32, block: u32, stream: &Stream, args: &mut [*mut c_void]) -> Result<(), String> {
+    // SAFETY: each call passes arguments matching its kernel's parameters: values, or device
+    // addresses of buffers that stay alive until the stream is synchronized below them.
+    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.map_err(e)
+}
+
+fn row(s: String) {
+    println!("{s}");
+    let _ = std::io::stdout().flush();
+}
+
+/// Packet payload of the LL rows (the packet buffer holds two halves of twice this).
+const LL_MAX: usize = 1 << 20;
+
+struct Rank {
+    _comm: Communicator,
+    sem: Arc<MemoryDevice2DeviceSemaphore>,
+    /// Data (source of puts, destination of the peer's) and packet buffer.
+    data: DeviceBuffer,
+    chan: MemoryChannel,
+    /// The same semaphore with the peer's packet buffer as destination (LL rows).
+    pk_chan: MemoryChannel,
+    /// Raw flag word (the peer writes it) for the baseline.
+    flag: DeviceBuffer,
+    peer_flag: u64,
+    out: DeviceBuffer,
+}
+
+/// Two ranks of this process over CUDA IPC on `dev`, each with a `len`-byte data buffer, a
+/// packet buffer, a semaphore and a MemoryChannel to the other.
+fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, String> {
+    let (root, id) = RootServer::start(2, timeout).map_err(e)?;
+    let ranks = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let id = id.clone();
+                sc.spawn(move || -> Result<Rank, String> {
+                    let bs: Arc<dyn Bootstrap> =
+                        Arc::new(TcpBootstrap::config(rank, 2).timeout(timeout).initialize(&id).map_err(e)?);
+                    let comm = Communicator::new(bs.clone());
+                    let peer = 1 - rank;
+                    let ipc = TransportFlags::from(Transport::CudaIpc);
+                    let data = DeviceBuffer::new(comm.context(), dev, len, ipc).map_err(e)?;
+                    let packets = DeviceBuffer::new(comm.context(), dev, 4 * LL_MAX, ipc).map_err(e)?;
+                    let flag = DeviceBuffer::new(comm.context(), dev, 8, ipc).map_err(e)?;
+                    let cfg = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
+                    let pc = comm.connect(&cfg, peer, 0).map_err(e)?;
+                    for (i, b) in [&data, &packets, &flag].iter().enumerate() {
+                        comm.send_memory(b.memory(), peer, 1 + i as u32).map_err(e)?;
+                    }
+                    let pm: Vec<_> =
+                        (0..3).map(|i| comm.recv_memory(peer, 1 + i)).collect::<Result<_, _>>().map_err(e)?;
+                    let conn = pc.wait().map_err(e)?;
+                    let remote: Vec<_> = pm.into_iter().map(|p| p.wait()).collect::<Result<_, _>>().map_err(e)?;
+                    let sem = comm.build_semaphore(&conn, peer, 10).map_err(e)?.wait().map_err(e)?;
+                    let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem).map_err(e)?);
+                    // Puts go into the peer's data buffer; packets into the peer's packet buffer
+                    // (a second channel view over the same semaphore).
+                    let chan = MemoryChannel::new(sem.clone(), &remote[0], data.memory(), Some(packets.memory()))
+                        .map_err(e)?;
+                    let pk_chan = MemoryChannel::new(sem.clone(), &remote[1], data.memory(), Some(packets.memory()))
+                        .map_err(e)?;
+                    let out = DeviceBuffer::new(comm.context(), dev, 8, TransportFlags::NONE).map_err(e)?;
+                    bs.barrier().map_err(e)?;
+                    // The peer's flag word: same process, so its address is the pointer itself.
+                    let peer_flag = remote[2].addr();
+                    Ok(Rank { _comm: comm, sem, data, chan, pk_chan, flag, peer_flag, out })
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().map_err(|_| "a rank thread panicked".to_string())?)
+            .collect::<Result<Vec<_>, _>>()
+    })?;
+    drop(root);
+    Ok(ranks)
+}
+
+/// Runs the MemoryChannel rows on `--device`.
+pub fn run(args: &Args) -> Result<(), String> {
+    let dev = args.device;
+    let timeout = args.timeout();
+    row("# MemoryChannel and device-to-device semaphores (one process, two ranks, two streams)".into());
+    let ptx = compile(KERNELS, &CompileOptions::for_device(dev)).map_err(e)?;
+    let m = KernelModule::load(dev, &ptx).map_err(e)?;
+    let k = |n: &str| m.function(n).map_err(e);
+    let max = args.max_bytes.clamp(1 << 10, 1 << 30) as usize;
+    let ranks = two_ranks(dev, max, timeout)?;
+    let streams = [Stream::new(dev).map_err(e)?, Stream::new(dev).map_err(e)?];
+    let sync = |s: &Stream| s.synchronize(timeout).map_err(e);
+
+    // 1. Semaphore ping-pong next to the raw flag ping-pong.
+    let n = 20_000i32;
+    let mut raw_rt = 0.0;
+    for (kind, ping, pong) in [("raw", "raw_ping", "raw_pong"), ("sem", "sem_ping", "sem_pong")] {
+        let (kp, kq) = (k(ping)?, k(pong)?);
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            for (i, kern) in [&kq, &kp].into_iter().enumerate() {
+                let r = &ranks[1 - i];
+                let (mut nn, mut o) = (n, r.out.device_ptr());
+                if kind == "raw" {
+                    r.flag.fill(0, 8, 0).map_err(e)?;
+                }
+                let (mut mine, mut theirs, mut h) = (r.flag.device_ptr(), r.peer_flag, r.sem.device_handle());
+                if kind == "raw" {
+                    launch(kern, 1, 1, &streams[1 - i], &mut args![mine, theirs, nn, o])?;
+                } else {
+                    launch(kern, 1, 1, &streams[1 - i], &mut args![h, nn, o])?;
+                }
+            }
+            streams.iter().try_for_each(sync)?;
+            best = best.min(ranks[0].out.read_u64(0).map_err(e)? as f64 / 1e3 / n as f64);
+        }
+        if kind == "raw" {
+            raw_rt = best;
+            row(format!(
+                "raw flag ping-pong (st.release.sys / ld.acquire.sys): {best:.2} us round trip ({n} rounds, best of 3)"
+            ));
+        } else {
+            row(format!(
+                "MemoryDevice2DeviceSemaphore signal+wait ping-pong: {best:.2} us round trip (raw {raw_rt:.2}; goal <= 2.0, MSCCL++ 2.35 on H100 x2)"
+            ));
+        }
+    }
+
+    // 2. put bandwidth, rank 0 -> rank 1, next to cuMemcpyDtoDAsync between the same buffers.
+    {
+        let kern = k("put_bw")?;
+        row("MemoryChannel put bandwidth (GB/s): size, ours, cuMemcpyDtoDAsync, ratio".into());
+        let mut size = 1usize << 10;
+        while size <= max {
+            let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
+            let blocks = (size / (64 << 10)).clamp(1, 528) as u32;
+            let (mut c, mut sz) = (ranks[0].chan.device_handle_ptr(), size as u64);
+            let mut warm = 3i32;
+            launch(&kern, blocks, 512, &streams[0], &mut args![c, sz, warm])?;
+            sync(&streams[0])?;
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let mut nn = iters;
+                let t0 = Instant::now();
+                launch(&kern, blocks, 512, &streams[0], &mut args![c, sz, nn])?;
+                sync(&streams[0])?;
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+            let ours = size as f64 * iters as f64 / best / 1e9;
+            let base =
+                mscclpp::bench::baseline_copy(&[(&ranks[0].data, &ranks[1].data)], size, 3, iters as u64).map_err(e)?;
+            let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
+            row(format!("{:>10}  {ours:9.2}  {raw:9.2}  {:.3}", human(size), ours / raw));
+            size *= 4;
+        }
+    }
+
+    // 3. LL16 ping-pong at 1 KiB and 1 MiB.
+    {
+        let (kp, kq) = (k("ll_ping")?, k("ll_pong")?);
+        let mut flag0 = 1u32;
+        for (bytes, blocks, threads, n) in [(1usize << 10, 1u32, 128u32, 10_000i32), (LL_MAX, 64, 256, 500)] {
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                for (i, kern) in [&kq, &kp].into_iter().enumerate() {
+                    let r = 1 - i;
+                    let (mut c, mut b, mut nn, mut f, mut o) =
+                        (ranks[r].pk_chan.device_handle_ptr(), bytes as u64, n, flag0, ranks[r].out.device_ptr());
+                    launch(kern, blocks, threads, &streams[r], &mut args![c, b, nn, f, o])?;
+                }
+                streams.iter().try_for_each(sync)?;
+                flag0 += n as u32;
+                best = best.min(ranks[0].out.read_u64(0).map_err(e)? as f64 / 1e3 / n as f64 / 2.0);
+            }
+            let base = mscclpp::bench::baseline_copy(&[(&ranks[0].data, &ranks[1].data)], bytes.min(max), 3, 200)
+                .map_err(e)?;
+            let base_us = base.as_secs_f64() * 1e6 / 200.0;
+            row(format!(
+                "LL16 putPackets+unpackPackets {}: {best:.2} us one way, {:.2} GB/s (raw flag one way {:.2} us; cuMemcpyDtoDAsync {:.2} us, {:.2} GB/s; MSCCL++ 2 GPUs: 4.07 us at 1 KB, 99.9 GB/s at 1 MB)",
+                human(bytes),
+                bytes as f64 / best / 1e3,
+                raw_rt / 2.0,
+                base_us,
+                bytes.min(max) as f64 / base_us / 1e3
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn human(n: usize) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
