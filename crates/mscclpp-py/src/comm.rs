@@ -397,6 +397,38 @@ impl Communicator {
         Ok(Host2DeviceSemaphore { sem: Mutex::new(Some(Arc::new(s))) })
     }
 
+    /// A device-to-device semaphore over a CUDA IPC `connection`, for `MemoryChannel`s (both
+    /// ranks call this).
+    #[pyo3(signature = (connection, tag = 0))]
+    fn memory_semaphore(
+        &self,
+        py: Python<'_>,
+        connection: &Connection,
+        tag: u32,
+    ) -> PyResult<crate::device::MemoryDevice2DeviceSemaphore> {
+        let peer = connection.peer_of(py)?;
+        let s = py
+            .detach(|| {
+                mscclpp::MemoryDevice2DeviceSemaphore::new(
+                    self.comm.build_semaphore(&connection.conn, peer, tag)?.wait()?,
+                )
+            })
+            .py(py)?;
+        Ok(crate::device::MemoryDevice2DeviceSemaphore { sem: Arc::new(s) })
+    }
+
+    /// The handles of `channels` (MemoryChannels) packed into device memory on GPU `device`, at
+    /// a stable address (pass `.ptr` as a `MemoryChannelDeviceHandle*`).
+    #[pyo3(signature = (channels, device = 0))]
+    fn pack_memory_channels(
+        &self,
+        py: Python<'_>,
+        channels: Vec<Bound<'_, crate::device::MemoryChannel>>,
+        device: u32,
+    ) -> PyResult<crate::device::DeviceHandles> {
+        crate::device::pack_memory_channels(py, self.comm.context(), channels, device)
+    }
+
     fn __repr__(&self) -> String {
         format!("Communicator(rank={}, size={})", self.bs.rank(), self.bs.size())
     }

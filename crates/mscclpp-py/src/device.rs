@@ -16,6 +16,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PortChannel>()?;
     m.add_class::<DeviceHandles>()?;
     m.add_class::<Ptx>()?;
+    m.add_class::<MemoryDevice2DeviceSemaphore>()?;
+    m.add_class::<MemoryChannel>()?;
     m.add_function(wrap_pyfunction!(header_source, m)?)?;
     m.add_function(wrap_pyfunction!(write_header, m)?)?;
     m.add_function(wrap_pyfunction!(compile, m)?)?;
@@ -134,7 +136,7 @@ impl ProxyService {
                 Ok::<_, mscclpp::Error>(b)
             })
             .py(py)?;
-        let keep = channels.iter().map(|c| c.clone().unbind()).collect();
+        let keep = channels.iter().map(|c| c.clone().into_any().unbind()).collect();
         Ok(DeviceHandles { buf, count: channels.len(), _channels: keep })
     }
 
@@ -228,14 +230,15 @@ impl PortChannel {
     }
 }
 
-/// PortChannel handles packed into device memory (`ProxyService.pack_handles`): pass `ptr` as a
+/// Channel handles packed into device memory (`ProxyService.pack_handles`,
+/// `Communicator.pack_memory_channels`): pass `ptr` as a
 /// `PortChannelDeviceHandle*` kernel argument. It has `__cuda_array_interface__` (bytes), so
 /// `torch.as_tensor(h, device="cuda")` or `cupy.asarray(h)` views it without a copy.
 #[pyclass(frozen, module = "mscclpp_rs._native")]
 pub(crate) struct DeviceHandles {
     buf: mscclpp::DeviceBuffer,
     count: usize,
-    _channels: Vec<Py<PortChannel>>,
+    _channels: Vec<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -360,4 +363,98 @@ fn compile(
     let o = device::compile::CompileOptions { arch, device, flags: options.unwrap_or_default(), name };
     let ptx = py.detach(|| device::compile::compile(&source, &o)).py(py)?;
     Ok(Ptx { ptx })
+}
+
+/// A device-to-device semaphore over a CUDA IPC connection: kernels on both GPUs signal and wait
+/// on it directly (no host thread). Several `MemoryChannel`s may share one.
+#[pyclass(frozen, module = "mscclpp_rs._native")]
+pub(crate) struct MemoryDevice2DeviceSemaphore {
+    pub(crate) sem: Arc<mscclpp::MemoryDevice2DeviceSemaphore>,
+}
+
+#[pymethods]
+impl MemoryDevice2DeviceSemaphore {
+    /// The 24-byte `mscclpp::MemoryDevice2DeviceSemaphoreDeviceHandle`.
+    fn device_handle<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.sem.device_handle().to_bytes())
+    }
+
+    /// The GPU whose kernels use it.
+    #[getter]
+    fn device(&self) -> u32 {
+        self.sem.device()
+    }
+}
+
+/// A kernel's channel to a peer GPU whose memory is mapped here (CUDA IPC): kernels `put`/`get`
+/// straight into the peer's `dst` from local `src`, send LL packets into the peer's packet
+/// buffer, and `signal`/`wait` on the semaphore, with no host thread.
+///
+/// `MemoryChannel(semaphore, dst, src, packet_buffer=None)`: `dst` a peer's memory (from
+/// `exchange`), `src` and `packet_buffer` local GPU memory on the semaphore's GPU.
+#[pyclass(frozen, module = "mscclpp_rs._native")]
+pub(crate) struct MemoryChannel {
+    ch: device::MemoryChannel,
+    _keep: Vec<Py<PyAny>>,
+}
+
+#[pymethods]
+impl MemoryChannel {
+    #[new]
+    #[pyo3(signature = (semaphore, dst, src, packet_buffer = None))]
+    fn new(
+        py: Python<'_>,
+        semaphore: &Bound<'_, MemoryDevice2DeviceSemaphore>,
+        dst: &Bound<'_, RegisteredMemory>,
+        src: &Bound<'_, RegisteredMemory>,
+        packet_buffer: Option<&Bound<'_, RegisteredMemory>>,
+    ) -> PyResult<Self> {
+        let sem = semaphore.get().sem.clone();
+        let (d, s) = (dst.get(), src.get());
+        let p = packet_buffer.map(|p| p.get());
+        let ch = py.detach(|| device::MemoryChannel::new(sem, &d.mem, &s.mem, p.map(|p| &p.mem))).py(py)?;
+        let mut keep = vec![semaphore.clone().into_any().unbind(), dst.clone().into_any().unbind()];
+        keep.push(src.clone().into_any().unbind());
+        if let Some(p) = packet_buffer {
+            keep.push(p.clone().into_any().unbind());
+        }
+        Ok(MemoryChannel { ch, _keep: keep })
+    }
+
+    /// The 48-byte `mscclpp::MemoryChannelDeviceHandle`, to pass by value.
+    fn device_handle<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.ch.device_handle().to_bytes())
+    }
+
+    /// Device address of the channel's own copy of its handle (stable while the channel lives).
+    #[getter]
+    fn device_handle_ptr(&self) -> u64 {
+        self.ch.device_handle_ptr()
+    }
+}
+
+/// `Communicator.pack_memory_channels`: the handles of `channels` (48 bytes each) one after
+/// another in device memory on `device`.
+pub(crate) fn pack_memory_channels(
+    py: Python<'_>,
+    ctx: &mscclpp::Context,
+    channels: Vec<Bound<'_, MemoryChannel>>,
+    device: u32,
+) -> PyResult<DeviceHandles> {
+    if channels.is_empty() {
+        return Err(invalid(py, "pack_memory_channels needs at least one channel"));
+    }
+    let mut bytes = Vec::with_capacity(channels.len() * 48);
+    for c in &channels {
+        bytes.extend_from_slice(&c.get().ch.device_handle().to_bytes());
+    }
+    let buf = py
+        .detach(|| {
+            let b = mscclpp::DeviceBuffer::new(ctx, device, bytes.len(), mscclpp::TransportFlags::NONE)?;
+            b.write(0, &bytes)?;
+            Ok::<_, mscclpp::Error>(b)
+        })
+        .py(py)?;
+    let keep = channels.iter().map(|c| c.clone().into_any().unbind()).collect();
+    Ok(DeviceHandles { buf, count: channels.len(), _channels: keep })
 }

@@ -132,7 +132,35 @@ class Communicator:
         max_write_queue_size: int | None = None,
     ) -> dict[int, Connection]: ...
     def host_semaphore(self, connection: Connection, tag: int = 0) -> Host2HostSemaphore: ...
+    def memory_semaphore(self, connection: Connection, tag: int = 0) -> MemoryDevice2DeviceSemaphore:
+        """A device-to-device semaphore over a CUDA IPC connection (for MemoryChannels)."""
+    def pack_memory_channels(self, channels: Sequence[MemoryChannel], device: int = 0) -> DeviceHandles:
+        """MemoryChannel handles (48 B each) packed into device memory at a stable address."""
     def device_semaphore(self, connection: Connection, tag: int = 0) -> Host2DeviceSemaphore: ...
+
+class MemoryDevice2DeviceSemaphore:
+    """Signalled and waited on by kernels on both GPUs (CUDA IPC); MemoryChannels share it."""
+
+    def device_handle(self) -> bytes:
+        """The 24-byte ``mscclpp::MemoryDevice2DeviceSemaphoreDeviceHandle``."""
+    @property
+    def device(self) -> int: ...
+
+class MemoryChannel:
+    """A kernel's channel into a peer GPU's mapped memory (CUDA IPC), no host thread."""
+
+    def __init__(
+        self,
+        semaphore: MemoryDevice2DeviceSemaphore,
+        dst: RegisteredMemory,
+        src: RegisteredMemory,
+        packet_buffer: RegisteredMemory | None = None,
+    ) -> None: ...
+    def device_handle(self) -> bytes:
+        """The 48-byte ``mscclpp::MemoryChannelDeviceHandle`` (pass by value)."""
+    @property
+    def device_handle_ptr(self) -> int:
+        """Device address of the channel's own copy of its handle (stable)."""
 
 class PortChannel:
     """A kernel's channel to one peer through a ProxyService."""
