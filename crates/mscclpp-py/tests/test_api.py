@@ -401,3 +401,10 @@ def test_compile_with_nvrtc():
     assert ".entry put_signal" in ptx.ptx
     with pytest.raises(m.MscclppError):
         m.compile("this is not CUDA", arch="compute_90")
+
+
+def test_memory_semaphore_needs_cuda_ipc(comm, conn):
+    with pytest.raises(m.MscclppError):
+        comm.memory_semaphore(conn, tag=10)  # an Ethernet connection between host memories
+    with pytest.raises(m.InvalidUsageError):
+        comm.pack_memory_channels([])
