@@ -70,11 +70,17 @@ pub fn process_hash() -> u64 {
     if PID.load(Ordering::Acquire) == tag {
         return HASH.load(Ordering::Acquire);
     }
-    let ns = std::fs::read_link("/proc/self/ns/pid").map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-    let h = fnv1a64(&[pid.to_string().as_bytes(), ns.as_bytes()]);
+    let h = process_hash_of(pid);
     HASH.store(h, Ordering::Release);
     PID.store(tag, Ordering::Release);
     h
+}
+
+/// The [`process_hash`] that process `pid` of this process's pid namespace has: equal to a
+/// peer's process hash exactly when the peer is that pid in this namespace.
+pub(crate) fn process_hash_of(pid: u32) -> u64 {
+    let ns = std::fs::read_link("/proc/self/ns/pid").map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    fnv1a64(&[pid.to_string().as_bytes(), ns.as_bytes()])
 }
 
 /// Fills `buf` from the operating system's random source.

@@ -46,7 +46,7 @@ mod contract {
         atomics: true,
         cpu_atomics_coherent: false,
         memory: Memory::Gpu,
-        detects_peer_gone: false,
+        detects_peer_gone: true,
         local_destination_allowed: true,
     };
 

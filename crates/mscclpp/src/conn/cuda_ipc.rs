@@ -11,7 +11,15 @@
 //! * `atomic_add` runs on the same stream, so `flush` covers it;
 //! * `flush(timeout)` polls an event, so the timeout holds, and returns CUDA errors as errors;
 //! * `max_write_queue_size` bounds the operations in flight (MSCCL++ has no bound): an operation
-//!   past it waits for the stream to drain, and fails with `Timeout` naming the peer after 30 s.
+//!   past it waits for the stream to drain, and fails with `Timeout` naming the peer after 30 s;
+//! * a peer process that dies is noticed (MSCCL++ never notices: its memory stays mapped and
+//!   writes keep landing in it): the endpoint carries the owner's pid and start time, and a
+//!   thread per connection to another process polls a pidfd of it (`pidfd_open(2)`), which
+//!   becomes readable the moment the process exits. The connection then fails with `Remote`
+//!   naming the peer, so the next operation, `flush`, `status()` and semaphore waits fail. A pidfd
+//!   rather than the bootstrap's liveness: it needs no socket or heartbeat, tells within
+//!   milliseconds, and a CUDA IPC peer is by definition a process of this host. It is used only
+//!   when the peer's process hash shows it is that pid in this pid namespace.
 //!
 //! The accounting and the slot hand-out are a core without CUDA ([`ring::IpcCore`]); this file
 //! drives it, holding its lock while it enqueues so a flush counts only what is on the stream.
@@ -71,7 +79,8 @@ struct IpcState {
 pub(crate) struct CudaIpcConnection {
     dev: Arc<GpuDevice>,
     stream: Arc<Stream>,
-    failed: Mutex<Option<Error>>,
+    /// The first failure (shared with the peer watcher, which sets it when the peer exits).
+    failed: Arc<Mutex<Option<Error>>>,
     state: Mutex<IpcState>,
     peer_desc: String,
     /// Completion marks for [`ConnectionImpl::progress`] (locked before `state`, never after).
@@ -315,6 +324,66 @@ impl ConnectionImpl for CudaIpcConnection {
     }
 }
 
+/// How often the peer watcher looks whether its connection is still there.
+const WATCH_PERIOD: Duration = Duration::from_millis(500);
+
+/// Starts a thread that fails the connection (`failed`) when the peer process `pid` exits, and
+/// ends once the connection is gone. Does nothing (with a debug line) where the peer is not
+/// that pid in this pid namespace, or pidfds are missing.
+fn watch_peer(pid: u32, start: u64, peer_hash: u64, failed: &Arc<Mutex<Option<Error>>>, peer: &str, ctx: &Context) {
+    const LOG: &str = "mscclpp::conn";
+    if crate::identity::process_hash_of(pid) != peer_hash {
+        tracing::debug!(target: LOG, "{peer} (pid {pid}) is in another pid namespace: its exit is not watched");
+        return;
+    }
+    let fd = match crate::platform::pidfd::PidFd::open(pid, Some(start).filter(|s| *s != 0)) {
+        Ok(fd) => fd,
+        Err(e) if e.kind() == ErrorKind::Remote => {
+            // Already gone: fail at once.
+            lock(failed).get_or_insert_with(|| peer_exited(peer, pid));
+            return;
+        }
+        Err(e) => {
+            tracing::debug!(target: LOG, "{peer}'s exit is not watched: {e}");
+            return;
+        }
+    };
+    let weak = Arc::downgrade(failed);
+    let ctx = Arc::downgrade(ctx.inner());
+    let name = peer.to_string();
+    let spawned = std::thread::Builder::new().name("mscclpp-ipc-watch".into()).stack_size(64 << 10).spawn(move || {
+        loop {
+            let exited = match fd.wait_exit(WATCH_PERIOD) {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::debug!(target: LOG, "watching {name}: {e}");
+                    return;
+                }
+            };
+            let Some(failed) = weak.upgrade() else { return };
+            if exited {
+                tracing::debug!(target: LOG, "{name} (pid {pid}) exited");
+                lock(&failed).get_or_insert_with(|| peer_exited(&name, pid));
+                // Wake host-side semaphore waits, so they see the failure now.
+                if let Some(c) = ctx.upgrade() {
+                    c.notify_tokens();
+                }
+                return;
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::debug!(target: LOG, "{peer}'s exit is not watched: no thread: {e}");
+    }
+}
+
+fn peer_exited(peer: &str, pid: u32) -> Error {
+    Error::remote(format!(
+        "{peer} (process {pid}) exited: its GPU memory is no longer a live peer's, CUDA IPC operations toward it \
+         are refused"
+    ))
+}
+
 /// Builds a CUDA IPC connection.
 pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: Option<usize>) -> Result<Connection> {
     let Device::Gpu(ordinal) = local.device() else {
@@ -336,10 +405,16 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         Some(p) => format!("rank {p}"),
         None => "the peer".to_string(),
     };
+    let failed = Arc::new(Mutex::new(None));
+    if remote.process_hash() != local.process_hash()
+        && let Some((pid, start)) = remote.owner_process()
+    {
+        watch_peer(pid, start, remote.process_hash(), &failed, &peer_desc, ctx);
+    }
     let conn = CudaIpcConnection {
         dev,
         stream,
-        failed: Mutex::new(None),
+        failed,
         state: Mutex::new(IpcState {
             core: IpcCore::new(local.max_write_queue_size(), SLOTS),
             slots: None,

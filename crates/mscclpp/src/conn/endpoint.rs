@@ -14,7 +14,8 @@ use crate::transport::{Device, EndpointConfig, IbMode, Transport};
 use crate::wire::{Reader, Writer};
 
 const MAGIC: &[u8; 4] = b"MSEP";
-const VERSION: u16 = 1;
+/// 2: CUDA IPC endpoints carry the owner's pid and start time.
+const VERSION: u16 = 2;
 
 /// Default bound on queued operations of an Ethernet connection (see
 /// [`Connection::max_write_queue_size`](crate::Connection::max_write_queue_size)).
@@ -25,8 +26,9 @@ pub const DEFAULT_ETHERNET_QUEUE: usize = 1024;
 pub(crate) enum EndpointKind {
     /// Where the endpoint listens, and the secret a connecting peer must present.
     Ethernet { addr: SocketAddr, secret: [u8; 16] },
-    /// CUDA IPC needs nothing beyond the common fields.
-    CudaIpc,
+    /// CUDA IPC: the owner's pid and its start time (ticks since boot, `/proc/<pid>/stat`), so
+    /// that a peer of the same pid namespace can watch it exit (a pidfd); pid 0 when unknown.
+    CudaIpc { pid: u32, start_time: u64 },
     /// The queue pair to connect to, and how its owner signals.
     Ib { qp: crate::platform::verbs::dev::QpInfo, mode: IbMode },
 }
@@ -127,6 +129,14 @@ impl Endpoint {
         self.inner.local.as_ref()
     }
 
+    /// The owner's pid and start time, for a CUDA IPC endpoint that carries them.
+    pub(crate) fn owner_process(&self) -> Option<(u32, u64)> {
+        match self.inner.desc.kind {
+            EndpointKind::CudaIpc { pid, start_time } if pid != 0 => Some((pid, start_time)),
+            _ => None,
+        }
+    }
+
     #[cfg(test)]
     pub(crate) fn from_desc_for_test(desc: EndpointDesc) -> Endpoint {
         Endpoint { inner: Arc::new(EndpointInner { desc, local: None }) }
@@ -147,7 +157,11 @@ impl Endpoint {
                 put_addr(&mut w, addr);
                 w.raw(secret);
             }
-            EndpointKind::CudaIpc => w.u8(2),
+            EndpointKind::CudaIpc { pid, start_time } => {
+                w.u8(2);
+                w.u32(*pid);
+                w.u64(*start_time);
+            }
             EndpointKind::Ib { qp, mode } => {
                 w.u8(3);
                 w.u16(qp.lid);
@@ -179,7 +193,7 @@ impl Endpoint {
         let max_write_queue_size = r.u32()?;
         let kind = match r.u8()? {
             1 => EndpointKind::Ethernet { addr: get_addr(&mut r)?, secret: r.array()? },
-            2 => EndpointKind::CudaIpc,
+            2 => EndpointKind::CudaIpc { pid: r.u32()?, start_time: r.u64()? },
             3 => {
                 let qp = crate::platform::verbs::dev::QpInfo {
                     lid: r.u16()?,
@@ -201,7 +215,7 @@ impl Endpoint {
         r.finish()?;
         let consistent = matches!(
             (&kind, transport),
-            (EndpointKind::Ethernet { .. }, Transport::Ethernet) | (EndpointKind::CudaIpc, Transport::CudaIpc)
+            (EndpointKind::Ethernet { .. }, Transport::Ethernet) | (EndpointKind::CudaIpc { .. }, Transport::CudaIpc)
         ) || matches!(kind, EndpointKind::Ib { .. }) && transport.is_ib();
         if !consistent {
             return Err(Error::invalid_usage(format!(
@@ -253,7 +267,10 @@ impl Context {
                     return Err(Error::invalid_usage("a CUDA IPC endpoint needs a GPU device (Device::Gpu)").during(op));
                 };
                 crate::platform::cuda::device(d).map_err(|e| e.during(op.clone()))?;
-                (EndpointKind::CudaIpc, (config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE), None))
+                let pid = std::process::id();
+                let start_time = crate::platform::pidfd::start_time(pid).unwrap_or(0);
+                let kind = EndpointKind::CudaIpc { pid, start_time };
+                (kind, (config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE), None))
             }
             t => {
                 let (kind, qp, queue) = create_ib(self, config, t).map_err(|e| e.during(op.clone()))?;
@@ -359,7 +376,9 @@ mod tests {
                 (Transport::ib(n).unwrap_or(Transport::IB0), EndpointKind::Ib { qp, mode })
             },
         );
-        let kind = prop_oneof![ethernet, Just((Transport::CudaIpc, EndpointKind::CudaIpc)), ib];
+        let ipc = (any::<u32>(), any::<u64>())
+            .prop_map(|(pid, start_time)| (Transport::CudaIpc, EndpointKind::CudaIpc { pid, start_time }));
+        let kind = prop_oneof![ethernet, ipc, ib];
         (kind, any::<Option<u32>>(), any::<[u64; 2]>(), any::<u32>()).prop_map(|((transport, kind), gpu, h, q)| {
             EndpointDesc {
                 transport,
@@ -383,7 +402,7 @@ mod tests {
             crate::wire::check::check_value(&e);
             prop_assert_eq!(Endpoint::deserialize(&e.serialize()).unwrap(), e);
             crate::wire::check::check_bytes::<Endpoint>(&junk);
-            let mut framed = b"MSEP\x01\x00".to_vec();
+            let mut framed = b"MSEP\x02\x00".to_vec();
             framed.extend_from_slice(&junk);
             crate::wire::check::check_bytes::<Endpoint>(&framed);
         }
@@ -397,7 +416,7 @@ mod tests {
             host_hash: 1,
             process_hash: 2,
             max_write_queue_size: 3,
-            kind: EndpointKind::CudaIpc,
+            kind: EndpointKind::CudaIpc { pid: 4, start_time: 5 },
         });
         let mut b = e.serialize();
         b[6] = Transport::Ethernet as u8;

@@ -91,7 +91,11 @@ pub(crate) struct ConnInner {
 /// Every method validates first: the memories must carry the right transports (the source this
 /// connection's, the destination the peer's), the ranges must be in bounds, and 8-byte words must
 /// be aligned. A failed check is `InvalidUsage` and sends nothing. Once the connection has failed
-/// (peer gone, frame refused), every call returns that first error.
+/// (peer gone, frame refused), every call returns that first error, with one exception: over
+/// Ethernet, after the peer closed (or died), `flush` still succeeds when every operation it
+/// covers had been applied and acknowledged (dropping a connection acknowledges what it applied).
+/// Over CUDA IPC a peer process that exits fails the connection (`Remote`, naming the peer),
+/// `flush` included.
 ///
 /// C++ MSCCL++: `Connection`.
 #[derive(Clone)]

@@ -62,11 +62,6 @@ impl PidFd {
         Ok(p)
     }
 
-    /// The process id.
-    pub(crate) fn pid(&self) -> u32 {
-        self.pid
-    }
-
     /// Waits up to `timeout` for the process to exit; `Ok(true)` once it has.
     pub(crate) fn wait_exit(&self, timeout: Duration) -> Result<bool> {
         use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -122,7 +117,7 @@ mod tests {
         let start = start_time(pid);
         assert!(start.is_some());
         let p = PidFd::open(pid, start).unwrap();
-        assert_eq!(p.pid(), pid);
+        assert_eq!(format!("{p:?}"), format!("PidFd(pid {pid})"));
         assert!(!p.wait_exit(Duration::from_millis(1)).unwrap(), "still running");
         assert!(p.wait_exit(Duration::from_secs(20)).unwrap(), "exited");
         child.wait().unwrap();

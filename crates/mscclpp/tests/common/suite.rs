@@ -57,8 +57,9 @@ pub struct Harness {
     /// Where buffers and semaphore tokens live.
     pub memory: Memory,
     /// Whether the transport notices a vanished peer (Ethernet: the socket closes; IB: retries
-    /// run out). CUDA IPC does not: the peer's memory stays mapped and writes keep landing in
-    /// it, so there only waits on the peer's signals end, by `Timeout`.
+    /// run out; CUDA IPC: a pidfd of the peer process). Where it does not, the peer's memory
+    /// stays mapped and writes keep landing in it, so only waits on the peer's signals end, by
+    /// `Timeout`.
     pub detects_peer_gone: bool,
     /// Whether a write may name this process's own registration as its destination (CUDA IPC:
     /// yes, a connection to oneself copies through the pointer; the others refuse it).
@@ -608,8 +609,8 @@ pub fn bad_writes_are_invalid_usage_and_send_nothing(r: &Rank, h: &Harness) {
 
 /// The peer vanishes mid-transfer (killed, or its QPs and memory destroyed): write, flush and
 /// wait fail with an error (not a timeout) well within their timeouts, naming the peer. Where
-/// the transport cannot notice (CUDA IPC), nothing hangs or breaks: flush succeeds (the peer's
-/// memory stays mapped) and the wait for the peer's signal ends by `Timeout` naming the peer.
+/// the transport cannot notice, nothing hangs or breaks: flush succeeds (the peer's memory
+/// stays mapped) and the wait for the peer's signal ends by `Timeout` naming the peer.
 pub fn peer_gone_mid_transfer(r: &Rank, h: &Harness) {
     let s = setup(r, h, 8 << 20, None);
     if r.rank == 1 {

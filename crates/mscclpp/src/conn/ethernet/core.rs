@@ -365,6 +365,13 @@ impl ReceiverCore {
         }
     }
 
+    /// The last sequence number applied: every frame up to it has been handed to the shell as
+    /// an event, and a write's payload has fully arrived (between calls, once the shell has acted
+    /// on the events it got, all of them are in memory). What a closing receiver acknowledges.
+    pub(crate) fn applied_through(&self) -> u64 {
+        self.expect - 1
+    }
+
     /// The current write's next offset and the payload bytes still due, if a write is being
     /// received.
     pub(crate) fn payload_pending(&self) -> Option<(u64, u64)> {

@@ -29,6 +29,15 @@
 //! (a flag set on frames once half the queue bound is unconfirmed, and on the probe `flush`
 //! sends) and every 256 frames; `flush` waits for the acknowledgement of everything issued.
 //!
+//! # Closing
+//! Dropping a connection acknowledges everything its receiver applied before the socket closes:
+//! the receiver is woken (its socket shut for reading), sends one last acknowledgement of the
+//! frames it applied, and only then is the socket closed. The peer's `flush` succeeds when every
+//! operation it covers was acknowledged, even after the connection closed (the peer's closing
+//! does not cut this side's acknowledgement stream short: an end of the peer's frames leaves the
+//! acknowledgement socket open until its own end arrives), and fails with the closing error
+//! otherwise. Operations still in flight when the peer closes are not applied.
+//!
 //! # Copies
 //! None on either side: the sender hands headers and payloads, straight from the source region, to
 //! one `sendmsg` per batch of frames, and the receiver reads payloads straight into the destination
@@ -363,6 +372,12 @@ struct State {
     closing: bool,
     /// The sender thread is waiting for work.
     tx_idle: bool,
+    /// The acknowledgement reader has stopped: no more acknowledgements can arrive.
+    acks_ended: bool,
+    /// The failure is the peer closing (its frames ended): what it acknowledged still counts.
+    failed_by_close: bool,
+    /// The receiver thread has finished (after its last acknowledgement when closing).
+    rx_done: bool,
 }
 
 struct Shared {
@@ -387,14 +402,24 @@ struct Shared {
 impl Shared {
     /// Records the first failure and wakes everyone.
     fn fail(&self, e: Error) {
+        self.fail_with(e, true);
+    }
+
+    /// Records the first failure and wakes everyone; with `cut_acks`, also shuts the outgoing
+    /// socket, ending the acknowledgement stream (not when the peer merely closed its side: its
+    /// last acknowledgements may still be on their way there).
+    fn fail_with(&self, e: Error, cut_acks: bool) {
         let mut st = lock(&self.st);
         if st.failed.is_none() && !st.closing {
             debug!(target: LOG, "connection with {} failed: {e}", self.peer_desc);
             st.failed = Some(e);
+            st.failed_by_close = !cut_acks;
         }
         drop(st);
         self.cond.notify_all();
-        let _ = self.out_ctl.shutdown(Shutdown::Both);
+        if cut_acks {
+            let _ = self.out_ctl.shutdown(Shutdown::Both);
+        }
         if let Some(s) = lock(&self.in_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -409,12 +434,13 @@ impl Shared {
         if self.stop.load(Ordering::Acquire) {
             return;
         }
-        let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        let closed = e.kind() == std::io::ErrorKind::UnexpectedEof;
+        let why = if closed {
             format!("peer {} closed the connection", self.peer_desc)
         } else {
             format!("{what} {} failed: {e}", self.peer_desc)
         };
-        self.fail(Error::remote(why));
+        self.fail_with(Error::remote(why), !closed);
     }
 
     /// Queues `op`, waiting while the queue bound is reached; small operations are sent by the
@@ -552,8 +578,15 @@ fn sender_loop(sh: Arc<Shared>) {
     }
 }
 
-/// Reads acknowledgements and refusals from the outgoing socket and hands them to the core.
-fn ack_loop(sh: Arc<Shared>, mut s: TcpStream) {
+/// Reads acknowledgements and refusals from the outgoing socket and hands them to the core,
+/// until the socket ends; then says so (a flush waiting on a closed connection may decide).
+fn ack_loop(sh: Arc<Shared>, s: TcpStream) {
+    read_acks(&sh, s);
+    lock(&sh.st).acks_ended = true;
+    sh.cond.notify_all();
+}
+
+fn read_acks(sh: &Shared, mut s: TcpStream) {
     let mut buf = [0u8; 4096];
     loop {
         let n = match s.read(&mut buf) {
@@ -593,8 +626,18 @@ fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion
     })
 }
 
-/// Takes the peer's socket, then applies its frames as the receiver core directs.
+/// Takes the peer's socket, then applies its frames as the receiver core directs; then says it
+/// has finished.
 fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Instant) {
+    receive(&sh, ctx, acceptor, deadline);
+    lock(&sh.st).rx_done = true;
+    sh.cond.notify_all();
+}
+
+/// How long a closing receiver's last acknowledgement may take to send.
+const LAST_ACK_WAIT: Duration = Duration::from_secs(1);
+
+fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Instant) {
     let s = match acceptor.take(deadline, &sh.stop) {
         Ok(s) => s,
         Err(e) => {
@@ -613,9 +656,24 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
         return;
     }
     let mut rd = BufReader::with_capacity(256 * 1024, s);
-    let mut stagers: HashMap<u32, Stager> = HashMap::new();
     let mut core = ReceiverCore::default();
-    let lookup = |id: u64| region_info(&ctx, id);
+    let applied_all = apply_frames(sh, &ctx, &mut rd, &mut core);
+    // Closing (this side dropped the connection): acknowledge every frame applied, so that the
+    // peer's flush of those succeeds; the socket closes after this.
+    if applied_all && sh.stop.load(Ordering::Acquire) && core.applied_through() > 0 {
+        let s = rd.get_ref();
+        let _ = s.set_write_timeout(Some(LAST_ACK_WAIT));
+        if let Err(e) = send_record(s, &Record::Ack(core.applied_through())) {
+            debug!(target: LOG, "last acknowledgement to {}: {e}", sh.peer_desc);
+        }
+    }
+}
+
+/// Applies the peer's frames until the stream ends or fails. `false` when a frame failed to
+/// apply or was refused (then nothing more may be acknowledged).
+fn apply_frames(sh: &Shared, ctx: &ContextInner, rd: &mut BufReader<TcpStream>, core: &mut ReceiverCore) -> bool {
+    let mut stagers: HashMap<u32, Stager> = HashMap::new();
+    let lookup = |id: u64| region_info(ctx, id);
     // The region of the write being received.
     let mut cur: Option<Arc<LocalRegion>> = None;
     let report = |e: StageError| {
@@ -634,7 +692,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                 warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
                 let _ = send_record(rd.get_ref(), &Record::refusal(&why));
                 sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
-                return;
+                return false;
             }
         };
         let applied: std::result::Result<(), StageError> = match ev {
@@ -651,13 +709,13 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                 _ => match rd.fill_buf() {
                     Ok([]) => {
                         sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
-                        return;
+                        return true;
                     }
                     Ok(_) => Ok(()),
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
                     Err(e) => {
                         sh.fail_read("reading frames from", e);
-                        return;
+                        return true;
                     }
                 },
             },
@@ -676,7 +734,7 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                     // GPU memory: staged through pinned buffers, the whole payload at once.
                     Mem::Gpu(g) => stager_for(&mut stagers, g)
                         .map_err(StageError::from)
-                        .and_then(|st| st.recv(&mut rd, g, offset, len))
+                        .and_then(|st| st.recv(rd, g, offset, len))
                         .map(|()| core.payload_received(len, !rd.buffer().is_empty())),
                 };
                 cur = Some(region);
@@ -710,14 +768,17 @@ fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor
                     if !sh.stop.load(Ordering::Acquire) {
                         sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
                     }
-                    return;
+                    return true;
                 }
                 Ok(())
             }
         };
         if let Err(e) = applied {
+            // A read that ended mid-payload leaves that write unapplied (and uncounted); a failed
+            // token store was counted as applied: nothing more may be acknowledged then.
+            let read_ended = matches!(e, StageError::Io(_));
             report(e);
-            return;
+            return read_ended;
         }
     }
 }
@@ -765,12 +826,18 @@ impl ConnectionImpl for EthernetConnection {
         self.sh.enqueue(Op::Add { region, offset: dst_off, value: value as u64 })
     }
 
+    /// Succeeds once every operation issued before it is acknowledged, even when the peer has
+    /// closed the connection since (a closing peer acknowledges what it applied); fails with the
+    /// closing error once no more acknowledgements can come (or [`CLOSE_GRACE`] after it). Any
+    /// other failure (a refused frame, an I/O error) fails every flush.
     fn flush(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         let deadline = start.checked_add(timeout);
         let target = {
             let st = lock(&self.sh.st);
-            if let Some(e) = &st.failed {
+            if let Some(e) = &st.failed
+                && !st.failed_by_close
+            {
                 return Err(e.duplicate());
             }
             match st.core.flush_target() {
@@ -778,17 +845,27 @@ impl ConnectionImpl for EthernetConnection {
                 None => return Ok(()),
             }
         };
-        // Ask the peer to acknowledge now.
-        self.sh.enqueue(Op::Nop)?;
+        // Ask the peer to acknowledge now (a failed connection sends nothing more; what the peer
+        // acknowledged on closing decides).
+        if let Err(e) = self.sh.enqueue(Op::Nop)
+            && self.sh.failure().is_none()
+        {
+            return Err(e);
+        }
+        let mut failed_at: Option<Instant> = None;
         let mut st = lock(&self.sh.st);
         loop {
-            if let Some(e) = &st.failed {
-                return Err(e.duplicate());
-            }
             if st.core.applied() >= target {
                 return Ok(());
             }
             let now = Instant::now();
+            if let Some(e) = &st.failed {
+                let since = *failed_at.get_or_insert(now);
+                let final_ = st.acks_ended || !st.failed_by_close;
+                if final_ || now.duration_since(since) >= CLOSE_GRACE || deadline.is_some_and(|d| now >= d) {
+                    return Err(e.duplicate().with_outstanding(target - st.core.applied()));
+                }
+            }
             let left = match deadline {
                 Some(d) if now >= d => {
                     return Err(Error::new(
@@ -852,6 +929,22 @@ impl Drop for EthernetConnection {
         lock(&self.sh.st).closing = true;
         self.sh.stop.store(true, Ordering::Release);
         self.sh.cond.notify_all();
+        // The receiver first: its socket shut for reading wakes it, it acknowledges every frame
+        // it applied (see "Closing" above), and only then does the socket close.
+        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
+            let _ = s.shutdown(Shutdown::Read);
+        }
+        {
+            let end = Instant::now() + CLOSE_GRACE;
+            let mut st = lock(&self.sh.st);
+            while !st.rx_done && lock(&self.sh.in_ctl).is_some() {
+                let now = Instant::now();
+                if now >= end {
+                    break;
+                }
+                st = self.sh.cond.wait_timeout(st, end - now).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+            }
+        }
         let _ = self.sh.out_ctl.shutdown(Shutdown::Both);
         if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
@@ -885,7 +978,15 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
-        st: Mutex::new(State { core: SenderCore::new(max_queue), failed: None, closing: false, tx_idle: false }),
+        st: Mutex::new(State {
+            core: SenderCore::new(max_queue),
+            failed: None,
+            closing: false,
+            tx_idle: false,
+            acks_ended: false,
+            failed_by_close: false,
+            rx_done: false,
+        }),
         cond: Condvar::new(),
         out: Mutex::new(out),
         out_ctl,
