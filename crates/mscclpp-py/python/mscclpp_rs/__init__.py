@@ -12,10 +12,10 @@ Two ranks moving a tensor (run on both, ``rank`` 0 and 1, the same ``uid`` bytes
     mem = comm.register(t, m.Transport.CUDA_IPC)   # or ETHERNET; t stays alive while registered
     conn = comm.connect(1 - rank, m.Transport.CUDA_IPC)
     peer_mem = comm.exchange(mem, [1 - rank])[1 - rank]
-    sem = comm.host_semaphore(conn)               # Ethernet/IB; see examples for CUDA IPC
+    comm.barrier()                                 # t's contents are ready on both sides
     if rank == 0:
         conn.write(peer_mem, 0, mem, 0, mem.nbytes); conn.flush()
-    comm.barrier()
+    comm.barrier()                                 # rank 1's t now holds rank 0's bytes
 
 Every call that waits releases the GIL. Errors are :class:`MscclppError` subclasses.
 """
