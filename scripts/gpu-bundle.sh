@@ -16,7 +16,7 @@ cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
-want = {"cuda", "device", "mscclpp", "ib_fake", "memory_channel"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider
+want = {"cuda", "device", "mscclpp", "ib_fake", "memory_channel", "launchers"}   # GPU integration tests, kernels that communicate, library unit tests, IB on the test provider, the job torchrun-check.sh starts
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -32,6 +32,7 @@ cp target/release/mscclpp-perf "$out/bin/"
 cargo build --release -p mscclpp --example memory_channel_put --example memory_channel_allgather
 cp target/release/examples/memory_channel_put target/release/examples/memory_channel_allgather "$out/bin/"
 cp scripts/nccl_sendrecv.py "$out/"
+cp scripts/torchrun-check.sh "$out/"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the GPU tests and a short perf sweep; logs go to $OUT (or ./logs).
@@ -73,6 +74,8 @@ echo "== perf: Ethernet, GPU memory" | tee -a "$logs/perf.txt"
 timeout 150 ./bin/mscclpp-perf --memory gpu --min-bytes 8 --max-bytes 256M --quiet --json "$logs/perf-eth-gpu.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
 echo "== perf: Ethernet, host memory" | tee -a "$logs/perf.txt"
 timeout 120 ./bin/mscclpp-perf --min-bytes 8 --max-bytes 256M --quiet 2>&1 | tee -a "$logs/perf.txt" || rc=1
+echo "== a real torchrun starting mscclpp ranks (static, standalone, c10d; root on MASTER_PORT+1)" | tee -a "$logs/tests.log"
+timeout 240 ./torchrun-check.sh 2>&1 | tee -a "$logs/tests.log" | grep -E "^(PASS|FAIL|torch)" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "run.sh: exit $rc"
 exit $rc
 RUN

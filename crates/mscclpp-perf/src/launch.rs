@@ -3,6 +3,7 @@
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
+use mscclpp::launcher::{LaunchInfo, RootAddr};
 use mscclpp::{Bootstrap, RootServer, TcpBootstrap, UniqueId};
 
 use crate::Args;
@@ -11,30 +12,10 @@ const ENV_RANK: &str = "MSCCLPP_PERF_RANK";
 const ENV_SIZE: &str = "MSCCLPP_PERF_SIZE";
 const ENV_ID: &str = "MSCCLPP_PERF_ID";
 
-/// Rank and size set by a cluster launcher, with the variables' names.
-pub fn launcher_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<(usize, usize, &'static str)>, String> {
-    const PAIRS: [(&str, &str, &str); 4] = [
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"),
-        ("PMI_RANK", "PMI_SIZE", "PMI (MPICH, Intel MPI)"),
-        ("SLURM_PROCID", "SLURM_NTASKS", "Slurm"),
-        ("RANK", "WORLD_SIZE", "torchrun"),
-    ];
-    for (r, s, who) in PAIRS {
-        if let (Some(rv), Some(sv)) = (get(r), get(s)) {
-            let rank = rv.trim().parse::<usize>().map_err(|_| format!("{r}={rv:?} is not a rank"))?;
-            let size = sv.trim().parse::<usize>().map_err(|_| format!("{s}={sv:?} is not a size"))?;
-            if rank >= size {
-                return Err(format!("{r}={rank} is not below {s}={size}"));
-            }
-            return Ok(Some((rank, size, who)));
-        }
-    }
-    Ok(None)
-}
+type TraceGuard = Option<crate::trace::TraceGuard>;
 
-type TraceGuard = Option<tracing_chrome::FlushGuard>;
-
-/// Logging to stderr from `MSCCLPP_LOG_*`, and a Chrome trace when `MSCCLPP_TRACE_FILE` is set.
+/// Logging to stderr from `MSCCLPP_LOG_*`, and a Chrome trace when `MSCCLPP_TRACE_FILE` is set
+/// (`crate::trace`: the rank as pid, wall-clock times, bounded by `MSCCLPP_TRACE_MAX_MIB`).
 fn init_tracing(rank: usize) -> Result<TraceGuard, String> {
     let Some(path) = std::env::var_os("MSCCLPP_TRACE_FILE") else {
         // Without a trace file, the library's own opt-in logging setup.
@@ -47,7 +28,7 @@ fn init_tracing(rank: usize) -> Result<TraceGuard, String> {
         let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "trace".into());
         path.set_file_name(format!("{stem}.rank{rank}.json"));
     }
-    let (chrome, guard) = tracing_chrome::ChromeLayerBuilder::new().file(path).include_args(true).build();
+    let (chrome, guard) = crate::trace::create(&path, rank)?;
     let spans = tracing_subscriber::filter::Targets::new().with_target("mscclpp", tracing::Level::TRACE);
     let logs = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("mscclpp=warn"));
@@ -62,6 +43,9 @@ fn init_tracing(rank: usize) -> Result<TraceGuard, String> {
 /// Runs the job: as a child of the local launcher, as a rank of a cluster launcher, or as the
 /// local launcher itself.
 pub fn run(args: &Args) -> Result<(), String> {
+    if std::env::var_os("MSCCLPP_TRACE_FILE").is_some() {
+        crate::trace::max_bytes()?;
+    }
     let env = |k: &str| std::env::var(k).ok();
     if let (Some(r), Some(s), Some(id)) = (env(ENV_RANK), env(ENV_SIZE), env(ENV_ID)) {
         let rank: usize = r.parse().map_err(|_| format!("bad {ENV_RANK}"))?;
@@ -72,42 +56,22 @@ pub fn run(args: &Args) -> Result<(), String> {
         let local_iface = args.interface.clone().or_else(|| Some("127.0.0.1".to_string()));
         return crate::p2p::run(args, Arc::new(bs), local_iface);
     }
-    if let Some((rank, size, who)) = launcher_env(&env)? {
-        let (root, from) = match &args.bootstrap {
-            Some(b) => (b.clone(), "--bootstrap".to_string()),
-            None => match (env("MASTER_ADDR"), env("MASTER_PORT")) {
-                (Some(a), Some(p)) => (master_spec(&a, &p), format!("MASTER_ADDR={a:?} MASTER_PORT={p:?}")),
-                _ => {
-                    return Err(format!(
-                        "started by {who} as rank {rank} of {size}, but no root address: pass --bootstrap host:port or \
-                         set MASTER_ADDR and MASTER_PORT"
-                    ));
-                }
-            },
-        };
-        // resolve here so that a bad name is reported with where it came from
-        mscclpp::net::parse_addr_spec(&root).map_err(|e| format!("bad bootstrap root address from {from}: {e}"))?;
-        let _guard = init_tracing(rank)?;
-        let bs = TcpBootstrap::config(rank, size)
-            .timeout(args.timeout())
-            .initialize_with_addr(&root)
-            .map_err(|e| e.to_string())?;
+    if let Some(mut info) = LaunchInfo::from_env().map_err(|e| e.to_string())? {
+        // --bootstrap wins over the launcher's variables (MSCCLPP_ROOT_ADDR, MASTER_ADDR/MASTER_PORT).
+        if let Some(b) = &args.bootstrap {
+            info.root = Some(RootAddr { spec: b.clone(), source: "--bootstrap".into() });
+        }
+        if let Err(e) = info.root() {
+            return Err(format!("{e}; or pass --bootstrap host:port"));
+        }
+        let _guard = init_tracing(info.rank)?;
+        let bs = info.bootstrap(args.timeout()).map_err(|e| e.to_string())?;
         if bs.size() < 2 {
             return Err("the p2p test needs at least 2 ranks".into());
         }
         return crate::p2p::run(args, Arc::new(bs), args.interface.clone());
     }
     launch_local(args)
-}
-
-/// `MASTER_ADDR` and `MASTER_PORT` as one `host:port` spec (an IPv6 literal gets its brackets).
-fn master_spec(addr: &str, port: &str) -> String {
-    let a = addr.trim();
-    if a.contains(':') && !a.starts_with('[') {
-        format!("[{a}]:{}", port.trim())
-    } else {
-        format!("{a}:{}", port.trim())
-    }
 }
 
 /// Starts `--ranks` copies of this program on this machine and waits for them.
@@ -137,28 +101,4 @@ fn launch_local(args: &Args) -> Result<(), String> {
     }
     root.join();
     if failed.is_empty() { Ok(()) } else { Err(format!("failed: {}", failed.join(", "))) }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::collections::HashMap;
-
-    fn get(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        move |k| m.get(k).cloned()
-    }
-
-    #[test]
-    fn launchers_are_recognised() {
-        assert_eq!(launcher_env(&get(&[])).unwrap(), None);
-        assert_eq!(
-            launcher_env(&get(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "4")])).unwrap().unwrap().0,
-            1
-        );
-        assert_eq!(launcher_env(&get(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "8")])).unwrap().unwrap().1, 8);
-        assert_eq!(launcher_env(&get(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap().unwrap().2, "torchrun");
-        assert!(launcher_env(&get(&[("PMI_RANK", "5"), ("PMI_SIZE", "2")])).is_err());
-        assert!(launcher_env(&get(&[("RANK", "x"), ("WORLD_SIZE", "2")])).is_err());
-    }
 }

@@ -10,6 +10,7 @@ mod launch;
 mod memchan;
 mod p2p;
 mod report;
+mod trace;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -78,8 +79,9 @@ pub struct Args {
     /// ranks; the bootstrap's choice under a launcher).
     #[arg(long)]
     pub interface: Option<String>,
-    /// Root address `[iface:]host:port` under a launcher (default MASTER_ADDR:MASTER_PORT); host
-    /// is a name, an IPv4 address or a bracketed IPv6 address.
+    /// Root address `[iface:]host:port` under a launcher (default: `mscclpp::launcher`'s rule,
+    /// MASTER_ADDR with MASTER_PORT, + 1 under torchrun); host is a name, an IPv4 address or a
+    /// bracketed IPv6 address.
     #[arg(long)]
     pub bootstrap: Option<String>,
     /// RDMA device for --transport ib (default: MSCCLPP_HCA_DEVICES, else the first device).

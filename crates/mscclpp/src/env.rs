@@ -9,6 +9,7 @@
 //! | `MSCCLPP_SOCKET_IFNAME` | interface prefixes to use (`^` excludes, `=` asks an exact name) |
 //! | `MSCCLPP_SOCKET_FAMILY` | `AF_INET` or `AF_INET6` |
 //! | `MSCCLPP_HOSTID` | replaces hostname + boot id in the host identity |
+//! | `MSCCLPP_ROOT_ADDR`, `MSCCLPP_ROOT_PORT` | the bootstrap root under a launcher, `[iface:]host:port` or a port with `MASTER_ADDR` (read by [`crate::launcher`]) |
 //! | `MSCCLPP_LOG_LEVEL` | `NONE`, `ERROR`, `WARN`, `INFO`, `DEBUG`, `TRACE` (default `WARN`; NCCL's `VERSION` reads as `WARN`, `ABORT` as `ERROR`) |
 //! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts; MSCCL++/NCCL's `INIT` means `BOOTSTRAP`, `P2P` means `CONN`; other names (`EXEC`, `NCCL`, `GRAPH`, ...) are ignored with a warning |
 //! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr; `%h`, `%p`, `%r` become host, pid, rank (`-` until the bootstrap sets it), `%%` a `%` |

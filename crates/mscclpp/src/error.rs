@@ -211,6 +211,13 @@ impl Error {
     }
 
     /// Records the CUDA driver's result code (`CUresult`).
+    /// Appends `note` to the message (what the caller knows and the inner code did not, such as
+    /// where an address came from); kind, context and cause stay.
+    pub(crate) fn with_note(mut self, note: impl fmt::Display) -> Self {
+        self.message = format!("{}; {note}", self.message);
+        self
+    }
+
     pub(crate) fn with_cuda_result(mut self, code: i32) -> Self {
         self.detail.cuda_result = Some(code);
         self

@@ -29,7 +29,7 @@
 //! ```
 //! The public modules [`gpu`], [`ib`], [`net`] and [`mod@env`] expose what users call of the
 //! lower layers (device count, GPU buffers, RDMA devices and the test provider, interfaces,
-//! variables).
+//! variables); [`launcher`] reads rank, size and root from `mpirun`, `srun` or `torchrun`.
 //!
 //! ## Getting started
 //! Bootstrap two ranks (here two threads of one process for brevity; normally two processes):
@@ -68,6 +68,7 @@ mod error;
 pub mod gpu;
 pub mod ib;
 mod identity;
+pub mod launcher;
 #[cfg(feature = "logging")]
 mod logging;
 mod memory;

@@ -14,7 +14,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("vocabulary", &["error", "transport", "sync", "env", "identity", "logging"]),
     ("resources", &["context", "memory", "buffer", "wire", "net"]),
     ("connections", &["conn"]),
-    ("setup", &["bootstrap", "communicator"]),
+    ("setup", &["bootstrap", "communicator", "launcher"]),
     ("sync and device side", &["semaphore", "device", "fifo", "proxy", "channel"]),
     // Public re-export modules and test entry points: nothing inside the crate may import them.
     ("public facades", &["gpu", "ib", "fuzzing", "bench"]),

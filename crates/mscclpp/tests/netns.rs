@@ -1,0 +1,403 @@
+//! Several hosts on one machine: network namespaces joined by veth pairs through bridges, each a
+//! "host" with its own addresses, host name and `MSCCLPP_HOSTID`, its rank a process inside it
+//! (`ip netns exec`). Every host has two networks, `ctl0` (10.78.0.0/24, fd78::/64) and `dat0`
+//! (10.77.0.0/24, fd77::/64); the host names `node0`, `node1`, ... (and `node0-v6`, ... for the
+//! IPv6 addresses) resolve (through `/etc/netns/<ns>/hosts`, which `ip netns exec` mounts over
+//! `/etc/hosts`) to the `ctl0` addresses, and `MASTER_ADDR=node0` unless a test says otherwise.
+//!
+//! Needs root (CI runs as root). Where a namespace cannot be created the tests say so and pass;
+//! anything that fails after that fails the test. Namespaces are deleted when a test ends, also
+//! when it fails; names carry the test's pid and a counter, so parallel tests do not collide.
+
+mod common;
+#[path = "common/launched.rs"]
+mod launched;
+
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use launched::{CHILD_VAR, all_pairs_exchange, child, mesh, mesh_with, test_args};
+use mscclpp::{Buffer, EndpointConfig, ErrorKind, Transport};
+
+const T: Duration = Duration::from_secs(60);
+
+/// Runs a command, or returns its stderr as the error.
+fn run(args: &[&str]) -> Result<(), String> {
+    let o = Command::new(args[0]).args(&args[1..]).output().map_err(|e| format!("{}: {e}", args.join(" ")))?;
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()))
+    }
+}
+
+/// The hosts of one test, their namespaces and the switch namespace holding the two bridges.
+struct Net {
+    hosts: Vec<String>,
+    switch: String,
+}
+
+impl Net {
+    /// `n` hosts, or `Ok(None)` (after saying why) when namespaces cannot be created here.
+    fn new(n: usize) -> Result<Option<Net>, String> {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let id = format!("{:x}{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let switch = format!("mscsw{id}");
+        if let Err(e) = run(&["ip", "netns", "add", &switch]) {
+            eprintln!("SKIPPED: cannot create a network namespace here (needs root and ip): {e}");
+            return Ok(None);
+        }
+        let mut net = Net { hosts: Vec::new(), switch };
+        let sw = net.switch.clone();
+        for br in ["ctlbr", "datbr"] {
+            run(&["ip", "-n", &sw, "link", "add", br, "type", "bridge"])?;
+            run(&["ip", "-n", &sw, "link", "set", br, "up"])?;
+        }
+        let hosts_file: String =
+            (0..n).map(|i| format!("10.78.0.{} node{i}\nfd78::{} node{i}-v6\n", i + 1, i + 1)).collect();
+        for i in 0..n {
+            let ns = format!("msch{id}x{i}");
+            run(&["ip", "netns", "add", &ns])?;
+            net.hosts.push(ns.clone());
+            let etc = format!("/etc/netns/{ns}");
+            std::fs::create_dir_all(&etc).map_err(|e| format!("{etc}: {e}"))?;
+            std::fs::write(format!("{etc}/hosts"), format!("127.0.0.1 localhost\n{hosts_file}"))
+                .map_err(|e| format!("{etc}/hosts: {e}"))?;
+            run(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+            for (net_name, subnet, br) in [("ctl", 78, "ctlbr"), ("dat", 77, "datbr")] {
+                // Created in the root namespace under unique names, then moved and renamed.
+                let (a, b) = (format!("m{id}{net_name}{i}a"), format!("m{id}{net_name}{i}b"));
+                let (a, b) = (a[a.len().saturating_sub(15)..].to_string(), b[b.len().saturating_sub(15)..].to_string());
+                run(&["ip", "link", "add", &a, "type", "veth", "peer", "name", &b])?;
+                run(&["ip", "link", "set", &a, "netns", &ns])?;
+                run(&["ip", "link", "set", &b, "netns", &sw])?;
+                let ifname = format!("{net_name}0");
+                run(&["ip", "-n", &ns, "link", "set", &a, "name", &ifname])?;
+                run(&["ip", "-n", &ns, "addr", "add", &format!("10.{subnet}.0.{}/24", i + 1), "dev", &ifname])?;
+                // IPv6 too (no duplicate-address wait), fd<subnet>::<host>.
+                let v6 = format!("fd{subnet}::{}/64", i + 1);
+                run(&["ip", "-n", &ns, "addr", "add", &v6, "dev", &ifname, "nodad"])?;
+                run(&["ip", "-n", &ns, "link", "set", &ifname, "up"])?;
+                run(&["ip", "-n", &sw, "link", "set", &b, "master", br])?;
+                run(&["ip", "-n", &sw, "link", "set", &b, "up"])?;
+            }
+        }
+        Ok(Some(net))
+    }
+
+    /// Runs `cmd` inside host `i`'s namespace.
+    fn exec(&self, i: usize, cmd: &[&str]) -> Result<(), String> {
+        let mut args = vec!["ip", "netns", "exec", &self.hosts[i]];
+        args.extend_from_slice(cmd);
+        run(&args)
+    }
+
+    /// Starts rank `i` of test `name` in host `i` for every host, and waits (at most `limit`).
+    fn job(&self, name: &str, env: &[(&str, &str)], limit: Duration) -> Vec<Output> {
+        let n = self.hosts.len();
+        let kids: Vec<Child> = (0..n)
+            .map(|i| {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &self.hosts[i]])
+                    .arg(std::env::current_exe().unwrap())
+                    .args(test_args(name))
+                    .env(CHILD_VAR, name)
+                    .env("RANK", i.to_string())
+                    .env("WORLD_SIZE", n.to_string())
+                    .env("MASTER_ADDR", "node0")
+                    .env("MASTER_PORT", "29400")
+                    .env("MSCCLPP_HOSTID", format!("node{i}"))
+                    .env("MSCCLPP_NS_HOST", i.to_string())
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+                for (k, v) in env {
+                    c.env(k, v);
+                }
+                c.spawn().unwrap()
+            })
+            .collect();
+        let start = Instant::now();
+        kids.into_iter()
+            .map(|mut c| {
+                while c.try_wait().unwrap().is_none() && start.elapsed() < limit {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let _ = c.kill();
+                c.wait_with_output().unwrap()
+            })
+            .collect()
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes its veth ends (and so their peers).
+        for ns in self.hosts.iter().chain(std::iter::once(&self.switch)) {
+            let _ = run(&["ip", "netns", "del", ns]);
+            let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}"));
+        }
+    }
+}
+
+/// Every rank succeeded; returns their stdout joined.
+fn all_ok(outs: &[Output]) -> String {
+    let mut text = String::new();
+    for (r, o) in outs.iter().enumerate() {
+        text += &format!(
+            "=== rank {r}: {}\n{}\n--- stderr\n{}\n",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    assert!(outs.iter().all(|o| o.status.success()), "{text}");
+    println!("{text}");
+    text
+}
+
+/// This rank's host number (the namespace it runs in).
+fn host() -> usize {
+    std::env::var("MSCCLPP_NS_HOST").unwrap().parse().unwrap()
+}
+
+/// An interface counter of this namespace (`ip netns exec` mounts its own `/sys`).
+fn counter(iface: &str, what: &str) -> u64 {
+    let p = format!("/sys/class/net/{iface}/statistics/{what}");
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}")).trim().parse().unwrap()
+}
+
+#[test]
+fn three_hosts_bootstrap_by_name_and_exchange_over_ethernet() {
+    const NAME: &str = "three_hosts_bootstrap_by_name_and_exchange_over_ethernet";
+    if let Some(info) = child(NAME) {
+        assert_eq!(info.root.as_ref().unwrap().spec, "node0:29400");
+        let m = mesh(&info, 1 << 20, T);
+        // One rank per host: the bootstrap tells hosts apart by MSCCLPP_HOSTID.
+        assert_eq!(m.bs.ranks_per_node(), 1);
+        let hashes = m.bs.all_gather(&mscclpp::host_hash().to_le_bytes()).unwrap();
+        assert!(hashes.iter().enumerate().all(|(i, a)| hashes[i + 1..].iter().all(|b| a != b)), "host ids differ");
+        println!("{}", all_pairs_exchange(&m, 1 << 20, T));
+        return;
+    }
+    let Some(net) = Net::new(3).unwrap() else { return };
+    let text = all_ok(&net.job(NAME, &[], T * 2));
+    for r in 0..3 {
+        assert!(text.contains(&format!("rank {r} of 3: exchanged 1048576 B with 2 peers, all exact")), "{text}");
+    }
+}
+
+#[test]
+fn socket_ifname_picks_the_network_data_goes_over() {
+    const NAME: &str = "socket_ifname_picks_the_network_data_goes_over";
+    const LEN: usize = 16 << 20;
+    if let Some(info) = child(NAME) {
+        let want = std::env::var("MSCCLPP_SOCKET_IFNAME").unwrap();
+        let other = if want == "dat" { "ctl0" } else { "dat0" };
+        let m = mesh(&info, LEN, T);
+        let before = (counter(&format!("{want}0"), "tx_bytes"), counter(other, "tx_bytes"));
+        println!("{}", all_pairs_exchange(&m, LEN, T));
+        let after = (counter(&format!("{want}0"), "tx_bytes"), counter(other, "tx_bytes"));
+        let (on, off) = (after.0 - before.0, after.1 - before.1);
+        println!("host {}: {want}0 sent {on} B, {other} sent {off} B", host());
+        assert!(on >= LEN as u64, "{want}0 carried only {on} B of a {LEN} B write");
+        assert!(off < (LEN / 16) as u64, "{other} carried {off} B though MSCCLPP_SOCKET_IFNAME={want}");
+        return;
+    }
+    let Some(net) = Net::new(2).unwrap() else { return };
+    for want in ["dat", "ctl"] {
+        let text = all_ok(&net.job(NAME, &[("MSCCLPP_SOCKET_IFNAME", want)], T * 2));
+        assert!(text.contains(&format!("{want}0 sent")), "{text}");
+    }
+}
+
+#[test]
+fn a_link_taken_down_mid_transfer_is_an_error_naming_the_peer() {
+    const NAME: &str = "a_link_taken_down_mid_transfer_is_an_error_naming_the_peer";
+    const CHUNK: usize = 4 << 20;
+    const SLOTS: usize = 16;
+    if let Some(info) = child(NAME) {
+        // Bootstrap over ctl0 (MSCCLPP_SOCKET_IFNAME=ctl), data over dat0, whose link goes down.
+        let cfg = EndpointConfig::new(Transport::Ethernet).ethernet_interface("dat0");
+        let m = mesh_with(&info, CHUNK * SLOTS / 2, T, &cfg);
+        let flush_limit = Duration::from_secs(2);
+        if info.rank == 0 {
+            let conn = m.conns[1].as_ref().unwrap();
+            let dst = m.remote[1].as_ref().unwrap();
+            let src = Buffer::new(m.comm.context(), CHUNK * SLOTS, Transport::Ethernet.into()).unwrap();
+            for k in 0..SLOTS {
+                src.write(k * CHUNK, &common::pattern(k as u64, CHUNK)).unwrap();
+            }
+            // Chunk 0 arrives while the link is up.
+            conn.write(dst, 0, src.memory(), 0, CHUNK as u64).unwrap();
+            conn.flush(T).unwrap();
+            let is_down = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let down = std::thread::spawn({
+                let is_down = is_down.clone();
+                move || {
+                    std::thread::sleep(Duration::from_millis(5));
+                    run(&["ip", "link", "set", "dat0", "down"]).unwrap();
+                    is_down.store(true, Ordering::SeqCst);
+                }
+            });
+            // Then a stream of chunks (chunk k to slot k % SLOTS, each slot's content always the
+            // same) until a flush fails; the link goes down while it runs.
+            let (mut flushed, mut issued, mut err) = (1, 1, None);
+            let start = Instant::now();
+            for k in 1.. {
+                let off = ((k % SLOTS) * CHUNK) as u64;
+                if let Err(e) = conn.write(dst, off, src.memory(), off, CHUNK as u64) {
+                    err = Some((e, Duration::ZERO));
+                    break;
+                }
+                issued = k + 1;
+                let t0 = Instant::now();
+                match conn.flush(flush_limit) {
+                    Ok(()) => flushed = k + 1,
+                    Err(e) => {
+                        err = Some((e, t0.elapsed()));
+                        break;
+                    }
+                }
+                if is_down.load(Ordering::SeqCst) && start.elapsed() > T {
+                    break;
+                }
+            }
+            down.join().unwrap();
+            let (e, waited) = err.expect("the transfer went on with the link down");
+            println!("after {flushed} flushed chunks: {e} (after {waited:?})");
+            assert_eq!(e.peer(), Some(1), "{e}");
+            assert!(matches!(e.kind(), ErrorKind::Timeout | ErrorKind::Remote | ErrorKind::System), "{e}");
+            assert!(
+                waited <= flush_limit + Duration::from_secs(1),
+                "the flush took {waited:?} with a {flush_limit:?} limit"
+            );
+            // Later operations also fail, naming the peer, rather than claim success.
+            let e2 = conn.flush(Duration::from_millis(200)).unwrap_err();
+            assert_eq!(e2.peer(), Some(1), "{e2}");
+            // The link comes back: TCP retransmits, the stream resumes, and a flush covers every
+            // write issued, the one that timed out included.
+            run(&["ip", "link", "set", "dat0", "up"]).unwrap();
+            let t0 = Instant::now();
+            conn.flush(T).unwrap_or_else(|e| panic!("flush after the link came back: {e}"));
+            println!("link up again: the flush covering all {issued} chunks succeeded after {:?}", t0.elapsed());
+            m.bs.send(1, 7, &(flushed as u64).to_le_bytes()).unwrap();
+            m.bs.send(1, 8, &(issued as u64).to_le_bytes()).unwrap();
+        } else {
+            let n = u64::from_le_bytes(m.bs.recv(0, 7).unwrap().try_into().unwrap()) as usize;
+            let issued = u64::from_le_bytes(m.bs.recv(0, 8).unwrap().try_into().unwrap()) as usize;
+            // Every chunk issued (chunk k to slot k % SLOTS, the same bytes each time) is there,
+            // exactly: the ones flushed before the link went down and the rest after it came back.
+            for k in 0..issued.min(SLOTS) {
+                let mut got = vec![0u8; CHUNK];
+                m.buf.read(k * CHUNK, &mut got).unwrap();
+                assert!(got == common::pattern(k as u64, CHUNK), "chunk {k} differs ({n} flushed before the failure)");
+            }
+            println!("rank 1: all {issued} chunks exact ({n} flushed before the link went down)");
+        }
+        m.bs.barrier().unwrap();
+        return;
+    }
+    let Some(net) = Net::new(2).unwrap() else { return };
+    let text = all_ok(&net.job(NAME, &[("MSCCLPP_SOCKET_IFNAME", "ctl")], T * 2));
+    assert!(text.contains("chunks exact"), "{text}");
+}
+
+/// Adds latency to both ends of the data network with `tc netem` (or, where the kernel has no
+/// netem, as in the Firecracker VM CI runs in, slows the link with `tbf`, which delays the same
+/// way under load): short waits time out naming the peer, the connection goes on, the data is
+/// exact, and the bandwidth measured by write + flush is no more than the link allows.
+#[test]
+fn added_latency_keeps_timeouts_and_data_right() {
+    const NAME: &str = "added_latency_keeps_timeouts_and_data_right";
+    const LEN: usize = 4 << 20;
+    if let Some(info) = child(NAME) {
+        let cfg = EndpointConfig::new(Transport::Ethernet).ethernet_interface("dat0");
+        let m = mesh_with(&info, LEN, T, &cfg);
+        let peer = 1 - info.rank;
+        let conn = m.conns[peer].as_ref().unwrap();
+        let sem = m.sems[peer].as_ref().unwrap();
+        if info.rank == 0 {
+            let src = Buffer::new(m.comm.context(), LEN, Transport::Ethernet.into()).unwrap();
+            src.write(0, &common::pattern(9, LEN)).unwrap();
+            let t0 = Instant::now();
+            conn.write(m.remote[1].as_ref().unwrap(), 0, src.memory(), 0, LEN as u64).unwrap();
+            sem.signal().unwrap();
+            // No acknowledgement can come back within 5 ms over the slowed link.
+            let e = conn.flush(Duration::from_millis(5)).unwrap_err();
+            assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(1)), "{e}");
+            // The connection goes on: a longer flush covers the write.
+            conn.flush(T).unwrap();
+            let el = t0.elapsed();
+            let rate = LEN as f64 / el.as_secs_f64();
+            println!("4 MiB over the slowed link: {:.2} MB/s ({el:?}); the 5 ms flush: {e}", rate / 1e6);
+            // A flush returns only once the peer has applied the data, so the measured bandwidth
+            // cannot beat the link: under tbf not above its 5 MB/s rate (10% for its burst and
+            // the clock), under netem not faster than one round trip (2 x 20 ms).
+            match std::env::var("MSCCLPP_NS_SHAPING").unwrap().as_str() {
+                "tbf" => assert!(rate <= 5.5e6, "{rate:.0} B/s over a 40 mbit/s link"),
+                _ => assert!(el >= Duration::from_millis(40), "{el:?} for a write and flush over a 40 ms round trip"),
+            }
+        } else {
+            // The signal comes after 4 MiB on the slowed link: a 5 ms wait times out, naming rank 0.
+            let e = sem.wait(Duration::from_millis(5)).unwrap_err();
+            assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(0)), "{e}");
+            sem.wait(T).unwrap();
+            let mut got = vec![0u8; LEN];
+            m.buf.read(0, &mut got).unwrap();
+            assert!(got == common::pattern(9, LEN), "the data differs");
+            println!("rank 1: 4 MiB exact; the 5 ms wait: {e}");
+        }
+        m.bs.barrier().unwrap();
+        return;
+    }
+    let Some(net) = Net::new(2).unwrap() else { return };
+    let netem = net.exec(0, &["tc", "qdisc", "add", "dev", "dat0", "root", "netem", "delay", "20ms"]);
+    let shaping = match &netem {
+        Ok(()) => {
+            net.exec(1, &["tc", "qdisc", "add", "dev", "dat0", "root", "netem", "delay", "20ms"]).unwrap();
+            "netem"
+        }
+        Err(e) => {
+            eprintln!("tc netem is not available here ({e}); slowing the link with tbf instead");
+            for h in 0..2 {
+                net.exec(
+                    h,
+                    &[
+                        "tc", "qdisc", "add", "dev", "dat0", "root", "tbf", "rate", "40mbit", "burst", "32kb",
+                        "latency", "400ms",
+                    ],
+                )
+                .unwrap();
+            }
+            "tbf"
+        }
+    };
+    println!("link: {shaping} (netem: delay 20 ms each way; tbf: rate 40 mbit/s)");
+    let env = [("MSCCLPP_SOCKET_IFNAME", "ctl"), ("MSCCLPP_NS_SHAPING", shaping)];
+    let text = all_ok(&net.job(NAME, &env, T * 2));
+    assert!(text.contains("rank 1: 4 MiB exact"), "{text}");
+}
+
+#[test]
+fn ipv6_hosts_bootstrap_by_literal_and_by_name() {
+    const NAME: &str = "ipv6_hosts_bootstrap_by_literal_and_by_name";
+    if let Some(info) = child(NAME) {
+        let m = mesh(&info, 1 << 20, T);
+        let addr = m.listen;
+        assert!(addr.is_ipv6(), "MSCCLPP_SOCKET_FAMILY=AF_INET6, yet the bootstrap listens on {addr}");
+        println!(
+            "{} (root {}, listening on {addr})",
+            all_pairs_exchange(&m, 1 << 20, T),
+            info.root.as_ref().unwrap().spec
+        );
+        return;
+    }
+    let Some(net) = Net::new(2).unwrap() else { return };
+    for master in ["fd78::1", "node0-v6"] {
+        let env = [("MASTER_ADDR", master), ("MSCCLPP_SOCKET_FAMILY", "AF_INET6"), ("MSCCLPP_SOCKET_IFNAME", "dat")];
+        let text = all_ok(&net.job(NAME, &env, T * 2));
+        assert!(text.contains("rank 1 of 2: exchanged 1048576 B with 1 peers, all exact"), "{text}");
+    }
+}
