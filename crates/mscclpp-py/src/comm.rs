@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use mscclpp::launcher::LaunchInfo;
 use mscclpp::{Bootstrap, Device, EndpointConfig, EthernetConfig, TcpBootstrap, Transport};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
@@ -89,28 +90,6 @@ impl UniqueId {
     }
 }
 
-/// Rank and size set by a cluster launcher (Open MPI, PMI, Slurm, torchrun).
-fn launcher_env(py: Python<'_>) -> PyResult<Option<(usize, usize, &'static str)>> {
-    const PAIRS: [(&str, &str, &str); 4] = [
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"),
-        ("PMI_RANK", "PMI_SIZE", "PMI (MPICH, Intel MPI)"),
-        ("SLURM_PROCID", "SLURM_NTASKS", "Slurm"),
-        ("RANK", "WORLD_SIZE", "torchrun"),
-    ];
-    let get = |k: &str| std::env::var(k).ok();
-    for (r, s, who) in PAIRS {
-        if let (Some(rv), Some(sv)) = (get(r), get(s)) {
-            let rank = rv.trim().parse::<usize>().map_err(|_| invalid(py, format!("{r}={rv:?} is not a rank")))?;
-            let size = sv.trim().parse::<usize>().map_err(|_| invalid(py, format!("{s}={sv:?} is not a size")))?;
-            if rank >= size {
-                return Err(invalid(py, format!("{r}={rank} is not below {s}={size}")));
-            }
-            return Ok(Some((rank, size, who)));
-        }
-    }
-    Ok(None)
-}
-
 /// The ranks of a job, connected through a TCP bootstrap: registration, memory exchange,
 /// connections, semaphores and a barrier.
 ///
@@ -178,38 +157,26 @@ impl Communicator {
         Ok(Self::from_bootstrap(bs))
     }
 
-    /// Joins from launcher variables: the rank and size from `OMPI_COMM_WORLD_RANK/SIZE`,
-    /// `PMI_RANK/SIZE`, `SLURM_PROCID/NTASKS` or `RANK/WORLD_SIZE` (torchrun); the root from
-    /// `unique_id` if given, else `MASTER_ADDR`/`MASTER_PORT` (rank 0 listens there).
+    /// Joins from launcher variables by `mscclpp::launcher`'s rules (the same as Rust programs and
+    /// `mscclpp-perf`): the rank and size from torchrun's `RANK/WORLD_SIZE` (with
+    /// `TORCHELASTIC_RUN_ID`), `OMPI_COMM_WORLD_RANK/SIZE`, `PMI_RANK/SIZE`, `SLURM_PROCID/NTASKS`
+    /// or plain `RANK/WORLD_SIZE`; the root from `unique_id` if given, else `MSCCLPP_ROOT_ADDR`,
+    /// else `MASTER_ADDR` with `MSCCLPP_ROOT_PORT`, or `MASTER_PORT + 1` under torchrun (its agent's
+    /// store holds `MASTER_PORT`), or `MASTER_PORT` (rank 0 listens there).
     #[staticmethod]
     #[pyo3(signature = (unique_id = None, timeout = 30.0))]
     fn from_env(py: Python<'_>, unique_id: Option<&Bound<'_, PyAny>>, timeout: f64) -> PyResult<Self> {
         let t = seconds(py, "timeout", timeout)?;
-        let Some((rank, size, who)) = launcher_env(py)? else {
+        let Some(info) = LaunchInfo::from_env().py(py)? else {
             return Err(invalid(
                 py,
                 "no launcher variables: set RANK and WORLD_SIZE (or run under mpirun, srun or torchrun)",
             ));
         };
         if let Some(u) = unique_id {
-            return Self::new(py, rank, size, u, timeout);
+            return Self::new(py, info.rank, info.size, u, timeout);
         }
-        let (addr, port) = match (std::env::var("MASTER_ADDR"), std::env::var("MASTER_PORT")) {
-            (Ok(a), Ok(p)) => (a, p),
-            _ => {
-                return Err(invalid(
-                    py,
-                    format!("started by {who} as rank {rank} of {size}, but MASTER_ADDR and MASTER_PORT are not set"),
-                ));
-            }
-        };
-        let a = addr.trim();
-        let spec = if a.contains(':') && !a.starts_with('[') {
-            format!("[{a}]:{}", port.trim())
-        } else {
-            format!("{a}:{}", port.trim())
-        };
-        let bs = py.detach(|| TcpBootstrap::config(rank, size).timeout(t).initialize_with_addr(&spec)).py(py)?;
+        let bs = py.detach(|| info.bootstrap(t)).py(py)?;
         Ok(Self::from_bootstrap(bs))
     }
 

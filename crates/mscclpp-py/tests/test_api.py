@@ -72,35 +72,126 @@ def test_communicator_bad_arguments():
         m.Communicator(0, 1, uid, timeout=float("nan"))
 
 
-def test_from_env_without_launcher_raises(monkeypatch):
-    for k in ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK", "MASTER_ADDR"]:
+LAUNCHER_VARS = [
+    "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+    "SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR", "MASTER_PORT",
+    "MSCCLPP_ROOT_ADDR", "MSCCLPP_ROOT_PORT",
+]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in LAUNCHER_VARS:
         monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+def _free_port_pair():
+    """A listening socket on some port p - 1 (torchrun's store stands in) with p free just now."""
+    import socket
+
+    for _ in range(50):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        p = s.getsockname()[1]
+        s.close()
+        store = socket.socket()
+        try:
+            store.bind(("127.0.0.1", p - 1))
+        except OSError:
+            store.close()
+            continue
+        store.listen()
+        return store, p
+    pytest.skip("no free pair of adjacent ports")
+
+
+def test_from_env_without_launcher_raises(clean_env):
     with pytest.raises(m.InvalidUsageError, match="RANK"):
         m.Communicator.from_env()
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
     with pytest.raises(m.InvalidUsageError, match="MASTER_ADDR"):
         m.Communicator.from_env()
-    monkeypatch.setenv("RANK", "x")
+    clean_env.setenv("RANK", "x")
     with pytest.raises(m.InvalidUsageError, match="RANK"):
+        m.Communicator.from_env()
+    clean_env.setenv("RANK", "1")
+    with pytest.raises(m.InvalidUsageError, match="below the size"):
         m.Communicator.from_env()
 
 
-def test_from_env_with_master_addr(monkeypatch):
+def test_from_env_follows_the_rust_launcher_rules(clean_env):
+    # The rules are mscclpp::launcher's: torchrun without RANK is an error, MASTER_ADDR without a
+    # port is an error, and MASTER_PORT + 1 past 65535 under torchrun says to set MSCCLPP_ROOT_PORT.
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(m.InvalidUsageError, match="TORCHELASTIC_RUN_ID"):
+        m.Communicator.from_env()
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(m.InvalidUsageError, match="MASTER_PORT"):
+        m.Communicator.from_env()
+    clean_env.setenv("MASTER_PORT", "65535")
+    with pytest.raises(m.InvalidUsageError, match="MSCCLPP_ROOT_PORT"):
+        m.Communicator.from_env()
+    # Open MPI's variables are ignored under torchrun (they describe the agents).
+    clean_env.setenv("OMPI_COMM_WORLD_RANK", "5")
+    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(m.InvalidUsageError, match="MSCCLPP_ROOT_PORT"):
+        m.Communicator.from_env()
+
+
+def test_from_env_under_torchrun_uses_master_port_plus_one(clean_env):
+    store, p = _free_port_pair()
+    with store:
+        clean_env.setenv("TORCHELASTIC_RUN_ID", "job")
+        clean_env.setenv("RANK", "0")
+        clean_env.setenv("WORLD_SIZE", "1")
+        clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+        clean_env.setenv("MASTER_PORT", str(p - 1))  # held by the "store": binding it would fail
+        c = m.Communicator.from_env(timeout=10.0)
+        assert (c.rank, c.size) == (0, 1)
+        c.barrier()
+        # Without torchrun the same variables mean MASTER_PORT itself, which is taken.
+        clean_env.delenv("TORCHELASTIC_RUN_ID")
+        with pytest.raises(m.MscclppError, match="MASTER_PORT"):
+            m.Communicator.from_env(timeout=10.0)
+
+
+def test_from_env_with_master_addr(clean_env):
     import socket
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(port))
     c = m.Communicator.from_env(timeout=10.0)
     assert (c.rank, c.size) == (0, 1)
     c.barrier()
     assert [bytes(x) for x in c.all_gather(b"hi")] == [b"hi"]
+
+
+def test_from_env_with_mscclpp_root_addr(clean_env):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    clean_env.setenv("SLURM_PROCID", "0")
+    clean_env.setenv("SLURM_NTASKS", "1")
+    clean_env.setenv("MASTER_ADDR", "192.0.2.1")  # MSCCLPP_ROOT_ADDR wins
+    clean_env.setenv("MASTER_PORT", "1")
+    clean_env.setenv("MSCCLPP_ROOT_ADDR", f"127.0.0.1:{port}")
+    c = m.Communicator.from_env(timeout=10.0)
+    assert (c.rank, c.size) == (0, 1)
+    c.barrier()
 
 
 def test_write_is_byte_exact_and_keeps_sources_alive(comm, conn, pair):

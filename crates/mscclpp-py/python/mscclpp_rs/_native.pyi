@@ -97,7 +97,9 @@ class Communicator:
     def __init__(self, rank: int, size: int, unique_id: UniqueId | bytes | str, timeout: float = 30.0) -> None: ...
     @staticmethod
     def from_env(unique_id: UniqueId | bytes | str | None = None, timeout: float = 30.0) -> Communicator:
-        """Rank/size from mpirun, srun or torchrun variables; root from ``unique_id`` or MASTER_ADDR/PORT."""
+        """Rank/size from torchrun, mpirun, PMI, srun or RANK/WORLD_SIZE variables, by ``mscclpp::launcher``'s
+        rules; root from ``unique_id``, else MSCCLPP_ROOT_ADDR, else MASTER_ADDR with MSCCLPP_ROOT_PORT,
+        or MASTER_PORT + 1 under torchrun (its store holds MASTER_PORT), or MASTER_PORT."""
     @property
     def rank(self) -> int: ...
     @property
