@@ -1,0 +1,68 @@
+"""Exceptions raised by mscclpp_rs.
+
+Every error of the library is a :class:`MscclppError`; the subclass says the kind, and the
+message says the operation, the transport and the peer rank where there is one (also as the
+attributes ``kind``, ``operation``, ``transport`` and ``peer``). A timeout is also a built-in
+:class:`TimeoutError`, invalid usage also a :class:`ValueError`, a failed peer also a
+:class:`ConnectionError`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MscclppError",
+    "InvalidUsageError",
+    "MscclppTimeoutError",
+    "RemoteError",
+    "SystemCallError",
+    "CudaError",
+    "IbError",
+    "InternalError",
+    "AbortedError",
+    "NotAvailableError",
+]
+
+
+class MscclppError(Exception):
+    """Base class of every mscclpp_rs error."""
+
+    kind: str | None = None
+    operation: str | None = None
+    peer: int | None = None
+    transport: str | None = None
+
+
+class InvalidUsageError(MscclppError, ValueError):
+    """Bad arguments: bounds, a memory without the transport, a read-only or non-contiguous buffer."""
+
+
+class MscclppTimeoutError(MscclppError, TimeoutError):
+    """A bounded wait ran out (flush, semaphore wait, bootstrap)."""
+
+
+class RemoteError(MscclppError, ConnectionError):
+    """The peer failed, closed, broke the protocol or could not be reached."""
+
+
+class SystemCallError(MscclppError, OSError):
+    """An operating-system call failed."""
+
+
+class CudaError(MscclppError):
+    """A CUDA driver call failed."""
+
+
+class IbError(MscclppError):
+    """An InfiniBand verbs call failed."""
+
+
+class InternalError(MscclppError):
+    """A broken invariant inside the library (please report it)."""
+
+
+class AbortedError(MscclppError):
+    """The operation was abandoned because its object had already failed or was closed."""
+
+
+class NotAvailableError(MscclppError):
+    """A feature or platform library (CUDA, libibverbs, NVRTC) is not available here."""

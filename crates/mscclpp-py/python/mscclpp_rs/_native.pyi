@@ -1,0 +1,256 @@
+"""Type stubs of the native module ``mscclpp_rs._native`` (re-exported by ``mscclpp_rs``)."""
+
+from os import PathLike
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+from typing_extensions import Self
+
+__version__: str
+UNIQUE_ID_BYTES: int
+HEADER_NAME: str
+ABI_VERSION: int
+
+# A Transport flag (or an OR of them), an int of flag bits, a name ("eth", "cuda-ipc", "ib0"),
+# or a list of those.
+TransportLike = Union[int, str, Sequence[Union[int, str]]]
+
+class UniqueId:
+    """What a job's ranks share to find each other (128 bytes; pickles as its bytes)."""
+
+    def __init__(self, data: bytes | bytearray | str) -> None:
+        """From ``bytes(uid)`` or ``str(uid)``; ``InvalidUsageError`` for anything else."""
+    @staticmethod
+    def create() -> UniqueId:
+        """A fresh id whose root will be rank 0 of this process."""
+    @property
+    def root_addr(self) -> str:
+        """``host:port`` of the root."""
+    def __bytes__(self) -> bytes: ...
+    def __eq__(self, other: object) -> bool: ...
+
+class RegisteredMemory:
+    """A registered tensor/array (local; keeps the object alive) or a peer's memory."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def addr(self) -> int:
+        """Start address in the owning process (a device address for GPU memory)."""
+    @property
+    def is_local(self) -> bool: ...
+    @property
+    def transports(self) -> int:
+        """``Transport`` flag bits."""
+    @property
+    def device(self) -> int | None:
+        """GPU index, ``None`` for host memory."""
+    @property
+    def obj(self) -> Any | None:
+        """The registered object (``None`` for a peer's memory)."""
+    def serialize(self) -> bytes: ...
+    @staticmethod
+    def deserialize(data: bytes) -> RegisteredMemory: ...
+    def __len__(self) -> int: ...
+
+class Connection:
+    """A connection to one peer over one transport. Operations are asynchronous until ``flush``."""
+
+    def write(self, dst: RegisteredMemory, dst_offset: int, src: RegisteredMemory, src_offset: int, size: int) -> None:
+        """Copies ``size`` bytes of local ``src`` into the peer's ``dst`` (``src`` unchanged until ``flush``)."""
+    def update_and_sync(self, dst: RegisteredMemory, dst_offset: int, value: int) -> None:
+        """Sets the peer's 8-byte word, after every earlier operation."""
+    def atomic_add(self, dst: RegisteredMemory, dst_offset: int, value: int) -> None:
+        """Adds to the peer's 8-byte word (wrapping), after every earlier operation."""
+    def flush(self, timeout: float = 30.0) -> None:
+        """Waits (GIL released) until every earlier operation landed; ``MscclppTimeoutError`` otherwise."""
+    def status(self) -> None:
+        """Raises the error that broke the connection, if any."""
+    @property
+    def outstanding(self) -> int: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def peer(self) -> int | None: ...
+
+class Host2HostSemaphore:
+    """A semaphore host threads signal and wait on (Ethernet, IB)."""
+
+    def signal(self) -> None: ...
+    def poll(self) -> bool: ...
+    def wait(self, timeout: float = 30.0) -> None:
+        """Waits (GIL released) for the peer's next signal."""
+    @property
+    def inbound_token(self) -> int: ...
+
+class Host2DeviceSemaphore:
+    """A semaphore kernels wait on; give it to ``ProxyService.add_semaphore`` for a PortChannel."""
+
+    def signal(self) -> None: ...
+    def wait(self, timeout: float = 30.0) -> None: ...
+    def device_handle(self) -> bytes:
+        """The 16-byte ``mscclpp::Host2DeviceSemaphoreDeviceHandle``."""
+
+class Communicator:
+    """The ranks of a job: registration, exchange, connections, semaphores, barrier."""
+
+    def __init__(self, rank: int, size: int, unique_id: UniqueId | bytes | str, timeout: float = 30.0) -> None: ...
+    @staticmethod
+    def from_env(unique_id: UniqueId | bytes | str | None = None, timeout: float = 30.0) -> Communicator:
+        """Rank/size from torchrun, mpirun, PMI, srun or RANK/WORLD_SIZE variables, by ``mscclpp::launcher``'s
+        rules; root from ``unique_id``, else MSCCLPP_ROOT_ADDR, else MASTER_ADDR with MSCCLPP_ROOT_PORT,
+        or MASTER_PORT + 1 under torchrun (its store holds MASTER_PORT), or MASTER_PORT."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def ranks_per_node(self) -> int: ...
+    timeout: float
+    def barrier(self) -> None: ...
+    def all_gather(self, data: bytes) -> list[bytes]: ...
+    def register(self, obj: Any, transports: TransportLike) -> RegisteredMemory:
+        """Registers a CUDA tensor/array (``__cuda_array_interface__``, DLPack) or host memory
+        (buffer protocol, DLPack); writable, C-contiguous, non-empty. Keeps ``obj`` alive."""
+    def send_memory(self, memory: RegisteredMemory, peer: int, tag: int = 0) -> None: ...
+    def recv_memory(self, peer: int, tag: int = 0) -> RegisteredMemory: ...
+    def exchange(self, memory: RegisteredMemory, peers: Sequence[int], tag: int = 0) -> dict[int, RegisteredMemory]: ...
+    def connect(
+        self,
+        peer: int,
+        transport: TransportLike,
+        tag: int = 0,
+        device: int | None = None,
+        interface: str | None = None,
+        max_write_queue_size: int | None = None,
+    ) -> Connection: ...
+    def connect_all(
+        self,
+        peers: Sequence[int],
+        transport: TransportLike,
+        tag: int = 0,
+        device: int | None = None,
+        interface: str | None = None,
+        max_write_queue_size: int | None = None,
+    ) -> dict[int, Connection]: ...
+    def host_semaphore(self, connection: Connection, tag: int = 0) -> Host2HostSemaphore: ...
+    def memory_semaphore(self, connection: Connection, tag: int = 0) -> MemoryDevice2DeviceSemaphore:
+        """A device-to-device semaphore over a CUDA IPC connection (for MemoryChannels)."""
+    def pack_memory_channels(self, channels: Sequence[MemoryChannel], device: int = 0) -> DeviceHandles:
+        """MemoryChannel handles (48 B each) packed into device memory at a stable address."""
+    def device_semaphore(self, connection: Connection, tag: int = 0) -> Host2DeviceSemaphore: ...
+
+class MemoryDevice2DeviceSemaphore:
+    """Signalled and waited on by kernels on both GPUs (CUDA IPC); MemoryChannels share it."""
+
+    def device_handle(self) -> bytes:
+        """The 24-byte ``mscclpp::MemoryDevice2DeviceSemaphoreDeviceHandle``."""
+    @property
+    def device(self) -> int: ...
+
+class MemoryChannel:
+    """A kernel's channel into a peer GPU's mapped memory (CUDA IPC), no host thread."""
+
+    def __init__(
+        self,
+        semaphore: MemoryDevice2DeviceSemaphore,
+        dst: RegisteredMemory,
+        src: RegisteredMemory,
+        packet_buffer: RegisteredMemory | None = None,
+    ) -> None: ...
+    def device_handle(self) -> bytes:
+        """The 48-byte ``mscclpp::MemoryChannelDeviceHandle`` (pass by value)."""
+    @property
+    def device_handle_ptr(self) -> int:
+        """Device address of the channel's own copy of its handle (stable)."""
+
+class PortChannel:
+    """A kernel's channel to one peer through a ProxyService."""
+
+    def device_handle(self) -> bytes:
+        """The 96-byte ``mscclpp::PortChannelDeviceHandle`` (pass by value)."""
+    @property
+    def device_handle_ptr(self) -> int | None:
+        """Device address of the channel's own copy of its handle (stable)."""
+    @property
+    def semaphore_id(self) -> int: ...
+    @property
+    def dst(self) -> int: ...
+    @property
+    def src(self) -> int: ...
+
+class DeviceHandles:
+    """PortChannel handles packed in device memory (``__cuda_array_interface__``: uint8)."""
+
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def device(self) -> int: ...
+    def to_bytes(self) -> bytes: ...
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+    def __len__(self) -> int: ...
+
+class ProxyService:
+    """Executes the requests kernels push through PortChannels (a context manager: start/stop)."""
+
+    def __init__(
+        self, comm: Communicator, device: int | None = 0, fifo_size: int = 512, max_write_queue_size: int | None = None
+    ) -> None: ...
+    def add_memory(self, memory: RegisteredMemory) -> int: ...
+    def add_semaphore(self, semaphore: Host2DeviceSemaphore) -> int: ...
+    def port_channel(self, semaphore: int, dst: int, src: int) -> PortChannel: ...
+    def pack_handles(self, channels: Sequence[PortChannel]) -> DeviceHandles: ...
+    def start(self) -> None: ...
+    def stop(self) -> None:
+        """Stops the thread; raises the proxy's first error, if any."""
+    def status(self) -> None: ...
+    @property
+    def processed(self) -> int: ...
+    @property
+    def device(self) -> int | None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> bool: ...
+
+class Ptx:
+    """PTX compiled by ``compile``."""
+
+    @property
+    def ptx(self) -> str: ...
+    @property
+    def kernels(self) -> list[str]: ...
+    @property
+    def log(self) -> str: ...
+    @property
+    def arch(self) -> str: ...
+
+def header_source() -> str:
+    """The CUDA header ``mscclpp_rs/device.cuh``."""
+
+def write_header(dir: str | PathLike[str]) -> Path:
+    """Writes ``dir/mscclpp_rs/device.cuh`` and returns its path."""
+
+def handle_sizes() -> dict[str, int]:
+    """Sizes of the device handles by C++ name."""
+
+def compile(
+    source: str,
+    arch: str | None = None,
+    device: int | None = None,
+    options: Sequence[str] | None = None,
+    name: str | None = None,
+) -> Ptx:
+    """NVRTC compile (GIL released); ``#include "mscclpp_rs/device.cuh"`` works without ``-I``."""
+
+def _time_rust_writes(
+    conn: Connection,
+    dst: RegisteredMemory,
+    dst_offset: int,
+    src: RegisteredMemory,
+    src_offset: int,
+    size: int,
+    iters: int,
+    flush_every: int,
+) -> float: ...

@@ -1,0 +1,627 @@
+//! Host API: `UniqueId`, `Communicator`, `Connection`, semaphores.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use mscclpp::launcher::LaunchInfo;
+use mscclpp::{Bootstrap, Device, EndpointConfig, EthernetConfig, TcpBootstrap, Transport};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use crate::errors::{IntoPyResult, invalid, seconds};
+use crate::memory::{RegisteredMemory, one_transport, register_object, transport_flags};
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<UniqueId>()?;
+    m.add_class::<Communicator>()?;
+    m.add_class::<Connection>()?;
+    m.add_class::<Host2HostSemaphore>()?;
+    m.add_class::<Host2DeviceSemaphore>()?;
+    m.add("UNIQUE_ID_BYTES", mscclpp::UniqueId::BYTES)?;
+    m.add_function(wrap_pyfunction!(_time_rust_writes, m)?)?;
+    Ok(())
+}
+
+/// A lock that survives a panicking holder (the data are plain lists).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What a job's ranks share to find each other: the root's address and a random secret.
+///
+/// Create it on one process (`UniqueId.create()`), send `bytes(uid)` (128 bytes) to every rank by
+/// any means (`torch.distributed.broadcast_object_list`, mpi4py, a file), and pass it to
+/// `Communicator(rank, size, uid)`. Pickles as its bytes.
+#[pyclass(frozen, eq, module = "mscclpp_rs._native")]
+#[derive(Clone, PartialEq)]
+pub(crate) struct UniqueId {
+    pub(crate) id: mscclpp::UniqueId,
+}
+
+#[pymethods]
+impl UniqueId {
+    /// From the bytes of `bytes(uid)` (or its text form `str(uid)`).
+    #[new]
+    fn new(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<UniqueId> {
+        if let Ok(s) = data.extract::<String>() {
+            return Ok(UniqueId { id: s.parse().py(py)? });
+        }
+        let b: Vec<u8> = match data.extract::<Vec<u8>>() {
+            Ok(b) if !data.is_instance_of::<pyo3::types::PyList>() => b,
+            _ => {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "a UniqueId is made from bytes or str, not {}",
+                    data.get_type().name()?
+                )));
+            }
+        };
+        Ok(UniqueId { id: mscclpp::UniqueId::from_bytes(&b).py(py)? })
+    }
+
+    /// A fresh id whose root will be rank 0 of this process (its port is reserved now).
+    #[staticmethod]
+    fn create(py: Python<'_>) -> PyResult<UniqueId> {
+        Ok(UniqueId { id: py.detach(TcpBootstrap::create_unique_id).py(py)? })
+    }
+
+    fn __bytes__<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.id.to_bytes())
+    }
+
+    fn __str__(&self) -> String {
+        self.id.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("UniqueId(root={})", self.id.root_addr())
+    }
+
+    /// `"host:port"` of the root.
+    #[getter]
+    fn root_addr(&self) -> String {
+        self.id.root_addr().to_string()
+    }
+
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let cls = py.get_type::<UniqueId>();
+        PyTuple::new(py, [cls.into_any(), PyTuple::new(py, [PyBytes::new(py, &self.id.to_bytes())])?.into_any()])
+    }
+}
+
+/// The ranks of a job, connected through a TCP bootstrap: registration, memory exchange,
+/// connections, semaphores and a barrier.
+///
+/// `Communicator(rank, size, unique_id, timeout=30.0)` joins the job of `unique_id`;
+/// `Communicator.from_env()` joins from launcher variables. Every call that waits releases the GIL.
+#[pyclass(frozen, module = "mscclpp_rs._native")]
+pub(crate) struct Communicator {
+    pub(crate) comm: mscclpp::Communicator,
+    bs: Arc<TcpBootstrap>,
+}
+
+impl Communicator {
+    fn from_bootstrap(bs: TcpBootstrap) -> Communicator {
+        let bs = Arc::new(bs);
+        Communicator { comm: mscclpp::Communicator::new(bs.clone()), bs }
+    }
+
+    fn check_peer(&self, py: Python<'_>, peer: usize) -> PyResult<()> {
+        if peer >= self.bs.size() {
+            return Err(invalid(py, format!("peer rank {peer} is not in 0..{}", self.bs.size())));
+        }
+        Ok(())
+    }
+
+    fn endpoint_config(
+        py: Python<'_>,
+        transport: &Bound<'_, PyAny>,
+        device: Option<u32>,
+        interface: Option<String>,
+        max_write_queue_size: Option<usize>,
+    ) -> PyResult<EndpointConfig> {
+        let t = one_transport(py, transport)?;
+        let mut cfg = EndpointConfig::new(t);
+        if let Some(d) = device {
+            cfg = cfg.device(Device::Gpu(d));
+        } else if t == Transport::CudaIpc {
+            cfg = cfg.device(Device::Gpu(0));
+        }
+        if let Some(i) = interface {
+            cfg = cfg.ethernet(EthernetConfig::default().interface(i));
+        }
+        if let Some(q) = max_write_queue_size {
+            cfg = cfg.max_write_queue_size(q);
+        }
+        Ok(cfg)
+    }
+}
+
+#[pymethods]
+impl Communicator {
+    /// Joins the job of `unique_id` (a `UniqueId`, its bytes or text) as `rank` of `size`;
+    /// `timeout` (seconds) bounds every later bootstrap wait too.
+    #[new]
+    #[pyo3(signature = (rank, size, unique_id, timeout = 30.0))]
+    fn new(py: Python<'_>, rank: usize, size: usize, unique_id: &Bound<'_, PyAny>, timeout: f64) -> PyResult<Self> {
+        let id = match unique_id.cast::<UniqueId>() {
+            Ok(u) => u.get().id.clone(),
+            Err(_) => UniqueId::new(py, unique_id)?.id,
+        };
+        if rank >= size {
+            return Err(invalid(py, format!("rank {rank} is not below size {size}")));
+        }
+        let t = seconds(py, "timeout", timeout)?;
+        let bs = py.detach(|| TcpBootstrap::config(rank, size).timeout(t).initialize(&id)).py(py)?;
+        Ok(Self::from_bootstrap(bs))
+    }
+
+    /// Joins from launcher variables by `mscclpp::launcher`'s rules (the same as Rust programs and
+    /// `mscclpp-perf`): the rank and size from torchrun's `RANK/WORLD_SIZE` (with
+    /// `TORCHELASTIC_RUN_ID`), `OMPI_COMM_WORLD_RANK/SIZE`, `PMI_RANK/SIZE`, `SLURM_PROCID/NTASKS`
+    /// or plain `RANK/WORLD_SIZE`; the root from `unique_id` if given, else `MSCCLPP_ROOT_ADDR`,
+    /// else `MASTER_ADDR` with `MSCCLPP_ROOT_PORT`, or `MASTER_PORT + 1` under torchrun (its agent's
+    /// store holds `MASTER_PORT`), or `MASTER_PORT` (rank 0 listens there).
+    #[staticmethod]
+    #[pyo3(signature = (unique_id = None, timeout = 30.0))]
+    fn from_env(py: Python<'_>, unique_id: Option<&Bound<'_, PyAny>>, timeout: f64) -> PyResult<Self> {
+        let t = seconds(py, "timeout", timeout)?;
+        let Some(info) = LaunchInfo::from_env().py(py)? else {
+            return Err(invalid(
+                py,
+                "no launcher variables: set RANK and WORLD_SIZE (or run under mpirun, srun or torchrun)",
+            ));
+        };
+        if let Some(u) = unique_id {
+            return Self::new(py, info.rank, info.size, u, timeout);
+        }
+        let bs = py.detach(|| info.bootstrap(t)).py(py)?;
+        Ok(Self::from_bootstrap(bs))
+    }
+
+    /// This process's rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.bs.rank()
+    }
+
+    /// The number of ranks.
+    #[getter]
+    fn size(&self) -> usize {
+        self.bs.size()
+    }
+
+    /// Ranks on this host.
+    #[getter]
+    fn ranks_per_node(&self) -> usize {
+        self.bs.ranks_per_node()
+    }
+
+    /// The bootstrap's wait limit in seconds (settable).
+    #[getter]
+    fn get_timeout(&self) -> f64 {
+        self.bs.timeout().as_secs_f64()
+    }
+
+    #[setter]
+    fn set_timeout(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        self.bs.set_timeout(seconds(py, "timeout", timeout)?);
+        Ok(())
+    }
+
+    /// Waits until every rank has called `barrier` (GIL released).
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.bs.barrier()).py(py)
+    }
+
+    /// Every rank's `data`, in rank order (GIL released).
+    fn all_gather<'py>(&self, py: Python<'py>, data: Vec<u8>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let all = py.detach(|| self.bs.all_gather(&data)).py(py)?;
+        Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
+    }
+
+    /// Registers the memory of `obj` for `transports` and returns the registration, which keeps
+    /// `obj` alive.
+    ///
+    /// `obj`: a CUDA tensor or array (`__cuda_array_interface__` or DLPack: torch, CuPy), or host
+    /// memory through the buffer protocol (NumPy, `bytearray`, `memoryview`) or DLPack (CPU
+    /// torch tensors). It must be writable and C-contiguous and hold at least one byte.
+    fn register(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        transports: &Bound<'_, PyAny>,
+    ) -> PyResult<RegisteredMemory> {
+        let t = transport_flags(py, transports)?;
+        if t.is_empty() {
+            return Err(invalid(py, "register needs at least one transport"));
+        }
+        register_object(py, self.comm.context(), obj, t)
+    }
+
+    /// Sends `memory`'s description to `peer` under `tag` (returns at once).
+    #[pyo3(signature = (memory, peer, tag = 0))]
+    fn send_memory(&self, py: Python<'_>, memory: &RegisteredMemory, peer: usize, tag: u32) -> PyResult<()> {
+        self.check_peer(py, peer)?;
+        py.detach(|| self.comm.send_memory(&memory.mem, peer, tag)).py(py)
+    }
+
+    /// Receives a memory description `peer` sent under `tag` (GIL released while waiting).
+    #[pyo3(signature = (peer, tag = 0))]
+    fn recv_memory(&self, py: Python<'_>, peer: usize, tag: u32) -> PyResult<RegisteredMemory> {
+        self.check_peer(py, peer)?;
+        let m = py.detach(|| self.comm.recv_memory(peer, tag)?.wait()).py(py)?;
+        Ok(RegisteredMemory::remote(m))
+    }
+
+    /// Sends `memory` to every rank of `peers` and receives theirs: `{peer: RegisteredMemory}`.
+    #[pyo3(signature = (memory, peers, tag = 0))]
+    fn exchange<'py>(
+        &self,
+        py: Python<'py>,
+        memory: &RegisteredMemory,
+        peers: Vec<usize>,
+        tag: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        for &p in &peers {
+            self.check_peer(py, p)?;
+        }
+        let got = py
+            .detach(|| -> mscclpp::Result<Vec<(usize, mscclpp::RegisteredMemory)>> {
+                let mut pend = Vec::new();
+                for &p in &peers {
+                    self.comm.send_memory(&memory.mem, p, tag)?;
+                    pend.push((p, self.comm.recv_memory(p, tag)?));
+                }
+                pend.into_iter().map(|(p, w)| Ok((p, w.wait()?))).collect()
+            })
+            .py(py)?;
+        let d = PyDict::new(py);
+        for (p, m) in got {
+            d.set_item(p, RegisteredMemory::remote(m))?;
+        }
+        Ok(d)
+    }
+
+    /// Connects to `peer` over `transport` (GIL released while waiting for the peer's side).
+    ///
+    /// `device`: the GPU of the local endpoint (CUDA IPC defaults to GPU 0); `interface`: the
+    /// network interface or address for Ethernet; `max_write_queue_size`: operations in flight.
+    #[pyo3(signature = (peer, transport, tag = 0, device = None, interface = None, max_write_queue_size = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn connect(
+        &self,
+        py: Python<'_>,
+        peer: usize,
+        transport: &Bound<'_, PyAny>,
+        tag: u32,
+        device: Option<u32>,
+        interface: Option<String>,
+        max_write_queue_size: Option<usize>,
+    ) -> PyResult<Connection> {
+        self.check_peer(py, peer)?;
+        let cfg = Self::endpoint_config(py, transport, device, interface, max_write_queue_size)?;
+        let c = py.detach(|| self.comm.connect(&cfg, peer, tag)?.wait()).py(py)?;
+        Ok(Connection::new(c))
+    }
+
+    /// Connects to every rank of `peers` (all endpoints sent before any wait): `{peer: Connection}`.
+    #[pyo3(signature = (peers, transport, tag = 0, device = None, interface = None, max_write_queue_size = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn connect_all<'py>(
+        &self,
+        py: Python<'py>,
+        peers: Vec<usize>,
+        transport: &Bound<'_, PyAny>,
+        tag: u32,
+        device: Option<u32>,
+        interface: Option<String>,
+        max_write_queue_size: Option<usize>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        for &p in &peers {
+            self.check_peer(py, p)?;
+        }
+        let cfg = Self::endpoint_config(py, transport, device, interface, max_write_queue_size)?;
+        let got = py
+            .detach(|| -> mscclpp::Result<Vec<(usize, mscclpp::Connection)>> {
+                let pend = peers
+                    .iter()
+                    .map(|&p| Ok((p, self.comm.connect(&cfg, p, tag)?)))
+                    .collect::<mscclpp::Result<Vec<_>>>()?;
+                pend.into_iter().map(|(p, w)| Ok((p, w.wait()?))).collect()
+            })
+            .py(py)?;
+        let d = PyDict::new(py);
+        for (p, c) in got {
+            d.set_item(p, Connection::new(c))?;
+        }
+        Ok(d)
+    }
+
+    /// A semaphore host threads signal and wait on, over `connection` (both ranks call this).
+    #[pyo3(signature = (connection, tag = 0))]
+    fn host_semaphore(&self, py: Python<'_>, connection: &Connection, tag: u32) -> PyResult<Host2HostSemaphore> {
+        let peer = connection.peer_of(py)?;
+        let s = py
+            .detach(|| {
+                mscclpp::Host2HostSemaphore::new(self.comm.build_semaphore(&connection.conn, peer, tag)?.wait()?)
+            })
+            .py(py)?;
+        Ok(Host2HostSemaphore { sem: s })
+    }
+
+    /// A semaphore a kernel waits on (and the peer's proxy or host signals), over `connection`:
+    /// give it to a `ProxyService` for a `PortChannel` (both ranks call this).
+    #[pyo3(signature = (connection, tag = 0))]
+    fn device_semaphore(&self, py: Python<'_>, connection: &Connection, tag: u32) -> PyResult<Host2DeviceSemaphore> {
+        let peer = connection.peer_of(py)?;
+        let s = py
+            .detach(|| {
+                mscclpp::Host2DeviceSemaphore::new(self.comm.build_semaphore(&connection.conn, peer, tag)?.wait()?)
+            })
+            .py(py)?;
+        Ok(Host2DeviceSemaphore { sem: Mutex::new(Some(Arc::new(s))) })
+    }
+
+    /// A device-to-device semaphore over a CUDA IPC `connection`, for `MemoryChannel`s (both
+    /// ranks call this).
+    #[pyo3(signature = (connection, tag = 0))]
+    fn memory_semaphore(
+        &self,
+        py: Python<'_>,
+        connection: &Connection,
+        tag: u32,
+    ) -> PyResult<crate::device::MemoryDevice2DeviceSemaphore> {
+        let peer = connection.peer_of(py)?;
+        let s = py
+            .detach(|| {
+                mscclpp::MemoryDevice2DeviceSemaphore::new(
+                    self.comm.build_semaphore(&connection.conn, peer, tag)?.wait()?,
+                )
+            })
+            .py(py)?;
+        Ok(crate::device::MemoryDevice2DeviceSemaphore { sem: Arc::new(s) })
+    }
+
+    /// The handles of `channels` (MemoryChannels) packed into device memory on GPU `device`, at
+    /// a stable address (pass `.ptr` as a `MemoryChannelDeviceHandle*`).
+    #[pyo3(signature = (channels, device = 0))]
+    fn pack_memory_channels(
+        &self,
+        py: Python<'_>,
+        channels: Vec<Bound<'_, crate::device::MemoryChannel>>,
+        device: u32,
+    ) -> PyResult<crate::device::DeviceHandles> {
+        crate::device::pack_memory_channels(py, self.comm.context(), channels, device)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Communicator(rank={}, size={})", self.bs.rank(), self.bs.size())
+    }
+}
+
+/// A connection to one peer over one transport: `write`, `update_and_sync`, `atomic_add`, `flush`.
+///
+/// Operations are asynchronous: they are checked (bounds, transports: `InvalidUsageError`,
+/// nothing sent) and queued; `flush` waits until all earlier ones landed at the peer. The
+/// source memories of writes issued since the last successful `flush` are kept alive here.
+#[pyclass(frozen, module = "mscclpp_rs._native")]
+pub(crate) struct Connection {
+    pub(crate) conn: mscclpp::Connection,
+    /// Sources of writes not yet covered by a successful flush.
+    in_flight: Mutex<Vec<Py<RegisteredMemory>>>,
+    /// Outbound copies of the words `update_and_sync` sets, by (address, offset).
+    outbound: Mutex<HashMap<(u64, u64), Arc<AtomicU64>>>,
+}
+
+impl Connection {
+    fn new(conn: mscclpp::Connection) -> Connection {
+        Connection { conn, in_flight: Mutex::new(Vec::new()), outbound: Mutex::new(HashMap::new()) }
+    }
+
+    fn peer_of(&self, py: Python<'_>) -> PyResult<usize> {
+        self.conn
+            .peer_rank()
+            .ok_or_else(|| invalid(py, "this connection has no peer rank (made outside a Communicator)"))
+    }
+
+    fn keep(&self, src: &Bound<'_, RegisteredMemory>) {
+        let mut v = lock(&self.in_flight);
+        if !v.iter().any(|m| m.as_ptr() == src.as_ptr()) {
+            v.push(src.clone().unbind());
+        }
+    }
+}
+
+#[pymethods]
+impl Connection {
+    /// Copies `size` bytes from local `src` at `src_offset` into the peer's `dst` at
+    /// `dst_offset`. Asynchronous: `src` must not change until `flush` returns.
+    #[pyo3(signature = (dst, dst_offset, src, src_offset, size))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        dst: &RegisteredMemory,
+        dst_offset: u64,
+        src: &Bound<'_, RegisteredMemory>,
+        src_offset: u64,
+        size: u64,
+    ) -> PyResult<()> {
+        let s = src.get();
+        py.detach(|| self.conn.write(&dst.mem, dst_offset, &s.mem, src_offset, size)).py(py)?;
+        self.keep(src);
+        Ok(())
+    }
+
+    /// Sets the peer's 8-byte word at `dst` + `dst_offset` to `value`, visible after every
+    /// earlier operation of this connection (values must not decrease on IB).
+    fn update_and_sync(&self, py: Python<'_>, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> PyResult<()> {
+        let word = lock(&self.outbound).entry((dst.mem.addr(), dst_offset)).or_default().clone();
+        py.detach(|| self.conn.update_and_sync(&dst.mem, dst_offset, &word, value)).py(py)
+    }
+
+    /// Adds `value` to the peer's 8-byte word at `dst` + `dst_offset` (wrapping), after every
+    /// earlier operation; `flush` covers it.
+    fn atomic_add(&self, py: Python<'_>, dst: &RegisteredMemory, dst_offset: u64, value: i64) -> PyResult<()> {
+        py.detach(|| self.conn.atomic_add(&dst.mem, dst_offset, value)).py(py)
+    }
+
+    /// Waits (GIL released) until every operation issued before it landed in the peer's memory.
+    /// Raises `MscclppTimeoutError` (a `TimeoutError`) after `timeout` seconds.
+    #[pyo3(signature = (timeout = 30.0))]
+    fn flush(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = seconds(py, "timeout", timeout)?;
+        let n = lock(&self.in_flight).len();
+        py.detach(|| self.conn.flush(t)).py(py)?;
+        // What was queued before the flush has landed: those sources may go.
+        lock(&self.in_flight).drain(..n);
+        Ok(())
+    }
+
+    /// `None` while the connection works; raises the error that broke it otherwise.
+    fn status(&self, py: Python<'_>) -> PyResult<()> {
+        self.conn.status().py(py)
+    }
+
+    /// Operations issued and not yet known complete.
+    #[getter]
+    fn outstanding(&self) -> u64 {
+        self.conn.outstanding()
+    }
+
+    /// The transport's name (`"ETH"`, `"CUDA_IPC"`, `"IB0"`...).
+    #[getter]
+    fn transport(&self) -> String {
+        self.conn.transport().to_string()
+    }
+
+    /// The peer's rank.
+    #[getter]
+    fn peer(&self) -> Option<usize> {
+        self.conn.peer_rank()
+    }
+
+    fn __repr__(&self) -> String {
+        let peer = self.conn.peer_rank().map_or("None".to_string(), |p| p.to_string());
+        format!("Connection(peer={peer}, transport={})", self.conn.transport())
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        // Sources of unflushed writes must outlive the transfers: give them a bounded chance to
+        // land before the references go.
+        if !lock(&self.in_flight).is_empty() {
+            let _ = self.conn.flush(Duration::from_secs(5));
+        }
+    }
+}
+
+/// A semaphore host threads signal and wait on (Ethernet or IB connections).
+#[pyclass(frozen, module = "mscclpp_rs._native")]
+pub(crate) struct Host2HostSemaphore {
+    sem: mscclpp::Host2HostSemaphore,
+}
+
+#[pymethods]
+impl Host2HostSemaphore {
+    /// Signals the peer (after every earlier operation of the connection).
+    fn signal(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.sem.signal()).py(py)
+    }
+
+    /// True (and consumes it) if a signal arrived.
+    fn poll(&self, py: Python<'_>) -> PyResult<bool> {
+        self.sem.poll().py(py)
+    }
+
+    /// Waits (GIL released) for the peer's next signal; `MscclppTimeoutError` after `timeout` s.
+    #[pyo3(signature = (timeout = 30.0))]
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = seconds(py, "timeout", timeout)?;
+        py.detach(|| self.sem.wait(t)).py(py)
+    }
+
+    /// The token the peer increments.
+    #[getter]
+    fn inbound_token(&self) -> u64 {
+        self.sem.inbound_token()
+    }
+}
+
+/// A semaphore a kernel waits on, signalled by the peer's proxy (or host). Hand it to
+/// `ProxyService.add_semaphore` for a `PortChannel` (the service takes it over).
+#[pyclass(frozen, module = "mscclpp_rs._native")]
+pub(crate) struct Host2DeviceSemaphore {
+    pub(crate) sem: Mutex<Option<Arc<mscclpp::Host2DeviceSemaphore>>>,
+}
+
+impl Host2DeviceSemaphore {
+    fn with<T>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mscclpp::Host2DeviceSemaphore) -> mscclpp::Result<T> + Send,
+    ) -> PyResult<T>
+    where
+        T: Send,
+    {
+        let s = lock(&self.sem).clone();
+        match s {
+            Some(s) => py.detach(|| f(&s)).py(py),
+            None => Err(invalid(py, "this semaphore was given to a ProxyService, which signals it now")),
+        }
+    }
+}
+
+#[pymethods]
+impl Host2DeviceSemaphore {
+    /// Signals the peer from the host.
+    fn signal(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |s| s.signal())
+    }
+
+    /// Waits on the host (GIL released) for the peer's next signal.
+    #[pyo3(signature = (timeout = 30.0))]
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = seconds(py, "timeout", timeout)?;
+        self.with(py, move |s| s.wait(t))
+    }
+
+    /// The 16-byte device handle (`mscclpp::Host2DeviceSemaphoreDeviceHandle`).
+    fn device_handle<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let h = self.with(py, |s| Ok(s.device_handle().to_bytes()))?;
+        Ok(PyBytes::new(py, &h))
+    }
+}
+
+/// For `examples/bench_write.py`: times `iters` Rust `Connection::write` calls (a flush after
+/// every `flush_every`), the loop `bench_write` runs from Python, so the difference per call is
+/// the Python-side overhead. Returns seconds.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn _time_rust_writes(
+    py: Python<'_>,
+    conn: &Connection,
+    dst: &RegisteredMemory,
+    dst_offset: u64,
+    src: &RegisteredMemory,
+    src_offset: u64,
+    size: u64,
+    iters: u64,
+    flush_every: u64,
+) -> PyResult<f64> {
+    let flush_every = flush_every.max(1);
+    py.detach(|| -> mscclpp::Result<f64> {
+        let t0 = std::time::Instant::now();
+        for i in 0..iters {
+            conn.conn.write(&dst.mem, dst_offset, &src.mem, src_offset, size)?;
+            if (i + 1) % flush_every == 0 {
+                conn.conn.flush(Duration::from_secs(30))?;
+            }
+        }
+        conn.conn.flush(Duration::from_secs(30))?;
+        Ok(t0.elapsed().as_secs_f64())
+    })
+    .py(py)
+}

@@ -1,0 +1,65 @@
+//! `mscclpp::Error` to Python exceptions (classes defined in `mscclpp_rs/_errors.py`, where
+//! multiple bases are plain Python).
+
+use std::time::Duration;
+
+use mscclpp::ErrorKind;
+use pyo3::prelude::*;
+
+/// The exception class name for an error kind.
+fn class_name(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::InvalidUsage => "InvalidUsageError",
+        ErrorKind::Timeout => "MscclppTimeoutError",
+        ErrorKind::Remote => "RemoteError",
+        ErrorKind::System => "SystemCallError",
+        ErrorKind::Cuda => "CudaError",
+        ErrorKind::Ib => "IbError",
+        ErrorKind::Internal => "InternalError",
+        ErrorKind::Aborted => "AbortedError",
+        ErrorKind::NotAvailable => "NotAvailableError",
+        _ => "MscclppError",
+    }
+}
+
+/// The Python exception for `e`: its class by kind, the one-line message (operation, transport,
+/// peer, cause, kind) and the structured parts as attributes.
+pub(crate) fn to_py(py: Python<'_>, e: &mscclpp::Error) -> PyErr {
+    let build = || -> PyResult<PyErr> {
+        let module = py.import("mscclpp_rs._errors")?;
+        let cls = module.getattr(class_name(e.kind()))?;
+        let exc = cls.call1((e.to_string(),))?;
+        exc.setattr("kind", e.kind().to_string())?;
+        exc.setattr("operation", e.operation())?;
+        exc.setattr("peer", e.peer())?;
+        exc.setattr("transport", e.transport().map(|t| t.to_string()))?;
+        Ok(PyErr::from_value(exc))
+    };
+    // Without the package (the native module imported alone), a plain RuntimeError still says it.
+    build().unwrap_or_else(|_| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))
+}
+
+/// `Result` of the library into `PyResult`.
+pub(crate) trait IntoPyResult<T> {
+    /// Maps the error with [`to_py`].
+    fn py(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> IntoPyResult<T> for mscclpp::Result<T> {
+    fn py(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_py(py, &e))
+    }
+}
+
+/// An `InvalidUsageError` (also a `ValueError`) for bad arguments found on the Python side.
+pub(crate) fn invalid(py: Python<'_>, msg: impl Into<String>) -> PyErr {
+    to_py(py, &mscclpp::Error::invalid_usage(msg))
+}
+
+/// Seconds as a `Duration`: finite and not negative.
+pub(crate) fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
+    if !s.is_finite() || !(0.0..=1e9).contains(&s) {
+        return Err(invalid(py, format!("{what} must be a finite number of seconds >= 0, not {s}")));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
