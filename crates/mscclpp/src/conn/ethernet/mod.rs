@@ -569,7 +569,11 @@ impl Shared {
                 return;
             }
             if let Err(e) = self.send_batch(out, &batch) {
-                self.fail(e);
+                // The peer closed its end (its closing record, if any, is still on its way to the
+                // acknowledgement reader): a close, not a failure that voids what it acknowledged.
+                let closed =
+                    matches!(e.io_kind(), Some(std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset));
+                self.fail_with(e, !closed);
                 return;
             }
         }
@@ -579,7 +583,15 @@ impl Shared {
     /// payloads staged through pinned memory, the copy of one chunk overlapping the send of the
     /// previous one.
     fn send_batch(&self, out: &mut TcpStream, batch: &[(wire::FrameHeader, Op<Src>)]) -> Result<()> {
-        let io_err = |e: std::io::Error| Error::remote(format!("sending to {} failed", self.peer_desc)).with_source(e);
+        let io_err = |e: std::io::Error| {
+            let why = match e.kind() {
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+                    format!("peer {} closed the connection (sending failed)", self.peer_desc)
+                }
+                _ => format!("sending to {} failed", self.peer_desc),
+            };
+            Error::remote(why).with_source(e)
+        };
         let headers: Vec<[u8; wire::HEADER]> = batch.iter().map(|(h, _)| h.encode()).collect();
         let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.len());
         for ((_, op), h) in batch.iter().zip(&headers) {
