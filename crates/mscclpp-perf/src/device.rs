@@ -10,8 +10,6 @@
 //! * PortChannel putWithSignal bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync`,
 //!   and plain puts at 64 MiB (what the signals cost).
 
-use std::ffi::c_void;
-use std::io::Write;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -26,7 +24,11 @@ use mscclpp::{
 };
 
 use crate::Args;
-const KERNELS: &str = r#"
+use crate::kern::{args, clear, e, elapsed_ns, human, launch, row};
+
+/// The FIFO, proxy and PortChannel kernels (`procs.rs` loads them too). Every wait is bounded:
+/// the ping-pong kernels take `timeout` (ns) and set `out[1]` when a wait or flush timed out.
+pub(crate) const KERNELS: &str = r#"
 #include "mscclpp_rs/device.cuh"
 typedef unsigned long long u64;
 __device__ u64 now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
@@ -50,21 +52,22 @@ extern "C" __global__ void flood(mscclpp::FifoDeviceHandle fifo, int per_thread,
   for (int i = 0; i < per_thread; ++i) fifo.push(t);
 }
 
-extern "C" __global__ void ping(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+// PortChannel ping-pong: putWithSignal `size` bytes + flush + wait; out[0] = elapsed ns,
+// out[1] = 1 if a flush or wait timed out (after `timeout` ns; the loop stops there).
+extern "C" __global__ void ping(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64 timeout, u64* out) {
   u64 t0 = now();
   for (int i = 0; i < n; ++i) {
-    ch->putWithSignal(0, 4);
-    ch->flush();
-    ch->wait();
+    ch->putWithSignal(0, size);
+    if (!ch->flush_for(timeout) || !ch->wait_for(timeout)) { out[1] = 1; break; }
   }
   out[0] = now() - t0;
 }
 
-extern "C" __global__ void pong(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+extern "C" __global__ void pong(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64 timeout, u64* out) {
   for (int i = 0; i < n; ++i) {
-    ch->wait();
-    ch->putWithSignal(0, 4);
-    ch->flush();
+    if (!ch->wait_for(timeout)) { out[1] = 1; break; }
+    ch->putWithSignal(0, size);
+    if (!ch->flush_for(timeout)) { out[1] = 1; break; }
   }
 }
 
@@ -83,53 +86,41 @@ extern "C" __global__ void flood_polling(mscclpp::FifoDeviceHandle fifo, int per
 }
 
 // The ping-pong with one flush at the end instead of one per round (what the flush costs).
-extern "C" __global__ void ping_noflush(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+extern "C" __global__ void ping_noflush(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64 timeout, u64* out) {
   u64 t0 = now();
   for (int i = 0; i < n; ++i) {
-    ch->putWithSignal(0, 4);
-    ch->wait();
+    ch->putWithSignal(0, size);
+    if (!ch->wait_for(timeout)) { out[1] = 1; break; }
   }
-  ch->flush();
+  if (!ch->flush_for(timeout)) out[1] = 1;
   out[0] = now() - t0;
 }
-extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, int n, u64* out) {
+extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64 timeout, u64* out) {
   for (int i = 0; i < n; ++i) {
-    ch->wait();
-    ch->putWithSignal(0, 4);
+    if (!ch->wait_for(timeout)) { out[1] = 1; break; }
+    ch->putWithSignal(0, size);
   }
-  ch->flush();
+  if (!ch->flush_for(timeout)) out[1] = 1;
 }
 
-// n puts of `size` bytes without signals, then one flush; out[0] = elapsed ns.
-extern "C" __global__ void put_only_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64* out) {
+// n puts of `size` bytes without signals, then one flush; out[0] = elapsed ns, out[1] = 1 if
+// the flush timed out.
+extern "C" __global__ void put_only_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64 timeout, u64* out) {
   u64 t0 = now();
   for (int i = 0; i < n; ++i) ch->put(0, size);
-  ch->flush();
+  if (!ch->flush_for(timeout)) out[1] = 1;
   out[0] = now() - t0;
 }
 
-// n puts of `size` bytes with a signal each, then one flush; out[0] = elapsed ns.
-extern "C" __global__ void put_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64* out) {
+// n puts of `size` bytes with a signal each, then one flush; out[0] = elapsed ns, out[1] = 1 if
+// the flush timed out.
+extern "C" __global__ void put_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size, int n, u64 timeout, u64* out) {
   u64 t0 = now();
   for (int i = 0; i < n; ++i) ch->putWithSignal(0, size);
-  ch->flush();
+  if (!ch->flush_for(timeout)) out[1] = 1;
   out[0] = now() - t0;
 }
 "#;
-
-fn e(x: impl std::fmt::Display) -> String {
-    x.to_string()
-}
-
-macro_rules! args {
-    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut c_void ),*] };
-}
-
-fn launch(k: &Kernel, grid: u32, block: u32, stream: &Stream, args: &mut [*mut c_void]) -> Result<(), String> {
-    // SAFETY: each call passes arguments matching its kernel's parameters: values, or device
-    // addresses of buffers that stay alive until the stream is synchronized below them.
-    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.map_err(e)
-}
 
 struct Rank {
     comm: Communicator,
@@ -184,15 +175,11 @@ fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, Strin
     Ok(ranks)
 }
 
-fn row(s: String) {
-    println!("{s}");
-    let _ = std::io::stdout().flush();
-}
-
 /// Runs the device benchmarks on `--device`.
 pub fn run(args: &Args) -> Result<(), String> {
     let dev = args.device;
     let timeout = args.timeout();
+    let tns = timeout.as_nanos() as u64;
     let name = mscclpp::gpu::device_name(dev).unwrap_or_else(|_| format!("GPU{dev}"));
     row(format!("# mscclpp-perf device: one process, two ranks on {name} (GPU {dev}), two streams"));
     let ptx = compile(KERNELS, &CompileOptions::default()).map_err(e)?;
@@ -391,21 +378,23 @@ pub fn run(args: &Args) -> Result<(), String> {
     }
     let streams = [Stream::new(dev).map_err(e)?, Stream::new(dev).map_err(e)?];
     let outs: Vec<DeviceBuffer> = (0..2)
-        .map(|i| DeviceBuffer::new(ranks[i].comm.context(), dev, 8, mscclpp::TransportFlags::NONE).map_err(e))
+        .map(|i| DeviceBuffer::new(ranks[i].comm.context(), dev, 16, mscclpp::TransportFlags::NONE).map_err(e))
         .collect::<Result<_, _>>()?;
     {
         let (pk, qk) = (k("ping")?, k("pong")?);
         let (pk2, qk2) = (k("ping_noflush")?, k("pong_noflush")?);
         let pingpong_with = |n: i32, pk: &Kernel, qk: &Kernel| -> Result<f64, String> {
             for (i, kern) in [pk, qk].iter().enumerate() {
-                let (mut c, mut n2, mut o) =
-                    (chans[i].device_handle_ptr().ok_or("no device handle")?, n, outs[i].device_ptr());
-                launch(kern, 1, 1, &streams[i], &mut args![c, n2, o])?;
+                clear(&outs[i])?;
+                let (mut c, mut sz, mut n2, mut t, mut o) =
+                    (chans[i].device_handle_ptr().ok_or("no device handle")?, 4u64, n, tns, outs[i].device_ptr());
+                launch(kern, 1, 1, &streams[i], &mut args![c, sz, n2, t, o])?;
             }
             for s in &streams {
                 s.synchronize(timeout).map_err(e)?;
             }
-            Ok(outs[0].read_u64(0).map_err(e)? as f64 / 1e3 / n as f64)
+            elapsed_ns(&outs[1], "PortChannel pong")?;
+            Ok(elapsed_ns(&outs[0], "PortChannel ping")? / 1e3 / n as f64)
         };
         let pingpong = |n: i32| pingpong_with(n, &pk, &qk);
         pingpong(100)?;
@@ -427,16 +416,18 @@ pub fn run(args: &Args) -> Result<(), String> {
             // Enough bytes per measurement (8 GiB, 20 to 1000 puts) that the first push and the
             // last flush (tens of us) stay small next to the copies.
             let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
-            let (mut c, mut sz, mut n, mut o) =
-                (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, 3i32, outs[0].device_ptr());
-            launch(&kern, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
+            let (mut c, mut sz, mut n, mut t, mut o) =
+                (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, 3i32, tns, outs[0].device_ptr());
+            clear(&outs[0])?;
+            launch(&kern, 1, 1, &streams[0], &mut args![c, sz, n, t, o])?;
             streams[0].synchronize(timeout).map_err(e)?;
             let mut best = f64::MAX;
             for _ in 0..3 {
                 let mut n = iters;
-                launch(&kern, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
+                clear(&outs[0])?;
+                launch(&kern, 1, 1, &streams[0], &mut args![c, sz, n, t, o])?;
                 streams[0].synchronize(timeout).map_err(e)?;
-                best = best.min(outs[0].read_u64(0).map_err(e)? as f64 / 1e9);
+                best = best.min(elapsed_ns(&outs[0], "PortChannel putWithSignal")? / 1e9);
             }
             let ours = size as f64 * iters as f64 / best / 1e9;
             let base =
@@ -451,11 +442,17 @@ pub fn run(args: &Args) -> Result<(), String> {
         let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
         let mut best = f64::MAX;
         for _ in 0..3 {
-            let (mut c, mut sz, mut n, mut o) =
-                (chans[0].device_handle_ptr().ok_or("no device handle")?, size as u64, iters, outs[0].device_ptr());
-            launch(&kp, 1, 1, &streams[0], &mut args![c, sz, n, o])?;
+            let (mut c, mut sz, mut n, mut t, mut o) = (
+                chans[0].device_handle_ptr().ok_or("no device handle")?,
+                size as u64,
+                iters,
+                tns,
+                outs[0].device_ptr(),
+            );
+            clear(&outs[0])?;
+            launch(&kp, 1, 1, &streams[0], &mut args![c, sz, n, t, o])?;
             streams[0].synchronize(timeout).map_err(e)?;
-            best = best.min(outs[0].read_u64(0).map_err(e)? as f64 / 1e9);
+            best = best.min(elapsed_ns(&outs[0], "PortChannel put")? / 1e9);
         }
         let base = mscclpp::bench::baseline_copy(&[(&srcs[0], &ranks[1].local)], size, 3, iters as u64).map_err(e)?;
         let (ours, raw) = (size as f64 * iters as f64 / best, size as f64 * iters as f64 / base.as_secs_f64());
@@ -482,13 +479,4 @@ fn host_wait(sem: &Host2DeviceSemaphore, want: u64, timeout: Duration) -> Result
         }
     }
     Ok(())
-}
-
-fn human(n: usize) -> String {
-    match n {
-        n if n >= 1 << 30 => format!("{} GiB", n >> 30),
-        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
-        n if n >= 1 << 10 => format!("{} KiB", n >> 10),
-        n => format!("{n} B"),
-    }
 }

@@ -40,9 +40,14 @@ fn init_tracing(rank: usize) -> Result<TraceGuard, String> {
     Ok(Some(guard))
 }
 
-/// Runs the job: as a child of the local launcher, as a rank of a cluster launcher, or as the
-/// local launcher itself.
-pub fn run(args: &Args) -> Result<(), String> {
+/// What one rank runs once its bootstrap is up (`p2p::run`, `procs::run_rank`): the arguments,
+/// the bootstrap, and the interface for Ethernet (127.0.0.1 for local ranks unless
+/// `--interface`; the bootstrap's choice under a launcher).
+pub type RankMain = fn(&Args, Arc<dyn Bootstrap>, Option<String>) -> Result<(), String>;
+
+/// Runs the job, `body` in each rank: as a child of the local launcher, as a rank of a cluster
+/// launcher, or as the local launcher itself.
+pub fn run(args: &Args, body: RankMain) -> Result<(), String> {
     if std::env::var_os("MSCCLPP_TRACE_FILE").is_some() {
         crate::trace::max_bytes()?;
     }
@@ -54,7 +59,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         let _guard = init_tracing(rank)?;
         let bs = TcpBootstrap::config(rank, size).timeout(args.timeout()).initialize(&id).map_err(|e| e.to_string())?;
         let local_iface = args.interface.clone().or_else(|| Some("127.0.0.1".to_string()));
-        return crate::p2p::run(args, Arc::new(bs), local_iface);
+        return body(args, Arc::new(bs), local_iface);
     }
     if let Some(mut info) = LaunchInfo::from_env().map_err(|e| e.to_string())? {
         // --bootstrap wins over the launcher's variables (MSCCLPP_ROOT_ADDR, MASTER_ADDR/MASTER_PORT).
@@ -67,9 +72,9 @@ pub fn run(args: &Args) -> Result<(), String> {
         let _guard = init_tracing(info.rank)?;
         let bs = info.bootstrap(args.timeout()).map_err(|e| e.to_string())?;
         if bs.size() < 2 {
-            return Err("the p2p test needs at least 2 ranks".into());
+            return Err(format!("the {} test needs at least 2 ranks", args.test.name()));
         }
-        return crate::p2p::run(args, Arc::new(bs), args.interface.clone());
+        return body(args, Arc::new(bs), args.interface.clone());
     }
     launch_local(args)
 }

@@ -6,9 +6,11 @@
 
 mod bootstrap;
 mod device;
+mod kern;
 mod launch;
 mod memchan;
 mod p2p;
+mod procs;
 mod report;
 mod trace;
 
@@ -28,8 +30,20 @@ pub enum TestKind {
     Bootstrap,
     /// Kernels that communicate (one process, two ranks on `--device`): FIFO latency, proxy
     /// throughput, PortChannel ping-pong and bandwidth (up to `--max-bytes`, at most 1 GiB);
-    /// MemoryChannel: device semaphore ping-pong, put bandwidth, LL16 packets.
+    /// MemoryChannel: device semaphore ping-pong, put bandwidth, LL16 packets. With `--procs`:
+    /// between two processes, rank r on GPU (`--device` + r) mod count, over CUDA IPC.
     Device,
+}
+
+impl TestKind {
+    /// The name on the command line.
+    pub fn name(&self) -> &'static str {
+        match self {
+            TestKind::P2p => "p2p",
+            TestKind::Bootstrap => "bootstrap",
+            TestKind::Device => "device",
+        }
+    }
 }
 
 /// Where the buffers live.
@@ -119,6 +133,14 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// `device` between two processes (started like p2p's ranks, or by mpirun/srun/torchrun),
+    /// rank r on GPU (`--device` + r) mod count, over CUDA IPC: semaphore and raw flag
+    /// ping-pong, MemoryChannel put/get bandwidth (uni- and bidirectional) from `-b` (at least
+    /// 1 KiB) to `--max-bytes` (at most 1 GiB) by `-f`, LL16/LL8 packets, PortChannel ping-pong
+    /// and bandwidth, each next to the copy engine. `-n` sets every loop's iterations (a quick
+    /// check), `--rounds` the rounds, `--json` the output file.
+    #[arg(long)]
+    pub procs: bool,
 }
 
 impl Args {
@@ -236,7 +258,16 @@ fn check(args: &Args) -> Result<(), String> {
         }
         return Ok(());
     }
+    if args.procs && args.test != TestKind::Device {
+        return Err("--procs applies to the device test (mscclpp-perf device --procs)".into());
+    }
     if args.test == TestKind::Device {
+        if args.procs && args.ranks != 2 {
+            return Err(format!("device --procs runs between 2 ranks, not --ranks {}", args.ranks));
+        }
+        if !args.procs && args.json.is_some() {
+            return Err("--json with the device test needs --procs (the one-process rows print only)".into());
+        }
         mscclpp::gpu::device_count().map_err(|e| format!("device: {e}"))?;
         return Ok(());
     }
@@ -253,7 +284,8 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let res = match args.test {
-        TestKind::P2p => launch::run(&args),
+        TestKind::P2p => launch::run(&args, p2p::run),
+        TestKind::Device if args.procs => launch::run(&args, procs::run_rank),
         TestKind::Bootstrap => bootstrap::run(&args),
         TestKind::Device => {
             // The MemoryChannel rows run even when the proxy rows failed.
@@ -299,6 +331,10 @@ mod tests {
             let a = Args::parse_from(["mscclpp-perf", "--memory", "gpu"]);
             assert!(check(&a).unwrap_err().contains("no CUDA driver found"));
         }
+        let a = Args::parse_from(["mscclpp-perf", "--procs"]);
+        assert!(check(&a).unwrap_err().contains("device test"));
+        let a = Args::parse_from(["mscclpp-perf", "device", "--procs", "--ranks", "3"]);
+        assert!(check(&a).unwrap_err().contains("2 ranks"));
         let a = Args::parse_from(["mscclpp-perf", "--transport", "carrier-pigeon"]);
         assert!(check(&a).unwrap_err().contains("unknown"));
         let a = Args::parse_from(["mscclpp-perf", "--min-bytes", "1M", "--max-bytes", "1K"]);

@@ -8,12 +8,10 @@
 //! * LL16 packets: putPackets + unpackPackets ping-pong (one way = half a round trip) at 1 KiB
 //!   (latency) and 1 MiB (bandwidth), next to the raw flag one-way time and `cuMemcpyDtoDAsync`.
 
-use std::ffi::c_void;
-use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mscclpp::device::compile::{CompileOptions, Kernel, KernelModule, compile};
+use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
 use mscclpp::gpu::Stream;
 use mscclpp::{
     Bootstrap, Communicator, Device, DeviceBuffer, EndpointConfig, MemoryChannel, MemoryDevice2DeviceSemaphore,
@@ -21,89 +19,95 @@ use mscclpp::{
 };
 
 use crate::Args;
+use crate::kern::{args, clear, e, elapsed_ns, human, launch, row};
 
-const KERNELS: &str = r#"
+/// The semaphore, raw flag, copy and packet kernels (`procs.rs` loads them too). Every wait is
+/// bounded by `timeout` (ns): a wait that expires sets `out[1]` and ends the kernel's loop.
+pub(crate) const KERNELS: &str = r#"
 #include "mscclpp_rs/device.cuh"
 using namespace mscclpp;
 __device__ u64 now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 
-extern "C" __global__ void sem_ping(MemoryDevice2DeviceSemaphoreDeviceHandle s, int n, u64* out) {
+extern "C" __global__ void sem_ping(MemoryDevice2DeviceSemaphoreDeviceHandle s, int n, u64 timeout, u64* out) {
   u64 t0 = now();
-  for (int i = 0; i < n; ++i) { s.signal(); s.wait(); }
-  out[0] = now() - t0;
-}
-extern "C" __global__ void sem_pong(MemoryDevice2DeviceSemaphoreDeviceHandle s, int n, u64* out) {
-  for (int i = 0; i < n; ++i) { s.wait(); s.signal(); }
-}
-
-// The raw baseline: `mine` is written by the peer, `theirs` is the peer's word.
-extern "C" __global__ void raw_ping(u64* mine, u64* theirs, int n, u64* out) {
-  u64 t0 = now();
-  for (u64 i = 1; i <= (u64)n; ++i) {
-    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(theirs), "l"(i) : "memory");
-    u64 v;
-    do { asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(mine) : "memory"); } while (v < i);
+  for (int i = 0; i < n; ++i) {
+    s.signal();
+    if (!s.wait_for(timeout)) { out[1] = 1; break; }
   }
   out[0] = now() - t0;
 }
-extern "C" __global__ void raw_pong(u64* mine, u64* theirs, int n, u64* out) {
+extern "C" __global__ void sem_pong(MemoryDevice2DeviceSemaphoreDeviceHandle s, int n, u64 timeout, u64* out) {
+  for (int i = 0; i < n; ++i) {
+    if (!s.wait_for(timeout)) { out[1] = 1; break; }
+    s.signal();
+  }
+}
+
+// The raw baseline: `mine` is written by the peer, `theirs` is the peer's word (mapped here).
+__device__ bool raw_wait(u64* mine, u64 i, u64 timeout) {
+  u64 v, t0 = now();
+  do {
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(mine) : "memory");
+    if (v < i && now() - t0 > timeout) return false;
+  } while (v < i);
+  return true;
+}
+extern "C" __global__ void raw_ping(u64* mine, u64* theirs, int n, u64 timeout, u64* out) {
+  u64 t0 = now();
   for (u64 i = 1; i <= (u64)n; ++i) {
-    u64 v;
-    do { asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(mine) : "memory"); } while (v < i);
+    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(theirs), "l"(i) : "memory");
+    if (!raw_wait(mine, i, timeout)) { out[1] = 1; break; }
+  }
+  out[0] = now() - t0;
+}
+extern "C" __global__ void raw_pong(u64* mine, u64* theirs, int n, u64 timeout, u64* out) {
+  for (u64 i = 1; i <= (u64)n; ++i) {
+    if (!raw_wait(mine, i, timeout)) { out[1] = 1; break; }
     asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(theirs), "l"(i) : "memory");
   }
 }
 
-// n collective puts of `size` bytes by the whole grid.
-extern "C" __global__ void put_bw(MemoryChannelDeviceHandle* ch, u64 size, int n) {
+// n collective puts (get = 0: src_ here -> dst_ at the peer) or gets (get = 1: the peer's dst_
+// -> src_ here) of `size` bytes by the whole grid.
+extern "C" __global__ void copy_bw(MemoryChannelDeviceHandle* ch, int get, u64 size, int n) {
   u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
-  for (int i = 0; i < n; ++i) ch->put(0, 0, size, tid, nt);
+  for (int i = 0; i < n; ++i) {
+    if (get) ch->get(0, 0, size, tid, nt); else ch->put(0, 0, size, tid, nt);
+  }
 }
 
-// LL16 ping-pong, per thread (each thread echoes exactly the packets it unpacked, so no grid
-// barrier is needed); round r uses half r % 2 of each packet buffer and flag flag0 + r.
-extern "C" __global__ void ll_ping(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64* out) {
+// Packet ping-pong, per thread (each thread echoes exactly the packets it unpacked, so no grid
+// barrier is needed); round r uses half r % 2 of each packet buffer and flag flag0 + r. An
+// unpack that times out sets out[1] and ends that thread's loop.
+template <typename P>
+__device__ void pk_ping(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64 timeout, u64* out) {
   u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
   u64 t0 = now();
   for (int r = 0; r < n; ++r) {
     u64 half = (u64)(r % 2) * 2 * bytes;
-    ch->putPackets(half, 0, bytes, tid, nt, flag0 + r);
-    ch->unpackPackets(half, 0, bytes, tid, nt, flag0 + r, -1);
+    ch->putPackets<P>(half, 0, bytes, tid, nt, flag0 + r);
+    if (!ch->unpackPackets_for<P>(half, 0, bytes, tid, nt, flag0 + r, timeout)) { out[1] = 1; break; }
   }
   // The slowest thread's time (threads pipeline independently; out[0] is zeroed before launch).
   atomicMax(out, now() - t0);
 }
-extern "C" __global__ void ll_pong(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64* out) {
+template <typename P>
+__device__ void pk_pong(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64 timeout, u64* out) {
   u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
   for (int r = 0; r < n; ++r) {
     u64 half = (u64)(r % 2) * 2 * bytes;
-    ch->unpackPackets(half, 0, bytes, tid, nt, flag0 + r, -1);
-    ch->putPackets(half, 0, bytes, tid, nt, flag0 + r);
+    if (!ch->unpackPackets_for<P>(half, 0, bytes, tid, nt, flag0 + r, timeout)) { out[1] = 1; break; }
+    ch->putPackets<P>(half, 0, bytes, tid, nt, flag0 + r);
   }
 }
+extern "C" __global__ void ll_ping(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64 timeout, u64* out) { pk_ping<LL16Packet>(ch, bytes, n, flag0, timeout, out); }
+extern "C" __global__ void ll_pong(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64 timeout, u64* out) { pk_pong<LL16Packet>(ch, bytes, n, flag0, timeout, out); }
+extern "C" __global__ void ll8_ping(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64 timeout, u64* out) { pk_ping<LL8Packet>(ch, bytes, n, flag0, timeout, out); }
+extern "C" __global__ void ll8_pong(MemoryChannelDeviceHandle* ch, u64 bytes, int n, u32 flag0, u64 timeout, u64* out) { pk_pong<LL8Packet>(ch, bytes, n, flag0, timeout, out); }
 "#;
 
-fn e(x: impl std::fmt::Display) -> String {
-    x.to_string()
-}
-
-macro_rules! args {
-    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut c_void ),*] };
-}
-
-fn launch(k: &Kernel, grid: u32, block: u32, stream: &Stream, args: &mut [*mut c_void]) -> Result<(), String> {
-    // SAFETY: each call passes arguments matching its kernel's parameters: values, or device
-    // addresses of buffers that stay alive until the stream is synchronized below them.
-    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.map_err(e)
-}
-
-fn row(s: String) {
-    println!("{s}");
-    let _ = std::io::stdout().flush();
-}
-
 /// Packet payload of the LL rows (the packet buffer holds two halves of twice this).
-const LL_MAX: usize = 1 << 20;
+pub(crate) const LL_MAX: usize = 1 << 20;
 
 struct Rank {
     _comm: Communicator,
@@ -153,7 +157,7 @@ fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, Strin
                         .map_err(e)?;
                     let pk_chan = MemoryChannel::new(sem.clone(), &remote[1], data.memory(), Some(packets.memory()))
                         .map_err(e)?;
-                    let out = DeviceBuffer::new(comm.context(), dev, 8, TransportFlags::NONE).map_err(e)?;
+                    let out = DeviceBuffer::new(comm.context(), dev, 16, TransportFlags::NONE).map_err(e)?;
                     bs.barrier().map_err(e)?;
                     // The peer's flag word: same process, so its address is the pointer itself.
                     let peer_flag = remote[2].addr();
@@ -173,6 +177,7 @@ fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, Strin
 pub fn run(args: &Args) -> Result<(), String> {
     let dev = args.device;
     let timeout = args.timeout();
+    let tns = timeout.as_nanos() as u64;
     row("# MemoryChannel and device-to-device semaphores (one process, two ranks, two streams)".into());
     let ptx = compile(KERNELS, &CompileOptions::for_device(dev)).map_err(e)?;
     let m = KernelModule::load(dev, &ptx).map_err(e)?;
@@ -191,19 +196,21 @@ pub fn run(args: &Args) -> Result<(), String> {
         for _ in 0..3 {
             for (i, kern) in [&kq, &kp].into_iter().enumerate() {
                 let r = &ranks[1 - i];
-                let (mut nn, mut o) = (n, r.out.device_ptr());
+                let (mut nn, mut t, mut o) = (n, tns, r.out.device_ptr());
+                clear(&r.out)?;
                 if kind == "raw" {
                     r.flag.fill(0, 8, 0).map_err(e)?;
                 }
                 let (mut mine, mut theirs, mut h) = (r.flag.device_ptr(), r.peer_flag, r.sem.device_handle());
                 if kind == "raw" {
-                    launch(kern, 1, 1, &streams[1 - i], &mut args![mine, theirs, nn, o])?;
+                    launch(kern, 1, 1, &streams[1 - i], &mut args![mine, theirs, nn, t, o])?;
                 } else {
-                    launch(kern, 1, 1, &streams[1 - i], &mut args![h, nn, o])?;
+                    launch(kern, 1, 1, &streams[1 - i], &mut args![h, nn, t, o])?;
                 }
             }
             streams.iter().try_for_each(sync)?;
-            best = best.min(ranks[0].out.read_u64(0).map_err(e)? as f64 / 1e3 / n as f64);
+            elapsed_ns(&ranks[1].out, ping)?;
+            best = best.min(elapsed_ns(&ranks[0].out, ping)? / 1e3 / n as f64);
         }
         if kind == "raw" {
             raw_rt = best;
@@ -219,21 +226,21 @@ pub fn run(args: &Args) -> Result<(), String> {
 
     // 2. put bandwidth, rank 0 -> rank 1, next to cuMemcpyDtoDAsync between the same buffers.
     {
-        let kern = k("put_bw")?;
+        let kern = k("copy_bw")?;
         row("MemoryChannel put bandwidth (GB/s): size, ours, cuMemcpyDtoDAsync, ratio".into());
         let mut size = 1usize << 10;
         while size <= max {
             let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
             let blocks = (size / (64 << 10)).clamp(1, 528) as u32;
-            let (mut c, mut sz) = (ranks[0].chan.device_handle_ptr(), size as u64);
+            let (mut c, mut get, mut sz) = (ranks[0].chan.device_handle_ptr(), 0i32, size as u64);
             let mut warm = 3i32;
-            launch(&kern, blocks, 512, &streams[0], &mut args![c, sz, warm])?;
+            launch(&kern, blocks, 512, &streams[0], &mut args![c, get, sz, warm])?;
             sync(&streams[0])?;
             let mut best = f64::MAX;
             for _ in 0..3 {
                 let mut nn = iters;
                 let t0 = Instant::now();
-                launch(&kern, blocks, 512, &streams[0], &mut args![c, sz, nn])?;
+                launch(&kern, blocks, 512, &streams[0], &mut args![c, get, sz, nn])?;
                 sync(&streams[0])?;
                 best = best.min(t0.elapsed().as_secs_f64());
             }
@@ -255,14 +262,15 @@ pub fn run(args: &Args) -> Result<(), String> {
             for _ in 0..3 {
                 for (i, kern) in [&kq, &kp].into_iter().enumerate() {
                     let r = 1 - i;
-                    ranks[r].out.fill(0, 8, 0).map_err(e)?;
-                    let (mut c, mut b, mut nn, mut f, mut o) =
-                        (ranks[r].pk_chan.device_handle_ptr(), bytes as u64, n, flag0, ranks[r].out.device_ptr());
-                    launch(kern, blocks, threads, &streams[r], &mut args![c, b, nn, f, o])?;
+                    clear(&ranks[r].out)?;
+                    let (mut c, mut b, mut nn, mut f, mut t, mut o) =
+                        (ranks[r].pk_chan.device_handle_ptr(), bytes as u64, n, flag0, tns, ranks[r].out.device_ptr());
+                    launch(kern, blocks, threads, &streams[r], &mut args![c, b, nn, f, t, o])?;
                 }
                 streams.iter().try_for_each(sync)?;
                 flag0 += n as u32;
-                best = best.min(ranks[0].out.read_u64(0).map_err(e)? as f64 / 1e3 / n as f64 / 2.0);
+                elapsed_ns(&ranks[1].out, "LL16 pong")?;
+                best = best.min(elapsed_ns(&ranks[0].out, "LL16 ping")? / 1e3 / n as f64 / 2.0);
             }
             let base = mscclpp::bench::baseline_copy(&[(&ranks[0].data, &ranks[1].data)], bytes.min(max), 3, 200)
                 .map_err(e)?;
@@ -278,13 +286,4 @@ pub fn run(args: &Args) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-fn human(n: usize) -> String {
-    match n {
-        n if n >= 1 << 30 => format!("{} GiB", n >> 30),
-        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
-        n if n >= 1 << 10 => format!("{} KiB", n >> 10),
-        n => format!("{n} B"),
-    }
 }

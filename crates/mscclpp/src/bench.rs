@@ -80,3 +80,38 @@ fn h2d_8b(dev: &Arc<GpuDevice>, dst: u64, warmup: u64, iters: u64) -> Result<Dur
     }
     Ok(t0.elapsed() / iters.max(1) as u32)
 }
+
+/// As [`baseline_copy`] between a local buffer and a peer process's GPU memory mapped here
+/// through CUDA IPC (as a CUDA IPC connection maps it): `cuMemcpyDtoDAsync` on the mapped
+/// pointer, `local` -> `remote` when `to_remote`, else `remote` -> `local`. With `sync_each`,
+/// each copy is followed by a stream synchronize (the copy's latency); otherwise the copies are
+/// queued and synchronized once.
+pub fn baseline_copy_remote(
+    local: &DeviceBuffer,
+    remote: &RegisteredMemory,
+    to_remote: bool,
+    size: usize,
+    warmup: u64,
+    iters: u64,
+    sync_each: bool,
+) -> Result<Duration> {
+    let l = local.region();
+    l.check(0, size as u64)?;
+    remote.check_bounds(0, size as u64)?;
+    let r = remote.gpu_ptr(&l.dev)?;
+    let (dst, src) = if to_remote { (r, l.ptr) } else { (l.ptr, r) };
+    let s = Stream::new(&l.dev)?;
+    let round = |n: u64| -> Result<()> {
+        for _ in 0..n {
+            s.copy_dtod(dst, src, size as u64)?;
+            if sync_each {
+                s.synchronize()?;
+            }
+        }
+        s.synchronize()
+    };
+    round(warmup)?;
+    let t0 = Instant::now();
+    round(iters)?;
+    Ok(t0.elapsed())
+}

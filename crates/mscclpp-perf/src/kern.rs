@@ -1,0 +1,61 @@
+//! What the device benchmarks (`device.rs`, `memchan.rs`, `procs.rs`) share: error text,
+//! kernel arguments, launches and row printing.
+
+use std::io::Write;
+
+use mscclpp::device::compile::Kernel;
+use mscclpp::gpu::Stream;
+
+/// Any error as the benchmark's error text.
+pub(crate) fn e(x: impl std::fmt::Display) -> String {
+    x.to_string()
+}
+
+/// Kernel arguments: the address of each (mutable) local, as `Kernel::launch` takes them.
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut std::ffi::c_void ),*] };
+}
+pub(crate) use args;
+
+/// Launches `k` on a 1-D grid.
+pub(crate) fn launch(
+    k: &Kernel,
+    grid: u32,
+    block: u32,
+    stream: &Stream,
+    args: &mut [*mut std::ffi::c_void],
+) -> Result<(), String> {
+    // SAFETY: each call passes arguments matching its kernel's parameters: values, or device
+    // addresses of buffers that stay alive until the stream is synchronized below them.
+    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.map_err(e)
+}
+
+/// Prints a row now (rows appear as they finish, also through a pipe).
+pub(crate) fn row(s: String) {
+    println!("{s}");
+    let _ = std::io::stdout().flush();
+}
+
+/// `1 KiB`, `64 MiB`, `1 GiB`.
+pub(crate) fn human(n: usize) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+/// Zeroes a kernel's 16-byte result (`out[0]` = elapsed ns, `out[1]` = timed out) before a launch.
+pub(crate) fn clear(out: &mscclpp::DeviceBuffer) -> Result<(), String> {
+    out.fill(0, 16, 0).map_err(e)
+}
+
+/// A kernel's elapsed ns (`out[0]`) once it ran; an error naming `what` if it reported a
+/// timed-out wait or flush (`out[1]`).
+pub(crate) fn elapsed_ns(out: &mscclpp::DeviceBuffer, what: &str) -> Result<f64, String> {
+    if out.read_u64(8).map_err(e)? != 0 {
+        return Err(format!("{what}: a device wait or flush timed out (peer or proxy not answering)"));
+    }
+    Ok(out.read_u64(0).map_err(e)? as f64)
+}
