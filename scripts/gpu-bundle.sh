@@ -6,16 +6,22 @@
 #   scripts/gpu-bundle.sh            # here
 #   device run: carry ["gpu-bundle"], command "bash gpu-bundle/run.sh"
 #
+# On the two-GPU machine (nvidia-h200-x2; issue 16), one call runs everything of the issue in
+# about 8 minutes: command "bash gpu-bundle/run-x2.sh" (see run-x2.sh below).
+# GPU_BUNDLE_OUT=DIR writes the bundle to DIR instead of gpu-bundle/ (e.g. a git-ignored
+# gpu-bundle-<name>/ in the checkout the device tool sends).
+#
 # The runner writes logs under $OUT when it is set (the device tool brings them back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=gpu-bundle
+out=${GPU_BUNDLE_OUT:-gpu-bundle}
 rm -rf "$out"
 mkdir -p "$out/bin"
 cargo build --release -p mscclpp-perf
 cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
+out = sys.argv[1]
 want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel", "user_memory", "peer_death"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel, user GPU memory, peer death
 for line in sys.stdin:
     try:
@@ -24,10 +30,10 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
         kind = m["target"]["kind"][0]
-        dst = "gpu-bundle/bin/" + ("unit-tests" if kind == "lib" else m["target"]["name"])
+        dst = out + "/bin/" + ("unit-tests" if kind == "lib" else m["target"]["name"])
         shutil.copy(m["executable"], dst)
         print("bundled", dst)
-'
+' "$out"
 cp target/release/mscclpp-perf "$out/bin/"
 cargo build --release -p mscclpp --example memory_channel_put --example memory_channel_allgather
 cp target/release/examples/memory_channel_put target/release/examples/memory_channel_allgather "$out/bin/"
@@ -84,4 +90,72 @@ echo "run.sh: exit $rc"
 exit $rc
 RUN
 chmod +x "$out/run.sh"
+cat > "$out/run-x2.sh" <<'RUNX2'
+#!/usr/bin/env bash
+# Issue 16 on two H200s joined by NVLink (device kind nvidia-h200-x2), in one call of at most
+# about 8 minutes (a deadline cuts later steps short; nothing waits unbounded):
+#   1. mscclpp-perf device --procs: two processes, GPU 0 and GPU 1, 1 KiB .. 1 GiB (semaphore and
+#      raw flag ping-pong, MemoryChannel put/get uni/bidir next to the copy engine, LL16/LL8,
+#      PortChannel ping-pong and bandwidth), JSON too;
+#   2. NCCL send/recv through torchrun, 2 processes, the same sizes (1 KiB .. 1 GiB, x2);
+#   3. mscclpp-perf device (one process, two ranks on GPU 0) for comparison;
+#   4. the GPU tests, ranks spread over both GPUs (as run.sh), pass/fail.
+# Logs under $OUT (or ./logs), at most 8 files (the device tool brings back 8): gpus.txt,
+# perf.txt, device-procs.json, nccl.json, tests.log, summary.txt.
+# NVLink multicast stays off: NCCL_NVLS_ENABLE=0 (mscclpp never calls cuMulticastCreate).
+# RUNX2_BUDGET=SECONDS changes the deadline (default 480).
+set -u
+cd "$(dirname "$0")"
+logs=${OUT:-logs}
+mkdir -p "$logs"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+budget=${RUNX2_BUDGET:-480}
+sum="$logs/summary.txt"
+: > "$sum"
+# left CAP: seconds for the next step, at most CAP, never past the deadline (0: skip it).
+left() { local l=$((budget - SECONDS - 5)); [ "$l" -lt "$1" ] || l=$1; [ "$l" -gt 0 ] || l=0; echo "$l"; }
+# step NAME CAP LOG CMD...: runs CMD under `timeout`, appends its output to LOG, records the result.
+perf="$logs/perf.txt"
+step() {
+  local name=$1 cap=$2 log=$3; shift 3
+  local t; t=$(left "$cap")
+  if [ "$t" -le 10 ]; then echo "SKIPPED (deadline) $name" | tee -a "$sum" "$log"; return; fi
+  echo "== $name (timeout ${t}s, at ${SECONDS}s)" | tee -a "$log"
+  local t0=$SECONDS
+  # Perf rows also go to stdout (the device tool returns its tail); test output only to the log.
+  if [ "$log" = "$perf" ]; then
+    timeout "$t" "$@" 2>&1 | grep --line-buffered -v Warning | tee -a "$log"
+  else
+    timeout "$t" "$@" >> "$log" 2>&1
+  fi
+  local rc=${PIPESTATUS[0]}
+  local r=PASS; [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${t}s"
+  echo "$r $name ($((SECONDS - t0))s)" | tee -a "$sum"
+}
+{ nvidia-smi -L; nvidia-smi topo -m; } > "$logs/gpus.txt" 2>&1
+cat "$logs/gpus.txt"
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "$ngpu" -ge 2 ] || echo "WARNING: $ngpu GPU(s): both processes share GPU 0 (slow; not issue 16's numbers)" | tee -a "$sum"
+step "mscclpp-perf device --procs (GPU 0 <-> GPU 1, 1 KiB .. 1 GiB)" 170 "$perf" \
+  ./bin/mscclpp-perf device --procs --device 0 --max-bytes 1G --json "$logs/device-procs.json" --timeout 30
+step "NCCL send/recv, torchrun 2 processes (1 KiB .. 1 GiB)" 150 "$perf" \
+  torchrun --nproc_per_node=2 nccl_sendrecv.py --min-bytes 1K --max-bytes 1G --json "$logs/nccl.json"
+step "mscclpp-perf device, one process, two ranks on GPU 0" 110 "$perf" \
+  ./bin/mscclpp-perf device --device 0 --max-bytes 1G --timeout 30
+tests="$logs/tests.log"
+step "GPU tests: cuda (--ignored)" 120 "$tests" ./bin/cuda --ignored --test-threads=1 --nocapture
+step "GPU tests: device (--ignored)" 90 "$tests" ./bin/device --ignored --test-threads=1 --nocapture
+step "GPU tests: memory_channel (--ignored)" 90 "$tests" ./bin/memory_channel --ignored --test-threads=1 --nocapture
+step "example memory_channel_put" 30 "$tests" ./bin/memory_channel_put
+step "example memory_channel_allgather 4" 40 "$tests" ./bin/memory_channel_allgather 4
+step "GPU tests: user_memory (--ignored)" 60 "$tests" ./bin/user_memory --ignored --test-threads=1 --nocapture
+step "GPU tests: peer_death (--ignored)" 60 "$tests" ./bin/peer_death --ignored --test-threads=1 --nocapture
+step "GPU tests: ib_fake gpu_ (--ignored)" 60 "$tests" ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture
+step "unit tests" 60 "$tests" ./bin/unit-tests --test-threads=1
+grep -hE "^(test |test result)|panicked" "$tests" | grep -vE " ok$" | head -40 >> "$sum"
+echo "== summary (${SECONDS}s)"
+cat "$sum"
+! grep -qE "^(FAIL|TIMEOUT|SKIPPED)" "$sum"
+RUNX2
+chmod +x "$out/run-x2.sh"
 du -sh "$out"
