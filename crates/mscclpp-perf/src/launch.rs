@@ -82,6 +82,8 @@ pub fn run(args: &Args, body: RankMain) -> Result<(), String> {
 /// Starts `n` copies of this program on this machine, each with `env(rank)` added to its
 /// environment (and stdout captured when `capture`), behind a [`RootServer`] whose id goes in
 /// `id_var`; waits for all of them. Returns each rank's output, or which ranks failed.
+/// Once a rank has failed, the others get `timeout` plus 5 s to end (their own waits are bounded
+/// by `timeout`), then are killed: a hung or stopped rank cannot hang the launcher.
 /// The one way both the `p2p` launcher and the `bootstrap` jobs start local ranks.
 pub fn run_local_ranks(
     n: usize,
@@ -93,6 +95,7 @@ pub fn run_local_ranks(
     let (root, id) = RootServer::start(n, timeout).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let mut children = Vec::new();
+    let mut readers = Vec::new();
     for r in 0..n {
         let mut cmd = Command::new(&exe);
         cmd.args(std::env::args_os().skip(1)).env(id_var, id.to_string()).envs(env(r)).stdin(Stdio::null());
@@ -100,10 +103,21 @@ pub fn run_local_ranks(
             cmd.stdout(Stdio::piped());
         }
         match cmd.spawn() {
-            Ok(c) => children.push((r, c)),
+            Ok(mut c) => {
+                // Read the pipe on its own thread, so a rank never blocks on a full pipe while
+                // this thread polls for exits.
+                readers.push(c.stdout.take().map(|mut out| {
+                    std::thread::spawn(move || {
+                        let mut buf = Vec::new();
+                        let _ = std::io::Read::read_to_end(&mut out, &mut buf);
+                        buf
+                    })
+                }));
+                children.push(c);
+            }
             Err(e) => {
                 // The ranks already started fail at the bootstrap's timeout; do not wait for it.
-                for (_, c) in &mut children {
+                for c in &mut children {
                     let _ = c.kill();
                     let _ = c.wait();
                 }
@@ -111,15 +125,58 @@ pub fn run_local_ranks(
             }
         }
     }
+    let grace = timeout + std::time::Duration::from_secs(5);
+    let mut status: Vec<Option<Result<std::process::ExitStatus, String>>> = (0..n).map(|_| None).collect();
+    let mut first_failure: Option<std::time::Instant> = None;
+    loop {
+        let mut running = 0;
+        for (r, c) in children.iter_mut().enumerate() {
+            if status[r].is_some() {
+                continue;
+            }
+            match c.try_wait() {
+                Ok(Some(s)) => {
+                    if !s.success() {
+                        first_failure.get_or_insert_with(std::time::Instant::now);
+                    }
+                    status[r] = Some(Ok(s));
+                }
+                Ok(None) => running += 1,
+                Err(e) => {
+                    first_failure.get_or_insert_with(std::time::Instant::now);
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    status[r] = Some(Err(e.to_string()));
+                }
+            }
+        }
+        if running == 0 {
+            break;
+        }
+        if first_failure.is_some_and(|t| t.elapsed() > grace) {
+            for (r, c) in children.iter_mut().enumerate() {
+                if status[r].is_none() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    status[r] = Some(Err(format!("killed: still running {grace:?} after another rank failed")));
+                }
+            }
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let mut outs = Vec::new();
     let mut failed = Vec::new();
-    for (r, c) in children {
-        match c.wait_with_output() {
-            Ok(o) if o.status.success() => outs.push(o),
-            Ok(o) => failed.push(format!("rank {r} ({})", o.status)),
-            Err(e) => failed.push(format!("rank {r} ({e})")),
+    for (r, (st, reader)) in status.into_iter().zip(readers).enumerate() {
+        let stdout = reader.and_then(|h| h.join().ok()).unwrap_or_default();
+        match st {
+            Some(Ok(s)) if s.success() => outs.push(std::process::Output { status: s, stdout, stderr: Vec::new() }),
+            Some(Ok(s)) => failed.push(format!("rank {r} ({s})")),
+            Some(Err(e)) => failed.push(format!("rank {r} ({e})")),
+            None => failed.push(format!("rank {r} (not waited for)")),
         }
     }
+    // The root's thread ends once every rank joined, or at its own timeout.
     root.join();
     if failed.is_empty() { Ok(outs) } else { Err(format!("{n} ranks: failed: {}", failed.join(", "))) }
 }

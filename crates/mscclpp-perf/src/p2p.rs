@@ -261,6 +261,8 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     for s in [&out, &inn] {
         s.set_nodelay(true).map_err(|e| e.to_string())?;
         s.set_read_timeout(Some(args.timeout())).map_err(|e| e.to_string())?;
+        // A stopped peer fills the socket buffer: the write fails at the timeout, never hangs.
+        s.set_write_timeout(Some(args.timeout())).map_err(|e| e.to_string())?;
     }
     Ok(Side {
         ring,

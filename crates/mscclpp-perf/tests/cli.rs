@@ -161,3 +161,56 @@ fn torchrun_style_launch() {
     let out = String::from_utf8_lossy(&outs[0].stdout);
     assert!(out.lines().any(|l| l.split_whitespace().next() == Some("64")), "{out}");
 }
+
+/// A rank that stops answering (SIGSTOP) fails the run instead of hanging the local launcher:
+/// the other rank's wait times out (`--timeout 3`) and the launcher kills the stopped rank once
+/// the others had their grace period. (Guarded by a generous bound only so that a regression
+/// fails instead of hanging CI; no time is asserted.)
+#[test]
+fn a_stopped_rank_fails_the_run_instead_of_hanging_it() {
+    let mut launcher = perf()
+        .args(["--ranks", "2", "--timeout", "3", "-b", "1M", "-e", "64M", "-n", "1000", "--rounds", "100", "--quiet"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = launcher.id();
+    let children_file = format!("/proc/{pid}/task/{pid}/children");
+    let t0 = std::time::Instant::now();
+    let kids: Vec<u32> = loop {
+        let kids: Vec<u32> = std::fs::read_to_string(&children_file)
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        if kids.len() == 2 || t0.elapsed().as_secs() > 60 {
+            break kids;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(kids.len(), 2, "the launcher did not start two ranks");
+    // Into the sweep, then stop rank 1.
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let stop = Command::new("kill").args(["-STOP", &kids[1].to_string()]).status().unwrap();
+    assert!(stop.success());
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break Some(s);
+        }
+        if t0.elapsed().as_secs() > 180 {
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    if status.is_none() {
+        let _ = Command::new("kill").args(["-KILL", &kids[1].to_string()]).status();
+        let _ = launcher.kill();
+    }
+    let out = launcher.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let status = status.unwrap_or_else(|| panic!("the launcher hung on a stopped rank:\n{stderr}"));
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("rank 1 (killed: still running"), "{stderr}");
+    assert!(std::fs::metadata(format!("/proc/{}", kids[1])).is_err(), "rank 1 is still there");
+}
