@@ -39,6 +39,7 @@ cargo build --release -p mscclpp --example memory_channel_put --example memory_c
 cp target/release/examples/memory_channel_put target/release/examples/memory_channel_allgather "$out/bin/"
 cp scripts/nccl_sendrecv.py "$out/"
 cp scripts/torchrun-check.sh "$out/"
+cp scripts/x2_table.py "$out/"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the GPU tests and a short perf sweep; logs go to $OUT (or ./logs).
@@ -101,7 +102,8 @@ cat > "$out/run-x2.sh" <<'RUNX2'
 #   3. mscclpp-perf device (one process, two ranks on GPU 0) for comparison;
 #   4. the GPU tests, ranks spread over both GPUs (as run.sh), pass/fail.
 # Logs under $OUT (or ./logs), at most 8 files (the device tool brings back 8): gpus.txt,
-# perf.txt, device-procs.json, nccl.json, tests.log, summary.txt.
+# perf.txt, device-procs.json, nccl.json, tests.log, summary.txt (step results, failing tests,
+# and x2_table.py's table of ours / copy engine / NCCL per size with the issue's goals).
 # NVLink multicast stays off: NCCL_NVLS_ENABLE=0 (mscclpp never calls cuMulticastCreate).
 # RUNX2_BUDGET=SECONDS changes the deadline (default 480).
 set -u
@@ -153,6 +155,8 @@ step "GPU tests: peer_death (--ignored)" 60 "$tests" ./bin/peer_death --ignored 
 step "GPU tests: ib_fake gpu_ (--ignored)" 60 "$tests" ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture
 step "unit tests" 60 "$tests" ./bin/unit-tests --test-threads=1
 grep -hE "^(test |test result)|panicked" "$tests" | grep -vE " ok$" | head -40 >> "$sum"
+# Issue 16's table: ours, the copy engine and NCCL per size, and the goals.
+python3 x2_table.py "$logs/device-procs.json" "$logs/nccl.json" >> "$sum" 2>&1
 echo "== summary (${SECONDS}s)"
 cat "$sum"
 ! grep -qE "^(FAIL|TIMEOUT|SKIPPED)" "$sum"
