@@ -153,7 +153,8 @@ step "example memory_channel_allgather 4" 40 "$tests" ./bin/memory_channel_allga
 step "GPU tests: user_memory (--ignored)" 60 "$tests" ./bin/user_memory --ignored --test-threads=1 --nocapture
 step "GPU tests: peer_death (--ignored)" 60 "$tests" ./bin/peer_death --ignored --test-threads=1 --nocapture
 step "GPU tests: ib_fake gpu_ (--ignored)" 60 "$tests" ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture
-step "unit tests" 60 "$tests" ./bin/unit-tests --test-threads=1
+step "GPU tests: device_header (--ignored)" 60 "$tests" ./bin/device_header --ignored --test-threads=1 --nocapture
+step "unit tests (with the ignored GPU ones)" 90 "$tests" ./bin/unit-tests --include-ignored --test-threads=1
 grep -hE "^(test |test result)|panicked" "$tests" | grep -vE " ok$" | head -40 >> "$sum"
 # Issue 16's table: ours, the copy engine and NCCL per size, and the goals.
 python3 x2_table.py "$logs/device-procs.json" "$logs/nccl.json" >> "$sum" 2>&1
