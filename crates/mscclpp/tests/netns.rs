@@ -447,7 +447,10 @@ fn added_latency_keeps_timeouts_and_data_right() {
             ("netem", env.chain(more).chain([("MSCCLPP_NS_DELAY_MS", delay_ms)]).collect())
         }
         Err(netem_err) => {
-            let cfg = tun_wire::WireConfig { delay: DELAY, rate_bits: Some(WIRE_RATE), ..Default::default() };
+            // A queue of 4096 packets holds the bandwidth-delay product (1 MB) and TCP's slow-start
+            // overshoot, so nothing is dropped here (1000 dropped a few hundred: retransmitted,
+            // the data still exact, the transfer slower).
+            let cfg = tun_wire::WireConfig { delay: DELAY, rate_bits: Some(WIRE_RATE), queue_packets: 4096, mtu: 1500 };
             let (ns0, ns1) = (net.hosts[0].as_str(), net.hosts[1].as_str());
             match tun_wire::Wire::new([ns0, ns1], "wire0", ["10.79.0.1/24", "10.79.0.2/24"], cfg) {
                 Ok(w) => {
@@ -521,5 +524,62 @@ fn ipv6_hosts_bootstrap_by_literal_and_by_name() {
         let env = [("MASTER_ADDR", master), ("MSCCLPP_SOCKET_FAMILY", "AF_INET6"), ("MSCCLPP_SOCKET_IFNAME", "dat")];
         let text = all_ok(&net.job(NAME, &env, T * 2));
         assert!(text.contains("rank 1 of 2: exchanged 1048576 B with 1 peers, all exact"), "{text}");
+    }
+}
+
+/// The TUN wire itself ([`tun_wire`], the latency test's stand-in for netem): a burst of 100
+/// numbered UDP datagrams from host 0 to host 1 through a wire with a 200 ms delay and a
+/// 32-packet queue. Every datagram that arrives spent at least the delay on the way, they arrive
+/// in the order sent, the relay's counters account for every one (delivered or dropped as the
+/// queue overflowed), and dropping the wire deletes its devices.
+#[test]
+fn tun_wire_delays_every_packet_in_order_and_counts_drops() {
+    const N: u64 = 100;
+    const DELAY: Duration = Duration::from_millis(200);
+    let Some(net) = Net::new(2).unwrap() else { return };
+    let cfg = tun_wire::WireConfig { delay: DELAY, rate_bits: None, queue_packets: 32, mtu: 1500 };
+    let (ns0, ns1) = (net.hosts[0].clone(), net.hosts[1].clone());
+    let wire = match tun_wire::Wire::new([&ns0, &ns1], "wire0", ["10.79.0.1/24", "10.79.0.2/24"], cfg) {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("SKIPPED: no TUN wire here: {e}");
+            return;
+        }
+    };
+    let udp = |ns: &str, addr: &'static str| {
+        tun_wire::in_netns(ns, move || std::net::UdpSocket::bind(addr).map_err(|e| format!("bind {addr}: {e}")))
+    };
+    let rx = udp(&ns1, "10.79.0.2:9000").unwrap();
+    let tx = udp(&ns0, "10.79.0.1:0").unwrap();
+    rx.set_read_timeout(Some(DELAY * 3)).unwrap();
+    // Each datagram: its number and when it was sent (nanoseconds after `base`).
+    let base = Instant::now();
+    for k in 0..N {
+        let sent = base.elapsed().as_nanos() as u64;
+        tx.send_to(&[k.to_le_bytes(), sent.to_le_bytes()].concat(), "10.79.0.2:9000").unwrap();
+    }
+    let mut got = Vec::new();
+    let mut b = [0u8; 64];
+    // Until nothing more comes for three delays.
+    while let Ok(n) = rx.recv(&mut b) {
+        let arrived = base.elapsed();
+        assert_eq!(n, 16);
+        let k = u64::from_le_bytes(b[..8].try_into().unwrap());
+        let sent = Duration::from_nanos(u64::from_le_bytes(b[8..16].try_into().unwrap()));
+        assert!(arrived - sent >= DELAY, "datagram {k} took {:?} over a wire delaying {DELAY:?}", arrived - sent);
+        got.push(k);
+    }
+    let s = wire.stats();
+    println!("{} of {N} datagrams arrived ({got:?}); wire 0->1: {}; 1->0: {}", got.len(), s[0], s[1]);
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order: {got:?}");
+    assert_eq!(s[0].packets, got.len() as u64, "{s:?}");
+    assert_eq!(s[0].packets + s[0].dropped, N, "{s:?}");
+    // The burst takes well under the delay, so the queue fills: 32 held, the rest dropped.
+    assert_eq!(s[0].max_queue, 32, "{s:?}");
+    assert!(s[0].dropped > 0, "{s:?}");
+    assert_eq!((s[0].write_errors, s[1].packets), (0, 0), "{s:?}");
+    drop(wire);
+    for ns in [&ns0, &ns1] {
+        assert!(run(&["ip", "-n", ns, "link", "show", "wire0"]).is_err(), "wire0 left in {ns}");
     }
 }

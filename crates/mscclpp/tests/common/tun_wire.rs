@@ -89,18 +89,32 @@ pub struct Wire {
     thread: Option<JoinHandle<()>>,
 }
 
-/// Opens `/dev/net/tun` from a thread that has entered namespace `ns` (a TUN device belongs to
-/// the namespace of the file it is created through; `setns` changes only the calling thread) and
-/// creates device `ifname` on it.
+/// Runs `f` on a thread that has entered network namespace `ns` (`setns` changes only the
+/// calling thread): sockets and TUN devices it creates belong to `ns`, wherever they are used.
+pub fn in_netns<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    let ns = ns.to_string();
+    let name = ns.clone();
+    std::thread::spawn(move || {
+        let nsf = File::open(format!("/run/netns/{ns}")).map_err(|e| format!("/run/netns/{ns}: {e}"))?;
+        nix::sched::setns(nsf.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| format!("setns into {ns}: {e}"))?;
+        f().map_err(|e| format!("in {ns}: {e}"))
+    })
+    .join()
+    .map_err(|_| format!("the thread working in namespace {name} panicked"))?
+}
+
+/// Creates TUN device `ifname` (IPv4 only: IPv6 off, so only the test's packets cross) in
+/// namespace `ns`, and returns its file (non-blocking).
 fn open_tun_in(ns: &str, ifname: &str) -> Result<File, String> {
     if ifname.len() >= libc::IFNAMSIZ {
         return Err(format!("interface name {ifname:?} is too long"));
     }
-    let (ns, ifname) = (ns.to_string(), ifname.to_string());
-    std::thread::spawn(move || -> Result<File, String> {
-        let nsf = File::open(format!("/run/netns/{ns}")).map_err(|e| format!("/run/netns/{ns}: {e}"))?;
-        nix::sched::setns(nsf.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-            .map_err(|e| format!("setns into {ns}: {e}"))?;
+    let ifname = ifname.to_string();
+    in_netns(ns, move || {
         let tun = OpenOptions::new()
             .read(true)
             .write(true)
@@ -118,12 +132,15 @@ fn open_tun_in(ns: &str, ifname: &str) -> Result<File, String> {
         // the descriptor is open (owned by `tun`).
         let rc = unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut req as *mut libc::ifreq) };
         if rc < 0 {
-            return Err(format!("TUNSETIFF {ifname} in {ns}: {}", std::io::Error::last_os_error()));
+            return Err(format!("TUNSETIFF {ifname}: {}", std::io::Error::last_os_error()));
+        }
+        // /proc/sys/net is the opening thread's namespace's. No IPv6 in the kernel: nothing to do.
+        let v6 = format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6");
+        if std::path::Path::new(&v6).exists() {
+            std::fs::write(&v6, "1").map_err(|e| format!("{v6}: {e}"))?;
         }
         Ok(tun)
     })
-    .join()
-    .map_err(|_| "the thread opening the TUN device panicked".to_string())?
 }
 
 /// Runs a command, or returns its stderr as the error.
