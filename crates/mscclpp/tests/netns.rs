@@ -437,30 +437,35 @@ fn added_latency_keeps_timeouts_and_data_right() {
     // Declared after `net`, so dropped (relay stopped, devices gone) before the namespaces are.
     let mut wire = None;
     let netem = |h: usize| net.exec(h, &["tc", "qdisc", "add", "dev", "dat0", "root", "netem", "delay", "20ms"]);
-    let delay_ms = DELAY.as_millis().to_string();
-    let (shaping, env): (&str, Vec<(&str, String)>) = match netem(0) {
+    // What the ranks are told: the interfaces to bootstrap over (a prefix) and to connect over,
+    // the root, the subnet the bootstrap must listen on, the most bytes per second a write can
+    // reach over the link (0: no bound) and its delay each way.
+    let env = |ifname: &str, master: &str, iface: &str, subnet: &str, max_rate: u64, delay: Duration| {
+        [
+            ("MSCCLPP_SOCKET_IFNAME", ifname.to_string()),
+            ("MASTER_ADDR", master.to_string()),
+            ("MSCCLPP_NS_IFACE", iface.to_string()),
+            ("MSCCLPP_NS_SUBNET", subnet.to_string()),
+            ("MSCCLPP_NS_MAX_RATE", max_rate.to_string()),
+            ("MSCCLPP_NS_DELAY_MS", delay.as_millis().to_string()),
+        ]
+    };
+    let (shaping, env) = match netem(0) {
         Ok(()) => {
             netem(1).unwrap();
-            let env = [("MSCCLPP_SOCKET_IFNAME", "dat"), ("MASTER_ADDR", "10.77.0.1"), ("MSCCLPP_NS_IFACE", "dat0")];
-            let env = env.map(|(k, v)| (k, v.to_string())).into_iter();
-            let more = [("MSCCLPP_NS_SUBNET", "10.77.0.".into()), ("MSCCLPP_NS_MAX_RATE", "0".into())];
-            ("netem", env.chain(more).chain([("MSCCLPP_NS_DELAY_MS", delay_ms)]).collect())
+            ("netem", env("dat", "10.77.0.1", "dat0", "10.77.0.", 0, DELAY))
         }
         Err(netem_err) => {
-            // A queue of 4096 packets holds the bandwidth-delay product (1 MB) and TCP's slow-start
-            // overshoot, so nothing is dropped here (1000 dropped a few hundred: retransmitted,
-            // the data still exact, the transfer slower).
+            // A queue of 4096 packets holds the bandwidth-delay product (1 MB) and TCP's
+            // slow-start overshoot, so nothing is dropped here (1000 dropped a few hundred:
+            // retransmitted, the data still exact, the transfer slower).
             let cfg = tun_wire::WireConfig { delay: DELAY, rate_bits: Some(WIRE_RATE), queue_packets: 4096, mtu: 1500 };
             let (ns0, ns1) = (net.hosts[0].as_str(), net.hosts[1].as_str());
             match tun_wire::Wire::new([ns0, ns1], "wire0", ["10.79.0.1/24", "10.79.0.2/24"], cfg) {
                 Ok(w) => {
                     eprintln!("tc netem is not available here ({netem_err}); a TUN wire adds the latency");
                     wire = Some(w);
-                    let env = [("MSCCLPP_SOCKET_IFNAME", "wire"), ("MASTER_ADDR", "10.79.0.1")];
-                    let env = env.map(|(k, v)| (k, v.to_string())).into_iter();
-                    let more = [("MSCCLPP_NS_IFACE", "wire0".into()), ("MSCCLPP_NS_SUBNET", "10.79.0.".into())];
-                    let rate = ("MSCCLPP_NS_MAX_RATE", (WIRE_RATE / 8).to_string());
-                    ("wire", env.chain(more).chain([rate, ("MSCCLPP_NS_DELAY_MS", delay_ms)]).collect())
+                    ("wire", env("wire", "10.79.0.1", "wire0", "10.79.0.", WIRE_RATE / 8, DELAY))
                 }
                 Err(wire_err) => {
                     eprintln!("neither tc netem ({netem_err}) nor a TUN wire ({wire_err}) here: tbf, no latency");
@@ -469,15 +474,7 @@ fn added_latency_keeps_timeouts_and_data_right() {
                         net.exec(h, &[&tbf[..], &["burst", "32kb", "latency", "400ms"]].concat()).unwrap();
                     }
                     // Bootstrap over ctl0; 5 MB/s, +10% for tbf's burst and the clock.
-                    let env = [("MSCCLPP_SOCKET_IFNAME", "ctl"), ("MSCCLPP_NS_IFACE", "dat0")];
-                    let env = env.map(|(k, v)| (k, v.to_string())).into_iter();
-                    let more = [("MSCCLPP_NS_SUBNET", "10.78.0."), ("MSCCLPP_NS_MAX_RATE", "5500000")];
-                    (
-                        "tbf",
-                        env.chain(more.map(|(k, v)| (k, v.to_string())))
-                            .chain([("MSCCLPP_NS_DELAY_MS", "0".into())])
-                            .collect(),
-                    )
+                    ("tbf", env("ctl", "node0", "dat0", "10.78.0.", 5_500_000, Duration::ZERO))
                 }
             }
         }
