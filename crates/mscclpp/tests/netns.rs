@@ -5,6 +5,11 @@
 //! IPv6 addresses) resolve (through `/etc/netns/<ns>/hosts`, which `ip netns exec` mounts over
 //! `/etc/hosts`) to the `ctl0` addresses, and `MASTER_ADDR=node0` unless a test says otherwise.
 //!
+//! Added latency: `tc netem` where the kernel has it; otherwise (CI's and this machine's
+//! Firecracker VM kernel has no `sch_netem`) a userspace wire between TUN devices `wire0`
+//! (10.79.0.0/24) with a relay thread in the test process ([`tun_wire`]); `tbf` only where
+//! neither works.
+//!
 //! Needs root (CI runs as root). Where a namespace cannot be created the tests say so and pass;
 //! anything that fails after that fails the test. Namespaces are deleted when a test ends, also
 //! when it fails; names carry the test's pid and a counter, so parallel tests do not collide.
