@@ -29,7 +29,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 pub struct WireConfig {
     /// Added to every packet's trip, each way.
     pub delay: Duration,
-    /// Bits per second each way (`None`: as fast as the relay goes).
+    /// Bits per second each way (`None` or 0: as fast as the relay goes).
     pub rate_bits: Option<u64>,
     /// Packets each direction may hold; more are dropped (and counted).
     pub queue_packets: usize,
@@ -75,7 +75,7 @@ impl std::fmt::Display for DirStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} packets, {} B (largest {} B), {} dropped (queue full, most queued {}), {} write errors",
+            "{} packets, {} B (largest {} B), {} dropped on a full queue (at most {} queued), {} write errors",
             self.packets, self.bytes, self.max_packet, self.dropped, self.max_queue, self.write_errors
         )
     }
@@ -272,13 +272,13 @@ fn relay(mut fds: [File; 2], cfg: WireConfig, stop: &AtomicBool, counters: &[Cou
                 }
                 // Serialised after the packets before it (a rate), then `delay` on the wire.
                 let sent = match cfg.rate_bits {
-                    Some(r) => {
+                    Some(r) if r > 0 => {
                         let start = busy_until[d].max(now);
                         busy_until[d] =
                             start + Duration::from_nanos((n as u64 * 8).saturating_mul(1_000_000_000).div_ceil(r));
                         busy_until[d]
                     }
-                    None => now,
+                    _ => now,
                 };
                 queues[d].push_back(Held { at: sent + cfg.delay, data: buf[..n].to_vec() });
                 counters[d].max_queue.fetch_max(queues[d].len() as u64, Ordering::Relaxed);
