@@ -284,6 +284,36 @@ fn io(what: &str, peer: usize) -> impl Fn(std::io::Error) -> String + '_ {
     move |e| format!("baseline {what} rank {peer}: {e}")
 }
 
+/// The frame of every bandwidth figure, ours and the baseline's: `phase(warm)` to warm up, a
+/// barrier so that all ranks start together, then seconds for `phase(iters)`; NaN on a rank that
+/// does not `take_part` (it runs the phases and the barrier all the same).
+fn timed(
+    bs: &dyn Bootstrap,
+    take_part: bool,
+    warm: u64,
+    iters: u64,
+    mut phase: impl FnMut(u64) -> Result<(), String>,
+) -> Result<f64, String> {
+    phase(warm)?;
+    bs.barrier().map_err(e2s)?;
+    let t0 = Instant::now();
+    phase(iters)?;
+    Ok(if take_part { t0.elapsed().as_secs_f64() } else { f64::NAN })
+}
+
+/// The frame of every latency figure: `step` run `warm + iters` times; seconds for the last
+/// `iters` of them. The first error ends it and is returned.
+fn laps(warm: u64, iters: u64, mut step: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    let mut t0 = Instant::now();
+    for i in 0..warm + iters {
+        if i == warm {
+            t0 = Instant::now();
+        }
+        step()?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 impl Side {
     fn next_link(&self) -> &Link {
         &self.ours.links[self.ours.to_next]
@@ -318,11 +348,7 @@ impl Side {
             }
             Ok(())
         };
-        phase(warm)?;
-        self.bs.barrier().map_err(e2s)?;
-        let t0 = Instant::now();
-        phase(iters)?;
-        Ok(if r.sends || r.recvs { t0.elapsed().as_secs_f64() } else { f64::NAN })
+        timed(&*self.bs, r.sends || r.recvs, warm, iters, phase)
     }
 
     /// The same over the raw sockets: write `iters` x `size` to `next` while a second thread
@@ -332,7 +358,7 @@ impl Side {
         let r = self.ring;
         let (out, inn) = (&self.out, &self.inn);
         let (src, dst) = (&self.raw_src[..size], &mut self.raw_dst[..size]);
-        let mut phase = |n: u64| -> Result<(), String> {
+        let phase = |n: u64| -> Result<(), String> {
             let send = || -> Result<(), String> {
                 if r.sends {
                     let mut w = out;
@@ -369,11 +395,7 @@ impl Side {
             }
             Ok(())
         };
-        phase(warm)?;
-        self.bs.barrier().map_err(e2s)?;
-        let t0 = Instant::now();
-        phase(iters)?;
-        Ok(if r.sends || r.recvs { t0.elapsed().as_secs_f64() } else { f64::NAN })
+        timed(&*self.bs, r.sends || r.recvs, warm, iters, phase)
     }
 
     /// Seconds per write+signal round trip of `size`: rank 0 starts a token around the ring;
@@ -385,20 +407,16 @@ impl Side {
             nx.conn.write(&o.remote, 0, o.src.memory(), 0, size).map_err(e2s)?;
             nx.sem.signal().map_err(e2s)
         };
-        let mut t0 = Instant::now();
-        for i in 0..warm + iters {
-            if i == warm {
-                t0 = Instant::now();
-            }
+        let lap = laps(warm, iters, || {
             if self.ring.rank == 0 {
                 hop()?;
-                pv.sem.wait(t).map_err(e2s)?;
+                pv.sem.wait(t).map_err(e2s)
             } else {
                 pv.sem.wait(t).map_err(e2s)?;
-                hop()?;
+                hop()
             }
-        }
-        Ok(t0.elapsed().as_secs_f64() / iters as f64 * 2.0 / self.ring.size as f64)
+        })?;
+        Ok(lap / iters as f64 * 2.0 / self.ring.size as f64)
     }
 
     /// The raw round trip: the same ring over the sockets, each rank polling its incoming
@@ -437,21 +455,11 @@ impl Side {
             let mut w = out;
             w.write_all(src).map_err(io("write to", r.next))
         };
-        let mut t0 = Instant::now();
-        let mut res = Ok(());
-        for i in 0..warm + iters {
-            if i == warm {
-                t0 = Instant::now();
-            }
-            res = if r.rank == 0 { send().and_then(|_| recv(dst)) } else { recv(dst).and_then(|_| send()) };
-            if res.is_err() {
-                break;
-            }
-        }
-        let el = t0.elapsed().as_secs_f64();
+        let res = laps(warm, iters, || {
+            if r.rank == 0 { send().and_then(|_| recv(dst)) } else { recv(dst).and_then(|_| send()) }
+        });
         self.inn.set_nonblocking(false).map_err(|e| e.to_string())?;
-        res?;
-        Ok(el / iters as f64 * 2.0 / r.size as f64)
+        Ok(res? / iters as f64 * 2.0 / r.size as f64)
     }
 
     /// CUDA IPC: seconds for `iters` writes of `size` into the next rank's GPU buffer, then
@@ -468,11 +476,7 @@ impl Side {
             }
             Ok(())
         };
-        phase(warm)?;
-        self.bs.barrier().map_err(e2s)?;
-        let t0 = Instant::now();
-        phase(iters)?;
-        Ok(if self.ring.sends { t0.elapsed().as_secs_f64() } else { f64::NAN })
+        timed(&*self.bs, self.ring.sends, warm, iters, phase)
     }
 
     /// The raw copy engine: the same copy inside this process, from this rank's GPU to the next
@@ -492,15 +496,11 @@ impl Side {
             return Ok(f64::NAN);
         }
         let nx = self.next_link();
-        let mut t0 = Instant::now();
-        for i in 0..warm + iters {
-            if i == warm {
-                t0 = Instant::now();
-            }
+        let lap = laps(warm, iters, || {
             nx.sem.signal().map_err(e2s)?;
-            nx.conn.flush(t).map_err(e2s)?;
-        }
-        Ok(t0.elapsed().as_secs_f64() / iters as f64)
+            nx.conn.flush(t).map_err(e2s)
+        })?;
+        Ok(lap / iters as f64)
     }
 
     /// The raw small operation into the same destination as ours (the next rank's token, mapped

@@ -107,53 +107,65 @@ def _free_port_pair():
     pytest.skip("no free pair of adjacent ports")
 
 
-def test_from_env_without_launcher_raises(clean_env):
-    with pytest.raises(m.InvalidUsageError, match="RANK"):
-        m.Communicator.from_env()
-    clean_env.setenv("RANK", "0")
-    clean_env.setenv("WORLD_SIZE", "1")
-    with pytest.raises(m.InvalidUsageError, match="MASTER_ADDR"):
-        m.Communicator.from_env()
-    clean_env.setenv("RANK", "x")
-    with pytest.raises(m.InvalidUsageError, match="RANK"):
-        m.Communicator.from_env()
-    clean_env.setenv("RANK", "1")
-    with pytest.raises(m.InvalidUsageError, match="below the size"):
-        m.Communicator.from_env()
+def _free_port():
+    """A port nobody listens on just now."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
-def test_from_env_follows_the_rust_launcher_rules(clean_env):
-    # The rules are mscclpp::launcher's: torchrun without RANK is an error, MASTER_ADDR without a
-    # port is an error, and MASTER_PORT + 1 past 65535 under torchrun says to set MSCCLPP_ROOT_PORT.
-    clean_env.setenv("TORCHELASTIC_RUN_ID", "job")
-    with pytest.raises(m.InvalidUsageError, match="TORCHELASTIC_RUN_ID"):
-        m.Communicator.from_env()
-    clean_env.setenv("RANK", "0")
-    clean_env.setenv("WORLD_SIZE", "1")
-    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
-    with pytest.raises(m.InvalidUsageError, match="MASTER_PORT"):
-        m.Communicator.from_env()
-    clean_env.setenv("MASTER_PORT", "65535")
-    with pytest.raises(m.InvalidUsageError, match="MSCCLPP_ROOT_PORT"):
-        m.Communicator.from_env()
-    # Open MPI's variables are ignored under torchrun (they describe the agents).
-    clean_env.setenv("OMPI_COMM_WORLD_RANK", "5")
-    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    with pytest.raises(m.InvalidUsageError, match="MSCCLPP_ROOT_PORT"):
+def _set(env, **variables):
+    for k, v in variables.items():
+        env.setenv(k, v)
+
+
+def _join_from_env(env, **variables):
+    """Sets `variables` (on top of what `env` holds), joins a one-rank job from the environment
+    and checks that it runs."""
+    _set(env, **variables)
+    c = m.Communicator.from_env(timeout=10.0)
+    assert (c.rank, c.size) == (0, 1)
+    c.barrier()
+    return c
+
+
+ONE_RANK = {"RANK": "0", "WORLD_SIZE": "1"}
+# The rules are mscclpp::launcher's: torchrun without RANK is an error, MASTER_ADDR without a
+# port is an error, and MASTER_PORT + 1 past 65535 under torchrun says to set MSCCLPP_ROOT_PORT.
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "job"}
+TORCHRUN_NO_PORT = {**TORCHRUN, **ONE_RANK, "MASTER_ADDR": "127.0.0.1"}
+TORCHRUN_LAST_PORT = {**TORCHRUN_NO_PORT, "MASTER_PORT": "65535"}
+
+
+@pytest.mark.parametrize(
+    "variables, error",
+    [
+        ({}, "RANK"),  # no launcher at all
+        (ONE_RANK, "MASTER_ADDR"),
+        ({**ONE_RANK, "RANK": "x"}, "RANK"),
+        ({**ONE_RANK, "RANK": "1"}, "below the size"),
+        (TORCHRUN, "TORCHELASTIC_RUN_ID"),
+        (TORCHRUN_NO_PORT, "MASTER_PORT"),
+        (TORCHRUN_LAST_PORT, "MSCCLPP_ROOT_PORT"),
+        # Open MPI's variables are ignored under torchrun (they describe the agents).
+        ({**TORCHRUN_LAST_PORT, "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "2"}, "MSCCLPP_ROOT_PORT"),
+    ],
+)
+def test_from_env_follows_the_rust_launcher_rules(clean_env, variables, error):
+    _set(clean_env, **variables)
+    with pytest.raises(m.InvalidUsageError, match=error):
         m.Communicator.from_env()
 
 
 def test_from_env_under_torchrun_uses_master_port_plus_one(clean_env):
     store, p = _free_port_pair()
     with store:
-        clean_env.setenv("TORCHELASTIC_RUN_ID", "job")
-        clean_env.setenv("RANK", "0")
-        clean_env.setenv("WORLD_SIZE", "1")
-        clean_env.setenv("MASTER_ADDR", "127.0.0.1")
-        clean_env.setenv("MASTER_PORT", str(p - 1))  # held by the "store": binding it would fail
-        c = m.Communicator.from_env(timeout=10.0)
-        assert (c.rank, c.size) == (0, 1)
-        c.barrier()
+        # MASTER_PORT is held by the "store": binding it would fail.
+        _join_from_env(clean_env, **TORCHRUN, **ONE_RANK, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(p - 1))
         # Without torchrun the same variables mean MASTER_PORT itself, which is taken.
         clean_env.delenv("TORCHELASTIC_RUN_ID")
         with pytest.raises(m.MscclppError, match="MASTER_PORT"):
@@ -161,37 +173,19 @@ def test_from_env_under_torchrun_uses_master_port_plus_one(clean_env):
 
 
 def test_from_env_with_master_addr(clean_env):
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    clean_env.setenv("RANK", "0")
-    clean_env.setenv("WORLD_SIZE", "1")
-    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
-    clean_env.setenv("MASTER_PORT", str(port))
-    c = m.Communicator.from_env(timeout=10.0)
-    assert (c.rank, c.size) == (0, 1)
-    c.barrier()
+    c = _join_from_env(clean_env, **ONE_RANK, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     assert [bytes(x) for x in c.all_gather(b"hi")] == [b"hi"]
 
 
 def test_from_env_with_mscclpp_root_addr(clean_env):
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    clean_env.setenv("SLURM_PROCID", "0")
-    clean_env.setenv("SLURM_NTASKS", "1")
-    clean_env.setenv("MASTER_ADDR", "192.0.2.1")  # MSCCLPP_ROOT_ADDR wins
-    clean_env.setenv("MASTER_PORT", "1")
-    clean_env.setenv("MSCCLPP_ROOT_ADDR", f"127.0.0.1:{port}")
-    c = m.Communicator.from_env(timeout=10.0)
-    assert (c.rank, c.size) == (0, 1)
-    c.barrier()
+    _join_from_env(
+        clean_env,
+        SLURM_PROCID="0",
+        SLURM_NTASKS="1",
+        MASTER_ADDR="192.0.2.1",  # MSCCLPP_ROOT_ADDR wins
+        MASTER_PORT="1",
+        MSCCLPP_ROOT_ADDR=f"127.0.0.1:{_free_port()}",
+    )
 
 
 def test_write_is_byte_exact_and_keeps_sources_alive(comm, conn, pair):

@@ -6,6 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::gpu::gpu_for;
 use common::{Rank, pattern, spawn_ranks};
 use mscclpp::{
     Bootstrap, Buffer, Communicator, Connection, Context, Device, DeviceBuffer, EndpointConfig, ErrorKind,
@@ -13,11 +14,6 @@ use mscclpp::{
 };
 
 const T: Duration = Duration::from_secs(60);
-
-fn gpu_for(rank: usize) -> u32 {
-    let n = mscclpp::gpu::device_count().expect("CUDA device count");
-    (rank % n) as u32
-}
 
 fn ipc_cfg(dev: u32) -> EndpointConfig {
     EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev))

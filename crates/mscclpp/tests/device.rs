@@ -5,12 +5,11 @@
 
 mod common;
 
-use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::gpu::{args, gpu_for, kernel, launch, module, read, results};
 use common::{Rank, spawn_ranks};
-use mscclpp::device::compile::{CompileOptions, Kernel, KernelModule, compile};
 use mscclpp::device::fifo::Fifo;
 use mscclpp::device::proxy::{PROXY_FAILED, ProxyConfig, ProxyService};
 use mscclpp::device::trigger::decode;
@@ -140,42 +139,6 @@ extern "C" __global__ void bad_trigger(mscclpp::PortChannelDeviceHandle* ch, u64
 }
 "#;
 
-/// The kernels, compiled once per process, loaded on `device`.
-fn module(device: u32) -> KernelModule {
-    let ptx = compile(KERNELS, &CompileOptions::default()).expect("NVRTC compile");
-    KernelModule::load(device, &ptx).expect("load the kernels")
-}
-
-fn kernel(m: &KernelModule, name: &str) -> Kernel {
-    m.function(name).unwrap_or_else(|e| panic!("kernel {name}: {e}"))
-}
-
-/// Pointers to each argument, as `cuLaunchKernel` wants them.
-macro_rules! args {
-    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut c_void ),*] };
-}
-
-fn launch(k: &Kernel, grid: u32, block: u32, stream: &Stream, args: &mut [*mut c_void]) {
-    // SAFETY: every test passes arguments matching its kernel's parameter list (by value, or
-    // device addresses of live buffers that outlive the launch: the tests synchronize first).
-    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.expect("launch");
-}
-
-fn results(n: usize, ctx: &mscclpp::Context, device: u32) -> DeviceBuffer {
-    let b = DeviceBuffer::new(ctx, device, 8 * n, mscclpp::TransportFlags::NONE).unwrap();
-    b.fill(0, 8 * n, 0).unwrap();
-    b
-}
-
-fn read(b: &DeviceBuffer, i: usize) -> u64 {
-    b.read_u64(8 * i).unwrap()
-}
-
-fn gpu_for(rank: usize) -> u32 {
-    let n = mscclpp::gpu::device_count().expect("CUDA device count");
-    (rank % n) as u32
-}
-
 struct Pair {
     bs: Arc<dyn Bootstrap>,
     comm: Communicator,
@@ -218,7 +181,7 @@ fn transfer(r: &Rank, t: Transport) {
     let dev = gpu_for(r.rank);
     let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
     let p = pair(bs, r.rank, cfg(t, dev), (MSGS as u64 * CHUNK) as usize);
-    let m = module(dev);
+    let m = module(KERNELS, dev);
     let stream = Stream::new(dev).unwrap();
     let res = results(4, p.comm.context(), dev);
     let (mut n, mut chunk, mut tmo, mut resp) = (MSGS, CHUNK, TIMEOUT_NS, res.device_ptr());
@@ -280,7 +243,7 @@ fn wait_for_times_out_with_false() {
         expected_inbound_token: expected.device_ptr(),
     };
     let (mut tmo, mut resp) = (50_000_000u64, res.device_ptr());
-    let m = module(0);
+    let m = module(KERNELS, 0);
     let stream = Stream::new(0).unwrap();
     launch(&kernel(&m, "lone_wait"), 1, 1, &stream, &mut args![h, tmo, resp]);
     stream.synchronize(T).unwrap();
@@ -315,7 +278,7 @@ fn peer_killed_mid_run_releases_device_waiters() {
         let ch = proxy.port_channel(sem, dst, s).unwrap();
         proxy.start().unwrap();
         p.bs.barrier().unwrap();
-        let m = module(dev);
+        let m = module(KERNELS, dev);
         let (send_s, wait_s) = (Stream::new(dev).unwrap(), Stream::new(dev).unwrap());
         let (res, res2) = (results(4, p.comm.context(), dev), results(2, p.comm.context(), dev));
         // Far more messages than can go before the peer dies.
@@ -357,7 +320,7 @@ fn peer_killed_mid_run_releases_device_waiters() {
 fn fifo_wraps_with_many_gpu_producers() {
     let ctx = mscclpp::Context::new();
     let fifo = Fifo::new(&ctx, 0, 512).unwrap();
-    let m = module(0);
+    let m = module(KERNELS, 0);
     let stream = Stream::new(0).unwrap();
     let (blocks, threads, per) = (64u32, 128u32, 4i32);
     let mut h = fifo.device_handle();
@@ -426,7 +389,7 @@ fn local_pairs(t: Transport) -> Local {
 #[ignore = "needs a CUDA GPU"]
 fn same_process_ping_pong_and_refused_requests() {
     let l = local_pairs(Transport::CudaIpc);
-    let m = module(0);
+    let m = module(KERNELS, 0);
     let mut proxies = Vec::new();
     let mut chans = Vec::new();
     let mut srcs = Vec::new();

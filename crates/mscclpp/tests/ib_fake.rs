@@ -6,8 +6,8 @@ mod common;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::harnesses::{self, ib_config, install_fake};
-use common::suite::{Harness, Memory, Mode, T, setup};
+use common::harnesses::{self, ib_config};
+use common::suite::{Harness, T, setup};
 use common::{Rank, pattern};
 use mscclpp::ib::fake;
 use mscclpp::{
@@ -30,18 +30,7 @@ mod no_atomic {
     use super::*;
     use crate::common;
 
-    static FAKE_IB_NO_ATOMIC: Harness = Harness {
-        transport: Transport::IB0,
-        mode: Mode::Threads,
-        prepare: install_fake,
-        ib_device: Some("fake0"),
-        config: no_atomic_config,
-        atomics: false,
-        cpu_atomics_coherent: false,
-        memory: Memory::Host,
-        detects_peer_gone: true,
-        local_destination_allowed: false,
-    };
+    static FAKE_IB_NO_ATOMIC: Harness = Harness { config: no_atomic_config, atomics: false, ..harnesses::FAKE_IB };
 
     connection_suite!(&FAKE_IB_NO_ATOMIC);
 }
@@ -56,9 +45,6 @@ fn own_device(name: &'static str) -> Harness {
     fake::install().unwrap();
     fake::add_device(name);
     Harness {
-        transport: Transport::IB0,
-        mode: Mode::Threads,
-        prepare: install_fake,
         ib_device: Some(name),
         config: |q| {
             let mut c = ib_config(q);
@@ -68,11 +54,7 @@ fn own_device(name: &'static str) -> Harness {
             c.ib.max_cq_poll_num = 2;
             c
         },
-        atomics: true,
-        cpu_atomics_coherent: false,
-        memory: Memory::Host,
-        detects_peer_gone: true,
-        local_destination_allowed: false,
+        ..harnesses::FAKE_IB
     }
 }
 

@@ -4,29 +4,20 @@
 
 mod common;
 
-use common::suite::{Harness, Memory, Mode};
-use mscclpp::{EndpointConfig, IbMode, Transport};
+use common::harnesses;
+use common::suite::{Harness, Mode};
+use mscclpp::{EndpointConfig, IbMode};
 
 fn ib_config(queue: Option<usize>) -> EndpointConfig {
-    let mut c = EndpointConfig::new(Transport::IB0);
-    c.max_write_queue_size = queue;
+    let mut c = harnesses::ib_config(queue);
     // Lost packets are resent after ~67 ms (not ~1 s): a dead peer shows within a second.
     c.ib.timeout = 14;
     c
 }
 
-static RDMA: Harness = Harness {
-    transport: Transport::IB0,
-    mode: Mode::Processes,
-    prepare: |_| {},
-    ib_device: None,
-    config: ib_config,
-    atomics: true,
-    cpu_atomics_coherent: false,
-    memory: Memory::Host,
-    detects_peer_gone: true,
-    local_destination_allowed: false,
-};
+/// IB's capabilities as on the test provider, between processes on the machine's own device.
+static RDMA: Harness =
+    Harness { mode: Mode::Processes, prepare: |_| {}, ib_device: None, config: ib_config, ..harnesses::FAKE_IB };
 
 connection_suite!(&RDMA, #[ignore = "needs an RDMA device"]);
 
@@ -42,18 +33,7 @@ mod no_atomic {
     use super::*;
     use crate::common;
 
-    static RDMA_NO_ATOMIC: Harness = Harness {
-        transport: Transport::IB0,
-        mode: Mode::Processes,
-        prepare: |_| {},
-        ib_device: None,
-        config: no_atomic_config,
-        atomics: false,
-        cpu_atomics_coherent: false,
-        memory: Memory::Host,
-        detects_peer_gone: true,
-        local_destination_allowed: false,
-    };
+    static RDMA_NO_ATOMIC: Harness = Harness { config: no_atomic_config, atomics: false, ..RDMA };
 
     connection_suite!(&RDMA_NO_ATOMIC, #[ignore = "needs an RDMA device"]);
 }

@@ -10,12 +10,12 @@
 
 mod common;
 
-use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::gpu::{args, gpu_for, kernel, launch, module, read, results};
 use common::{Rank, spawn_ranks};
-use mscclpp::device::compile::{CompileOptions, Kernel, KernelModule, compile};
+use mscclpp::device::compile::{CompileOptions, compile};
 use mscclpp::gpu::Stream;
 use mscclpp::{
     Bootstrap, Communicator, Connection, Device, DeviceBuffer, EndpointConfig, MemoryChannel,
@@ -245,40 +245,6 @@ fn memory_channel_code_compiles_with_nvrtc_and_assembles() {
 // ------------------------------------------------------------------------------------------
 // GPU tests
 
-fn module(device: u32) -> KernelModule {
-    let ptx = compile(KERNELS, &CompileOptions::default()).expect("NVRTC compile");
-    KernelModule::load(device, &ptx).expect("load the kernels")
-}
-
-fn kernel(m: &KernelModule, name: &str) -> Kernel {
-    m.function(name).unwrap_or_else(|e| panic!("kernel {name}: {e}"))
-}
-
-macro_rules! args {
-    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut c_void ),*] };
-}
-
-fn launch(k: &Kernel, grid: u32, block: u32, stream: &Stream, args: &mut [*mut c_void]) {
-    // SAFETY: every call passes arguments matching its kernel's parameters (values, or device
-    // addresses of live buffers that outlive the launch: the tests synchronize first).
-    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.expect("launch");
-}
-
-fn results(n: usize, ctx: &mscclpp::Context, device: u32) -> DeviceBuffer {
-    let b = DeviceBuffer::new(ctx, device, 8 * n, mscclpp::TransportFlags::NONE).unwrap();
-    b.fill(0, 8 * n, 0).unwrap();
-    b
-}
-
-fn read(b: &DeviceBuffer, i: usize) -> u64 {
-    b.read_u64(8 * i).unwrap()
-}
-
-fn gpu_for(rank: usize) -> u32 {
-    let n = mscclpp::gpu::device_count().expect("CUDA device count");
-    (rank % n) as u32
-}
-
 /// One rank's end of a two-rank CUDA IPC setup: a communicator, the connection, and `bufs`
 /// local buffers of the given sizes with the peer's matching registrations.
 struct Side {
@@ -386,7 +352,7 @@ fn expected(k: &Case) -> (u64, u64, u64) {
 fn put_get(r: &Rank) {
     let (cases, region) = layout();
     let s = side(r, &[3 * region as usize]);
-    let m = module(s.dev);
+    let m = module(KERNELS, s.dev);
     let stream = Stream::new(s.dev).unwrap();
     let res = results(2, s.comm.context(), s.dev);
     let buf = &s.local[0];
@@ -475,7 +441,7 @@ const PKT_BYTES: u64 = 8192;
 fn packets(r: &Rank) {
     let s = side(r, &[PKT_BYTES as usize, 4 * PKT_BYTES as usize]);
     let (data, pk) = (&s.local[0], &s.local[1]);
-    let m = module(s.dev);
+    let m = module(KERNELS, s.dev);
     let stream = Stream::new(s.dev).unwrap();
     let ch = MemoryChannel::new(s.semaphore(1), &s.remote[1], data.memory(), Some(pk.memory())).unwrap();
     let res = results(3, s.comm.context(), s.dev);
@@ -522,7 +488,7 @@ fn semaphores(r: &Rank) {
     assert_eq!(opened, 1, "tokens of one pool share one mapping");
     let pool = mscclpp::device::token_pool::pool_usage(s.comm.context(), s.dev);
     assert!(pool.0 >= 64 && pool.1 == 1, "32 tokens + 32 expected counts in one chunk: {pool:?}");
-    let m = module(s.dev);
+    let m = module(KERNELS, s.dev);
     let stream = Stream::new(s.dev).unwrap();
     let res = results(2, s.comm.context(), s.dev);
     let sem = &sems[7];
@@ -583,7 +549,7 @@ fn a_dead_peer_releases_time_limited_waits() {
             return;
         }
         std::thread::sleep(Duration::from_millis(500));
-        let m = module(s.dev);
+        let m = module(KERNELS, s.dev);
         let stream = Stream::new(s.dev).unwrap();
         let res = results(4, s.comm.context(), s.dev);
         let (mut c, mut tmo, mut rp) = (ch.device_handle_ptr(), 2_000_000_000u64, res.device_ptr());

@@ -5,6 +5,11 @@
 //! IPv6 addresses) resolve (through `/etc/netns/<ns>/hosts`, which `ip netns exec` mounts over
 //! `/etc/hosts`) to the `ctl0` addresses, and `MASTER_ADDR=node0` unless a test says otherwise.
 //!
+//! Added latency: `tc netem` where the kernel has it; otherwise (CI's and this machine's
+//! Firecracker VM kernel has no `sch_netem`) a userspace wire between TUN devices `wire0`
+//! (10.79.0.0/24) with a relay thread in the test process ([`tun_wire`]); `tbf` only where
+//! neither works.
+//!
 //! Needs root (CI runs as root). Where a namespace cannot be created the tests say so and pass;
 //! anything that fails after that fails the test. Namespaces are deleted when a test ends, also
 //! when it fails; names carry the test's pid and a counter, so parallel tests do not collide.
@@ -12,6 +17,8 @@
 mod common;
 #[path = "common/launched.rs"]
 mod launched;
+#[path = "common/tun_wire.rs"]
+mod tun_wire;
 
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -304,80 +311,200 @@ fn a_link_taken_down_mid_transfer_is_an_error_naming_the_peer() {
     assert!(text.contains("chunks exact"), "{text}");
 }
 
-/// Adds latency to both ends of the data network with `tc netem` (or, where the kernel has no
-/// netem, as in the Firecracker VM CI runs in, slows the link with `tbf`, which delays the same
-/// way under load): short waits time out naming the peer, the connection goes on, the data is
-/// exact, and the bandwidth measured by write + flush is no more than the link allows.
+/// Adds latency between two hosts, 20 ms each way: with `tc netem` on `dat0` where the kernel has
+/// it; otherwise (the Firecracker VM kernel CI and this machine run has no `sch_netem`) with a
+/// userspace wire, TUN devices `wire0` (10.79.0.0/24) joined by a relay thread that holds every
+/// packet 20 ms and passes at most 200 Mbit/s each way ([`tun_wire`]); only where neither works,
+/// with `tbf` rate limiting on `dat0` (no latency). Bootstrap and connections go over the shaped
+/// link. Checked: every write + signal round trip takes at least two one-way delays (physics, not
+/// our speed); a flush or wait shorter than the round trip times out naming the peer, no earlier
+/// than asked, and a longer one succeeds; several MiB arrive exact both ways; write + flush
+/// never beats the link's rate; and (wire) the relay carried the bytes.
 #[test]
 fn added_latency_keeps_timeouts_and_data_right() {
     const NAME: &str = "added_latency_keeps_timeouts_and_data_right";
     const LEN: usize = 4 << 20;
+    const DELAY: Duration = Duration::from_millis(20);
+    /// The TUN wire's rate, bits per second each way.
+    const WIRE_RATE: u64 = 200_000_000;
+    /// Shorter than any round trip (and than 4 MiB at the tbf rate).
+    const SHORT: Duration = Duration::from_millis(5);
     if let Some(info) = child(NAME) {
-        let cfg = EndpointConfig::new(Transport::Ethernet).ethernet_interface("dat0");
+        let var = |k: &str| std::env::var(k).unwrap();
+        let iface = var("MSCCLPP_NS_IFACE");
+        let delay = Duration::from_millis(var("MSCCLPP_NS_DELAY_MS").parse().unwrap());
+        // The most bytes per second a write + flush can reach over the link (0: no bound).
+        let max_rate: f64 = var("MSCCLPP_NS_MAX_RATE").parse().unwrap();
+        let cfg = EndpointConfig::new(Transport::Ethernet).ethernet_interface(iface.as_str());
         let m = mesh_with(&info, LEN, T, &cfg);
+        let subnet = var("MSCCLPP_NS_SUBNET");
+        assert!(m.listen.ip().to_string().starts_with(&subnet), "the bootstrap listens on {}, not {subnet}x", m.listen);
+        let tx0 = counter(&iface, "tx_bytes");
         let peer = 1 - info.rank;
         let conn = m.conns[peer].as_ref().unwrap();
         let sem = m.sems[peer].as_ref().unwrap();
+        let dst = m.remote[peer].as_ref().unwrap();
+        let small = Buffer::new(m.comm.context(), 8, Transport::Ethernet.into()).unwrap();
+        let word = |k: u64| {
+            let mut w = [0u8; 8];
+            m.buf.read(0, &mut w).unwrap();
+            assert_eq!(u64::from_le_bytes(w), k, "the 8 B written before the signal");
+        };
+        let send = |k: u64| {
+            small.write(0, &k.to_le_bytes()).unwrap();
+            conn.write(dst, 0, small.memory(), 0, 8).unwrap();
+            sem.signal().unwrap();
+        };
+        if delay > Duration::ZERO {
+            // Write + signal round trips: rank 0 writes k, rank 1 sees it and writes k + 1000 back.
+            let mut rtts = Vec::new();
+            for k in 0..5 {
+                if info.rank == 0 {
+                    let t0 = Instant::now();
+                    send(k);
+                    sem.wait(T).unwrap();
+                    rtts.push(t0.elapsed());
+                    word(k + 1000);
+                } else {
+                    sem.wait(T).unwrap();
+                    word(k);
+                    send(k + 1000);
+                }
+            }
+            if info.rank == 0 {
+                let min = *rtts.iter().min().unwrap();
+                println!("write + signal round trips over {iface}: {rtts:?}, min {min:?}");
+                assert!(min >= 2 * delay, "a round trip of {min:?} over a link delayed {delay:?} each way");
+                // A flush shorter than the round trip its acknowledgement needs times out,
+                // naming the peer, and not before its time; a longer one succeeds.
+                send(5);
+                let t0 = Instant::now();
+                let e = conn.flush(SHORT).unwrap_err();
+                let waited = t0.elapsed();
+                assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(1)), "{e}");
+                assert!(waited >= SHORT, "the {SHORT:?} flush gave up after {waited:?}");
+                conn.flush(T).unwrap();
+                sem.wait(T).unwrap();
+                println!("the {SHORT:?} flush: {e} (after {waited:?}); a {T:?} flush succeeded");
+                // So does a wait for the answer to a signal.
+                send(6);
+                let t0 = Instant::now();
+                let e = sem.wait(SHORT).unwrap_err();
+                let waited = t0.elapsed();
+                assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(1)), "{e}");
+                assert!(waited >= SHORT, "the {SHORT:?} wait gave up after {waited:?}");
+                sem.wait(T).unwrap();
+                word(1006);
+                println!("the {SHORT:?} wait: {e} (after {waited:?}); a {T:?} wait succeeded");
+            } else {
+                for k in 5..7 {
+                    sem.wait(T).unwrap();
+                    word(k);
+                    send(k + 1000);
+                }
+            }
+        }
+        // 4 MiB one way, timed: a flush returns only once the peer applied the data, so no
+        // faster than the link allows.
         if info.rank == 0 {
             let src = Buffer::new(m.comm.context(), LEN, Transport::Ethernet.into()).unwrap();
             src.write(0, &common::pattern(9, LEN)).unwrap();
             let t0 = Instant::now();
-            conn.write(m.remote[1].as_ref().unwrap(), 0, src.memory(), 0, LEN as u64).unwrap();
+            conn.write(dst, 0, src.memory(), 0, LEN as u64).unwrap();
             sem.signal().unwrap();
-            // No acknowledgement can come back within 5 ms over the slowed link.
-            let e = conn.flush(Duration::from_millis(5)).unwrap_err();
+            let e = conn.flush(SHORT).unwrap_err();
             assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(1)), "{e}");
-            // The connection goes on: a longer flush covers the write.
             conn.flush(T).unwrap();
             let el = t0.elapsed();
             let rate = LEN as f64 / el.as_secs_f64();
-            println!("4 MiB over the slowed link: {:.2} MB/s ({el:?}); the 5 ms flush: {e}", rate / 1e6);
-            // A flush returns only once the peer has applied the data, so the measured bandwidth
-            // cannot beat the link: under tbf not above its 5 MB/s rate (10% for its burst and
-            // the clock), under netem not faster than one round trip (2 x 20 ms).
-            match std::env::var("MSCCLPP_NS_SHAPING").unwrap().as_str() {
-                "tbf" => assert!(rate <= 5.5e6, "{rate:.0} B/s over a 40 mbit/s link"),
-                _ => assert!(el >= Duration::from_millis(40), "{el:?} for a write and flush over a 40 ms round trip"),
-            }
+            println!("4 MiB over {iface}: {:.2} MB/s ({el:?}); the {SHORT:?} flush: {e}", rate / 1e6);
+            assert!(el >= 2 * delay, "{el:?} for a write and flush over a link delayed {delay:?} each way");
+            assert!(max_rate == 0.0 || rate <= max_rate, "{rate:.0} B/s over a link of at most {max_rate:.0} B/s");
         } else {
-            // The signal comes after 4 MiB on the slowed link: a 5 ms wait times out, naming rank 0.
-            let e = sem.wait(Duration::from_millis(5)).unwrap_err();
+            // The signal comes after 4 MiB on the shaped link: a short wait times out.
+            let e = sem.wait(SHORT).unwrap_err();
             assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(0)), "{e}");
             sem.wait(T).unwrap();
             let mut got = vec![0u8; LEN];
             m.buf.read(0, &mut got).unwrap();
             assert!(got == common::pattern(9, LEN), "the data differs");
-            println!("rank 1: 4 MiB exact; the 5 ms wait: {e}");
+            println!("rank 1: 4 MiB exact; the {SHORT:?} wait: {e}");
         }
+        // Then 4 MiB both ways at once.
+        println!("{}", all_pairs_exchange(&m, LEN, T));
+        let sent = counter(&iface, "tx_bytes") - tx0;
+        println!("host {}: {iface} sent {sent} B", host());
+        assert!(sent >= LEN as u64, "{iface} carried only {sent} B of this host's {LEN} B writes");
         m.bs.barrier().unwrap();
         return;
     }
     let Some(net) = Net::new(2).unwrap() else { return };
-    let netem = net.exec(0, &["tc", "qdisc", "add", "dev", "dat0", "root", "netem", "delay", "20ms"]);
-    let shaping = match &netem {
+    // Declared after `net`, so dropped (relay stopped, devices gone) before the namespaces are.
+    let mut wire = None;
+    let netem = |h: usize| net.exec(h, &["tc", "qdisc", "add", "dev", "dat0", "root", "netem", "delay", "20ms"]);
+    // What the ranks are told: the interfaces to bootstrap over (a prefix) and to connect over,
+    // the root, the subnet the bootstrap must listen on, the most bytes per second a write can
+    // reach over the link (0: no bound) and its delay each way.
+    let env = |ifname: &str, master: &str, iface: &str, subnet: &str, max_rate: u64, delay: Duration| {
+        [
+            ("MSCCLPP_SOCKET_IFNAME", ifname.to_string()),
+            ("MASTER_ADDR", master.to_string()),
+            ("MSCCLPP_NS_IFACE", iface.to_string()),
+            ("MSCCLPP_NS_SUBNET", subnet.to_string()),
+            ("MSCCLPP_NS_MAX_RATE", max_rate.to_string()),
+            ("MSCCLPP_NS_DELAY_MS", delay.as_millis().to_string()),
+        ]
+    };
+    let (shaping, env) = match netem(0) {
         Ok(()) => {
-            net.exec(1, &["tc", "qdisc", "add", "dev", "dat0", "root", "netem", "delay", "20ms"]).unwrap();
-            "netem"
+            netem(1).unwrap();
+            ("netem", env("dat", "10.77.0.1", "dat0", "10.77.0.", 0, DELAY))
         }
-        Err(e) => {
-            eprintln!("tc netem is not available here ({e}); slowing the link with tbf instead");
-            for h in 0..2 {
-                net.exec(
-                    h,
-                    &[
-                        "tc", "qdisc", "add", "dev", "dat0", "root", "tbf", "rate", "40mbit", "burst", "32kb",
-                        "latency", "400ms",
-                    ],
-                )
-                .unwrap();
+        Err(netem_err) => {
+            // A queue of 4096 packets holds the bandwidth-delay product (1 MB) and TCP's
+            // slow-start overshoot, so nothing is dropped here (1000 dropped a few hundred:
+            // retransmitted, the data still exact, the transfer slower).
+            let cfg = tun_wire::WireConfig { delay: DELAY, rate_bits: Some(WIRE_RATE), queue_packets: 4096, mtu: 1500 };
+            let (ns0, ns1) = (net.hosts[0].as_str(), net.hosts[1].as_str());
+            match tun_wire::Wire::new([ns0, ns1], "wire0", ["10.79.0.1/24", "10.79.0.2/24"], cfg) {
+                Ok(w) => {
+                    eprintln!("tc netem is not available here ({netem_err}); a TUN wire adds the latency");
+                    wire = Some(w);
+                    ("wire", env("wire", "10.79.0.1", "wire0", "10.79.0.", WIRE_RATE / 8, DELAY))
+                }
+                Err(wire_err) => {
+                    eprintln!("neither tc netem ({netem_err}) nor a TUN wire ({wire_err}) here: tbf, no latency");
+                    for h in 0..2 {
+                        let tbf = ["tc", "qdisc", "add", "dev", "dat0", "root", "tbf", "rate", "40mbit"];
+                        net.exec(h, &[&tbf[..], &["burst", "32kb", "latency", "400ms"]].concat()).unwrap();
+                    }
+                    // Bootstrap over ctl0; 5 MB/s, +10% for tbf's burst and the clock.
+                    ("tbf", env("ctl", "node0", "dat0", "10.78.0.", 5_500_000, Duration::ZERO))
+                }
             }
-            "tbf"
         }
     };
-    println!("link: {shaping} (netem: delay 20 ms each way; tbf: rate 40 mbit/s)");
-    let env = [("MSCCLPP_SOCKET_IFNAME", "ctl"), ("MSCCLPP_NS_SHAPING", shaping)];
+    println!(
+        "link: {shaping} (netem: 20 ms each way on dat0; wire: 20 ms each way and 200 Mbit/s on TUN wire0; \
+         tbf: 40 Mbit/s on dat0)"
+    );
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let text = all_ok(&net.job(NAME, &env, T * 2));
     assert!(text.contains("rank 1: 4 MiB exact"), "{text}");
+    if shaping != "tbf" {
+        assert!(text.contains("round trips over"), "{text}");
+    }
+    if let Some(w) = &wire {
+        let s = w.stats();
+        println!("wire 0->1: {}\nwire 1->0: {}", s[0], s[1]);
+        assert_eq!(w.failure(), None, "the relay stopped");
+        // Rank 0 sent 8 MiB (one way, then the exchange), rank 1 4 MiB, all through the relay.
+        assert!(s[0].bytes >= 2 * LEN as u64 && s[1].bytes >= LEN as u64, "the relay carried too little: {s:?}");
+        for d in s {
+            assert!(d.max_packet <= 1500, "a {} B packet on a wire with MTU 1500", d.max_packet);
+            assert_eq!(d.write_errors, 0, "{s:?}");
+        }
+    }
 }
 
 #[test]
@@ -399,5 +526,62 @@ fn ipv6_hosts_bootstrap_by_literal_and_by_name() {
         let env = [("MASTER_ADDR", master), ("MSCCLPP_SOCKET_FAMILY", "AF_INET6"), ("MSCCLPP_SOCKET_IFNAME", "dat")];
         let text = all_ok(&net.job(NAME, &env, T * 2));
         assert!(text.contains("rank 1 of 2: exchanged 1048576 B with 1 peers, all exact"), "{text}");
+    }
+}
+
+/// The TUN wire itself ([`tun_wire`], the latency test's stand-in for netem): a burst of 100
+/// numbered UDP datagrams from host 0 to host 1 through a wire with a 200 ms delay and a
+/// 32-packet queue. Every datagram that arrives spent at least the delay on the way, they arrive
+/// in the order sent, the relay's counters account for every one (delivered or dropped as the
+/// queue overflowed), and dropping the wire deletes its devices.
+#[test]
+fn tun_wire_delays_every_packet_in_order_and_counts_drops() {
+    const N: u64 = 100;
+    const DELAY: Duration = Duration::from_millis(200);
+    let Some(net) = Net::new(2).unwrap() else { return };
+    let cfg = tun_wire::WireConfig { delay: DELAY, rate_bits: None, queue_packets: 32, mtu: 1500 };
+    let (ns0, ns1) = (net.hosts[0].clone(), net.hosts[1].clone());
+    let wire = match tun_wire::Wire::new([&ns0, &ns1], "wire0", ["10.79.0.1/24", "10.79.0.2/24"], cfg) {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("SKIPPED: no TUN wire here: {e}");
+            return;
+        }
+    };
+    let udp = |ns: &str, addr: &'static str| {
+        tun_wire::in_netns(ns, move || std::net::UdpSocket::bind(addr).map_err(|e| format!("bind {addr}: {e}")))
+    };
+    let rx = udp(&ns1, "10.79.0.2:9000").unwrap();
+    let tx = udp(&ns0, "10.79.0.1:0").unwrap();
+    rx.set_read_timeout(Some(DELAY * 3)).unwrap();
+    // Each datagram: its number and when it was sent (nanoseconds after `base`).
+    let base = Instant::now();
+    for k in 0..N {
+        let sent = base.elapsed().as_nanos() as u64;
+        tx.send_to(&[k.to_le_bytes(), sent.to_le_bytes()].concat(), "10.79.0.2:9000").unwrap();
+    }
+    let mut got = Vec::new();
+    let mut b = [0u8; 64];
+    // Until nothing more comes for three delays.
+    while let Ok(n) = rx.recv(&mut b) {
+        let arrived = base.elapsed();
+        assert_eq!(n, 16);
+        let k = u64::from_le_bytes(b[..8].try_into().unwrap());
+        let sent = Duration::from_nanos(u64::from_le_bytes(b[8..16].try_into().unwrap()));
+        assert!(arrived - sent >= DELAY, "datagram {k} took {:?} over a wire delaying {DELAY:?}", arrived - sent);
+        got.push(k);
+    }
+    let s = wire.stats();
+    println!("{} of {N} datagrams arrived ({got:?}); wire 0->1: {}; 1->0: {}", got.len(), s[0], s[1]);
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order: {got:?}");
+    assert_eq!(s[0].packets, got.len() as u64, "{s:?}");
+    assert_eq!(s[0].packets + s[0].dropped, N, "{s:?}");
+    // The burst takes well under the delay, so the queue fills: 32 held, the rest dropped.
+    assert_eq!(s[0].max_queue, 32, "{s:?}");
+    assert!(s[0].dropped > 0, "{s:?}");
+    assert_eq!((s[0].write_errors, s[1].packets), (0, 0), "{s:?}");
+    drop(wire);
+    for ns in [&ns0, &ns1] {
+        assert!(run(&["ip", "-n", ns, "link", "show", "wire0"]).is_err(), "wire0 left in {ns}");
     }
 }

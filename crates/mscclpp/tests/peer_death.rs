@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
+use common::gpu::gpu_for;
 use common::{Rank, pattern};
 use mscclpp::{
     Bootstrap, Buffer, Communicator, Connection, Context, Device, DeviceBuffer, Endpoint, EndpointConfig, ErrorKind,
@@ -112,11 +113,6 @@ fn flush_fails_for_operations_the_closing_peer_did_not_apply() {
         drop((a_to_b, a, b));
     }
     println!("RESULT flush over a closing peer: {failed} failed (data not applied), {ok} succeeded (data applied)");
-}
-
-fn gpu_for(rank: usize) -> u32 {
-    let n = mscclpp::gpu::device_count().expect("CUDA device count");
-    (rank % n) as u32
 }
 
 /// Over CUDA IPC, a sender whose peer process is killed (`kill -9`) learns it within a moment:

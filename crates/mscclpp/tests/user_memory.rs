@@ -9,6 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::gpu::gpu_for;
 use common::{Rank, pattern, spawn_ranks};
 use cudarc::driver::{CudaContext, result, sys};
 use mscclpp::{
@@ -17,11 +18,6 @@ use mscclpp::{
 };
 
 const T: Duration = Duration::from_secs(60);
-
-fn gpu_for(rank: usize) -> u32 {
-    let n = mscclpp::gpu::device_count().expect("CUDA device count");
-    (rank % n) as u32
-}
 
 /// Without a GPU (or with one), what needs no driver is refused with a clear error, and the rest
 /// is `NotAvailable` (no driver) or `InvalidUsage` (the driver does not know the pointer).

@@ -738,25 +738,14 @@ struct CopyElem<16> {
   typedef longlong2 type;
 };
 
-/// Threads `tid` of `nthreads` copy elements `tid, tid + nthreads, ...` of `n` (loaded into
-/// registers, then stored). Four loads are issued before their stores (MSCCL++ issues one), so
-/// each thread keeps four loads in flight (for HBM-bound sizes, where one load per thread left
-/// the copy at 0.83-0.89 of cuMemcpyDtoDAsync on an H200).
+/// Threads `tid` of `nthreads` copy elements `tid, tid + nthreads, ...` of `n`, one load then its
+/// store per step. Kept this small on purpose (13 registers on sm_90): a copy with four loads in
+/// flight per thread used 40 registers, which cost occupancy in grids that give each thread one
+/// to four elements (the fastest way to copy from HBM) and gained nothing in persistent grids
+/// (both 0.86 of cuMemcpyDtoDAsync at 256 MiB on an H200, docs/design-notes.md).
 template <typename T>
 MSCCLPP_RS_DEVICE void copy_elems(T* dst, const T* src, u64 n, u32 tid, u32 nthreads) {
-  u64 i = tid;
-  const u64 step = nthreads;
-  for (; i + 3 * step < n; i += 4 * step) {
-    T a = src[i], b = src[i + step], c = src[i + 2 * step], d = src[i + 3 * step];
-    dst[i] = a;
-    dst[i + step] = b;
-    dst[i + 2 * step] = c;
-    dst[i + 3 * step] = d;
-  }
-  for (; i < n; i += step) {
-    T r = src[i];
-    dst[i] = r;
-  }
+  for (u64 i = tid; i < n; i += nthreads) dst[i] = src[i];
 }
 
 /// The collective copy behind MemoryChannel `put`/`get` (the contract is documented on `put`).
@@ -766,6 +755,11 @@ MSCCLPP_RS_DEVICE void copy(void* dst, const void* src, u64 bytes, u32 tid, u32 
   const u64 dp = (u64)dst, sp = (u64)src;
   char* d = (char*)dst;
   const char* s = (const char*)src;
+  if (((dp | sp | bytes) & (sizeof(T) - 1)) == 0) {
+    // Both ends aligned and a whole number of elements (the common case): elements only.
+    copy_elems<T>((T*)d, (const T*)s, bytes / sizeof(T), tid, nthreads);
+    return;
+  }
   if (CopyRemainder && (((dp | sp) & 3) != 0 || ((dp - sp) % sizeof(T)) != 0)) {
     // Outside the fast path's contract, still exact: 4-byte words when both ends are 4-aligned,
     // else bytes.
@@ -878,6 +872,10 @@ struct BaseMemoryChannelDeviceHandle {
 ///    alignment rule the result is undefined.
 /// A copy is not ordered with the peer: `signal()` after it (from one thread, after a
 /// `__syncthreads()` or a grid-wide barrier covering every copying thread) publishes it.
+/// Speed: each thread loads then stores one element per step. Where HBM is the limit (both ends
+/// on one GPU), a grid of 256-thread blocks giving each thread one to four elements copies at
+/// 0.95-0.99 of `cuMemcpyDtoDAsync` on an H200; a persistent grid looping over many elements per
+/// thread at ~0.87 (docs/design-notes.md).
 struct MemoryChannelDeviceHandle : public BaseMemoryChannelDeviceHandle {
   void* dst_;
   void* src_;

@@ -9,6 +9,7 @@
 //! ```
 #![allow(dead_code)]
 
+pub mod gpu;
 pub mod harnesses;
 pub mod suite;
 

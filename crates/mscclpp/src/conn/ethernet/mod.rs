@@ -222,7 +222,16 @@ fn dial(addr: SocketAddr, secret: &[u8; 16], my_context: u64, deadline: Instant)
     s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10))))
         .map_err(|e| Error::io("setting a read timeout", e))?;
     let mut ack = [0u8; HELLO_ACK_LEN];
-    s.read_exact(&mut ack).map_err(|e| Error::io("waiting for the peer's handshake answer", e))?;
+    s.read_exact(&mut ack).map_err(|e| {
+        let why = match e.kind() {
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof => {
+                "waiting for the peer's handshake answer (the peer closed its endpoint before answering: \
+                 it dropped the connection, exited, or the endpoint was already used)"
+            }
+            _ => "waiting for the peer's handshake answer",
+        };
+        Error::io(why, e)
+    })?;
     let ack = HelloAck::from_wire(&ack)?;
     s.set_read_timeout(None).map_err(|e| Error::io("clearing the read timeout", e))?;
     Ok((s, ack.context))

@@ -204,6 +204,17 @@ mod tests {
     }
 
     impl Model {
+        /// An idle queue pair under `lim`.
+        fn new(lim: SendLimits) -> Model {
+            Model {
+                acct: SendAccounting::new(lim),
+                sq: VecDeque::new(),
+                cq: VecDeque::new(),
+                proven: 0,
+                error_at: None,
+            }
+        }
+
         fn post(&mut self, n: usize) -> usize {
             let mut done = 0;
             while done < n {
@@ -271,13 +282,7 @@ mod tests {
         /// every work request posted before it completed.
         #[test]
         fn random_schedules_keep_every_bound(lim in limits(), steps in prop::collection::vec(step(), 1..200)) {
-            let mut m = Model {
-                acct: SendAccounting::new(lim),
-                sq: VecDeque::new(),
-                cq: VecDeque::new(),
-                proven: 0,
-                error_at: None,
-            };
+            let mut m = Model::new(lim);
             let mut flushes: Vec<u64> = Vec::new();
             let mut broken = false;
             for s in steps {
@@ -323,13 +328,7 @@ mod tests {
         /// (no bound combination deadlocks a post).
         #[test]
         fn posts_always_make_progress(lim in limits(), n in 1usize..200) {
-            let mut m = Model {
-                acct: SendAccounting::new(lim),
-                sq: VecDeque::new(),
-                cq: VecDeque::new(),
-                proven: 0,
-                error_at: None,
-            };
+            let mut m = Model::new(lim);
             let mut left = n;
             let mut rounds = 0;
             while left > 0 {

@@ -1,0 +1,53 @@
+//! What the GPU test binaries share: kernels compiled at run time and their launches, result
+//! words in device memory, and the GPU a rank uses.
+
+use std::ffi::c_void;
+
+use mscclpp::device::compile::{CompileOptions, Kernel, KernelModule, compile};
+use mscclpp::gpu::Stream;
+use mscclpp::{Context, DeviceBuffer, TransportFlags};
+
+/// `source`'s kernels, compiled by NVRTC and loaded on `device`.
+pub fn module(source: &str, device: u32) -> KernelModule {
+    let ptx = compile(source, &CompileOptions::default()).expect("NVRTC compile");
+    KernelModule::load(device, &ptx).expect("load the kernels")
+}
+
+/// The kernel `name` of `m`.
+pub fn kernel(m: &KernelModule, name: &str) -> Kernel {
+    m.function(name).unwrap_or_else(|e| panic!("kernel {name}: {e}"))
+}
+
+/// Pointers to each argument, as `cuLaunchKernel` wants them (`use common::gpu::args`).
+// The allows: binaries without GPU kernels include `common` too.
+#[allow(unused_macros)]
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { [$( (&mut $a) as *mut _ as *mut ::std::ffi::c_void ),*] };
+}
+#[allow(unused_imports)]
+pub(crate) use args;
+
+/// Launches `k` on a 1-D grid of `grid` blocks of `block` threads.
+pub fn launch(k: &Kernel, grid: u32, block: u32, stream: &Stream, args: &mut [*mut c_void]) {
+    // SAFETY: every test passes arguments matching its kernel's parameter list (by value, or
+    // device addresses of live buffers that outlive the launch: the tests synchronize first).
+    unsafe { k.launch((grid, 1, 1), (block, 1, 1), 0, stream, args) }.expect("launch");
+}
+
+/// `n` zeroed 8-byte result words on `device`.
+pub fn results(n: usize, ctx: &Context, device: u32) -> DeviceBuffer {
+    let b = DeviceBuffer::new(ctx, device, 8 * n, TransportFlags::NONE).unwrap();
+    b.fill(0, 8 * n, 0).unwrap();
+    b
+}
+
+/// Result word `i` of `b`.
+pub fn read(b: &DeviceBuffer, i: usize) -> u64 {
+    b.read_u64(8 * i).unwrap()
+}
+
+/// The GPU rank `rank` uses: two ranks share a GPU when there is one.
+pub fn gpu_for(rank: usize) -> u32 {
+    let n = mscclpp::gpu::device_count().expect("CUDA device count");
+    (rank % n) as u32
+}
