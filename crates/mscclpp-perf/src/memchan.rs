@@ -69,6 +69,14 @@ extern "C" __global__ void raw_pong(u64* mine, u64* theirs, int n, u64 timeout, 
 
 // n collective puts (get = 0: src_ here -> dst_ at the peer) or gets (get = 1: the peer's dst_
 // -> src_ here) of `size` bytes by the whole grid.
+// The handle by value (a kernel parameter: no load from device memory before each thread's copy,
+// which a grid of short-lived threads would pay once per thread).
+extern "C" __global__ void copy_bw_val(MemoryChannelDeviceHandle ch, int get, u64 size, int n) {
+  u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
+  for (int i = 0; i < n; ++i) {
+    if (get) ch.get(0, 0, size, tid, nt); else ch.put(0, 0, size, tid, nt);
+  }
+}
 extern "C" __global__ void copy_bw(MemoryChannelDeviceHandle* ch, int get, u64 size, int n) {
   u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
   for (int i = 0; i < n; ++i) {
@@ -227,28 +235,68 @@ pub fn run(args: &Args) -> Result<(), String> {
     // 2. put bandwidth, rank 0 -> rank 1, next to cuMemcpyDtoDAsync between the same buffers.
     {
         let kern = k("copy_bw")?;
-        row("MemoryChannel put bandwidth (GB/s): size, ours, cuMemcpyDtoDAsync, ratio".into());
+        let kern_val = k("copy_bw_val")?;
+        row(
+            "MemoryChannel put bandwidth (GB/s): size, persistent grid (<= 528 x 512 threads, the puts looped in one launch; handle in device memory, handle by value), flat grid (256-thread blocks, 2 elements of 16 B per thread, one launch per put, the handle passed by value), cuMemcpyDtoDAsync, ratio of the better"
+                .into(),
+        );
         let mut size = 1usize << 10;
         while size <= max {
             let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
-            let blocks = (size / (64 << 10)).clamp(1, 528) as u32;
             let (mut c, mut get, mut sz) = (ranks[0].chan.device_handle_ptr(), 0i32, size as u64);
-            let mut warm = 3i32;
-            launch(&kern, blocks, 512, &streams[0], &mut args![c, get, sz, warm])?;
+            // Persistent: few threads, many elements each, every put inside one launch; the
+            // handle read from device memory (its stable address, as CUDA graphs want) and
+            // passed by value.
+            let blocks = (size / (64 << 10)).clamp(1, 528) as u32;
+            let mut hv = ranks[0].chan.device_handle();
+            let mut persistent = [0.0f64; 2];
+            for (slot, by_value) in [(0usize, false), (1, true)] {
+                let mut warm = 3i32;
+                let run = |n: &mut i32, hv: &mut _, c: &mut u64, get: &mut i32, sz: &mut u64| {
+                    if by_value {
+                        launch(&kern_val, blocks, 512, &streams[0], &mut args![*hv, *get, *sz, *n])
+                    } else {
+                        launch(&kern, blocks, 512, &streams[0], &mut args![*c, *get, *sz, *n])
+                    }
+                };
+                run(&mut warm, &mut hv, &mut c, &mut get, &mut sz)?;
+                sync(&streams[0])?;
+                let mut best = f64::MAX;
+                for _ in 0..3 {
+                    let mut nn = iters;
+                    let t0 = Instant::now();
+                    run(&mut nn, &mut hv, &mut c, &mut get, &mut sz)?;
+                    sync(&streams[0])?;
+                    best = best.min(t0.elapsed().as_secs_f64());
+                }
+                persistent[slot] = size as f64 * iters as f64 / best / 1e9;
+            }
+            // Flat: one launch per put, each thread two elements (a grid that loops puts over
+            // few elements per thread would re-copy lines its blocks keep in L2).
+            let flat_blocks = size.div_ceil(16 * 256 * 2).clamp(1, 1 << 20) as u32;
+            let (mut one, mut h) = (1i32, hv);
+            launch(&kern_val, flat_blocks, 256, &streams[0], &mut args![h, get, sz, one])?;
             sync(&streams[0])?;
             let mut best = f64::MAX;
             for _ in 0..3 {
-                let mut nn = iters;
                 let t0 = Instant::now();
-                launch(&kern, blocks, 512, &streams[0], &mut args![c, get, sz, nn])?;
+                for _ in 0..iters {
+                    launch(&kern_val, flat_blocks, 256, &streams[0], &mut args![h, get, sz, one])?;
+                }
                 sync(&streams[0])?;
                 best = best.min(t0.elapsed().as_secs_f64());
             }
-            let ours = size as f64 * iters as f64 / best / 1e9;
+            let flat = size as f64 * iters as f64 / best / 1e9;
             let base =
                 mscclpp::bench::baseline_copy(&[(&ranks[0].data, &ranks[1].data)], size, 3, iters as u64).map_err(e)?;
             let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
-            row(format!("{:>10}  {ours:9.2}  {raw:9.2}  {:.3}", human(size), ours / raw));
+            row(format!(
+                "{:>10}  {:9.2}  {:9.2}  {flat:9.2}  {raw:9.2}  {:.3}",
+                human(size),
+                persistent[0],
+                persistent[1],
+                persistent[0].max(persistent[1]).max(flat) / raw
+            ));
             size *= 4;
         }
     }
