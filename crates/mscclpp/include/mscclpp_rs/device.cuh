@@ -874,8 +874,11 @@ struct BaseMemoryChannelDeviceHandle {
 /// `__syncthreads()` or a grid-wide barrier covering every copying thread) publishes it.
 /// Speed: each thread loads then stores one element per step. Where HBM is the limit (both ends
 /// on one GPU), a grid of 256-thread blocks giving each thread one to four elements copies at
-/// 0.95-0.99 of `cuMemcpyDtoDAsync` on an H200; a persistent grid looping over many elements per
-/// thread at ~0.87 (docs/design-notes.md).
+/// 0.95-0.99 of `cuMemcpyDtoDAsync` on an H200 in most runs; a persistent grid looping over many
+/// elements per thread at ~0.87 (docs/design-notes.md). In such flat grids pass the handle by
+/// value (a kernel parameter): through the device-memory copy (`device_handle_ptr`, stable for
+/// CUDA graphs) every short-lived thread first waits for a load of the handle (0.83 vs 0.93 at
+/// 256 MiB).
 struct MemoryChannelDeviceHandle : public BaseMemoryChannelDeviceHandle {
   void* dst_;
   void* src_;
