@@ -19,12 +19,12 @@ use mscclpp::device::fifo::Fifo;
 use mscclpp::device::proxy::{ProxyConfig, ProxyService};
 use mscclpp::gpu::Stream;
 use mscclpp::{
-    Bootstrap, Communicator, Connection, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory,
-    RootServer, Semaphore, TcpBootstrap, Transport,
+    Communicator, Connection, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory, Semaphore,
+    Transport,
 };
 
 use crate::Args;
-use crate::kern::{args, clear, e, elapsed_ns, human, launch, row};
+use crate::kern::{args, clear, e, elapsed_ns, human, launch, row, two_local_ranks};
 
 /// The FIFO, proxy and PortChannel kernels (`procs.rs` loads them too). Every wait is bounded:
 /// the ping-pong kernels take `timeout` (ns) and set `out[1]` when a wait or flush timed out.
@@ -137,42 +137,27 @@ struct Rank {
 
 /// Two ranks of this process over CUDA IPC on `dev`, each with a `len`-byte buffer.
 fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, String> {
-    let (root, id) = RootServer::start(2, timeout).map_err(e)?;
-    let ranks = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..2usize)
-            .map(|rank| {
-                let id = id.clone();
-                sc.spawn(move || -> Result<Rank, String> {
-                    let bs: Arc<dyn Bootstrap> =
-                        Arc::new(TcpBootstrap::config(rank, 2).timeout(timeout).initialize(&id).map_err(e)?);
-                    let comm = Communicator::new(bs.clone());
-                    let peer = 1 - rank;
-                    let local = DeviceBuffer::new(comm.context(), dev, len, Transport::CudaIpc.into()).map_err(e)?;
-                    let cfg = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
-                    let pc = comm.connect(&cfg, peer, 0).map_err(e)?;
-                    comm.send_memory(local.memory(), peer, 1).map_err(e)?;
-                    let pm = comm.recv_memory(peer, 1).map_err(e)?;
-                    let conn = pc.wait().map_err(e)?;
-                    let remote = pm.wait().map_err(e)?;
-                    let sems = [2, 3, 4].map(|tag| comm.build_semaphore(&conn, peer, tag));
-                    let mut got = Vec::new();
-                    for s in sems {
-                        got.push(s.map_err(e)?.wait().map_err(e)?);
-                    }
-                    let plain = got.pop();
-                    let dev_sem = Some(Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?);
-                    let host_sem = Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?;
-                    bs.barrier().map_err(e)?;
-                    Ok(Rank { comm, conn, local, remote, host_sem, dev_sem, plain })
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().map_err(|_| "a rank thread panicked".to_string())?)
-            .collect::<Result<Vec<_>, _>>()
-    })?;
-    drop(root);
-    Ok(ranks)
+    two_local_ranks(timeout, |rank, bs| {
+        let comm = Communicator::new(bs.clone());
+        let peer = 1 - rank;
+        let local = DeviceBuffer::new(comm.context(), dev, len, Transport::CudaIpc.into()).map_err(e)?;
+        let cfg = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
+        let pc = comm.connect(&cfg, peer, 0).map_err(e)?;
+        comm.send_memory(local.memory(), peer, 1).map_err(e)?;
+        let pm = comm.recv_memory(peer, 1).map_err(e)?;
+        let conn = pc.wait().map_err(e)?;
+        let remote = pm.wait().map_err(e)?;
+        let sems = [2, 3, 4].map(|tag| comm.build_semaphore(&conn, peer, tag));
+        let mut got = Vec::new();
+        for s in sems {
+            got.push(s.map_err(e)?.wait().map_err(e)?);
+        }
+        let plain = got.pop();
+        let dev_sem = Some(Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?);
+        let host_sem = Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?;
+        bs.barrier().map_err(e)?;
+        Ok(Rank { comm, conn, local, remote, host_sem, dev_sem, plain })
+    })
 }
 
 /// Runs the device benchmarks on `--device`.

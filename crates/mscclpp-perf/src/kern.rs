@@ -59,3 +59,29 @@ pub(crate) fn elapsed_ns(out: &mscclpp::DeviceBuffer, what: &str) -> Result<f64,
     }
     Ok(out.read_u64(0).map_err(e)? as f64)
 }
+
+/// Two ranks of this process (threads joined by a loopback bootstrap, waits bounded by
+/// `timeout`): runs `setup(rank, bootstrap)` on each and returns their results in rank order.
+pub(crate) fn two_local_ranks<T: Send>(
+    timeout: std::time::Duration,
+    setup: impl Fn(usize, std::sync::Arc<dyn mscclpp::Bootstrap>) -> Result<T, String> + Sync,
+) -> Result<Vec<T>, String> {
+    let (root, id) = mscclpp::RootServer::start(2, timeout).map_err(e)?;
+    let setup = &setup;
+    let ranks = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let id = id.clone();
+                sc.spawn(move || -> Result<T, String> {
+                    let bs = mscclpp::TcpBootstrap::config(rank, 2).timeout(timeout).initialize(&id).map_err(e)?;
+                    setup(rank, std::sync::Arc::new(bs))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().map_err(|_| "a rank thread panicked".to_string())?)
+            .collect::<Result<Vec<_>, _>>()
+    })?;
+    drop(root);
+    Ok(ranks)
+}

@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
 use mscclpp::gpu::Stream;
 use mscclpp::{
-    Bootstrap, Communicator, Device, DeviceBuffer, EndpointConfig, MemoryChannel, MemoryDevice2DeviceSemaphore,
-    RootServer, TcpBootstrap, Transport, TransportFlags,
+    Communicator, Device, DeviceBuffer, EndpointConfig, MemoryChannel, MemoryDevice2DeviceSemaphore, Transport,
+    TransportFlags,
 };
 
 use crate::Args;
-use crate::kern::{args, clear, e, elapsed_ns, human, launch, row};
+use crate::kern::{args, clear, e, elapsed_ns, human, launch, row, two_local_ranks};
 
 /// The semaphore, raw flag, copy and packet kernels (`procs.rs` loads them too). Every wait is
 /// bounded by `timeout` (ns): a wait that expires sets `out[1]` and ends the kernel's loop.
@@ -134,51 +134,33 @@ struct Rank {
 /// Two ranks of this process over CUDA IPC on `dev`, each with a `len`-byte data buffer, a
 /// packet buffer, a semaphore and a MemoryChannel to the other.
 fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, String> {
-    let (root, id) = RootServer::start(2, timeout).map_err(e)?;
-    let ranks = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..2usize)
-            .map(|rank| {
-                let id = id.clone();
-                sc.spawn(move || -> Result<Rank, String> {
-                    let bs: Arc<dyn Bootstrap> =
-                        Arc::new(TcpBootstrap::config(rank, 2).timeout(timeout).initialize(&id).map_err(e)?);
-                    let comm = Communicator::new(bs.clone());
-                    let peer = 1 - rank;
-                    let ipc = TransportFlags::from(Transport::CudaIpc);
-                    let data = DeviceBuffer::new(comm.context(), dev, len, ipc).map_err(e)?;
-                    let packets = DeviceBuffer::new(comm.context(), dev, 4 * LL_MAX, ipc).map_err(e)?;
-                    let flag = DeviceBuffer::new(comm.context(), dev, 8, ipc).map_err(e)?;
-                    let cfg = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
-                    let pc = comm.connect(&cfg, peer, 0).map_err(e)?;
-                    for (i, b) in [&data, &packets, &flag].iter().enumerate() {
-                        comm.send_memory(b.memory(), peer, 1 + i as u32).map_err(e)?;
-                    }
-                    let pm: Vec<_> =
-                        (0..3).map(|i| comm.recv_memory(peer, 1 + i)).collect::<Result<_, _>>().map_err(e)?;
-                    let conn = pc.wait().map_err(e)?;
-                    let remote: Vec<_> = pm.into_iter().map(|p| p.wait()).collect::<Result<_, _>>().map_err(e)?;
-                    let sem = comm.build_semaphore(&conn, peer, 10).map_err(e)?.wait().map_err(e)?;
-                    let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem).map_err(e)?);
-                    // Puts go into the peer's data buffer; packets into the peer's packet buffer
-                    // (a second channel view over the same semaphore).
-                    let chan = MemoryChannel::new(sem.clone(), &remote[0], data.memory(), Some(packets.memory()))
-                        .map_err(e)?;
-                    let pk_chan = MemoryChannel::new(sem.clone(), &remote[1], data.memory(), Some(packets.memory()))
-                        .map_err(e)?;
-                    let out = DeviceBuffer::new(comm.context(), dev, 16, TransportFlags::NONE).map_err(e)?;
-                    bs.barrier().map_err(e)?;
-                    // The peer's flag word: same process, so its address is the pointer itself.
-                    let peer_flag = remote[2].addr();
-                    Ok(Rank { _comm: comm, sem, data, chan, pk_chan, flag, peer_flag, out })
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().map_err(|_| "a rank thread panicked".to_string())?)
-            .collect::<Result<Vec<_>, _>>()
-    })?;
-    drop(root);
-    Ok(ranks)
+    two_local_ranks(timeout, |rank, bs| {
+        let comm = Communicator::new(bs.clone());
+        let peer = 1 - rank;
+        let ipc = TransportFlags::from(Transport::CudaIpc);
+        let data = DeviceBuffer::new(comm.context(), dev, len, ipc).map_err(e)?;
+        let packets = DeviceBuffer::new(comm.context(), dev, 4 * LL_MAX, ipc).map_err(e)?;
+        let flag = DeviceBuffer::new(comm.context(), dev, 8, ipc).map_err(e)?;
+        let cfg = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
+        let pc = comm.connect(&cfg, peer, 0).map_err(e)?;
+        for (i, b) in [&data, &packets, &flag].iter().enumerate() {
+            comm.send_memory(b.memory(), peer, 1 + i as u32).map_err(e)?;
+        }
+        let pm: Vec<_> = (0..3).map(|i| comm.recv_memory(peer, 1 + i)).collect::<Result<_, _>>().map_err(e)?;
+        let conn = pc.wait().map_err(e)?;
+        let remote: Vec<_> = pm.into_iter().map(|p| p.wait()).collect::<Result<_, _>>().map_err(e)?;
+        let sem = comm.build_semaphore(&conn, peer, 10).map_err(e)?.wait().map_err(e)?;
+        let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem).map_err(e)?);
+        // Puts go into the peer's data buffer; packets into the peer's packet buffer
+        // (a second channel view over the same semaphore).
+        let chan = MemoryChannel::new(sem.clone(), &remote[0], data.memory(), Some(packets.memory())).map_err(e)?;
+        let pk_chan = MemoryChannel::new(sem.clone(), &remote[1], data.memory(), Some(packets.memory())).map_err(e)?;
+        let out = DeviceBuffer::new(comm.context(), dev, 16, TransportFlags::NONE).map_err(e)?;
+        bs.barrier().map_err(e)?;
+        // The peer's flag word: same process, so its address is the pointer itself.
+        let peer_flag = remote[2].addr();
+        Ok(Rank { _comm: comm, sem, data, chan, pk_chan, flag, peer_flag, out })
+    })
 }
 
 /// Runs the MemoryChannel rows on `--device`.
@@ -243,59 +225,44 @@ pub fn run(args: &Args) -> Result<(), String> {
         let mut size = 1usize << 10;
         while size <= max {
             let iters = ((8usize << 30) / size).clamp(20, 1000) as i32;
-            let (mut c, mut get, mut sz) = (ranks[0].chan.device_handle_ptr(), 0i32, size as u64);
-            // Persistent: few threads, many elements each, every put inside one launch; the
-            // handle read from device memory (its stable address, as CUDA graphs want) and
-            // passed by value.
-            let blocks = (size / (64 << 10)).clamp(1, 528) as u32;
-            let mut hv = ranks[0].chan.device_handle();
-            let mut persistent = [0.0f64; 2];
-            for (slot, by_value) in [(0usize, false), (1, true)] {
-                let mut warm = 3i32;
-                let run = |n: &mut i32, hv: &mut _, c: &mut u64, get: &mut i32, sz: &mut u64| {
-                    if by_value {
-                        launch(&kern_val, blocks, 512, &streams[0], &mut args![*hv, *get, *sz, *n])
-                    } else {
-                        launch(&kern, blocks, 512, &streams[0], &mut args![*c, *get, *sz, *n])
-                    }
-                };
-                run(&mut warm, &mut hv, &mut c, &mut get, &mut sz)?;
+            let (mut c, mut hv, mut get, mut sz) =
+                (ranks[0].chan.device_handle_ptr(), ranks[0].chan.device_handle(), 0i32, size as u64);
+            // `puts(n)` issues n puts on stream 0; GB/s of the best of 3 timed rounds of `iters`
+            // puts after `warm` untimed ones.
+            let gbps = |warm: i32, puts: &mut dyn FnMut(i32) -> Result<(), String>| -> Result<f64, String> {
+                puts(warm)?;
                 sync(&streams[0])?;
                 let mut best = f64::MAX;
                 for _ in 0..3 {
-                    let mut nn = iters;
                     let t0 = Instant::now();
-                    run(&mut nn, &mut hv, &mut c, &mut get, &mut sz)?;
+                    puts(iters)?;
                     sync(&streams[0])?;
                     best = best.min(t0.elapsed().as_secs_f64());
                 }
-                persistent[slot] = size as f64 * iters as f64 / best / 1e9;
-            }
-            // Flat: one launch per put, each thread two elements (a grid that loops puts over
-            // few elements per thread would re-copy lines its blocks keep in L2).
+                Ok(size as f64 * iters as f64 / best / 1e9)
+            };
+            // Persistent: few threads, many elements each, every put inside one launch; the
+            // handle read from device memory (its stable address, as CUDA graphs want), then
+            // passed by value.
+            let blocks = (size / (64 << 10)).clamp(1, 528) as u32;
+            let by_pointer = gbps(3, &mut |mut n| launch(&kern, blocks, 512, &streams[0], &mut args![c, get, sz, n]))?;
+            let by_value =
+                gbps(3, &mut |mut n| launch(&kern_val, blocks, 512, &streams[0], &mut args![hv, get, sz, n]))?;
+            // Flat: one launch per put, each thread two elements, the handle by value (a grid
+            // that loops puts over few elements per thread would re-copy lines its blocks keep
+            // in L2).
             let flat_blocks = size.div_ceil(16 * 256 * 2).clamp(1, 1 << 20) as u32;
-            let (mut one, mut h) = (1i32, hv);
-            launch(&kern_val, flat_blocks, 256, &streams[0], &mut args![h, get, sz, one])?;
-            sync(&streams[0])?;
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let t0 = Instant::now();
-                for _ in 0..iters {
-                    launch(&kern_val, flat_blocks, 256, &streams[0], &mut args![h, get, sz, one])?;
-                }
-                sync(&streams[0])?;
-                best = best.min(t0.elapsed().as_secs_f64());
-            }
-            let flat = size as f64 * iters as f64 / best / 1e9;
+            let flat = gbps(1, &mut |n| {
+                let mut one = 1i32;
+                (0..n).try_for_each(|_| launch(&kern_val, flat_blocks, 256, &streams[0], &mut args![hv, get, sz, one]))
+            })?;
             let base =
                 mscclpp::bench::baseline_copy(&[(&ranks[0].data, &ranks[1].data)], size, 3, iters as u64).map_err(e)?;
             let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
             row(format!(
-                "{:>10}  {:9.2}  {:9.2}  {flat:9.2}  {raw:9.2}  {:.3}",
+                "{:>10}  {by_pointer:9.2}  {by_value:9.2}  {flat:9.2}  {raw:9.2}  {:.3}",
                 human(size),
-                persistent[0],
-                persistent[1],
-                persistent[0].max(persistent[1]).max(flat) / raw
+                by_pointer.max(by_value).max(flat) / raw
             ));
             size *= 4;
         }
