@@ -209,9 +209,15 @@ MSCCLPP_RS_DEVICE bool expired(u64 start, u64 timeout_ns) { return globaltimer()
 #endif  // MSCCLPP_RS_DEVICE_COMPILE
 
 // How `push` waits for a free slot (see `FifoDeviceHandle::wait_popped`); a kernel may define
-// them before the include. The defaults were the best of five settings on an H200 (2026-12-03,
-// one proxy, no-op triggers): 6.3 / 5.4 / 6.5 M triggers/s with 256 / 2048 / 16384 producers,
-// where MSCCL++'s push (every waiter polls `tail`) gave 6.4 / 1.7 / 0.27.
+// them before the include. Measured on an H200 (one proxy, no-op triggers, 2026-12-03): with
+// these defaults 8-10 M triggers/s from 2048 producers, 7.7-7.9 from 16384, 6.9 from 65536 and
+// 4.9-6.0 from 131072, where MSCCL++'s push (every waiter polls `tail`) gives 1.7 / 0.28 at 2048
+// / 16384. The sleep cap matters with many waiters: at 16 us (the earlier default) 65536
+// producers got 0.14 M/s and 131072 0.09, because every far-back waiter woke every 16 us to
+// read `tailCache`, and the 4 G loads/s of that one line starved the pushes and the leaders'
+// updates; 1 ms (the longest `nanosleep`) lets each waiter sleep about as long as the slots ahead
+// of it take. The sleep is never longer than `ahead * kSleepPerSlot` (64 ns per slot, faster
+// than any proxy pops), so a waiter does not oversleep its turn.
 #ifndef MSCCLPP_RS_FIFO_WAIT_LEAD
 #define MSCCLPP_RS_FIFO_WAIT_LEAD 8
 #endif
@@ -219,7 +225,7 @@ MSCCLPP_RS_DEVICE bool expired(u64 start, u64 timeout_ns) { return globaltimer()
 #define MSCCLPP_RS_FIFO_WAIT_NS_PER_SLOT 64
 #endif
 #ifndef MSCCLPP_RS_FIFO_WAIT_MAX_NS
-#define MSCCLPP_RS_FIFO_WAIT_MAX_NS 16384
+#define MSCCLPP_RS_FIFO_WAIT_MAX_NS 1000000
 #endif
 
 /// The device side of a FIFO: a ring of `size` triggers in mapped host memory, `head` and
