@@ -747,8 +747,8 @@ struct CopyElem<16> {
 /// Threads `tid` of `nthreads` copy elements `tid, tid + nthreads, ...` of `n`, one load then its
 /// store per step. Kept this small on purpose (13 registers on sm_90): a copy with four loads in
 /// flight per thread used 40 registers, which cost occupancy in grids that give each thread one
-/// to four elements (the fastest way to copy from HBM) and gained nothing in persistent grids
-/// (both 0.86 of cuMemcpyDtoDAsync at 256 MiB on an H200, docs/design-notes.md).
+/// to four elements and gained nothing in persistent grids (both 0.86 of cuMemcpyDtoDAsync at
+/// 256 MiB on an H200, docs/design-notes.md).
 template <typename T>
 MSCCLPP_RS_DEVICE void copy_elems(T* dst, const T* src, u64 n, u32 tid, u32 nthreads) {
   for (u64 i = tid; i < n; i += nthreads) dst[i] = src[i];
@@ -879,12 +879,16 @@ struct BaseMemoryChannelDeviceHandle {
 /// A copy is not ordered with the peer: `signal()` after it (from one thread, after a
 /// `__syncthreads()` or a grid-wide barrier covering every copying thread) publishes it.
 /// Speed: each thread loads then stores one element per step. Where HBM is the limit (both ends
-/// on one GPU), a grid of 256-thread blocks giving each thread one to four elements copies at
-/// 0.95-0.99 of `cuMemcpyDtoDAsync` on an H200 in most runs; a persistent grid looping over many
-/// elements per thread at ~0.87 (docs/design-notes.md). In such flat grids pass the handle by
-/// value (a kernel parameter): through the device-memory copy (`device_handle_ptr`, stable for
-/// CUDA graphs) every short-lived thread first waits for a load of the handle (0.83 vs 0.93 at
-/// 256 MiB).
+/// on one GPU), the fastest grid is flat with at least 16 KiB per block: 1024-thread blocks with
+/// two 16-byte elements per thread (`blocks = bytes / 32 KiB`) copy at 0.97 / 0.99 / 1.00 of
+/// `cuMemcpyDtoDAsync` at 64 MiB / 256 MiB / 1 GiB on an H200, 512 x 2 at 0.97-0.98. Blocks of
+/// 8 KiB or less (256 x 2, 512 x 1) stop at 0.80: the GPU starts only ~210 blocks per
+/// microsecond, and such grids need more. A persistent grid (528 x 512, many elements per
+/// thread) reaches 0.91-0.94. Those figures are for launches whose parameters differ (a round
+/// number, a flag); the same copy launched back to back with identical parameters ran at 0.80 at
+/// 64-256 MiB (docs/design-notes.md). In flat grids pass the handle by value (a kernel
+/// parameter): through the device-memory copy (`device_handle_ptr`, stable for CUDA graphs)
+/// every short-lived thread first waits for a load of the handle.
 struct MemoryChannelDeviceHandle : public BaseMemoryChannelDeviceHandle {
   void* dst_;
   void* src_;
