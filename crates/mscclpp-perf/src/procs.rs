@@ -498,7 +498,10 @@ mod tests {
             .filter(|p| p.is_file());
         let opts = CompileOptions { arch: Some("compute_90".into()), ..Default::default() };
         for (src, want) in [
-            (crate::memchan::KERNELS, &["sem_ping", "raw_pong", "copy_bw", "ll_ping", "ll8_pong"][..]),
+            (
+                crate::memchan::KERNELS,
+                &["sem_ping", "raw_pong", "copy_bw", "copy_bw_val", "copy_bw_round", "ll_ping", "ll8_pong"][..],
+            ),
             (crate::device::KERNELS, &["ping", "pong", "put_bw", "put_only_bw", "flood"][..]),
         ] {
             let ptx = compile(src, &opts).unwrap_or_else(|x| panic!("{x}"));
