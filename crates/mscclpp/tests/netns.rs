@@ -355,6 +355,16 @@ fn added_latency_keeps_timeouts_and_data_right() {
             conn.write(dst, 0, small.memory(), 0, 8).unwrap();
             sem.signal().unwrap();
         };
+        // Runs `op`, which must time out naming the peer and not before SHORT; returns the error
+        // and how long it waited.
+        let times_out = |what: &str, op: &dyn Fn() -> mscclpp::Result<()>| {
+            let t0 = Instant::now();
+            let e = op().unwrap_err();
+            let waited = t0.elapsed();
+            assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(peer)), "{e}");
+            assert!(waited >= SHORT, "the {SHORT:?} {what} gave up after {waited:?}");
+            (e, waited)
+        };
         if delay > Duration::ZERO {
             // Write + signal round trips: rank 0 writes k, rank 1 sees it and writes k + 1000 back.
             let mut rtts = Vec::new();
@@ -378,21 +388,13 @@ fn added_latency_keeps_timeouts_and_data_right() {
                 // A flush shorter than the round trip its acknowledgement needs times out,
                 // naming the peer, and not before its time; a longer one succeeds.
                 send(5);
-                let t0 = Instant::now();
-                let e = conn.flush(SHORT).unwrap_err();
-                let waited = t0.elapsed();
-                assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(1)), "{e}");
-                assert!(waited >= SHORT, "the {SHORT:?} flush gave up after {waited:?}");
+                let (e, waited) = times_out("flush", &|| conn.flush(SHORT));
                 conn.flush(T).unwrap();
                 sem.wait(T).unwrap();
                 println!("the {SHORT:?} flush: {e} (after {waited:?}); a {T:?} flush succeeded");
                 // So does a wait for the answer to a signal.
                 send(6);
-                let t0 = Instant::now();
-                let e = sem.wait(SHORT).unwrap_err();
-                let waited = t0.elapsed();
-                assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(1)), "{e}");
-                assert!(waited >= SHORT, "the {SHORT:?} wait gave up after {waited:?}");
+                let (e, waited) = times_out("wait", &|| sem.wait(SHORT));
                 sem.wait(T).unwrap();
                 word(1006);
                 println!("the {SHORT:?} wait: {e} (after {waited:?}); a {T:?} wait succeeded");
@@ -412,8 +414,7 @@ fn added_latency_keeps_timeouts_and_data_right() {
             let t0 = Instant::now();
             conn.write(dst, 0, src.memory(), 0, LEN as u64).unwrap();
             sem.signal().unwrap();
-            let e = conn.flush(SHORT).unwrap_err();
-            assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(1)), "{e}");
+            let (e, _) = times_out("flush", &|| conn.flush(SHORT));
             conn.flush(T).unwrap();
             let el = t0.elapsed();
             let rate = LEN as f64 / el.as_secs_f64();
@@ -422,8 +423,7 @@ fn added_latency_keeps_timeouts_and_data_right() {
             assert!(max_rate == 0.0 || rate <= max_rate, "{rate:.0} B/s over a link of at most {max_rate:.0} B/s");
         } else {
             // The signal comes after 4 MiB on the shaped link: a short wait times out.
-            let e = sem.wait(SHORT).unwrap_err();
-            assert_eq!((e.kind(), e.peer()), (ErrorKind::Timeout, Some(0)), "{e}");
+            let (e, _) = times_out("wait", &|| sem.wait(SHORT));
             sem.wait(T).unwrap();
             let mut got = vec![0u8; LEN];
             m.buf.read(0, &mut got).unwrap();
