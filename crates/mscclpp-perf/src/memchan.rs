@@ -77,10 +77,11 @@ extern "C" __global__ void copy_bw_val(MemoryChannelDeviceHandle ch, int get, u6
     if (get) ch.get(0, 0, size, tid, nt); else ch.put(0, 0, size, tid, nt);
   }
 }
-// The same with the launch's round number as a parameter (as a kernel that signals per round
-// has). Identical back-to-back launches of a copy run at ~0.80 of the copy engine at 64-256 MiB
-// on an H200, launches whose parameters differ (or with any other stream work between them) at
-// 0.93-0.99 (docs/design-notes.md); `round` only makes each launch differ.
+// One put per launch, with a round number as a parameter (as a kernel that signals per round
+// has); the flat rows launch it with `round` fixed and changing. Identical back-to-back launches
+// of a copy run at ~0.80 of the copy engine at 64-256 MiB on an H200, launches whose parameters
+// differ (or with any other stream work between them) at 0.93-0.99 (docs/design-notes.md);
+// `round` only makes each launch differ.
 extern "C" __global__ void copy_bw_round(MemoryChannelDeviceHandle ch, int get, u64 size, u64 round) {
   if (round == ~0ull) return;
   u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
@@ -264,17 +265,18 @@ pub fn run(args: &Args) -> Result<(), String> {
             // are not (docs/design-notes.md). A grid that loops puts over few elements per thread
             // would re-copy lines its blocks keep in L2, hence one launch per put.
             let flat_blocks = size.div_ceil(16 * 1024 * 2).clamp(1, 1 << 20) as u32;
-            let flat = gbps(1, &mut |n| {
-                let mut one = 1i32;
-                (0..n).try_for_each(|_| launch(&kern_val, flat_blocks, 1024, &streams[0], &mut args![hv, get, sz, one]))
-            })?;
-            let mut round = 0u64;
-            let flat_round = gbps(1, &mut |n| {
-                (0..n).try_for_each(|_| {
-                    round += 1;
-                    launch(&kern_round, flat_blocks, 1024, &streams[0], &mut args![hv, get, sz, round])
+            // One kernel for both flat columns, so they differ only in whether each launch's
+            // `round` argument changes.
+            let mut round = 1u64;
+            let mut flat = |vary: bool| {
+                gbps(1, &mut |n| {
+                    (0..n).try_for_each(|_| {
+                        round += vary as u64;
+                        launch(&kern_round, flat_blocks, 1024, &streams[0], &mut args![hv, get, sz, round])
+                    })
                 })
-            })?;
+            };
+            let (flat, flat_round) = (flat(false)?, flat(true)?);
             let base =
                 mscclpp::bench::baseline_copy(&[(&ranks[0].data, &ranks[1].data)], size, 3, iters as u64).map_err(e)?;
             let raw = size as f64 * iters as f64 / base.as_secs_f64() / 1e9;
