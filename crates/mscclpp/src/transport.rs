@@ -382,8 +382,10 @@ pub struct EthernetConfig {
     pub interface: Option<String>,
     /// Listening port; 0 (the default) takes any free port.
     pub port: u16,
-    /// How long `connect` waits for the peer (both directions), and how long a `write` waits
-    /// on a full queue without any progress, before failing (default 30 s).
+    /// How long `connect` waits for the peer (both directions), how long a `write` waits on a
+    /// full queue without any progress, and how long a send waits for a peer that takes no byte
+    /// (its socket full: the peer stopped or stuck; at least 1 s) before failing with `Timeout`
+    /// naming the peer (default 30 s). MSCCL++'s Ethernet connection sends with no limit.
     pub connect_timeout: std::time::Duration,
 }
 
@@ -404,8 +406,8 @@ impl EthernetConfig {
         self.port = port;
         self
     }
-    /// Sets how long `connect` waits for the peer, and a `write` on a full queue without
-    /// progress.
+    /// Sets how long `connect` waits for the peer, a `write` on a full queue without progress,
+    /// and a send the peer takes nothing of (see the field of the same name).
     pub fn connect_timeout(mut self, t: std::time::Duration) -> Self {
         self.connect_timeout = t;
         self

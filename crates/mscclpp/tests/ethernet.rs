@@ -47,3 +47,63 @@ fn flush_times_out_when_peer_stalls() {
     let (_, o) = &job.outputs[0];
     assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
 }
+
+/// Ethernet with a 2 s wait limit and room for many outstanding writes (so that the socket,
+/// not the write queue, is what fills when the peer stops reading).
+fn short_limit_config(_queue: Option<usize>) -> mscclpp::EndpointConfig {
+    harnesses::eth_config(Some(4096))
+        .ethernet(mscclpp::EthernetConfig::default().interface("127.0.0.1").connect_timeout(Duration::from_secs(2)))
+}
+
+static ETHERNET_SHORT_LIMIT: Harness = Harness { config: short_limit_config, ..ETHERNET };
+
+/// Writes and signals sent by the calling thread itself (1 MiB and smaller, from host memory)
+/// into a peer that stopped reading fill the socket; the send that finds it full gives up after
+/// the wait limit and fails the connection (Timeout, naming the peer) instead of blocking the
+/// caller for ever. (Before the send timeout this hung until the peer died.)
+#[test]
+fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
+    if let Some(r) = Rank::from_env() {
+        let s = setup(&r, &ETHERNET_SHORT_LIMIT, 64 << 20, None);
+        if r.rank == 1 {
+            s.bs.barrier().unwrap();
+            let _ = std::process::Command::new("kill").args(["-STOP", &std::process::id().to_string()]).status();
+            return;
+        }
+        s.bs.barrier().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let conn = s.conns[1].as_ref().unwrap();
+        let dst = s.remote[1].as_ref().unwrap();
+        let src = Buffer::new(s.comm.context(), 1 << 20, Transport::Ethernet.into()).unwrap();
+        let t0 = Instant::now();
+        let mut sent = 0u64;
+        // A loopback socket pair buffers some MiB: the loop fills it within a few dozen rounds.
+        let e = loop {
+            let r = conn.write(dst, 1 << 20, src.memory(), 0, 1 << 20).and_then(|_| conn.atomic_add(dst, 0, 1));
+            match r {
+                Ok(()) => sent += 1,
+                Err(e) => break e,
+            }
+            assert!(t0.elapsed() < Duration::from_secs(15), "{sent} writes into a stopped peer all succeeded");
+        };
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert_eq!(e.peer(), Some(1), "{e}");
+        assert!(e.to_string().contains("stalled"), "{e}");
+        // The connection stays failed: a flush says so at once.
+        let f = conn.flush(Duration::from_secs(5)).unwrap_err();
+        assert!(f.to_string().contains("stalled"), "{f}");
+        println!("after {sent} rounds of 1 MiB + signal, {:?}: {e}", t0.elapsed());
+        std::process::exit(0);
+    }
+    let job = common::spawn_some(
+        "inline_sends_to_a_stopped_peer_fail_instead_of_hanging",
+        2,
+        &[0, 1],
+        T,
+        &[],
+        Duration::from_secs(20),
+    );
+    let (_, o) = &job.outputs[0];
+    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    println!("{}", String::from_utf8_lossy(&o.stdout));
+}

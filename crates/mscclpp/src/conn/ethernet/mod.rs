@@ -387,6 +387,12 @@ impl Stager {
 /// A write's payload source on this side: a local registered region.
 type Src = Arc<LocalRegion>;
 
+/// How long a blocked send (the peer takes no byte) or a blocked read of a frame's remaining
+/// bytes waits before the connection fails: the configured wait limit, at least 1 s.
+fn stall_limit(wait_limit: Duration) -> Duration {
+    wait_limit.max(Duration::from_secs(1))
+}
+
 /// Whether the calling thread may send `op` (the sender thread sends larger writes and
 /// everything staged from GPU memory).
 fn inline(op: &Op<Src>) -> bool {
@@ -596,6 +602,18 @@ impl Shared {
             let why = match e.kind() {
                 std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
                     format!("peer {} closed the connection (sending failed)", self.peer_desc)
+                }
+                // The socket's send timeout (see `connect`): the peer took no byte for that long.
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                    return Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "sending to {} stalled: the peer read nothing for {:?} (is it stopped or stuck?)",
+                            self.peer_desc,
+                            stall_limit(self.wait_limit)
+                        ),
+                    )
+                    .with_source(e);
                 }
                 _ => format!("sending to {} failed", self.peer_desc),
             };
@@ -944,8 +962,10 @@ fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadlin
         return;
     }
     // Reads of a payload's remaining bytes block; a peer that stops in the middle of a frame
-    // fails the connection after this long instead of hanging it.
-    let _ = s.set_read_timeout(Some(sh.wait_limit.max(Duration::from_secs(1))));
+    // fails the connection after this long instead of hanging it. So do acknowledgements sent
+    // back to a peer that stopped reading them (from this thread or a waiter's).
+    let _ = s.set_read_timeout(Some(stall_limit(sh.wait_limit)));
+    let _ = s.set_write_timeout(Some(stall_limit(sh.wait_limit)));
     let Ok(watch) = s.try_clone() else {
         sh.fail(Error::new(ErrorKind::Internal, "cloning the incoming socket failed"));
         return;
@@ -1203,6 +1223,11 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     };
     let (out, remote_context) =
         dial(*addr, secret, ctx.inner().id, deadline).map_err(|e| e.during(format!("connecting to {peer_desc}")))?;
+    // A send blocks while the peer's socket is full; a peer that reads nothing for this long
+    // (stopped, stuck) fails the connection instead of hanging the sending thread, which may be
+    // the caller's own (small writes and signals are sent inline).
+    out.set_write_timeout(Some(stall_limit(cfg.ethernet.connect_timeout)))
+        .map_err(|e| Error::io("setting the send timeout of a socket", e))?;
     let out_ctl = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
     let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
     let max_queue = local.max_write_queue_size().max(1) as u64;
