@@ -82,8 +82,9 @@ pub fn run(args: &Args, body: RankMain) -> Result<(), String> {
 /// Starts `n` copies of this program on this machine, each with `env(rank)` added to its
 /// environment (and stdout captured when `capture`), behind a [`RootServer`] whose id goes in
 /// `id_var`; waits for all of them. Returns each rank's output, or which ranks failed.
-/// Once a rank has failed, the others get `timeout` plus 5 s to end (their own waits are bounded
-/// by `timeout`), then are killed: a hung or stopped rank cannot hang the launcher.
+/// Once a rank has ended (failed, or succeeded while others still run), the others get `timeout`
+/// plus 5 s to end (their own waits are bounded by `timeout`), then are killed: a hung or
+/// stopped rank cannot hang the launcher, even when no other rank fails because of it.
 /// The one way both the `p2p` launcher and the `bootstrap` jobs start local ranks.
 pub fn run_local_ranks(
     n: usize,
@@ -127,7 +128,10 @@ pub fn run_local_ranks(
     }
     let grace = timeout + std::time::Duration::from_secs(5);
     let mut status: Vec<Option<Result<std::process::ExitStatus, String>>> = (0..n).map(|_| None).collect();
-    let mut first_failure: Option<std::time::Instant> = None;
+    let mut any_failed = false;
+    // The first rank to end, and when: a success starts the grace too (a rank stopped after the
+    // others' last wait on it fails nobody), and a failure always comes with or after it.
+    let mut first_end: Option<(std::time::Instant, usize)> = None;
     loop {
         let mut running = 0;
         for (r, c) in children.iter_mut().enumerate() {
@@ -137,13 +141,15 @@ pub fn run_local_ranks(
             match c.try_wait() {
                 Ok(Some(s)) => {
                     if !s.success() {
-                        first_failure.get_or_insert_with(std::time::Instant::now);
+                        any_failed = true;
                     }
+                    first_end.get_or_insert_with(|| (std::time::Instant::now(), r));
                     status[r] = Some(Ok(s));
                 }
                 Ok(None) => running += 1,
                 Err(e) => {
-                    first_failure.get_or_insert_with(std::time::Instant::now);
+                    any_failed = true;
+                    first_end.get_or_insert_with(|| (std::time::Instant::now(), r));
                     let _ = c.kill();
                     let _ = c.wait();
                     status[r] = Some(Err(e.to_string()));
@@ -153,12 +159,12 @@ pub fn run_local_ranks(
         if running == 0 {
             break;
         }
-        if first_failure.is_some_and(|t| t.elapsed() > grace) {
+        if let Some(why) = overdue(first_end, any_failed, grace) {
             for (r, c) in children.iter_mut().enumerate() {
                 if status[r].is_none() {
                     let _ = c.kill();
                     let _ = c.wait();
-                    status[r] = Some(Err(format!("killed: still running {grace:?} after another rank failed")));
+                    status[r] = Some(Err(format!("killed: still running {grace:?} after {why}")));
                 }
             }
             break;
@@ -181,9 +187,40 @@ pub fn run_local_ranks(
     if failed.is_empty() { Ok(outs) } else { Err(format!("{n} ranks: failed: {}", failed.join(", "))) }
 }
 
+/// Why the ranks still running are to be killed now, if they are: `grace` has passed since the
+/// first rank ended (`first_end`: when, and which), whether or not one failed.
+fn overdue(
+    first_end: Option<(std::time::Instant, usize)>,
+    any_failed: bool,
+    grace: std::time::Duration,
+) -> Option<String> {
+    let (t, r) = first_end?;
+    if t.elapsed() <= grace {
+        return None;
+    }
+    Some(if any_failed { "another rank failed".to_string() } else { format!("rank {r} finished") })
+}
+
 /// Starts `--ranks` copies of this program on this machine and waits for them.
 fn launch_local(args: &Args) -> Result<(), String> {
     let n = args.ranks;
     run_local_ranks(n, args.timeout(), ENV_ID, &|r| vec![(ENV_RANK, r.to_string()), (ENV_SIZE, n.to_string())], false)
         .map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::overdue;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_grace_starts_at_the_first_end_of_any_kind() {
+        let grace = Duration::from_millis(50);
+        let long_ago = Instant::now() - Duration::from_secs(1);
+        assert_eq!(overdue(None, false, grace), None, "nobody ended: wait on");
+        assert_eq!(overdue(Some((Instant::now(), 0)), true, grace), None, "within the grace");
+        assert_eq!(overdue(Some((long_ago, 1)), true, grace).as_deref(), Some("another rank failed"));
+        // A rank that succeeded while another is stopped: the stopped one is killed too.
+        assert_eq!(overdue(Some((long_ago, 3)), false, grace).as_deref(), Some("rank 3 finished"));
+    }
 }

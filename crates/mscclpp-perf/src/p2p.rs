@@ -256,8 +256,9 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     let a = bs.recv(ring.next, TAG_BASELINE).map_err(e2s)?;
     let next_addr: SocketAddr =
         String::from_utf8_lossy(&a).parse().map_err(|_| format!("bad baseline address from rank {}", ring.next))?;
-    let out = TcpStream::connect(next_addr).map_err(|e| format!("baseline connect to {next_addr}: {e}"))?;
-    let inn = l.accept().map_err(|e| format!("baseline accept: {e}"))?.0;
+    let out = TcpStream::connect_timeout(&next_addr, args.timeout())
+        .map_err(|e| format!("baseline connect to rank {} ({next_addr}): {e}", ring.next))?;
+    let inn = accept_within(&l, args.timeout()).map_err(|e| format!("baseline accept from rank {}: {e}", ring.prev))?;
     for s in [&out, &inn] {
         s.set_nodelay(true).map_err(|e| e.to_string())?;
         s.set_read_timeout(Some(args.timeout())).map_err(|e| e.to_string())?;
@@ -582,6 +583,32 @@ fn transport_desc(args: &Args, side: &Side) -> String {
         )
     } else {
         "ethernet".into()
+    }
+}
+
+/// Accepts one connection on `l`, giving up after `limit` (a peer stopped or dead before it
+/// connected must not hang this rank).
+fn accept_within(l: &TcpListener, limit: std::time::Duration) -> std::io::Result<TcpStream> {
+    let end = std::time::Instant::now() + limit;
+    l.set_nonblocking(true)?;
+    loop {
+        match l.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false)?;
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if std::time::Instant::now() >= end {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("nobody connected in {limit:?}"),
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! loopback, then `docker*`, and loopback last. `MSCCLPP_SOCKET_FAMILY` restricts the family.
 //! IPv6 link-local addresses are skipped (they need a scope to be dialled).
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use crate::env::{IfnameFilter, SocketFamily};
@@ -271,6 +271,65 @@ pub(crate) fn connect_retry(addr: SocketAddr, deadline: Instant, what: &str) -> 
                 backoff.snooze(&deadline);
             }
         }
+    }
+}
+
+/// A listener whose accept thread can be stopped by a flag alone: [`next`](Self::next) waits in
+/// `poll` for at most [`STOP_CHECK`](Self::STOP_CHECK) at a time and looks at the flag in between.
+/// A connection to oneself is then only the fast way to wake it (it can fail, e.g. on an
+/// address taken off its interface), never the only one. The listener is non-blocking, so a
+/// connection gone between the poll and the accept cannot block it either.
+pub(crate) struct StoppableListener {
+    listener: TcpListener,
+    polled: bool,
+}
+
+impl StoppableListener {
+    /// How long the accept thread may sleep before it looks at its stop flag.
+    pub(crate) const STOP_CHECK: Duration = Duration::from_millis(100);
+
+    pub(crate) fn new(listener: TcpListener) -> Self {
+        // Without O_NONBLOCK (never seen) accepts block as before and only the wake-up
+        // connection stops the thread.
+        let polled = listener.set_nonblocking(true).is_ok();
+        StoppableListener { listener, polled }
+    }
+
+    /// The next incoming connection (a blocking socket), an accept error for the caller to log
+    /// and pace, or `None` once `stop()` says so.
+    pub(crate) fn next(&self, stop: impl Fn() -> bool) -> Option<std::io::Result<TcpStream>> {
+        loop {
+            if stop() {
+                return None;
+            }
+            if self.polled && !readable(&self.listener, Self::STOP_CHECK) {
+                continue;
+            }
+            match self.listener.accept() {
+                // Accepted sockets do not inherit O_NONBLOCK on Linux; be explicit.
+                Ok((s, _)) => return Some(s.set_nonblocking(false).map(|()| s)),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => {}
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+
+    /// The listening address.
+    pub(crate) fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+}
+
+/// Whether the socket has something to read (or an error or end; for a listener: a connection
+/// waits), waiting up to `timeout`.
+pub(crate) fn readable(s: &impl std::os::fd::AsFd, timeout: Duration) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::from(ms)) {
+        Ok(n) => n > 0,
+        // Interrupted: let the caller look again.
+        Err(_) => false,
     }
 }
 

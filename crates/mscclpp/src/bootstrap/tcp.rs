@@ -53,7 +53,7 @@ use super::{
     TAG_GOODBYE, tree_broadcast, tree_children, tree_parent,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::net::{connect_retry, get_addr, put_addr};
+use crate::net::{StoppableListener, connect_retry, get_addr, put_addr};
 use crate::sync::lock;
 use crate::wire::{Reader, WireForm, Writer, length_prefixed, read_length_prefixed};
 
@@ -326,13 +326,22 @@ struct Slots {
 struct Slot(Arc<Slots>);
 
 impl Slots {
-    fn take(self: &Arc<Self>) -> Slot {
+    /// Takes a slot, waiting while none is free; `None` once `done` is set (the root ended: the
+    /// slots still held may never come back, so this must not wait for them).
+    fn take(self: &Arc<Self>, done: &AtomicBool) -> Option<Slot> {
         let mut free = lock(&self.free);
         while *free == 0 {
-            free = self.cond.wait(free).unwrap_or_else(|e| e.into_inner());
+            if done.load(Ordering::Acquire) {
+                return None;
+            }
+            free = self
+                .cond
+                .wait_timeout(free, Duration::from_millis(50))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
         }
         *free -= 1;
-        Slot(self.clone())
+        Some(Slot(self.clone()))
     }
 }
 
@@ -436,10 +445,8 @@ fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Inst
     let accept_done = done.clone();
     let slots = Arc::new(Slots { free: Mutex::new(ROOT_HANDSHAKES), cond: Condvar::new() });
     let acceptor = std::thread::Builder::new().name("mscclpp-bs-root-accept".into()).spawn(move || {
-        for conn in listener.incoming() {
-            if accept_done.load(Ordering::Acquire) {
-                break;
-            }
+        let listener = StoppableListener::new(listener);
+        while let Some(conn) = listener.next(|| accept_done.load(Ordering::Acquire)) {
             let s = match conn {
                 Ok(s) => s,
                 Err(e) => {
@@ -449,7 +456,11 @@ fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Inst
                     continue;
                 }
             };
-            let slot = slots.take();
+            // The wake-up connection at the end (or one that came with it).
+            if accept_done.load(Ordering::Acquire) {
+                break;
+            }
+            let Some(slot) = slots.take(&accept_done) else { break };
             let tx = tx.clone();
             let _ = std::thread::Builder::new()
                 .name("mscclpp-bs-root-hs".into())
@@ -526,6 +537,8 @@ fn run_root(listener: TcpListener, size: usize, secret: [u8; 16], deadline: Inst
     if rv.missing().is_empty() {
         info!(target: LOG, "root: all {size} ranks joined and were answered");
     }
+    // Requests that came too late are dropped with their slots (the acceptor may be waiting for one).
+    drop(rx);
     done.store(true, Ordering::Release);
     // wake the acceptor so it sees `done`
     if let Some(a) = addr {
@@ -1262,10 +1275,8 @@ fn peer_failure(inbox: &Inbox) -> Option<String> {
 }
 
 fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
-    for conn in listener.incoming() {
-        if sh.closing.load(Ordering::Acquire) {
-            break;
-        }
+    let listener = StoppableListener::new(listener);
+    while let Some(conn) = listener.next(|| sh.closing.load(Ordering::Acquire)) {
         let s = match conn {
             Ok(s) => s,
             Err(e) => {
@@ -1275,6 +1286,9 @@ fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
                 continue;
             }
         };
+        if sh.closing.load(Ordering::Acquire) {
+            break;
+        }
         let sh2 = sh.clone();
         let clone = s.try_clone().ok();
         // Forget finished readers (the root's delivery, strangers, peers gone): their stream

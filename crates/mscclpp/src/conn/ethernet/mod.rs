@@ -81,6 +81,7 @@ use crate::conn::endpoint::{Endpoint, EndpointKind};
 use crate::context::{Context, ContextInner};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{LocalRegion, Mem, RegisteredMemory};
+use crate::net::{StoppableListener, readable};
 use crate::platform::cuda::GpuRegion;
 use crate::platform::hostmem::Region;
 use crate::platform::hostmem::{IoPart, send_vectored};
@@ -167,11 +168,21 @@ impl Drop for Acceptor {
 
 fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], context_id: u64) {
     let mut handshakes: Vec<JoinHandle<()>> = Vec::new();
-    for conn in listener.incoming() {
-        if sh.stop.load(Ordering::Acquire) || lock(&sh.slot).is_some() {
+    let listener = StoppableListener::new(listener);
+    let stopped = || sh.stop.load(Ordering::Acquire) || lock(&sh.slot).is_some();
+    while let Some(conn) = listener.next(stopped) {
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors or a transient error: do not spin.
+                debug!(target: LOG, "accepting on {:?}: {e}", listener.local_addr().ok());
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if stopped() {
             break;
         }
-        let Ok(s) = conn else { continue };
         let sh2 = sh.clone();
         let h = std::thread::Builder::new().name("mscclpp-eth-hs".into()).spawn(move || {
             let from = s.peer_addr().ok();
@@ -377,7 +388,15 @@ impl Stager {
             self.stages[0].write(0, &value.to_le_bytes())?;
             self.stream.copy_htod(addr, self.stages[0].as_mut_ptr(), 8)?;
         }
-        self.stream.synchronize()
+        // Bounded: the atomic is a one-thread kernel, which a GPU filled by kernels spinning for
+        // this very token cannot schedule (notes 1.7); fail the connection then, never hang.
+        if !self.stream.wait_idle(STAGE_WAIT)? {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("a GPU token update did not finish in {STAGE_WAIT:?} (is the GPU full of waiting kernels?)"),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -501,9 +520,15 @@ impl Shared {
         self.fail_with(Error::remote(why), !closed);
     }
 
-    /// Queues `op`, waiting while the queue bound is reached; small operations are sent by the
-    /// calling thread when the sender thread is not sending.
+    /// Queues `op`, waiting while the queue bound is reached (up to the wait limit without
+    /// progress); small operations are sent by the calling thread when the sender thread is not
+    /// sending.
     fn enqueue(&self, op: Op<Src>) -> Result<()> {
+        self.enqueue_within(op, self.wait_limit)
+    }
+
+    /// [`enqueue`](Self::enqueue) with its own bound on a full queue (a flush's timeout).
+    fn enqueue_within(&self, op: Op<Src>, limit: Duration) -> Result<()> {
         let inline = inline(&op);
         let deferred = inline && matches!(op, Op::Write { .. });
         let mut st = lock(&self.st);
@@ -519,12 +544,12 @@ impl Shared {
                 Err((o, QueueFull { outstanding })) => {
                     op = Some(o);
                     let since = *waited_from.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= self.wait_limit {
+                    if since.elapsed() >= limit {
                         return Err(Error::new(
                             ErrorKind::Timeout,
                             format!(
                                 "write queue full: {outstanding} operations outstanding at {} and none confirmed for {:?}",
-                                self.peer_desc, self.wait_limit
+                                self.peer_desc, limit
                             ),
                         ));
                     }
@@ -753,19 +778,6 @@ impl Read for RxSocket {
                 Err(e) => return Err(e.into()),
             }
         }
-    }
-}
-
-/// Whether the socket has something to read (or an error or end), waiting up to `timeout`.
-fn readable(s: &TcpStream, timeout: Duration) -> bool {
-    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-    use std::os::fd::AsFd;
-    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
-    let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
-    match poll(&mut fds, PollTimeout::from(ms)) {
-        Ok(n) => n > 0,
-        // Interrupted: let the caller look again.
-        Err(_) => false,
     }
 }
 
@@ -1083,7 +1095,8 @@ impl ConnectionImpl for EthernetConnection {
         };
         // Ask the peer to acknowledge now (a failed connection sends nothing more; what the peer
         // said on closing decides).
-        if let Err(e) = self.sh.enqueue(Op::Nop)
+        // (On a full queue it waits no longer than this flush may.)
+        if let Err(e) = self.sh.enqueue_within(Op::Nop, timeout.min(self.sh.wait_limit))
             && self.sh.failure().is_none()
         {
             return Err(e);
@@ -1174,8 +1187,14 @@ impl Drop for EthernetConnection {
         {
             warn!(target: LOG, "closing the connection with {}: {e}", self.sh.peer_desc);
         }
-        lock(&self.sh.st).closing = true;
-        self.sh.stop.store(true, Ordering::Release);
+        {
+            // `stop` is set under the lock the sender thread reads it under before it sleeps, so
+            // the notify below cannot fall between its check and its wait (a lost wake-up would
+            // leave the join below waiting for ever).
+            let mut st = lock(&self.sh.st);
+            st.closing = true;
+            self.sh.stop.store(true, Ordering::Release);
+        }
         self.sh.cond.notify_all();
         self.sh.tx_cond.notify_all();
         // The receiver first: its socket shut for reading wakes it, it acknowledges every frame
@@ -1317,6 +1336,25 @@ mod tests {
     const OP_SET: u8 = 2;
     const OP_ADD: u8 = 3;
     const OP_NOP: u8 = 4;
+
+    /// The accept thread ends on its stop flag alone, without the drop's self-connect (which can
+    /// fail): it looks at the flag while no connection comes.
+    #[test]
+    fn accept_thread_stops_without_a_wake_up_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let acc = Acceptor::start(listener, [7; 16], 1).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        acc.shared.stop.store(true, Ordering::Release);
+        let t = lock(&acc.thread).take().unwrap();
+        let t0 = Instant::now();
+        while !t.is_finished() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(t.is_finished(), "the accept thread ignored its stop flag");
+        t.join().unwrap();
+        // Dropping the acceptor now finds no thread to join (its self-connect goes unanswered).
+        drop(acc);
+    }
 
     /// A header's bytes, any field as given (malformed ones included).
     fn header(op: u8, seq: u64, region: u64, offset: u64, len: u64, value: u64) -> [u8; wire::HEADER] {
