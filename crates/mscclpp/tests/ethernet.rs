@@ -66,10 +66,13 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
     if let Some(r) = Rank::from_env() {
         let s = setup(&r, &ETHERNET_SHORT_LIMIT, 64 << 20, None);
         if r.rank == 1 {
+            // Rank 0 kills this process when it is done (the job would otherwise wait out its limit).
+            s.bs.send(0, 9, std::process::id().to_string().as_bytes()).unwrap();
             s.bs.barrier().unwrap();
             let _ = std::process::Command::new("kill").args(["-STOP", &std::process::id().to_string()]).status();
             return;
         }
+        let peer_pid = String::from_utf8(s.bs.recv(1, 9).unwrap()).unwrap();
         s.bs.barrier().unwrap();
         std::thread::sleep(Duration::from_millis(200));
         let conn = s.conns[1].as_ref().unwrap();
@@ -93,6 +96,7 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
         let f = conn.flush(Duration::from_secs(5)).unwrap_err();
         assert!(f.to_string().contains("stalled"), "{f}");
         println!("after {sent} rounds of 1 MiB + signal, {:?}: {e}", t0.elapsed());
+        let _ = std::process::Command::new("kill").args(["-KILL", &peer_pid]).status();
         std::process::exit(0);
     }
     let job = common::spawn_some(

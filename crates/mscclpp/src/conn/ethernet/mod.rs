@@ -520,9 +520,8 @@ impl Shared {
         self.fail_with(Error::remote(why), !closed);
     }
 
-    /// Queues `op`, waiting while the queue bound is reached (up to the wait limit without
-    /// progress); small operations are sent by the calling thread when the sender thread is not
-    /// sending.
+    /// Queues `op`, waiting while the queue bound is reached (up to the wait limit in all);
+    /// small operations are sent by the calling thread when the sender thread is not sending.
     fn enqueue(&self, op: Op<Src>) -> Result<()> {
         self.enqueue_within(op, self.wait_limit)
     }
@@ -923,6 +922,9 @@ impl RxState {
                         if !sh.stop.load(Ordering::Acquire) {
                             sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
                         }
+                        // Part of the record may have gone out (a send timeout): no closing
+                        // record may follow it.
+                        self.applied_all = false;
                         self.done = true;
                         break;
                     }
@@ -1095,9 +1097,11 @@ impl ConnectionImpl for EthernetConnection {
         };
         // Ask the peer to acknowledge now (a failed connection sends nothing more; what the peer
         // said on closing decides).
-        // (On a full queue it waits no longer than this flush may.)
+        // (On a full queue it waits no longer than this flush may, and is not needed: the sender
+        // already asked for acknowledgements; the wait below then gives the flush's own error.)
         if let Err(e) = self.sh.enqueue_within(Op::Nop, timeout.min(self.sh.wait_limit))
             && self.sh.failure().is_none()
+            && e.kind() != ErrorKind::Timeout
         {
             return Err(e);
         }
