@@ -20,13 +20,14 @@ fn flush_times_out_when_peer_stalls() {
     if let Some(r) = Rank::from_env() {
         let s = setup(&r, &ETHERNET, 64 << 20, None);
         if r.rank == 1 {
-            // Stop this process (not kill) so its sockets stay open but nothing is read.
-            s.bs.barrier().unwrap();
-            let _ = std::process::Command::new("kill").args(["-STOP", &std::process::id().to_string()]).status();
+            // Rank 0 stops this process (not kills: its sockets stay open but nothing is read),
+            // then kills it at the end.
+            s.bs.send(0, 9, std::process::id().to_string().as_bytes()).unwrap();
+            std::thread::sleep(Duration::from_secs(60));
             return;
         }
-        s.bs.barrier().unwrap();
-        std::thread::sleep(Duration::from_millis(200));
+        let peer_pid = String::from_utf8(s.bs.recv(1, 9).unwrap()).unwrap();
+        stop_and_wait_stopped(&peer_pid);
         let conn = s.conns[1].as_ref().unwrap();
         let src = Buffer::new(s.comm.context(), 64 << 20, Transport::Ethernet.into()).unwrap();
         conn.write(s.remote[1].as_ref().unwrap(), 0, src.memory(), 0, 64 << 20).unwrap();
@@ -41,11 +42,29 @@ fn flush_times_out_when_peer_stalls() {
         assert!(e.outstanding().is_some_and(|n| n >= 1), "{e}: outstanding {:?}", e.outstanding());
         assert!(el < Duration::from_secs(2), "{el:?}");
         println!("{e}");
+        let _ = std::process::Command::new("kill").args(["-KILL", &peer_pid]).status();
         std::process::exit(0);
     }
     let job = common::spawn_some("flush_times_out_when_peer_stalls", 2, &[0, 1], T, &[], Duration::from_secs(8));
     let (_, o) = &job.outputs[0];
     assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+}
+
+/// Stops process `pid` (SIGSTOP) and waits until the kernel shows it stopped.
+fn stop_and_wait_stopped(pid: &str) {
+    let ok = std::process::Command::new("kill").args(["-STOP", pid]).status().unwrap().success();
+    assert!(ok, "kill -STOP {pid}");
+    let t0 = Instant::now();
+    loop {
+        // The state follows the command name, which is in parentheses.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+        if state == Some("T") {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "process {pid} did not stop: {stat}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// Ethernet with a 2 s wait limit and room for many outstanding writes (so that the socket,
@@ -66,15 +85,13 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
     if let Some(r) = Rank::from_env() {
         let s = setup(&r, &ETHERNET_SHORT_LIMIT, 64 << 20, None);
         if r.rank == 1 {
-            // Rank 0 kills this process when it is done (the job would otherwise wait out its limit).
+            // Rank 0 stops this process, then kills it when it is done.
             s.bs.send(0, 9, std::process::id().to_string().as_bytes()).unwrap();
-            s.bs.barrier().unwrap();
-            let _ = std::process::Command::new("kill").args(["-STOP", &std::process::id().to_string()]).status();
+            std::thread::sleep(Duration::from_secs(60));
             return;
         }
         let peer_pid = String::from_utf8(s.bs.recv(1, 9).unwrap()).unwrap();
-        s.bs.barrier().unwrap();
-        std::thread::sleep(Duration::from_millis(200));
+        stop_and_wait_stopped(&peer_pid);
         let conn = s.conns[1].as_ref().unwrap();
         let dst = s.remote[1].as_ref().unwrap();
         let src = Buffer::new(s.comm.context(), 1 << 20, Transport::Ethernet.into()).unwrap();

@@ -880,9 +880,12 @@ impl TcpBootstrap {
         // our deadline, a rank that has heard nothing asks the root which ranks are missing, so
         // it can name them.
         let margin = (cfg.timeout / 10).min(Duration::from_secs(2));
-        let heard = match read_root_answer(&mut rs, deadline - margin, secret, cfg.size) {
+        let first = read_root_answer(&mut rs, deadline - margin, secret, cfg.size);
+        // The connection stays ours until the root says our answer goes to our listener.
+        let mut held = Some(rs);
+        let heard = match first {
             Ok(RootStatus::Joined) => {
-                drop(rs);
+                held = None;
                 bs.shared.wait_root_answer(deadline - margin)
             }
             Ok(s @ (RootStatus::Done(_) | RootStatus::Failed { .. })) => Some(s),
@@ -903,7 +906,13 @@ impl TcpBootstrap {
                 }
                 // the delivery to us was lost, or it crossed the query
                 Ok(s) => s,
-                Err(e) => match bs.shared.wait_root_answer(deadline) {
+                // The root may have ended just as we asked (its deadline is close to ours): its
+                // final answer then went to the connection we still hold, or to our listener.
+                Err(e) => match held
+                    .as_mut()
+                    .and_then(|rs| read_root_answer(rs, deadline, secret, cfg.size).ok())
+                    .or_else(|| bs.shared.wait_root_answer(deadline))
+                {
                     Some(s) => s,
                     None => {
                         return Err(Error::new(
@@ -1695,8 +1704,16 @@ mod tests {
         let id1 = id.clone();
         let first =
             std::thread::spawn(move || TcpBootstrap::config(1, 2).timeout(Duration::from_secs(20)).initialize(&id1));
-        // let the first rank 1 arrive
-        std::thread::sleep(Duration::from_millis(300));
+        // Let the first rank 1 arrive: ask the root until it no longer misses rank 1.
+        let t0 = Instant::now();
+        loop {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            match query_root(id.root, id.secret, 0, 2, deadline) {
+                Ok(RootStatus::Progress { missing }) if !missing.contains(&1) => break,
+                _ if t0.elapsed() > Duration::from_secs(20) => panic!("the first rank 1 never reached the root"),
+                _ => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
         let e = TcpBootstrap::config(1, 2).timeout(Duration::from_secs(20)).initialize(&id).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Remote, "{e}");
         assert!(e.to_string().contains("rank 1 joined twice"), "{e}");

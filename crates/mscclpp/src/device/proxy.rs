@@ -194,17 +194,17 @@ impl Shared {
 
     /// Keeps the first error and publishes it to the device: the error word first, then every
     /// flush word (so a kernel that sees a released flush can tell it was released by an error).
+    /// All under the error's lock, so that whoever sees the error in [`status`](Self::status)
+    /// also sees the words already published.
     fn fail(&self, e: Error, nconns: usize) {
-        {
-            let mut g = lock(&self.error);
-            if g.is_none() {
-                warn!(target: LOG, "proxy failed: {e}");
-                *g = Some(e);
-            }
-        }
+        let mut g = lock(&self.error);
         self.failed.store(true, Ordering::Release);
         self.fifo.set_proxy_error(PROXY_FAILED);
         self.release_flushes(nconns);
+        if g.is_none() {
+            warn!(target: LOG, "proxy failed: {e}");
+            *g = Some(e);
+        }
     }
 
     fn release_flushes(&self, nconns: usize) {

@@ -112,13 +112,16 @@ mod tests {
 
     #[test]
     fn watches_a_child_exit() {
-        let mut child = std::process::Command::new("sleep").arg("0.2").spawn().unwrap();
+        // Long enough never to end on its own before the "still running" check, however loaded
+        // the machine; killed below.
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();
         let pid = child.id();
         let start = start_time(pid);
         assert!(start.is_some());
         let p = PidFd::open(pid, start).unwrap();
         assert_eq!(format!("{p:?}"), format!("PidFd(pid {pid})"));
         assert!(!p.wait_exit(Duration::from_millis(1)).unwrap(), "still running");
+        child.kill().unwrap();
         assert!(p.wait_exit(Duration::from_secs(20)).unwrap(), "exited");
         child.wait().unwrap();
         // Reaped: the pid names nothing (or another process, which the start time tells apart).
