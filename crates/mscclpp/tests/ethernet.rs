@@ -19,15 +19,7 @@ connection_suite!(&ETHERNET);
 fn flush_times_out_when_peer_stalls() {
     if let Some(r) = Rank::from_env() {
         let s = setup(&r, &ETHERNET, 64 << 20, None);
-        if r.rank == 1 {
-            // Rank 0 stops this process (not kills: its sockets stay open but nothing is read),
-            // then kills it at the end.
-            s.bs.send(0, 9, std::process::id().to_string().as_bytes()).unwrap();
-            std::thread::sleep(Duration::from_secs(60));
-            return;
-        }
-        let peer_pid = String::from_utf8(s.bs.recv(1, 9).unwrap()).unwrap();
-        stop_and_wait_stopped(&peer_pid);
+        let Some(peer_pid) = stop_rank_1(&r, &s) else { return };
         let conn = s.conns[1].as_ref().unwrap();
         let src = Buffer::new(s.comm.context(), 64 << 20, Transport::Ethernet.into()).unwrap();
         conn.write(s.remote[1].as_ref().unwrap(), 0, src.memory(), 0, 64 << 20).unwrap();
@@ -48,6 +40,20 @@ fn flush_times_out_when_peer_stalls() {
     let job = common::spawn_some("flush_times_out_when_peer_stalls", 2, &[0, 1], T, &[], Duration::from_secs(8));
     let (_, o) = &job.outputs[0];
     assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+}
+
+/// Rank 1 of a two-rank test hands its pid to rank 0 and idles (`None`: its test body returns);
+/// rank 0 stops it (SIGSTOP, not a kill: its sockets stay open but nothing is read), waits until
+/// the kernel shows it stopped, and gets its pid to kill it at the end.
+fn stop_rank_1(r: &Rank, s: &common::suite::Setup) -> Option<String> {
+    if r.rank == 1 {
+        s.bs.send(0, 9, std::process::id().to_string().as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_secs(60));
+        return None;
+    }
+    let pid = String::from_utf8(s.bs.recv(1, 9).unwrap()).unwrap();
+    stop_and_wait_stopped(&pid);
+    Some(pid)
 }
 
 /// Stops process `pid` (SIGSTOP) and waits until the kernel shows it stopped.
@@ -84,14 +90,7 @@ static ETHERNET_SHORT_LIMIT: Harness = Harness { config: short_limit_config, ..E
 fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
     if let Some(r) = Rank::from_env() {
         let s = setup(&r, &ETHERNET_SHORT_LIMIT, 64 << 20, None);
-        if r.rank == 1 {
-            // Rank 0 stops this process, then kills it when it is done.
-            s.bs.send(0, 9, std::process::id().to_string().as_bytes()).unwrap();
-            std::thread::sleep(Duration::from_secs(60));
-            return;
-        }
-        let peer_pid = String::from_utf8(s.bs.recv(1, 9).unwrap()).unwrap();
-        stop_and_wait_stopped(&peer_pid);
+        let Some(peer_pid) = stop_rank_1(&r, &s) else { return };
         let conn = s.conns[1].as_ref().unwrap();
         let dst = s.remote[1].as_ref().unwrap();
         let src = Buffer::new(s.comm.context(), 1 << 20, Transport::Ethernet.into()).unwrap();
