@@ -3,5 +3,7 @@
 //! `NotAvailable` ("no CUDA driver found") where `libcuda` cannot be loaded.
 
 pub use crate::buffer::{DeviceBuffer, PinnedBuffer};
-pub use crate::platform::cuda::module::Stream;
+pub use crate::platform::cuda::graph::{Graph, TimingEvent};
+pub use crate::platform::cuda::module::{Kernel, Stream, sm_count};
+pub use crate::platform::cuda::usermem::check_device_range;
 pub use crate::platform::cuda::{device_count, device_name, numa_node};

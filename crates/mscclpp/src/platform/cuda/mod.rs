@@ -18,6 +18,7 @@ use crate::sync::lock;
 
 mod dmabuf;
 pub(crate) mod fifo_mem;
+pub(crate) mod graph;
 mod ipc;
 pub(crate) mod module;
 pub(crate) mod nvrtc;
@@ -60,7 +61,7 @@ pub(crate) fn cuda_err(call: &str, e: result::DriverError) -> Error {
     Error::new(ErrorKind::Cuda, format!("{call} failed: {name} ({text})")).with_cuda_result(e.0 as i32)
 }
 
-fn check(call: &str, r: sys::CUresult) -> Result<()> {
+pub(crate) fn check(call: &str, r: sys::CUresult) -> Result<()> {
     r.result().map_err(|e| cuda_err(call, e))
 }
 
@@ -187,8 +188,10 @@ pub fn device_name(ordinal: u32) -> Result<String> {
 
 /// A non-blocking stream on one device.
 pub(crate) struct Stream {
-    raw: sys::CUstream,
+    pub(crate) raw: sys::CUstream,
     pub(crate) dev: Arc<GpuDevice>,
+    /// False for a stream the caller owns (borrowed through `from_raw`): never destroyed here.
+    owned: bool,
 }
 
 // SAFETY: streams may be used from any thread once the device context is bound, which every
@@ -202,7 +205,16 @@ impl Stream {
         dev.bind()?;
         let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| cuda_err("cuStreamCreate", e))?;
-        Ok(Stream { raw, dev: dev.clone() })
+        Ok(Stream { raw, dev: dev.clone(), owned: true })
+    }
+
+    /// A stream the caller created (a framework's current stream), used but never destroyed.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `dev`'s primary context (or 0, the legacy default stream) and
+    /// outlives the returned value.
+    pub(crate) unsafe fn borrowed(dev: &Arc<GpuDevice>, raw: u64) -> Stream {
+        Stream { raw: raw as sys::CUstream, dev: dev.clone(), owned: false }
     }
 
     /// Copies `n` bytes device to device, asynchronously.
@@ -312,7 +324,7 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if self.dev.bind().is_ok() {
+        if self.owned && self.dev.bind().is_ok() {
             // SAFETY: raw is a live stream destroyed once; pending work completes first (driver).
             if let Err(e) = unsafe { result::stream::destroy(self.raw) } {
                 tracing::warn!(target: LOG, "cuStreamDestroy: {e}");

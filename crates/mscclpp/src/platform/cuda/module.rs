@@ -136,6 +136,39 @@ impl Kernel {
         unsafe { result::launch_kernel(self.raw, grid, block, shared_mem, stream.raw, args) }
             .map_err(|e| cuda_err(&format!("cuLaunchKernel({})", self.name), e))
     }
+
+    /// How many blocks of `block_threads` threads (with `shared_mem` bytes of dynamic shared
+    /// memory) one SM can hold at once (`cuOccupancyMaxActiveBlocksPerMultiprocessor`): with
+    /// [`sm_count`], how many blocks of kernels that wait on each other can be resident together.
+    ///
+    /// # Errors
+    /// `Cuda` when the driver refuses (for example more threads than a block may have).
+    pub fn max_active_blocks_per_sm(&self, block_threads: u32, shared_mem: usize) -> Result<u32> {
+        self.module.dev.bind()?;
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: raw is a live function of the bound context; n is a local out-parameter.
+        let r = unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.raw, block_threads as i32, shared_mem)
+        };
+        super::check("cuOccupancyMaxActiveBlocksPerMultiprocessor", r)?;
+        Ok(n.max(0) as u32)
+    }
+}
+
+/// The number of streaming multiprocessors of GPU `ordinal`.
+///
+/// # Errors
+/// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU.
+pub fn sm_count(ordinal: u32) -> Result<u32> {
+    let dev = super::device(ordinal)?;
+    let raw = result::device::get(ordinal as i32).map_err(|e| cuda_err("cuDeviceGet", e))?;
+    dev.bind()?;
+    // SAFETY: raw is a valid device handle and the attribute a valid enum value.
+    let n = unsafe {
+        result::device::get_attribute(raw, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+    }
+    .map_err(|e| cuda_err("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)", e))?;
+    Ok(n.max(0) as u32)
 }
 
 /// The compute capability `(major, minor)` of GPU `ordinal`.
@@ -173,6 +206,54 @@ impl Stream {
     /// driver refuses.
     pub fn new(device: u32) -> Result<Stream> {
         Ok(Stream { inner: RawStream::new(&super::device(device)?)? })
+    }
+
+    /// A stream someone else created on GPU `device` (PyTorch's `torch.cuda.current_stream()
+    /// .cuda_stream`, a `cudaStream_t` from C), wrapped without taking ownership: dropping the
+    /// wrapper leaves the stream alone. `raw = 0` is the legacy default stream.
+    ///
+    /// # Errors
+    /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of GPU `device`'s primary context (the runtime API's context) and
+    /// outlives the returned value and everything launched through it.
+    pub unsafe fn from_raw(device: u32, raw: u64) -> Result<Stream> {
+        let dev = super::device(device)?;
+        // SAFETY: the caller's contract, passed on.
+        Ok(Stream { inner: unsafe { RawStream::borrowed(&dev, raw) } })
+    }
+
+    /// The driver's handle (`CUstream`, the same value as a runtime `cudaStream_t`), for FFI.
+    pub fn as_raw(&self) -> u64 {
+        self.inner.raw as u64
+    }
+
+    /// Starts capturing the work submitted to this stream into a CUDA graph (global capture
+    /// mode, as PyTorch's `torch.cuda.graph` does); [`end_capture`](Self::end_capture) ends it.
+    ///
+    /// # Errors
+    /// `Cuda` when the driver refuses (the stream is already capturing, or is the legacy stream).
+    pub fn begin_capture(&self) -> Result<()> {
+        super::graph::begin_capture(&self.inner)
+    }
+
+    /// Ends a capture begun with [`begin_capture`](Self::begin_capture) and instantiates the
+    /// graph, ready to [`launch`](super::graph::Graph::launch).
+    ///
+    /// # Errors
+    /// `Cuda` when the capture was invalidated (an operation not allowed during capture) or the
+    /// graph cannot be instantiated.
+    pub fn end_capture(&self) -> Result<super::graph::Graph> {
+        super::graph::end_capture(&self.inner)
+    }
+
+    /// Whether this stream is capturing a graph right now.
+    ///
+    /// # Errors
+    /// `Cuda` when the driver cannot say.
+    pub fn is_capturing(&self) -> Result<bool> {
+        super::graph::is_capturing(&self.inner)
     }
 
     /// The GPU it belongs to.
