@@ -159,8 +159,12 @@ impl GpuDevice {
     }
 }
 
-/// The PCI bus id (`0000:17:00.0`) of GPU `ordinal`.
-pub(crate) fn pci_bus_id(ordinal: u32) -> Result<String> {
+/// The PCI bus id (`0000:17:00.0`) of GPU `ordinal`: names one GPU across processes whatever
+/// their `CUDA_VISIBLE_DEVICES`.
+///
+/// # Errors
+/// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU.
+pub fn pci_bus_id(ordinal: u32) -> Result<String> {
     let d = device(ordinal)?;
     let dev = result::device::get(d.ordinal as i32).map_err(|e| cuda_err("cuDeviceGet", e))?;
     let mut buf = [0 as std::ffi::c_char; 32];

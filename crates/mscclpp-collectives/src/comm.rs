@@ -1,0 +1,597 @@
+//! [`Collectives`]: the per-communicator object that owns the scratch, the channels and the
+//! device state, and runs collective calls on a stream.
+//!
+//! `unsafe` here is the raw-pointer API (device pointers the caller vouches for) and the one
+//! launch it leads to; everything else is checked.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use mscclpp::gpu::{DeviceBuffer, PinnedBuffer, Stream, check_device_range};
+use mscclpp::{
+    Communicator, Device, EndpointConfig, Error, ErrorKind, MemoryChannel, MemoryDevice2DeviceSemaphore, Result,
+    Transport, TransportFlags,
+};
+
+use crate::kernels::{self, CollArgs, Kernels, STATE_BYTES};
+use crate::select::{self, Layout, Limits, MAX_BLOCKS, MAX_RANKS_SIMPLE, Plan};
+use crate::types::{Algorithm, Collective, DataType, ReduceOp};
+
+/// How a [`Collectives`] is built.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Config {
+    /// The GPU of this rank.
+    pub device: u32,
+    /// How long a device wait (for a peer's data or signal) may last before the call fails
+    /// naming the peer. Default 30 s; `Duration::MAX` means no limit.
+    pub timeout: Duration,
+    /// Bytes of each of the two packet halves of the scratch (LL algorithms). Default 8 MiB:
+    /// AllReduce by packets up to 1 MiB at 8 ranks.
+    pub packet_bytes: u64,
+    /// Bytes one round of the staged algorithms moves per rank buffer (the scratch holds two).
+    /// Default 32 MiB; larger messages run in rounds.
+    pub simple_bytes: u64,
+    /// Selector thresholds (algorithm by size); `max_blocks` is lowered to what fits on the GPU.
+    pub limits: Limits,
+}
+
+impl Config {
+    /// The defaults for GPU `device`.
+    pub fn new(device: u32) -> Config {
+        Config { device, timeout: Duration::from_secs(30), packet_bytes: 8 << 20, simple_bytes: 32 << 20, limits: Limits::default() }
+    }
+    /// Sets the device wait limit.
+    pub fn timeout(mut self, t: Duration) -> Config {
+        self.timeout = t;
+        self
+    }
+    /// Sets the packet half size.
+    pub fn packet_bytes(mut self, n: u64) -> Config {
+        self.packet_bytes = n;
+        self
+    }
+    /// Sets the staged round size.
+    pub fn simple_bytes(mut self, n: u64) -> Config {
+        self.simple_bytes = n;
+        self
+    }
+    /// Sets the selector thresholds.
+    pub fn limits(mut self, l: Limits) -> Config {
+        self.limits = l;
+        self
+    }
+}
+
+/// Per-call choices that override the selector.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CallOptions {
+    /// Run this algorithm (an error if it cannot serve the call).
+    pub algorithm: Option<Algorithm>,
+    /// Blocks per rank (capped to what fits on the GPU).
+    pub blocks: Option<u32>,
+    /// Threads per block (32..=512, a multiple of 32).
+    pub threads: Option<u32>,
+    /// Reduce f16/bf16 in f32 and round once at the end (default: round after every step).
+    pub accumulate_f32: bool,
+}
+
+impl CallOptions {
+    /// Options naming an algorithm.
+    pub fn algorithm(a: Algorithm) -> CallOptions {
+        CallOptions { algorithm: Some(a), ..CallOptions::default() }
+    }
+    /// Sets blocks and threads.
+    pub fn shape(mut self, blocks: u32, threads: u32) -> CallOptions {
+        self.blocks = Some(blocks);
+        self.threads = Some(threads);
+        self
+    }
+    /// Sets f32 accumulation.
+    pub fn accumulate_f32(mut self, yes: bool) -> CallOptions {
+        self.accumulate_f32 = yes;
+        self
+    }
+}
+
+/// Collectives over the ranks of one [`Communicator`], on one GPU per rank.
+///
+/// Build it on every rank at once (it exchanges scratch buffers and connects every pair over
+/// CUDA IPC, so all ranks must be on one host); then every rank makes the same calls in the same
+/// order, each on its own stream. Calls are asynchronous (stream-ordered) and may be captured in
+/// a CUDA graph: the scratch, channels and counters are built once here and stay valid for every
+/// replay. Every device wait is bounded by [`Config::timeout`]: a rank that never arrives makes
+/// the others' kernels end, and [`check`](Self::check) (or the next call) returns an error
+/// naming it; after that the object refuses further calls.
+///
+/// Scratch: [`scratch_bytes`](Self::scratch_bytes) of GPU memory per rank (about 2 x
+/// `packet_bytes` + 2 x `simple_bytes`, 80 MiB by default).
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use mscclpp::{Communicator, RootServer, TcpBootstrap, gpu::{DeviceBuffer, Stream}, TransportFlags};
+/// use mscclpp_collectives::{Collectives, Config, DataType, ReduceOp};
+/// // Two ranks as two threads of one process, both on GPU 0.
+/// let (root, id) = RootServer::start(2, Duration::from_secs(30))?;
+/// let rank_main = |rank: usize| -> mscclpp::Result<Vec<u8>> {
+///     let bs = Arc::new(TcpBootstrap::initialize(rank, 2, &id)?);
+///     let comm = Communicator::new(bs);
+///     let coll = Collectives::new(&comm, Config::new(0))?;
+///     let stream = Stream::new(0)?;
+///     let buf = DeviceBuffer::new(comm.context(), 0, 4096, TransportFlags::NONE)?;
+///     buf.write(0, &[rank as u8 + 1; 4096])?;
+///     coll.all_reduce_buffers(&buf, &buf, 4096, DataType::U32, ReduceOp::Sum, &stream)?; // in place
+///     coll.synchronize(&stream, Duration::from_secs(10))?;
+///     buf.to_vec()
+/// };
+/// let other = std::thread::spawn({ let f = rank_main.clone(); move || f(1) });
+/// let mine = rank_main(0)?;
+/// assert_eq!(mine, other.join().unwrap()?);
+/// # drop(root);
+/// # Ok::<(), mscclpp::Error>(())
+/// ```
+pub struct Collectives {
+    rank: usize,
+    nranks: usize,
+    device: u32,
+    layout: Layout,
+    limits: Limits,
+    timeout: Duration,
+    kernels: Arc<Kernels>,
+    scratch: DeviceBuffer,
+    peers_table: DeviceBuffer,
+    state: DeviceBuffer,
+    expected: DeviceBuffer,
+    /// Page-locked: word 0 is the error the kernels report, word 1 the abort request.
+    host_words: PinnedBuffer,
+    failed: AtomicBool,
+    _channels: Vec<MemoryChannel>,
+}
+
+impl std::fmt::Debug for Collectives {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Collectives(rank {} of {}, GPU{}, scratch {} bytes)", self.rank, self.nranks, self.device, self.layout.total)
+    }
+}
+
+const ERR_TIMEOUT: u64 = 1;
+const ERR_MISMATCH: u64 = 2;
+const ERR_ABORTED: u64 = 3;
+const ERR_FAILED_BEFORE: u64 = 4;
+
+impl Collectives {
+    /// Builds the collectives of `comm` on `config.device` (a collective call: every rank of
+    /// `comm` calls it). Compiles the kernels the first time a process needs them (NVRTC), so
+    /// every rank has them loaded before any rank launches one.
+    ///
+    /// # Errors
+    /// `NotAvailable` without CUDA or NVRTC; `InvalidUsage` when a peer is on another host (the
+    /// collectives here use CUDA IPC) or more ranks share a GPU than can be resident together;
+    /// bootstrap and CUDA errors naming the peer.
+    pub fn new(comm: &Communicator, config: Config) -> Result<Collectives> {
+        let (rank, nranks, dev) = (comm.rank(), comm.size(), config.device);
+        let layout = Layout::new(nranks, config.packet_bytes, config.simple_bytes)?;
+        let kernels = kernels::kernels(dev)?;
+        // Which ranks share this GPU: kernels that wait on each other must all be resident.
+        let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
+        let all = comm.bootstrap().all_gather(me.as_bytes())?;
+        let my_host = me.split('/').next().unwrap_or_default();
+        for (p, who) in all.iter().enumerate() {
+            if String::from_utf8_lossy(who).split('/').next() != Some(my_host) {
+                return Err(Error::invalid_usage(format!(
+                    "rank {p} is on another host: these collectives connect ranks over CUDA IPC within one host"
+                ))
+                .with_peer(p));
+            }
+        }
+        let on_gpu = all.iter().filter(|w| w.as_slice() == me.as_bytes()).count();
+        let sms = mscclpp::gpu::sm_count(dev)?;
+        let per_sm = kernels.min_blocks_per_sm(512)?.max(1);
+        let mut limits = config.limits;
+        limits.max_blocks = limits.max_blocks.min(select::residency_cap(sms, per_sm, on_gpu)?);
+
+        let ctx = comm.context();
+        let scratch = DeviceBuffer::new(ctx, dev, layout.total as usize, Transport::CudaIpc.into())?;
+        let ep = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
+        let tag = 0x00c0_11ec;
+        let peers: Vec<usize> = (0..nranks).filter(|&p| p != rank).collect();
+        let mut pending = Vec::new();
+        for &p in &peers {
+            comm.send_memory(scratch.memory(), p, tag)?;
+            pending.push((p, comm.recv_memory(p, tag)?, comm.connect(&ep, p, tag)?));
+        }
+        let mut sems = Vec::new();
+        for (p, mem, conn) in pending {
+            let mem = mem.wait().map_err(|e| e.during("receiving a peer's collective scratch").with_peer(p))?;
+            let conn = conn.wait().map_err(|e| e.during("connecting for collectives").with_peer(p))?;
+            sems.push((p, mem, comm.build_semaphore(&conn, p, tag)?));
+        }
+        let mut table = vec![0u64; nranks];
+        table[rank] = scratch.device_ptr();
+        let mut channels = Vec::new();
+        for (p, mem, sem) in sems {
+            let sem = MemoryDevice2DeviceSemaphore::new(sem.wait()?)?;
+            let ch = MemoryChannel::new(sem, &mem, scratch.memory(), Some(scratch.memory()))?;
+            table[p] = ch.device_handle().dst;
+            channels.push(ch);
+        }
+        let peers_table = DeviceBuffer::new(ctx, dev, nranks * 8, TransportFlags::NONE)?;
+        let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
+        peers_table.write(0, &bytes)?;
+        let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
+        state.write(0, &1u32.to_le_bytes())?; // the first LL flag
+        let expected = DeviceBuffer::new(ctx, dev, nranks * MAX_BLOCKS as usize * 8, TransportFlags::NONE)?;
+        let host_words = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
+        // Nobody launches before every rank has its kernels loaded and its scratch mapped.
+        comm.bootstrap().barrier()?;
+        tracing::debug!(target: "mscclpp::collectives", rank, nranks, gpu = dev, on_gpu, max_blocks = limits.max_blocks, scratch = layout.total, "collectives ready");
+        Ok(Collectives {
+            rank,
+            nranks,
+            device: dev,
+            layout,
+            limits,
+            timeout: config.timeout,
+            kernels,
+            scratch,
+            peers_table,
+            state,
+            expected,
+            host_words,
+            failed: AtomicBool::new(false),
+            _channels: channels,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.nranks
+    }
+    /// The GPU.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+    /// GPU memory this rank's scratch takes.
+    pub fn scratch_bytes(&self) -> u64 {
+        self.layout.total
+    }
+    /// The scratch layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// The selector thresholds in force (`max_blocks` already capped for residency).
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The plan the selector makes for a call (`nbytes` as in [`Layout::packet_need`]).
+    pub fn plan(&self, coll: Collective, nbytes: u64, opts: &CallOptions) -> Result<Plan> {
+        let mut plan = select::select(coll, nbytes, &self.layout, &self.limits);
+        if let Some(a) = opts.algorithm {
+            if !a.serves(coll) {
+                return Err(Error::invalid_usage(format!("the {a} algorithm does not implement {coll}")));
+            }
+            if a.is_packet() && !self.layout.packet_fits(coll, a, nbytes) {
+                return Err(Error::invalid_usage(format!(
+                    "{coll} of {nbytes} bytes by {a} needs {} bytes of packet scratch; this communicator has {} \
+                     (Config::packet_bytes)",
+                    self.layout.packet_need(coll, a, nbytes),
+                    self.layout.pkt_half
+                )));
+            }
+            let (b, t) = select::shape(coll, a, nbytes, &self.layout, self.limits.max_blocks);
+            plan = Plan { algorithm: a, blocks: b, threads: t };
+        }
+        if plan.algorithm == Algorithm::Simple && self.nranks > MAX_RANKS_SIMPLE {
+            return Err(Error::invalid_usage(format!(
+                "{coll} of {nbytes} bytes needs the staged algorithm, which serves at most {MAX_RANKS_SIMPLE} ranks \
+                 (this communicator has {})",
+                self.nranks
+            )));
+        }
+        if let Some(b) = opts.blocks {
+            plan.blocks = b.clamp(1, self.limits.max_blocks);
+        }
+        if let Some(t) = opts.threads {
+            if !(32..=512).contains(&t) || t % 32 != 0 {
+                return Err(Error::invalid_usage(format!("threads per block must be a multiple of 32 in 32..=512, not {t}")));
+            }
+            if plan.algorithm == Algorithm::Simple && (t as usize) < self.nranks {
+                return Err(Error::invalid_usage(format!("the staged algorithm needs at least {} threads per block", self.nranks)));
+            }
+            plan.threads = t;
+        }
+        Ok(plan)
+    }
+
+    /// The error a kernel of this rank reported, if any (non-blocking: reads a page-locked word).
+    ///
+    /// # Errors
+    /// `Timeout` naming the rank that never arrived, `InvalidUsage` naming the rank whose call
+    /// differed from ours, `Aborted`-like `Remote` after [`abort`](Self::abort).
+    pub fn check(&self) -> Result<()> {
+        let mut w = [0u8; 8];
+        self.host_words.read(0, &mut w)?;
+        let code = u64::from_le_bytes(w);
+        if code == 0 {
+            return if self.failed.load(Ordering::Acquire) {
+                Err(Error::remote(format!("rank {}: the collectives failed earlier and refuse further calls", self.rank)))
+            } else {
+                Ok(())
+            };
+        }
+        self.failed.store(true, Ordering::Release);
+        let kind = (code >> 48) & 0x7fff;
+        let peer = ((code >> 32) & 0xffff) as usize;
+        let e = match kind {
+            ERR_TIMEOUT => Error::timeout(
+                format!("rank {}: a collective waited for rank {peer}, which never arrived (stopped, or making another call)", self.rank),
+                self.timeout,
+            )
+            .with_peer(peer),
+            ERR_MISMATCH => Error::invalid_usage(format!(
+                "rank {}: rank {peer} made a different collective call (collective, type, operation, count, algorithm or shape differ)",
+                self.rank
+            ))
+            .with_peer(peer),
+            ERR_ABORTED => Error::remote(format!("rank {}: the collectives were aborted", self.rank)),
+            ERR_FAILED_BEFORE => {
+                Error::remote(format!("rank {}: a collective ran after an earlier one failed and did nothing", self.rank))
+            }
+            _ => Error::internal(format!("rank {}: unknown collective error word {code:#x}", self.rank)),
+        };
+        Err(e.during("a collective"))
+    }
+
+    /// Asks every running and future kernel of this rank to stop waiting and fail (what
+    /// `ncclCommAbort` needs). Kernels see it within about a millisecond; calls after it fail.
+    ///
+    /// # Errors
+    /// CUDA errors writing the request.
+    pub fn abort(&self) -> Result<()> {
+        self.failed.store(true, Ordering::Release);
+        self.host_words.write(8, &1u64.to_le_bytes())
+    }
+
+    /// Waits (bounded) for `stream` to finish, then [`check`](Self::check)s.
+    ///
+    /// # Errors
+    /// `Timeout` when the stream is still busy after `timeout`; the errors of `check`.
+    pub fn synchronize(&self, stream: &Stream, timeout: Duration) -> Result<()> {
+        let r = stream.synchronize(timeout);
+        self.check()?;
+        r
+    }
+
+    fn base_args(&self) -> CollArgs {
+        let l = &self.layout;
+        let words = self.host_words.as_ptr() as u64;
+        CollArgs {
+            peers: self.peers_table.device_ptr(),
+            state: self.state.device_ptr(),
+            expected: self.expected.device_ptr(),
+            err: words,
+            abort: words + 8,
+            timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX / 2).min(u64::MAX / 2),
+            rank: self.rank as u64,
+            nranks: self.nranks as u64,
+            pkt_off: l.pkt_off,
+            pkt_half: l.pkt_half,
+            sig_pkt_off: l.sig_pkt_off,
+            sig_off: l.sig_off,
+            inbox_off: l.inbox_off,
+            simple_off: l.simple_off,
+            simple_round: l.simple_round,
+            ..CollArgs::default()
+        }
+    }
+
+    /// Validates, plans and launches one call. `in_len`/`out_len` are the buffers' byte sizes.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run(
+        &self,
+        coll: Collective,
+        input: u64,
+        in_len: u64,
+        output: u64,
+        out_len: u64,
+        nbytes: u64,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+        root: usize,
+        stream: &Stream,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let what = || format!("{coll} ({} of {} bytes, rank {} of {})", dtype, nbytes, self.rank, self.nranks);
+        self.check().map_err(|e| e.during(what()))?;
+        if nbytes == 0 {
+            return Ok(());
+        }
+        if stream.device() != self.device {
+            return Err(Error::invalid_usage(format!(
+                "{}: the stream is on GPU{}, the collectives on GPU{}",
+                what(),
+                stream.device(),
+                self.device
+            )));
+        }
+        let es = dtype.size() as u64;
+        for (ptr, len, name) in [(input, in_len, "input"), (output, out_len, "output")] {
+            if ptr % es != 0 {
+                return Err(Error::invalid_usage(format!("{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements", what())));
+            }
+            let g = check_device_range(ptr, len, name).map_err(|e| e.during(what()))?;
+            if g != self.device {
+                return Err(Error::invalid_usage(format!("{}: the {name} is on GPU{g}, the collectives on GPU{}", what(), self.device)));
+            }
+        }
+        if root >= self.nranks {
+            return Err(Error::invalid_usage(format!("{}: root {root} is not a rank", what())));
+        }
+        let plan = self.plan(coll, nbytes, opts)?;
+        let acc32 = opts.accumulate_f32 && dtype.is_float();
+        let sig = select::signature(coll, &plan, coll.reduces().then_some(dtype), op, acc32, nbytes, root);
+        let args = CollArgs {
+            input,
+            output,
+            nbytes,
+            sig,
+            root: root as u64,
+            op: op.map_or(0, |o| o.code()),
+            acc32: acc32 as u64,
+            ..self.base_args()
+        };
+        let k = self.kernels.get(coll, plan.algorithm, dtype)?;
+        // SAFETY: the caller guarantees input/output for the sizes checked above until the call
+        // finishes on the stream; the scratch, tables, state and error words live as long as self,
+        // which the caller keeps while work is pending (dropping synchronizes nothing, see Drop).
+        unsafe { kernels::launch(k, plan.blocks, plan.threads, stream, &args) }.map_err(|e| e.during(what()))
+    }
+
+    /// AllReduce of `count` elements of `dtype` from `send` into `recv` (equal for in place) on
+    /// `stream`.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for pointers the driver does not know as device memory of this GPU,
+    /// buffers smaller than `count` elements, misaligned pointers, an algorithm or shape that
+    /// cannot serve the call; the error of an earlier failed call; CUDA launch errors.
+    ///
+    /// # Safety
+    /// `send` and `recv` point to `count` elements of device memory that stay valid (and `send`
+    /// unchanged) until the call finishes on `stream`; every rank makes the same call.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_reduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &Stream,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let n = count as u64 * dtype.size() as u64;
+        // SAFETY: the caller's contract.
+        unsafe { self.run(Collective::AllReduce, send, n, recv, n, n, dtype, Some(op), 0, stream, opts) }
+    }
+
+    /// AllGather: `send_count` elements from every rank's `send` into every rank's `recv`
+    /// (`size()` x `send_count` elements, rank order). In place: `send == recv + rank * bytes`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    ///
+    /// # Safety
+    /// As `all_reduce`, with `recv` holding `size() * send_count` elements.
+    pub unsafe fn all_gather(
+        &self,
+        send: u64,
+        recv: u64,
+        send_count: usize,
+        dtype: DataType,
+        stream: &Stream,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let n = send_count as u64 * dtype.size() as u64;
+        // SAFETY: the caller's contract.
+        unsafe { self.run(Collective::AllGather, send, n, recv, n * self.nranks as u64, n, dtype, None, 0, stream, opts) }
+    }
+
+    /// ReduceScatter: every rank's `send` holds `size()` x `recv_count` elements; rank r gets
+    /// segment r of their reduction in `recv`. In place: `recv == send + rank * bytes`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    ///
+    /// # Safety
+    /// As `all_reduce`, with `send` holding `size() * recv_count` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_scatter(
+        &self,
+        send: u64,
+        recv: u64,
+        recv_count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &Stream,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let n = recv_count as u64 * dtype.size() as u64;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.run(Collective::ReduceScatter, send, n * self.nranks as u64, recv, n, n, dtype, Some(op), 0, stream, opts)
+        }
+    }
+
+    /// Broadcast of `count` elements from `root`'s `send` into every rank's `recv` (`send` is
+    /// read only on the root).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce); `InvalidUsage` for a root that is not a rank.
+    ///
+    /// # Safety
+    /// As `all_reduce`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn broadcast(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &Stream,
+        opts: &CallOptions,
+    ) -> Result<()> {
+        let n = count as u64 * dtype.size() as u64;
+        let send = if self.rank == root { send } else { recv };
+        // SAFETY: the caller's contract.
+        unsafe { self.run(Collective::Broadcast, send, n, recv, n, n, dtype, None, root, stream, opts) }
+    }
+
+    /// [`all_reduce`](Self::all_reduce) on buffers this crate can check: `count` elements must
+    /// fit both.
+    ///
+    /// # Errors
+    /// As `all_reduce`; `InvalidUsage` when a buffer is smaller than `count` elements.
+    pub fn all_reduce_buffers(
+        &self,
+        send: &DeviceBuffer,
+        recv: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        let n = count * dtype.size();
+        for (b, name) in [(send, "send"), (recv, "receive")] {
+            if b.len() < n {
+                return Err(Error::invalid_usage(format!("the {name} buffer holds {} bytes, the call needs {n}", b.len())));
+            }
+        }
+        // SAFETY: both buffers are live device allocations of at least n bytes; they are kept
+        // alive by the caller's borrow only for this call, so the caller must keep them until the
+        // stream passes it (documented: synchronize before dropping).
+        unsafe { self.all_reduce(send.device_ptr(), recv.device_ptr(), count, dtype, op, stream, &CallOptions::default()) }
+    }
+
+    /// Whether this rank's kernels reported an error or it was aborted.
+    pub fn has_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire) || self.check().is_err()
+    }
+
+    /// Kind of error the collectives report for a rank that never arrived.
+    pub const TIMEOUT_KIND: ErrorKind = ErrorKind::Timeout;
+
+    #[doc(hidden)]
+    pub fn scratch_ptr(&self) -> u64 {
+        self.scratch.device_ptr()
+    }
+}

@@ -1,0 +1,711 @@
+// Collective kernels of mscclpp-collectives: AllReduce, AllGather, ReduceScatter and Broadcast
+// over scratch buffers every rank maps from every other (CUDA IPC, through MemoryChannels).
+// Compiled at run time with NVRTC; `struct CollArgs` is generated from the Rust definition and
+// prepended, so the two cannot disagree.
+//
+// Scratch of every rank (offsets in CollArgs):
+//   ctrl:    inbox[src rank][block] u64 counters (block barriers of the simple algorithms),
+//            simple signature slots [src rank] u64, LL signature packets [half][src rank]
+//   packets: two halves; a packet call with flag f uses half f & 1 (LL16 packets, flag f)
+//   simple:  the staging area of the large-message algorithms, in rounds
+//
+// Every wait is bounded: a thread's deadline is its kernel start + timeout; a timed-out wait
+// records (kind, peer) in the error word (page-locked host memory the host reads) and sets
+// state->failed, which every other wait and every later launch checks, so the kernel ends
+// within about the timeout and later launches (graph replays too) return at once.
+
+using namespace mscclpp;
+
+#define ERR_TIMEOUT 1ull
+#define ERR_MISMATCH 2ull
+#define ERR_ABORTED 3ull
+#define ERR_FAILED_BEFORE 4ull
+
+#define OP_SUM 0
+#define OP_PROD 1
+#define OP_MIN 2
+#define OP_MAX 3
+#define OP_AVG 4
+
+#define MAX_BLOCKS 256
+
+struct CollState {
+  u32 flag;    // LL flag of the next packet call (starts at 1)
+  u32 done;    // blocks of the running launch that finished
+  u32 failed;  // nonzero once any wait of this rank failed
+  u32 pad;
+};
+
+__device__ __forceinline__ void store_sys(u64* p, u64 v) { asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory"); }
+__device__ __forceinline__ u64 load_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u32 load_volatile_u32(const u32* p) { return *(volatile const u32*)p; }
+
+// Records the first error this rank sees (host-visible) and stops every wait of this rank.
+__device__ void fail(const CollArgs& a, u64 kind, u64 peer) {
+  CollState* st = (CollState*)a.state;
+  atomicExch(&st->failed, 1u);
+  u64* err = (u64*)a.err;
+  if (load_sys(err) == 0) store_sys(err, (1ull << 63) | (kind << 48) | ((peer & 0xffff) << 32) | (a.sig & 0xffffffffull));
+}
+
+// Whether this thread should stop waiting: failed before, aborted by the host, or past the deadline.
+__device__ __forceinline__ bool must_stop(const CollArgs& a, u64 deadline, u32 peer, u32& spins) {
+  if ((++spins & 255) != 0) return false;
+  CollState* st = (CollState*)a.state;
+  if (load_volatile_u32(&st->failed)) return true;
+  if ((spins & 0xffff) == 0 && load_sys((const u64*)a.abort) != 0) {
+    fail(a, ERR_ABORTED, peer);
+    return true;
+  }
+  if (detail::globaltimer() > deadline) {
+    fail(a, ERR_TIMEOUT, peer);
+    return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element types: a 4-byte word holds N elements; reductions run on floats (f16/bf16/f32) or
+// integers, rounding to the element type after every step unless accumulating in f32.
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float b2f(unsigned short h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ unsigned short f2b(float f) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+struct F32 {
+  typedef float A;
+  static constexpr int N = 1;
+  __device__ static void load(u32 w, A* a) { a[0] = __uint_as_float(w); }
+  __device__ static u32 store(const A* a) { return __float_as_uint(a[0]); }
+  __device__ static void round(A*) {}
+};
+struct F16 {
+  typedef float A;
+  static constexpr int N = 2;
+  __device__ static void load(u32 w, A* a) { a[0] = h2f(w & 0xffff); a[1] = h2f(w >> 16); }
+  __device__ static u32 store(const A* a) { return (u32)f2h(a[0]) | ((u32)f2h(a[1]) << 16); }
+  __device__ static void round(A* a) { a[0] = h2f(f2h(a[0])); a[1] = h2f(f2h(a[1])); }
+};
+struct BF16 {
+  typedef float A;
+  static constexpr int N = 2;
+  __device__ static void load(u32 w, A* a) { a[0] = b2f(w & 0xffff); a[1] = b2f(w >> 16); }
+  __device__ static u32 store(const A* a) { return (u32)f2b(a[0]) | ((u32)f2b(a[1]) << 16); }
+  __device__ static void round(A* a) { a[0] = b2f(f2b(a[0])); a[1] = b2f(f2b(a[1])); }
+};
+struct I32 {
+  typedef int A;
+  static constexpr int N = 1;
+  __device__ static void load(u32 w, A* a) { a[0] = (int)w; }
+  __device__ static u32 store(const A* a) { return (u32)a[0]; }
+  __device__ static void round(A*) {}
+};
+struct U32 {
+  typedef u32 A;
+  static constexpr int N = 1;
+  __device__ static void load(u32 w, A* a) { a[0] = w; }
+  __device__ static u32 store(const A* a) { return a[0]; }
+  __device__ static void round(A*) {}
+};
+
+template <typename A>
+__device__ __forceinline__ A apply(int op, A x, A y) {
+  switch (op) {
+    case OP_PROD: return x * y;
+    case OP_MIN: return x < y ? x : y;
+    case OP_MAX: return x > y ? x : y;
+    default: return x + y;  // SUM, AVG
+  }
+}
+template <typename A>
+__device__ __forceinline__ A scale(A x, u32 n) { return x / (A)n; }
+template <>
+__device__ __forceinline__ float scale<float>(float x, u32 n) { return x * (1.0f / (float)n); }
+
+// Reduces words: `init` with the first operand, `add` the others, `finish` gives the result.
+template <typename D, int W>
+struct Acc {
+  typename D::A v[W][D::N];
+  __device__ void init(const u32* w) {
+#pragma unroll
+    for (int i = 0; i < W; i++) D::load(w[i], v[i]);
+  }
+  __device__ void add(const u32* w, int op, bool acc32) {
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+      typename D::A b[D::N];
+      D::load(w[i], b);
+#pragma unroll
+      for (int k = 0; k < D::N; k++) v[i][k] = apply(op, v[i][k], b[k]);
+      if (!acc32) D::round(v[i]);
+    }
+  }
+  __device__ void finish(u32* w, int op, u32 nranks) {
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+      if (op == OP_AVG) {
+#pragma unroll
+        for (int k = 0; k < D::N; k++) v[i][k] = scale(v[i][k], nranks);
+      }
+      w[i] = D::store(v[i]);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// 8-byte units that may be partial (the last one of a buffer) or misaligned (a rank's segment
+// of an AllGather output): loads pad with zeros, stores write only the valid bytes.
+
+__device__ __forceinline__ uint2 ld8(const char* p, u32 n) {
+  if (n == 8 && (((u64)p) & 7) == 0) return *(const uint2*)p;
+  u64 v = 0;
+  for (u32 i = 0; i < n / 2; i++) v |= (u64)((const unsigned short*)p)[i] << (16 * i);
+  return make_uint2((u32)v, (u32)(v >> 32));
+}
+__device__ __forceinline__ void st8(char* p, uint2 w, u32 n) {
+  if (n == 8 && (((u64)p) & 7) == 0) {
+    *(uint2*)p = w;
+    return;
+  }
+  const u64 v = ((u64)w.y << 32) | w.x;
+  for (u32 i = 0; i < n / 2; i++) ((unsigned short*)p)[i] = (unsigned short)(v >> (16 * i));
+}
+__device__ __forceinline__ u32 unit_bytes(u64 i, u64 nbytes) {
+  u64 rest = nbytes - i * 8;
+  return rest >= 8 ? 8u : (u32)rest;
+}
+
+// LL16 packet read with the bounded wait.
+__device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p, u32 flag, u64 deadline, u32 peer,
+                                         uint2& v) {
+  u32 spins = 0;
+  while (p->readOnce(flag, v)) {
+    if (must_stop(a, deadline, peer, spins)) return false;
+  }
+  return true;
+}
+
+__device__ __forceinline__ char* scratch_of(const CollArgs& a, u32 rank) { return (char*)((const u64*)a.peers)[rank]; }
+// My LL packets in `rank`'s scratch, in half `half`, slot `slot` of `slot_units` packets.
+__device__ __forceinline__ LL16Packet* pkt_slot(const CollArgs& a, u32 rank, u32 half, u64 slot, u64 slot_units) {
+  return (LL16Packet*)(scratch_of(a, rank) + a.pkt_off + half * a.pkt_half + slot * slot_units * 16);
+}
+
+// The per-call packet prologue: every thread learns the flag; block 0 thread 0 sends this call's
+// signature to every peer (an LL packet) and checks theirs before its share of the data, so a
+// mismatched call is reported as such rather than as the timeout it would cause. Reading every
+// peer's signature is also what lets the next-but-one call reuse this half: a peer writes its
+// signature only after it finished the call before. Returns false when this rank has failed
+// before (nothing is done then).
+__device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline) {
+  CollState* st = (CollState*)a.state;
+  deadline = detail::globaltimer() + a.timeout_ns;
+  if (load_volatile_u32(&st->failed)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) fail(a, ERR_FAILED_BEFORE, 0xffff);
+    return false;
+  }
+  flag = load_volatile_u32(&st->flag);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const u32 half = flag & 1;
+    for (u32 p = 0; p < a.nranks; p++) {
+      if (p == a.rank) continue;
+      LL16Packet* s = (LL16Packet*)(scratch_of(a, p) + a.sig_pkt_off) + half * a.nranks + a.rank;
+      s->write(a.sig, flag);
+    }
+    for (u32 i = 1; i < a.nranks; i++) {
+      u32 p = (a.rank + i) % a.nranks;
+      const LL16Packet* s = (const LL16Packet*)(scratch_of(a, a.rank) + a.sig_pkt_off) + half * a.nranks + p;
+      uint2 v;
+      if (!read_pkt(a, s, flag, deadline, p, v)) break;
+      if ((((u64)v.y << 32) | v.x) != a.sig) {
+        fail(a, ERR_MISMATCH, p);
+        break;
+      }
+    }
+  }
+  return true;
+}
+
+// The per-call packet epilogue: the last block to finish advances the flag.
+__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadline) {
+  (void)deadline;
+  CollState* st = (CollState*)a.state;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    u32 prev = atomicAdd(&st->done, 1u);
+    if (prev == gridDim.x - 1) {
+      st->done = 0;
+      u32 next = flag + 1;
+      st->flag = next == 0 ? 1 : next;
+      __threadfence();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packet (LL) algorithms. nbytes: the bytes of one rank's buffer (AllReduce, Broadcast) or of
+// one rank's segment (AllGather input, ReduceScatter output).
+
+// AllReduce, all pairs: every rank sends its whole input to every peer and reduces all of them.
+template <typename D>
+__device__ void allreduce_allpair(const CollArgs& a) {
+  u32 flag;
+  u64 deadline;
+  if (!pkt_begin(a, flag, deadline)) return;
+  const u32 half = flag & 1;
+  const u64 units = (a.nbytes + 7) / 8;
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
+  bool ok = true;
+  for (u64 i = tid; i < units && ok; i += nth) {
+    const u32 n = unit_bytes(i, a.nbytes);
+    uint2 v = ld8(in + i * 8, n);
+    for (u32 k = 1; k < a.nranks; k++) {
+      u32 p = (a.rank + k) % a.nranks;
+      pkt_slot(a, p, half, a.rank, units)[i].write(v, flag);
+    }
+    Acc<D, 2> acc;
+    acc.init((const u32*)&v);
+    for (u32 k = 1; k < a.nranks && ok; k++) {
+      u32 p = (a.rank + a.nranks - k) % a.nranks;
+      uint2 w;
+      ok = read_pkt(a, pkt_slot(a, a.rank, half, p, units) + i, flag, deadline, p, w);
+      if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
+    }
+    uint2 r;
+    acc.finish((u32*)&r, (int)a.op, a.nranks);
+    if (ok) st8(out + i * 8, r, n);
+  }
+  pkt_end(a, flag, deadline);
+}
+
+// AllReduce in two packet phases: chunk p of every input goes to rank p, which reduces it and
+// sends the result to everyone.
+template <typename D>
+__device__ void allreduce_packet(const CollArgs& a) {
+  u32 flag;
+  u64 deadline;
+  if (!pkt_begin(a, flag, deadline)) return;
+  const u32 half = flag & 1, R = a.nranks, r = a.rank;
+  const u64 units = (a.nbytes + 7) / 8;
+  const u64 cu = (units + R - 1) / R;  // units per chunk
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
+  // Slots: phase 1 [src][cu], phase 2 at R*cu: [src][cu].
+  for (u64 x = tid; x < (u64)(R - 1) * cu; x += nth) {
+    u32 p = (r + 1 + (u32)(x / cu)) % R;
+    u64 j = x % cu, i = p * cu + j;
+    if (i >= units) continue;
+    uint2 v = ld8(in + i * 8, unit_bytes(i, a.nbytes));
+    pkt_slot(a, p, half, r, cu)[j].write(v, flag);
+  }
+  bool ok = true;
+  for (u64 j = tid; j < cu && ok; j += nth) {
+    u64 i = r * cu + j;
+    if (i >= units) break;
+    const u32 n = unit_bytes(i, a.nbytes);
+    uint2 v = ld8(in + i * 8, n);
+    Acc<D, 2> acc;
+    acc.init((const u32*)&v);
+    for (u32 k = 1; k < R && ok; k++) {
+      u32 p = (r + R - k) % R;
+      uint2 w;
+      ok = read_pkt(a, pkt_slot(a, r, half, p, cu) + j, flag, deadline, p, w);
+      if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
+    }
+    if (!ok) break;
+    uint2 res;
+    acc.finish((u32*)&res, (int)a.op, R);
+    st8(out + i * 8, res, n);
+    for (u32 k = 1; k < R; k++) {
+      u32 p = (r + k) % R;
+      pkt_slot(a, p, half, R + r, cu)[j].write(res, flag);
+    }
+  }
+  for (u64 x = tid; x < (u64)(R - 1) * cu && ok; x += nth) {
+    u32 p = (r + 1 + (u32)(x / cu)) % R;
+    u64 j = x % cu, i = p * cu + j;
+    if (i >= units) continue;
+    uint2 v;
+    ok = read_pkt(a, pkt_slot(a, r, half, R + p, cu) + j, flag, deadline, p, v);
+    if (ok) st8(out + i * 8, v, unit_bytes(i, a.nbytes));
+  }
+  pkt_end(a, flag, deadline);
+}
+
+// ReduceScatter with packets: segment p of every input goes to rank p, which reduces it.
+template <typename D>
+__device__ void reducescatter_packet(const CollArgs& a) {
+  u32 flag;
+  u64 deadline;
+  if (!pkt_begin(a, flag, deadline)) return;
+  const u32 half = flag & 1, R = a.nranks, r = a.rank;
+  const u64 units = (a.nbytes + 7) / 8;
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
+  for (u64 x = tid; x < (u64)(R - 1) * units; x += nth) {
+    u32 p = (r + 1 + (u32)(x / units)) % R;
+    u64 i = x % units;
+    uint2 v = ld8(in + p * a.nbytes + i * 8, unit_bytes(i, a.nbytes));
+    pkt_slot(a, p, half, r, units)[i].write(v, flag);
+  }
+  bool ok = true;
+  for (u64 i = tid; i < units && ok; i += nth) {
+    const u32 n = unit_bytes(i, a.nbytes);
+    uint2 v = ld8(in + r * a.nbytes + i * 8, n);
+    Acc<D, 2> acc;
+    acc.init((const u32*)&v);
+    for (u32 k = 1; k < R && ok; k++) {
+      u32 p = (r + R - k) % R;
+      uint2 w;
+      ok = read_pkt(a, pkt_slot(a, r, half, p, units) + i, flag, deadline, p, w);
+      if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
+    }
+    if (!ok) break;
+    uint2 res;
+    acc.finish((u32*)&res, (int)a.op, R);
+    st8(out + i * 8, res, n);
+  }
+  pkt_end(a, flag, deadline);
+}
+
+// AllGather with packets: every rank sends its segment to every peer.
+__device__ void allgather_packet(const CollArgs& a) {
+  u32 flag;
+  u64 deadline;
+  if (!pkt_begin(a, flag, deadline)) return;
+  const u32 half = flag & 1, R = a.nranks, r = a.rank;
+  const u64 units = (a.nbytes + 7) / 8;
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
+  const bool copy_own = in != out + r * a.nbytes;
+  for (u64 i = tid; i < units; i += nth) {
+    const u32 n = unit_bytes(i, a.nbytes);
+    uint2 v = ld8(in + i * 8, n);
+    for (u32 k = 1; k < R; k++) pkt_slot(a, (r + k) % R, half, r, units)[i].write(v, flag);
+    if (copy_own) st8(out + r * a.nbytes + i * 8, v, n);
+  }
+  bool ok = true;
+  for (u64 x = tid; x < (u64)(R - 1) * units && ok; x += nth) {
+    u32 p = (r + 1 + (u32)(x / units)) % R;
+    u64 i = x % units;
+    uint2 v;
+    ok = read_pkt(a, pkt_slot(a, r, half, p, units) + i, flag, deadline, p, v);
+    if (ok) st8(out + p * a.nbytes + i * 8, v, unit_bytes(i, a.nbytes));
+  }
+  pkt_end(a, flag, deadline);
+}
+
+// Broadcast with packets: the root sends to everyone (every rank still exchanges signatures).
+__device__ void broadcast_packet(const CollArgs& a) {
+  u32 flag;
+  u64 deadline;
+  if (!pkt_begin(a, flag, deadline)) return;
+  const u32 half = flag & 1, R = a.nranks, r = a.rank, root = (u32)a.root;
+  const u64 units = (a.nbytes + 7) / 8;
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
+  bool ok = true;
+  for (u64 i = tid; i < units && ok; i += nth) {
+    const u32 n = unit_bytes(i, a.nbytes);
+    if (r == root) {
+      uint2 v = ld8(in + i * 8, n);
+      for (u32 k = 1; k < R; k++) pkt_slot(a, (r + k) % R, half, 0, units)[i].write(v, flag);
+      if (in != out) st8(out + i * 8, v, n);
+    } else {
+      uint2 v;
+      ok = read_pkt(a, pkt_slot(a, r, half, 0, units) + i, flag, deadline, root, v);
+      if (ok) st8(out + i * 8, v, n);
+    }
+  }
+  pkt_end(a, flag, deadline);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Simple (large-message) algorithms: stage through scratch in rounds, with block barriers.
+// Block b of every rank handles slice b of every chunk, in every phase, so a block barrier
+// (block b signals block b of every peer) orders exactly the data the next phase reads.
+
+// Block barrier with every peer: returns false when a wait failed (the whole block then stops).
+__device__ bool block_barrier(const CollArgs& a, u64 deadline, bool send_sig) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  const u32 t = threadIdx.x;
+  if (t < a.nranks && t != a.rank) {
+    u64* inbox_at_peer = (u64*)(scratch_of(a, t) + a.inbox_off) + (u64)a.rank * MAX_BLOCKS + blockIdx.x;
+    if (send_sig) store_sys((u64*)(scratch_of(a, t) + a.sig_off) + a.rank, a.sig);
+    __threadfence_system();
+    detail::red_add_release_sys(inbox_at_peer, 1);
+    const u64* mine = (const u64*)(scratch_of(a, a.rank) + a.inbox_off) + (u64)t * MAX_BLOCKS + blockIdx.x;
+    u64* exp = (u64*)a.expected + (u64)t * MAX_BLOCKS + blockIdx.x;
+    u64 want = *exp + 1;
+    *exp = want;
+    u32 spins = 0;
+    bool ok = true;
+    while (detail::load_acquire_sys(mine) < want) {
+      if (must_stop(a, deadline, t, spins)) {
+        ok = false;
+        break;
+      }
+    }
+    if (ok && send_sig && load_sys((const u64*)(scratch_of(a, a.rank) + a.sig_off) + t) != a.sig) {
+      fail(a, ERR_MISMATCH, t);
+      ok = false;
+    }
+    if (!ok) atomicExch(&bad, 1);
+  }
+  __syncthreads();
+  return bad == 0;
+}
+
+__device__ __forceinline__ bool simple_begin(const CollArgs& a, u64& deadline) {
+  CollState* st = (CollState*)a.state;
+  deadline = detail::globaltimer() + a.timeout_ns;
+  if (load_volatile_u32(&st->failed)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) fail(a, ERR_FAILED_BEFORE, 0xffff);
+    return false;
+  }
+  return true;
+}
+
+// The bytes [lo, hi) of block `b` of `B` in a chunk of `len` bytes (slices are 16-byte multiples).
+__device__ __forceinline__ void slice_of(u64 len, u32 b, u32 B, u64& lo, u64& hi) {
+  u64 s = ((len + B - 1) / B + 15) / 16 * 16;
+  lo = s * b;
+  hi = lo + s;
+  if (lo > len) lo = len;
+  if (hi > len) hi = len;
+}
+
+// Copies [0, n) bytes with this block's threads (16-byte units when both ends allow).
+__device__ __forceinline__ void block_copy(char* dst, const char* src, u64 n) {
+  if (dst == src || n == 0) return;
+  u64 i = threadIdx.x;
+  if ((((u64)dst | (u64)src) & 15) == 0) {
+    for (; i < n / 16; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+    i = n / 16 * 8 + threadIdx.x;
+  }
+  for (; i < n / 2; i += blockDim.x) ((unsigned short*)dst)[i] = ((const unsigned short*)src)[i];
+}
+
+// out[0, n) = reduce over the R sources srcs[k] (srcs[0] first), with this block's threads.
+template <typename D>
+__device__ __forceinline__ void block_reduce(char* out, char* out2, const char* const* srcs, u32 R, u64 n, const CollArgs& a) {
+  u64 al = (u64)out | (u64)out2;
+  for (u32 k = 0; k < R; k++) al |= (u64)srcs[k];
+  u64 i = threadIdx.x;
+  if ((al & 15) == 0) {
+    for (; i < n / 16; i += blockDim.x) {
+      uint4 v = ((const uint4*)srcs[0])[i];
+      Acc<D, 4> acc;
+      acc.init((const u32*)&v);
+      for (u32 k = 1; k < R; k++) {
+        uint4 w = ((const uint4*)srcs[k])[i];
+        acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
+      }
+      uint4 res;
+      acc.finish((u32*)&res, (int)a.op, a.nranks);
+      ((uint4*)out)[i] = res;
+      if (out2) ((uint4*)out2)[i] = res;
+    }
+    i = n / 16 * 4 + threadIdx.x;
+  }
+  for (; i < (n + 3) / 4; i += blockDim.x) {
+    const u32 nb = (n - i * 4) >= 4 ? 4 : (u32)(n - i * 4);
+    u32 v = nb == 4 ? ((const u32*)srcs[0])[i] : (u32)((const unsigned short*)srcs[0])[2 * i];
+    Acc<D, 1> acc;
+    acc.init(&v);
+    for (u32 k = 1; k < R; k++) {
+      u32 w = nb == 4 ? ((const u32*)srcs[k])[i] : (u32)((const unsigned short*)srcs[k])[2 * i];
+      acc.add(&w, (int)a.op, a.acc32 != 0);
+    }
+    u32 res;
+    acc.finish(&res, (int)a.op, a.nranks);
+    if (nb == 4) {
+      ((u32*)out)[i] = res;
+      if (out2) ((u32*)out2)[i] = res;
+    } else {
+      ((unsigned short*)out)[2 * i] = (unsigned short)res;
+      if (out2) ((unsigned short*)out2)[2 * i] = (unsigned short)res;
+    }
+  }
+}
+
+#define MAX_RANKS_SIMPLE 64
+
+// AllReduce for large messages: per round, copy the input to my scratch; reduce my chunk from
+// every rank's scratch (into my output and my scratch's result area); copy every other chunk's
+// result from its owner.
+template <typename D>
+__device__ void allreduce_simple(const CollArgs& a) {
+  u64 deadline;
+  if (!simple_begin(a, deadline)) return;
+  const u32 R = a.nranks, r = a.rank, b = blockIdx.x, B = gridDim.x;
+  const u64 round_bytes = a.simple_round;  // per round, a multiple of 16 * R
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  __shared__ const char* srcs[MAX_RANKS_SIMPLE];
+  bool first = true;
+  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
+    const u64 rb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
+    const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // chunk bytes
+    // Phase 0: my input -> my scratch IN area (slice b of every chunk).
+    char* my_in = scratch_of(a, r) + a.simple_off;
+    for (u32 c = 0; c < R; c++) {
+      u64 c_lo = c * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
+      slice_of(c_len, b, B, lo, hi);
+      block_copy(my_in + c_lo + lo, in + base + c_lo + lo, hi - lo);
+    }
+    if (!block_barrier(a, deadline, first)) return;
+    first = false;
+    // Phase 1: reduce chunk r, slice b.
+    {
+      u64 c_lo = r * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
+      slice_of(c_len, b, B, lo, hi);
+      if (threadIdx.x < R) {
+        u32 q = (r + threadIdx.x) % R;
+        srcs[threadIdx.x] = scratch_of(a, q) + a.simple_off + c_lo + lo;
+      }
+      __syncthreads();
+      char* res_area = scratch_of(a, r) + a.simple_off + round_bytes + c_lo + lo;
+      block_reduce<D>(out + base + c_lo + lo, res_area, srcs, R, hi - lo, a);
+      __syncthreads();
+    }
+    if (!block_barrier(a, deadline, false)) return;
+    // Phase 2: every other chunk from its owner's result area.
+    for (u32 k = 1; k < R; k++) {
+      u32 p = (r + k) % R;
+      u64 c_lo = p * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
+      slice_of(c_len, b, B, lo, hi);
+      block_copy(out + base + c_lo + lo, scratch_of(a, p) + a.simple_off + round_bytes + c_lo + lo, hi - lo);
+    }
+    __syncthreads();
+  }
+}
+
+// ReduceScatter for large messages: per round, copy the whole input to scratch; reduce my
+// segment's slice from every rank's scratch; a second barrier before scratch is reused.
+template <typename D>
+__device__ void reducescatter_simple(const CollArgs& a) {
+  u64 deadline;
+  if (!simple_begin(a, deadline)) return;
+  const u32 R = a.nranks, r = a.rank, b = blockIdx.x, B = gridDim.x;
+  const u64 seg_round = a.simple_round / R / 16 * 16;  // per segment and round
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  __shared__ const char* srcs[MAX_RANKS_SIMPLE];
+  bool first = true;
+  for (u64 base = 0; base < a.nbytes; base += seg_round) {
+    const u64 sb = a.nbytes - base < seg_round ? a.nbytes - base : seg_round;
+    u64 lo, hi;
+    slice_of(sb, b, B, lo, hi);
+    char* my_in = scratch_of(a, r) + a.simple_off;
+    for (u32 c = 0; c < R; c++) block_copy(my_in + c * seg_round + lo, in + c * a.nbytes + base + lo, hi - lo);
+    if (!block_barrier(a, deadline, first)) return;
+    first = false;
+    if (threadIdx.x < R) {
+      u32 q = (r + threadIdx.x) % R;
+      srcs[threadIdx.x] = scratch_of(a, q) + a.simple_off + r * seg_round + lo;
+    }
+    __syncthreads();
+    block_reduce<D>(out + base + lo, nullptr, srcs, R, hi - lo, a);
+    if (!block_barrier(a, deadline, false)) return;
+  }
+}
+
+// AllGather for large messages: copy my segment to scratch, then every peer's from theirs.
+__device__ void allgather_simple(const CollArgs& a) {
+  u64 deadline;
+  if (!simple_begin(a, deadline)) return;
+  const u32 R = a.nranks, r = a.rank, b = blockIdx.x, B = gridDim.x;
+  const u64 round_bytes = a.simple_round;
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  bool first = true;
+  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
+    const u64 sb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
+    u64 lo, hi;
+    slice_of(sb, b, B, lo, hi);
+    block_copy(scratch_of(a, r) + a.simple_off + lo, in + base + lo, hi - lo);
+    block_copy(out + r * a.nbytes + base + lo, in + base + lo, hi - lo);
+    if (!block_barrier(a, deadline, first)) return;
+    first = false;
+    for (u32 k = 1; k < R; k++) {
+      u32 p = (r + k) % R;
+      block_copy(out + p * a.nbytes + base + lo, scratch_of(a, p) + a.simple_off + lo, hi - lo);
+    }
+    if (!block_barrier(a, deadline, false)) return;
+  }
+}
+
+// Broadcast for large messages: the root stages, everyone copies from the root's scratch.
+__device__ void broadcast_simple(const CollArgs& a) {
+  u64 deadline;
+  if (!simple_begin(a, deadline)) return;
+  const u32 r = a.rank, root = (u32)a.root, b = blockIdx.x, B = gridDim.x;
+  const u64 round_bytes = a.simple_round;
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  bool first = true;
+  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
+    const u64 sb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
+    u64 lo, hi;
+    slice_of(sb, b, B, lo, hi);
+    if (r == root) {
+      block_copy(scratch_of(a, r) + a.simple_off + lo, in + base + lo, hi - lo);
+      block_copy(out + base + lo, in + base + lo, hi - lo);
+    }
+    if (!block_barrier(a, deadline, first)) return;
+    first = false;
+    if (r != root) block_copy(out + base + lo, scratch_of(a, root) + a.simple_off + lo, hi - lo);
+    if (!block_barrier(a, deadline, false)) return;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points: one per (collective, algorithm, element type); the reduction op and f32
+// accumulation are arguments.
+
+#define TYPED(coll, algo, D, name) \
+  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(CollArgs a) { coll##_##algo<D>(a); }
+#define ALL_TYPES(coll, algo)   \
+  TYPED(coll, algo, F32, f32)   \
+  TYPED(coll, algo, F16, f16)   \
+  TYPED(coll, algo, BF16, bf16) \
+  TYPED(coll, algo, I32, i32)   \
+  TYPED(coll, algo, U32, u32)
+
+ALL_TYPES(allreduce, allpair)
+ALL_TYPES(allreduce, packet)
+ALL_TYPES(allreduce, simple)
+ALL_TYPES(reducescatter, packet)
+ALL_TYPES(reducescatter, simple)
+
+extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(CollArgs a) { allgather_packet(a); }
+extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(CollArgs a) { allgather_simple(a); }
+extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(CollArgs a) { broadcast_packet(a); }
+extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(CollArgs a) { broadcast_simple(a); }

@@ -1,0 +1,254 @@
+//! The CUDA side: the argument block every kernel takes (one `#[repr(C)]` struct whose CUDA
+//! definition is generated from [`ARG_FIELDS`], so the two layouts cannot drift), the kernel
+//! source, and the compiled modules (compiled once per process and architecture, loaded once per
+//! GPU, every kernel resolved before any rank launches one).
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use mscclpp::device::compile::{CompileOptions, KernelModule, Ptx, compile};
+use mscclpp::gpu::{Kernel, Stream};
+use mscclpp::{Error, Result};
+
+use crate::types::{Algorithm, Collective, DataType};
+
+/// The argument block of every collective kernel (passed by value). Every field is a `u64`, in
+/// the order of [`ARG_FIELDS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CollArgs {
+    pub(crate) input: u64,
+    pub(crate) output: u64,
+    pub(crate) nbytes: u64,
+    pub(crate) peers: u64,
+    pub(crate) state: u64,
+    pub(crate) expected: u64,
+    pub(crate) err: u64,
+    pub(crate) abort: u64,
+    pub(crate) timeout_ns: u64,
+    pub(crate) rank: u64,
+    pub(crate) nranks: u64,
+    pub(crate) sig: u64,
+    pub(crate) root: u64,
+    pub(crate) op: u64,
+    pub(crate) acc32: u64,
+    pub(crate) pkt_off: u64,
+    pub(crate) pkt_half: u64,
+    pub(crate) sig_pkt_off: u64,
+    pub(crate) sig_off: u64,
+    pub(crate) inbox_off: u64,
+    pub(crate) simple_off: u64,
+    pub(crate) simple_round: u64,
+}
+
+/// The CUDA names of [`CollArgs`]' fields, in order (`in`/`out` are the first two).
+pub(crate) const ARG_FIELDS: [&str; 22] = [
+    "in",
+    "out",
+    "nbytes",
+    "peers",
+    "state",
+    "expected",
+    "err",
+    "abort",
+    "timeout_ns",
+    "rank",
+    "nranks",
+    "sig",
+    "root",
+    "op",
+    "acc32",
+    "pkt_off",
+    "pkt_half",
+    "sig_pkt_off",
+    "sig_off",
+    "inbox_off",
+    "simple_off",
+    "simple_round",
+];
+
+/// Bytes of the per-rank state block (`CollState` in the CUDA source).
+pub(crate) const STATE_BYTES: usize = 16;
+
+const KERNELS: &str = include_str!("kernels.cu");
+
+/// The whole CUDA source: the device header, the generated argument struct, the kernels.
+pub(crate) fn source() -> String {
+    let mut s = String::from("#include \"mscclpp_rs/device.cuh\"\n\nstruct CollArgs {\n");
+    for f in ARG_FIELDS {
+        s.push_str(&format!("  mscclpp::u64 {f};\n"));
+    }
+    s.push_str(&format!(
+        "}};\nstatic_assert(sizeof(CollArgs) == {}, \"CollArgs layout\");\n\n",
+        std::mem::size_of::<CollArgs>()
+    ));
+    s.push_str(KERNELS);
+    s
+}
+
+/// The entry name of the kernel for `coll` with `algo` on `dtype`.
+pub(crate) fn kernel_name(coll: Collective, algo: Algorithm, dtype: DataType) -> String {
+    let t = if coll.reduces() { dtype.name() } else { "any" };
+    format!("{}_{}_{}", coll.name(), algo.name(), t)
+}
+
+/// Every kernel the source defines.
+pub(crate) fn all_kernel_names() -> Vec<String> {
+    let mut v = Vec::new();
+    for coll in [Collective::AllReduce, Collective::ReduceScatter] {
+        for algo in Algorithm::ALL {
+            if algo.serves(coll) {
+                for d in DataType::ALL {
+                    v.push(kernel_name(coll, algo, d));
+                }
+            }
+        }
+    }
+    for coll in [Collective::AllGather, Collective::Broadcast] {
+        for algo in [Algorithm::Packet, Algorithm::Simple] {
+            v.push(kernel_name(coll, algo, DataType::F32));
+        }
+    }
+    v
+}
+
+/// The kernels of one GPU, by name.
+#[derive(Debug)]
+pub(crate) struct Kernels {
+    by_name: HashMap<String, Kernel>,
+    _module: KernelModule,
+}
+
+impl Kernels {
+    pub(crate) fn get(&self, coll: Collective, algo: Algorithm, dtype: DataType) -> Result<&Kernel> {
+        let name = kernel_name(coll, algo, dtype);
+        self.by_name.get(&name).ok_or_else(|| Error::internal(format!("collective kernel {name} was not loaded")))
+    }
+
+    /// Blocks of `threads` threads one SM holds of the heaviest kernel (the residency bound).
+    pub(crate) fn min_blocks_per_sm(&self, threads: u32) -> Result<u32> {
+        let mut m = u32::MAX;
+        for k in self.by_name.values() {
+            m = m.min(k.max_active_blocks_per_sm(threads, 0)?);
+        }
+        Ok(if m == u32::MAX { 0 } else { m })
+    }
+}
+
+/// The kernels for GPU `device`: compiled with NVRTC once per process and architecture, loaded
+/// once per GPU and shared by every rank of this process on it.
+pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
+    static LOADED: OnceLock<Mutex<HashMap<u32, Arc<Kernels>>>> = OnceLock::new();
+    static COMPILED: OnceLock<Mutex<HashMap<String, Arc<Ptx>>>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(Default::default);
+    // One rank compiles and loads; the others of this process wait for it here.
+    let mut map = loaded.lock().map_err(|_| Error::internal("the collective kernel cache lock is poisoned"))?;
+    if let Some(k) = map.get(&device) {
+        return Ok(k.clone());
+    }
+    let opts = CompileOptions::for_device(device);
+    let arch = opts.resolved_arch();
+    let ptx = {
+        let compiled = COMPILED.get_or_init(Default::default);
+        let mut c = compiled.lock().map_err(|_| Error::internal("the collective PTX cache lock is poisoned"))?;
+        match c.get(&arch) {
+            Some(p) => p.clone(),
+            None => {
+                let t = std::time::Instant::now();
+                let p = Arc::new(compile(&source(), &opts).map_err(|e| e.during("compiling the collective kernels"))?);
+                tracing::info!(target: "mscclpp::collectives", "compiled the collective kernels for {arch} in {:?}", t.elapsed());
+                c.insert(arch, p.clone());
+                p
+            }
+        }
+    };
+    let module = KernelModule::load(device, &ptx)?;
+    let mut by_name = HashMap::new();
+    for name in all_kernel_names() {
+        let k = module.function(&name)?;
+        by_name.insert(name, k);
+    }
+    let k = Arc::new(Kernels { by_name, _module: module });
+    map.insert(device, k.clone());
+    Ok(k)
+}
+
+/// Launches `kernel` with `args`.
+///
+/// # Safety
+/// Every pointer in `args` is valid for what the kernel does with it (the input readable and the
+/// output writable for their sizes, the scratch table, state and error words live) until the
+/// launch finishes on `stream`.
+pub(crate) unsafe fn launch(kernel: &Kernel, blocks: u32, threads: u32, stream: &Stream, args: &CollArgs) -> Result<()> {
+    let mut a = *args;
+    let mut params = [(&mut a as *mut CollArgs).cast::<c_void>()];
+    // SAFETY: the kernel takes one CollArgs by value (the CUDA struct is generated from the same
+    // field list, checked by a test); `a` lives until cuLaunchKernel returns (it copies it); the
+    // caller guarantees the pointers inside.
+    unsafe { kernel.launch((blocks, 1, 1), (threads, 1, 1), 0, stream, &mut params) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_struct_matches_the_rust_layout_field_by_field() {
+        assert_eq!(std::mem::size_of::<CollArgs>(), ARG_FIELDS.len() * 8);
+        let offsets = [
+            std::mem::offset_of!(CollArgs, input),
+            std::mem::offset_of!(CollArgs, output),
+            std::mem::offset_of!(CollArgs, nbytes),
+            std::mem::offset_of!(CollArgs, peers),
+            std::mem::offset_of!(CollArgs, state),
+            std::mem::offset_of!(CollArgs, expected),
+            std::mem::offset_of!(CollArgs, err),
+            std::mem::offset_of!(CollArgs, abort),
+            std::mem::offset_of!(CollArgs, timeout_ns),
+            std::mem::offset_of!(CollArgs, rank),
+            std::mem::offset_of!(CollArgs, nranks),
+            std::mem::offset_of!(CollArgs, sig),
+            std::mem::offset_of!(CollArgs, root),
+            std::mem::offset_of!(CollArgs, op),
+            std::mem::offset_of!(CollArgs, acc32),
+            std::mem::offset_of!(CollArgs, pkt_off),
+            std::mem::offset_of!(CollArgs, pkt_half),
+            std::mem::offset_of!(CollArgs, sig_pkt_off),
+            std::mem::offset_of!(CollArgs, sig_off),
+            std::mem::offset_of!(CollArgs, inbox_off),
+            std::mem::offset_of!(CollArgs, simple_off),
+            std::mem::offset_of!(CollArgs, simple_round),
+        ];
+        let src = source();
+        let body = src.split("struct CollArgs {\n").nth(1).and_then(|s| s.split("};").next()).unwrap();
+        let fields: Vec<&str> = body.lines().map(|l| l.trim()).filter(|l| !l.is_empty()).collect();
+        assert_eq!(fields.len(), offsets.len());
+        for (i, (line, off)) in fields.iter().zip(offsets).enumerate() {
+            assert_eq!(off, i * 8, "field {i} of CollArgs");
+            assert_eq!(*line, format!("mscclpp::u64 {};", ARG_FIELDS[i]), "field {i}");
+        }
+        // The kernels use every field, and the state block matches the CUDA one (4 u32s).
+        for f in ARG_FIELDS {
+            assert!(KERNELS.contains(&format!("a.{f}")), "the kernels never read CollArgs.{f}");
+        }
+        assert!(KERNELS.contains("struct CollState {\n  u32 flag;") && STATE_BYTES == 16);
+    }
+
+    #[test]
+    fn every_kernel_name_is_defined_in_the_source() {
+        let names = all_kernel_names();
+        assert_eq!(names.len(), 3 * 5 + 2 * 5 + 4);
+        for n in &names {
+            let (prefix, ty) = n.rsplit_once('_').unwrap();
+            let defined = if ty == "any" {
+                KERNELS.contains(&format!("void __launch_bounds__(512) {n}(CollArgs a)"))
+            } else {
+                let (coll, algo) = prefix.split_once('_').unwrap();
+                KERNELS.contains(&format!("ALL_TYPES({coll}, {algo})"))
+            };
+            assert!(defined, "{n} is not defined in kernels.cu");
+        }
+    }
+}

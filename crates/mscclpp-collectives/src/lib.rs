@@ -1,0 +1,41 @@
+//! # mscclpp-collectives: AllReduce, AllGather, ReduceScatter and Broadcast
+//!
+//! Collectives over the ranks of an [`mscclpp::Communicator`], one GPU per rank (several ranks
+//! may share one GPU), on the crate's device-side building blocks: every rank's scratch is
+//! mapped into every other through a [`MemoryChannel`](mscclpp::MemoryChannel) over CUDA IPC,
+//! small messages move as LL packets (data and flag in one 8-byte store, no separate signal),
+//! large ones are staged through scratch in rounds with per-block barriers.
+//!
+//! - Build a [`Collectives`] once per communicator (a collective call; it compiles the kernels
+//!   with NVRTC once per process and maps every peer's scratch), then call
+//!   [`all_reduce`](Collectives::all_reduce), [`all_gather`](Collectives::all_gather),
+//!   [`reduce_scatter`](Collectives::reduce_scatter) or [`broadcast`](Collectives::broadcast) on
+//!   device pointers and a stream. Calls can be captured in a CUDA graph and replayed: flags,
+//!   halves of the scratch and barrier counts live in device memory and advance on the GPU.
+//! - Types f32, f16, bf16, i32, u32; sum, prod, min, max, avg; f16/bf16 can accumulate in f32
+//!   ([`CallOptions::accumulate_f32`]). Any element count; in place or out of place.
+//! - Algorithms ([`Algorithm`]): `allpair` (AllReduce, one hop, small), `packet` (LL packets up
+//!   to about 1 MiB), `simple` (staged, large); the selector ([`select::select`]) picks by size
+//!   and rank count, [`CallOptions`] overrides it.
+//! - Every device wait is bounded ([`Config::timeout`]): a rank that never arrives, or one that
+//!   makes a different call (type, count, operation...), makes the others' kernels return and
+//!   [`Collectives::check`] name it. MSCCL++'s kernels spin without a limit.
+//! - Kernels that wait on each other must all be resident: the number of ranks sharing a GPU is
+//!   found at setup and every launch's grid is capped so that all of them fit (MSCCL++ hung at 8
+//!   ranks on one GPU at 1 MiB).
+#![deny(unsafe_code)]
+#![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+
+mod comm;
+mod kernels;
+pub mod select;
+mod types;
+
+pub use comm::{CallOptions, Collectives, Config};
+pub use select::{Layout, Limits, Plan};
+pub use types::{Algorithm, Collective, DataType, ReduceOp};
+
+/// The CUDA source of the collective kernels (the device header included by name), as compiled.
+pub fn kernel_source() -> String {
+    kernels::source()
+}

@@ -1,0 +1,315 @@
+//! Everything about a call that needs no GPU: the scratch layout, which algorithm serves a call,
+//! how many blocks and threads it launches, whether every rank's blocks fit on a shared GPU,
+//! and the signature ranks compare to catch mismatched calls. Tested on CPU.
+
+use mscclpp::{Error, Result};
+
+use crate::types::{Algorithm, Collective, DataType, ReduceOp};
+
+/// Blocks a launch may have (the barrier counters are sized for it; `MAX_BLOCKS` in the CUDA
+/// source).
+pub const MAX_BLOCKS: u32 = 256;
+/// Ranks the staged (`simple`) algorithms serve (`MAX_RANKS_SIMPLE` in the CUDA source).
+pub const MAX_RANKS_SIMPLE: usize = 64;
+
+/// Where things are in every rank's scratch buffer (the same on every rank).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Ranks.
+    pub nranks: usize,
+    /// Barrier counters `[src rank][block]` (u64).
+    pub inbox_off: u64,
+    /// Signature words of the staged algorithms `[src rank]` (u64).
+    pub sig_off: u64,
+    /// Signature packets of the packet algorithms `[half][src rank]` (LL16).
+    pub sig_pkt_off: u64,
+    /// The packet area: two halves of `pkt_half` bytes.
+    pub pkt_off: u64,
+    /// Bytes of one packet half.
+    pub pkt_half: u64,
+    /// The staging area of the `simple` algorithms: two rounds' worth.
+    pub simple_off: u64,
+    /// Bytes a `simple` round moves per rank buffer (a multiple of 16 x ranks).
+    pub simple_round: u64,
+    /// Total scratch bytes.
+    pub total: u64,
+}
+
+fn up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+impl Layout {
+    /// The layout for `nranks` ranks with packet halves of at least `packet_bytes` and `simple`
+    /// rounds of about `simple_bytes` (rounded to whole 16-byte units per rank).
+    ///
+    /// # Errors
+    /// `InvalidUsage` for zero ranks, or sizes too small to carry one unit per rank.
+    pub fn new(nranks: usize, packet_bytes: u64, simple_bytes: u64) -> Result<Layout> {
+        if nranks == 0 {
+            return Err(Error::invalid_usage("a collective needs at least one rank"));
+        }
+        let r = nranks as u64;
+        let unit = 16 * r;
+        if simple_bytes < unit || packet_bytes < 16 * r {
+            return Err(Error::invalid_usage(format!(
+                "scratch too small: packet halves of {packet_bytes} bytes and simple rounds of {simple_bytes} \
+                 bytes cannot serve {nranks} ranks (at least {unit} bytes each)"
+            )));
+        }
+        let inbox_off = 0;
+        let sig_off = up(inbox_off + r * MAX_BLOCKS as u64 * 8, 256);
+        let sig_pkt_off = up(sig_off + r * 8, 256);
+        let pkt_off = up(sig_pkt_off + 2 * r * 16, 4096);
+        let pkt_half = up(packet_bytes, 4096);
+        let simple_off = pkt_off + 2 * pkt_half;
+        let simple_round = simple_bytes / unit * unit;
+        let total = up(simple_off + 2 * simple_round, 4096);
+        Ok(Layout { nranks, inbox_off, sig_off, sig_pkt_off, pkt_off, pkt_half, simple_off, simple_round, total })
+    }
+
+    /// Bytes of one packet half a packet algorithm needs for a call moving `nbytes` (the bytes
+    /// of one rank's buffer for AllReduce and Broadcast, of one rank's segment for AllGather and
+    /// ReduceScatter).
+    pub fn packet_need(&self, coll: Collective, algo: Algorithm, nbytes: u64) -> u64 {
+        let r = self.nranks as u64;
+        let units = nbytes.div_ceil(8);
+        match (coll, algo) {
+            (Collective::AllReduce, Algorithm::AllPair) => r * units * 16,
+            (Collective::AllReduce, _) => 2 * r * units.div_ceil(r) * 16,
+            (Collective::Broadcast, _) => units * 16,
+            _ => r * units * 16,
+        }
+    }
+
+    /// Whether a packet algorithm fits a call of `nbytes`.
+    pub fn packet_fits(&self, coll: Collective, algo: Algorithm, nbytes: u64) -> bool {
+        self.packet_need(coll, algo, nbytes) <= self.pkt_half
+    }
+}
+
+/// How one call runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// Blocks per rank.
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+}
+
+/// What the selector needs to know besides the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The most blocks one rank's launch may have so that every rank sharing its GPU is
+    /// resident at once (from the SM count, the kernels' occupancy and the ranks per GPU).
+    pub max_blocks: u32,
+    /// AllReduce messages up to this many bytes use `allpair` (MSCCL++: 16 KiB on Hopper).
+    pub allpair_max: u64,
+    /// Messages up to this many bytes (AllReduce buffer; AllGather/ReduceScatter total) use
+    /// packets, when they fit the packet area.
+    pub packet_max: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits { max_blocks: 64, allpair_max: 16 << 10, packet_max: 1 << 20 }
+    }
+}
+
+/// The default plan for a call: the algorithm by size and rank count (`allpair` for small
+/// AllReduce, LL `packet` up to `packet_max`, else `simple`), and blocks/threads by size, capped
+/// by `limits.max_blocks`. `nbytes` as in [`Layout::packet_need`].
+pub fn select(coll: Collective, nbytes: u64, layout: &Layout, limits: &Limits) -> Plan {
+    let r = layout.nranks as u64;
+    let total = match coll {
+        Collective::AllGather | Collective::ReduceScatter => nbytes.saturating_mul(r),
+        _ => nbytes,
+    };
+    let algorithm = if coll == Collective::AllReduce
+        && total <= limits.allpair_max
+        && layout.packet_fits(coll, Algorithm::AllPair, nbytes)
+    {
+        Algorithm::AllPair
+    } else if total <= limits.packet_max && layout.packet_fits(coll, Algorithm::Packet, nbytes) {
+        Algorithm::Packet
+    } else {
+        Algorithm::Simple
+    };
+    let (blocks, threads) = shape(coll, algorithm, nbytes, layout, limits.max_blocks);
+    Plan { algorithm, blocks, threads }
+}
+
+/// Blocks and threads for `algo` on a call of `nbytes`, at most `max_blocks` blocks.
+pub fn shape(coll: Collective, algo: Algorithm, nbytes: u64, layout: &Layout, max_blocks: u32) -> (u32, u32) {
+    let r = layout.nranks as u64;
+    let units = nbytes.div_ceil(8).max(1);
+    let cap = max_blocks.clamp(1, MAX_BLOCKS) as u64;
+    match algo {
+        Algorithm::Simple => {
+            let moved = match coll {
+                Collective::AllGather | Collective::ReduceScatter => nbytes.saturating_mul(r),
+                _ => nbytes,
+            };
+            (moved.div_ceil(64 << 10).clamp(1, cap) as u32, 512)
+        }
+        _ => {
+            // Per thread: one unit of the widest loop of the algorithm.
+            let work = match (coll, algo) {
+                (Collective::AllReduce, Algorithm::Packet) => (r - 1).max(1) * units.div_ceil(r),
+                (Collective::AllGather | Collective::ReduceScatter, _) => (r - 1).max(1) * units,
+                _ => units,
+            };
+            let threads = if work <= 256 { up(work, 32).max(64) } else { 512 };
+            (work.div_ceil(threads).clamp(1, cap.min(32)) as u32, threads as u32)
+        }
+    }
+}
+
+/// The most blocks one rank may launch so that the `ranks_on_gpu` ranks sharing a GPU of
+/// `sm_count` SMs, each holding `per_sm` such blocks, are all resident at once.
+///
+/// # Errors
+/// `InvalidUsage` when not even one block per rank fits (more ranks on the GPU than it can hold
+/// blocks).
+pub fn residency_cap(sm_count: u32, per_sm: u32, ranks_on_gpu: usize) -> Result<u32> {
+    let slots = sm_count as u64 * per_sm as u64;
+    let cap = slots / ranks_on_gpu.max(1) as u64;
+    if cap == 0 {
+        return Err(Error::invalid_usage(format!(
+            "{ranks_on_gpu} ranks share one GPU that holds {slots} blocks of the collective kernels at once: \
+             kernels that wait on each other must all be resident, so use fewer ranks per GPU"
+        )));
+    }
+    Ok(cap.min(MAX_BLOCKS as u64) as u32)
+}
+
+/// The call signature every rank sends its peers and compares with theirs: a call that differs
+/// between ranks (collective, algorithm, type, operation, size, shape, root) fails with an error
+/// naming the peer instead of reading garbage.
+#[allow(clippy::too_many_arguments)]
+pub fn signature(
+    coll: Collective,
+    plan: &Plan,
+    dtype: Option<DataType>,
+    op: Option<ReduceOp>,
+    acc32: bool,
+    nbytes: u64,
+    root: usize,
+) -> u64 {
+    // FNV-1a over the fields, then a final mix so nearby calls differ in every bit.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in [
+        coll.code(),
+        plan.algorithm.code(),
+        dtype.map_or(99, |d| d.code()),
+        op.map_or(99, |o| o.code()),
+        acc32 as u64,
+        nbytes,
+        plan.blocks as u64,
+        plan.threads as u64,
+        root as u64,
+    ] {
+        for b in v.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    // Never 0: a zeroed slot must not match.
+    h | 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_regions_do_not_overlap() {
+        for r in [1usize, 2, 3, 4, 7, 8, 16, 64] {
+            let l = Layout::new(r, 4 << 20, 32 << 20).unwrap();
+            assert!(l.inbox_off + r as u64 * MAX_BLOCKS as u64 * 8 <= l.sig_off);
+            assert!(l.sig_off + r as u64 * 8 <= l.sig_pkt_off);
+            assert!(l.sig_pkt_off + 2 * r as u64 * 16 <= l.pkt_off);
+            assert_eq!(l.pkt_off % 4096, 0);
+            assert!(l.pkt_off + 2 * l.pkt_half <= l.simple_off);
+            assert!(l.simple_off + 2 * l.simple_round <= l.total);
+            assert_eq!(l.simple_round % (16 * r as u64), 0, "{r} ranks");
+            assert!(l.simple_round <= 32 << 20 && l.simple_round > (32 << 20) - 16 * r as u64);
+        }
+        assert!(Layout::new(0, 1 << 20, 1 << 20).is_err());
+        assert!(Layout::new(8, 1 << 20, 64).unwrap_err().message().contains("scratch too small"));
+    }
+
+    #[test]
+    fn packet_need_counts_every_slot() {
+        let l = Layout::new(4, 1 << 20, 1 << 20).unwrap();
+        // 1000 bytes: 125 units; allpair: 4 slots of 125 packets.
+        assert_eq!(l.packet_need(Collective::AllReduce, Algorithm::AllPair, 1000), 4 * 125 * 16);
+        // packet: 2 x 4 slots of ceil(125 / 4) = 32 packets.
+        assert_eq!(l.packet_need(Collective::AllReduce, Algorithm::Packet, 1000), 8 * 32 * 16);
+        // A tail that is not a whole unit still takes a packet.
+        assert_eq!(l.packet_need(Collective::Broadcast, Algorithm::Packet, 9), 2 * 16);
+        assert_eq!(l.packet_need(Collective::AllGather, Algorithm::Packet, 9), 4 * 2 * 16);
+    }
+
+    #[test]
+    fn selector_picks_by_size_and_falls_back_when_packets_do_not_fit() {
+        let l = Layout::new(8, 4 << 20, 32 << 20).unwrap();
+        let lim = Limits::default();
+        assert_eq!(select(Collective::AllReduce, 1024, &l, &lim).algorithm, Algorithm::AllPair);
+        assert_eq!(select(Collective::AllReduce, 256 << 10, &l, &lim).algorithm, Algorithm::Packet);
+        assert_eq!(select(Collective::AllReduce, 64 << 20, &l, &lim).algorithm, Algorithm::Simple);
+        // AllGather's size is the total.
+        assert_eq!(select(Collective::AllGather, 1 << 10, &l, &lim).algorithm, Algorithm::Packet);
+        assert_eq!(select(Collective::AllGather, 1 << 20, &l, &lim).algorithm, Algorithm::Simple);
+        // A small packet area pushes calls to `simple`.
+        let tiny = Layout::new(8, 4096, 32 << 20).unwrap();
+        assert_eq!(select(Collective::AllReduce, 64 << 10, &tiny, &lim).algorithm, Algorithm::Simple);
+        for c in [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast] {
+            for n in [2u64, 6, 8, 1000, 1 << 16, 1 << 22, 1 << 30] {
+                let p = select(c, n, &l, &lim);
+                assert!(p.algorithm.serves(c));
+                assert!(p.blocks >= 1 && p.blocks <= lim.max_blocks);
+                assert!(p.threads >= 64 && p.threads <= 512 && p.threads % 32 == 0);
+                assert!(p.threads as usize >= l.nranks);
+                if p.algorithm.is_packet() {
+                    assert!(l.packet_fits(c, p.algorithm, n));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn residency_caps_blocks_per_rank() {
+        assert_eq!(residency_cap(132, 2, 1).unwrap(), MAX_BLOCKS);
+        assert_eq!(residency_cap(132, 2, 2).unwrap(), 132);
+        assert_eq!(residency_cap(132, 1, 8).unwrap(), 16);
+        let e = residency_cap(2, 1, 8).unwrap_err();
+        assert!(e.message().contains("8 ranks share one GPU"), "{e}");
+        let l = Layout::new(8, 4 << 20, 32 << 20).unwrap();
+        let lim = Limits { max_blocks: 16, ..Limits::default() };
+        assert!(select(Collective::AllReduce, 1 << 30, &l, &lim).blocks <= 16);
+    }
+
+    #[test]
+    fn signatures_differ_when_any_field_does() {
+        let p = Plan { algorithm: Algorithm::Packet, blocks: 4, threads: 512 };
+        let base = signature(Collective::AllReduce, &p, Some(DataType::F32), Some(ReduceOp::Sum), false, 4096, 0);
+        let others = [
+            signature(Collective::ReduceScatter, &p, Some(DataType::F32), Some(ReduceOp::Sum), false, 4096, 0),
+            signature(Collective::AllReduce, &p, Some(DataType::Bf16), Some(ReduceOp::Sum), false, 4096, 0),
+            signature(Collective::AllReduce, &p, Some(DataType::F32), Some(ReduceOp::Max), false, 4096, 0),
+            signature(Collective::AllReduce, &p, Some(DataType::F32), Some(ReduceOp::Sum), true, 4096, 0),
+            signature(Collective::AllReduce, &p, Some(DataType::F32), Some(ReduceOp::Sum), false, 4100, 0),
+            signature(Collective::AllReduce, &Plan { blocks: 5, ..p }, Some(DataType::F32), Some(ReduceOp::Sum), false, 4096, 0),
+        ];
+        for o in others {
+            assert_ne!(o, base);
+            assert_ne!(o, 0);
+        }
+    }
+}
