@@ -534,24 +534,42 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
     }
     i = n / 16 * 4 + threadIdx.x;
   }
-  for (; i < (n + 3) / 4; i += blockDim.x) {
-    const u32 nb = (n - i * 4) >= 4 ? 4 : (u32)(n - i * 4);
-    u32 v = nb == 4 ? ((const u32*)srcs[0])[i] : (u32)((const unsigned short*)srcs[0])[2 * i];
+  if ((al & 3) == 0) {
+    for (; i < (n + 3) / 4; i += blockDim.x) {
+      const u32 nb = (n - i * 4) >= 4 ? 4 : (u32)(n - i * 4);
+      u32 v = nb == 4 ? ((const u32*)srcs[0])[i] : (u32)((const unsigned short*)srcs[0])[2 * i];
+      Acc<D, 1> acc;
+      acc.init(&v);
+      for (u32 k = 1; k < R; k++) {
+        u32 w = nb == 4 ? ((const u32*)srcs[k])[i] : (u32)((const unsigned short*)srcs[k])[2 * i];
+        acc.add(&w, (int)a.op, a.acc32 != 0);
+      }
+      u32 res;
+      acc.finish(&res, (int)a.op, a.nranks);
+      if (nb == 4) {
+        ((u32*)out)[i] = res;
+        if (out2) ((u32*)out2)[i] = res;
+      } else {
+        ((unsigned short*)out)[2 * i] = (unsigned short)res;
+        if (out2) ((unsigned short*)out2)[2 * i] = (unsigned short)res;
+      }
+    }
+    return;
+  }
+  // Only 2-byte aligned (a 2-byte type at an odd element offset): one element per step, in the
+  // low half of a word.
+  for (i = threadIdx.x; i < n / 2; i += blockDim.x) {
+    u32 v = ((const unsigned short*)srcs[0])[i];
     Acc<D, 1> acc;
     acc.init(&v);
     for (u32 k = 1; k < R; k++) {
-      u32 w = nb == 4 ? ((const u32*)srcs[k])[i] : (u32)((const unsigned short*)srcs[k])[2 * i];
+      u32 w = ((const unsigned short*)srcs[k])[i];
       acc.add(&w, (int)a.op, a.acc32 != 0);
     }
     u32 res;
     acc.finish(&res, (int)a.op, a.nranks);
-    if (nb == 4) {
-      ((u32*)out)[i] = res;
-      if (out2) ((u32*)out2)[i] = res;
-    } else {
-      ((unsigned short*)out)[2 * i] = (unsigned short)res;
-      if (out2) ((unsigned short*)out2)[2 * i] = (unsigned short)res;
-    }
+    ((unsigned short*)out)[i] = (unsigned short)res;
+    if (out2) ((unsigned short*)out2)[i] = (unsigned short)res;
   }
 }
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use mscclpp::gpu::{DeviceBuffer, Stream};
-use mscclpp::{Communicator, ErrorKind, RootServer, TcpBootstrap, TransportFlags};
+use mscclpp::{Bootstrap, Communicator, ErrorKind, RootServer, TcpBootstrap, TransportFlags};
 use mscclpp_collectives::{Algorithm, CallOptions, Collective, Collectives, Config, DataType, ReduceOp};
 
 /// Runs `f(rank, coll, stream)` on `n` rank threads and returns their results in rank order.
@@ -18,10 +18,16 @@ fn ranks<T: Send>(n: usize, config: impl Fn(usize) -> Config + Sync, f: impl Fn(
                 let (id, f, config) = (id.clone(), &f, &config);
                 s.spawn(move || {
                     let bs = Arc::new(TcpBootstrap::config(rank, n).timeout(Duration::from_secs(60)).initialize(&id).unwrap());
-                    let comm = Communicator::new(bs);
+                    let comm = Communicator::new(bs.clone());
                     let coll = Collectives::new(&comm, config(rank)).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                     let stream = Stream::new(0).unwrap();
-                    f(rank, &coll, &stream)
+                    let r = f(rank, &coll, &stream);
+                    // Teardown: no rank frees memory (cuMemFree waits for the whole GPU) or its
+                    // scratch while a peer's kernel may still use it.
+                    let _ = stream.synchronize(Duration::from_secs(60));
+                    bs.barrier().unwrap();
+                    drop(coll);
+                    r
                 })
             })
             .collect();
@@ -127,6 +133,17 @@ fn close(d: DataType, op: ReduceOp, got: f64, want: f64) -> bool {
     }
 }
 
+/// Every rank's earlier kernels have finished before any rank frees a buffer (freeing waits for
+/// the whole GPU): a one-element AllReduce completes on a rank only once every peer launched
+/// it, i.e. finished everything before it; peers can then finish theirs without this rank.
+fn coll_barrier(coll: &Collectives) {
+    let ctx = mscclpp::Context::new();
+    let one = DeviceBuffer::new(&ctx, 0, 16, TransportFlags::NONE).unwrap();
+    let s = Stream::new(0).unwrap();
+    coll.all_reduce_buffers(&one, &one, 1, DataType::U32, ReduceOp::Sum, &s).unwrap();
+    coll.synchronize(&s, Duration::from_secs(60)).unwrap();
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Case {
     coll: Collective,
@@ -138,7 +155,7 @@ struct Case {
 }
 
 /// Runs `case` on every rank and returns the number of wrong elements (with the first few).
-fn run_case(rank: usize, n: usize, coll: &Collectives, stream: &Stream, c: &Case) -> (usize, Vec<String>) {
+fn run_case(rank: usize, n: usize, coll: &Collectives, stream: &Stream, bufs: &(DeviceBuffer, DeviceBuffer), c: &Case) -> (usize, Vec<String>) {
     let es = c.dtype.size();
     let (in_elems, out_elems) = match c.coll {
         Collective::AllReduce | Collective::Broadcast => (c.count, c.count),
@@ -146,10 +163,9 @@ fn run_case(rank: usize, n: usize, coll: &Collectives, stream: &Stream, c: &Case
         Collective::ReduceScatter => (c.count * n, c.count),
         _ => unreachable!(),
     };
-    let ctx = mscclpp::Context::new();
     let big = in_elems.max(out_elems) * es;
-    let a = DeviceBuffer::new(&ctx, 0, big.max(16), TransportFlags::NONE).unwrap();
-    let b = DeviceBuffer::new(&ctx, 0, big.max(16), TransportFlags::NONE).unwrap();
+    let (a, b) = (&bufs.0, &bufs.1);
+    assert!(a.len() >= big && b.len() >= big);
     let input = input_bytes(c.dtype, rank, in_elems, c.op);
     // In place: the input sits where NCCL puts it inside the output buffer.
     let (send, recv) = if c.in_place {
@@ -184,7 +200,7 @@ fn run_case(rank: usize, n: usize, coll: &Collectives, stream: &Stream, c: &Case
     .unwrap_or_else(|e| panic!("rank {rank} {c:?}: {e}"));
     coll.synchronize(stream, Duration::from_secs(60)).unwrap_or_else(|e| panic!("rank {rank} {c:?}: {e}"));
     let mut out = vec![0u8; out_elems * es];
-    let src = if c.in_place { &a } else { &b };
+    let src = if c.in_place { a } else { b };
     let off = if c.in_place && c.coll == Collective::ReduceScatter { rank * c.count * es } else { 0 };
     src.read(off, &mut out).unwrap();
     let mut wrong = 0;
@@ -212,8 +228,26 @@ fn run_case(rank: usize, n: usize, coll: &Collectives, stream: &Stream, c: &Case
 
 fn sweep(n: usize, cases: &[Case]) {
     let t = Instant::now();
+    // Buffers are allocated once per rank: freeing memory between cases would wait for the
+    // whole GPU, including peers' kernels that wait for this rank.
+    let need = cases
+        .iter()
+        .map(|c| match c.coll {
+            Collective::AllGather | Collective::ReduceScatter => c.count * n,
+            _ => c.count,
+        } * c.dtype.size())
+        .max()
+        .unwrap_or(16);
     let results = ranks(n, |_| Config::new(0).timeout(Duration::from_secs(20)), |rank, coll, stream| {
-        cases.iter().map(|c| run_case(rank, n, coll, stream, c)).collect::<Vec<_>>()
+        let ctx = mscclpp::Context::new();
+        let bufs = (
+            DeviceBuffer::new(&ctx, 0, need, TransportFlags::NONE).unwrap(),
+            DeviceBuffer::new(&ctx, 0, need, TransportFlags::NONE).unwrap(),
+        );
+        let r = cases.iter().map(|c| run_case(rank, n, coll, stream, &bufs, c)).collect::<Vec<_>>();
+        let _ = stream.synchronize(Duration::from_secs(60));
+        coll_barrier(coll);
+        r
     });
     let mut bad = Vec::new();
     for (rank, res) in results.iter().enumerate() {

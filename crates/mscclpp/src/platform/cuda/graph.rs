@@ -9,12 +9,13 @@ use cudarc::driver::sys;
 use super::{GpuDevice, LOG, Stream as RawStream, check};
 use crate::error::Result;
 
-/// Starts a global-mode capture on `stream`.
+/// Starts a thread-local capture on `stream` (unsafe calls are refused on this thread only, so
+/// other ranks' threads of the process may allocate and synchronize meanwhile).
 pub(crate) fn begin_capture(stream: &RawStream) -> Result<()> {
     stream.dev.bind()?;
     // SAFETY: a live stream of the bound context; the mode is a valid enum value.
     check("cuStreamBeginCapture", unsafe {
-        sys::cuStreamBeginCapture_v2(stream.raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        sys::cuStreamBeginCapture_v2(stream.raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
     })
 }
 

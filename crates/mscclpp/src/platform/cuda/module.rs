@@ -229,8 +229,10 @@ impl Stream {
         self.inner.raw as u64
     }
 
-    /// Starts capturing the work submitted to this stream into a CUDA graph (global capture
-    /// mode, as PyTorch's `torch.cuda.graph` does); [`end_capture`](Self::end_capture) ends it.
+    /// Starts capturing the work submitted to this stream into a CUDA graph, in thread-local
+    /// mode: only this thread is barred from calls that would break the capture, so other
+    /// threads (other ranks of the process) go on allocating and synchronizing.
+    /// [`end_capture`](Self::end_capture) ends it.
     ///
     /// # Errors
     /// `Cuda` when the driver refuses (the stream is already capturing, or is the legacy stream).
