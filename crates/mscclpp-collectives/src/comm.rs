@@ -36,12 +36,29 @@ pub struct Config {
     pub simple_bytes: u64,
     /// Selector thresholds (algorithm by size); `max_blocks` is lowered to what fits on the GPU.
     pub limits: Limits,
+    /// Time AllReduce plans per power-of-two size at setup (see [`crate::tune`]); default on,
+    /// off with `MSCCLPP_COLLECTIVES_TUNE=0`.
+    pub tune: bool,
 }
 
 impl Config {
     /// The defaults for GPU `device`.
     pub fn new(device: u32) -> Config {
-        Config { device, timeout: Duration::from_secs(30), packet_bytes: 8 << 20, simple_bytes: 32 << 20, limits: Limits::default() }
+        let tune = std::env::var("MSCCLPP_COLLECTIVES_TUNE")
+            .map_or(true, |v| !matches!(v.trim(), "0" | "false" | "no" | "off"));
+        Config {
+            device,
+            timeout: Duration::from_secs(30),
+            packet_bytes: 8 << 20,
+            simple_bytes: 32 << 20,
+            limits: Limits::default(),
+            tune,
+        }
+    }
+    /// Turns setup-time tuning on or off.
+    pub fn tune(mut self, yes: bool) -> Config {
+        self.tune = yes;
+        self
     }
     /// Sets the device wait limit.
     pub fn timeout(mut self, t: Duration) -> Config {
@@ -149,12 +166,17 @@ pub struct Collectives {
     /// Page-locked: word 0 is the error the kernels report, word 1 the abort request.
     host_words: PinnedBuffer,
     failed: AtomicBool,
+    tuned: std::sync::RwLock<Option<Arc<crate::tune::TuneTable>>>,
     _channels: Vec<MemoryChannel>,
 }
 
 impl std::fmt::Debug for Collectives {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Collectives(rank {} of {}, GPU{}, scratch {} bytes)", self.rank, self.nranks, self.device, self.layout.total)
+        write!(
+            f,
+            "Collectives(rank {} of {}, GPU{}, scratch {} bytes)",
+            self.rank, self.nranks, self.device, self.layout.total
+        )
     }
 }
 
@@ -193,6 +215,12 @@ impl Collectives {
         let per_sm = kernels.min_blocks_per_sm(512)?.max(1);
         let mut limits = config.limits;
         limits.max_blocks = limits.max_blocks.min(select::residency_cap(sms, per_sm, on_gpu)?);
+        // Every rank plans with the same cap (the smallest), so their default plans agree.
+        let caps = comm.bootstrap().all_gather(&limits.max_blocks.to_le_bytes())?;
+        for c in caps {
+            let c: [u8; 4] = c.as_slice().try_into().map_err(|_| Error::remote("a peer sent a malformed block cap"))?;
+            limits.max_blocks = limits.max_blocks.min(u32::from_le_bytes(c).max(1));
+        }
 
         let ctx = comm.context();
         let scratch = DeviceBuffer::new(ctx, dev, layout.total as usize, Transport::CudaIpc.into())?;
@@ -243,8 +271,28 @@ impl Collectives {
             expected,
             host_words,
             failed: AtomicBool::new(false),
+            tuned: std::sync::RwLock::new(None),
             _channels: channels,
         })
+        .and_then(|c| {
+            if config.tune {
+                let table = crate::tune::tune_all_reduce(&c, comm)?;
+                c.set_tuning(Some(table));
+            }
+            Ok(c)
+        })
+    }
+
+    /// The AllReduce plans in force from tuning, if any.
+    pub fn tuning(&self) -> Option<Arc<crate::tune::TuneTable>> {
+        self.tuned.read().ok().and_then(|t| t.clone())
+    }
+
+    /// Installs (or with `None` removes) a tuning table. Every rank must install the same one.
+    pub fn set_tuning(&self, table: Option<Arc<crate::tune::TuneTable>>) {
+        if let Ok(mut t) = self.tuned.write() {
+            *t = table;
+        }
     }
 
     /// This rank.
@@ -275,6 +323,13 @@ impl Collectives {
     /// The plan the selector makes for a call (`nbytes` as in [`Layout::packet_need`]).
     pub fn plan(&self, coll: Collective, nbytes: u64, opts: &CallOptions) -> Result<Plan> {
         let mut plan = select::select(coll, nbytes, &self.layout, &self.limits);
+        if coll == Collective::AllReduce && opts.algorithm.is_none() {
+            if let Some(p) = self.tuning().and_then(|t| t.lookup(nbytes)) {
+                if !p.algorithm.is_packet() || self.layout.packet_fits(coll, p.algorithm, nbytes) {
+                    plan = Plan { blocks: p.blocks.min(self.limits.max_blocks), ..p };
+                }
+            }
+        }
         if let Some(a) = opts.algorithm {
             if !a.serves(coll) {
                 return Err(Error::invalid_usage(format!("the {a} algorithm does not implement {coll}")));
@@ -302,10 +357,15 @@ impl Collectives {
         }
         if let Some(t) = opts.threads {
             if !(32..=512).contains(&t) || t % 32 != 0 {
-                return Err(Error::invalid_usage(format!("threads per block must be a multiple of 32 in 32..=512, not {t}")));
+                return Err(Error::invalid_usage(format!(
+                    "threads per block must be a multiple of 32 in 32..=512, not {t}"
+                )));
             }
             if plan.algorithm == Algorithm::Simple && (t as usize) < self.nranks {
-                return Err(Error::invalid_usage(format!("the staged algorithm needs at least {} threads per block", self.nranks)));
+                return Err(Error::invalid_usage(format!(
+                    "the staged algorithm needs at least {} threads per block",
+                    self.nranks
+                )));
             }
             plan.threads = t;
         }
@@ -323,7 +383,10 @@ impl Collectives {
         let code = u64::from_le_bytes(w);
         if code == 0 {
             return if self.failed.load(Ordering::Acquire) {
-                Err(Error::remote(format!("rank {}: the collectives failed earlier and refuse further calls", self.rank)))
+                Err(Error::remote(format!(
+                    "rank {}: the collectives failed earlier and refuse further calls",
+                    self.rank
+                )))
             } else {
                 Ok(())
             };
@@ -426,11 +489,18 @@ impl Collectives {
         let es = dtype.size() as u64;
         for (ptr, len, name) in [(input, in_len, "input"), (output, out_len, "output")] {
             if ptr % es != 0 {
-                return Err(Error::invalid_usage(format!("{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements", what())));
+                return Err(Error::invalid_usage(format!(
+                    "{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements",
+                    what()
+                )));
             }
             let g = check_device_range(ptr, len, name).map_err(|e| e.during(what()))?;
             if g != self.device {
-                return Err(Error::invalid_usage(format!("{}: the {name} is on GPU{g}, the collectives on GPU{}", what(), self.device)));
+                return Err(Error::invalid_usage(format!(
+                    "{}: the {name} is on GPU{g}, the collectives on GPU{}",
+                    what(),
+                    self.device
+                )));
             }
         }
         if root >= self.nranks {
@@ -502,7 +572,9 @@ impl Collectives {
     ) -> Result<()> {
         let n = send_count as u64 * dtype.size() as u64;
         // SAFETY: the caller's contract.
-        unsafe { self.run(Collective::AllGather, send, n, recv, n * self.nranks as u64, n, dtype, None, 0, stream, opts) }
+        unsafe {
+            self.run(Collective::AllGather, send, n, recv, n * self.nranks as u64, n, dtype, None, 0, stream, opts)
+        }
     }
 
     /// ReduceScatter: every rank's `send` holds `size()` x `recv_count` elements; rank r gets
@@ -527,7 +599,19 @@ impl Collectives {
         let n = recv_count as u64 * dtype.size() as u64;
         // SAFETY: the caller's contract.
         unsafe {
-            self.run(Collective::ReduceScatter, send, n * self.nranks as u64, recv, n, n, dtype, Some(op), 0, stream, opts)
+            self.run(
+                Collective::ReduceScatter,
+                send,
+                n * self.nranks as u64,
+                recv,
+                n,
+                n,
+                dtype,
+                Some(op),
+                0,
+                stream,
+                opts,
+            )
         }
     }
 
@@ -570,16 +654,37 @@ impl Collectives {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
+        self.all_reduce_buffers_with(send, recv, count, dtype, op, stream, &CallOptions::default())
+    }
+
+    /// [`all_reduce_buffers`](Self::all_reduce_buffers) with [`CallOptions`].
+    ///
+    /// # Errors
+    /// As `all_reduce_buffers`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_buffers_with(
+        &self,
+        send: &DeviceBuffer,
+        recv: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &Stream,
+        opts: &CallOptions,
+    ) -> Result<()> {
         let n = count * dtype.size();
         for (b, name) in [(send, "send"), (recv, "receive")] {
             if b.len() < n {
-                return Err(Error::invalid_usage(format!("the {name} buffer holds {} bytes, the call needs {n}", b.len())));
+                return Err(Error::invalid_usage(format!(
+                    "the {name} buffer holds {} bytes, the call needs {n}",
+                    b.len()
+                )));
             }
         }
         // SAFETY: both buffers are live device allocations of at least n bytes; they are kept
         // alive by the caller's borrow only for this call, so the caller must keep them until the
         // stream passes it (documented: synchronize before dropping).
-        unsafe { self.all_reduce(send.device_ptr(), recv.device_ptr(), count, dtype, op, stream, &CallOptions::default()) }
+        unsafe { self.all_reduce(send.device_ptr(), recv.device_ptr(), count, dtype, op, stream, opts) }
     }
 
     /// Whether this rank's kernels reported an error or it was aborted.

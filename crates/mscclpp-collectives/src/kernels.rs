@@ -181,7 +181,13 @@ pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
 /// Every pointer in `args` is valid for what the kernel does with it (the input readable and the
 /// output writable for their sizes, the scratch table, state and error words live) until the
 /// launch finishes on `stream`.
-pub(crate) unsafe fn launch(kernel: &Kernel, blocks: u32, threads: u32, stream: &Stream, args: &CollArgs) -> Result<()> {
+pub(crate) unsafe fn launch(
+    kernel: &Kernel,
+    blocks: u32,
+    threads: u32,
+    stream: &Stream,
+    args: &CollArgs,
+) -> Result<()> {
     let mut a = *args;
     let mut params = [(&mut a as *mut CollArgs).cast::<c_void>()];
     // SAFETY: the kernel takes one CollArgs by value (the CUDA struct is generated from the same

@@ -29,6 +29,7 @@
 mod comm;
 mod kernels;
 pub mod select;
+pub mod tune;
 mod types;
 
 pub use comm::{CallOptions, Collectives, Config};

@@ -305,7 +305,15 @@ mod tests {
             signature(Collective::AllReduce, &p, Some(DataType::F32), Some(ReduceOp::Max), false, 4096, 0),
             signature(Collective::AllReduce, &p, Some(DataType::F32), Some(ReduceOp::Sum), true, 4096, 0),
             signature(Collective::AllReduce, &p, Some(DataType::F32), Some(ReduceOp::Sum), false, 4100, 0),
-            signature(Collective::AllReduce, &Plan { blocks: 5, ..p }, Some(DataType::F32), Some(ReduceOp::Sum), false, 4096, 0),
+            signature(
+                Collective::AllReduce,
+                &Plan { blocks: 5, ..p },
+                Some(DataType::F32),
+                Some(ReduceOp::Sum),
+                false,
+                4096,
+                0,
+            ),
         ];
         for o in others {
             assert_ne!(o, base);

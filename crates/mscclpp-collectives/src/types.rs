@@ -73,9 +73,7 @@ impl FromStr for DataType {
             "i32" | "int" | "int32" => DataType::I32,
             "u32" | "uint32" => DataType::U32,
             _ => {
-                return Err(Error::invalid_usage(format!(
-                    "unknown data type {s:?}: use f32, f16, bf16, i32 or u32"
-                )));
+                return Err(Error::invalid_usage(format!("unknown data type {s:?}: use f32, f16, bf16, i32 or u32")));
             }
         })
     }
@@ -134,9 +132,10 @@ impl FromStr for ReduceOp {
     type Err = Error;
     /// Parses `sum`, `prod`, `min`, `max`, `avg` (case-insensitive).
     fn from_str(s: &str) -> Result<ReduceOp> {
-        ReduceOp::ALL.into_iter().find(|o| o.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
-            Error::invalid_usage(format!("unknown reduction {s:?}: use sum, prod, min, max or avg"))
-        })
+        ReduceOp::ALL
+            .into_iter()
+            .find(|o| o.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| Error::invalid_usage(format!("unknown reduction {s:?}: use sum, prod, min, max or avg")))
     }
 }
 
@@ -224,7 +223,10 @@ impl Algorithm {
 
     /// Whether it implements `c`.
     pub fn serves(self, c: Collective) -> bool {
-        !matches!((self, c), (Algorithm::AllPair, Collective::AllGather | Collective::ReduceScatter | Collective::Broadcast))
+        !matches!(
+            (self, c),
+            (Algorithm::AllPair, Collective::AllGather | Collective::ReduceScatter | Collective::Broadcast)
+        )
     }
 
     pub(crate) fn code(self) -> u64 {
@@ -259,9 +261,7 @@ impl FromStr for Algorithm {
             "packet" | "ll" => Algorithm::Packet,
             "simple" | "rsag" | "fullmesh" | "fullmesh2" => Algorithm::Simple,
             _ => {
-                return Err(Error::invalid_usage(format!(
-                    "unknown algorithm {s:?}: use allpair, packet or simple"
-                )));
+                return Err(Error::invalid_usage(format!("unknown algorithm {s:?}: use allpair, packet or simple")));
             }
         })
     }

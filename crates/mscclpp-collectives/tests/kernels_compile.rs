@@ -29,7 +29,8 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
         Ok(i) => i,
         Err(e) => return skip(test, e.message()),
     };
-    let opts = CompileOptions { arch: Some("compute_90".into()), name: Some("collectives.cu".into()), ..Default::default() };
+    let opts =
+        CompileOptions { arch: Some("compute_90".into()), name: Some("collectives.cu".into()), ..Default::default() };
     let t = std::time::Instant::now();
     let ptx = compile(&mscclpp_collectives::kernel_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
     println!("NVRTC compiled {} collective kernels in {:?}", ptx.kernels().len(), t.elapsed());
@@ -39,7 +40,13 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
         assert!(ptx.kernels().iter().any(|n| n == k), "no kernel {k}");
     }
     // The orderings the protocol relies on are in the PTX.
-    for insn in ["red.release.sys.global.add.u64", "ld.acquire.sys", "st.volatile.global.v4.u32", "%globaltimer", "cvt.rn.bf16.f32"] {
+    for insn in [
+        "red.release.sys.global.add.u64",
+        "ld.acquire.sys",
+        "st.volatile.global.v4.u32",
+        "%globaltimer",
+        "cvt.rn.bf16.f32",
+    ] {
         assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
     }
     let Some(ptxas) = ptxas(&path) else {
