@@ -31,8 +31,8 @@ using namespace mscclpp;
 
 struct CollState {
   u32 flag;    // LL flag of the next packet call (starts at 1)
-  u32 done;    // blocks of the running launch that finished
   u32 failed;  // nonzero once any wait of this rank failed
+  u32 done;    // blocks of the running launch that finished
   u32 pad;
 };
 
@@ -217,11 +217,14 @@ __device__ __forceinline__ LL16Packet* pkt_slot(const CollArgs& a, u32 rank, u32
 __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline) {
   CollState* st = (CollState*)a.state;
   deadline = detail::globaltimer() + a.timeout_ns;
-  if (load_volatile_u32(&st->failed)) {
+  // flag and failed in one load.
+  uint2 ff;
+  detail::ld_volatile_v2_u32(st, ff.x, ff.y);
+  if (ff.y) {
     if (blockIdx.x == 0 && threadIdx.x == 0) fail(a, ERR_FAILED_BEFORE, 0xffff);
     return false;
   }
-  flag = load_volatile_u32(&st->flag);
+  flag = ff.x;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     const u32 half = flag & 1;
     for (u32 p = 0; p < a.nranks; p++) {
@@ -248,14 +251,19 @@ __device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadlin
   (void)deadline;
   CollState* st = (CollState*)a.state;
   __syncthreads();
+  if (gridDim.x == 1) {
+    // One block, whose threads all read the flag (the barrier above); the next launch starts
+    // after this one ends.
+    if (threadIdx.x == 0) st->flag = flag + 1 == 0 ? 1 : flag + 1;
+    return;
+  }
   if (threadIdx.x == 0) {
-    __threadfence();
+    // Every block read the flag at its start; the last one to get here advances it (the next
+    // launch starts after this one ends, so no fence is needed for it).
     u32 prev = atomicAdd(&st->done, 1u);
     if (prev == gridDim.x - 1) {
       st->done = 0;
-      u32 next = flag + 1;
-      st->flag = next == 0 ? 1 : next;
-      __threadfence();
+      st->flag = flag + 1 == 0 ? 1 : flag + 1;
     }
   }
 }

@@ -52,7 +52,7 @@ pub fn candidates(nbytes: u64, layout: &select::Layout, max_blocks: u32) -> Vec<
         if !usable || (algo.is_packet() && !layout.packet_fits(c, algo, nbytes)) {
             continue;
         }
-        let threads: &[u32] = if algo == Algorithm::Simple { &[512] } else { &[128, 256, 512] };
+        let threads: &[u32] = if algo == Algorithm::Simple { &[512] } else { &[256, 512] };
         for &t in threads {
             for b in [1u32, 2, 4, 8, 16, 32, 64, 128] {
                 if b > max_blocks {
@@ -92,18 +92,32 @@ pub fn tune_all_reduce(coll: &Collectives, comm: &Communicator) -> Result<Arc<Tu
         return Ok(t);
     }
     let start = Instant::now();
+    let (entries, micros) = time_candidates(coll, comm)?;
+    // Nobody launches again before every rank has freed what tuning allocated: freeing memory
+    // waits for the whole GPU, including peers' kernels waiting for this rank.
+    comm.bootstrap().barrier()?;
+    let table = Arc::new(TuneTable { entries, micros });
+    tracing::info!(target: "mscclpp::collectives", "tuned AllReduce for {} sizes in {:?}", table.entries.len(), start.elapsed());
+    if let Ok(mut m) = cache.lock() {
+        m.insert(k, table.clone());
+    }
+    Ok(table)
+}
+
+/// Times every candidate of every size; returns the chosen plans and their times.
+fn time_candidates(coll: &Collectives, comm: &Communicator) -> Result<(Vec<(u64, Plan)>, Vec<f32>)> {
     let dev = coll.device();
     let stream = Stream::new(dev)?;
     let max = 1u64 << SIZES.end();
     let buf = DeviceBuffer::new(comm.context(), dev, max as usize, TransportFlags::NONE)?;
-    let (e0, e1) = (TimingEvent::new(dev)?, TimingEvent::new(dev)?);
     let mut entries = Vec::new();
     let mut micros = Vec::new();
     for p in SIZES {
         let nbytes = 1u64 << p;
         let count = (nbytes / 2) as usize; // bf16, the type of inference AllReduce
         let cands = candidates(nbytes, coll.layout(), coll.limits().max_blocks);
-        let mut mine = Vec::with_capacity(cands.len());
+        // Capture every candidate, then run them all back to back and synchronize once.
+        let mut runs = Vec::with_capacity(cands.len());
         for plan in &cands {
             let opts = CallOptions::algorithm(plan.algorithm).shape(plan.blocks, plan.threads);
             stream.begin_capture()?;
@@ -117,45 +131,37 @@ pub fn tune_all_reduce(coll: &Collectives, comm: &Communicator) -> Result<Arc<Tu
             }
             let graph = stream.end_capture();
             r?;
-            let graph = graph?;
+            runs.push((graph?, TimingEvent::new(dev)?, TimingEvent::new(dev)?));
+        }
+        for (graph, e0, e1) in &runs {
             graph.launch(&stream)?; // warm-up; also absorbs the ranks' skew
             e0.record(&stream)?;
             graph.launch(&stream)?;
             graph.launch(&stream)?;
             e1.record(&stream)?;
-            coll.synchronize(&stream, std::time::Duration::from_secs(60)).map_err(|e| e.during("tuning AllReduce"))?;
-            let ms = e1.elapsed_ms_since(&e0)?;
-            mine.push(ms * 1000.0 / (2 * CALLS_PER_GRAPH) as f32);
+        }
+        coll.synchronize(&stream, std::time::Duration::from_secs(120)).map_err(|e| e.during("tuning AllReduce"))?;
+        let mut mine = Vec::with_capacity(cands.len());
+        for (_, e0, e1) in &runs {
+            mine.push(e1.elapsed_ms_since(e0)? * 1000.0 / (2 * CALLS_PER_GRAPH) as f32);
         }
         let bytes: Vec<u8> = mine.iter().flat_map(|t| t.to_le_bytes()).collect();
         let all = comm.bootstrap().all_gather(&bytes)?;
         let mut worst = vec![0f32; cands.len()];
         for (p, theirs) in all.iter().enumerate() {
             if theirs.len() != bytes.len() {
-                return Err(Error::remote(format!(
-                    "rank {p} tuned {} candidates, this rank {}",
-                    theirs.len() / 4,
-                    cands.len()
-                ))
-                .with_peer(p));
+                return Err(Error::remote(format!("rank {p} tuned {} candidates, this rank {}", theirs.len() / 4, cands.len())).with_peer(p));
             }
             for (i, w) in theirs.chunks(4).enumerate() {
-                let t = f32::from_le_bytes([w[0], w[1], w[2], w[3]]);
-                worst[i] = worst[i].max(t);
+                worst[i] = worst[i].max(f32::from_le_bytes([w[0], w[1], w[2], w[3]]));
             }
         }
-        let best = (0..cands.len()).min_by(|&a, &b| worst[a].total_cmp(&worst[b]));
-        if let Some(i) = best {
+        if let Some(i) = (0..cands.len()).min_by(|&a, &b| worst[a].total_cmp(&worst[b])) {
             entries.push((nbytes, cands[i]));
             micros.push(worst[i]);
         }
     }
-    let table = Arc::new(TuneTable { entries, micros });
-    tracing::info!(target: "mscclpp::collectives", "tuned AllReduce for {} sizes in {:?}", table.entries.len(), start.elapsed());
-    if let Ok(mut m) = cache.lock() {
-        m.insert(k, table.clone());
-    }
-    Ok(table)
+    Ok((entries, micros))
 }
 
 #[cfg(test)]
