@@ -66,21 +66,41 @@ pub(crate) fn two_local_ranks<T: Send>(
     timeout: std::time::Duration,
     setup: impl Fn(usize, std::sync::Arc<dyn mscclpp::Bootstrap>) -> Result<T, String> + Sync,
 ) -> Result<Vec<T>, String> {
-    let (root, id) = mscclpp::RootServer::start(2, timeout).map_err(e)?;
+    local_ranks(2, timeout, setup)
+}
+
+/// `n` ranks of this process (threads joined by a loopback bootstrap, waits bounded by
+/// `timeout`): runs `setup(rank, bootstrap)` on each and returns their results in rank order,
+/// or every failed rank's error (in rank order, one per line).
+pub(crate) fn local_ranks<T: Send>(
+    n: usize,
+    timeout: std::time::Duration,
+    setup: impl Fn(usize, std::sync::Arc<dyn mscclpp::Bootstrap>) -> Result<T, String> + Sync,
+) -> Result<Vec<T>, String> {
+    let (root, id) = mscclpp::RootServer::start(n, timeout).map_err(e)?;
     let setup = &setup;
     let ranks = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..2usize)
+        let hs: Vec<_> = (0..n)
             .map(|rank| {
                 let id = id.clone();
                 sc.spawn(move || -> Result<T, String> {
-                    let bs = mscclpp::TcpBootstrap::config(rank, 2).timeout(timeout).initialize(&id).map_err(e)?;
+                    let bs = mscclpp::TcpBootstrap::config(rank, n).timeout(timeout).initialize(&id).map_err(e)?;
                     setup(rank, std::sync::Arc::new(bs))
                 })
             })
             .collect();
-        hs.into_iter()
-            .map(|h| h.join().map_err(|_| "a rank thread panicked".to_string())?)
-            .collect::<Result<Vec<_>, _>>()
+        // Join every thread before looking at any result; every failed rank's error is kept (the
+        // first one is often the cause, the others' timeouts its consequence).
+        let mut ok = Vec::with_capacity(n);
+        let mut errs = Vec::new();
+        for h in hs {
+            match h.join() {
+                Ok(Ok(t)) => ok.push(t),
+                Ok(Err(m)) => errs.push(m),
+                Err(_) => errs.push("a rank thread panicked".to_string()),
+            }
+        }
+        if errs.is_empty() { Ok(ok) } else { Err(errs.join("\n  ")) }
     })?;
     drop(root);
     Ok(ranks)

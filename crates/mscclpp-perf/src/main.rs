@@ -3,12 +3,17 @@
 //!
 //! With no flags it starts two local ranks and runs the `p2p` test over Ethernet (TCP) with host
 //! memory, from 8 B to 256 MiB, next to a plain TCP socket between the same two processes.
+//!
+//! `allreduce`, `allgather` and `reducescatter` run `mscclpp-collectives` like nccl-tests runs
+//! NCCL (ranks as threads of one process on one GPU), optionally next to NCCL (`--nccl PATH`).
 
 mod bootstrap;
+mod coll;
 mod device;
 mod kern;
 mod launch;
 mod memchan;
+mod nccl;
 mod p2p;
 mod procs;
 mod report;
@@ -33,6 +38,15 @@ pub enum TestKind {
     /// MemoryChannel: device semaphore ping-pong, put bandwidth, LL16 packets. With `--procs`:
     /// between two processes, rank r on GPU (`--device` + r) mod count, over CUDA IPC.
     Device,
+    /// mscclpp-collectives AllReduce, nccl-tests style: `--ranks` ranks as threads of this
+    /// process on GPU `--device`; size = the per-rank buffer. Columns: size, count, type, redop,
+    /// then out of place and in place: time (us), algbw, busbw (GB/s) [#wrong with --check]
+    /// [NCCL's time with --nccl]; the algorithm chosen; cuMemcpyDtoDAsync of the same bytes.
+    Allreduce,
+    /// As allreduce, AllGather: size = the output (count = size / element / ranks per rank).
+    Allgather,
+    /// As allreduce, ReduceScatter: size = the input (count = size / element / ranks per rank).
+    Reducescatter,
 }
 
 impl TestKind {
@@ -42,6 +56,9 @@ impl TestKind {
             TestKind::P2p => "p2p",
             TestKind::Bootstrap => "bootstrap",
             TestKind::Device => "device",
+            TestKind::Allreduce => "allreduce",
+            TestKind::Allgather => "allgather",
+            TestKind::Reducescatter => "reducescatter",
         }
     }
 }
@@ -62,7 +79,8 @@ pub struct Args {
     /// Test to run.
     #[arg(value_enum, default_value = "p2p")]
     pub test: TestKind,
-    /// Local ranks to start (ignored under mpirun/srun/torchrun, which set the ranks).
+    /// Local ranks to start (ignored under mpirun/srun/torchrun, which set the ranks). The
+    /// collectives: ranks as threads of this process, all on GPU `--device` (2 to 64).
     #[arg(long, default_value_t = 2)]
     pub ranks: usize,
     /// Transport: ethernet, cuda-ipc or ib (IB0: an RDMA NIC or soft-RoCE).
@@ -83,7 +101,8 @@ pub struct Args {
     /// Multiplication factor between sizes (at least 2).
     #[arg(short = 'f', long, default_value_t = 2)]
     pub step_factor: u64,
-    /// Timed iterations per size (default: enough to move about 512 MiB, 10 to 2000); at least 1.
+    /// Timed iterations per size (default: enough to move about 512 MiB, 10 to 2000; the
+    /// collectives: 20); at least 1.
     #[arg(short = 'n', long)]
     pub iters: Option<u64>,
     /// Measurements per size, ours and the baseline alternating; the table shows medians, the
@@ -94,6 +113,8 @@ pub struct Args {
     #[arg(short = 'w', long, default_value_t = 5)]
     pub warmup: u64,
     /// Check the data each receiver got and add a `#wrong` column (`-c`, `-c 1`; `-c 0` is off).
+    /// The collectives: one more call per size on integer-valued data, every element compared
+    /// with a CPU reference; any wrong element fails the run.
     #[arg(short = 'c', long, num_args = 0..=1, default_value = "0", default_missing_value = "1",
           value_parser = parse_flag)]
     pub check: bool,
@@ -141,6 +162,26 @@ pub struct Args {
     /// check), `--rounds` the rounds, `--json` the output file.
     #[arg(long)]
     pub procs: bool,
+    /// Collectives: element type, f32, f16, bf16, i32 or u32 (default bf16).
+    #[arg(short = 'd', long)]
+    pub dtype: Option<String>,
+    /// Collectives: reduction, sum, prod, min, max or avg (default sum; AllGather has none).
+    #[arg(short = 'o', long)]
+    pub op: Option<String>,
+    /// Collectives: capture the `-n` calls of each measurement into one CUDA graph and time its
+    /// launch (default: eager calls).
+    #[arg(long)]
+    pub graph: bool,
+    /// Collectives: run this algorithm (allpair (AllReduce only), packet, simple) instead of
+    /// the selector's choice; sizes it cannot serve are skipped.
+    #[arg(long)]
+    pub algo: Option<String>,
+    /// Collectives: also run the sweep through this NCCL library (libnccl.so.2, 2.30 or newer
+    /// for several ranks on one GPU), in the same mode, and print its time next to ours. Sets
+    /// NCCL_MULTI_RANK_GPU_ENABLE=1 when it is not set. If it cannot be loaded or initialized,
+    /// the run goes on without it.
+    #[arg(long)]
+    pub nccl: Option<PathBuf>,
 }
 
 impl Args {
@@ -252,6 +293,18 @@ fn check(args: &Args) -> Result<(), String> {
     if let Some(p) = &args.plot {
         check_output("--plot", p, Some("svg"))?;
     }
+    if coll::collective(args.test).is_none() {
+        let given = [
+            (args.dtype.is_some(), "-d/--dtype"),
+            (args.op.is_some(), "-o/--op"),
+            (args.graph, "--graph"),
+            (args.algo.is_some(), "--algo"),
+            (args.nccl.is_some(), "--nccl"),
+        ];
+        if let Some((_, flag)) = given.iter().find(|g| g.0) {
+            return Err(format!("{flag} applies to the collective tests (allreduce, allgather, reducescatter)"));
+        }
+    }
     if args.test == TestKind::Bootstrap {
         if args.scale.contains(&0) {
             return Err("--scale sizes must be at least 1".into());
@@ -260,6 +313,14 @@ fn check(args: &Args) -> Result<(), String> {
     }
     if args.procs && args.test != TestKind::Device {
         return Err("--procs applies to the device test (mscclpp-perf device --procs)".into());
+    }
+    if coll::collective(args.test).is_some() {
+        coll::Spec::from_args(args)?;
+        let n = mscclpp::gpu::device_count().map_err(|e| format!("{}: {e}", args.test.name()))?;
+        if args.device as usize >= n {
+            return Err(format!("--device {}: this machine has {n} GPU(s)", args.device));
+        }
+        return Ok(());
     }
     if args.test == TestKind::Device {
         if args.procs && args.ranks != 2 {
@@ -279,6 +340,8 @@ fn check(args: &Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // Before anything starts a thread (CUDA, the bootstrap, NCCL): the environment NCCL reads.
+    let nccl_env_set = args.nccl.is_some() && coll::collective(args.test).is_some() && nccl::prepare_env();
     if let Err(e) = check(&args) {
         eprintln!("mscclpp-perf: {e}");
         return ExitCode::from(2);
@@ -287,6 +350,7 @@ fn main() -> ExitCode {
         TestKind::P2p => launch::run(&args, p2p::run),
         TestKind::Device if args.procs => launch::run(&args, procs::run_rank),
         TestKind::Bootstrap => bootstrap::run(&args),
+        TestKind::Allreduce | TestKind::Allgather | TestKind::Reducescatter => coll::run(&args, nccl_env_set),
         TestKind::Device => {
             // The MemoryChannel rows run even when the proxy rows failed.
             let proxy = device::run(&args);
@@ -339,6 +403,27 @@ mod tests {
         assert!(check(&a).unwrap_err().contains("unknown"));
         let a = Args::parse_from(["mscclpp-perf", "--min-bytes", "1M", "--max-bytes", "1K"]);
         assert!(check(&a).is_err());
+        // The collective flags: refused elsewhere, parsed before any GPU is looked for.
+        let a = Args::parse_from(["mscclpp-perf", "--graph"]);
+        assert!(check(&a).unwrap_err().contains("collective tests"));
+        let a = Args::parse_from(["mscclpp-perf", "device", "--nccl", "/x/libnccl.so.2"]);
+        assert!(check(&a).unwrap_err().contains("collective tests"));
+        let a = Args::parse_from(["mscclpp-perf", "allreduce", "-d", "int8"]);
+        assert!(check(&a).unwrap_err().contains("unknown data type"));
+        let a = Args::parse_from(["mscclpp-perf", "reducescatter", "-o", "xor"]);
+        assert!(check(&a).unwrap_err().contains("unknown reduction"));
+        let a = Args::parse_from(["mscclpp-perf", "allgather", "--algo", "allpair"]);
+        assert!(check(&a).unwrap_err().contains("does not implement"));
+        let a = Args::parse_from(["mscclpp-perf", "allreduce", "--ranks", "1"]);
+        assert!(check(&a).unwrap_err().contains("2 to 64"));
+        let a = Args::parse_from(["mscclpp-perf", "allreduce", "--procs"]);
+        assert!(check(&a).unwrap_err().contains("device test"));
+        let a =
+            Args::parse_from(["mscclpp-perf", "allreduce", "-b", "8", "-e", "1G", "-d", "bf16", "--check", "--graph"]);
+        assert!(a.check && a.graph && a.max_bytes == 1 << 30);
+        if mscclpp::gpu::device_count().is_err() {
+            assert!(check(&a).unwrap_err().contains("no CUDA driver found"));
+        }
         let a = Args::parse_from(["mscclpp-perf"]);
         check(&a).unwrap();
         assert_eq!((a.min_bytes, a.max_bytes, a.ranks), (8, 256 << 20, 2));
