@@ -133,6 +133,9 @@ fn time_candidates(coll: &Collectives, comm: &Communicator) -> Result<(Vec<(u64,
             r?;
             runs.push((graph?, TimingEvent::new(dev)?, TimingEvent::new(dev)?));
         }
+        // No rank launches before every rank has instantiated its graphs: instantiation can
+        // wait for the GPU, which a peer's kernels spinning for this rank would never free.
+        comm.bootstrap().barrier()?;
         for (graph, e0, e1) in &runs {
             graph.launch(&stream)?; // warm-up; also absorbs the ranks' skew
             e0.record(&stream)?;
