@@ -227,7 +227,11 @@ fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Res
 
 /// Opens the socket to the peer's endpoint and returns it with the peer's context id.
 fn dial(addr: SocketAddr, secret: &[u8; 16], my_context: u64, deadline: Instant) -> Result<(TcpStream, u64)> {
-    let mut s = crate::net::connect_retry(addr, deadline, "the peer's Ethernet endpoint")?;
+    let mut s = crate::net::connect_retry(
+        addr,
+        crate::sync::Deadline::after(deadline.saturating_duration_since(Instant::now())),
+        "the peer's Ethernet endpoint",
+    )?;
     let hello = Hello { secret: *secret, context: my_context }.to_wire();
     s.write_all(&length_prefixed(&hello)).map_err(|e| Error::io("sending the handshake", e))?;
     s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10))))
