@@ -2,8 +2,6 @@
 //! in `rendezvous`, with the rank's side of talking to the root (reading its answers, asking it
 //! who is missing).
 
-/// Listeners bound by `create_unique_id`, waiting for rank 0 of the same process to take them
-/// (MSCCL++ closes the socket and binds again, leaving a window for another process).
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -24,6 +22,8 @@ use crate::net::StoppableListener;
 use crate::sync::{Deadline, lock};
 use crate::wire::{WireForm, length_prefixed, read_length_prefixed};
 
+/// Listeners bound by `create_unique_id`, waiting for rank 0 of the same process to take them
+/// (MSCCL++ closes the socket and binds again, leaving a window for another process).
 pub(super) static PENDING_ROOTS: Mutex<Vec<(SocketAddr, TcpListener)>> = Mutex::new(Vec::new());
 
 /// The root's backlog: it is bound before the job size is known, so room for a large job.

@@ -17,6 +17,7 @@ use crate::net::StoppableListener;
 use crate::sync::{Deadline, lock};
 use crate::wire::{WireForm, length_prefixed, read_length_prefixed};
 
+/// What the accept thread and [`Acceptor::take`] share: the accepted socket, once there is one.
 pub(super) struct AcceptShared {
     pub(super) slot: Mutex<Option<TcpStream>>,
     pub(super) cond: Condvar,
@@ -72,6 +73,7 @@ impl Drop for Acceptor {
     }
 }
 
+/// The accept thread: a handshake thread per connection until one passes (or `stop`).
 pub(super) fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], context_id: u64) {
     let mut handshakes: Vec<JoinHandle<()>> = Vec::new();
     let listener = StoppableListener::new(listener);
@@ -118,6 +120,8 @@ pub(super) fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: 
     }
 }
 
+/// The acceptor's side of the handshake: the peer's hello must carry `secret`; the answer
+/// carries this side's context id.
 pub(super) fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Result<TcpStream> {
     s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| Error::io("setting a read timeout", e))?;
     let body = read_length_prefixed(&mut s, HELLO_LEN, "the handshake")?;

@@ -24,6 +24,7 @@ use crate::memory::RegisteredMemory;
 use crate::sync::{Deadline, lock};
 use crate::transport::Transport;
 
+/// The sending side's state, behind one lock (`Shared::st`).
 pub(super) struct State {
     /// Sequence numbers, the queue and its bound, acknowledgements.
     pub(super) core: SenderCore<Src>,
@@ -41,6 +42,7 @@ pub(super) struct State {
     pub(super) rx_done: bool,
 }
 
+/// Everything the handle and the three threads (sender, acknowledgement reader, receiver) share.
 pub(super) struct Shared {
     pub(super) st: Mutex<State>,
     /// Signals acknowledgements, free queue slots and failure (to `flush` and full-queue waits).

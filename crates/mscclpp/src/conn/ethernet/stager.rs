@@ -15,6 +15,7 @@ use crate::platform::hostmem::{Region, send_vectored};
 /// Bytes per staging chunk.
 pub(super) const STAGE_CHUNK: usize = 4 << 20;
 
+/// A staging failure: the socket's (the connection's end) or the GPU's.
 pub(crate) enum StageError {
     Io(std::io::Error),
     Mscclpp(Error),
