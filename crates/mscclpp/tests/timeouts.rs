@@ -3,8 +3,8 @@
 //! a panic or a wait) and `Duration::MAX` means no limit (no "overflow when adding duration to
 //! instant" panic, and the call still completes once its operation does).
 //!
-//! (GPU-only waits, `Host2DeviceSemaphore::wait` and `Stream::synchronize`, go through the same
-//! `sync::poll_until`, whose unit tests cover both ends.)
+//! The GPU waits (`Stream::synchronize`, `Host2DeviceSemaphore::wait`) are tested on a GPU
+//! machine (`--ignored`).
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -13,8 +13,9 @@ use mscclpp::device::ProxyTrigger;
 use mscclpp::device::fifo::Fifo;
 use mscclpp::launcher::LaunchInfo;
 use mscclpp::{
-    Bootstrap, Buffer, Connection, Context, Endpoint, EndpointConfig, ErrorKind, EthernetConfig, Host2HostSemaphore,
-    RegisteredMemory, RootServer, Semaphore, SemaphoreStub, TcpBootstrap, Transport,
+    Bootstrap, Buffer, Connection, Context, Device, Endpoint, EndpointConfig, ErrorKind, EthernetConfig,
+    Host2DeviceSemaphore, Host2HostSemaphore, RegisteredMemory, RootServer, Semaphore, SemaphoreStub, TcpBootstrap,
+    Transport,
 };
 
 /// A limit long enough for anything here to finish; only reached if something is broken.
@@ -239,4 +240,36 @@ fn fifo_waits_with_zero_and_no_limit() {
         assert_eq!(pusher.join().unwrap().unwrap(), 2);
     });
     p.sync(p0, Duration::ZERO).unwrap();
+}
+
+/// `Stream::synchronize` of an idle stream succeeds with either limit; `Host2DeviceSemaphore::wait`
+/// (its token in GPU memory, written over Ethernet through the GPU staging) times out at once
+/// with nothing there, takes a signal already landed with a zero limit, and waits without
+/// limit for the next one.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_waits_with_zero_and_no_limit() {
+    let s = mscclpp::gpu::Stream::new(0).unwrap();
+    s.synchronize(Duration::ZERO).unwrap();
+    s.synchronize(Duration::MAX).unwrap();
+
+    let host = EndpointConfig::new(Transport::Ethernet)
+        .ethernet(EthernetConfig::default().interface("127.0.0.1").connect_timeout(Duration::MAX));
+    let gpu = host.clone().device(Device::Gpu(0));
+    let (a, b) = (Context::new(), Context::new());
+    let (ea, eb) = (a.create_endpoint(&host).unwrap(), b.create_endpoint(&gpu).unwrap());
+    let (ra, rb) = (Endpoint::deserialize(&ea.serialize()).unwrap(), Endpoint::deserialize(&eb.serialize()).unwrap());
+    let a_to_b = a.connect(&ea, &rb).unwrap();
+    let b_to_a = b.connect(&eb, &ra).unwrap();
+    let (sa, sb) = (SemaphoreStub::new(&a_to_b).unwrap(), SemaphoreStub::new(&b_to_a).unwrap());
+    let (ma, mb) = (as_peer(sa.memory()), as_peer(sb.memory()));
+    let on_host = Host2HostSemaphore::new(Semaphore::new(sa, mb)).unwrap();
+    let on_gpu = Host2DeviceSemaphore::new(Semaphore::new(sb, ma)).unwrap();
+    assert_eq!(on_gpu.wait(Duration::ZERO).unwrap_err().kind(), ErrorKind::Timeout);
+    on_host.signal().unwrap();
+    a_to_b.flush(Duration::MAX).unwrap();
+    on_gpu.wait(Duration::ZERO).unwrap();
+    on_host.signal().unwrap();
+    on_gpu.wait(Duration::MAX).unwrap();
+    assert_eq!(on_gpu.wait(Duration::ZERO).unwrap_err().kind(), ErrorKind::Timeout);
 }
