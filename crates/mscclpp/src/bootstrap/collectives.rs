@@ -20,7 +20,7 @@ pub(crate) const TREE_GATHER_LIMIT: usize = 1 << 20;
 /// Runs [`schedule::tree_gather`] for an `all_gather`: each rank sends its subtree's pieces to
 /// its parent, rank 0 sends the whole table down. `Ok(None)` when some subtree holds more than
 /// `limit` bytes (every rank then learns so from the table and may take the ring).
-pub(crate) fn gather_on_tree(
+pub(super) fn gather_on_tree(
     me: usize,
     n: usize,
     data: &[u8],
@@ -88,7 +88,7 @@ fn finish(g: &mut GatherBlocks) -> &GatherBlocks {
 }
 
 /// Runs [`schedule::ring_gather`]: n-1 rounds, each passing one rank's piece to the next rank.
-pub(crate) fn gather_on_ring(
+fn gather_on_ring(
     me: usize,
     n: usize,
     data: &[u8],
@@ -108,7 +108,7 @@ pub(crate) fn gather_on_ring(
 }
 
 /// Runs [`schedule::tree_broadcast`]: `root`'s `data` on every rank.
-pub(crate) fn broadcast_on_tree(
+pub(super) fn broadcast_on_tree(
     me: usize,
     n: usize,
     root: usize,
@@ -136,7 +136,7 @@ pub(crate) fn broadcast_on_tree(
 
 /// Runs [`schedule::tree_gather`] as a barrier (empty messages): arrivals up, the release down.
 /// Consecutive receives are handed to `recv_all` together, so a timeout names every silent peer.
-pub(crate) fn barrier_on_tree(
+pub(super) fn barrier_on_tree(
     me: usize,
     n: usize,
     mut send: impl FnMut(usize) -> Result<()>,

@@ -18,8 +18,8 @@ use crate::sync::{Deadline, lock};
 use crate::wire::{WireForm, length_prefixed, read_length_prefixed};
 
 /// What the accept thread and [`Acceptor::take`] share: the accepted socket, once there is one.
-pub(super) struct AcceptShared {
-    pub(super) slot: Mutex<Option<TcpStream>>,
+struct AcceptShared {
+    slot: Mutex<Option<TcpStream>>,
     pub(super) cond: Condvar,
     pub(super) stop: AtomicBool,
 }
@@ -74,7 +74,7 @@ impl Drop for Acceptor {
 }
 
 /// The accept thread: a handshake thread per connection until one passes (or `stop`).
-pub(super) fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], context_id: u64) {
+fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], context_id: u64) {
     let mut handshakes: Vec<JoinHandle<()>> = Vec::new();
     let listener = StoppableListener::new(listener);
     let stopped = || sh.stop.load(Ordering::Acquire) || lock(&sh.slot).is_some();

@@ -29,7 +29,7 @@ pub(super) struct State {
     /// Sequence numbers, the queue and its bound, acknowledgements.
     pub(super) core: SenderCore<Src>,
     pub(super) failed: Option<Error>,
-    pub(super) closing: bool,
+    closing: bool,
     pub(super) tx: Tx,
     /// When the small write now held at the queue's front was queued (it waits up to
     /// [`COALESCE_GRACE`] for the operation that usually follows it).
@@ -37,7 +37,7 @@ pub(super) struct State {
     /// The acknowledgement reader has stopped: no more acknowledgements can arrive.
     pub(super) acks_ended: bool,
     /// The failure is the peer closing (its frames ended): what it acknowledged still counts.
-    pub(super) failed_by_close: bool,
+    failed_by_close: bool,
     /// The receiver thread has finished (after its closing record when closing).
     pub(super) rx_done: bool,
 }
@@ -52,7 +52,7 @@ pub(super) struct Shared {
     /// The outgoing socket, locked by whoever sends.
     pub(super) out: Mutex<TcpStream>,
     /// A clone of the outgoing socket, for shutdown.
-    pub(super) out_ctl: TcpStream,
+    out_ctl: TcpStream,
     /// A clone of the incoming socket once it arrived, for shutdown.
     pub(super) in_ctl: Mutex<Option<TcpStream>>,
     /// The receiving half, once the peer's socket arrived.
@@ -62,7 +62,7 @@ pub(super) struct Shared {
     pub(super) born: Instant,
     pub(super) stop: AtomicBool,
     /// Sequence number of the last acknowledgement probe queued by `progress(true)`.
-    pub(super) ack_asked: AtomicU64,
+    ack_asked: AtomicU64,
     /// Pinned staging per GPU for the sender.
     pub(super) stagers: Mutex<HashMap<u32, Stager>>,
     pub(super) peer_desc: String,
@@ -122,7 +122,7 @@ pub(crate) struct EthernetConnection {
 }
 
 impl EthernetConnection {
-    pub(super) fn region_of(&self, dst: &RegisteredMemory) -> Result<u64> {
+    fn region_of(&self, dst: &RegisteredMemory) -> Result<u64> {
         let d = dst.desc();
         if d.context_id != self.remote_context {
             return Err(Error::invalid_usage(format!(

@@ -28,9 +28,9 @@ use crate::transport::Transport;
 /// While a waiting thread polled the socket itself (`poll_incoming`) this recently, the receiver
 /// thread keeps away from it (two readers of one socket only contend), and looks again after
 /// the rest of this time (each wake-up takes a CPU from a spinning waiter on a small machine).
-pub(super) const RX_DEFER: Duration = Duration::from_millis(1);
+const RX_DEFER: Duration = Duration::from_millis(1);
 /// How often a blocked receiver thread looks at the stop flag.
-pub(super) const RX_STOP_CHECK: Duration = Duration::from_millis(100);
+const RX_STOP_CHECK: Duration = Duration::from_millis(100);
 
 /// The receiver's socket: reads never block (`MSG_DONTWAIT`); "nothing yet" is `WouldBlock`.
 /// The receiver thread waits for data with `poll`, outside the receiver's lock, so that a
@@ -58,7 +58,7 @@ impl Read for RxSocket {
 }
 
 /// What the receiver core learns of a region of this context.
-pub(super) fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
+fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
     let r = ctx.lookup_region(id)?;
     Some(RegionInfo {
         addr: r.mem.addr(),
@@ -74,14 +74,14 @@ pub(super) struct RxState {
     pub(super) rd: BufReader<RxSocket>,
     pub(super) core: ReceiverCore,
     /// The region of the write being received.
-    pub(super) cur: Option<Arc<LocalRegion>>,
+    cur: Option<Arc<LocalRegion>>,
     pub(super) stagers: HashMap<u32, Stager>,
     pub(super) ctx: Arc<ContextInner>,
     /// The connection is over on this side (failed or closed): nothing more is read.
     pub(super) done: bool,
     /// No frame failed to apply or was refused: what `core` counts as applied may be
     /// acknowledged on closing.
-    pub(super) applied_all: bool,
+    applied_all: bool,
 }
 
 /// Who is applying frames.
@@ -232,7 +232,7 @@ pub(super) fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: A
 }
 
 /// How long a closing receiver's last acknowledgement may take to send.
-pub(super) const LAST_ACK_WAIT: Duration = Duration::from_secs(1);
+const LAST_ACK_WAIT: Duration = Duration::from_secs(1);
 
 pub(super) fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Deadline) {
     let s = match acceptor.take(deadline, &sh.stop) {

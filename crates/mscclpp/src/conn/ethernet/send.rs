@@ -120,7 +120,7 @@ impl Shared {
 
     /// Sends queued operations in order, a batch per `sendmsg`. With `inline_only` (the calling
     /// thread), stops at the first operation only the sender thread sends.
-    pub(super) fn pump(&self, out: &mut TcpStream, inline_only: bool) {
+    fn pump(&self, out: &mut TcpStream, inline_only: bool) {
         loop {
             let batch = {
                 let mut st = lock(&self.st);
@@ -150,7 +150,7 @@ impl Shared {
     /// Sends one batch: host payloads straight from their regions in one `sendmsg`; GPU
     /// payloads staged through pinned memory, the copy of one chunk overlapping the send of the
     /// previous one.
-    pub(super) fn send_batch(&self, out: &mut TcpStream, batch: &[(wire::FrameHeader, Op<Src>)]) -> Result<()> {
+    fn send_batch(&self, out: &mut TcpStream, batch: &[(wire::FrameHeader, Op<Src>)]) -> Result<()> {
         let io_err = |e: std::io::Error| {
             let why = match e.kind() {
                 std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
@@ -248,7 +248,7 @@ pub(super) fn ack_loop(sh: Arc<Shared>, s: TcpStream) {
     sh.cond.notify_all();
 }
 
-pub(super) fn read_acks(sh: &Shared, mut s: TcpStream) {
+fn read_acks(sh: &Shared, mut s: TcpStream) {
     let mut buf = [0u8; 4096];
     loop {
         let n = match s.read(&mut buf) {

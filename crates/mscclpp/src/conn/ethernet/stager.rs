@@ -13,7 +13,7 @@ use crate::platform::cuda::GpuRegion;
 use crate::platform::hostmem::{Region, send_vectored};
 
 /// Bytes per staging chunk.
-pub(super) const STAGE_CHUNK: usize = 4 << 20;
+const STAGE_CHUNK: usize = 4 << 20;
 
 /// A staging failure: the socket's (the connection's end) or the GPU's.
 pub(crate) enum StageError {
@@ -62,7 +62,7 @@ pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -
 }
 
 /// Long enough for any one chunk's copy; a stuck GPU fails the connection instead of hanging it.
-pub(super) const STAGE_WAIT: Duration = Duration::from_secs(60);
+const STAGE_WAIT: Duration = Duration::from_secs(60);
 
 impl Stager {
     pub(super) fn wait(&mut self, k: usize) -> Result<()> {
