@@ -16,7 +16,7 @@ use super::{COALESCE_GRACE, INLINE_LIMIT, TX_LINGER, TX_TICK};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{LocalRegion, Mem};
 use crate::platform::hostmem::{IoPart, send_vectored};
-use crate::sync::lock;
+use crate::sync::{Deadline, lock};
 use crate::wire::WireForm;
 
 /// A write's payload source on this side: a local registered region.
@@ -60,7 +60,8 @@ impl Shared {
         let inline = inline(&op);
         let deferred = inline && matches!(op, Op::Write { .. });
         let mut st = lock(&self.st);
-        let mut waited_from: Option<Instant> = None;
+        // The bound starts when the queue is first found full.
+        let mut deadline: Option<Deadline> = None;
         let mut op = Some(op);
         loop {
             if let Some(e) = &st.failed {
@@ -71,8 +72,8 @@ impl Shared {
                 Ok(_) => break,
                 Err((o, QueueFull { outstanding })) => {
                     op = Some(o);
-                    let since = *waited_from.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= limit {
+                    let d = *deadline.get_or_insert_with(|| Deadline::after(limit));
+                    if d.expired() {
                         return Err(Error::new(
                             ErrorKind::Timeout,
                             format!(
@@ -83,7 +84,7 @@ impl Shared {
                     }
                     st = self
                         .cond
-                        .wait_timeout(st, Duration::from_millis(100))
+                        .wait_timeout(st, d.remaining().min(Duration::from_millis(100)))
                         .map(|(g, _)| g)
                         .unwrap_or_else(|p| p.into_inner().0);
                 }
