@@ -163,7 +163,7 @@ mod tests {
     /// TCP connection is), a rank advancing while its next step can run (sends always can, a
     /// receive once its message is there). Checks each send carries blocks its sender holds and
     /// each receive gets exactly the blocks it expects, and that nothing is left over or stuck.
-    /// Returns what every rank holds at the end, and the order in which steps ran.
+    /// Returns what every rank holds at the end.
     fn simulate(n: usize, hold: &[BTreeSet<usize>], plan: impl Fn(usize) -> Vec<Step>) -> Vec<BTreeSet<usize>> {
         let plans: Vec<Vec<Step>> = (0..n).map(&plan).collect();
         let mut held = hold.to_vec();
