@@ -22,7 +22,7 @@ cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
 out = sys.argv[1]
-want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel", "user_memory", "peer_death"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel, user GPU memory, peer death
+want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel", "user_memory", "peer_death", "timeouts"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel, user GPU memory, peer death, zero and unlimited waits
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -66,6 +66,8 @@ echo "== the user's own GPU memory: register_device, CudaSlice, cuMemCreate over
 timeout 200 ./bin/user_memory --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== peer death: CUDA IPC sender learns its peer died (--ignored)" | tee -a "$logs/tests.log"
 timeout 200 ./bin/peer_death --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== zero and unlimited timeouts of the GPU waits (--ignored)" | tee -a "$logs/tests.log"
+timeout 60 ./bin/timeouts --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== perf: device (FIFO, proxy, PortChannel; one process, two ranks)" | tee "$logs/perf.txt"
 timeout 200 ./bin/mscclpp-perf device --max-bytes 1G 2>&1 | tee -a "$logs/perf.txt" || rc=1
 echo "== perf: CUDA IPC" | tee -a "$logs/perf.txt"
@@ -152,6 +154,7 @@ step "example memory_channel_put" 30 "$tests" ./bin/memory_channel_put
 step "example memory_channel_allgather 4" 40 "$tests" ./bin/memory_channel_allgather 4
 step "GPU tests: user_memory (--ignored)" 60 "$tests" ./bin/user_memory --ignored --test-threads=1 --nocapture
 step "GPU tests: peer_death (--ignored)" 60 "$tests" ./bin/peer_death --ignored --test-threads=1 --nocapture
+step "GPU tests: timeouts (--ignored)" 60 "$tests" ./bin/timeouts --ignored --test-threads=1 --nocapture
 step "GPU tests: ib_fake gpu_ (--ignored)" 60 "$tests" ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture
 step "GPU tests: device_header (--ignored)" 60 "$tests" ./bin/device_header --ignored --test-threads=1 --nocapture
 step "unit tests (with the ignored GPU ones)" 90 "$tests" ./bin/unit-tests --include-ignored --test-threads=1

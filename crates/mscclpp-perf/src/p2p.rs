@@ -589,7 +589,8 @@ fn transport_desc(args: &Args, side: &Side) -> String {
 /// Accepts one connection on `l`, giving up after `limit` (a peer stopped or dead before it
 /// connected must not hang this rank).
 fn accept_within(l: &TcpListener, limit: std::time::Duration) -> std::io::Result<TcpStream> {
-    let end = std::time::Instant::now() + limit;
+    // `--timeout` is the user's: one too far to be an instant is no limit (no overflow panic).
+    let end = std::time::Instant::now().checked_add(limit);
     l.set_nonblocking(true)?;
     loop {
         match l.accept() {
@@ -598,7 +599,7 @@ fn accept_within(l: &TcpListener, limit: std::time::Duration) -> std::io::Result
                 return Ok(s);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if std::time::Instant::now() >= end {
+                if end.is_some_and(|end| std::time::Instant::now() >= end) {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::TimedOut,
                         format!("nobody connected in {limit:?}"),

@@ -10,7 +10,7 @@ use mscclpp::{Bootstrap, Device, EndpointConfig, EthernetConfig, TcpBootstrap, T
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use crate::errors::{IntoPyResult, invalid, seconds};
+use crate::errors::{IntoPyResult, invalid, seconds, to_seconds};
 use crate::memory::{RegisteredMemory, one_transport, register_object, transport_flags};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -95,6 +95,10 @@ impl UniqueId {
 ///
 /// `Communicator(rank, size, unique_id, timeout=30.0)` joins the job of `unique_id`;
 /// `Communicator.from_env()` joins from launcher variables. Every call that waits releases the GIL.
+///
+/// Every `timeout` in this module is in seconds: `0` answers at once (`MscclppTimeoutError` when
+/// the answer is not already there), `float('inf')` means no limit, and a negative number or NaN
+/// raises `InvalidUsageError` (a `ValueError`).
 #[pyclass(frozen, module = "mscclpp_rs._native")]
 pub(crate) struct Communicator {
     pub(crate) comm: mscclpp::Communicator,
@@ -198,10 +202,10 @@ impl Communicator {
         self.bs.ranks_per_node()
     }
 
-    /// The bootstrap's wait limit in seconds (settable).
+    /// The bootstrap's wait limit in seconds (settable; `float('inf')`: no limit).
     #[getter]
     fn get_timeout(&self) -> f64 {
-        self.bs.timeout().as_secs_f64()
+        to_seconds(self.bs.timeout())
     }
 
     #[setter]
@@ -468,7 +472,8 @@ impl Connection {
     }
 
     /// Waits (GIL released) until every operation issued before it landed in the peer's memory.
-    /// Raises `MscclppTimeoutError` (a `TimeoutError`) after `timeout` seconds.
+    /// Raises `MscclppTimeoutError` (a `TimeoutError`) after `timeout` seconds (`0`: at once
+    /// unless nothing is outstanding; `float('inf')`: no limit).
     #[pyo3(signature = (timeout = 30.0))]
     fn flush(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
         let t = seconds(py, "timeout", timeout)?;
@@ -536,7 +541,8 @@ impl Host2HostSemaphore {
         self.sem.poll().py(py)
     }
 
-    /// Waits (GIL released) for the peer's next signal; `MscclppTimeoutError` after `timeout` s.
+    /// Waits (GIL released) for the peer's next signal; `MscclppTimeoutError` after `timeout` s
+    /// (`0`: only a signal already there; `float('inf')`: no limit).
     #[pyo3(signature = (timeout = 30.0))]
     fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
         let t = seconds(py, "timeout", timeout)?;
@@ -581,7 +587,8 @@ impl Host2DeviceSemaphore {
         self.with(py, |s| s.signal())
     }
 
-    /// Waits on the host (GIL released) for the peer's next signal.
+    /// Waits on the host (GIL released) for the peer's next signal; `MscclppTimeoutError` after
+    /// `timeout` s (`0`: only a signal already there; `float('inf')`: no limit).
     #[pyo3(signature = (timeout = 30.0))]
     fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
         let t = seconds(py, "timeout", timeout)?;

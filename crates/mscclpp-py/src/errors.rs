@@ -56,10 +56,25 @@ pub(crate) fn invalid(py: Python<'_>, msg: impl Into<String>) -> PyErr {
     to_py(py, &mscclpp::Error::invalid_usage(msg))
 }
 
-/// Seconds as a `Duration`: finite and not negative.
+/// A timeout given in seconds from Python, as the `Duration` the library takes. The one
+/// conversion every `timeout` argument goes through:
+/// * `0` gives an answer at once (success where it is already there, `MscclppTimeoutError`
+///   otherwise);
+/// * `float('inf')` means no limit (`Duration::MAX`), and so does a finite value too large for a
+///   `Duration` (over 584 billion years);
+/// * a negative number or NaN raises `InvalidUsageError` (a `ValueError`) naming `what`.
 pub(crate) fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
-    if !s.is_finite() || !(0.0..=1e9).contains(&s) {
-        return Err(invalid(py, format!("{what} must be a finite number of seconds >= 0, not {s}")));
+    if s.is_nan() || s < 0.0 {
+        return Err(invalid(
+            py,
+            format!("{what} must be a number of seconds >= 0, or float('inf') for no limit; not {s}"),
+        ));
     }
-    Ok(Duration::from_secs_f64(s))
+    Ok(Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX))
+}
+
+/// A `Duration` as Python seconds, the inverse of [`seconds`]: no limit (`Duration::MAX`) is
+/// `float('inf')`.
+pub(crate) fn to_seconds(d: Duration) -> f64 {
+    if d == Duration::MAX { f64::INFINITY } else { d.as_secs_f64() }
 }

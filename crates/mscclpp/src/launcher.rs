@@ -168,7 +168,8 @@ impl LaunchInfo {
     }
 
     /// Joins the job through the root address (rank 0 hosts the root), waiting up to `timeout`
-    /// for each bootstrap step. Errors name the variables the address came from.
+    /// for each bootstrap step (`Duration::MAX`: no limit). Errors name the variables the
+    /// address came from.
     pub fn bootstrap(&self, timeout: Duration) -> Result<TcpBootstrap> {
         let root = self.root()?;
         crate::net::parse_addr_spec(&root.spec).map_err(|e| {

@@ -6,7 +6,7 @@
 //! IPv6 link-local addresses are skipped (they need a scope to be dialled).
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::env::{IfnameFilter, SocketFamily};
 use crate::error::{Error, ErrorKind, Result};
@@ -251,8 +251,7 @@ impl crate::wire::WireForm for SocketAddr {
 }
 
 /// Connects to `addr`, retrying refused or unreachable attempts until `deadline`.
-pub(crate) fn connect_retry(addr: SocketAddr, deadline: Instant, what: &str) -> Result<TcpStream> {
-    let deadline = Deadline::at(deadline);
+pub(crate) fn connect_retry(addr: SocketAddr, deadline: Deadline, what: &str) -> Result<TcpStream> {
     let mut backoff = Backoff::new(BackoffPolicy::RETRY);
     let mut last: Option<std::io::Error> = None;
     loop {

@@ -304,6 +304,7 @@ impl Host2HostSemaphore {
     ///
     /// Polls for up to 1 ms (spinning briefly, then yielding the CPU), then sleeps until the
     /// transport reports a token change, so a long wait does not hold a CPU core.
+    /// `Duration::ZERO` takes only a signal already there; `Duration::MAX` means no limit.
     ///
     /// # Errors
     /// `Timeout` naming the peer and the counts (a wait that times out consumes nothing); or the
@@ -406,6 +407,7 @@ impl Host2DeviceSemaphore {
     }
 
     /// Host-side wait for one more signal (for tests and host code; kernels use the handle).
+    /// `Duration::ZERO` takes only a signal already there; `Duration::MAX` means no limit.
     ///
     /// # Errors
     /// `Timeout` naming the peer and the counts; the connection's failure; CUDA errors.

@@ -14,19 +14,22 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// A point in time after which a wait gives up; `None` inside means "never" (a timeout so large
-/// that `Instant + timeout` overflows).
-#[derive(Clone, Copy, Debug)]
+/// that `Instant + timeout` overflows, such as `Duration::MAX`).
+///
+/// The one way the library turns a user's timeout into a point in time: `Instant + timeout`
+/// panics on overflow, so no code adds a user's duration to an instant itself. A zero timeout is
+/// a deadline already passed (a wait then checks its condition once and gives up).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Deadline(Option<Instant>);
 
-#[allow(dead_code)] // the wait loops adopt it one by one
 impl Deadline {
     /// `timeout` from now.
     pub(crate) fn after(timeout: Duration) -> Deadline {
-        Deadline(Instant::now().checked_add(timeout))
+        Deadline::after_from(Instant::now(), timeout)
     }
-    /// The deadline `at`.
-    pub(crate) fn at(at: Instant) -> Deadline {
-        Deadline(Some(at))
+    /// `timeout` from `start`.
+    pub(crate) fn after_from(start: Instant, timeout: Duration) -> Deadline {
+        Deadline(start.checked_add(timeout))
     }
     /// A deadline that never passes.
     pub(crate) fn never() -> Deadline {
@@ -42,6 +45,11 @@ impl Deadline {
             Some(d) => d.saturating_duration_since(Instant::now()),
             None => Duration::MAX,
         }
+    }
+    /// Time left, but at least `floor` (for socket timeouts and poll intervals, where zero
+    /// would mean "no limit" or "do not wait at all").
+    pub(crate) fn remaining_at_least(&self, floor: Duration) -> Duration {
+        self.remaining().max(floor)
     }
     /// The instant, if the deadline can pass.
     pub(crate) fn instant(&self) -> Option<Instant> {
@@ -163,5 +171,43 @@ mod tests {
         assert!(!Deadline::never().expired());
         assert!(Deadline::after(Duration::MAX).remaining() >= Duration::from_secs(1 << 40));
         assert!(Deadline::after(Duration::ZERO).expired());
+    }
+
+    /// Far timeouts mean no limit, without panicking; zero means already passed.
+    #[test]
+    fn deadlines_saturate() {
+        let never = Deadline::after(Duration::MAX);
+        assert_eq!(never, Deadline::never());
+        assert_eq!(never.instant(), None);
+        assert_eq!(never.remaining(), Duration::MAX);
+        assert!(!never.expired());
+        let t0 = Instant::now();
+        assert_eq!(Deadline::after_from(t0, Duration::MAX), Deadline::never());
+        assert_eq!(Deadline::after_from(t0, Duration::from_secs(u64::MAX / 2)), Deadline::never());
+        let zero = Deadline::after_from(t0, Duration::ZERO);
+        assert!(zero.expired());
+        assert_eq!(zero.remaining(), Duration::ZERO);
+        assert_eq!(zero.remaining_at_least(Duration::from_millis(1)), Duration::from_millis(1));
+        let soon = Deadline::after_from(t0, Duration::from_secs(5));
+        assert!(soon.instant().is_some() && soon.remaining() <= Duration::from_secs(5));
+        // poll_until with no limit still returns as soon as the condition holds
+        let mut n = 0;
+        assert_eq!(
+            poll_until(Duration::MAX, BackoffPolicy::FAST, || {
+                n += 1;
+                Ok::<_, ()>(n == 3)
+            }),
+            Ok(true)
+        );
+        // and with a zero limit checks once
+        let mut polls = 0;
+        assert_eq!(
+            poll_until(Duration::ZERO, BackoffPolicy::FAST, || {
+                polls += 1;
+                Ok::<_, ()>(false)
+            }),
+            Ok(false)
+        );
+        assert_eq!(polls, 1);
     }
 }

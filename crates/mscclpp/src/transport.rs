@@ -386,6 +386,7 @@ pub struct EthernetConfig {
     /// full queue without any progress, and how long a send waits for a peer that takes no byte
     /// (its socket full: the peer stopped or stuck; at least 1 s) before failing with `Timeout`
     /// naming the peer (default 30 s). MSCCL++'s Ethernet connection sends with no limit.
+    /// `Duration::MAX` (or any limit too far to be a point in time) means no limit.
     pub connect_timeout: std::time::Duration,
 }
 
@@ -407,7 +408,8 @@ impl EthernetConfig {
         self
     }
     /// Sets how long `connect` waits for the peer, a `write` on a full queue without progress,
-    /// and a send the peer takes nothing of (see the field of the same name).
+    /// and a send the peer takes nothing of (see the field of the same name; `Duration::MAX`:
+    /// no limit).
     pub fn connect_timeout(mut self, t: std::time::Duration) -> Self {
         self.connect_timeout = t;
         self

@@ -63,7 +63,10 @@ class Connection:
     def atomic_add(self, dst: RegisteredMemory, dst_offset: int, value: int) -> None:
         """Adds to the peer's 8-byte word (wrapping), after every earlier operation."""
     def flush(self, timeout: float = 30.0) -> None:
-        """Waits (GIL released) until every earlier operation landed; ``MscclppTimeoutError`` otherwise."""
+        """Waits (GIL released) until every earlier operation landed; ``MscclppTimeoutError`` otherwise.
+
+        ``timeout`` is in seconds: ``0`` answers at once, ``float('inf')`` means no limit, a negative
+        number or NaN raises ``InvalidUsageError`` (a ``ValueError``)."""
     def status(self) -> None:
         """Raises the error that broke the connection, if any."""
     @property
@@ -79,7 +82,9 @@ class Host2HostSemaphore:
     def signal(self) -> None: ...
     def poll(self) -> bool: ...
     def wait(self, timeout: float = 30.0) -> None:
-        """Waits (GIL released) for the peer's next signal."""
+        """Waits (GIL released) for the peer's next signal; ``MscclppTimeoutError`` after ``timeout``
+        seconds (``0``: only a signal already there; ``float('inf')``: no limit; negative or NaN:
+        ``InvalidUsageError``, a ``ValueError``)."""
     @property
     def inbound_token(self) -> int: ...
 
@@ -87,14 +92,22 @@ class Host2DeviceSemaphore:
     """A semaphore kernels wait on; give it to ``ProxyService.add_semaphore`` for a PortChannel."""
 
     def signal(self) -> None: ...
-    def wait(self, timeout: float = 30.0) -> None: ...
+    def wait(self, timeout: float = 30.0) -> None:
+        """Waits on the host (GIL released) for the peer's next signal; ``timeout`` as in
+        ``Host2HostSemaphore.wait``."""
     def device_handle(self) -> bytes:
         """The 16-byte ``mscclpp::Host2DeviceSemaphoreDeviceHandle``."""
 
 class Communicator:
-    """The ranks of a job: registration, exchange, connections, semaphores, barrier."""
+    """The ranks of a job: registration, exchange, connections, semaphores, barrier.
 
-    def __init__(self, rank: int, size: int, unique_id: UniqueId | bytes | str, timeout: float = 30.0) -> None: ...
+    Every ``timeout`` of this module is in seconds: ``0`` answers at once (``MscclppTimeoutError``
+    when the answer is not already there), ``float('inf')`` means no limit (so does a value too
+    large to be a time), and a negative number or NaN raises ``InvalidUsageError`` (a ``ValueError``)."""
+
+    def __init__(self, rank: int, size: int, unique_id: UniqueId | bytes | str, timeout: float = 30.0) -> None:
+        """Joins the job of ``unique_id`` as ``rank`` of ``size``; ``timeout`` bounds every later
+        bootstrap wait too."""
     @staticmethod
     def from_env(unique_id: UniqueId | bytes | str | None = None, timeout: float = 30.0) -> Communicator:
         """Rank/size from torchrun, mpirun, PMI, srun or RANK/WORLD_SIZE variables, by ``mscclpp::launcher``'s
@@ -107,6 +120,7 @@ class Communicator:
     @property
     def ranks_per_node(self) -> int: ...
     timeout: float
+    """The bootstrap's wait limit in seconds (``float('inf')``: no limit); settable."""
     def barrier(self) -> None: ...
     def all_gather(self, data: bytes) -> list[bytes]: ...
     def register(self, obj: Any, transports: TransportLike) -> RegisteredMemory:

@@ -2,17 +2,31 @@
 //!
 //! [`Bootstrap`] is the interface the rest of the crate uses (bring your own over MPI if you
 //! like); [`TcpBootstrap`] is the built-in implementation over TCP.
+//!
+//! # Files
+//! * `schedule`: who sends what to whom in each collective (tree gather, tree broadcast, ring
+//!   gather, failure neighbours), with no I/O; `collectives`: the shells that run those steps
+//!   over a `send` and a `recv` (the trait's defaults here, [`TcpBootstrap`]'s links there).
+//! * `proto`: the wire forms and message framing; `rendezvous`: the root's state machine.
+//! * `unique_id`: [`UniqueId`]; `root`: [`RootServer`] and the rank's talk with the root;
+//!   `links`: a rank's connections, inboxes and failure reports; `tcp`: [`TcpBootstrap`].
 
+mod collectives;
+mod links;
 pub(crate) mod proto;
 mod rendezvous;
+mod root;
+mod schedule;
 mod tcp;
+mod unique_id;
 
-pub use tcp::{RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
+pub use root::RootServer;
+pub use tcp::{TcpBootstrap, TcpBootstrapConfig};
+pub use unique_id::UniqueId;
 #[cfg(feature = "fuzzing")]
-pub(crate) use tcp::{check_padded, check_text};
+pub(crate) use unique_id::{check_padded, check_text};
 
 use crate::error::{Error, Result};
-use crate::wire::WireForm;
 
 /// Tags at or above this value are reserved for the library's own messages.
 pub const RESERVED_TAG_BASE: u64 = 1 << 63;
@@ -57,34 +71,17 @@ pub trait Bootstrap: Send + Sync {
     /// [`TcpBootstrap`] overrides it with the same tree plus a ring for large gathers and
     /// failure reports that name the failed rank on every rank.
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let (me, n) = (self.rank(), self.size());
         let what = "bootstrap all_gather";
-        let mut mine = proto::GatherBlocks { overflow: false, blocks: vec![(me as u32, data.to_vec())] };
-        for c in tree_children(me, n) {
-            let got = proto::GatherBlocks::from_wire(&self.recv(c, TAG_ALL_GATHER)?)
-                .map_err(|e| e.during(what).with_peer(c))?;
-            mine.blocks.extend(got.blocks);
-        }
-        mine.blocks.sort_unstable_by_key(|(r, _)| *r);
-        let table = match tree_parent(me) {
-            Some(p) => {
-                self.send(p, TAG_ALL_GATHER, &mine.encode().map_err(|e| e.during(what))?)?;
-                self.recv(p, TAG_ALL_GATHER)?
-            }
-            None => mine.encode().map_err(|e| e.during(what))?,
-        };
-        for c in tree_children(me, n) {
-            self.send(c, TAG_ALL_GATHER, &table)?;
-        }
-        let all = proto::GatherBlocks::from_wire(&table).map_err(|e| e.during(what))?;
-        if all.blocks.len() != n || all.blocks.iter().enumerate().any(|(i, (r, _))| *r as usize != i) {
-            return Err(Error::remote(format!(
-                "the gathered table has {} pieces, not one from each of {n} ranks",
-                all.blocks.len()
-            ))
-            .during(what));
-        }
-        Ok(all.blocks.into_iter().map(|(_, b)| b).collect())
+        collectives::gather_on_tree(
+            self.rank(),
+            self.size(),
+            data,
+            usize::MAX,
+            what,
+            |p, d| self.send(p, TAG_ALL_GATHER, d),
+            |p| self.recv(p, TAG_ALL_GATHER),
+        )?
+        .ok_or_else(|| Error::internal("a tree all_gather without a size limit overflowed").during(what))
     }
 
     /// `root`'s `data`, on every rank (other ranks' `data` is ignored).
@@ -95,7 +92,7 @@ pub trait Bootstrap: Send + Sync {
         if root >= self.size() {
             return Err(Error::invalid_usage(format!("broadcast root {root} is not a rank of {}", self.size())));
         }
-        tree_broadcast(
+        collectives::broadcast_on_tree(
             self.rank(),
             self.size(),
             root,
@@ -110,71 +107,18 @@ pub trait Bootstrap: Send + Sync {
     /// The default gathers arrivals up the binary tree rooted at rank 0 and sends the release
     /// down it: at most three peers per rank.
     fn barrier(&self) -> Result<()> {
-        let (me, n) = (self.rank(), self.size());
-        for c in tree_children(me, n) {
-            self.recv(c, TAG_BARRIER)?;
-        }
-        if let Some(p) = tree_parent(me) {
-            self.send(p, TAG_BARRIER, &[])?;
-            self.recv(p, TAG_BARRIER)?;
-        }
-        for c in tree_children(me, n) {
-            self.send(c, TAG_BARRIER, &[])?;
-        }
-        Ok(())
+        collectives::barrier_on_tree(
+            self.rank(),
+            self.size(),
+            |p| self.send(p, TAG_BARRIER, &[]),
+            |ps| ps.iter().try_for_each(|&p| self.recv(p, TAG_BARRIER).map(drop)),
+        )
     }
-}
-
-/// A rank's parent in the binary tree rooted at rank 0 that every collective uses.
-pub(crate) fn tree_parent(rank: usize) -> Option<usize> {
-    (rank > 0).then(|| (rank - 1) / 2)
-}
-
-/// A rank's children (zero to two) in the binary tree rooted at rank 0.
-pub(crate) fn tree_children(rank: usize, size: usize) -> impl Iterator<Item = usize> {
-    [2 * rank + 1, 2 * rank + 2].into_iter().filter(move |c| *c < size)
-}
-
-/// A broadcast from `root` on the binary tree: up `root`'s ancestors to rank 0, then down.
-/// `send(peer, data)` and `recv(peer)` carry the messages (one tag).
-pub(crate) fn tree_broadcast(
-    me: usize,
-    n: usize,
-    root: usize,
-    data: &[u8],
-    send: impl Fn(usize, &[u8]) -> Result<()>,
-    recv: impl Fn(usize) -> Result<Vec<u8>>,
-) -> Result<Vec<u8>> {
-    let mut payload = (me == root).then(|| data.to_vec());
-    // Up: each ancestor of `root` takes the data from its child on the path.
-    let mut child_on_path = None;
-    let mut v = root;
-    while v != me && v > 0 {
-        child_on_path = Some(v);
-        v = (v - 1) / 2;
-    }
-    if v == me {
-        if let Some(c) = child_on_path {
-            payload = Some(recv(c)?);
-        }
-        if let (Some(p), Some(d)) = (tree_parent(me), payload.as_ref()) {
-            send(p, d)?;
-        }
-    }
-    // Down from rank 0.
-    if let Some(p) = tree_parent(me) {
-        let d = recv(p)?;
-        payload.get_or_insert(d);
-    }
-    let payload = payload.ok_or_else(|| Error::internal("broadcast without data"))?;
-    for c in tree_children(me, n) {
-        send(c, &payload)?;
-    }
-    Ok(payload)
 }
 
 #[cfg(test)]
 mod tests {
+    use super::schedule::{tree_children, tree_parent};
     use super::*;
     use std::collections::{BTreeSet, HashMap, VecDeque};
     use std::sync::{Arc, Condvar, Mutex};

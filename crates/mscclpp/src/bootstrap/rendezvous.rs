@@ -45,7 +45,8 @@ pub(crate) struct Reply<C> {
 pub(crate) struct Rendezvous {
     secret: [u8; 16],
     size: usize,
-    deadline: Instant,
+    /// When the root gives up (`None`: never).
+    deadline: Option<Instant>,
     joined: Vec<Option<(SocketAddr, u64)>>,
     count: usize,
     /// The final answer, once there is one (everyone joined, or the root gave up).
@@ -53,8 +54,8 @@ pub(crate) struct Rendezvous {
 }
 
 impl Rendezvous {
-    /// A rendezvous that gives up at `deadline`.
-    pub(crate) fn new(secret: [u8; 16], size: usize, deadline: Instant) -> Rendezvous {
+    /// A rendezvous that gives up at `deadline` (`None`: waits for every rank without limit).
+    pub(crate) fn new(secret: [u8; 16], size: usize, deadline: Option<Instant>) -> Rendezvous {
         Rendezvous { secret, size, deadline, joined: vec![None; size], count: 0, outcome: None }
     }
 
@@ -63,8 +64,8 @@ impl Rendezvous {
         self.outcome.is_some()
     }
 
-    /// When [`on_time`](Self::on_time) next has something to do.
-    pub(crate) fn next_wakeup(&self) -> Instant {
+    /// When [`on_time`](Self::on_time) next has something to do (`None`: never).
+    pub(crate) fn next_wakeup(&self) -> Option<Instant> {
         self.deadline
     }
 
@@ -132,7 +133,7 @@ impl Rendezvous {
 
     /// Time passed: at the deadline, a failure naming the missing ranks to everyone who arrived.
     pub(crate) fn on_time<C>(&mut self, now: Instant) -> Vec<Reply<C>> {
-        if self.outcome.is_some() || now < self.deadline {
+        if self.outcome.is_some() || self.deadline.is_none_or(|d| now < d) {
             return Vec::new();
         }
         let list: Vec<String> = self.missing().iter().map(|m| m.to_string()).collect();
@@ -165,7 +166,7 @@ mod tests {
     #[test]
     fn everyone_gets_the_table_when_the_last_rank_arrives() {
         let t0 = Instant::now();
-        let mut rv = Rendezvous::new([1; 16], 3, t0 + Duration::from_secs(5));
+        let mut rv = Rendezvous::new([1; 16], 3, Some(t0 + Duration::from_secs(5)));
         for (conn, r) in [(10, 2), (11, 0)] {
             let out = rv.on_join(conn, join(r, 3));
             assert_eq!(out.len(), 1);
@@ -194,10 +195,26 @@ mod tests {
         assert!(Arc::ptr_eq(&rv.on_query(13).answer, &d[0].answer));
     }
 
+    /// Without a deadline (a timeout too far to be an instant) the root never gives up on its
+    /// own, however late the clock says it is, and still finishes when the last rank arrives.
+    #[test]
+    fn no_deadline_means_no_limit() {
+        let mut rv = Rendezvous::new([2; 16], 2, None);
+        assert_eq!(rv.next_wakeup(), None);
+        let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+        assert!(rv.on_time::<usize>(far).is_empty());
+        assert!(!rv.is_finished());
+        rv.on_join(1, join(0, 2));
+        assert!(rv.on_time::<usize>(far).is_empty());
+        let out = rv.on_join(2, join(1, 2));
+        assert!(rv.is_finished());
+        assert_eq!(deliveries(&out).len(), 2);
+    }
+
     #[test]
     fn duplicates_wrong_sizes_and_strangers_are_refused_alone() {
         let t0 = Instant::now();
-        let mut rv = Rendezvous::new([0; 16], 2, t0 + Duration::from_secs(5));
+        let mut rv = Rendezvous::new([0; 16], 2, Some(t0 + Duration::from_secs(5)));
         assert_eq!(rv.on_join(1, join(0, 2)).len(), 1);
         for (conn, j, what) in
             [(2, join(0, 2), "joined twice"), (3, join(1, 3), "expects 2"), (4, join(7, 2), "out of range")]
@@ -224,11 +241,11 @@ mod tests {
     fn failure_at_the_deadline_names_the_missing_ranks() {
         let t0 = Instant::now();
         let deadline = t0 + Duration::from_secs(2);
-        let mut rv = Rendezvous::new([0; 16], 4, deadline);
+        let mut rv = Rendezvous::new([0; 16], 4, Some(deadline));
         rv.on_join(0, join(0, 4));
         rv.on_join(3, join(3, 4));
         assert!(rv.on_time::<usize>(deadline - Duration::from_millis(1)).is_empty());
-        assert_eq!(rv.next_wakeup(), deadline);
+        assert_eq!(rv.next_wakeup(), Some(deadline));
         assert_eq!(rv.on_query(7).answer.status, RootStatus::Progress { missing: vec![1, 2] });
         rv.on_join(2, join(2, 4)); // late but in time
         let f = rv.on_time::<usize>(deadline);
@@ -257,7 +274,7 @@ mod tests {
                 order.swap(i, (x % (i as u64 + 1)) as usize);
             }
             let t0 = Instant::now();
-            let mut rv = Rendezvous::new([9; 16], n, t0 + Duration::from_secs(60));
+            let mut rv = Rendezvous::new([9; 16], n, Some(t0 + Duration::from_secs(60)));
             let mut replies = Vec::new();
             let mut conn = 0usize;
             let mut arrived = std::collections::HashSet::new();

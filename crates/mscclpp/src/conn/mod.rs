@@ -226,7 +226,8 @@ impl Connection {
     }
 
     /// Waits until every operation issued before this call has been applied in the peer's
-    /// memory.
+    /// memory. `Duration::ZERO` checks once (`Ok` when nothing is outstanding);
+    /// `Duration::MAX` (or any timeout too far to be a point in time) means no limit.
     ///
     /// # Errors
     /// `Timeout` naming the peer, the transport and how many operations are outstanding; or the

@@ -255,7 +255,6 @@ impl HostProducer<'_> {
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicBool;
-    use std::time::Instant;
 
     use super::*;
     use crate::ErrorKind;
@@ -268,13 +267,13 @@ mod tests {
 
     /// Polls until a trigger arrives (bounded), then pops it.
     fn next(f: &Fifo) -> ProxyTrigger {
-        let deadline = Instant::now() + T;
+        let deadline = Deadline::after(T);
         loop {
             if let Some(t) = f.poll() {
                 f.pop();
                 return t;
             }
-            assert!(Instant::now() < deadline, "no trigger at tail {} within {T:?}", f.tail());
+            assert!(!deadline.expired(), "no trigger at tail {} within {T:?}", f.tail());
             std::thread::yield_now();
         }
     }

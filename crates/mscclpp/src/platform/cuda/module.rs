@@ -271,7 +271,8 @@ impl Stream {
         self.inner.idle()
     }
 
-    /// Waits, polling with backoff, until everything submitted so far has finished.
+    /// Waits, polling with backoff, until everything submitted so far has finished
+    /// (`Duration::MAX`: no limit; `Duration::ZERO`: checks once).
     ///
     /// # Errors
     /// `Timeout` when work is still running after `timeout` (the stream is left as it is);

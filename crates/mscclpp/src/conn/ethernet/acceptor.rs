@@ -1,0 +1,190 @@
+//! Accepting the peer's socket on an Ethernet endpoint (from the endpoint's creation on) and
+//! dialling the peer's: the handshake that carries the endpoint's secret both ways.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tracing::{debug, warn};
+
+use super::LOG;
+use super::wire::{HELLO_ACK_LEN, HELLO_LEN, Hello, HelloAck};
+use crate::error::{Error, ErrorKind, Result};
+use crate::net::StoppableListener;
+use crate::sync::{Deadline, lock};
+use crate::wire::{WireForm, length_prefixed, read_length_prefixed};
+
+/// What the accept thread and [`Acceptor::take`] share: the accepted socket, once there is one.
+struct AcceptShared {
+    slot: Mutex<Option<TcpStream>>,
+    pub(super) cond: Condvar,
+    pub(super) stop: AtomicBool,
+}
+
+/// Accepts the one peer connection of an Ethernet endpoint, from the endpoint's creation on.
+pub(crate) struct Acceptor {
+    addr: SocketAddr,
+    shared: Arc<AcceptShared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Acceptor {
+    pub(crate) fn start(listener: TcpListener, secret: [u8; 16], context_id: u64) -> Result<Acceptor> {
+        let addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
+        let shared =
+            Arc::new(AcceptShared { slot: Mutex::new(None), cond: Condvar::new(), stop: AtomicBool::new(false) });
+        let sh = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("mscclpp-eth-accept".into())
+            .spawn(move || accept_loop(listener, sh, secret, context_id))
+            .map_err(|e| Error::io("starting the Ethernet accept thread", e))?;
+        Ok(Acceptor { addr, shared, thread: Mutex::new(Some(thread)) })
+    }
+
+    /// Takes the peer's socket, waiting until `deadline` (or until `stop` is set).
+    pub(super) fn take(&self, deadline: Deadline, stop: &AtomicBool) -> Result<TcpStream> {
+        let mut g = lock(&self.shared.slot);
+        loop {
+            if let Some(s) = g.take() {
+                return Ok(s);
+            }
+            if deadline.expired() {
+                return Err(Error::new(ErrorKind::Timeout, "the peer did not connect back to this endpoint in time"));
+            }
+            if stop.load(Ordering::Acquire) {
+                return Err(Error::new(ErrorKind::Aborted, "connection closed before the peer connected back"));
+            }
+            let wait = deadline.remaining().min(Duration::from_millis(50));
+            g = self.shared.cond.wait_timeout(g, wait).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The accept thread: a handshake thread per connection until one passes (or `stop`).
+fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], context_id: u64) {
+    let mut handshakes: Vec<JoinHandle<()>> = Vec::new();
+    let listener = StoppableListener::new(listener);
+    let stopped = || sh.stop.load(Ordering::Acquire) || lock(&sh.slot).is_some();
+    while let Some(conn) = listener.next(stopped) {
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors or a transient error: do not spin.
+                debug!(target: LOG, "accepting on {:?}: {e}", listener.local_addr().ok());
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if stopped() {
+            break;
+        }
+        let sh2 = sh.clone();
+        let h = std::thread::Builder::new().name("mscclpp-eth-hs".into()).spawn(move || {
+            let from = s.peer_addr().ok();
+            match accept_handshake(s, &secret, context_id) {
+                Ok(s) => {
+                    let mut slot = lock(&sh2.slot);
+                    if slot.is_none() && !sh2.stop.load(Ordering::Acquire) {
+                        *slot = Some(s);
+                        sh2.cond.notify_all();
+                    } else {
+                        warn!(target: LOG, "endpoint already connected; dropping a second peer connection from {from:?}");
+                    }
+                }
+                Err(e) => warn!(target: LOG, "dropping connection from {from:?} that failed the handshake: {e}"),
+            }
+        });
+        if let Ok(h) = h {
+            handshakes.push(h);
+        }
+        if lock(&sh.slot).is_some() {
+            break;
+        }
+    }
+    // Handshake threads finish within their read timeout.
+    for h in handshakes {
+        let _ = h.join();
+    }
+}
+
+/// The acceptor's side of the handshake: the peer's hello must carry `secret`; the answer
+/// carries this side's context id.
+pub(super) fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Result<TcpStream> {
+    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| Error::io("setting a read timeout", e))?;
+    let body = read_length_prefixed(&mut s, HELLO_LEN, "the handshake")?;
+    let hello = Hello::from_wire(&body)?;
+    if &hello.secret != secret {
+        return Err(Error::remote("wrong endpoint secret"));
+    }
+    s.write_all(&HelloAck { context: context_id }.to_wire()).map_err(|e| Error::io("answering the handshake", e))?;
+    s.set_read_timeout(None).map_err(|e| Error::io("clearing the read timeout", e))?;
+    let _ = s.set_nodelay(true);
+    Ok(s)
+}
+
+/// Opens the socket to the peer's endpoint and returns it with the peer's context id.
+pub(super) fn dial(
+    addr: SocketAddr,
+    secret: &[u8; 16],
+    my_context: u64,
+    deadline: Deadline,
+) -> Result<(TcpStream, u64)> {
+    let mut s = crate::net::connect_retry(addr, deadline, "the peer's Ethernet endpoint")?;
+    let hello = Hello { secret: *secret, context: my_context }.to_wire();
+    s.write_all(&length_prefixed(&hello)).map_err(|e| Error::io("sending the handshake", e))?;
+    s.set_read_timeout(Some(deadline.remaining_at_least(Duration::from_millis(10))))
+        .map_err(|e| Error::io("setting a read timeout", e))?;
+    let mut ack = [0u8; HELLO_ACK_LEN];
+    s.read_exact(&mut ack).map_err(|e| {
+        let why = match e.kind() {
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof => {
+                "waiting for the peer's handshake answer (the peer closed its endpoint before answering: \
+                 it dropped the connection, exited, or the endpoint was already used)"
+            }
+            _ => "waiting for the peer's handshake answer",
+        };
+        Error::io(why, e)
+    })?;
+    let ack = HelloAck::from_wire(&ack)?;
+    s.set_read_timeout(None).map_err(|e| Error::io("clearing the read timeout", e))?;
+    Ok((s, ack.context))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+
+    /// The accept thread ends on its stop flag alone, without the drop's self-connect (which can
+    /// fail): it looks at the flag while no connection comes.
+    #[test]
+    fn accept_thread_stops_without_a_wake_up_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let acc = Acceptor::start(listener, [7; 16], 1).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        acc.shared.stop.store(true, Ordering::Release);
+        let t = lock(&acc.thread).take().unwrap();
+        let t0 = Instant::now();
+        while !t.is_finished() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(t.is_finished(), "the accept thread ignored its stop flag");
+        t.join().unwrap();
+        // Dropping the acceptor now finds no thread to join (its self-connect goes unanswered).
+        drop(acc);
+    }
+}

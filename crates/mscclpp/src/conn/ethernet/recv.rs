@@ -1,0 +1,467 @@
+//! The receiving side of a connection: the peer's frames applied as the receiver core directs,
+//! by the receiver thread or by a thread waiting for a signal, whichever gets there first.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read};
+use std::net::Shutdown;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tracing::{debug, warn};
+
+use super::LOG;
+use super::acceptor::Acceptor;
+use super::connection::Shared;
+use super::core::{ReceiverCore, RegionInfo, RxEvent};
+use super::send::{send_record, stall_limit};
+use super::stager::{StageError, Stager, stager_for};
+use super::wire::Record;
+use crate::context::ContextInner;
+use crate::error::{Error, ErrorKind};
+use crate::memory::{LocalRegion, Mem};
+use crate::net::readable;
+use crate::sync::{Deadline, lock};
+use crate::transport::Transport;
+
+/// While a waiting thread polled the socket itself (`poll_incoming`) this recently, the receiver
+/// thread keeps away from it (two readers of one socket only contend), and looks again after
+/// the rest of this time (each wake-up takes a CPU from a spinning waiter on a small machine).
+const RX_DEFER: Duration = Duration::from_millis(1);
+/// How often a blocked receiver thread looks at the stop flag.
+const RX_STOP_CHECK: Duration = Duration::from_millis(100);
+
+/// The receiver's socket: reads never block (`MSG_DONTWAIT`); "nothing yet" is `WouldBlock`.
+/// The receiver thread waits for data with `poll`, outside the receiver's lock, so that a
+/// waiting thread (`poll_incoming`) may apply what arrived in the meantime.
+pub(super) struct RxSocket {
+    pub(super) sock: TcpStream,
+}
+
+impl Read for RxSocket {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use nix::errno::Errno;
+        use nix::sys::socket::{MsgFlags, recv};
+        use std::os::fd::AsRawFd;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            match recv(self.sock.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
+                Ok(n) => return Ok(n),
+                Err(Errno::EINTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+/// What the receiver core learns of a region of this context.
+fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
+    let r = ctx.lookup_region(id)?;
+    Some(RegionInfo {
+        addr: r.mem.addr(),
+        len: r.mem.len(),
+        ethernet: r.transports.has(Transport::Ethernet),
+        handle: r,
+    })
+}
+
+/// The receiving half's state, behind a lock: the receiver thread applies frames with it, and so
+/// may a thread waiting for a signal (`poll_incoming`), whichever gets there first.
+pub(super) struct RxState {
+    pub(super) rd: BufReader<RxSocket>,
+    pub(super) core: ReceiverCore,
+    /// The region of the write being received.
+    cur: Option<Arc<LocalRegion>>,
+    pub(super) stagers: HashMap<u32, Stager>,
+    pub(super) ctx: Arc<ContextInner>,
+    /// The connection is over on this side (failed or closed): nothing more is read.
+    pub(super) done: bool,
+    /// No frame failed to apply or was refused: what `core` counts as applied may be
+    /// acknowledged on closing.
+    applied_all: bool,
+}
+
+/// Who is applying frames.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Drainer {
+    /// The receiver thread: may read the rest of a payload it has begun straight into place.
+    Thread,
+    /// A waiting thread: only what is already here.
+    Waiter,
+}
+
+impl RxState {
+    /// Applies every frame the socket holds now, in order; returns whether any byte was taken.
+    /// A payload begun is finished (reads of its remaining bytes may block, bounded by the
+    /// socket's read timeout). Failures end the connection (`done`).
+    pub(super) fn drain(&mut self, sh: &Shared, who: Drainer) -> bool {
+        let mut progressed = false;
+        let ctx = self.ctx.clone();
+        let lookup = |id: u64| region_info(&ctx, id);
+        let report = |e: StageError| {
+            let e = match e {
+                StageError::Io(e) => e.to_string(),
+                StageError::Mscclpp(e) => e.to_string(),
+            };
+            if !sh.stop.load(Ordering::Acquire) {
+                sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
+            }
+        };
+        while !self.done {
+            let (used, ev) = match self.core.handle_bytes(self.rd.buffer(), &lookup) {
+                Ok(x) => x,
+                Err(why) => {
+                    warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
+                    let _ = send_record(&self.rd.get_ref().sock, &Record::refusal(&why));
+                    sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
+                    self.applied_all = false;
+                    self.done = true;
+                    break;
+                }
+            };
+            let applied: std::result::Result<(), StageError> = match ev {
+                None if used > 0 => {
+                    self.rd.consume(used);
+                    Ok(())
+                }
+                None => match (self.core.payload_pending(), self.cur.as_ref().map(|r| &r.mem), who) {
+                    // Past what was buffered: the rest of a host write goes straight to its place.
+                    (Some((offset, left)), Some(Mem::Host(reg)), Drainer::Thread) => reg
+                        .recv_exact(offset, left, &self.rd.get_ref().sock)
+                        .map_err(StageError::from)
+                        .map(|()| self.core.payload_received(left, false)),
+                    _ => match self.rd.fill_buf() {
+                        Ok([]) => {
+                            sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
+                            self.done = true;
+                            break;
+                        }
+                        Ok(_) => Ok(()),
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+                        // Nothing more for now.
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => {
+                            sh.fail_read("reading frames from", e);
+                            self.done = true;
+                            break;
+                        }
+                    },
+                },
+                Some(RxEvent::Data { offset, bytes }) => {
+                    let r = match self.cur.as_ref().map(|r| &r.mem) {
+                        Some(Mem::Host(reg)) => reg.write(offset, bytes).map_err(StageError::from),
+                        _ => Err(StageError::Mscclpp(Error::internal("write payload without a host region"))),
+                    };
+                    self.rd.consume(used);
+                    r
+                }
+                Some(RxEvent::Write { region, offset, len }) => {
+                    self.rd.consume(used);
+                    let r = match &region.mem {
+                        Mem::Host(_) => Ok(()),
+                        // GPU memory: staged through pinned buffers, the whole payload at once.
+                        Mem::Gpu(g) => stager_for(&mut self.stagers, g)
+                            .map_err(StageError::from)
+                            .and_then(|st| st.recv(&mut self.rd, g, offset, len))
+                            .map(|()| self.core.payload_received(len, !self.rd.buffer().is_empty())),
+                    };
+                    self.cur = Some(region);
+                    r
+                }
+                Some(RxEvent::Token { region, offset, value, add }) => {
+                    self.rd.consume(used);
+                    let r = match &region.mem {
+                        Mem::Host(reg) => reg
+                            .atomic_u64(offset)
+                            .map(|w| {
+                                if add {
+                                    w.fetch_add(value, Ordering::AcqRel);
+                                } else {
+                                    w.store(value, Ordering::Release);
+                                }
+                            })
+                            .map_err(StageError::from),
+                        Mem::Gpu(g) => stager_for(&mut self.stagers, g)
+                            .and_then(|st| st.token(g, offset, value, add))
+                            .map_err(StageError::from),
+                    };
+                    if r.is_ok() {
+                        self.ctx.notify_tokens();
+                    }
+                    r
+                }
+                Some(RxEvent::Ack(seq)) => {
+                    self.rd.consume(used);
+                    if let Err(e) = send_record(&self.rd.get_ref().sock, &Record::Ack(seq)) {
+                        if !sh.stop.load(Ordering::Acquire) {
+                            sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
+                        }
+                        // Part of the record may have gone out (a send timeout): no closing
+                        // record may follow it.
+                        self.applied_all = false;
+                        self.done = true;
+                        break;
+                    }
+                    Ok(())
+                }
+            };
+            progressed = true;
+            if let Err(e) = applied {
+                // A read that ended mid-payload leaves that write unapplied (and uncounted); a
+                // failed token store was counted as applied: nothing more may be acknowledged then.
+                if !matches!(e, StageError::Io(_)) {
+                    self.applied_all = false;
+                }
+                report(e);
+                self.done = true;
+            }
+        }
+        progressed
+    }
+}
+
+/// Takes the peer's socket, then applies its frames as the receiver core directs, waiting for
+/// data outside the receiver's lock; then says it has finished.
+pub(super) fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Deadline) {
+    receive(&sh, ctx, acceptor, deadline);
+    lock(&sh.st).rx_done = true;
+    sh.cond.notify_all();
+}
+
+/// How long a closing receiver's last acknowledgement may take to send.
+const LAST_ACK_WAIT: Duration = Duration::from_secs(1);
+
+pub(super) fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Deadline) {
+    let s = match acceptor.take(deadline, &sh.stop) {
+        Ok(s) => s,
+        Err(e) => {
+            if !sh.stop.load(Ordering::Acquire) {
+                sh.fail(e.during(format!("waiting for {} to connect back", sh.peer_desc)));
+            }
+            return;
+        }
+    };
+    drop(acceptor);
+    if let Ok(c) = s.try_clone() {
+        *lock(&sh.in_ctl) = Some(c);
+    }
+    if sh.stop.load(Ordering::Acquire) || lock(&sh.st).failed.is_some() {
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    }
+    // Reads of a payload's remaining bytes block; a peer that stops in the middle of a frame
+    // fails the connection after this long instead of hanging it. So do acknowledgements sent
+    // back to a peer that stopped reading them (from this thread or a waiter's).
+    let _ = s.set_read_timeout(Some(stall_limit(sh.wait_limit)));
+    let _ = s.set_write_timeout(Some(stall_limit(sh.wait_limit)));
+    let Ok(watch) = s.try_clone() else {
+        sh.fail(Error::new(ErrorKind::Internal, "cloning the incoming socket failed"));
+        return;
+    };
+    *lock(&sh.rx) = Some(RxState {
+        rd: BufReader::with_capacity(256 * 1024, RxSocket { sock: s }),
+        core: ReceiverCore::default(),
+        cur: None,
+        stagers: HashMap::new(),
+        ctx,
+        done: false,
+        applied_all: true,
+    });
+    loop {
+        if sh.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
+        if since < RX_DEFER.as_nanos() as u64 {
+            // A waiter is reading the socket itself.
+            std::thread::sleep(RX_DEFER - Duration::from_nanos(since));
+            continue;
+        }
+        // Block in `poll` without the lock, so a waiter may take the data first.
+        if !readable(&watch, RX_STOP_CHECK) {
+            continue;
+        }
+        // Never queue behind a waiter that holds the lock (its unlock would then have to wake
+        // this thread, on the waiter's critical path).
+        let Ok(mut g) = sh.rx.try_lock() else {
+            std::thread::yield_now();
+            continue;
+        };
+        let Some(rx) = g.as_mut() else { return };
+        rx.drain(sh, Drainer::Thread);
+        if rx.done {
+            break;
+        }
+    }
+    // Closing (this side dropped the connection): apply what had already arrived (the socket is
+    // shut for reading, so the reads end), then acknowledge every frame applied, so that the
+    // peer's flush of those succeeds; the socket closes after this.
+    if !sh.stop.load(Ordering::Acquire) {
+        return;
+    }
+    let mut g = lock(&sh.rx);
+    let Some(rx) = g.as_mut() else { return };
+    while !rx.done && rx.drain(sh, Drainer::Thread) {}
+    if rx.applied_all {
+        let s = &rx.rd.get_ref().sock;
+        let _ = s.set_write_timeout(Some(LAST_ACK_WAIT));
+        if let Err(e) = send_record(s, &Record::Closing(rx.core.applied_through())) {
+            debug!(target: LOG, "last acknowledgement to {}: {e}", sh.peer_desc);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+    use std::time::Instant;
+
+    use super::super::acceptor::{accept_handshake, dial};
+    use super::super::wire;
+    use super::*;
+    use crate::Context;
+    use crate::conn::endpoint::{Endpoint, EndpointKind};
+    use crate::{Buffer, TransportFlags};
+
+    const OP_WRITE: u8 = 1;
+    const OP_SET: u8 = 2;
+    const OP_ADD: u8 = 3;
+    const OP_NOP: u8 = 4;
+
+    /// A header's bytes, any field as given (malformed ones included).
+    fn header(op: u8, seq: u64, region: u64, offset: u64, len: u64, value: u64) -> [u8; wire::HEADER] {
+        let mut b = [0u8; wire::HEADER];
+        b[0] = op;
+        for (i, v) in [seq, region, offset, len, value].into_iter().enumerate() {
+            b[8 + 8 * i..16 + 8 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    /// The receiver core against a real context's region table: what it accepts and what it
+    /// refuses, and why.
+    #[test]
+    fn validation_refuses_what_it_must() {
+        let ctx = Context::new();
+        let eth = Buffer::new(&ctx, 64, Transport::Ethernet.into()).unwrap();
+        let none = Buffer::new(&ctx, 64, TransportFlags::NONE).unwrap();
+        let id = eth.memory().desc().region_id;
+        let nid = none.memory().desc().region_id;
+        let lookup = |i: u64| region_info(ctx.inner(), i);
+        // The event of one header (and the acknowledgement after it, if one is due).
+        let first = |h: [u8; wire::HEADER]| {
+            let mut core = ReceiverCore::default();
+            let (n, ev) = core.handle_bytes(&h, &lookup)?;
+            assert_eq!(n, wire::HEADER);
+            let mut out = match ev {
+                Some(RxEvent::Write { offset, len, .. }) => format!("write {offset} {len}"),
+                Some(RxEvent::Token { offset, value, add, .. }) => format!("token {offset} {value} {add}"),
+                ev => format!("{ev:?}"),
+            };
+            if let (0, Some(RxEvent::Ack(s))) = core.handle_bytes::<Arc<LocalRegion>>(&[], &lookup)? {
+                out += &format!(", ack {s}");
+            }
+            Ok::<_, String>(out)
+        };
+        assert_eq!(first(header(OP_WRITE, 1, id, 0, 64, 0)).unwrap(), "write 0 64");
+        assert_eq!(first(header(OP_SET, 1, id, 8, 8, 9)).unwrap(), "token 8 9 false");
+        assert_eq!(first(header(OP_ADD, 1, id, 56, 8, 9)).unwrap(), "token 56 9 true");
+        let mut probe = header(OP_NOP, 1, 0, 0, 0, 0);
+        probe[1] = 1;
+        assert_eq!(first(probe).unwrap(), "None, ack 1");
+        let bad = [
+            (header(OP_WRITE, 1, id, 1, 64, 0), "outside"),
+            (header(OP_WRITE, 1, id, u64::MAX, 2, 0), "outside"),
+            (header(OP_WRITE, 2, id, 0, 1, 0), "sequence"),
+            (header(OP_WRITE, 1, id + 100, 0, 1, 0), "not registered"),
+            (header(OP_WRITE, 1, nid, 0, 1, 0), "not registered for Ethernet"),
+            (header(OP_WRITE, 1, id, 0, 1, 5), "non-zero value"),
+            (header(OP_SET, 1, id, 4, 8, 0), "unaligned"),
+            (header(OP_ADD, 1, id, 64, 8, 0), "outside"),
+            (header(OP_SET, 1, id, 0, 4, 0), "length"),
+            (header(9, 1, id, 0, 0, 0), "unknown operation"),
+            (header(OP_NOP, 1, 1, 0, 0, 0), "non-zero"),
+        ];
+        for (h, why) in bad {
+            let e = first(h).unwrap_err();
+            assert!(e.contains(why), "{e} (expected {why})");
+        }
+        let mut flagged = header(OP_NOP, 1, 0, 0, 0, 0);
+        flagged[1] = 0x80;
+        assert!(first(flagged).unwrap_err().contains("flags"));
+        let mut padded = header(OP_NOP, 1, 0, 0, 0, 0);
+        padded[5] = 1;
+        assert!(first(padded).is_err());
+        drop(eth);
+        assert!(first(header(OP_WRITE, 1, id, 0, 1, 0)).unwrap_err().contains("not registered"));
+    }
+
+    /// A peer that passes the handshake and then sends a frame naming memory that is not
+    /// registered (or past a region's end) is refused: nothing is written, the sender is told
+    /// why, and the connection fails on our side too.
+    #[test]
+    fn raw_peer_with_bad_frames_is_refused() {
+        use crate::conn::endpoint::EndpointDesc;
+        for bad in ["unregistered", "past the end", "wrong sequence"] {
+            let ctx = Context::new();
+            let target = Buffer::new(&ctx, 4096, Transport::Ethernet.into()).unwrap();
+            let ep = ctx
+                .create_endpoint(&crate::EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1"))
+                .unwrap();
+            let EndpointKind::Ethernet { addr: ep_addr, secret: ep_secret } = ep.desc().kind.clone() else { panic!() };
+            // The fake peer's own "endpoint": a raw listener that answers the handshake.
+            let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+            let fake_secret = [3u8; 16];
+            let remote = Endpoint::from_desc_for_test(EndpointDesc {
+                transport: Transport::Ethernet,
+                device: crate::Device::Cpu,
+                host_hash: 1,
+                process_hash: 2,
+                max_write_queue_size: 8,
+                kind: EndpointKind::Ethernet { addr: fake.local_addr().unwrap(), secret: fake_secret },
+            });
+            let fake_ctx = 0xfeed_u64;
+            let acc = std::thread::spawn(move || {
+                let (s, _) = fake.accept().unwrap();
+                accept_handshake(s, &fake_secret, fake_ctx).unwrap()
+            });
+            let conn = ctx.connect(&ep, &remote).unwrap();
+            let _their_in = acc.join().unwrap();
+            // The fake dials our endpoint with the right secret and sends a bad frame.
+            let (mut s, _) = dial(ep_addr, &ep_secret, fake_ctx, Deadline::after(Duration::from_secs(5))).unwrap();
+            let id = target.memory().desc().region_id;
+            let h = match bad {
+                "unregistered" => header(OP_WRITE, 1, id + 1000, 0, 16, 0),
+                "past the end" => header(OP_WRITE, 1, id, 4090, 16, 0),
+                _ => header(OP_WRITE, 7, id, 0, 16, 0),
+            };
+            let mut frame = h.to_vec();
+            frame.extend_from_slice(&[0xAA; 16]);
+            s.write_all(&frame).unwrap();
+            // We are told why, then the socket closes.
+            let mut rec = [0u8; 16];
+            s.read_exact(&mut rec).unwrap();
+            assert_eq!(rec[0], 2, "{bad}: not a refusal record");
+            let n = u64::from_le_bytes(rec[8..].try_into().unwrap()) as usize;
+            let mut msg = vec![0u8; n];
+            s.read_exact(&mut msg).unwrap();
+            let msg = String::from_utf8(msg).unwrap();
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+            assert!(target.to_vec().iter().all(|b| *b == 0), "{bad}: memory changed");
+            // Our side of the connection has failed with that reason.
+            let t0 = Instant::now();
+            while conn.status().is_ok() && t0.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let e = conn.status().unwrap_err();
+            assert!(e.to_string().contains("refused a frame"), "{bad}: {e}");
+            assert!(e.to_string().contains(&msg), "{bad}: {e} / {msg}");
+            assert!(conn.flush(Duration::from_secs(1)).is_err());
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! The sending side of a connection: queueing operations (bounded by the sender core), sending
+//! them in batches (from the calling thread when it can, from the sender thread otherwise), and
+//! reading the peer's acknowledgements and refusals.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::connection::Shared;
+use super::core::{Op, QueueFull};
+use super::stager::{StageError, stager_for};
+use super::wire::{self, Record};
+use super::{COALESCE_GRACE, INLINE_LIMIT, TX_LINGER, TX_TICK};
+use crate::error::{Error, ErrorKind, Result};
+use crate::memory::{LocalRegion, Mem};
+use crate::platform::hostmem::{IoPart, send_vectored};
+use crate::sync::{Deadline, lock};
+use crate::wire::WireForm;
+
+/// A write's payload source on this side: a local registered region.
+pub(super) type Src = Arc<LocalRegion>;
+
+/// How long a blocked send (the peer takes no byte) or a blocked read of a frame's remaining
+/// bytes waits before the connection fails: the configured wait limit, at least 1 s.
+pub(super) fn stall_limit(wait_limit: Duration) -> Duration {
+    wait_limit.max(Duration::from_secs(1))
+}
+
+/// Whether the calling thread may send `op` (the sender thread sends larger writes and
+/// everything staged from GPU memory).
+pub(super) fn inline(op: &Op<Src>) -> bool {
+    match op {
+        Op::Write { src, len, .. } => *len <= INLINE_LIMIT && matches!(src.mem, Mem::Host(_)),
+        _ => true,
+    }
+}
+
+/// What the sender thread is doing, so that queueing an operation wakes it only when it must.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Tx {
+    /// Sending, or about to look at the queue.
+    Busy,
+    /// Idle but lingering: it looks at the queue every [`TX_TICK`] on its own.
+    Ticking,
+    /// Asleep until woken.
+    Asleep,
+}
+
+impl Shared {
+    /// Queues `op`, waiting while the queue bound is reached (up to the wait limit in all);
+    /// small operations are sent by the calling thread when the sender thread is not sending.
+    pub(super) fn enqueue(&self, op: Op<Src>) -> Result<()> {
+        self.enqueue_within(op, self.wait_limit)
+    }
+
+    /// [`enqueue`](Self::enqueue) with its own bound on a full queue (a flush's timeout).
+    pub(super) fn enqueue_within(&self, op: Op<Src>, limit: Duration) -> Result<()> {
+        let inline = inline(&op);
+        let deferred = inline && matches!(op, Op::Write { .. });
+        let mut st = lock(&self.st);
+        // The bound starts when the queue is first found full.
+        let mut deadline: Option<Deadline> = None;
+        let mut op = Some(op);
+        loop {
+            if let Some(e) = &st.failed {
+                return Err(e.duplicate());
+            }
+            let Some(o) = op.take() else { break };
+            match st.core.issue(o) {
+                Ok(_) => break,
+                Err((o, QueueFull { outstanding })) => {
+                    op = Some(o);
+                    let d = *deadline.get_or_insert_with(|| Deadline::after(limit));
+                    if d.expired() {
+                        return Err(Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "write queue full: {outstanding} operations outstanding at {} and none confirmed for {:?}",
+                                self.peer_desc, limit
+                            ),
+                        ));
+                    }
+                    st = self
+                        .cond
+                        .wait_timeout(st, d.remaining().min(Duration::from_millis(100)))
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|p| p.into_inner().0);
+                }
+            }
+        }
+        // A small write waits for what follows it (usually a token update) so that both leave in
+        // one sendmsg, from this thread, with no hand-off. If nothing follows, the sender thread
+        // sends it after a short grace: a lingering one finds it on its next tick; only a
+        // sleeping one is woken.
+        if deferred {
+            if st.held_since.is_none() {
+                st.held_since = Some(Instant::now());
+            }
+            if st.tx == Tx::Asleep {
+                st.tx = Tx::Busy;
+                drop(st);
+                self.tx_cond.notify_one();
+            }
+            return Ok(());
+        }
+        drop(st);
+        if inline && let Ok(mut out) = self.out.try_lock() {
+            self.pump(&mut out, true);
+        }
+        // Wake the sender thread if anything is left (it re-checks under the lock).
+        let mut st = lock(&self.st);
+        if !st.core.is_idle() && st.tx != Tx::Busy {
+            st.tx = Tx::Busy;
+            drop(st);
+            self.tx_cond.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Sends queued operations in order, a batch per `sendmsg`. With `inline_only` (the calling
+    /// thread), stops at the first operation only the sender thread sends.
+    fn pump(&self, out: &mut TcpStream, inline_only: bool) {
+        loop {
+            let batch = {
+                let mut st = lock(&self.st);
+                if st.failed.is_some() {
+                    return;
+                }
+                let b = st.core.next_batch(|op| !inline_only || inline(op));
+                if st.core.is_idle() {
+                    st.held_since = None;
+                }
+                b
+            };
+            if batch.is_empty() {
+                return;
+            }
+            if let Err(e) = self.send_batch(out, &batch) {
+                // The peer closed its end (its closing record, if any, is still on its way to the
+                // acknowledgement reader): a close, not a failure that voids what it acknowledged.
+                let closed =
+                    matches!(e.io_kind(), Some(std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset));
+                self.fail_with(e, !closed);
+                return;
+            }
+        }
+    }
+
+    /// Sends one batch: host payloads straight from their regions in one `sendmsg`; GPU
+    /// payloads staged through pinned memory, the copy of one chunk overlapping the send of the
+    /// previous one.
+    fn send_batch(&self, out: &mut TcpStream, batch: &[(wire::FrameHeader, Op<Src>)]) -> Result<()> {
+        let io_err = |e: std::io::Error| {
+            let why = match e.kind() {
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+                    format!("peer {} closed the connection (sending failed)", self.peer_desc)
+                }
+                // The socket's send timeout (see `connect`): the peer took no byte for that long.
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                    return Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "sending to {} stalled: the peer read nothing for {:?} (is it stopped or stuck?)",
+                            self.peer_desc,
+                            stall_limit(self.wait_limit)
+                        ),
+                    )
+                    .with_source(e);
+                }
+                _ => format!("sending to {} failed", self.peer_desc),
+            };
+            Error::remote(why).with_source(e)
+        };
+        let headers: Vec<[u8; wire::HEADER]> = batch.iter().map(|(h, _)| h.encode()).collect();
+        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.len());
+        for ((_, op), h) in batch.iter().zip(&headers) {
+            parts.push(h[..].into());
+            if let Op::Write { src, src_off, len, .. } = op {
+                match &src.mem {
+                    Mem::Host(r) => parts.push(r.part(*src_off, *len)?),
+                    Mem::Gpu(g) => {
+                        send_vectored(out, &parts).map_err(io_err)?;
+                        parts.clear();
+                        let mut stagers = lock(&self.stagers);
+                        let st = stager_for(&mut stagers, g)?;
+                        st.send(out, g, *src_off, *len).map_err(|e| match e {
+                            StageError::Io(e) => io_err(e),
+                            StageError::Mscclpp(e) => e,
+                        })?;
+                    }
+                }
+            }
+        }
+        send_vectored(out, &parts).map_err(io_err)
+    }
+}
+
+pub(super) fn sender_loop(sh: Arc<Shared>) {
+    let mut last_work = Instant::now();
+    loop {
+        {
+            let mut st = lock(&sh.st);
+            loop {
+                let stop = sh.stop.load(Ordering::Acquire);
+                if st.failed.is_some() || (stop && st.core.is_idle()) {
+                    return;
+                }
+                if !st.core.is_idle() {
+                    // A small write at the front waits out its grace for the operation that
+                    // usually follows it (whose caller then sends both).
+                    let held = st.held_since.map(|t| t.elapsed()).filter(|_| st.core.front().is_some_and(inline));
+                    match held {
+                        Some(age) if age < COALESCE_GRACE && !stop => {
+                            st.tx = Tx::Ticking;
+                            st = sh
+                                .tx_cond
+                                .wait_timeout(st, COALESCE_GRACE - age)
+                                .map(|(g, _)| g)
+                                .unwrap_or_else(|p| p.into_inner().0);
+                        }
+                        _ => break,
+                    }
+                } else if last_work.elapsed() < TX_LINGER {
+                    st.tx = Tx::Ticking;
+                    st = sh.tx_cond.wait_timeout(st, TX_TICK).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+                } else {
+                    st.tx = Tx::Asleep;
+                    st = sh.tx_cond.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+                if st.held_since.is_some() {
+                    last_work = Instant::now();
+                }
+            }
+            st.tx = Tx::Busy;
+        }
+        last_work = Instant::now();
+        let mut out = lock(&sh.out);
+        sh.pump(&mut out, false);
+    }
+}
+
+/// Reads acknowledgements and refusals from the outgoing socket and hands them to the core,
+/// until the socket ends; then says so (a flush waiting on a closed connection may decide).
+pub(super) fn ack_loop(sh: Arc<Shared>, s: TcpStream) {
+    read_acks(&sh, s);
+    lock(&sh.st).acks_ended = true;
+    sh.cond.notify_all();
+}
+
+fn read_acks(sh: &Shared, mut s: TcpStream) {
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = match s.read(&mut buf) {
+            Ok(0) => {
+                sh.fail_read("reading acknowledgements from", std::io::ErrorKind::UnexpectedEof.into());
+                return;
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                sh.fail_read("reading acknowledgements from", e);
+                return;
+            }
+        };
+        let r = lock(&sh.st).core.handle_bytes(&buf[..n]);
+        if let Err(why) = r {
+            sh.fail(Error::remote(format!("peer {} {why}", sh.peer_desc)));
+            return;
+        }
+        sh.cond.notify_all();
+    }
+}
+
+pub(super) fn send_record(s: &TcpStream, rec: &Record) -> std::io::Result<()> {
+    let mut w = s;
+    w.write_all(&rec.to_wire())
+}
