@@ -55,7 +55,7 @@ impl ProxyService {
         fifo_size: u32,
         max_write_queue_size: Option<usize>,
     ) -> PyResult<Self> {
-        let cfg = ProxyConfig { fifo_size, max_write_queue_size, ..ProxyConfig::default() };
+        let cfg = ProxyConfig::default().fifo_size(fifo_size).max_write_queue_size(max_write_queue_size);
         let ctx = comm.comm.context().clone();
         let svc = py
             .detach(|| match device {
@@ -360,7 +360,11 @@ fn compile(
     options: Option<Vec<String>>,
     name: Option<String>,
 ) -> PyResult<Ptx> {
-    let o = device::compile::CompileOptions { arch, device, flags: options.unwrap_or_default(), name };
+    let mut o = device::compile::CompileOptions::default();
+    o.arch = arch;
+    o.device = device;
+    o.flags = options.unwrap_or_default();
+    o.name = name;
     let ptx = py.detach(|| device::compile::compile(&source, &o)).py(py)?;
     Ok(Ptx { ptx })
 }

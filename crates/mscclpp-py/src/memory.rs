@@ -103,10 +103,7 @@ impl RegisteredMemory {
     /// The GPU index for GPU memory, `None` for host memory.
     #[getter]
     fn device(&self) -> Option<u32> {
-        match self.mem.device() {
-            mscclpp::Device::Gpu(i) => Some(i),
-            mscclpp::Device::Cpu => None,
-        }
+        self.mem.device().gpu_index()
     }
 
     /// The object registered (`None` for a peer's memory).
@@ -135,9 +132,9 @@ impl RegisteredMemory {
             self.mem.len(),
             self.mem.addr(),
             self.mem.transports(),
-            match self.mem.device() {
-                mscclpp::Device::Gpu(i) => format!("GPU{i}"),
-                mscclpp::Device::Cpu => "host".into(),
+            match self.mem.device().gpu_index() {
+                Some(i) => format!("GPU{i}"),
+                None => "host".into(),
             },
             if self.mem.is_local() { "local" } else { "remote" }
         )

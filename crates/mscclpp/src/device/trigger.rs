@@ -59,8 +59,10 @@ pub struct Put {
     pub size: u32,
 }
 
-/// A decoded trigger: what the proxy must do.
+/// A decoded trigger: what the proxy must do. `#[non_exhaustive]`: new trigger types add
+/// variants, so a `match` needs a `_` arm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Request {
     /// Flag types: in this order, an optional put, a signal, a flush, on semaphore `sem_id`'s connection.
     Ops {
