@@ -15,7 +15,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("resources", &["context", "memory", "buffer", "wire", "net"]),
     ("connections", &["conn"]),
     ("setup", &["bootstrap", "communicator", "launcher"]),
-    ("sync and device side", &["semaphore", "device", "fifo", "proxy", "channel"]),
+    ("sync and device side", &["semaphore", "device"]),
     // Public re-export modules and test entry points: nothing inside the crate may import them.
     ("public facades", &["gpu", "ib", "fuzzing", "bench"]),
 ];
