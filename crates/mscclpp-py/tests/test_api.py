@@ -215,6 +215,8 @@ def test_write_is_byte_exact_and_keeps_sources_alive(comm, conn, pair):
 def test_transport_values_are_the_type_users_pass(conn):
     assert conn.transport == ETH and isinstance(conn.transport, m.Transport)
     assert conn.transport in m.Transport.ETHERNET | m.Transport.IB0
+    assert str(conn.transport) == f"{conn.transport}" == "ETHERNET"
+    assert str(m.Transport.ETHERNET | m.Transport.IB0) == "IB0|ETHERNET"
 
 
 def test_registered_memory_to_bytes_round_trips(comm):

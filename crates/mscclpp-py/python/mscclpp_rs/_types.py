@@ -29,6 +29,15 @@ class Transport(enum.IntFlag):
     IB7 = 1 << 9
     ETHERNET = 1 << 10
 
+    def __str__(self) -> str:
+        """The member names joined by ``|`` (``"ETHERNET"``, ``"ETHERNET|IB0"``), on every Python
+        version (3.11 changed ``str`` of an ``IntFlag`` to the number)."""
+        names = [t.name for t in Transport if t.value & self.value and t.name]
+        return "|".join(names) if names else "0"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
 
 class ErrorKind(enum.Enum):
     """The broad class of an error (``MscclppError.kind``), as the Rust ``mscclpp::ErrorKind``;
