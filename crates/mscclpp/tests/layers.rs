@@ -1,4 +1,4 @@
-//! The module layers of `shared/DESIGN.md`, checked on the source: every `crate::` path in a
+//! The module layers of `docs/design.md`, checked on the source: every `crate::` path in a
 //! module of `src/` (comments aside, tests included) names a module of the same or a lower layer
 //! or vocabulary (error, transport, sync, env, identity: usable by every layer, platform
 //! included, and importing no platform module themselves), and modules above vocabulary form no
