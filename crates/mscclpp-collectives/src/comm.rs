@@ -323,12 +323,12 @@ impl Collectives {
     /// The plan the selector makes for a call (`nbytes` as in [`Layout::packet_need`]).
     pub fn plan(&self, coll: Collective, nbytes: u64, opts: &CallOptions) -> Result<Plan> {
         let mut plan = select::select(coll, nbytes, &self.layout, &self.limits);
-        if coll == Collective::AllReduce && opts.algorithm.is_none() {
-            if let Some(p) = self.tuning().and_then(|t| t.lookup(nbytes)) {
-                if !p.algorithm.is_packet() || self.layout.packet_fits(coll, p.algorithm, nbytes) {
-                    plan = Plan { blocks: p.blocks.min(self.limits.max_blocks), ..p };
-                }
-            }
+        let tuned = (coll == Collective::AllReduce && opts.algorithm.is_none())
+            .then(|| self.tuning().and_then(|t| t.lookup(nbytes)))
+            .flatten()
+            .filter(|p| !p.algorithm.is_packet() || self.layout.packet_fits(coll, p.algorithm, nbytes));
+        if let Some(p) = tuned {
+            plan = Plan { blocks: p.blocks.min(self.limits.max_blocks), ..p };
         }
         if let Some(a) = opts.algorithm {
             if !a.serves(coll) {
@@ -356,7 +356,7 @@ impl Collectives {
             plan.blocks = b.clamp(1, self.limits.max_blocks);
         }
         if let Some(t) = opts.threads {
-            if !(32..=512).contains(&t) || t % 32 != 0 {
+            if !(32..=512).contains(&t) || !t.is_multiple_of(32) {
                 return Err(Error::invalid_usage(format!(
                     "threads per block must be a multiple of 32 in 32..=512, not {t}"
                 )));

@@ -274,7 +274,7 @@ mod tests {
                 let p = select(c, n, &l, &lim);
                 assert!(p.algorithm.serves(c));
                 assert!(p.blocks >= 1 && p.blocks <= lim.max_blocks);
-                assert!(p.threads >= 64 && p.threads <= 512 && p.threads % 32 == 0);
+                assert!(p.threads >= 64 && p.threads <= 512 && p.threads.is_multiple_of(32));
                 assert!(p.threads as usize >= l.nranks);
                 if p.algorithm.is_packet() {
                     assert!(l.packet_fits(c, p.algorithm, n));

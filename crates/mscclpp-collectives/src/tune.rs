@@ -105,7 +105,10 @@ pub fn tune_all_reduce(coll: &Collectives, comm: &Communicator) -> Result<Arc<Tu
 }
 
 /// Times every candidate of every size; returns the chosen plans and their times.
-fn time_candidates(coll: &Collectives, comm: &Communicator) -> Result<(Vec<(u64, Plan)>, Vec<f32>)> {
+/// The chosen plan per size and its time (microseconds).
+type Chosen = (Vec<(u64, Plan)>, Vec<f32>);
+
+fn time_candidates(coll: &Collectives, comm: &Communicator) -> Result<Chosen> {
     let dev = coll.device();
     let stream = Stream::new(dev)?;
     let max = 1u64 << SIZES.end();
@@ -153,7 +156,12 @@ fn time_candidates(coll: &Collectives, comm: &Communicator) -> Result<(Vec<(u64,
         let mut worst = vec![0f32; cands.len()];
         for (p, theirs) in all.iter().enumerate() {
             if theirs.len() != bytes.len() {
-                return Err(Error::remote(format!("rank {p} tuned {} candidates, this rank {}", theirs.len() / 4, cands.len())).with_peer(p));
+                return Err(Error::remote(format!(
+                    "rank {p} tuned {} candidates, this rank {}",
+                    theirs.len() / 4,
+                    cands.len()
+                ))
+                .with_peer(p));
             }
             for (i, w) in theirs.chunks(4).enumerate() {
                 worst[i] = worst[i].max(f32::from_le_bytes([w[0], w[1], w[2], w[3]]));

@@ -29,8 +29,7 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
         Ok(i) => i,
         Err(e) => return skip(test, e.message()),
     };
-    let opts =
-        CompileOptions { arch: Some("compute_90".into()), name: Some("collectives.cu".into()), ..Default::default() };
+    let opts = CompileOptions::default().arch("compute_90").name("collectives.cu");
     let t = std::time::Instant::now();
     let ptx = compile(&mscclpp_collectives::kernel_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
     println!("NVRTC compiled {} collective kernels in {:?}", ptx.kernels().len(), t.elapsed());

@@ -64,7 +64,7 @@ pub fn run(args: &Args, body: RankMain) -> Result<(), String> {
     if let Some(mut info) = LaunchInfo::from_env().map_err(|e| e.to_string())? {
         // --bootstrap wins over the launcher's variables (MSCCLPP_ROOT_ADDR, MASTER_ADDR/MASTER_PORT).
         if let Some(b) = &args.bootstrap {
-            info.root = Some(RootAddr { spec: b.clone(), source: "--bootstrap".into() });
+            info.root = Some(RootAddr::new(b.clone(), "--bootstrap"));
         }
         if let Err(e) = info.root() {
             return Err(format!("{e}; or pass --bootstrap host:port"));

@@ -80,7 +80,7 @@ extern "C" __global__ void copy_bw_val(MemoryChannelDeviceHandle ch, int get, u6
 // One put per launch, with a round number as a parameter (as a kernel that signals per round
 // has); the flat rows launch it with `round` fixed and changing. Identical back-to-back launches
 // of a copy run at ~0.80 of the copy engine at 64-256 MiB on an H200, launches whose parameters
-// differ (or with any other stream work between them) at 0.93-0.99 (docs/design-notes.md);
+// differ (or with any other stream work between them) at 0.93-0.99 (docs/history.md);
 // `round` only makes each launch differ.
 extern "C" __global__ void copy_bw_round(MemoryChannelDeviceHandle ch, int get, u64 size, u64 round) {
   if (round == ~0ull) return;
@@ -262,7 +262,7 @@ pub fn run(args: &Args) -> Result<(), String> {
             // Flat: one launch per put, 1024-thread blocks, each thread two elements (32 KiB per
             // block), the handle by value. Blocks of 8 KiB or less are capped by how fast the GPU
             // starts blocks (~210 per us on an H200: 0.80 of the copy engine), 16 KiB and more
-            // are not (docs/design-notes.md). A grid that loops puts over few elements per thread
+            // are not (docs/history.md). A grid that loops puts over few elements per thread
             // would re-copy lines its blocks keep in L2, hence one launch per put.
             let flat_blocks = size.div_ceil(16 * 1024 * 2).clamp(1, 1 << 20) as u32;
             // One kernel for both flat columns, so they differ only in whether each launch's

@@ -496,7 +496,7 @@ mod tests {
             .map(std::path::PathBuf::from)
             .or_else(|| std::path::Path::new(&nvrtc).parent().map(|d| d.join("../bin/ptxas")))
             .filter(|p| p.is_file());
-        let opts = CompileOptions { arch: Some("compute_90".into()), ..Default::default() };
+        let opts = CompileOptions::default().arch("compute_90");
         for (src, want) in [
             (
                 crate::memchan::KERNELS,

@@ -6,12 +6,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use mscclpp::launcher::LaunchInfo;
-use mscclpp::{Bootstrap, Device, EndpointConfig, EthernetConfig, TcpBootstrap, Transport};
+use mscclpp::{Bootstrap, Device, EndpointConfig, ErrorKind, EthernetConfig, TcpBootstrap, Transport};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use crate::errors::{IntoPyResult, invalid, seconds, to_seconds};
-use crate::memory::{RegisteredMemory, one_transport, register_object, transport_flags};
+use crate::errors::{IntoPyResult, invalid, seconds, to_py, to_seconds};
+use crate::memory::{RegisteredMemory, one_transport, py_transport, register_object, transport_flags};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<UniqueId>()?;
@@ -33,7 +33,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 ///
 /// Create it on one process (`UniqueId.create()`), send `bytes(uid)` (128 bytes) to every rank by
 /// any means (`torch.distributed.broadcast_object_list`, mpi4py, a file), and pass it to
-/// `Communicator(rank, size, uid)`. Pickles as its bytes.
+/// `Communicator(rank, size, uid)`. Pickles as its bytes; hashable (equal ids hash equal).
 #[pyclass(frozen, eq, module = "mscclpp_rs._native")]
 #[derive(Clone, PartialEq)]
 pub(crate) struct UniqueId {
@@ -66,8 +66,26 @@ impl UniqueId {
         Ok(UniqueId { id: py.detach(TcpBootstrap::create_unique_id).py(py)? })
     }
 
-    fn __bytes__<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+    /// The 128 bytes every rank passes to `Communicator` (also `bytes(uid)`).
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.id.to_bytes())
+    }
+
+    /// The id of `to_bytes()` output; `InvalidUsageError` for anything else.
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<UniqueId> {
+        Ok(UniqueId { id: mscclpp::UniqueId::from_bytes(data).py(py)? })
+    }
+
+    fn __bytes__<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        self.to_bytes(py)
+    }
+
+    fn __hash__(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.id.to_bytes().hash(&mut h);
+        h.finish()
     }
 
     fn __str__(&self) -> String {
@@ -101,19 +119,37 @@ impl UniqueId {
 /// raises `InvalidUsageError` (a `ValueError`).
 #[pyclass(frozen, module = "mscclpp_rs._native")]
 pub(crate) struct Communicator {
-    pub(crate) comm: mscclpp::Communicator,
-    bs: Arc<TcpBootstrap>,
+    /// The communicator and its bootstrap; `None` once closed.
+    state: Mutex<Option<(mscclpp::Communicator, Arc<TcpBootstrap>)>>,
+    rank: usize,
+    size: usize,
+}
+
+/// The `AbortedError` of an object used after `close()`.
+pub(crate) fn closed_error(py: Python<'_>, what: &str) -> PyErr {
+    to_py(py, &mscclpp::Error::new(ErrorKind::Aborted, format!("this {what} is closed")))
 }
 
 impl Communicator {
     fn from_bootstrap(bs: TcpBootstrap) -> Communicator {
         let bs = Arc::new(bs);
-        Communicator { comm: mscclpp::Communicator::new(bs.clone()), bs }
+        let (rank, size) = (bs.rank(), bs.size());
+        Communicator { state: Mutex::new(Some((mscclpp::Communicator::new(bs.clone()), bs))), rank, size }
+    }
+
+    /// The communicator (a cheap clone), or `AbortedError` once closed.
+    pub(crate) fn comm(&self, py: Python<'_>) -> PyResult<mscclpp::Communicator> {
+        lock(&self.state).as_ref().map(|(c, _)| c.clone()).ok_or_else(|| closed_error(py, "communicator"))
+    }
+
+    /// The bootstrap, or `AbortedError` once closed.
+    fn bs(&self, py: Python<'_>) -> PyResult<Arc<TcpBootstrap>> {
+        lock(&self.state).as_ref().map(|(_, b)| b.clone()).ok_or_else(|| closed_error(py, "communicator"))
     }
 
     fn check_peer(&self, py: Python<'_>, peer: usize) -> PyResult<()> {
-        if peer >= self.bs.size() {
-            return Err(invalid(py, format!("peer rank {peer} is not in 0..{}", self.bs.size())));
+        if peer >= self.size {
+            return Err(invalid(py, format!("peer rank {peer} is not in 0..{}", self.size)));
         }
         Ok(())
     }
@@ -187,41 +223,43 @@ impl Communicator {
     /// This process's rank.
     #[getter]
     fn rank(&self) -> usize {
-        self.bs.rank()
+        self.rank
     }
 
     /// The number of ranks.
     #[getter]
     fn size(&self) -> usize {
-        self.bs.size()
+        self.size
     }
 
     /// Ranks on this host.
     #[getter]
-    fn ranks_per_node(&self) -> usize {
-        self.bs.ranks_per_node()
+    fn ranks_per_node(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.bs(py)?.ranks_per_node())
     }
 
     /// The bootstrap's wait limit in seconds (settable; `float('inf')`: no limit).
     #[getter]
-    fn get_timeout(&self) -> f64 {
-        to_seconds(self.bs.timeout())
+    fn get_timeout(&self, py: Python<'_>) -> PyResult<f64> {
+        Ok(to_seconds(self.bs(py)?.timeout()))
     }
 
     #[setter]
     fn set_timeout(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
-        self.bs.set_timeout(seconds(py, "timeout", timeout)?);
+        self.bs(py)?.set_timeout(seconds(py, "timeout", timeout)?);
         Ok(())
     }
 
     /// Waits until every rank has called `barrier` (GIL released).
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.bs.barrier()).py(py)
+        let bs = self.bs(py)?;
+        py.detach(|| bs.barrier()).py(py)
     }
 
     /// Every rank's `data`, in rank order (GIL released).
     fn all_gather<'py>(&self, py: Python<'py>, data: Vec<u8>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let all = py.detach(|| self.bs.all_gather(&data)).py(py)?;
+        let bs = self.bs(py)?;
+        let all = py.detach(|| bs.all_gather(&data)).py(py)?;
         Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
@@ -241,21 +279,23 @@ impl Communicator {
         if t.is_empty() {
             return Err(invalid(py, "register needs at least one transport"));
         }
-        register_object(py, self.comm.context(), obj, t)
+        register_object(py, self.comm(py)?.context(), obj, t)
     }
 
     /// Sends `memory`'s description to `peer` under `tag` (returns at once).
     #[pyo3(signature = (memory, peer, tag = 0))]
     fn send_memory(&self, py: Python<'_>, memory: &RegisteredMemory, peer: usize, tag: u32) -> PyResult<()> {
         self.check_peer(py, peer)?;
-        py.detach(|| self.comm.send_memory(&memory.mem, peer, tag)).py(py)
+        let comm = self.comm(py)?;
+        py.detach(|| comm.send_memory(&memory.mem, peer, tag)).py(py)
     }
 
     /// Receives a memory description `peer` sent under `tag` (GIL released while waiting).
     #[pyo3(signature = (peer, tag = 0))]
     fn recv_memory(&self, py: Python<'_>, peer: usize, tag: u32) -> PyResult<RegisteredMemory> {
         self.check_peer(py, peer)?;
-        let m = py.detach(|| self.comm.recv_memory(peer, tag)?.wait()).py(py)?;
+        let comm = self.comm(py)?;
+        let m = py.detach(|| comm.recv_memory(peer, tag)?.wait()).py(py)?;
         Ok(RegisteredMemory::remote(m))
     }
 
@@ -271,12 +311,13 @@ impl Communicator {
         for &p in &peers {
             self.check_peer(py, p)?;
         }
+        let comm = self.comm(py)?;
         let got = py
             .detach(|| -> mscclpp::Result<Vec<(usize, mscclpp::RegisteredMemory)>> {
                 let mut pend = Vec::new();
                 for &p in &peers {
-                    self.comm.send_memory(&memory.mem, p, tag)?;
-                    pend.push((p, self.comm.recv_memory(p, tag)?));
+                    comm.send_memory(&memory.mem, p, tag)?;
+                    pend.push((p, comm.recv_memory(p, tag)?));
                 }
                 pend.into_iter().map(|(p, w)| Ok((p, w.wait()?))).collect()
             })
@@ -306,7 +347,8 @@ impl Communicator {
     ) -> PyResult<Connection> {
         self.check_peer(py, peer)?;
         let cfg = Self::endpoint_config(py, transport, device, interface, max_write_queue_size)?;
-        let c = py.detach(|| self.comm.connect(&cfg, peer, tag)?.wait()).py(py)?;
+        let comm = self.comm(py)?;
+        let c = py.detach(|| comm.connect(&cfg, peer, tag)?.wait()).py(py)?;
         Ok(Connection::new(c))
     }
 
@@ -327,12 +369,11 @@ impl Communicator {
             self.check_peer(py, p)?;
         }
         let cfg = Self::endpoint_config(py, transport, device, interface, max_write_queue_size)?;
+        let comm = self.comm(py)?;
         let got = py
             .detach(|| -> mscclpp::Result<Vec<(usize, mscclpp::Connection)>> {
-                let pend = peers
-                    .iter()
-                    .map(|&p| Ok((p, self.comm.connect(&cfg, p, tag)?)))
-                    .collect::<mscclpp::Result<Vec<_>>>()?;
+                let pend =
+                    peers.iter().map(|&p| Ok((p, comm.connect(&cfg, p, tag)?))).collect::<mscclpp::Result<Vec<_>>>()?;
                 pend.into_iter().map(|(p, w)| Ok((p, w.wait()?))).collect()
             })
             .py(py)?;
@@ -347,11 +388,9 @@ impl Communicator {
     #[pyo3(signature = (connection, tag = 0))]
     fn host_semaphore(&self, py: Python<'_>, connection: &Connection, tag: u32) -> PyResult<Host2HostSemaphore> {
         let peer = connection.peer_of(py)?;
-        let s = py
-            .detach(|| {
-                mscclpp::Host2HostSemaphore::new(self.comm.build_semaphore(&connection.conn, peer, tag)?.wait()?)
-            })
-            .py(py)?;
+        let (comm, conn) = (self.comm(py)?, connection.conn(py)?);
+        let s =
+            py.detach(|| mscclpp::Host2HostSemaphore::new(comm.build_semaphore(&conn, peer, tag)?.wait()?)).py(py)?;
         Ok(Host2HostSemaphore { sem: s })
     }
 
@@ -360,11 +399,9 @@ impl Communicator {
     #[pyo3(signature = (connection, tag = 0))]
     fn device_semaphore(&self, py: Python<'_>, connection: &Connection, tag: u32) -> PyResult<Host2DeviceSemaphore> {
         let peer = connection.peer_of(py)?;
-        let s = py
-            .detach(|| {
-                mscclpp::Host2DeviceSemaphore::new(self.comm.build_semaphore(&connection.conn, peer, tag)?.wait()?)
-            })
-            .py(py)?;
+        let (comm, conn) = (self.comm(py)?, connection.conn(py)?);
+        let s =
+            py.detach(|| mscclpp::Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, tag)?.wait()?)).py(py)?;
         Ok(Host2DeviceSemaphore { sem: Mutex::new(Some(Arc::new(s))) })
     }
 
@@ -378,12 +415,9 @@ impl Communicator {
         tag: u32,
     ) -> PyResult<crate::device::MemoryDevice2DeviceSemaphore> {
         let peer = connection.peer_of(py)?;
+        let (comm, conn) = (self.comm(py)?, connection.conn(py)?);
         let s = py
-            .detach(|| {
-                mscclpp::MemoryDevice2DeviceSemaphore::new(
-                    self.comm.build_semaphore(&connection.conn, peer, tag)?.wait()?,
-                )
-            })
+            .detach(|| mscclpp::MemoryDevice2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, tag)?.wait()?))
             .py(py)?;
         Ok(crate::device::MemoryDevice2DeviceSemaphore { sem: Arc::new(s) })
     }
@@ -391,17 +425,50 @@ impl Communicator {
     /// The handles of `channels` (MemoryChannels) packed into device memory on GPU `device`, at
     /// a stable address (pass `.ptr` as a `MemoryChannelDeviceHandle*`).
     #[pyo3(signature = (channels, device = 0))]
-    fn pack_memory_channels(
+    fn pack_handles(
         &self,
         py: Python<'_>,
         channels: Vec<Bound<'_, crate::device::MemoryChannel>>,
         device: u32,
     ) -> PyResult<crate::device::DeviceHandles> {
-        crate::device::pack_memory_channels(py, self.comm.context(), channels, device)
+        crate::device::pack_memory_channels(py, self.comm(py)?.context(), channels, device)
+    }
+
+    /// Leaves the job: drops this object's hold on the bootstrap (its sockets close, with a
+    /// goodbye to each peer, once the connections and semaphores made through it are done with
+    /// it). Later calls raise `AbortedError`; closing twice is harmless. `with Communicator(...)
+    /// as comm:` closes on leaving the block.
+    fn close(&self, py: Python<'_>) {
+        let state = lock(&self.state).take();
+        // The bootstrap's goodbye writes are bounded; let other threads run meanwhile.
+        py.detach(move || drop(state));
+    }
+
+    /// True once `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        lock(&self.state).is_none()
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (_exc_type = None, _exc = None, _tb = None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.close(py);
+        false
     }
 
     fn __repr__(&self) -> String {
-        format!("Communicator(rank={}, size={})", self.bs.rank(), self.bs.size())
+        let closed = if lock(&self.state).is_none() { ", closed" } else { "" };
+        format!("Communicator(rank={}, size={}{closed})", self.rank, self.size)
     }
 }
 
@@ -410,24 +477,40 @@ impl Communicator {
 /// Operations are asynchronous: they are checked (bounds, transports: `InvalidUsageError`,
 /// nothing sent) and queued; `flush` waits until all earlier ones landed at the peer. The
 /// source memories of writes issued since the last successful `flush` are kept alive here.
+/// `close()` (or leaving a `with` block) flushes what is unflushed and lets the connection go.
 #[pyclass(frozen, module = "mscclpp_rs._native")]
 pub(crate) struct Connection {
-    pub(crate) conn: mscclpp::Connection,
+    /// `None` once closed.
+    conn: Mutex<Option<mscclpp::Connection>>,
+    transport: Transport,
+    peer: Option<usize>,
     /// Sources of writes not yet covered by a successful flush.
     in_flight: Mutex<Vec<Py<RegisteredMemory>>>,
     /// Outbound copies of the words `update_and_sync` sets, by (address, offset).
     outbound: Mutex<HashMap<(u64, u64), Arc<AtomicU64>>>,
 }
 
+/// How long `close()` and garbage collection wait for unflushed writes to land.
+const CLOSE_FLUSH: Duration = Duration::from_secs(5);
+
 impl Connection {
     fn new(conn: mscclpp::Connection) -> Connection {
-        Connection { conn, in_flight: Mutex::new(Vec::new()), outbound: Mutex::new(HashMap::new()) }
+        Connection {
+            transport: conn.transport(),
+            peer: conn.peer_rank(),
+            conn: Mutex::new(Some(conn)),
+            in_flight: Mutex::new(Vec::new()),
+            outbound: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The connection (a cheap clone), or `AbortedError` once closed.
+    pub(crate) fn conn(&self, py: Python<'_>) -> PyResult<mscclpp::Connection> {
+        lock(&self.conn).clone().ok_or_else(|| closed_error(py, "connection"))
     }
 
     fn peer_of(&self, py: Python<'_>) -> PyResult<usize> {
-        self.conn
-            .peer_rank()
-            .ok_or_else(|| invalid(py, "this connection has no peer rank (made outside a Communicator)"))
+        self.peer.ok_or_else(|| invalid(py, "this connection has no peer rank (made outside a Communicator)"))
     }
 
     fn keep(&self, src: &Bound<'_, RegisteredMemory>) {
@@ -453,7 +536,8 @@ impl Connection {
         size: u64,
     ) -> PyResult<()> {
         let s = src.get();
-        py.detach(|| self.conn.write(&dst.mem, dst_offset, &s.mem, src_offset, size)).py(py)?;
+        let conn = self.conn(py)?;
+        py.detach(|| conn.write(&dst.mem, dst_offset, &s.mem, src_offset, size)).py(py)?;
         self.keep(src);
         Ok(())
     }
@@ -461,14 +545,16 @@ impl Connection {
     /// Sets the peer's 8-byte word at `dst` + `dst_offset` to `value`, visible after every
     /// earlier operation of this connection (values must not decrease on IB).
     fn update_and_sync(&self, py: Python<'_>, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> PyResult<()> {
+        let conn = self.conn(py)?;
         let word = lock(&self.outbound).entry((dst.mem.addr(), dst_offset)).or_default().clone();
-        py.detach(|| self.conn.update_and_sync(&dst.mem, dst_offset, &word, value)).py(py)
+        py.detach(|| conn.update_and_sync(&dst.mem, dst_offset, &word, value)).py(py)
     }
 
     /// Adds `value` to the peer's 8-byte word at `dst` + `dst_offset` (wrapping), after every
     /// earlier operation; `flush` covers it.
     fn atomic_add(&self, py: Python<'_>, dst: &RegisteredMemory, dst_offset: u64, value: i64) -> PyResult<()> {
-        py.detach(|| self.conn.atomic_add(&dst.mem, dst_offset, value)).py(py)
+        let conn = self.conn(py)?;
+        py.detach(|| conn.atomic_add(&dst.mem, dst_offset, value)).py(py)
     }
 
     /// Waits (GIL released) until every operation issued before it landed in the peer's memory.
@@ -477,8 +563,9 @@ impl Connection {
     #[pyo3(signature = (timeout = 30.0))]
     fn flush(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
         let t = seconds(py, "timeout", timeout)?;
+        let conn = self.conn(py)?;
         let n = lock(&self.in_flight).len();
-        py.detach(|| self.conn.flush(t)).py(py)?;
+        py.detach(|| conn.flush(t)).py(py)?;
         // What was queued before the flush has landed: those sources may go.
         lock(&self.in_flight).drain(..n);
         Ok(())
@@ -486,30 +573,67 @@ impl Connection {
 
     /// `None` while the connection works; raises the error that broke it otherwise.
     fn status(&self, py: Python<'_>) -> PyResult<()> {
-        self.conn.status().py(py)
+        self.conn(py)?.status().py(py)
     }
 
-    /// Operations issued and not yet known complete.
+    /// Operations issued and not yet known complete (0 once closed).
     #[getter]
     fn outstanding(&self) -> u64 {
-        self.conn.outstanding()
+        lock(&self.conn).as_ref().map_or(0, |c| c.outstanding())
     }
 
-    /// The transport's name (`"ETH"`, `"CUDA_IPC"`, `"IB0"`...).
+    /// The transport, as the `mscclpp_rs.Transport` flag users pass to `connect`.
     #[getter]
-    fn transport(&self) -> String {
-        self.conn.transport().to_string()
+    fn transport(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        py_transport(py, self.transport.into())
     }
 
     /// The peer's rank.
     #[getter]
     fn peer(&self) -> Option<usize> {
-        self.conn.peer_rank()
+        self.peer
+    }
+
+    /// Waits (GIL released, at most 5 s) for writes not yet flushed, so their sources may go,
+    /// then drops this object's hold on the connection: the transport closes once the
+    /// semaphores and channels made on it are gone too. Later operations raise `AbortedError`;
+    /// closing twice is harmless. Errors of that last flush are not raised (call `flush` first
+    /// to see them). `with comm.connect(...) as conn:` closes on leaving the block.
+    fn close(&self, py: Python<'_>) {
+        let Some(conn) = lock(&self.conn).take() else { return };
+        if !lock(&self.in_flight).is_empty() {
+            let _ = py.detach(|| conn.flush(CLOSE_FLUSH));
+        }
+        lock(&self.in_flight).clear();
+        py.detach(move || drop(conn));
+    }
+
+    /// True once `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        lock(&self.conn).is_none()
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (_exc_type = None, _exc = None, _tb = None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.close(py);
+        false
     }
 
     fn __repr__(&self) -> String {
-        let peer = self.conn.peer_rank().map_or("None".to_string(), |p| p.to_string());
-        format!("Connection(peer={peer}, transport={})", self.conn.transport())
+        let peer = self.peer.map_or("None".to_string(), |p| p.to_string());
+        let closed = if lock(&self.conn).is_none() { ", closed" } else { "" };
+        format!("Connection(peer={peer}, transport={}{closed})", self.transport)
     }
 }
 
@@ -517,8 +641,10 @@ impl Drop for Connection {
     fn drop(&mut self) {
         // Sources of unflushed writes must outlive the transfers: give them a bounded chance to
         // land before the references go.
-        if !lock(&self.in_flight).is_empty() {
-            let _ = self.conn.flush(Duration::from_secs(5));
+        if let Some(conn) = lock(&self.conn).as_ref()
+            && !lock(&self.in_flight).is_empty()
+        {
+            let _ = conn.flush(CLOSE_FLUSH);
         }
     }
 }
@@ -619,15 +745,16 @@ fn _time_rust_writes(
     flush_every: u64,
 ) -> PyResult<f64> {
     let flush_every = flush_every.max(1);
+    let c = conn.conn(py)?;
     py.detach(|| -> mscclpp::Result<f64> {
         let t0 = std::time::Instant::now();
         for i in 0..iters {
-            conn.conn.write(&dst.mem, dst_offset, &src.mem, src_offset, size)?;
+            c.write(&dst.mem, dst_offset, &src.mem, src_offset, size)?;
             if (i + 1) % flush_every == 0 {
-                conn.conn.flush(Duration::from_secs(30))?;
+                c.flush(Duration::from_secs(30))?;
             }
         }
-        conn.conn.flush(Duration::from_secs(30))?;
+        c.flush(Duration::from_secs(30))?;
         Ok(t0.elapsed().as_secs_f64())
     })
     .py(py)

@@ -20,7 +20,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MemoryChannel>()?;
     m.add_function(wrap_pyfunction!(header_source, m)?)?;
     m.add_function(wrap_pyfunction!(write_header, m)?)?;
-    m.add_function(wrap_pyfunction!(compile, m)?)?;
+    m.add_function(wrap_pyfunction!(compile_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(handle_sizes, m)?)?;
     m.add("HEADER_NAME", device::HEADER_NAME)?;
     m.add("ABI_VERSION", device::ABI_VERSION)?;
@@ -55,8 +55,8 @@ impl ProxyService {
         fifo_size: u32,
         max_write_queue_size: Option<usize>,
     ) -> PyResult<Self> {
-        let cfg = ProxyConfig { fifo_size, max_write_queue_size, ..ProxyConfig::default() };
-        let ctx = comm.comm.context().clone();
+        let cfg = ProxyConfig::default().fifo_size(fifo_size).max_write_queue_size(max_write_queue_size);
+        let ctx = comm.comm(py)?.context().clone();
         let svc = py
             .detach(|| match device {
                 Some(d) => device::ProxyService::new(&ctx, d, cfg),
@@ -310,7 +310,7 @@ fn handle_sizes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-/// PTX from `compile`.
+/// PTX from `compile_kernel`.
 #[pyclass(frozen, module = "mscclpp_rs._native")]
 pub(crate) struct Ptx {
     ptx: device::compile::Ptx,
@@ -350,9 +350,10 @@ impl Ptx {
 /// Compiles CUDA source with NVRTC (found through `MSCCLPP_NVRTC_PATH`, CUDA_PATH, the pip
 /// `nvidia-cuda-nvrtc` wheel...); `#include "mscclpp_rs/device.cuh"` works without an include
 /// path. `arch` (`"compute_90"`) defaults to `device`'s, else compute_90. GIL released.
+/// (Named so as not to shadow Python's built-in `compile`.)
 #[pyfunction]
 #[pyo3(signature = (source, arch = None, device = None, options = None, name = None))]
-fn compile(
+fn compile_kernel(
     py: Python<'_>,
     source: String,
     arch: Option<String>,
@@ -360,7 +361,11 @@ fn compile(
     options: Option<Vec<String>>,
     name: Option<String>,
 ) -> PyResult<Ptx> {
-    let o = device::compile::CompileOptions { arch, device, flags: options.unwrap_or_default(), name };
+    let mut o = device::compile::CompileOptions::default();
+    o.arch = arch;
+    o.device = device;
+    o.flags = options.unwrap_or_default();
+    o.name = name;
     let ptx = py.detach(|| device::compile::compile(&source, &o)).py(py)?;
     Ok(Ptx { ptx })
 }

@@ -22,17 +22,43 @@ fn class_name(kind: ErrorKind) -> &'static str {
     }
 }
 
+/// The member name of `mscclpp_rs.ErrorKind` for an error kind.
+fn kind_name(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::InvalidUsage => "INVALID_USAGE",
+        ErrorKind::Timeout => "TIMEOUT",
+        ErrorKind::Remote => "REMOTE",
+        ErrorKind::System => "SYSTEM",
+        ErrorKind::Cuda => "CUDA",
+        ErrorKind::Ib => "IB",
+        ErrorKind::Internal => "INTERNAL",
+        ErrorKind::Aborted => "ABORTED",
+        ErrorKind::NotAvailable => "NOT_AVAILABLE",
+        _ => "OTHER",
+    }
+}
+
 /// The Python exception for `e`: its class by kind, the one-line message (operation, transport,
-/// peer, cause, kind) and the structured parts as attributes.
+/// peer, cause, kind) and the structured parts as attributes: `kind` (an `ErrorKind`),
+/// `operation`, `peer`, `transport` (a `Transport` flag, as users pass in) and, where an
+/// operating-system call failed, `errno` (an `OSError`'s too, for `SystemCallError`).
 pub(crate) fn to_py(py: Python<'_>, e: &mscclpp::Error) -> PyErr {
     let build = || -> PyResult<PyErr> {
         let module = py.import("mscclpp_rs._errors")?;
         let cls = module.getattr(class_name(e.kind()))?;
         let exc = cls.call1((e.to_string(),))?;
-        exc.setattr("kind", e.kind().to_string())?;
+        let kinds = py.import("mscclpp_rs._types")?.getattr("ErrorKind")?;
+        exc.setattr("kind", kinds.getattr(kind_name(e.kind()))?)?;
         exc.setattr("operation", e.operation())?;
         exc.setattr("peer", e.peer())?;
-        exc.setattr("transport", e.transport().map(|t| t.to_string()))?;
+        let transport = match e.transport() {
+            Some(t) => Some(crate::memory::py_transport(py, t.into())?),
+            None => None,
+        };
+        exc.setattr("transport", transport)?;
+        if let Some(n) = e.os_error() {
+            exc.setattr("errno", n)?;
+        }
         Ok(PyErr::from_value(exc))
     };
     // Without the package (the native module imported alone), a plain RuntimeError still says it.

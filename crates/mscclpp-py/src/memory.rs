@@ -41,6 +41,16 @@ pub(crate) fn transport_flags(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<
     )))
 }
 
+/// `flags` as the Python `mscclpp_rs.Transport` flag users pass in (a plain `int` when the package
+/// is not importable, as when the native module is imported alone).
+pub(crate) fn py_transport(py: Python<'_>, flags: TransportFlags) -> PyResult<Py<PyAny>> {
+    let bits = flags.bits();
+    match py.import("mscclpp_rs._types").and_then(|m| m.getattr("Transport")) {
+        Ok(cls) => Ok(cls.call1((bits,))?.unbind()),
+        Err(_) => Ok(bits.into_pyobject(py)?.into_any().unbind()),
+    }
+}
+
 /// Exactly one transport.
 pub(crate) fn one_transport(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Transport> {
     let f = transport_flags(py, v)?;
@@ -94,19 +104,16 @@ impl RegisteredMemory {
         self.mem.is_local()
     }
 
-    /// The transports it is registered for, as `Transport` flag bits.
+    /// The transports it is registered for, as a `mscclpp_rs.Transport` flag.
     #[getter]
-    fn transports(&self) -> u16 {
-        self.mem.transports().bits()
+    fn transports(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        py_transport(py, self.mem.transports())
     }
 
     /// The GPU index for GPU memory, `None` for host memory.
     #[getter]
     fn device(&self) -> Option<u32> {
-        match self.mem.device() {
-            mscclpp::Device::Gpu(i) => Some(i),
-            mscclpp::Device::Cpu => None,
-        }
+        self.mem.device().gpu_index()
     }
 
     /// The object registered (`None` for a peer's memory).
@@ -118,14 +125,14 @@ impl RegisteredMemory {
         }
     }
 
-    /// The description peers receive (what `send_memory` sends).
-    fn serialize<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+    /// The description peers receive (what `send_memory` sends), as bytes.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.mem.serialize())
     }
 
-    /// A peer's memory from [`serialize`] output (bytes received by other means).
+    /// A peer's memory from `to_bytes()` output (bytes received by other means).
     #[staticmethod]
-    fn deserialize(py: Python<'_>, data: &[u8]) -> PyResult<RegisteredMemory> {
+    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<RegisteredMemory> {
         Ok(RegisteredMemory::remote(mscclpp::RegisteredMemory::deserialize(data).py(py)?))
     }
 
@@ -135,9 +142,9 @@ impl RegisteredMemory {
             self.mem.len(),
             self.mem.addr(),
             self.mem.transports(),
-            match self.mem.device() {
-                mscclpp::Device::Gpu(i) => format!("GPU{i}"),
-                mscclpp::Device::Cpu => "host".into(),
+            match self.mem.device().gpu_index() {
+                Some(i) => format!("GPU{i}"),
+                None => "host".into(),
             },
             if self.mem.is_local() { "local" } else { "remote" }
         )

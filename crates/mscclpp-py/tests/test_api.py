@@ -2,8 +2,11 @@
 the GIL being released in blocking calls."""
 
 import array
+import builtins
+import errno
 import gc
 import os
+import re
 import pickle
 import threading
 
@@ -44,6 +47,16 @@ def test_unique_id_round_trips(comm):
     assert m.UniqueId(str(uid)) == uid
     assert pickle.loads(pickle.dumps(uid)) == uid
     assert ":" in uid.root_addr
+    assert uid.to_bytes() == b and m.UniqueId.from_bytes(b) == uid
+
+
+def test_unique_id_is_hashable():
+    a, b = m.UniqueId.create(), m.UniqueId.create()
+    a2 = m.UniqueId(a.to_bytes())
+    assert a2 == a and a2 is not a and hash(a2) == hash(a)
+    assert a != b
+    assert len({a, a2, b}) == 2
+    assert {a: "job"}[a2] == "job"
 
 
 @pytest.mark.parametrize("bad", [b"", b"garbage", b"\xff" * 200, "not an id", bytearray(3)])
@@ -196,7 +209,23 @@ def test_write_is_byte_exact_and_keeps_sources_alive(comm, conn, pair):
     assert bytes(dst[:10]) == bytes(10) and bytes(dst[110:]) == bytes(146)
     assert msrc.obj is src and msrc.nbytes == 256 and msrc.is_local and msrc.device is None
     assert rdst.obj is None and rdst.nbytes == 256
-    assert msrc.transports == int(ETH)
+    assert msrc.transports == ETH and isinstance(msrc.transports, m.Transport)
+
+
+def test_transport_values_are_the_type_users_pass(conn):
+    assert conn.transport == ETH and isinstance(conn.transport, m.Transport)
+    assert conn.transport in m.Transport.ETHERNET | m.Transport.IB0
+    assert str(conn.transport) == f"{conn.transport}" == "ETHERNET"
+    assert str(m.Transport.ETHERNET | m.Transport.IB0) == "IB0|ETHERNET"
+
+
+def test_registered_memory_to_bytes_round_trips(comm):
+    mem = comm.register(bytearray(48), ETH)
+    back = m.RegisteredMemory.from_bytes(mem.to_bytes())
+    assert (back.nbytes, back.addr, back.transports) == (48, mem.addr, ETH)
+    assert not back.is_local and back.obj is None
+    with pytest.raises(m.InvalidUsageError):
+        m.RegisteredMemory.from_bytes(b"not a memory")
 
 
 def test_registration_keeps_the_object_alive(comm, conn):
@@ -307,10 +336,10 @@ def test_bad_transports_raise(comm, bad):
 
 def test_transport_forms(comm):
     for t in [ETH, int(ETH), "eth", "ETHERNET", "tcp", [ETH], [m.Transport.ETHERNET, "eth"]]:
-        assert comm.register(bytearray(8), t).transports == int(ETH)
+        assert comm.register(bytearray(8), t).transports == ETH
     try:
         both = comm.register(bytearray(8), m.Transport.ETHERNET | m.Transport.IB0)
-        assert both.transports == int(ETH | m.Transport.IB0)
+        assert both.transports == ETH | m.Transport.IB0
     except m.NotAvailableError as e:  # no RDMA device here
         assert "IB0" in str(e)
 
@@ -333,7 +362,9 @@ def test_out_of_bounds_and_wrong_arguments_raise(comm, conn, pair):
     ]:
         with pytest.raises(m.InvalidUsageError) as ei:
             conn.write(*args)
-        assert ei.value.operation == "write" and ei.value.peer == 0 and ei.value.kind == "invalid usage"
+        assert ei.value.operation == "write" and ei.value.peer == 0
+        assert ei.value.kind is m.ErrorKind.INVALID_USAGE and ei.value.transport == ETH
+        assert isinstance(ei.value.transport, m.Transport) and ei.value.errno is None
         assert "peer rank 0" in str(ei.value)
     for args in [(rdst, -1, msrc, 0, 8), (rdst, 0, msrc, 0, 1 << 64)]:
         with pytest.raises(OverflowError):
@@ -385,6 +416,7 @@ def test_semaphore_timeout_is_a_timeout_error_naming_the_peer(comm, conn):
         sem.wait(timeout=0.05)
     assert isinstance(ei.value, m.MscclppTimeoutError) and isinstance(ei.value, m.MscclppError)
     assert ei.value.peer == 0 and "peer rank 0" in str(ei.value)
+    assert ei.value.kind is m.ErrorKind.TIMEOUT and ei.value.kind.value in str(ei.value)
     sem.signal()
     sem.wait(timeout=10)
     assert not sem.poll()
@@ -479,17 +511,84 @@ extern "C" __global__ void put_signal(mscclpp::PortChannelDeviceHandle* ch, unsi
 
 def test_compile_with_nvrtc():
     try:
-        ptx = m.compile(KERNEL, arch="compute_90")
+        ptx = m.compile_kernel(KERNEL, arch="compute_90")
     except m.NotAvailableError as e:
         pytest.skip(f"no NVRTC here: {e}")
     assert ptx.kernels == ["put_signal"] and ptx.arch == "compute_90"
     assert ".entry put_signal" in ptx.ptx
     with pytest.raises(m.MscclppError):
-        m.compile("this is not CUDA", arch="compute_90")
+        m.compile_kernel("this is not CUDA", arch="compute_90")
 
 
 def test_memory_semaphore_needs_cuda_ipc(comm, conn):
     with pytest.raises(m.MscclppError):
         comm.memory_semaphore(conn, tag=10)  # an Ethernet connection between host memories
     with pytest.raises(m.InvalidUsageError):
-        comm.pack_memory_channels([])
+        comm.pack_handles([])
+
+
+def test_system_call_error_carries_errno(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(m.SystemCallError) as ei:
+        m.write_header(blocker / "include")  # a directory inside a regular file
+    e = ei.value
+    assert isinstance(e, OSError) and e.errno == errno.ENOTDIR
+    assert e.kind is m.ErrorKind.SYSTEM and "a-file" in str(e)
+
+
+def test_connection_close_and_with_block(comm):
+    dst = bytearray(32)
+    mdst = comm.register(dst, ETH)  # stays registered while the peer writes
+    rdst = comm.exchange(mdst, [0], tag=20)[0]
+    src = comm.register(bytearray(b"x" * 32), ETH)
+    with comm.connect(0, ETH, tag=20) as c:
+        assert not c.closed
+        c.write(rdst, 0, src, 0, 32)  # not flushed: close() waits for it
+    assert c.closed and bytes(dst) == b"x" * 32
+    assert c.transport == ETH and c.peer == 0 and c.outstanding == 0 and "closed" in repr(c)
+    for op in (lambda: c.write(rdst, 0, src, 0, 8), lambda: c.flush(timeout=1), c.status):
+        with pytest.raises(m.AbortedError, match="closed"):
+            op()
+    with pytest.raises(m.AbortedError):
+        comm.host_semaphore(c, tag=20)
+    c.close()  # again: nothing happens
+
+
+def test_communicator_close_and_with_block():
+    with m.Communicator(0, 1, m.UniqueId.create(), timeout=20.0) as c:
+        assert not c.closed
+        c.barrier()
+        conn = c.connect(0, ETH)
+    assert c.closed and (c.rank, c.size) == (0, 1) and "closed" in repr(c)
+    for op in (c.barrier, lambda: c.all_gather(b"x"), lambda: c.connect(0, ETH), lambda: c.register(bytearray(8), ETH)):
+        with pytest.raises(m.AbortedError, match="communicator is closed"):
+            op()
+    with pytest.raises(m.AbortedError):
+        m.ProxyService(c, device=None)
+    c.close()
+    conn.status()  # a connection made before outlives the communicator's close
+    conn.close()
+
+
+def test_a_with_block_error_is_not_hidden_by_close():
+    with pytest.raises(KeyError):
+        with m.Communicator(0, 1, m.UniqueId.create(), timeout=20.0):
+            raise KeyError("body")
+
+
+def test_public_names_shadow_no_builtin_and_exist():
+    assert not set(m.__all__) & set(dir(builtins))
+    for name in m.__all__:
+        assert hasattr(m, name), name
+    assert not hasattr(m, "compile")
+
+
+def test_stubs_name_no_private_helpers():
+    stubs = os.path.join(os.path.dirname(m.__file__), "_native.pyi")
+    with open(stubs) as f:
+        text = f.read()
+    names = re.findall(r"^\s*(?:def|class)\s+(\w+)", text, re.M)
+    assert "UniqueId" in names and "__hash__" in names
+    assert [n for n in names if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))] == []
+    assert "def compile_kernel(" in text and "def to_bytes(" in text

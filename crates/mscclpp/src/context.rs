@@ -220,6 +220,13 @@ impl Drop for LocalRegion {
 /// A cheap-clone handle; registrations and connections keep it alive.
 ///
 /// C++ MSCCL++: `Context`.
+///
+/// Its methods are in three `impl` blocks, one per layer, since each layer only uses the ones
+/// below it: here the context's own state ([`new`](Self::new), [`set_ib_device`](Self::set_ib_device),
+/// [`registered_count`](Self::registered_count)); in `memory.rs` registration
+/// ([`register_host`](Self::register_host), [`register_device`](Self::register_device) and, with
+/// the `cudarc-slice` feature, `register_cuda_slice`); in `conn/mod.rs` endpoints and
+/// connections ([`create_endpoint`](Self::create_endpoint), [`connect`](Self::connect)).
 #[derive(Clone)]
 pub struct Context {
     inner: Arc<ContextInner>,

@@ -26,6 +26,7 @@ use crate::transport::IbMode;
 
 /// Address family forced by `MSCCLPP_SOCKET_FAMILY`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SocketFamily {
     /// IPv4 only.
     Inet,
@@ -36,6 +37,7 @@ pub enum SocketFamily {
 /// An interface filter in MSCCL++/NCCL syntax: `eth,ib` (prefixes), `^docker` (exclude
 /// prefixes), `=eth0` (exact names).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct IfnameFilter {
     /// Entries excluded rather than selected.
     pub exclude: bool,
@@ -73,6 +75,7 @@ impl IfnameFilter {
 
 /// Log verbosity from `MSCCLPP_LOG_LEVEL`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum LogLevel {
     /// Nothing.
     None,

@@ -94,8 +94,10 @@ impl fmt::Display for Launcher {
     }
 }
 
-/// Where the bootstrap root listens, and which variables said so.
+/// Where the bootstrap root listens, and which variables said so (`#[non_exhaustive]`: build one
+/// with [`RootAddr::new`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RootAddr {
     /// `[iface:]host:port`, for [`TcpBootstrap::initialize_with_addr`].
     pub spec: String,
@@ -103,8 +105,10 @@ pub struct RootAddr {
     pub source: String,
 }
 
-/// What a launcher told this process.
+/// What a launcher told this process (`#[non_exhaustive]`: read it from [`LaunchInfo::from_env`];
+/// the fields may be changed, and more may come).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LaunchInfo {
     /// Who started the process.
     pub launcher: Launcher,
@@ -116,6 +120,14 @@ pub struct LaunchInfo {
     pub local_rank: Option<usize>,
     /// The bootstrap root, when the variables name one.
     pub root: Option<RootAddr>,
+}
+
+impl RootAddr {
+    /// A root at `spec` (`[iface:]host:port`), saying in messages that it came from `source`
+    /// (a variable, a command-line option).
+    pub fn new(spec: impl Into<String>, source: impl Into<String>) -> RootAddr {
+        RootAddr { spec: spec.into(), source: source.into() }
+    }
 }
 
 impl LaunchInfo {

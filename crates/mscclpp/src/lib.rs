@@ -14,19 +14,29 @@
 //! the transport and the operation.
 //!
 //! ## Layers
-//! Each uses only the ones below it (checked by `tests/layers.rs`):
+//! Each uses only the ones below it (`tests/layers.rs` checks the imports):
 //! ```text
-//!  Device       ── for kernels: the CUDA header, handles, trigger codec, FIFO, NVRTC compile
-//!  Semaphores   ── Host2HostSemaphore, Host2DeviceSemaphore: tokens signalled over a Connection
-//!  Setup        ── TcpBootstrap, Communicator: exchange endpoints, memories, semaphores
+//!  Device       ── for kernels: the CUDA header, device handles, trigger codec, FIFO, proxy
+//!                  service, PortChannel, MemoryChannel, packets, NVRTC compile
+//!  Semaphores   ── Host2HostSemaphore, Host2DeviceSemaphore, MemoryDevice2DeviceSemaphore:
+//!                  tokens signalled over a Connection (the channels above are built on them)
+//!  Setup        ── TcpBootstrap, Communicator, launcher: exchange endpoints, memories, semaphores
 //!  Connections  ── Endpoint, Connection: write / update_and_sync / atomic_add / flush
 //!                  (one per peer and transport: CudaIpc, IB, Ethernet)
 //!  Resources    ── Context (registered memory table, CUDA streams, IB devices), RegisteredMemory,
-//!                  Buffer / PinnedBuffer / DeviceBuffer, wire forms
+//!                  Buffer / PinnedBuffer / DeviceBuffer, wire forms, network interfaces
 //!  Vocabulary   ── Error, Transport, Device, EndpointConfig, environment, lock and deadlines
-//!  Platform     ── the only place with `unsafe`: CUDA driver, libibverbs, GDRCopy, host memory,
-//!                  NUMA, PCIe topology
+//!                  (usable from every layer)
+//!  Platform     ── CUDA driver and NVRTC, libibverbs, GDRCopy, host memory, NUMA, PCIe topology,
+//!                  pidfd: every FFI call, and every `unsafe` block but the two named below
 //! ```
+//! Outside `platform`, `unsafe` is only the raw-pointer registration API:
+//! [`Context::register_host`], [`Context::register_device`] and
+//! [`Communicator::register_memory`] are `unsafe fn`s whose callers promise that the memory
+//! outlives the registration, and two `unsafe` blocks pass that promise on (`register_host`'s
+//! to the platform layer's host-memory region, `register_memory`'s call of `register_host`).
+//! The crate is `#![deny(unsafe_code)]`; each of those functions opts out by name.
+//!
 //! The public modules [`gpu`], [`ib`], [`net`] and [`mod@env`] expose what users call of the
 //! lower layers (device count, GPU buffers, RDMA devices and the test provider, interfaces,
 //! variables); [`launcher`] reads rank, size and root from `mpirun`, `srun` or `torchrun`.

@@ -397,6 +397,8 @@ impl WireForm for VmmInfo {
     }
 }
 
+/// Registration: `Context`'s methods that make a [`RegisteredMemory`] from memory the caller owns
+/// (defined here, beside `RegisteredMemory`, because `context` sits below `memory` in the layers).
 impl Context {
     /// Registers caller-owned host memory for `transports`.
     ///
@@ -429,9 +431,7 @@ impl Context {
         let region = unsafe { Region::from_raw(ptr, len) };
         RegisteredMemory::new_local(self, region, transports, Device::Cpu)
     }
-}
 
-impl Context {
     /// Registers GPU memory the caller allocated (a KV cache, a torch tensor's storage, memory
     /// from `cudaMalloc`, `cuMemCreate` or a pool) for `transports`: MSCCL++'s
     /// `registerMemory(ptr, size, transports)` for device pointers.
@@ -481,10 +481,7 @@ impl Context {
     pub unsafe fn register_device(&self, ptr: u64, len: usize, transports: TransportFlags) -> Result<RegisteredMemory> {
         register_gpu(self, ptr, len, transports, None)
     }
-}
 
-#[cfg(feature = "cudarc-slice")]
-impl Context {
     /// Registers a cudarc [`CudaSlice`](cudarc::driver::CudaSlice) for `transports`, safely: the
     /// registration keeps the slice (and so its memory) alive until the last clone of the
     /// returned handle and every peer's use through it are gone. Work queued on the slice's
@@ -508,6 +505,7 @@ impl Context {
     ///
     /// # Errors
     /// As [`register_device`](Self::register_device); `Cuda` when the slice's stream fails.
+    #[cfg(feature = "cudarc-slice")]
     pub fn register_cuda_slice<T: 'static>(
         &self,
         slice: Arc<cudarc::driver::CudaSlice<T>>,

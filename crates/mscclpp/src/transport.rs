@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 /// variant here: an unset transport is `Option<Transport>::None`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum Transport {
     /// CUDA IPC: GPU memory of another process or GPU on the same host.
     CudaIpc = 1,
@@ -212,14 +213,30 @@ impl Not for TransportFlags {
 
 /// Where memory lives or which device a connection serves.
 ///
-/// C++ MSCCL++: `Device` (with `DeviceType`).
+/// C++ MSCCL++: `Device` (with `DeviceType`). `#[non_exhaustive]`: other device kinds may come.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Device {
     /// Host memory.
     #[default]
     Cpu,
     /// The CUDA device with this ordinal.
     Gpu(u32),
+}
+
+impl Device {
+    /// The CUDA ordinal of a GPU, `None` for host memory.
+    ///
+    /// ```
+    /// use mscclpp::Device;
+    /// assert_eq!((Device::Gpu(3).gpu_index(), Device::Cpu.gpu_index()), (Some(3), None));
+    /// ```
+    pub fn gpu_index(self) -> Option<u32> {
+        match self {
+            Device::Gpu(i) => Some(i),
+            Device::Cpu => None,
+        }
+    }
 }
 
 impl fmt::Display for Device {
@@ -233,8 +250,9 @@ impl fmt::Display for Device {
 
 /// How an IB connection signals semaphores.
 ///
-/// C++ MSCCL++: `EndpointConfig::Ib::Mode`.
+/// C++ MSCCL++: `EndpointConfig::Ib::Mode`. `#[non_exhaustive]`: other modes may come.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum IbMode {
     /// `MSCCLPP_IBV_MODE` decides; `Host` when it is unset.
     #[default]

@@ -150,10 +150,7 @@ struct Pair {
 fn pair(bs: Arc<dyn Bootstrap>, rank: usize, cfg: EndpointConfig, len: usize) -> Pair {
     let comm = Communicator::new(bs.clone());
     let peer = 1 - rank;
-    let dev = match cfg.device {
-        Device::Gpu(d) => d,
-        Device::Cpu => 0,
-    };
+    let dev = cfg.device.gpu_index().unwrap_or(0);
     let local = DeviceBuffer::new(comm.context(), dev, len, cfg.transport.into()).unwrap();
     local.fill(0, len, 0).unwrap();
     let pc = comm.connect(&cfg, peer, 0).unwrap();

@@ -180,8 +180,7 @@ fn header_compiles_with_nvrtc_and_assembles_with_ptxas() {
         Err(e) => return skip(test, e.message()),
     };
     println!("NVRTC {}.{} from {path}", version.0, version.1);
-    let opts =
-        CompileOptions { arch: Some("compute_90".into()), name: Some("device_api.cu".into()), ..Default::default() };
+    let opts = CompileOptions::default().arch("compute_90").name("device_api.cu");
     let ptx = compile(API_KERNELS, &opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
     assert_eq!(ptx.kernels(), ["fifo_api", "semaphore_api", "port_channel_api"]);

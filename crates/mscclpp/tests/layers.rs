@@ -1,4 +1,4 @@
-//! The module layers of `shared/DESIGN.md`, checked on the source: every `crate::` path in a
+//! The module layers of `docs/design.md`, checked on the source: every `crate::` path in a
 //! module of `src/` (comments aside, tests included) names a module of the same or a lower layer
 //! or vocabulary (error, transport, sync, env, identity: usable by every layer, platform
 //! included, and importing no platform module themselves), and modules above vocabulary form no
@@ -15,7 +15,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("resources", &["context", "memory", "buffer", "wire", "net"]),
     ("connections", &["conn"]),
     ("setup", &["bootstrap", "communicator", "launcher"]),
-    ("sync and device side", &["semaphore", "device", "fifo", "proxy", "channel"]),
+    ("sync and device side", &["semaphore", "device"]),
     // Public re-export modules and test entry points: nothing inside the crate may import them.
     ("public facades", &["gpu", "ib", "fuzzing", "bench"]),
 ];

@@ -206,7 +206,7 @@ fn memory_channel_code_compiles_with_nvrtc_and_assembles() {
         Err(e) => return skip(test, e.message()),
     };
     println!("NVRTC {}.{} from {path}", version.0, version.1);
-    let opts = CompileOptions { arch: Some("compute_90".into()), ..Default::default() };
+    let opts = CompileOptions::default().arch("compute_90");
     let api = compile(API_KERNELS, &opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(api.log().trim().is_empty(), "NVRTC warned:\n{}", api.log());
     assert_eq!(api.kernels(), ["d2d_semaphore_api", "base_memory_channel_api", "memory_channel_api", "packets_api"]);

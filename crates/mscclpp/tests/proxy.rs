@@ -49,7 +49,7 @@ fn side(r: &Rank, h: &Harness, len: usize, queue: Option<usize>) -> Side {
 }
 
 fn config() -> ProxyConfig {
-    ProxyConfig { idle_backoff: true, ..ProxyConfig::default() }
+    ProxyConfig::default().idle_backoff(true)
 }
 
 /// Waits (bounded) until the flush pushed at `pos` is published.
@@ -85,7 +85,7 @@ fn writes_signals_flushes(r: &Rank, h: &Harness) {
             let off = k as usize * CHUNK;
             src.write(off, &pattern(k, size_of(k))).unwrap();
         }
-        let mut proxy = ProxyService::host_backed(ProxyConfig { max_write_queue_size: Some(16), ..config() }).unwrap();
+        let mut proxy = ProxyService::host_backed(config().max_write_queue_size(Some(16))).unwrap();
         let sem = proxy.add_semaphore(s.proxy_sem.clone().unwrap()).unwrap();
         let dst = proxy.add_memory(s.remote.clone()).unwrap();
         let srcm = proxy.add_memory(src.memory().clone()).unwrap();
@@ -167,7 +167,7 @@ fn ib_fake_writes_signals_flushes() {
 /// never block, even past the ring size), the first error stays, and `stop` returns it.
 #[test]
 fn bad_trigger_is_the_recorded_error() {
-    let mut proxy = ProxyService::host_backed(ProxyConfig { fifo_size: 8, ..config() }).unwrap();
+    let mut proxy = ProxyService::host_backed(config().fifo_size(8)).unwrap();
     proxy.start().unwrap();
     let producer = proxy.fifo().host_producer().unwrap();
     producer.push(ProxyTrigger::signal(5).unwrap(), T).unwrap();

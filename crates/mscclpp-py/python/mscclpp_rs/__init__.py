@@ -8,21 +8,20 @@ into each other's memory and signal semaphores; kernels launched from Python use
 Two ranks moving a tensor (run on both, ``rank`` 0 and 1, the same ``uid`` bytes)::
 
     import mscclpp_rs as m
-    comm = m.Communicator(rank, 2, uid)
-    mem = comm.register(t, m.Transport.CUDA_IPC)   # or ETHERNET; t stays alive while registered
-    conn = comm.connect(1 - rank, m.Transport.CUDA_IPC)
-    peer_mem = comm.exchange(mem, [1 - rank])[1 - rank]
-    comm.barrier()                                 # t's contents are ready on both sides
-    if rank == 0:
-        conn.write(peer_mem, 0, mem, 0, mem.nbytes); conn.flush()
-    comm.barrier()                                 # rank 1's t now holds rank 0's bytes
+    with m.Communicator(rank, 2, uid) as comm:
+        mem = comm.register(t, m.Transport.CUDA_IPC)   # or ETHERNET; t stays alive while registered
+        conn = comm.connect(1 - rank, m.Transport.CUDA_IPC)
+        peer_mem = comm.exchange(mem, [1 - rank])[1 - rank]
+        comm.barrier()                                 # t's contents are ready on both sides
+        if rank == 0:
+            conn.write(peer_mem, 0, mem, 0, mem.nbytes); conn.flush()
+        comm.barrier()                                 # rank 1's t now holds rank 0's bytes
 
 Every call that waits releases the GIL. Errors are :class:`MscclppError` subclasses.
 """
 
 from __future__ import annotations
 
-import enum as _enum
 import os as _os
 import tempfile as _tempfile
 
@@ -55,11 +54,12 @@ from ._native import (
     Ptx,
     RegisteredMemory,
     UniqueId,
-    compile,
+    compile_kernel,
     handle_sizes,
     header_source,
     write_header,
 )
+from ._types import ErrorKind, Transport
 
 __version__: str = _native.__version__
 
@@ -72,6 +72,7 @@ __all__ = [
     "Connection",
     "CudaError",
     "DeviceHandles",
+    "ErrorKind",
     "Host2DeviceSemaphore",
     "Host2HostSemaphore",
     "IbError",
@@ -90,28 +91,13 @@ __all__ = [
     "SystemCallError",
     "Transport",
     "UniqueId",
-    "compile",
+    "compile_kernel",
     "handle_sizes",
     "header_path",
     "header_source",
     "include_dir",
     "write_header",
 ]
-
-
-class Transport(_enum.IntFlag):
-    """Transports, combinable with ``|`` (MSCCL++'s ``TransportFlags`` bits)."""
-
-    CUDA_IPC = 1 << 1
-    IB0 = 1 << 2
-    IB1 = 1 << 3
-    IB2 = 1 << 4
-    IB3 = 1 << 5
-    IB4 = 1 << 6
-    IB5 = 1 << 7
-    IB6 = 1 << 8
-    IB7 = 1 << 9
-    ETHERNET = 1 << 10
 
 
 _include_dir: str | None = None

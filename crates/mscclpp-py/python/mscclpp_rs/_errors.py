@@ -2,12 +2,15 @@
 
 Every error of the library is a :class:`MscclppError`; the subclass says the kind, and the
 message says the operation, the transport and the peer rank where there is one (also as the
-attributes ``kind``, ``operation``, ``transport`` and ``peer``). A timeout is also a built-in
+attributes ``kind``, an :class:`ErrorKind`; ``operation``; ``transport``, a :class:`Transport`;
+``peer``; and ``errno`` where an operating-system call failed). A timeout is also a built-in
 :class:`TimeoutError`, invalid usage also a :class:`ValueError`, a failed peer also a
-:class:`ConnectionError`.
+:class:`ConnectionError`, a failed system call also an :class:`OSError` (with its ``errno``).
 """
 
 from __future__ import annotations
+
+from ._types import ErrorKind, Transport
 
 __all__ = [
     "MscclppError",
@@ -26,10 +29,11 @@ __all__ = [
 class MscclppError(Exception):
     """Base class of every mscclpp_rs error."""
 
-    kind: str | None = None
+    kind: ErrorKind | None = None
     operation: str | None = None
     peer: int | None = None
-    transport: str | None = None
+    transport: Transport | None = None
+    errno: int | None = None
 
 
 class InvalidUsageError(MscclppError, ValueError):
@@ -45,7 +49,8 @@ class RemoteError(MscclppError, ConnectionError):
 
 
 class SystemCallError(MscclppError, OSError):
-    """An operating-system call failed."""
+    """An operating-system call failed; ``errno`` is its error number (``errno.ECONNREFUSED``...)
+    when the system gave one, else ``None``."""
 
 
 class CudaError(MscclppError):

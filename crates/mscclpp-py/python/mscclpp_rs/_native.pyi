@@ -6,6 +6,8 @@ from typing import Any, Sequence, Union
 
 from typing_extensions import Self
 
+from ._types import Transport
+
 __version__: str
 UNIQUE_ID_BYTES: int
 HEADER_NAME: str
@@ -26,8 +28,14 @@ class UniqueId:
     @property
     def root_addr(self) -> str:
         """``host:port`` of the root."""
+    def to_bytes(self) -> bytes:
+        """The 128 bytes every rank passes to ``Communicator`` (also ``bytes(uid)``)."""
+    @staticmethod
+    def from_bytes(data: bytes) -> UniqueId:
+        """The id of ``to_bytes()`` output; ``InvalidUsageError`` for anything else."""
     def __bytes__(self) -> bytes: ...
     def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
 
 class RegisteredMemory:
     """A registered tensor/array (local; keeps the object alive) or a peer's memory."""
@@ -40,21 +48,24 @@ class RegisteredMemory:
     @property
     def is_local(self) -> bool: ...
     @property
-    def transports(self) -> int:
-        """``Transport`` flag bits."""
+    def transports(self) -> Transport:
+        """The transports it is registered for."""
     @property
     def device(self) -> int | None:
         """GPU index, ``None`` for host memory."""
     @property
     def obj(self) -> Any | None:
         """The registered object (``None`` for a peer's memory)."""
-    def serialize(self) -> bytes: ...
+    def to_bytes(self) -> bytes:
+        """The description peers receive (what ``send_memory`` sends)."""
     @staticmethod
-    def deserialize(data: bytes) -> RegisteredMemory: ...
+    def from_bytes(data: bytes) -> RegisteredMemory:
+        """A peer's memory from ``to_bytes()`` output (bytes received by other means)."""
     def __len__(self) -> int: ...
 
 class Connection:
-    """A connection to one peer over one transport. Operations are asynchronous until ``flush``."""
+    """A connection to one peer over one transport. Operations are asynchronous until ``flush``.
+    A context manager: leaving ``with`` calls ``close()``."""
 
     def write(self, dst: RegisteredMemory, dst_offset: int, src: RegisteredMemory, src_offset: int, size: int) -> None:
         """Copies ``size`` bytes of local ``src`` into the peer's ``dst`` (``src`` unchanged until ``flush``)."""
@@ -72,9 +83,17 @@ class Connection:
     @property
     def outstanding(self) -> int: ...
     @property
-    def transport(self) -> str: ...
+    def transport(self) -> Transport:
+        """The transport, as passed to ``connect``."""
     @property
     def peer(self) -> int | None: ...
+    def close(self) -> None:
+        """Waits (at most 5 s) for unflushed writes, then lets the connection go; later operations
+        raise ``AbortedError``. Closing twice is harmless."""
+    @property
+    def closed(self) -> bool: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> bool: ...
 
 class Host2HostSemaphore:
     """A semaphore host threads signal and wait on (Ethernet, IB)."""
@@ -100,6 +119,7 @@ class Host2DeviceSemaphore:
 
 class Communicator:
     """The ranks of a job: registration, exchange, connections, semaphores, barrier.
+    A context manager: leaving ``with`` calls ``close()``.
 
     Every ``timeout`` of this module is in seconds: ``0`` answers at once (``MscclppTimeoutError``
     when the answer is not already there), ``float('inf')`` means no limit (so does a value too
@@ -150,9 +170,16 @@ class Communicator:
     def host_semaphore(self, connection: Connection, tag: int = 0) -> Host2HostSemaphore: ...
     def memory_semaphore(self, connection: Connection, tag: int = 0) -> MemoryDevice2DeviceSemaphore:
         """A device-to-device semaphore over a CUDA IPC connection (for MemoryChannels)."""
-    def pack_memory_channels(self, channels: Sequence[MemoryChannel], device: int = 0) -> DeviceHandles:
+    def pack_handles(self, channels: Sequence[MemoryChannel], device: int = 0) -> DeviceHandles:
         """MemoryChannel handles (48 B each) packed into device memory at a stable address."""
     def device_semaphore(self, connection: Connection, tag: int = 0) -> Host2DeviceSemaphore: ...
+    def close(self) -> None:
+        """Leaves the job (the bootstrap closes once what was made through it is done with it);
+        later calls raise ``AbortedError``. Closing twice is harmless."""
+    @property
+    def closed(self) -> bool: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> bool: ...
 
 class MemoryDevice2DeviceSemaphore:
     """Signalled and waited on by kernels on both GPUs (CUDA IPC); MemoryChannels share it."""
@@ -194,7 +221,7 @@ class PortChannel:
     def src(self) -> int: ...
 
 class DeviceHandles:
-    """PortChannel handles packed in device memory (``__cuda_array_interface__``: uint8)."""
+    """Channel handles packed in device memory by ``pack_handles`` (``__cuda_array_interface__``: uint8)."""
 
     @property
     def ptr(self) -> int: ...
@@ -229,7 +256,7 @@ class ProxyService:
     def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> bool: ...
 
 class Ptx:
-    """PTX compiled by ``compile``."""
+    """PTX compiled by ``compile_kernel``."""
 
     @property
     def ptx(self) -> str: ...
@@ -249,7 +276,7 @@ def write_header(dir: str | PathLike[str]) -> Path:
 def handle_sizes() -> dict[str, int]:
     """Sizes of the device handles by C++ name."""
 
-def compile(
+def compile_kernel(
     source: str,
     arch: str | None = None,
     device: int | None = None,
@@ -257,14 +284,3 @@ def compile(
     name: str | None = None,
 ) -> Ptx:
     """NVRTC compile (GIL released); ``#include "mscclpp_rs/device.cuh"`` works without ``-I``."""
-
-def _time_rust_writes(
-    conn: Connection,
-    dst: RegisteredMemory,
-    dst_offset: int,
-    src: RegisteredMemory,
-    src_offset: int,
-    size: int,
-    iters: int,
-    flush_every: int,
-) -> float: ...

@@ -87,7 +87,7 @@ typedef u64 TriggerType;
 constexpr TriggerType TriggerData = 0x1;  // a put
 constexpr TriggerType TriggerFlag = 0x2;  // a signal
 constexpr TriggerType TriggerSync = 0x4;  // a flush
-constexpr TriggerType TriggerAtomicAdd = 0x0;  // feature/ep: operand in fst
+constexpr TriggerType TriggerAtomicAdd = 0x0;  // an atomicAdd: operand in fst
 
 constexpr unsigned int TriggerBitsSize = 32;
 constexpr unsigned int TriggerBitsOffset = 32;
@@ -135,7 +135,7 @@ union alignas(16) ProxyTrigger {
           (dstOffset & m32);
   }
 
-  /// The feature/ep atomicAdd trigger: type 0, `value` in fst. Host-callable.
+  /// The atomicAdd trigger: type 0, `value` in fst. Host-callable.
   static MSCCLPP_RS_HOST_DEVICE ProxyTrigger atomicAdd(u32 dstId, u64 dstOffset, i64 value, u32 semaphoreId) {
     ProxyTrigger t(TriggerAtomicAdd, dstId, dstOffset, 0, 0, 0, semaphoreId);
     t.fst = (u64)value;
@@ -209,15 +209,13 @@ MSCCLPP_RS_DEVICE bool expired(u64 start, u64 timeout_ns) { return globaltimer()
 #endif  // MSCCLPP_RS_DEVICE_COMPILE
 
 // How `push` waits for a free slot (see `FifoDeviceHandle::wait_popped`); a kernel may define
-// them before the include. Measured on an H200 (one proxy, no-op triggers, 2026-12-03): with
-// these defaults 8-10 M triggers/s from 2048 producers, 7.7-7.9 from 16384, 6.9 from 65536 and
-// 4.9-6.0 from 131072, where MSCCL++'s push (every waiter polls `tail`) gives 1.7 / 0.28 at 2048
-// / 16384. The sleep cap matters with many waiters: at 16 us (the earlier default) 65536
-// producers got 0.14 M/s and 131072 0.09, because every far-back waiter woke every 16 us to
-// read `tailCache`, and the 4 G loads/s of that one line starved the pushes and the leaders'
-// updates; 1 ms (the longest `nanosleep`) lets each waiter sleep about as long as the slots ahead
-// of it take. The sleep is never longer than `ahead * kSleepPerSlot` (64 ns per slot, faster
-// than any proxy pops), so a waiter does not oversleep its turn.
+// them before the include. Only the waiters within LEAD slots of `tailCache` poll the host's
+// `tail`; the others sleep about NS_PER_SLOT ns per slot ahead of them, at most MAX_NS. Keep
+// NS_PER_SLOT below the time the proxy takes per pop, so that a waiter does not oversleep its
+// turn, and MAX_NS long when many producers wait (tens of thousands): with a short cap every
+// far-back waiter wakes often to read `tailCache`, and those loads of one line starve the pushes
+// and the leaders' updates. The defaults keep throughput flat from a few thousand producers to
+// over a hundred thousand; docs/performance.md has the measured figures.
 #ifndef MSCCLPP_RS_FIFO_WAIT_LEAD
 #define MSCCLPP_RS_FIFO_WAIT_LEAD 8
 #endif
@@ -309,8 +307,8 @@ struct FifoDeviceHandle {
  private:
   /// `push`'s wait for a free slot: until the proxy has popped position `p` (traps after
   /// `maxSpinCount` rounds). With thousands of producers on a full ring, each polling `tail`
-  /// across PCIe would flood the link and the proxy's cache line (MSCCL++ does that: 0.5 M
-  /// triggers/s at 16384 producers on an H200). Here waiters read `tailCache` in device memory;
+  /// across PCIe would flood the link and the proxy's cache line (MSCCL++ does that; see
+  /// docs/performance.md for what it costs). Here waiters read `tailCache` in device memory;
   /// only the next ones in line (within `kLead` slots of it), or a waiter that saw it stand still
   /// over a whole sleep, read `tail` and raise `tailCache` (release, so readers of the cache
   /// acquire the proxy's pop). Others sleep about `kSleepPerSlot` ns per slot ahead of them, at
@@ -534,7 +532,7 @@ struct BasePortChannelDeviceHandle {
     }
     return done != ~0ull;
   }
-  /// feature/ep: asks the proxy to add `value` to the 64-bit word at `dstOffset` of memory `dstId`.
+  /// Asks the proxy to add `value` to the 64-bit word at `dstOffset` of memory `dstId`.
   MSCCLPP_RS_DEVICE void atomicAdd(MemoryId dstId, u64 dstOffset, i64 value) {
     fifo_.push(ProxyTrigger::atomicAdd(dstId, dstOffset, value, semaphoreId_));
   }
@@ -584,7 +582,7 @@ struct PortChannelDeviceHandle : public BasePortChannelDeviceHandle {
   }
   /// `putWithSignalAndFlush` with one offset for both sides.
   MSCCLPP_RS_DEVICE void putWithSignalAndFlush(u64 offset, u64 size) { putWithSignalAndFlush(offset, offset, size); }
-  /// feature/ep: adds `value` to the 64-bit word at `dstOffset` of `dst_` (through the proxy).
+  /// Adds `value` to the 64-bit word at `dstOffset` of `dst_` (through the proxy).
   MSCCLPP_RS_DEVICE void atomicAdd(u64 dstOffset, i64 value) {
     BasePortChannelDeviceHandle::atomicAdd(dst_, dstOffset, value);
   }
@@ -747,8 +745,7 @@ struct CopyElem<16> {
 /// Threads `tid` of `nthreads` copy elements `tid, tid + nthreads, ...` of `n`, one load then its
 /// store per step. Kept this small on purpose (13 registers on sm_90): a copy with four loads in
 /// flight per thread used 40 registers, which cost occupancy in grids that give each thread one
-/// to four elements and gained nothing in persistent grids (both 0.86 of cuMemcpyDtoDAsync at
-/// 256 MiB on an H200, docs/design-notes.md).
+/// to four elements and gained nothing in persistent grids (docs/performance.md).
 template <typename T>
 MSCCLPP_RS_DEVICE void copy_elems(T* dst, const T* src, u64 n, u32 tid, u32 nthreads) {
   for (u64 i = tid; i < n; i += nthreads) dst[i] = src[i];
@@ -879,16 +876,15 @@ struct BaseMemoryChannelDeviceHandle {
 /// A copy is not ordered with the peer: `signal()` after it (from one thread, after a
 /// `__syncthreads()` or a grid-wide barrier covering every copying thread) publishes it.
 /// Speed: each thread loads then stores one element per step. Where HBM is the limit (both ends
-/// on one GPU), the fastest grid is flat with at least 16 KiB per block: 1024-thread blocks with
-/// two 16-byte elements per thread (`blocks = bytes / 32 KiB`) copy at 0.97 / 0.99 / 1.00 of
-/// `cuMemcpyDtoDAsync` at 64 MiB / 256 MiB / 1 GiB on an H200, 512 x 2 at 0.97-0.98. Blocks of
-/// 8 KiB or less (256 x 2, 512 x 1) stop at 0.80: the GPU starts only ~210 blocks per
-/// microsecond, and such grids need more. A persistent grid (528 x 512, many elements per
-/// thread) reaches 0.91-0.94. Those figures are for launches whose parameters differ (a round
-/// number, a flag); the same copy launched back to back with identical parameters ran at 0.80 at
-/// 64-256 MiB (docs/design-notes.md). In flat grids pass the handle by value (a kernel
-/// parameter): through the device-memory copy (`device_handle_ptr`, stable for CUDA graphs)
-/// every short-lived thread first waits for a load of the handle.
+/// on one GPU), use a flat grid with at least 16 KiB per block, such as 1024-thread blocks with
+/// two 16-byte elements per thread (`blocks = bytes / 32 KiB`): from 64 MiB up it comes close to
+/// `cuMemcpyDtoDAsync`. With 8 KiB per block or less the rate at which the GPU starts blocks
+/// limits the copy; a persistent grid (many elements per thread) comes a little below the flat
+/// one; and the same copy launched back to back with identical parameters runs slower than
+/// launches whose parameters differ (a round number, a flag). Figures: docs/performance.md.
+/// In flat grids pass the handle by value (a kernel parameter): through the device-memory copy
+/// (`device_handle_ptr`, stable for CUDA graphs) every short-lived thread first waits for a load
+/// of the handle.
 struct MemoryChannelDeviceHandle : public BaseMemoryChannelDeviceHandle {
   void* dst_;
   void* src_;
@@ -998,7 +994,7 @@ struct MemoryChannelDeviceHandle : public BaseMemoryChannelDeviceHandle {
 
 static_assert(sizeof(ProxyTrigger) == 16 && alignof(ProxyTrigger) == 16, "ProxyTrigger layout");
 static_assert(sizeof(FifoDeviceHandle) == 56, "FifoDeviceHandle layout");
-// NVRTC 13.0 (the H200 machine) rejects __builtin_offsetof here; the host-compiler test checks them.
+// NVRTC 13.0 rejects __builtin_offsetof here; the host-compiler test checks them.
 #ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(FifoDeviceHandle, tail) == 16, "FifoDeviceHandle.tail");
 static_assert(__builtin_offsetof(FifoDeviceHandle, size) == 32, "FifoDeviceHandle.size");

@@ -444,7 +444,7 @@ impl Bootstrap for TcpBootstrap {
     /// When a subtree holds more than 1 MiB, an overflow marker goes up
     /// and down instead and the ranks pass their pieces around the ring (next and previous
     /// rank, n-1 hops), which moves large data without the tree's store-and-forward. Measured in
-    /// docs/design-notes.md.
+    /// docs/history.md.
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.tcp_all_gather(data)
     }

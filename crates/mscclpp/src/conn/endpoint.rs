@@ -237,64 +237,57 @@ impl crate::wire::WireForm for Endpoint {
     }
 }
 
-impl Context {
-    /// Creates an endpoint for `config`: for Ethernet, a socket listening on the configured (or
-    /// chosen) interface.
-    ///
-    /// # Errors
-    /// `NotAvailable` for a transport this build does not have yet; `InvalidUsage` for a bad
-    /// interface; `System` when the socket cannot be opened.
-    pub fn create_endpoint(&self, config: &EndpointConfig) -> Result<Endpoint> {
-        let op = format!("creating a {} endpoint", config.transport);
-        let mut ib_qp = None;
-        let (kind, queue) = match config.transport {
-            Transport::Ethernet => {
-                let ip = match &config.ethernet.interface {
-                    Some(spec) => crate::net::resolve_interface(spec)?,
-                    None => crate::net::find_interfaces()?[0].addr,
-                };
-                let listener = TcpListener::bind((ip, config.ethernet.port))
-                    .map_err(|e| Error::io(format!("binding {ip}:{}", config.ethernet.port), e))?;
-                let addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
-                let mut secret = [0u8; 16];
-                crate::identity::os_random(&mut secret)?;
-                let queue = write_queue_size(config, DEFAULT_ETHERNET_QUEUE).map_err(|e| e.during(op.clone()))?;
-                let acceptor = crate::conn::ethernet::Acceptor::start(listener, secret, self.inner().id)?;
-                (EndpointKind::Ethernet { addr, secret }, (queue, Some(Arc::new(acceptor))))
-            }
-            Transport::CudaIpc => {
-                let Device::Gpu(d) = config.device else {
-                    return Err(Error::invalid_usage("a CUDA IPC endpoint needs a GPU device (Device::Gpu)").during(op));
-                };
-                crate::platform::cuda::device(d).map_err(|e| e.during(op.clone()))?;
-                let pid = std::process::id();
-                let start_time = crate::platform::pidfd::start_time(pid).unwrap_or(0);
-                let kind = EndpointKind::CudaIpc { pid, start_time };
-                (kind, (config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE), None))
-            }
-            t => {
-                let (kind, qp, queue) = create_ib(self, config, t).map_err(|e| e.during(op.clone()))?;
-                ib_qp = Some(qp);
-                (kind, (queue, None))
-            }
-        };
-        let (queue, acceptor) = queue;
-        let desc = EndpointDesc {
-            transport: config.transport,
-            device: config.device,
-            host_hash: crate::identity::host_hash(),
-            process_hash: crate::identity::process_hash(),
-            max_write_queue_size: queue as u32,
-            kind,
-        };
-        let local = LocalEndpoint {
-            context: self.clone(),
-            config: config.clone(),
-            acceptor: Mutex::new(acceptor),
-            ib_qp: Mutex::new(ib_qp),
-        };
-        Ok(Endpoint { inner: Arc::new(EndpointInner { desc, local: Some(local) }) })
-    }
+/// [`Context::create_endpoint`](crate::Context::create_endpoint)'s body.
+pub(crate) fn create_endpoint(ctx: &Context, config: &EndpointConfig) -> Result<Endpoint> {
+    let op = format!("creating a {} endpoint", config.transport);
+    let mut ib_qp = None;
+    let (kind, queue) = match config.transport {
+        Transport::Ethernet => {
+            let ip = match &config.ethernet.interface {
+                Some(spec) => crate::net::resolve_interface(spec)?,
+                None => crate::net::find_interfaces()?[0].addr,
+            };
+            let listener = TcpListener::bind((ip, config.ethernet.port))
+                .map_err(|e| Error::io(format!("binding {ip}:{}", config.ethernet.port), e))?;
+            let addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
+            let mut secret = [0u8; 16];
+            crate::identity::os_random(&mut secret)?;
+            let queue = write_queue_size(config, DEFAULT_ETHERNET_QUEUE).map_err(|e| e.during(op.clone()))?;
+            let acceptor = crate::conn::ethernet::Acceptor::start(listener, secret, ctx.inner().id)?;
+            (EndpointKind::Ethernet { addr, secret }, (queue, Some(Arc::new(acceptor))))
+        }
+        Transport::CudaIpc => {
+            let Device::Gpu(d) = config.device else {
+                return Err(Error::invalid_usage("a CUDA IPC endpoint needs a GPU device (Device::Gpu)").during(op));
+            };
+            crate::platform::cuda::device(d).map_err(|e| e.during(op.clone()))?;
+            let pid = std::process::id();
+            let start_time = crate::platform::pidfd::start_time(pid).unwrap_or(0);
+            let kind = EndpointKind::CudaIpc { pid, start_time };
+            (kind, (config.max_write_queue_size.unwrap_or(DEFAULT_ETHERNET_QUEUE), None))
+        }
+        t => {
+            let (kind, qp, queue) = create_ib(ctx, config, t).map_err(|e| e.during(op.clone()))?;
+            ib_qp = Some(qp);
+            (kind, (queue, None))
+        }
+    };
+    let (queue, acceptor) = queue;
+    let desc = EndpointDesc {
+        transport: config.transport,
+        device: config.device,
+        host_hash: crate::identity::host_hash(),
+        process_hash: crate::identity::process_hash(),
+        max_write_queue_size: queue as u32,
+        kind,
+    };
+    let local = LocalEndpoint {
+        context: ctx.clone(),
+        config: config.clone(),
+        acceptor: Mutex::new(acceptor),
+        ib_qp: Mutex::new(ib_qp),
+    };
+    Ok(Endpoint { inner: Arc::new(EndpointInner { desc, local: Some(local) }) })
 }
 
 /// The configured write-queue bound, or `default`; it must fit the serialized form (1..2^32).

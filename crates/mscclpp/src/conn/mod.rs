@@ -329,7 +329,19 @@ impl Connection {
     }
 }
 
+/// Endpoints and connections: `Context`'s methods of the connection layer (defined here because
+/// `context` sits below `conn` in the layers).
 impl Context {
+    /// Creates an endpoint for `config`: for Ethernet, a socket listening on the configured (or
+    /// chosen) interface; for CUDA IPC, the owner's identity; for IB, a queue pair.
+    ///
+    /// # Errors
+    /// `NotAvailable` for a transport this build does not have yet; `InvalidUsage` for a bad
+    /// interface; `System` when the socket cannot be opened.
+    pub fn create_endpoint(&self, config: &crate::transport::EndpointConfig) -> Result<Endpoint> {
+        endpoint::create_endpoint(self, config)
+    }
+
     /// Connects a local endpoint with a peer's (received) endpoint.
     ///
     /// The peer must make the matching call (with the two endpoints swapped) within the

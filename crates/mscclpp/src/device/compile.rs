@@ -28,7 +28,19 @@ pub use crate::platform::cuda::module::Kernel;
 pub const DEFAULT_ARCH: &str = "compute_90";
 
 /// How to compile.
+///
+/// Start from [`Default`] or [`for_device`](Self::for_device) and change what you need, with the
+/// setters or the fields (the struct is `#[non_exhaustive]`: later versions may add options
+/// without breaking your code).
+///
+/// ```
+/// use mscclpp::device::compile::CompileOptions;
+/// let o = CompileOptions::default().arch("compute_80").flag("-lineinfo").name("mine.cu");
+/// assert_eq!(o.resolved_arch(), "compute_80");
+/// assert_eq!((o.flags.as_slice(), o.name.as_deref()), (&["-lineinfo".to_string()][..], Some("mine.cu")));
+/// ```
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct CompileOptions {
     /// Virtual architecture (`compute_90`); `None`: the compute capability of
     /// [`device`](Self::device) if set and present, else [`DEFAULT_ARCH`].
@@ -45,6 +57,30 @@ impl CompileOptions {
     /// Options for GPU `device`'s architecture.
     pub fn for_device(device: u32) -> CompileOptions {
         CompileOptions { device: Some(device), ..CompileOptions::default() }
+    }
+
+    /// Sets [`arch`](Self::arch) (`compute_90`).
+    pub fn arch(mut self, arch: impl Into<String>) -> Self {
+        self.arch = Some(arch.into());
+        self
+    }
+
+    /// Sets [`device`](Self::device).
+    pub fn device(mut self, device: u32) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// Appends one NVRTC option to [`flags`](Self::flags).
+    pub fn flag(mut self, flag: impl Into<String>) -> Self {
+        self.flags.push(flag.into());
+        self
+    }
+
+    /// Sets [`name`](Self::name).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
     }
 
     /// The architecture these options select.

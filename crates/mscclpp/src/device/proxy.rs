@@ -103,7 +103,17 @@ pub struct MemoryId(pub u32);
 pub struct SemaphoreId(pub u32);
 
 /// How a [`ProxyService`] runs.
+///
+/// Start from [`Default`] and change what you need, with the setters or the fields (the struct is
+/// `#[non_exhaustive]`: later versions may add settings without breaking your code).
+///
+/// ```
+/// use mscclpp::device::ProxyConfig;
+/// let cfg = ProxyConfig::default().fifo_size(64).idle_backoff(true);
+/// assert_eq!((cfg.fifo_size, cfg.max_write_queue_size, cfg.idle_backoff), (64, None, true));
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ProxyConfig {
     /// FIFO slots, a power of two (default 512, as MSCCL++).
     pub fifo_size: u32,
@@ -118,6 +128,24 @@ pub struct ProxyConfig {
 impl Default for ProxyConfig {
     fn default() -> Self {
         ProxyConfig { fifo_size: DEFAULT_FIFO_SIZE, max_write_queue_size: None, idle_backoff: false }
+    }
+}
+
+impl ProxyConfig {
+    /// Sets [`fifo_size`](Self::fifo_size).
+    pub fn fifo_size(mut self, slots: u32) -> Self {
+        self.fifo_size = slots;
+        self
+    }
+    /// Sets [`max_write_queue_size`](Self::max_write_queue_size).
+    pub fn max_write_queue_size(mut self, ops: Option<usize>) -> Self {
+        self.max_write_queue_size = ops;
+        self
+    }
+    /// Sets [`idle_backoff`](Self::idle_backoff).
+    pub fn idle_backoff(mut self, on: bool) -> Self {
+        self.idle_backoff = on;
+        self
     }
 }
 

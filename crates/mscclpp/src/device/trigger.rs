@@ -3,8 +3,8 @@
 //! Bit fields are MSCCL++'s (`fst`: size 0..31, srcOffset 32..63; `snd`: dstOffset 0..31,
 //! srcMemoryId 32..40, dstMemoryId 41..49, type 50..52, semaphoreId 53..62, bit 63 the FIFO's
 //! commit bit). Types follow MSCCL++ HEAD's OR-able flags ([`TRIGGER_DATA`] 1 = put,
-//! [`TRIGGER_FLAG`] 2 = signal, [`TRIGGER_SYNC`] 4 = flush) plus `feature/ep`'s type 0 =
-//! atomicAdd with the signed 64-bit operand in `fst`.
+//! [`TRIGGER_FLAG`] 2 = signal, [`TRIGGER_SYNC`] 4 = flush) plus type 0 = atomicAdd with the
+//! signed 64-bit operand in `fst`.
 //!
 //! [`decode`] accepts every type 0..=7 (5 = put then flush, 6 = signal then flush are legal
 //! OR-ings) and refuses, with an `InvalidUsage` error the proxy records, what no encoder produces:
@@ -59,8 +59,10 @@ pub struct Put {
     pub size: u32,
 }
 
-/// A decoded trigger: what the proxy must do.
+/// A decoded trigger: what the proxy must do. `#[non_exhaustive]`: new trigger types add
+/// variants, so a `match` needs a `_` arm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Request {
     /// Flag types: in this order, an optional put, a signal, a flush, on semaphore `sem_id`'s connection.
     Ops {
@@ -309,7 +311,7 @@ mod tests {
             assert_eq!(decode(t).unwrap(), want, "type {ty}");
             assert_eq!(decode(ProxyTrigger { snd: t.snd | COMMIT_BIT, ..t }).unwrap(), want, "type {ty}");
         }
-        // The all-zero trigger is an atomicAdd of 0 (feature/ep); legal.
+        // The all-zero trigger is an atomicAdd of 0; legal.
         assert_eq!(
             decode(ProxyTrigger::default()).unwrap(),
             Request::AtomicAdd { sem_id: 0, dst_mem: 0, dst_off: 0, value: 0 }

@@ -56,8 +56,8 @@ def main(comm: m.Communicator, args) -> None:
     remote = comm.exchange(mem, [peer])[peer]
     sem = comm.memory_semaphore(conn)
     ch = m.MemoryChannel(sem, remote, mem)
-    handles = comm.pack_memory_channels([ch], device=dev)
-    ptx = m.compile(KERNELS, device=dev)
+    handles = comm.pack_handles([ch], device=dev)
+    ptx = m.compile_kernel(KERNELS, device=dev)
     path = os.path.join(tempfile.mkdtemp(prefix="mscclpp_rs-"), "memchan.ptx")
     with open(path, "w") as f:
         f.write(ptx.ptx)

@@ -6,7 +6,7 @@
 Each of two ranks registers a CuPy source and destination, builds a device semaphore and a
 PortChannel on its ProxyService, packs the channel's handle into device memory, and launches a
 kernel that ``putWithSignal``s its source into the peer's destination, ``flush_for``s it, and
-``wait_for``s the peer's signal. The kernel is compiled by ``mscclpp_rs.compile`` (NVRTC, the
+``wait_for``s the peer's signal. The kernel is compiled by ``mscclpp_rs.compile_kernel`` (NVRTC, the
 header built in) and loaded with CuPy, or (``--compiler cupy``) compiled by CuPy with
 ``-I mscclpp_rs.include_dir()``. Each rank checks the received bytes against the peer's pattern.
 """
@@ -46,11 +46,11 @@ def load_kernel(cp, compiler: str, device: int):
     if compiler == "cupy":
         mod = cp.RawModule(code=KERNEL, options=("-I" + m.include_dir(), "--std=c++17"), backend="nvrtc")
         return mod.get_function("put_flush_wait"), "CuPy NVRTC"
-    ptx = m.compile(KERNEL, device=device)
+    ptx = m.compile_kernel(KERNEL, device=device)
     path = os.path.join(tempfile.mkdtemp(prefix="mscclpp_rs-"), "kernel.ptx")
     with open(path, "w") as f:
         f.write(ptx.ptx)
-    return cp.RawModule(path=path).get_function("put_flush_wait"), f"mscclpp_rs.compile ({ptx.arch})"
+    return cp.RawModule(path=path).get_function("put_flush_wait"), f"mscclpp_rs.compile_kernel ({ptx.arch})"
 
 
 def main(comm: m.Communicator, args) -> None:

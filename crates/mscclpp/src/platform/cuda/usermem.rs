@@ -365,6 +365,38 @@ pub(crate) fn vmm_open(info: &VmmInfo, dev: &Arc<GpuDevice>) -> Result<Arc<VmmMa
     Ok(m)
 }
 
+/// The GPU holding `[ptr, ptr + len)`, checked with three driver queries (memory type, device,
+/// allocation range): the light check a collective makes of every buffer it is handed.
+///
+/// # Errors
+/// `NotAvailable` without a driver; `InvalidUsage` (naming `what`) for a pointer the driver does
+/// not know, host memory, or a range that runs past its allocation.
+pub fn check_device_range(ptr: u64, len: u64, what: &str) -> Result<u32> {
+    use sys::CUpointer_attribute as A;
+    init()?;
+    if cudarc::driver::result::ctx::get_current().ok().flatten().is_none() {
+        device(0)?.bind()?;
+    }
+    let mt = attr(A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr).map_err(|r| {
+        Error::invalid_usage(format!(
+            "{what} {ptr:#x} is not device memory the CUDA driver knows in this process ({r:?})"
+        ))
+    })?;
+    if mt != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64 {
+        return Err(Error::invalid_usage(format!("{what} {ptr:#x} is host memory, not device memory")));
+    }
+    let ordinal = attr(A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+        .map_err(|r| Error::new(ErrorKind::Cuda, format!("cuPointerGetAttribute(DEVICE_ORDINAL) of {ptr:#x}: {r:?}")))?
+        as u32;
+    let (base, size) = address_range(ptr)?;
+    if ptr.checked_add(len).is_none_or(|e| e > base + size) {
+        return Err(Error::invalid_usage(format!(
+            "{what} [{ptr:#x}, +{len}) runs past the end of its allocation [{base:#x}, +{size}) on GPU{ordinal}"
+        )));
+    }
+    Ok(ordinal)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,34 +421,4 @@ mod tests {
         assert!(p(AllocKind::Managed).ipc_refusal().unwrap().contains("managed"));
         assert!(p(AllocKind::Vmm { posix_fd: false }).ipc_refusal().unwrap().contains("POSIX_FILE_DESCRIPTOR"));
     }
-}
-
-/// The GPU holding `[ptr, ptr + len)`, checked with three driver queries (memory type, device,
-/// allocation range): the light check a collective makes of every buffer it is handed.
-///
-/// # Errors
-/// `NotAvailable` without a driver; `InvalidUsage` (naming `what`) for a pointer the driver does
-/// not know, host memory, or a range that runs past its allocation.
-pub fn check_device_range(ptr: u64, len: u64, what: &str) -> Result<u32> {
-    use sys::CUpointer_attribute as A;
-    init()?;
-    if cudarc::driver::result::ctx::get_current().ok().flatten().is_none() {
-        device(0)?.bind()?;
-    }
-    let mt = attr(A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr).map_err(|r| {
-        Error::invalid_usage(format!("{what} {ptr:#x} is not device memory the CUDA driver knows in this process ({r:?})"))
-    })?;
-    if mt != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64 {
-        return Err(Error::invalid_usage(format!("{what} {ptr:#x} is host memory, not device memory")));
-    }
-    let ordinal = attr(A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
-        .map_err(|r| Error::new(ErrorKind::Cuda, format!("cuPointerGetAttribute(DEVICE_ORDINAL) of {ptr:#x}: {r:?}")))?
-        as u32;
-    let (base, size) = address_range(ptr)?;
-    if ptr.checked_add(len).is_none_or(|e| e > base + size) {
-        return Err(Error::invalid_usage(format!(
-            "{what} [{ptr:#x}, +{len}) runs past the end of its allocation [{base:#x}, +{size}) on GPU{ordinal}"
-        )));
-    }
-    Ok(ordinal)
 }

@@ -37,8 +37,9 @@ const IBV_WC_REM_INV_REQ_ERR: c_uint = 9;
 const IBV_WC_WITH_IMM: c_uint = 1 << 1;
 const MTU_1024: c_uint = 3;
 
-/// Counters a test can check.
+/// Counters a test can check (`#[non_exhaustive]`: more counters may come).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FakeStats {
     /// Completions that found their CQ full (a transport bug).
     pub cq_overflows: u64,
