@@ -514,8 +514,19 @@ __device__ __forceinline__ void block_copy(char* dst, const char* src, u64 n) {
   if (dst == src || n == 0) return;
   u64 i = threadIdx.x;
   if ((((u64)dst | (u64)src) & 15) == 0) {
-    for (; i < n / 16; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)src)[i];
-    i = n / 16 * 8 + threadIdx.x;
+    // Four 16-byte loads in flight per thread, then their stores.
+    const uint4* s4 = (const uint4*)src;
+    uint4* d4 = (uint4*)dst;
+    const u64 n16 = n / 16, step = blockDim.x;
+    for (; i + 3 * step < n16; i += 4 * step) {
+      uint4 a0 = s4[i], a1 = s4[i + step], a2 = s4[i + 2 * step], a3 = s4[i + 3 * step];
+      d4[i] = a0;
+      d4[i + step] = a1;
+      d4[i + 2 * step] = a2;
+      d4[i + 3 * step] = a3;
+    }
+    for (; i < n16; i += step) d4[i] = s4[i];
+    i = n16 * 8 + threadIdx.x;
   }
   for (; i < n / 2; i += blockDim.x) ((unsigned short*)dst)[i] = ((const unsigned short*)src)[i];
 }
@@ -583,9 +594,15 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
 
 #define MAX_RANKS_SIMPLE 64
 
-// AllReduce for large messages: per round, copy the input to my scratch; reduce my chunk from
-// every rank's scratch (into my output and my scratch's result area); copy every other chunk's
-// result from its owner.
+// AllReduce for large messages, per round of the message: (0) every rank writes chunk p of its
+// input into rank p's scratch (slot = the writer); (1) rank r reduces chunk r from its own input
+// and those slots, into its output and into every peer's result area (slot r); (2) every rank
+// copies the other chunks' results from its own result area. Each byte crosses to a peer once
+// each way and nothing is staged locally (4 bytes moved per byte of the buffer at 2 ranks).
+// Barriers: before (1) the slots are full; before (2) the results have arrived. A round's (0)
+// overwrites slots only after the peer passed the previous round's second barrier (its (1)
+// read them), and (1) overwrites results only after the peer passed this round's first barrier
+// (its (2) of the previous round is done).
 template <typename D>
 __device__ void allreduce_simple(const CollArgs& a) {
   u64 deadline;
@@ -598,36 +615,39 @@ __device__ void allreduce_simple(const CollArgs& a) {
   bool first = true;
   for (u64 base = 0; base < a.nbytes; base += round_bytes) {
     const u64 rb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
-    const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // chunk bytes
-    // Phase 0: my input -> my scratch IN area (slice b of every chunk).
-    char* my_in = scratch_of(a, r) + a.simple_off;
-    for (u32 c = 0; c < R; c++) {
-      u64 c_lo = c * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
-      slice_of(c_len, b, B, lo, hi);
-      block_copy(my_in + c_lo + lo, in + base + c_lo + lo, hi - lo);
-    }
-    if (!block_barrier(a, deadline, first)) return;
-    first = false;
-    // Phase 1: reduce chunk r, slice b.
-    {
-      u64 c_lo = r * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
-      slice_of(c_len, b, B, lo, hi);
-      if (threadIdx.x < R) {
-        u32 q = (r + threadIdx.x) % R;
-        srcs[threadIdx.x] = scratch_of(a, q) + a.simple_off + c_lo + lo;
-      }
-      __syncthreads();
-      char* res_area = scratch_of(a, r) + a.simple_off + round_bytes + c_lo + lo;
-      block_reduce<D>(out + base + c_lo + lo, res_area, srcs, R, hi - lo, a);
-      __syncthreads();
-    }
-    if (!block_barrier(a, deadline, false)) return;
-    // Phase 2: every other chunk from its owner's result area.
+    const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // chunk bytes (slot size)
+    // (0) chunk p of my input -> rank p's slot r.
     for (u32 k = 1; k < R; k++) {
       u32 p = (r + k) % R;
       u64 c_lo = p * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
       slice_of(c_len, b, B, lo, hi);
-      block_copy(out + base + c_lo + lo, scratch_of(a, p) + a.simple_off + round_bytes + c_lo + lo, hi - lo);
+      block_copy(scratch_of(a, p) + a.simple_off + r * cb + lo, in + base + c_lo + lo, hi - lo);
+    }
+    if (!block_barrier(a, deadline, first)) return;
+    first = false;
+    // (1) reduce chunk r (slice b): mine from the input, the others from my slots.
+    u64 c_lo = r * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
+    slice_of(c_len, b, B, lo, hi);
+    if (threadIdx.x < R) {
+      u32 q = (r + threadIdx.x) % R;
+      srcs[threadIdx.x] = q == r ? in + base + c_lo + lo : scratch_of(a, r) + a.simple_off + q * cb + lo;
+    }
+    __syncthreads();
+    char* res0 = out + base + c_lo + lo;
+    block_reduce<D>(res0, nullptr, srcs, R, hi - lo, a);
+    __syncthreads();
+    // ... and push the result to every peer's result area, slot r.
+    for (u32 k = 1; k < R; k++) {
+      u32 p = (r + k) % R;
+      block_copy(scratch_of(a, p) + a.simple_off + round_bytes + c_lo + lo, res0, hi - lo);
+    }
+    if (!block_barrier(a, deadline, false)) return;
+    // (2) the other chunks' results, from my result area.
+    for (u32 k = 1; k < R; k++) {
+      u32 p = (r + k) % R;
+      u64 p_lo = p * cb, p_len = p_lo >= rb ? 0 : (rb - p_lo < cb ? rb - p_lo : cb), plo, phi;
+      slice_of(p_len, b, B, plo, phi);
+      block_copy(out + base + p_lo + plo, scratch_of(a, r) + a.simple_off + round_bytes + p_lo + plo, phi - plo);
     }
     __syncthreads();
   }

@@ -114,7 +114,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Limits {
-        Limits { max_blocks: 64, allpair_max: 16 << 10, packet_max: 1 << 20 }
+        Limits { max_blocks: 128, allpair_max: 16 << 10, packet_max: 1 << 20 }
     }
 }
 
@@ -152,7 +152,7 @@ pub fn shape(coll: Collective, algo: Algorithm, nbytes: u64, layout: &Layout, ma
                 Collective::AllGather | Collective::ReduceScatter => nbytes.saturating_mul(r),
                 _ => nbytes,
             };
-            (moved.div_ceil(64 << 10).clamp(1, cap) as u32, 512)
+            (moved.div_ceil(32 << 10).clamp(1, cap) as u32, 512)
         }
         _ => {
             // Per thread: one unit of the widest loop of the algorithm.
