@@ -669,6 +669,35 @@ __device__ void allreduce_simple(const CollArgs& a) {
   }
 }
 
+// Zero-copy AllReduce over registered buffers: a.in and a.out are device tables of every rank's
+// send and receive buffer (mapped here). After a barrier (every rank's input is ready), block b
+// of rank r reduces slice b of chunk r from every rank's send buffer into its own receive buffer,
+// then copies the result into every peer's receive buffer; a second barrier makes every write
+// land (and every read of our send buffer finish) before the kernel ends. In place works: chunk
+// r of any buffer is read and written only by rank r's threads, each element read before it is
+// written by the same thread.
+template <typename D>
+__device__ void allreduce_zerocopy(const CollArgs& a) {
+  u64 deadline;
+  if (!simple_begin(a, deadline)) return;
+  const u32 R = a.nranks, r = a.rank, b = blockIdx.x, B = gridDim.x;
+  const char* const* sends = (const char* const*)a.in;
+  char* const* recvs = (char* const*)a.out;
+  __shared__ const char* srcs[MAX_RANKS_SIMPLE];
+  if (!block_barrier(a, deadline, true)) return;
+  const u64 cb = ((a.nbytes + R - 1) / R + 15) / 16 * 16;
+  const u64 c_lo = r * cb, c_len = c_lo >= a.nbytes ? 0 : (a.nbytes - c_lo < cb ? a.nbytes - c_lo : cb);
+  u64 lo, hi;
+  slice_of(c_len, b, B, lo, hi);
+  if (threadIdx.x < R) srcs[threadIdx.x] = sends[(r + threadIdx.x) % R] + c_lo + lo;
+  __syncthreads();
+  char* mine = recvs[r] + c_lo + lo;
+  block_reduce<D>(mine, nullptr, srcs, R, hi - lo, a);
+  __syncthreads();
+  for (u32 k = 1; k < R; k++) block_copy(recvs[(r + k) % R] + c_lo + lo, mine, hi - lo);
+  block_barrier(a, deadline, false);
+}
+
 // ReduceScatter for large messages: per round, copy the whole input to scratch; reduce my
 // segment's slice from every rank's scratch; a second barrier before scratch is reused.
 template <typename D>
@@ -764,6 +793,7 @@ __device__ void broadcast_simple(const CollArgs& a) {
 ALL_TYPES(allreduce, allpair)
 ALL_TYPES(allreduce, packet)
 ALL_TYPES(allreduce, simple)
+ALL_TYPES(allreduce, zerocopy)
 ALL_TYPES(reducescatter, packet)
 ALL_TYPES(reducescatter, simple)
 

@@ -106,6 +106,9 @@ pub(crate) fn all_kernel_names() -> Vec<String> {
             }
         }
     }
+    for d in DataType::ALL {
+        v.push(format!("allreduce_zerocopy_{}", d.name()));
+    }
     for coll in [Collective::AllGather, Collective::Broadcast] {
         for algo in [Algorithm::Packet, Algorithm::Simple] {
             v.push(kernel_name(coll, algo, DataType::F32));
@@ -124,6 +127,12 @@ pub(crate) struct Kernels {
 impl Kernels {
     pub(crate) fn get(&self, coll: Collective, algo: Algorithm, dtype: DataType) -> Result<&Kernel> {
         let name = kernel_name(coll, algo, dtype);
+        self.by_name.get(&name).ok_or_else(|| Error::internal(format!("collective kernel {name} was not loaded")))
+    }
+
+    /// The zero-copy AllReduce kernel for `dtype`.
+    pub(crate) fn get_zero_copy(&self, dtype: DataType) -> Result<&Kernel> {
+        let name = format!("allreduce_zerocopy_{}", dtype.name());
         self.by_name.get(&name).ok_or_else(|| Error::internal(format!("collective kernel {name} was not loaded")))
     }
 
@@ -245,7 +254,7 @@ mod tests {
     #[test]
     fn every_kernel_name_is_defined_in_the_source() {
         let names = all_kernel_names();
-        assert_eq!(names.len(), 3 * 5 + 2 * 5 + 4);
+        assert_eq!(names.len(), 3 * 5 + 2 * 5 + 5 + 4);
         for n in &names {
             let (prefix, ty) = n.rsplit_once('_').unwrap();
             let defined = if ty == "any" {

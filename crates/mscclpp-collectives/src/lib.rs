@@ -32,7 +32,7 @@ pub mod select;
 pub mod tune;
 mod types;
 
-pub use comm::{CallOptions, Collectives, Config};
+pub use comm::{CallOptions, Collectives, Config, Window};
 pub use select::{Layout, Limits, Plan};
 pub use types::{Algorithm, Collective, DataType, ReduceOp};
 

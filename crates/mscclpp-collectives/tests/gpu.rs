@@ -388,3 +388,75 @@ fn tuning_agrees_on_every_rank_and_tuned_calls_are_right() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn zero_copy_all_reduce_on_registered_windows() {
+    for n in [2usize, 3, 4, 8] {
+        let res = ranks(
+            n,
+            |_| Config::new(0).tune(false),
+            |rank, coll, stream| {
+                let ctx = mscclpp::Context::new();
+                let max = (4 << 20) + 64;
+                let a = DeviceBuffer::new(&ctx, 0, max, TransportFlags::NONE).unwrap();
+                let b = DeviceBuffer::new(&ctx, 0, max, TransportFlags::NONE).unwrap();
+                // SAFETY: a and b outlive both windows (dropped at the end of this closure, after
+                // the barrier below).
+                let (out_of_place, in_place) = unsafe {
+                    (
+                        coll.register_window(a.device_ptr(), b.device_ptr(), max).unwrap(),
+                        coll.register_window(a.device_ptr(), a.device_ptr(), max).unwrap(),
+                    )
+                };
+                let mut wrong = 0usize;
+                for (i, &count) in [1usize, 7, 1000, 4097, 65_537, (1 << 20) + 3].iter().enumerate() {
+                    let d = DataType::ALL[i % 5];
+                    let op = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min][i % 3];
+                    let input = common::input_bytes(d, rank, count, op);
+                    for (w, dst) in [(&out_of_place, &b), (&in_place, &a)] {
+                        a.write(0, &input).unwrap();
+                        coll.all_reduce_window(w, count, d, op, stream).unwrap();
+                        coll.synchronize(stream, Duration::from_secs(30)).unwrap();
+                        let mut out = vec![0u8; count * d.size()];
+                        dst.read(0, &mut out).unwrap();
+                        for (j, c) in out.chunks(d.size()).enumerate() {
+                            let want = common::reduce(op, d, (0..n).map(|r| common::input_value(d, r, j, op)), n);
+                            if common::decode(d, c) != want {
+                                wrong += 1;
+                            }
+                        }
+                    }
+                }
+                // Graph replays of a zero-copy call.
+                let count = 1 << 18;
+                let input = common::input_bytes(DataType::F32, rank, count, ReduceOp::Sum);
+                a.write(0, &input).unwrap();
+                stream.begin_capture().unwrap();
+                coll.all_reduce_window(&out_of_place, count, DataType::F32, ReduceOp::Sum, stream).unwrap();
+                let g = stream.end_capture().unwrap();
+                for _ in 0..100 {
+                    g.launch(stream).unwrap();
+                }
+                coll.synchronize(stream, Duration::from_secs(30)).unwrap();
+                let mut out = vec![0u8; count * 4];
+                b.read(0, &mut out).unwrap();
+                for (j, c) in out.chunks(4).enumerate() {
+                    let want = common::reduce(
+                        ReduceOp::Sum,
+                        DataType::F32,
+                        (0..n).map(|r| common::input_value(DataType::F32, r, j, ReduceOp::Sum)),
+                        n,
+                    );
+                    if common::decode(DataType::F32, c) != want {
+                        wrong += 1;
+                    }
+                }
+                coll_barrier(coll);
+                wrong
+            },
+        );
+        println!("zero-copy, {n} ranks: wrong elements per rank {res:?}");
+        assert!(res.iter().all(|&w| w == 0), "{n} ranks: {res:?}");
+    }
+}

@@ -26,7 +26,7 @@ fn encode(d: DataType, v: f64) -> Vec<u8> {
     }
 }
 
-fn decode(d: DataType, b: &[u8]) -> f64 {
+pub fn decode(d: DataType, b: &[u8]) -> f64 {
     match d {
         DataType::F32 => f32::from_le_bytes(b[..4].try_into().unwrap()) as f64,
         DataType::F16 => f16_to_f32(u16::from_le_bytes(b[..2].try_into().unwrap())) as f64,
@@ -59,7 +59,7 @@ fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(sign | ((exp + 127 - 15) << 23) | (man << 13))
 }
 
-fn reduce(op: ReduceOp, d: DataType, vals: impl Iterator<Item = i64>, n: usize) -> f64 {
+pub fn reduce(op: ReduceOp, d: DataType, vals: impl Iterator<Item = i64>, n: usize) -> f64 {
     let v: Vec<i64> = vals.collect();
     let x = match op {
         ReduceOp::Sum | ReduceOp::Avg => v.iter().sum::<i64>(),
@@ -71,7 +71,7 @@ fn reduce(op: ReduceOp, d: DataType, vals: impl Iterator<Item = i64>, n: usize) 
     if op == ReduceOp::Avg { if d.is_float() { x as f64 / n as f64 } else { (x / n as i64) as f64 } } else { x as f64 }
 }
 
-fn input_bytes(d: DataType, r: usize, count: usize, op: ReduceOp) -> Vec<u8> {
+pub fn input_bytes(d: DataType, r: usize, count: usize, op: ReduceOp) -> Vec<u8> {
     let mut v = Vec::with_capacity(count * d.size());
     for i in 0..count {
         let x = value(r, i, op);
@@ -81,7 +81,7 @@ fn input_bytes(d: DataType, r: usize, count: usize, op: ReduceOp) -> Vec<u8> {
     v
 }
 
-fn input_value(d: DataType, r: usize, i: usize, op: ReduceOp) -> i64 {
+pub fn input_value(d: DataType, r: usize, i: usize, op: ReduceOp) -> i64 {
     let x = value(r, i, op);
     if d == DataType::U32 && op != ReduceOp::Prod { x + 8 } else { x }
 }
