@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use mscclpp::gpu::{DeviceBuffer, Stream, TimingEvent};
 use mscclpp::{Bootstrap, Communicator, TransportFlags};
-use mscclpp_collectives::{Algorithm, CallOptions, Collective, Collectives, Config, DataType, ReduceOp};
+use mscclpp_collectives::{Algorithm, CallOptions, Collective, Collectives, Config, DataType, ReduceOp, Window};
 use serde::Serialize;
 
 use crate::kern::{e, local_ranks, row};
@@ -57,6 +57,9 @@ pub struct Spec {
     pub dtype: DataType,
     pub op: ReduceOp,
     pub algo: Option<Algorithm>,
+    /// `--algo zerocopy` (AllReduce): the buffers are registered once as windows and every call
+    /// reads and writes every rank's buffers directly.
+    pub zero_copy: bool,
     pub ranks: usize,
     pub device: u32,
     pub warmup: u64,
@@ -78,7 +81,16 @@ impl Spec {
             Some(s) => s.parse::<ReduceOp>().map_err(|x| format!("-o {s}: {}", x.message()))?,
             None => ReduceOp::Sum,
         };
-        let algo = match &args.algo {
+        let zero_copy = args.algo.as_deref().is_some_and(|a| {
+            matches!(
+                a.to_ascii_lowercase().as_str(),
+                "zerocopy" | "zero_copy" | "rsag_zero_copy" | "default_allreduce_rsag_zero_copy"
+            )
+        });
+        if zero_copy && coll != Collective::AllReduce {
+            return Err(format!("--algo zerocopy serves allreduce only, not {coll}"));
+        }
+        let algo = match args.algo.as_ref().filter(|_| !zero_copy) {
             Some(s) => {
                 let a = s.parse::<Algorithm>().map_err(|x| format!("--algo {s}: {}", x.message()))?;
                 if !a.serves(coll) {
@@ -97,6 +109,7 @@ impl Spec {
             dtype,
             op,
             algo,
+            zero_copy,
             ranks: args.ranks,
             device: args.device,
             warmup: args.warmup,
@@ -303,6 +316,8 @@ struct Rank<'a> {
     rank: usize,
     bs: Arc<dyn Bootstrap>,
     coll: Collectives,
+    /// With `--algo zerocopy`: the (a -> b) and (a -> a) windows (dropped before `a` and `b`).
+    windows: Option<(Window, Window)>,
     stream: Stream,
     /// Input (and in-place output) and out-of-place output, each as large as the largest size.
     a: DeviceBuffer,
@@ -352,6 +367,13 @@ impl Rank<'_> {
         let (send, recv) = self.ptrs(sz, place);
         let s = self.spec;
         let opts = s.opts();
+        if let Some((oop, ip)) = &self.windows {
+            let w = if place == Place::Out { oop } else { ip };
+            return self
+                .coll
+                .all_reduce_window(w, sz.count, s.dtype, s.op, &self.stream)
+                .map_err(|x| format!("rank {}: {x}", self.rank));
+        }
         // SAFETY: `a` and `b` hold the largest size's larger buffer (at least `in_bytes` and
         // `out_bytes` at the offsets `ptrs` gives) and live until the rank returns, after every
         // stream it used was synchronized; every rank makes the same calls in the same order.
@@ -793,7 +815,19 @@ pub fn run(args: &Args, env_set_here: bool) -> Result<(), String> {
         let a = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
         let b = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
         let (start, stop) = (TimingEvent::new(s.device).map_err(x)?, TimingEvent::new(s.device).map_err(x)?);
-        let me = Rank { spec: s, rank, bs: bs.clone(), coll, stream, a, b, start, stop };
+        let windows = if s.zero_copy {
+            // SAFETY: `a` and `b` live as long as `me`, which owns them and the windows (declared
+            // before them, so dropped first), and every stream is synchronized before.
+            Some(unsafe {
+                (
+                    coll.register_window(a.device_ptr(), b.device_ptr(), cap).map_err(x)?,
+                    coll.register_window(a.device_ptr(), a.device_ptr(), cap).map_err(x)?,
+                )
+            })
+        } else {
+            None
+        };
+        let me = Rank { spec: s, rank, bs: bs.clone(), coll, stream, a, b, start, stop, windows };
 
         // NCCL: every rank calls ncclCommInitRank at once (it returns when all have).
         let mut comm_nccl: Option<Comm<'_>> = None;
@@ -883,7 +917,7 @@ pub fn run(args: &Args, env_set_here: bool) -> Result<(), String> {
             let rec = Record {
                 size: sz.bytes,
                 count: sz.count,
-                algorithm: plan.algorithm.name().into(),
+                algorithm: if s.zero_copy { "zerocopy".into() } else { plan.algorithm.name().into() },
                 blocks: plan.blocks,
                 threads: plan.threads,
                 out_of_place: place(OOP, NCCL_OOP, WRONG_OOP),
@@ -946,6 +980,7 @@ mod tests {
             dtype,
             op,
             algo: None,
+            zero_copy: false,
             ranks,
             device: 0,
             warmup: 1,

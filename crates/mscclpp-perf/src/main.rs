@@ -172,8 +172,9 @@ pub struct Args {
     /// launch (default: eager calls).
     #[arg(long)]
     pub graph: bool,
-    /// Collectives: run this algorithm (allpair (AllReduce only), packet, simple) instead of
-    /// the selector's choice; sizes it cannot serve are skipped.
+    /// Collectives: run this algorithm (allpair (AllReduce only), packet, simple, or zerocopy
+    /// (AllReduce on buffers registered once as windows)) instead of the selector's choice;
+    /// sizes it cannot serve are skipped.
     #[arg(long)]
     pub algo: Option<String>,
     /// Collectives: also run the sweep through this NCCL library (libnccl.so.2, 2.30 or newer
