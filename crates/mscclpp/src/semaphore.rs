@@ -26,7 +26,6 @@ use crate::buffer::DeviceBuffer;
 use crate::communicator::{Communicator, MsgKind, Pending};
 use crate::conn::Connection;
 use crate::device::handles::MemoryDevice2DeviceSemaphoreDeviceHandle;
-use crate::device::memory_channel::ChannelSemaphore;
 use crate::device::token_pool::{self, PoolToken};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
@@ -405,6 +404,14 @@ impl Host2DeviceSemaphore {
         self.token.read_u64(0)
     }
 
+    /// The last token value sent to the peer (signals sent so far, from this semaphore's
+    /// start): where a proxy that takes the semaphore over continues counting.
+    pub fn outbound_token(&self) -> u64 {
+        // Acquire: pairs with the AcqRel swap in `Connection::update_and_sync` of the last
+        // `signal`, so a proxy taking over continues from the value actually sent.
+        self.counters.outbound.load(Ordering::Acquire)
+    }
+
     /// Host-side wait for one more signal (for tests and host code; kernels use the handle).
     ///
     /// # Errors
@@ -430,25 +437,6 @@ impl Host2DeviceSemaphore {
             ),
         );
         Err(self.connection().ctx_err(e, "Host2DeviceSemaphore wait"))
-    }
-}
-
-impl From<Host2DeviceSemaphore> for crate::device::proxy::ProxySemaphore {
-    /// Hands the semaphore to a proxy service, which signals it from then on (continuing its
-    /// outbound count) while kernels wait on its device handle.
-    fn from(s: Host2DeviceSemaphore) -> Self {
-        let handle = s.device_handle();
-        let outbound = s.counters.outbound.load(Ordering::Acquire);
-        let (conn, remote) = (s.connection().clone(), s.sem.remote_memory().clone());
-        crate::device::proxy::ProxySemaphore::from_parts(conn, remote, outbound, Some(handle), Box::new(s))
-    }
-}
-
-impl From<Semaphore> for crate::device::proxy::ProxySemaphore {
-    /// Hands the semaphore to a proxy service, which signals it (from outbound count 0).
-    fn from(s: Semaphore) -> Self {
-        let (conn, remote) = (s.connection().clone(), s.remote_memory().clone());
-        crate::device::proxy::ProxySemaphore::from_parts(conn, remote, 0, None, Box::new(s))
     }
 }
 
@@ -532,20 +520,6 @@ impl MemoryDevice2DeviceSemaphore {
     /// The signals kernels have consumed so far (the expected count), read by the host.
     pub fn expected_inbound_token(&self) -> Result<u64> {
         self.expected.buffer().read_u64(0)
-    }
-}
-
-impl From<MemoryDevice2DeviceSemaphore> for ChannelSemaphore {
-    fn from(s: MemoryDevice2DeviceSemaphore) -> Self {
-        Arc::new(s).into()
-    }
-}
-
-impl From<Arc<MemoryDevice2DeviceSemaphore>> for ChannelSemaphore {
-    /// Several channels may share one semaphore.
-    fn from(s: Arc<MemoryDevice2DeviceSemaphore>) -> Self {
-        let (handle, device, ctx) = (s.device_handle(), s.device, s.connection().context().clone());
-        ChannelSemaphore::from_parts(handle, device, ctx, s)
     }
 }
 

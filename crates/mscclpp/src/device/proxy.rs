@@ -54,12 +54,14 @@ use std::time::Duration;
 use tracing::{debug, warn};
 
 use super::fifo::{DEFAULT_FIFO_SIZE, Fifo};
+use super::handles::Host2DeviceSemaphoreDeviceHandle;
 use super::trigger::{MAX_MEMORY_ID, MAX_SEMAPHORE_ID, ProxyTrigger, Request, decode};
 use crate::conn::Connection;
 use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
 use crate::platform::hostmem::Region;
+use crate::semaphore::{Host2DeviceSemaphore, Semaphore};
 use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 use crate::transport::Transport;
 
@@ -125,29 +127,61 @@ impl Default for ProxyConfig {
 /// local token) or a plain [`Semaphore`] (`.into()`, or pass either to
 /// [`ProxyService::add_semaphore`]). It owns the semaphore: the proxy keeps the outbound count
 /// from then on.
-///
-/// [`Host2DeviceSemaphore`]: crate::Host2DeviceSemaphore
-/// [`Semaphore`]: crate::Semaphore
+#[derive(Debug)]
 pub struct ProxySemaphore {
-    conn: Connection,
-    /// The peer's token.
-    remote: RegisteredMemory,
+    owner: Owner,
+    /// The last token value sent to the peer (continues the semaphore's own count).
     outbound: AtomicU64,
-    handle: Option<super::handles::Host2DeviceSemaphoreDeviceHandle>,
-    /// The semaphore itself, kept alive (its local token is what kernels wait on).
-    _owner: Box<dyn Send + Sync>,
+}
+
+/// The semaphore a [`ProxySemaphore`] owns (its local token is what kernels wait on).
+#[derive(Debug)]
+enum Owner {
+    Host2Device(Host2DeviceSemaphore),
+    Plain(Semaphore),
 }
 
 impl ProxySemaphore {
-    /// Built by the `From` conversions in `semaphore.rs` (which own the semaphore types).
-    pub(crate) fn from_parts(
-        conn: Connection,
-        remote: RegisteredMemory,
-        outbound: u64,
-        handle: Option<super::handles::Host2DeviceSemaphoreDeviceHandle>,
-        owner: Box<dyn Send + Sync>,
-    ) -> ProxySemaphore {
-        ProxySemaphore { conn, remote, outbound: AtomicU64::new(outbound), handle, _owner: owner }
+    /// The underlying semaphore.
+    pub fn semaphore(&self) -> &Semaphore {
+        match &self.owner {
+            Owner::Host2Device(s) => s.semaphore(),
+            Owner::Plain(s) => s,
+        }
+    }
+    /// The connection the proxy signals over.
+    pub fn connection(&self) -> &Connection {
+        self.semaphore().connection()
+    }
+    /// The handle kernels wait with (`None` for a plain [`Semaphore`]).
+    pub fn device_handle(&self) -> Option<Host2DeviceSemaphoreDeviceHandle> {
+        match &self.owner {
+            Owner::Host2Device(s) => Some(s.device_handle()),
+            Owner::Plain(_) => None,
+        }
+    }
+    /// The peer's token becomes outbound + 1, after every earlier operation of the connection.
+    fn signal(&self) -> Result<()> {
+        // Acquire: pairs with the AcqRel swap in `Connection::update_and_sync` of the previous
+        // signal (the proxy thread's own, or the semaphore's before the proxy took it over).
+        let next = self.outbound.load(Ordering::Acquire) + 1;
+        self.connection().update_and_sync(self.semaphore().remote_memory(), 0, &self.outbound, next)
+    }
+}
+
+impl From<Host2DeviceSemaphore> for ProxySemaphore {
+    /// Hands the semaphore to a proxy service, which signals it from then on (continuing its
+    /// outbound count) while kernels wait on its device handle.
+    fn from(s: Host2DeviceSemaphore) -> Self {
+        let outbound = AtomicU64::new(s.outbound_token());
+        ProxySemaphore { owner: Owner::Host2Device(s), outbound }
+    }
+}
+
+impl From<Semaphore> for ProxySemaphore {
+    /// Hands the semaphore to a proxy service, which signals it (from outbound count 0).
+    fn from(s: Semaphore) -> Self {
+        ProxySemaphore { owner: Owner::Plain(s), outbound: AtomicU64::new(0) }
     }
 }
 
@@ -158,14 +192,11 @@ struct SemEntry {
 
 impl SemEntry {
     fn connection(&self) -> &Connection {
-        &self.sem.conn
+        self.sem.connection()
     }
 
-    /// The peer's token becomes outbound + 1, after every earlier operation of the connection.
     fn signal(&self) -> Result<()> {
-        let s = &self.sem;
-        let next = s.outbound.load(Ordering::Acquire) + 1;
-        s.conn.update_and_sync(&s.remote, 0, &s.outbound, next)
+        self.sem.signal()
     }
 }
 
@@ -268,7 +299,7 @@ pub struct ProxyService {
     /// Registries until `start` hands them to the thread.
     worker: Option<Worker>,
     /// Device handles of H2D semaphores by ID (`None` for plain ones), kept after `start`.
-    sem_handles: Vec<Option<super::handles::Host2DeviceSemaphoreDeviceHandle>>,
+    sem_handles: Vec<Option<Host2DeviceSemaphoreDeviceHandle>>,
     /// Connection index of each semaphore, kept after `start`.
     sem_conn: Vec<usize>,
     nconns: usize,
@@ -389,7 +420,7 @@ impl ProxyService {
                 MAX_SEMAPHORE_ID + 1
             )));
         }
-        let conn = sem.conn.clone();
+        let conn = sem.connection().clone();
         let idx = match w.conns.iter().position(|c| c.conn.same_as(&conn)) {
             Some(i) => i,
             None => {
@@ -397,7 +428,7 @@ impl ProxyService {
                 w.conns.len() - 1
             }
         };
-        let handle = sem.handle;
+        let handle = sem.device_handle();
         w.sems.push(SemEntry { sem, conn: idx });
         let id = w.sems.len() - 1;
         self.nconns = self.worker.as_ref().map_or(self.nconns, |w| w.conns.len());
@@ -426,10 +457,7 @@ impl ProxyService {
     }
 
     /// The device semaphore handle of `sem` (a [`Host2DeviceSemaphore`] registration).
-    pub(crate) fn semaphore_handle(
-        &self,
-        sem: SemaphoreId,
-    ) -> Result<super::handles::Host2DeviceSemaphoreDeviceHandle> {
+    pub(crate) fn semaphore_handle(&self, sem: SemaphoreId) -> Result<Host2DeviceSemaphoreDeviceHandle> {
         match self.sem_handles.get(sem.0 as usize) {
             Some(Some(h)) => Ok(*h),
             Some(None) => Err(Error::invalid_usage(format!(
