@@ -69,17 +69,25 @@ impl Counters {
     /// (which swaps `outbound` to `next`).
     fn signal_with(&self, send: impl FnOnce(&AtomicU64, u64) -> Result<()>) -> Result<()> {
         let _order = lock(&self.signal);
+        // Acquire: pairs with the AcqRel swap of `outbound` in `Connection::update_and_sync` of
+        // the previous signal (the lock orders them too; the ordering keeps this correct alone).
         let next = self.outbound.load(Ordering::Acquire) + 1;
         send(&self.outbound, next)
     }
 
     /// Consumes one signal if the inbound token `inbound` is above the consumed count.
     fn try_consume(&self, inbound: impl Fn() -> u64) -> bool {
+        // Acquire: pairs with the AcqRel compare-and-swap below in other waiters. `consumed` is a
+        // count only: the data a consumed signal covers is ordered by the inbound token's own
+        // Acquire load (`inbound`), which pairs with the transport's Release store of the token.
         let mut seen = self.consumed.load(Ordering::Acquire);
         loop {
             if inbound() <= seen {
                 return false;
             }
+            // AcqRel on success, Acquire on failure: pairs with the same CAS of other waiters, so
+            // each count is claimed once (the host form of device.cuh's `poll_inbound`, with
+            // stronger orderings than its relaxed CAS; see tests/ordering_models.rs).
             match self.consumed.compare_exchange_weak(seen, seen + 1, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return true,
                 Err(now) => seen = now,
@@ -268,6 +276,10 @@ impl Host2HostSemaphore {
 
     fn inbound(&self) -> u64 {
         // The token buffer is 8 bytes at a page-aligned address: offset 0 is a valid atomic word.
+        // Acquire: pairs with the Release store (or AcqRel add) of the token by the transport's
+        // receive thread (Ethernet's `RxEvent::Token`, IB HostNoAtomic's forwarding), made after
+        // it applied every earlier write of the connection; over IB with atomics the NIC writes
+        // the token after the data (RDMA ordering), and this load reads it.
         self.inner.token.atomic_u64(0).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
     }
 
@@ -339,6 +351,7 @@ impl Host2HostSemaphore {
                     format!(
                         "Host2HostSemaphore: token is {}, {} signals consumed, after {timeout:?}",
                         self.inbound(),
+                        // Acquire: as in `Counters::try_consume` (for the message only).
                         self.inner.counters.consumed.load(Ordering::Acquire)
                     ),
                 );
@@ -433,6 +446,7 @@ impl Host2DeviceSemaphore {
             ErrorKind::Timeout,
             format!(
                 "Host2DeviceSemaphore: token is {have}, {} signals consumed, after {timeout:?}",
+                // Acquire: as in `Counters::try_consume` (for the message only).
                 self.counters.consumed.load(Ordering::Acquire)
             ),
         );
