@@ -1,7 +1,7 @@
 //! `MemoryChannel` and `BaseMemoryChannel`: a kernel's channel to a peer GPU whose memory is
 //! mapped into this process (CUDA IPC): the kernel loads and stores straight into the peer's
 //! memory (`put`/`get`/`read`/`write`, LL packets) and synchronizes with a
-//! [`MemoryDevice2DeviceSemaphore`](crate::MemoryDevice2DeviceSemaphore), with no host thread.
+//! [`MemoryDevice2DeviceSemaphore`], with no host thread.
 //!
 //! ```no_run
 //! # fn f(comm: &mscclpp::Communicator, conn: &mscclpp::Connection, peer: usize,

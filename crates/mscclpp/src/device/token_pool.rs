@@ -9,7 +9,7 @@
 //! ([`TOKENS_PER_CHUNK`] tokens, as MSCCL++'s `TokenPool`). Expected-count words (local only)
 //! come from the same pool.
 //!
-//! A slot goes back to its chunk when the last clone of its [`PoolToken`] drops and is zeroed
+//! A slot goes back to its chunk when the last clone of its `PoolToken` drops and is zeroed
 //! when it is handed out again; a chunk is freed when its pool and all its tokens are gone.
 
 use std::sync::{Arc, Mutex, Weak};

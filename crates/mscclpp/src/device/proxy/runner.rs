@@ -4,7 +4,7 @@
 //! (triggers as `put`/`signal`/`flush`/`atomicAdd` on connections); [`Proxy::start`] runs it with
 //! yours.
 //!
-//! The loop itself is a plain state machine ([`Runner::step`] handles one batch, with no clock
+//! The loop itself is a plain state machine (`Runner::step` handles one batch, with no clock
 //! and no thread), so tests drive it trigger by trigger; [`Proxy`] puts it on a thread.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};

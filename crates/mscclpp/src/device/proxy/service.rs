@@ -79,7 +79,7 @@ impl From<Semaphore> for ProxySemaphore {
 }
 
 /// Executes the requests kernels push into its FIFO, on the connections of registered
-/// semaphores (see the [module documentation](self)).
+/// semaphores (see the [module documentation](super)).
 ///
 /// Register memories and semaphores, build channels, then [`start`](Self::start); registries
 /// are frozen from then on. Several services may serve one GPU (each with its own FIFO, IDs and
