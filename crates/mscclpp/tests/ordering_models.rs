@@ -26,13 +26,18 @@
 //! real FIFO writes `fst` as a (relaxed) atomic; modelling it as plain data asks for more: that
 //! every read of it is ordered after the write and before the next lap's.
 //!
-//! Bounds: rings of one slot, two or three triggers, two signals; three preemptions for the
-//! two-thread models, two for the three-thread ones, whose spin loops give up after a few rounds
-//! (see [`SPINS`]). Not modelled: `tailCache`'s fast path with several producers (a producer
-//! that finds `tailCache` far enough ahead writes its slot after a plain, not acquiring, load of
-//! it, so the rewrite is ordered after the proxy's read of the previous lap only by the control
-//! dependency, which loom, like the C++ and PTX models, does not count; see the note at `push`
-//! in the header), and `wait_inbound_for`'s give-back on timeout (documented as exact for one
+//! Bounds: rings of one or two slots, two to four triggers, two signals; three preemptions for
+//! the two-thread models, two for the three-thread ones, whose spin loops give up after a few
+//! rounds (see [`SPINS`]).
+//!
+//! A finding: with several producers, `push` and `push_for` may find `tailCache` raised by
+//! another producer and write their slot after a plain (not acquiring) load of it; the rewrite
+//! is then ordered after the proxy's read of the previous lap only by the control dependency,
+//! which loom, like the C++ and PTX models, does not count. On GPUs that is enough (a store is
+//! not made visible before the branch guarding it resolves), so the header keeps MSCCL++'s plain
+//! load and says so at `push`; `fifo_tail_cache_fast_path_is_ordered_by_control_only` shows
+//! loom's counterexample and that an acquire load closes it (the CPU producer in `fifo.rs` uses
+//! one). Not modelled: `wait_inbound_for`'s give-back on timeout (documented as exact for one
 //! waiter).
 //!
 //! Runs as ordinary tests (`cargo test --release --test ordering_models`, well under a second):
@@ -95,9 +100,17 @@ struct FifoOrders {
     tail_store: Ordering,
     /// The producer's load of `tail` while the ring is full (`ld.acquire.sys`).
     tail_load: Ordering,
+    /// `push`'s and `push_for`'s first look at `tailCache` (a plain load in the header).
+    tail_cache_load: Ordering,
 }
 
-const FIFO: FifoOrders = FifoOrders { snd_store: Release, snd_load: Acquire, tail_store: Release, tail_load: Acquire };
+const FIFO: FifoOrders = FifoOrders {
+    snd_store: Release,
+    snd_load: Acquire,
+    tail_store: Release,
+    tail_load: Acquire,
+    tail_cache_load: Relaxed,
+};
 
 /// A ring of `SIZE` slots in the model.
 struct Ring<const SIZE: usize> {
@@ -143,8 +156,9 @@ impl<const SIZE: usize> Ring<SIZE> {
         // Relaxed (atom.relaxed.gpu.add): only reserves a number; what the slot may hold is
         // decided by `tail`, and the proxy learns of the trigger from `snd`.
         let pos = self.head.fetch_add(1, Relaxed);
-        // Plain load of tailCache in the header (see the module note).
-        if pos >= size + self.tail_cache.load(Relaxed) {
+        // Plain load of tailCache in the header (see the module note and
+        // `fifo_tail_cache_fast_path_is_ordered_by_control_only`).
+        if pos >= size + self.tail_cache.load(self.o.tail_cache_load) {
             let mut round = 0;
             loop {
                 // Acquire: pairs with the proxy's Release store of `tail`: its read of the
@@ -173,7 +187,8 @@ impl<const SIZE: usize> Ring<SIZE> {
         let mut h = self.head.load(Relaxed);
         let mut round = 0;
         loop {
-            if h >= size + self.tail_cache.load(Relaxed) {
+            // Plain load of the hint in the header, as in `push`.
+            if h >= size + self.tail_cache.load(self.o.tail_cache_load) {
                 // Acquire: as in `push`.
                 let t = self.tail.load(self.o.tail_load);
                 self.tail_cache.fetch_max(t, Release);
@@ -292,6 +307,42 @@ fn fifo_two_producers(o: FifoOrders) {
     });
 }
 
+/// Two producers that push twice each (`push`, `push_for`) through a two-slot ring: the case
+/// the other models leave out, where a producer finds `tailCache` raised by the other and
+/// writes its slot without acquiring anything (positions 0 and 3 from one producer, 1 and 2 from
+/// the other, and the proxy has popped 0 and 1).
+fn fifo_two_laps_two_producers(o: FifoOrders) {
+    check_with(2, move || {
+        let ring = Arc::new(Ring::<2>::new(o, SPINS));
+        let producers: Vec<_> = (0..2u64)
+            .map(|id| {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    for k in 0..2u64 {
+                        let v = id << 8 | k;
+                        let r = if id == 0 { ring.push(v, v) } else { ring.push_for(v, v) };
+                        if r.is_none() {
+                            return;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut next = [0u64; 2];
+        for pos in 0..4u64 {
+            let Some((t, fst, snd)) = ring.pop() else { break };
+            assert_eq!(t, pos);
+            assert_eq!(fst, snd, "torn or stale trigger at {pos}");
+            let (id, k) = ((snd >> 8) as usize, snd & 0xff);
+            assert_eq!(k, next[id], "producer {id}: out of order or twice");
+            next[id] += 1;
+        }
+        for p in producers {
+            p.join().unwrap();
+        }
+    });
+}
+
 #[test]
 fn fifo_push_pop_and_wrap_hold() {
     fifo_one_slot_wraps(FIFO);
@@ -300,6 +351,17 @@ fn fifo_push_pop_and_wrap_hold() {
 #[test]
 fn fifo_two_producers_hold() {
     fifo_two_producers(FIFO);
+}
+
+/// The finding behind the header's note at `push`: with the first load of `tailCache` in `push`
+/// and `push_for` relaxed (the header's plain load), loom finds the slot rewritten without happens-before from
+/// the proxy's read of the previous lap (a write-after-read only load buffering could break,
+/// which GPUs do not do: the store waits for the branch on the load). With that load acquiring,
+/// the protocol holds.
+#[test]
+fn fifo_tail_cache_fast_path_is_ordered_by_control_only() {
+    assert_race(failure(|| fifo_two_laps_two_producers(FIFO)));
+    fifo_two_laps_two_producers(FifoOrders { tail_cache_load: Acquire, ..FIFO });
 }
 
 #[test]

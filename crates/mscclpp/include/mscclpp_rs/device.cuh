@@ -251,7 +251,8 @@ struct FifoDeviceHandle {
     // `tail`), the slot's rewrite is ordered after the proxy's read of the previous lap only by
     // this load's control dependency: enough on GPUs (stores are not made visible before the
     // branch that guards them resolves), not in the PTX model's letter, which would want an
-    // ld.acquire.gpu here (tests/ordering_models.rs leaves this path out for that reason).
+    // ld.acquire.gpu here (tests/ordering_models.rs: fifo_tail_cache_fast_path_is_ordered_by_
+    // control_only finds the unordered rewrite with this load relaxed, none with it acquiring).
     if (pos >= (u64)size + *tailCache) {
       wait_popped(pos - size, maxSpinCount);
     }

@@ -181,7 +181,8 @@ impl Fifo {
 /// step. The device writes a trigger with one 16-byte `st.release.sys`; the CPU equivalent here is
 /// a relaxed store of `fst` then a release store of `snd` (the word carrying the commit bit), which
 /// the consumer's acquire load of `snd` pairs with (MSCCL++'s ROCm path does the same). Any number
-/// of threads may push through producers of one FIFO at once.
+/// of threads may push through producers of one FIFO at once. One deliberate difference: the
+/// first look at `tailCache` is an acquire load here and a plain load on the device (see `push`).
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy)]
 pub struct HostProducer<'a> {
@@ -204,10 +205,13 @@ impl HostProducer<'_> {
         // reuse is ordered by tail (Acquire in `wait_tail_above`) and its contents by `snd`
         // (Release in `write`).
         let pos = self.head.fetch_add(1, Ordering::Relaxed);
-        // Relaxed (the device's plain load): a stale value only sends this producer to wait.
-        // A value raised by another producer orders this slot's rewrite after the proxy's read
-        // of the previous lap only by the control dependency (see device.cuh's `push`).
-        if pos >= size + self.tail_cache.load(Ordering::Relaxed) {
+        // Acquire (the device has a plain load here): pairs with the Release stores of tailCache
+        // in `push_for` and `wait_tail_above`, made after an Acquire load of tail: when another
+        // producer raised it, the proxy's read of this slot's previous trigger happens before
+        // this producer rewrites it. The device relies on the control dependency instead (see
+        // device.cuh's `push`; tests/ordering_models.rs shows the difference). A stale value
+        // only sends this producer to wait.
+        if pos >= size + self.tail_cache.load(Ordering::Acquire) {
             self.wait_tail_above(pos - size, timeout)?;
         }
         self.write(pos, t);
@@ -224,13 +228,14 @@ impl HostProducer<'_> {
         // Relaxed: a guess for the compare-and-swap below, which checks it.
         let mut h = self.head.load(Ordering::Relaxed);
         loop {
-            // Relaxed: as in `push`.
-            if h >= size + self.tail_cache.load(Ordering::Relaxed) {
+            // Acquire: as in `push`.
+            if h >= size + self.tail_cache.load(Ordering::Acquire) {
                 // Acquire: pairs with the consumer's Release store of tail in `Fifo::pop`/`pop_to`.
                 let tail = self.fifo.tail_word().load(Ordering::Acquire);
-                // Relaxed: a hint for later pushes (the device raises it with
-                // `red.release.gpu.max`; a stale or lowered hint only costs a read of tail).
-                self.tail_cache.store(tail, Ordering::Relaxed);
+                // Release: pairs with the Acquire loads of tailCache in `push` and here (the device
+                // raises it with `red.release.gpu.max`). A lowered hint is still true (at least
+                // `tail` popped) and only costs a read of tail.
+                self.tail_cache.store(tail, Ordering::Release);
                 if h >= size + tail {
                     if self.fifo.proxy_error() != 0 || deadline.expired() {
                         return Ok(None);
@@ -272,8 +277,8 @@ impl HostProducer<'_> {
         if !ok {
             return Err(Error::timeout(format!("FIFO position {pos} to be popped (tail {seen})"), timeout));
         }
-        // Relaxed: a hint, as in `push_for`.
-        self.tail_cache.store(seen, Ordering::Relaxed);
+        // Release: a hint, as in `push_for`.
+        self.tail_cache.store(seen, Ordering::Release);
         Ok(())
     }
 
