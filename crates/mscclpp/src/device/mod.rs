@@ -35,5 +35,8 @@ pub use handles::{
 pub use header::{ABI_VERSION, DEVICE_HEADER, HEADER_NAME, include_dir, write_header};
 pub use memory_channel::{BaseMemoryChannel, ChannelSemaphore, MemoryChannel};
 pub use port_channel::PortChannel;
-pub use proxy::{MemoryId, ProxyConfig, ProxySemaphore, ProxyService, SemaphoreId};
+pub use proxy::{
+    HandlerResult, MemoryId, Proxy, ProxyConfig, ProxyHandler, ProxyOptions, ProxySemaphore, ProxyService, SemaphoreId,
+    TriggerContext,
+};
 pub use trigger::{ProxyTrigger, Put, Request, decode};
