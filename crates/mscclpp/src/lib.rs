@@ -16,10 +16,13 @@
 //! ## Layers
 //! Each uses only the ones below it (`tests/layers.rs` checks the imports):
 //! ```text
-//!  Device       ── for kernels: the CUDA header, device handles, trigger codec, FIFO, proxy
-//!                  service, PortChannel, MemoryChannel, packets, NVRTC compile
+//!  Channels     ── MemoryChannel / BaseMemoryChannel (kernel to mapped peer memory), PortChannel
+//!                  and the proxy (ProxyService, or a proxy loop running your own ProxyHandler):
+//!                  each made from a semaphore
 //!  Semaphores   ── Host2HostSemaphore, Host2DeviceSemaphore, MemoryDevice2DeviceSemaphore:
-//!                  tokens signalled over a Connection (the channels above are built on them)
+//!                  tokens signalled over a Connection (or by kernels, device to device)
+//!  Device       ── for kernels and semaphores: the CUDA header, `#[repr(C)]` handles, trigger
+//!                  codec, FIFO, GPU token pool, NVRTC compile
 //!  Setup        ── TcpBootstrap, Communicator, launcher: exchange endpoints, memories, semaphores
 //!  Connections  ── Endpoint, Connection: write / update_and_sync / atomic_add / flush
 //!                  (one per peer and transport: CudaIpc, IB, Ethernet)
@@ -37,6 +40,9 @@
 //! to the platform layer's host-memory region, `register_memory`'s call of `register_host`).
 //! The crate is `#![deny(unsafe_code)]`; each of those functions opts out by name.
 //!
+//! Channels and the proxy live in [`device`] next to the device primitives, but on their own
+//! layer: `device::{memory_channel, port_channel, proxy}` use the semaphores, which use
+//! `device::{handles, token_pool, ...}`; `device` itself only re-exports.
 //! The public modules [`gpu`], [`ib`], [`net`] and [`mod@env`] expose what users call of the
 //! lower layers (device count, GPU buffers, RDMA devices and the test provider, interfaces,
 //! variables); [`launcher`] reads rank, size and root from `mpirun`, `srun` or `torchrun`.

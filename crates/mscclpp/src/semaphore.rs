@@ -26,7 +26,6 @@ use crate::buffer::DeviceBuffer;
 use crate::communicator::{Communicator, MsgKind, Pending};
 use crate::conn::Connection;
 use crate::device::handles::MemoryDevice2DeviceSemaphoreDeviceHandle;
-use crate::device::memory_channel::ChannelSemaphore;
 use crate::device::token_pool::{self, PoolToken};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::RegisteredMemory;
@@ -70,17 +69,25 @@ impl Counters {
     /// (which swaps `outbound` to `next`).
     fn signal_with(&self, send: impl FnOnce(&AtomicU64, u64) -> Result<()>) -> Result<()> {
         let _order = lock(&self.signal);
+        // Acquire: pairs with the AcqRel swap of `outbound` in `Connection::update_and_sync` of
+        // the previous signal (the lock orders them too; the ordering keeps this correct alone).
         let next = self.outbound.load(Ordering::Acquire) + 1;
         send(&self.outbound, next)
     }
 
     /// Consumes one signal if the inbound token `inbound` is above the consumed count.
     fn try_consume(&self, inbound: impl Fn() -> u64) -> bool {
+        // Acquire: pairs with the AcqRel compare-and-swap below in other waiters. `consumed` is a
+        // count only: the data a consumed signal covers is ordered by the inbound token's own
+        // Acquire load (`inbound`), which pairs with the transport's Release store of the token.
         let mut seen = self.consumed.load(Ordering::Acquire);
         loop {
             if inbound() <= seen {
                 return false;
             }
+            // AcqRel on success, Acquire on failure: pairs with the same CAS of other waiters, so
+            // each count is claimed once (the host form of device.cuh's `poll_inbound`, with
+            // stronger orderings than its relaxed CAS; see tests/ordering_models.rs).
             match self.consumed.compare_exchange_weak(seen, seen + 1, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return true,
                 Err(now) => seen = now,
@@ -269,6 +276,10 @@ impl Host2HostSemaphore {
 
     fn inbound(&self) -> u64 {
         // The token buffer is 8 bytes at a page-aligned address: offset 0 is a valid atomic word.
+        // Acquire: pairs with the Release store (or AcqRel add) of the token by the transport's
+        // receive thread (Ethernet's `RxEvent::Token`, IB HostNoAtomic's forwarding), made after
+        // it applied every earlier write of the connection; over IB with atomics the NIC writes
+        // the token after the data (RDMA ordering), and this load reads it.
         self.inner.token.atomic_u64(0).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
     }
 
@@ -341,6 +352,7 @@ impl Host2HostSemaphore {
                     format!(
                         "Host2HostSemaphore: token is {}, {} signals consumed, after {timeout:?}",
                         self.inbound(),
+                        // Acquire: as in `Counters::try_consume` (for the message only).
                         self.inner.counters.consumed.load(Ordering::Acquire)
                     ),
                 );
@@ -406,6 +418,14 @@ impl Host2DeviceSemaphore {
         self.token.read_u64(0)
     }
 
+    /// The last token value sent to the peer (signals sent so far, from this semaphore's
+    /// start): where a proxy that takes the semaphore over continues counting.
+    pub fn outbound_token(&self) -> u64 {
+        // Acquire: pairs with the AcqRel swap in `Connection::update_and_sync` of the last
+        // `signal`, so a proxy taking over continues from the value actually sent.
+        self.counters.outbound.load(Ordering::Acquire)
+    }
+
     /// Host-side wait for one more signal (for tests and host code; kernels use the handle).
     /// `Duration::ZERO` takes only a signal already there; `Duration::MAX` means no limit.
     ///
@@ -428,29 +448,11 @@ impl Host2DeviceSemaphore {
             ErrorKind::Timeout,
             format!(
                 "Host2DeviceSemaphore: token is {have}, {} signals consumed, after {timeout:?}",
+                // Acquire: as in `Counters::try_consume` (for the message only).
                 self.counters.consumed.load(Ordering::Acquire)
             ),
         );
         Err(self.connection().ctx_err(e, "Host2DeviceSemaphore wait"))
-    }
-}
-
-impl From<Host2DeviceSemaphore> for crate::device::proxy::ProxySemaphore {
-    /// Hands the semaphore to a proxy service, which signals it from then on (continuing its
-    /// outbound count) while kernels wait on its device handle.
-    fn from(s: Host2DeviceSemaphore) -> Self {
-        let handle = s.device_handle();
-        let outbound = s.counters.outbound.load(Ordering::Acquire);
-        let (conn, remote) = (s.connection().clone(), s.sem.remote_memory().clone());
-        crate::device::proxy::ProxySemaphore::from_parts(conn, remote, outbound, Some(handle), Box::new(s))
-    }
-}
-
-impl From<Semaphore> for crate::device::proxy::ProxySemaphore {
-    /// Hands the semaphore to a proxy service, which signals it (from outbound count 0).
-    fn from(s: Semaphore) -> Self {
-        let (conn, remote) = (s.connection().clone(), s.remote_memory().clone());
-        crate::device::proxy::ProxySemaphore::from_parts(conn, remote, 0, None, Box::new(s))
     }
 }
 
@@ -534,20 +536,6 @@ impl MemoryDevice2DeviceSemaphore {
     /// The signals kernels have consumed so far (the expected count), read by the host.
     pub fn expected_inbound_token(&self) -> Result<u64> {
         self.expected.buffer().read_u64(0)
-    }
-}
-
-impl From<MemoryDevice2DeviceSemaphore> for ChannelSemaphore {
-    fn from(s: MemoryDevice2DeviceSemaphore) -> Self {
-        Arc::new(s).into()
-    }
-}
-
-impl From<Arc<MemoryDevice2DeviceSemaphore>> for ChannelSemaphore {
-    /// Several channels may share one semaphore.
-    fn from(s: Arc<MemoryDevice2DeviceSemaphore>) -> Self {
-        let (handle, device, ctx) = (s.device_handle(), s.device, s.connection().context().clone());
-        ChannelSemaphore::from_parts(handle, device, ctx, s)
     }
 }
 

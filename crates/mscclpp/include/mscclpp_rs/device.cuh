@@ -22,6 +22,13 @@
 //                st.global.release.sys.v2.u64 {fst, snd} with the lap-parity bit 63 of snd set to
 //                ((pos >> sizeShift) & 1) ^ 1 (lap 0 writes 1, so a zeroed ring reads empty).
 //   FIFO poll/sync: ld.acquire.sys of tail.
+//   Pairs: the trigger's release store with the proxy's acquire load of snd (`Fifo::poll_at`);
+//                the proxy's release store of tail (`Fifo::pop`) with every ld.acquire.sys of
+//                tail here; red.release.gpu.max of tailCache with ld.acquire.gpu of it in
+//                wait_popped; the proxy's release stores of proxy_error and flushDonePos with
+//                their ld.acquire.sys here; a signal's release with the waiters' acquire loads
+//                of inbound. Each use below names its partner; tests/ordering_models.rs checks
+//                the FIFO and the semaphores' consume step with loom.
 //   semaphore wait: expected: atom.relaxed.gpu.add 1; inbound: ld.acquire.sys until >= expected.
 //   semaphore poll: ld.acquire.sys inbound > ld.relaxed.gpu expected, then atom.relaxed.gpu.cas expected += 1.
 //   flush:       push a Sync trigger at position pos, then ld.acquire.sys of flushDonePos until
@@ -234,7 +241,16 @@ struct FifoDeviceHandle {
   /// Reserves the next slot, waits while the ring is full (traps after `maxSpinCount` spins; never
   /// if negative), and writes `trigger` with the lap-parity bit. Returns its FIFO position.
   MSCCLPP_RS_DEVICE u64 push(ProxyTrigger trigger, i64 maxSpinCount = 1000000) {
+    // Relaxed: only hands out a number; the slot's reuse is ordered by `tail` (acquire in
+    // `wait_popped`) and its contents by the release store in `write`.
     u64 pos = detail::fetch_add_relaxed_gpu(head, 1);
+    // Plain load: a stale value only sends this thread to `wait_popped`. When it is high enough
+    // because another producer raised it (red.release.gpu.max after its ld.acquire.sys of
+    // `tail`), the slot's rewrite is ordered after the proxy's read of the previous lap only by
+    // this load's control dependency: enough on GPUs (stores are not made visible before the
+    // branch that guards them resolves), not in the PTX model's letter, which would want an
+    // ld.acquire.gpu here (tests/ordering_models.rs: fifo_tail_cache_fast_path_is_ordered_by_
+    // control_only finds the unordered rewrite with this load relaxed, none with it acquiring).
     if (pos >= (u64)size + *tailCache) {
       wait_popped(pos - size, maxSpinCount);
     }
@@ -248,10 +264,14 @@ struct FifoDeviceHandle {
   /// (`pos` may be null).
   MSCCLPP_RS_DEVICE bool push_for(ProxyTrigger trigger, u64 timeout_ns, u64* pos = nullptr) {
     u64 start = detail::globaltimer();
+    // Relaxed: a guess for the compare-and-swap below, which checks it.
     u64 h = detail::load_relaxed_gpu(head);
     for (;;) {
+      // Plain load of the hint, as in `push`.
       if (h >= (u64)size + *tailCache) {
+        // Acquire: pairs with the proxy's release store of `tail` (Rust: `Fifo::pop`/`pop_to`).
         u64 t = detail::load_acquire_sys(tail);
+        // Release: pairs with the ld.acquire.gpu of tailCache in other producers' `wait_popped`.
         detail::red_max_release_gpu(tailCache, t);
         if (h >= (u64)size + t) {
           if (proxy_error() != 0 || detail::expired(start, timeout_ns)) {
@@ -261,6 +281,7 @@ struct FifoDeviceHandle {
           continue;
         }
       }
+      // Relaxed: claims the number only, as `push`'s fetch-add; the slot was seen free above.
       u64 seen = detail::cas_relaxed_gpu(head, h, h + 1);
       if (seen == h) break;
       h = seen;
@@ -272,8 +293,10 @@ struct FifoDeviceHandle {
 
   /// Whether the proxy has popped the trigger at `pos`.
   MSCCLPP_RS_DEVICE bool poll(u64 pos) {
+    // Acquire: pairs with the proxy's release store of `tail` (Rust: `Fifo::pop`/`pop_to`).
     u64 t = detail::load_acquire_sys(tail);
     if (pos < t) {
+      // Release: pairs with the ld.acquire.gpu of tailCache in `wait_popped`.
       detail::red_max_release_gpu(tailCache, t);
       return true;
     }
@@ -284,9 +307,11 @@ struct FifoDeviceHandle {
   MSCCLPP_RS_DEVICE void sync(u64 pos, i64 maxSpinCount = 1000000) {
     u64 t;
     i64 spins = 0;
+    // Acquire: pairs with the proxy's release store of `tail` (Rust: `Fifo::pop`/`pop_to`).
     while (pos >= (t = detail::load_acquire_sys(tail))) {
       detail::spin_check(spins, maxSpinCount);
     }
+    // Release: pairs with the ld.acquire.gpu of tailCache in `wait_popped`.
     detail::red_max_release_gpu(tailCache, t);
   }
 
@@ -294,14 +319,17 @@ struct FifoDeviceHandle {
   MSCCLPP_RS_DEVICE bool sync_for(u64 pos, u64 timeout_ns) {
     u64 start = detail::globaltimer();
     u64 t;
+    // Acquire: pairs with the proxy's release store of `tail` (Rust: `Fifo::pop`/`pop_to`).
     while (pos >= (t = detail::load_acquire_sys(tail))) {
       if (proxy_error() != 0 || detail::expired(start, timeout_ns)) return false;
     }
+    // Release: pairs with the ld.acquire.gpu of tailCache in `wait_popped`.
     detail::red_max_release_gpu(tailCache, t);
     return true;
   }
 
   /// The proxy's error word (tail[1]): 0 while it runs fine, nonzero once it failed or stopped.
+  /// Acquire: pairs with the proxy's release store of the word (Rust: `Fifo::set_proxy_error`).
   MSCCLPP_RS_DEVICE u64 proxy_error() const { return detail::load_acquire_sys(tail + 1); }
 
  private:
@@ -319,13 +347,17 @@ struct FifoDeviceHandle {
     constexpr u64 kSleepPerSlot = MSCCLPP_RS_FIFO_WAIT_NS_PER_SLOT;
     constexpr u64 kMaxSleep = MSCCLPP_RS_FIFO_WAIT_MAX_NS;
     i64 spins = 0;
+    // Acquire (both loads of tailCache): pairs with the red.release.gpu.max of the producer that
+    // raised it, which had acquired `tail`: the proxy's pop happens before this slot's rewrite.
     u64 seen = detail::load_acquire_gpu(tailCache);
     for (;;) {
       u64 t = detail::load_acquire_gpu(tailCache);
       if (p < t) return;
       if (t == seen || p - t < kLead) {
+        // Acquire: pairs with the proxy's release store of `tail` (Rust: `Fifo::pop`/`pop_to`).
         u64 h = detail::load_acquire_sys(tail);
         if (h > t) {
+          // Release: pairs with the ld.acquire.gpu loads of tailCache above, in other waiters.
           detail::red_max_release_gpu(tailCache, h);
           t = h;
           if (p < t) return;
@@ -340,6 +372,8 @@ struct FifoDeviceHandle {
 
   MSCCLPP_RS_DEVICE void write(u64 pos, ProxyTrigger trigger) {
     trigger.fields.reserved = ((pos >> sizeShift) & 1ull) ^ 1ull;
+    // Release: pairs with the proxy's acquire load of `snd` (Rust: `Fifo::poll_at`), which sees
+    // the parity bit and then the whole trigger.
     detail::store_trigger_release_sys(&triggers[pos & sizeMask], trigger.fst, trigger.snd);
   }
 
@@ -367,9 +401,15 @@ namespace detail {
 /// poll loads, compares and then increments: two threads polling at once can both take one
 /// signal there).
 MSCCLPP_RS_DEVICE bool poll_inbound(const u64* inbound, u64* expected) {
+  // Relaxed: a count only (the CAS below checks it); the data is ordered by `inbound`'s load.
   u64 e = load_relaxed_gpu(expected);
+  // Acquire: pairs with the signal's release: red.release.sys.add of MemoryDevice2Device
+  // `signal`, or the peer transport's token update after the data (Host2Device; Rust:
+  // `Connection::update_and_sync`). Modelled in tests/ordering_models.rs.
   const u64 in = load_acquire_sys(inbound);
   while (in > e) {
+    // Relaxed: claims one count against other pollers' CAS and waiters' fetch-add (all on
+    // `expected`, one location: their order is its modification order); no data rides on it.
     const u64 seen = cas_relaxed_gpu(expected, e, e + 1);
     if (seen == e) return true;
     e = seen;
@@ -382,8 +422,10 @@ MSCCLPP_RS_DEVICE bool poll_inbound(const u64* inbound, u64* expected) {
 /// negative).
 template <bool Acquire>
 MSCCLPP_RS_DEVICE void wait_inbound(const u64* inbound, u64* expected, i64 maxSpinCount) {
+  // Relaxed: takes the next count (against `poll_inbound`'s CAS); no data rides on it.
   u64 e = fetch_add_relaxed_gpu(expected, 1) + 1;
   i64 spins = 0;
+  // Acquire: pairs with the signal's release, as in `poll_inbound` (relaxedWait: no pairing).
   while ((Acquire ? load_acquire_sys(inbound) : load_relaxed_sys(inbound)) < e) spin_check(spins, maxSpinCount);
 }
 
@@ -393,10 +435,15 @@ MSCCLPP_RS_DEVICE void wait_inbound(const u64* inbound, u64* expected, i64 maxSp
 /// once, a timeout can let two of the others wait for the same count (one signal then releases
 /// both): after a timeout with concurrent waiters, treat the semaphore's count as lost.
 MSCCLPP_RS_DEVICE bool wait_inbound_for(u64* inbound, u64* expected, u64 timeout_ns, const u64* abort_word) {
+  // Relaxed: takes the next count, as in `wait_inbound`.
   u64 e = fetch_add_relaxed_gpu(expected, 1) + 1;
   u64 start = globaltimer();
+  // Acquire: pairs with the signal's release, as in `poll_inbound`.
   while (load_acquire_sys(inbound) < e) {
+    // Acquire: pairs with the proxy's release store of its error word (Rust:
+    // `Fifo::set_proxy_error`).
     if ((abort_word != nullptr && load_acquire_sys(abort_word) != 0) || expired(start, timeout_ns)) {
+      // Relaxed: gives the count back (see above for several waiters).
       fetch_add_relaxed_gpu(expected, (u64)-1);
       return false;
     }
@@ -463,8 +510,9 @@ struct MemoryDevice2DeviceSemaphoreDeviceHandle {
     return detail::wait_inbound_for(inboundToken, expectedInboundToken, timeout_ns, nullptr);
   }
   /// Signals the peer: everything this thread wrote before is visible to it first.
+  /// Release: pairs with the peer's ld.acquire.sys of its inbound token in `poll`/`wait`/`wait_for`.
   MSCCLPP_RS_DEVICE void signal() { detail::red_add_release_sys(remoteInboundToken, 1); }
-  /// Signals without ordering earlier writes (execution sync only).
+  /// Signals without ordering earlier writes (execution sync only): pairs with nothing.
   MSCCLPP_RS_DEVICE void relaxedSignal() { detail::red_add_relaxed_sys(remoteInboundToken, 1); }
 #endif  // MSCCLPP_RS_DEVICE_COMPILE
 
@@ -527,6 +575,8 @@ struct BasePortChannelDeviceHandle {
     u64 pos;
     if (!fifo_.push_for(ProxyTrigger(TriggerSync, 0, 0, 0, 0, 0, semaphoreId_), timeout_ns, &pos)) return false;
     u64 done;
+    // Acquire: pairs with the proxy's release of flushDonePos (Rust: `FlushWords::publish`, a
+    // fetch_max after it saw the connection complete; `release_all` on error or stop).
     while ((done = detail::load_acquire_sys(flushDonePos_)) <= pos) {
       if (fifo_.proxy_error() != 0 || detail::expired(start, timeout_ns)) return false;
     }
@@ -550,6 +600,7 @@ struct BasePortChannelDeviceHandle {
  private:
   MSCCLPP_RS_DEVICE void waitFlush(u64 pos, i64 maxSpinCount) {
     i64 spins = 0;
+    // Acquire: pairs with the proxy's release of flushDonePos, as in `flush_for`.
     while (detail::load_acquire_sys(flushDonePos_) <= pos) detail::spin_check(spins, maxSpinCount);
   }
 
@@ -618,6 +669,9 @@ MSCCLPP_RS_DEVICE void ld_volatile_v2_u32(const void* p, u32& a, u32& b) {
 /// never mistake last round's packet for this round's and a writer never overwrites a packet
 /// the reader has not consumed (the reader tells the writer with a semaphore, or the writer
 /// alternates halves every round).
+/// Orderings: none. The volatile store pairs with the reader's volatile load of the same 8 (or
+/// 16) bytes: data and flag travel in one access, so seeing the flag is seeing the data. Nothing
+/// else the writer stored is ordered by a packet; for that, signal a semaphore (release/acquire).
 union alignas(16) LL16Packet {
   struct {
     u32 data1;

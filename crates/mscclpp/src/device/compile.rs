@@ -17,7 +17,7 @@
 //! Kernels are found by their PTX entry names, so declare them `extern "C"`.
 use std::sync::Arc;
 
-use super::{DEVICE_HEADER, HEADER_NAME};
+use super::header::{DEVICE_HEADER, HEADER_NAME};
 use crate::error::{Error, Result};
 use crate::platform::cuda::module::{self, Module};
 use crate::platform::cuda::nvrtc;

@@ -85,7 +85,7 @@ impl Fifo {
     /// The next trigger, if its producer has written it: `snd` with the commit bit cleared.
     /// Does not consume it: call [`pop`](Self::pop) once it is handled.
     pub fn poll(&self) -> Option<ProxyTrigger> {
-        // Only the consumer writes tail, so a relaxed load reads its own last store.
+        // Relaxed: only the consumer writes tail, so this reads its own last store.
         self.poll_at(self.tail_word().load(Ordering::Relaxed))
     }
 
@@ -97,11 +97,16 @@ impl Fifo {
     pub fn poll_at(&self, t: u64) -> Option<ProxyTrigger> {
         let i = (t & u64::from(self.size - 1)) as usize;
         let ring = self.mem.ring();
+        // Acquire: pairs with the producer's release store of the trigger (on the GPU the 16-byte
+        // `st.global.release.sys.v2.u64` in device.cuh's `FifoDeviceHandle::write`; on the CPU
+        // the Release store of `snd` in `HostProducer::write`): `fst` is visible once the parity
+        // bit is. Modelled in tests/ordering_models.rs.
         let snd = ring[2 * i + 1].load(Ordering::Acquire);
         let parity = ((t >> self.shift) & 1) ^ 1;
         if snd >> 63 != parity {
             return None;
         }
+        // Relaxed: ordered after the producer's write by the Acquire load of `snd` above.
         let fst = ring[2 * i].load(Ordering::Relaxed);
         Some(ProxyTrigger { fst, snd: snd & !COMMIT_BIT })
     }
@@ -109,14 +114,21 @@ impl Fifo {
     /// Consumes the trigger [`poll`](Self::poll) returned (a release store of `tail + 1`), freeing
     /// its slot for producers.
     pub fn pop(&self) {
+        // Relaxed: only the consumer writes tail.
         let t = self.tail_word().load(Ordering::Relaxed);
+        // Release: pairs with the producers' acquire loads of tail (device.cuh: `ld.acquire.sys`
+        // in `push_for`, `poll`, `sync`, `sync_for` and `wait_popped`; here
+        // `HostProducer::wait_tail_above` and `push_for`): the reads of the popped slot happen
+        // before a producer rewrites it on the next lap.
         self.tail_word().store(t + 1, Ordering::Release);
     }
 
     /// Consumes every trigger below position `t` at once (a release store of `tail = t`): the
     /// consumer has polled and handled them all. Never moves `tail` back.
     pub fn pop_to(&self, t: u64) {
+        // Relaxed: only the consumer writes tail.
         if t > self.tail_word().load(Ordering::Relaxed) {
+            // Release: pairs with the producers' acquire loads of tail, as in `pop`.
             self.tail_word().store(t, Ordering::Release);
         }
     }
@@ -124,17 +136,22 @@ impl Fifo {
     /// The FIFO position of the next trigger to poll (equal to the position its producer's
     /// `push` returned).
     pub fn tail(&self) -> u64 {
+        // Relaxed: exact on the consumer's thread (its own stores); a snapshot elsewhere.
         self.tail_word().load(Ordering::Relaxed)
     }
 
     /// Publishes the proxy's state to kernels (a release store of the error word): 0 = running
     /// fine; nonzero = the proxy failed or stopped, and kernels' time-limited waits return false.
     pub fn set_proxy_error(&self, code: u64) {
+        // Release: pairs with the kernels' `ld.acquire.sys` in device.cuh's
+        // `FifoDeviceHandle::proxy_error` (and the Acquire in `proxy_error` here): whoever sees
+        // the code sees what the proxy wrote before it.
         self.mem.control()[1].store(code, Ordering::Release);
     }
 
     /// The proxy's published state (see [`set_proxy_error`](Self::set_proxy_error)).
     pub fn proxy_error(&self) -> u64 {
+        // Acquire: pairs with the Release store in `set_proxy_error`.
         self.mem.control()[1].load(Ordering::Acquire)
     }
 
@@ -164,7 +181,8 @@ impl Fifo {
 /// step. The device writes a trigger with one 16-byte `st.release.sys`; the CPU equivalent here is
 /// a relaxed store of `fst` then a release store of `snd` (the word carrying the commit bit), which
 /// the consumer's acquire load of `snd` pairs with (MSCCL++'s ROCm path does the same). Any number
-/// of threads may push through producers of one FIFO at once.
+/// of threads may push through producers of one FIFO at once. One deliberate difference: the
+/// first look at `tailCache` is an acquire load here and a plain load on the device (see `push`).
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy)]
 pub struct HostProducer<'a> {
@@ -183,8 +201,17 @@ impl HostProducer<'_> {
     /// the consumer at it (as a trapped kernel would): tests only.
     pub fn push(&self, t: ProxyTrigger, timeout: Duration) -> Result<u64> {
         let size = u64::from(self.fifo.size);
+        // Relaxed (the device's `atom.relaxed.gpu.add`): only hands out a number; the slot's
+        // reuse is ordered by tail (Acquire in `wait_tail_above`) and its contents by `snd`
+        // (Release in `write`).
         let pos = self.head.fetch_add(1, Ordering::Relaxed);
-        if pos >= size + self.tail_cache.load(Ordering::Relaxed) {
+        // Acquire (the device has a plain load here): pairs with the Release stores of tailCache
+        // in `push_for` and `wait_tail_above`, made after an Acquire load of tail: when another
+        // producer raised it, the proxy's read of this slot's previous trigger happens before
+        // this producer rewrites it. The device relies on the control dependency instead (see
+        // device.cuh's `push`; tests/ordering_models.rs shows the difference). A stale value
+        // only sends this producer to wait.
+        if pos >= size + self.tail_cache.load(Ordering::Acquire) {
             self.wait_tail_above(pos - size, timeout)?;
         }
         self.write(pos, t);
@@ -198,20 +225,30 @@ impl HostProducer<'_> {
         let size = u64::from(self.fifo.size);
         let deadline = Deadline::after(timeout);
         let mut backoff = Backoff::new(BackoffPolicy::FAST);
+        // Relaxed: a guess for the compare-and-swap below, which checks it.
         let mut h = self.head.load(Ordering::Relaxed);
         loop {
-            if h >= size + self.tail_cache.load(Ordering::Relaxed) {
+            // Acquire: as in `push`.
+            if h >= size + self.tail_cache.load(Ordering::Acquire) {
+                // Acquire: pairs with the consumer's Release store of tail in `Fifo::pop`/`pop_to`.
                 let tail = self.fifo.tail_word().load(Ordering::Acquire);
-                self.tail_cache.store(tail, Ordering::Relaxed);
+                // Release: pairs with the Acquire loads of tailCache in `push` and here (the device
+                // raises it with `red.release.gpu.max`). A lowered hint is still true (at least
+                // `tail` popped) and only costs a read of tail.
+                self.tail_cache.store(tail, Ordering::Release);
                 if h >= size + tail {
                     if self.fifo.proxy_error() != 0 || deadline.expired() {
                         return Ok(None);
                     }
                     backoff.snooze(&deadline);
+                    // Relaxed: a fresh guess, as above.
                     h = self.head.load(Ordering::Relaxed);
                     continue;
                 }
             }
+            // Relaxed (the device's `atom.relaxed.gpu.cas`): claims the number only, as `push`'s
+            // fetch-add; the slot was seen free through the Acquire load of tail above (or a
+            // tailCache hint, as in `push`).
             match self.head.compare_exchange(h, h + 1, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => break,
                 Err(seen) => h = seen,
@@ -233,13 +270,15 @@ impl HostProducer<'_> {
         let tail = self.fifo.tail_word();
         let mut seen = 0;
         let ok = crate::sync::poll_until(timeout, BackoffPolicy::FAST, || {
+            // Acquire: pairs with the consumer's Release store of tail in `Fifo::pop`/`pop_to`.
             seen = tail.load(Ordering::Acquire);
             Ok::<_, Error>(seen > pos)
         })?;
         if !ok {
             return Err(Error::timeout(format!("FIFO position {pos} to be popped (tail {seen})"), timeout));
         }
-        self.tail_cache.store(seen, Ordering::Relaxed);
+        // Release: a hint, as in `push_for`.
+        self.tail_cache.store(seen, Ordering::Release);
         Ok(())
     }
 
@@ -247,7 +286,10 @@ impl HostProducer<'_> {
         let i = (pos & u64::from(self.fifo.size - 1)) as usize;
         let parity = ((pos >> self.fifo.shift) & 1) ^ 1;
         let ring = self.fifo.mem.ring();
+        // Relaxed: published by the Release store of `snd` next.
         ring[2 * i].store(t.fst, Ordering::Relaxed);
+        // Release: pairs with the consumer's Acquire load of `snd` in `Fifo::poll_at` (the CPU
+        // form of the device's one 16-byte release store).
         ring[2 * i + 1].store((t.snd & !COMMIT_BIT) | (parity << 63), Ordering::Release);
     }
 }

@@ -1,7 +1,7 @@
 //! `MemoryChannel` and `BaseMemoryChannel`: a kernel's channel to a peer GPU whose memory is
 //! mapped into this process (CUDA IPC): the kernel loads and stores straight into the peer's
 //! memory (`put`/`get`/`read`/`write`, LL packets) and synchronizes with a
-//! [`MemoryDevice2DeviceSemaphore`](crate::MemoryDevice2DeviceSemaphore), with no host thread.
+//! [`MemoryDevice2DeviceSemaphore`], with no host thread.
 //!
 //! ```no_run
 //! # fn f(comm: &mscclpp::Communicator, conn: &mscclpp::Connection, peer: usize,
@@ -13,7 +13,6 @@
 //! # Ok(()) }
 //! ```
 
-use std::any::Any;
 use std::sync::Arc;
 
 use super::handles::{
@@ -23,42 +22,57 @@ use crate::buffer::DeviceBuffer;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::memory::RegisteredMemory;
+use crate::semaphore::MemoryDevice2DeviceSemaphore;
 use crate::transport::{Device, TransportFlags};
 
-/// A device-to-device semaphore as a channel holds it: its device handle, its GPU and context,
-/// and the semaphore itself (kept alive as long as the channel). Made from a
-/// [`MemoryDevice2DeviceSemaphore`](crate::MemoryDevice2DeviceSemaphore) (owned or in an `Arc`,
-/// which several channels may share) with `into()`.
+/// A device-to-device semaphore as a channel holds it: the semaphore (kept alive as long as the
+/// channel, and shared by every channel made from the same `Arc`) and its device handle. Made
+/// from a [`MemoryDevice2DeviceSemaphore`], owned or in an `Arc`, with `into()`.
+///
+/// ```no_run
+/// # fn f(a: mscclpp::MemoryDevice2DeviceSemaphore) {
+/// use mscclpp::device::{BaseMemoryChannel, ChannelSemaphore};
+/// use std::sync::Arc;
+/// let shared = Arc::new(a);
+/// let one = BaseMemoryChannel::new(shared.clone()); // two channels, one semaphore
+/// let two = BaseMemoryChannel::new(shared);
+/// assert_eq!(one.device_handle(), two.device_handle());
+/// # }
+/// ```
+#[derive(Debug, Clone)]
 pub struct ChannelSemaphore {
     handle: MemoryDevice2DeviceSemaphoreDeviceHandle,
-    device: u32,
-    context: Context,
-    _keep: Arc<dyn Any + Send + Sync>,
-}
-
-impl std::fmt::Debug for ChannelSemaphore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChannelSemaphore").field("handle", &self.handle).field("device", &self.device).finish()
-    }
+    sem: Arc<MemoryDevice2DeviceSemaphore>,
 }
 
 impl ChannelSemaphore {
-    /// For the semaphore module's `From` impls: the handle, the GPU, the context, and the owner.
-    pub(crate) fn from_parts(
-        handle: MemoryDevice2DeviceSemaphoreDeviceHandle,
-        device: u32,
-        context: Context,
-        keep: Arc<dyn Any + Send + Sync>,
-    ) -> ChannelSemaphore {
-        ChannelSemaphore { handle, device, context, _keep: keep }
-    }
     /// The semaphore's device handle.
     pub fn device_handle(&self) -> MemoryDevice2DeviceSemaphoreDeviceHandle {
         self.handle
     }
     /// The GPU the semaphore's kernels run on.
     pub fn device(&self) -> u32 {
-        self.device
+        self.sem.device()
+    }
+    /// The semaphore.
+    pub fn semaphore(&self) -> &Arc<MemoryDevice2DeviceSemaphore> {
+        &self.sem
+    }
+    fn context(&self) -> &Context {
+        self.sem.connection().context()
+    }
+}
+
+impl From<MemoryDevice2DeviceSemaphore> for ChannelSemaphore {
+    fn from(s: MemoryDevice2DeviceSemaphore) -> Self {
+        Arc::new(s).into()
+    }
+}
+
+impl From<Arc<MemoryDevice2DeviceSemaphore>> for ChannelSemaphore {
+    /// Several channels may share one semaphore.
+    fn from(sem: Arc<MemoryDevice2DeviceSemaphore>) -> Self {
+        ChannelSemaphore { handle: sem.device_handle(), sem }
     }
 }
 
@@ -120,7 +134,7 @@ impl MemoryChannel {
         packet_buffer: Option<&RegisteredMemory>,
     ) -> Result<MemoryChannel> {
         let sem = sem.into();
-        let dev = sem.device;
+        let dev = sem.device();
         let gpu = crate::platform::cuda::device(dev)?;
         let local = |m: &RegisteredMemory, what: &str| -> Result<u64> {
             if !m.is_local() || m.device() != Device::Gpu(dev) {
@@ -140,7 +154,7 @@ impl MemoryChannel {
         let dst_ptr = dst.gpu_ptr(&gpu).map_err(|e| e.during("MemoryChannel: mapping the destination"))?;
         let handle =
             MemoryChannelDeviceHandle { semaphore: sem.handle, dst: dst_ptr, src: src_ptr, packet_buffer: packet_ptr };
-        let stored = DeviceBuffer::new(&sem.context, dev, 48, TransportFlags::NONE)?;
+        let stored = DeviceBuffer::new(sem.context(), dev, 48, TransportFlags::NONE)?;
         stored.write(0, &handle.to_bytes())?;
         Ok(MemoryChannel {
             sem,

@@ -7,13 +7,19 @@
 //! header to NVRTC directly. The header is self-contained (no includes, inline PTX only) and its
 //! layouts are byte-identical to MSCCL++'s device handles, so a ported kernel changes only its
 //! include. [`handles`] mirrors them in Rust; [`trigger`] encodes and decodes the FIFO's requests.
-use std::path::{Path, PathBuf};
-
-use crate::error::{Error, Result};
+//!
+//! # Layers inside this module
+//! The primitives ([`header`], [`handles`], [`trigger`], [`fifo`], [`token_pool`], [`compile`])
+//! sit below the semaphores ([`MemoryDevice2DeviceSemaphore`](crate::MemoryDevice2DeviceSemaphore),
+//! [`Host2DeviceSemaphore`](crate::Host2DeviceSemaphore)), which use them; the channels
+//! ([`memory_channel`], [`port_channel`]) and the [`proxy`] sit above and are made from
+//! semaphores (`ChannelSemaphore: From<MemoryDevice2DeviceSemaphore>`,
+//! `ProxySemaphore: From<Host2DeviceSemaphore>`). This file only re-exports.
 
 pub mod compile;
 pub mod fifo;
 pub mod handles;
+pub mod header;
 pub mod memory_channel;
 pub mod port_channel;
 pub mod proxy;
@@ -26,56 +32,11 @@ pub use handles::{
     LL8Packet, LL16Packet, MemoryChannelDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle,
     PortChannelDeviceHandle,
 };
+pub use header::{ABI_VERSION, DEVICE_HEADER, HEADER_NAME, include_dir, write_header};
 pub use memory_channel::{BaseMemoryChannel, ChannelSemaphore, MemoryChannel};
 pub use port_channel::PortChannel;
-pub use proxy::{MemoryId, ProxyConfig, ProxySemaphore, ProxyService, SemaphoreId};
+pub use proxy::{
+    HandlerResult, MemoryId, Proxy, ProxyConfig, ProxyHandler, ProxyOptions, ProxySemaphore, ProxyService, SemaphoreId,
+    TriggerContext,
+};
 pub use trigger::{ProxyTrigger, Put, Request, decode};
-
-/// The device header's text (`include/mscclpp_rs/device.cuh` in this crate).
-pub const DEVICE_HEADER: &str = include_str!("../../include/mscclpp_rs/device.cuh");
-
-/// The name kernels include the header by.
-pub const HEADER_NAME: &str = "mscclpp_rs/device.cuh";
-
-/// The layout/protocol version of the header and these handles (`MSCCLPP_RS_ABI_VERSION`).
-pub const ABI_VERSION: u32 = 1;
-
-/// The crate's include directory at build time (holds `mscclpp_rs/device.cuh`); pass it to nvcc
-/// as `-I`. It exists only where the crate's source does: otherwise use [`write_header`].
-pub fn include_dir() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/include"))
-}
-
-/// Writes the header to `dir/mscclpp_rs/device.cuh` (creating the directories) and returns that
-/// path; `dir` is then an include directory for nvcc.
-///
-/// # Errors
-/// `System` when the directory or file cannot be written.
-pub fn write_header(dir: &Path) -> Result<PathBuf> {
-    let path = dir.join(HEADER_NAME);
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-    }
-    std::fs::write(&path, DEVICE_HEADER).map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-    Ok(path)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn header_abi_version_matches() {
-        assert!(DEVICE_HEADER.contains(&format!("#define MSCCLPP_RS_ABI_VERSION {ABI_VERSION}\n")));
-        assert_eq!(std::fs::read_to_string(include_dir().join(HEADER_NAME)).unwrap(), DEVICE_HEADER);
-    }
-
-    #[test]
-    fn write_header_writes_the_header() {
-        let dir = std::env::temp_dir().join(format!("mscclpp-header-{}", std::process::id()));
-        let p = write_header(&dir).unwrap();
-        assert_eq!(p, dir.join("mscclpp_rs").join("device.cuh"));
-        assert_eq!(std::fs::read_to_string(&p).unwrap(), DEVICE_HEADER);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-}

@@ -1,0 +1,603 @@
+//! The built-in [`ProxyHandler`]: MSCCL++'s triggers (`put`, `signal`, `flush`, `atomicAdd`)
+//! executed on the connections of registered semaphores, with flushes tracked by sequence number
+//! and per-connection back pressure. No thread and no FIFO of its own: the loop hands it
+//! triggers, and its tests hand them over directly, on in-memory connections.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::runner::{HandlerResult, ProxyHandler, TriggerContext};
+use super::service::ProxySemaphore;
+use crate::conn::Connection;
+use crate::device::trigger::{ProxyTrigger, Request, decode};
+use crate::error::{Error, ErrorKind, Result};
+use crate::memory::RegisteredMemory;
+use crate::platform::hostmem::Region;
+use crate::sync::{Backoff, BackoffPolicy, Deadline};
+use crate::transport::Transport;
+
+/// How long closing waits for each connection's outstanding operations.
+const STOP_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long back pressure waits for one connection to make room before failing.
+const BACK_PRESSURE_LIMIT: Duration = Duration::from_secs(30);
+/// How many rounds of `progress` draining gives pending flushes before kernels are released.
+const DRAIN_ROUNDS: u32 = 1000;
+
+/// One `flushDonePos` word per connection, in memory kernels can read (mapped pinned host memory
+/// for a GPU service, plain host memory otherwise). Shared by the handler (which publishes) and
+/// the service (which hands out addresses and reads them for the host).
+#[derive(Debug)]
+pub(crate) struct FlushWords {
+    region: Region,
+}
+
+impl FlushWords {
+    /// Words over `region` (zeroed by the caller; one 8-byte word per connection).
+    pub(crate) fn new(region: Region) -> FlushWords {
+        FlushWords { region }
+    }
+
+    pub(crate) fn word(&self, conn: usize) -> Option<&AtomicU64> {
+        self.region.atomic_u64(conn as u64 * 8).ok()
+    }
+
+    pub(crate) fn addr(&self, conn: usize) -> u64 {
+        self.region.addr() as u64 + conn as u64 * 8
+    }
+
+    /// Every flush pushed below FIFO position `pos + 1` on `conn` has completed.
+    fn publish(&self, conn: usize, pos: u64) {
+        if let Some(w) = self.word(conn) {
+            // Release: pairs with the kernel's acquire load of flushDonePos in
+            // `BasePortChannelDeviceHandle::flush` (device.cuh) and the Acquire load in
+            // `ProxyService::flush_done_pos`: whoever sees the position sees the connection's
+            // completion that was observed before it. fetch_max keeps the word monotonic.
+            w.fetch_max(pos + 1, Ordering::AcqRel);
+        }
+    }
+
+    /// Every word becomes `u64::MAX`: every flush waiter returns.
+    pub(crate) fn release_all(&self, nconns: usize) {
+        for i in 0..nconns {
+            if let Some(w) = self.word(i) {
+                // Release: pairs with the same acquire loads as `publish`.
+                w.store(u64::MAX, Ordering::Release);
+            }
+        }
+    }
+}
+
+pub(crate) struct SemEntry {
+    pub(crate) sem: ProxySemaphore,
+    pub(crate) conn: usize,
+}
+
+/// One connection's flush state.
+struct ConnState {
+    conn: Connection,
+    /// Recorded flushes: (FIFO position, the connection's issued sequence number then).
+    pending: VecDeque<(u64, u64)>,
+}
+
+/// Executes decoded triggers on connections (see the [module documentation](super)).
+pub(crate) struct ConnectionHandler {
+    memories: Vec<RegisteredMemory>,
+    sems: Vec<SemEntry>,
+    conns: Vec<ConnState>,
+    words: Arc<FlushWords>,
+    max_queue: Option<u64>,
+    /// Whether any connection has recorded flushes to publish.
+    flushes_pending: bool,
+}
+
+impl ConnectionHandler {
+    pub(crate) fn new(words: Arc<FlushWords>, max_write_queue_size: Option<usize>) -> ConnectionHandler {
+        ConnectionHandler {
+            memories: Vec::new(),
+            sems: Vec::new(),
+            conns: Vec::new(),
+            words,
+            max_queue: max_write_queue_size.map(|q| q.max(1) as u64),
+            flushes_pending: false,
+        }
+    }
+
+    pub(crate) fn memories(&self) -> usize {
+        self.memories.len()
+    }
+    pub(crate) fn semaphores(&self) -> usize {
+        self.sems.len()
+    }
+    pub(crate) fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Registers a memory; its index is its ID.
+    pub(crate) fn add_memory(&mut self, m: RegisteredMemory) -> usize {
+        self.memories.push(m);
+        self.memories.len() - 1
+    }
+
+    /// Registers a semaphore (its connection once, shared by every semaphore on it); returns the
+    /// semaphore's ID and its connection's index.
+    pub(crate) fn add_semaphore(&mut self, sem: ProxySemaphore) -> (usize, usize) {
+        let conn = sem.connection().clone();
+        let idx = match self.conns.iter().position(|c| c.conn.same_as(&conn)) {
+            Some(i) => i,
+            None => {
+                self.conns.push(ConnState { conn, pending: VecDeque::new() });
+                self.conns.len() - 1
+            }
+        };
+        self.sems.push(SemEntry { sem, conn: idx });
+        (self.sems.len() - 1, idx)
+    }
+
+    /// Executes one decoded request pushed at FIFO position `pos`.
+    pub(crate) fn execute(&mut self, req: Request, cx: &TriggerContext<'_>) -> Result<()> {
+        match req {
+            Request::Ops { sem_id, put, signal, flush } => {
+                let ci = self.sem(sem_id)?.conn;
+                if let Some(p) = put {
+                    let dst = self.memory(p.dst_mem, "destination")?.clone();
+                    let src = self.memory(p.src_mem, "source")?.clone();
+                    self.make_room(ci, cx)?;
+                    let conn = &self.conns[ci].conn;
+                    conn.write(&dst, p.dst_off as u64, &src, p.src_off as u64, p.size as u64)?;
+                }
+                if signal {
+                    self.make_room(ci, cx)?;
+                    self.sem(sem_id)?.sem.signal()?;
+                }
+                if flush {
+                    self.flush(ci, cx.position())?;
+                }
+                Ok(())
+            }
+            Request::AtomicAdd { sem_id, dst_mem, dst_off, value } => {
+                let ci = self.sem(sem_id)?.conn;
+                let conn = self.conns[ci].conn.clone();
+                if conn.transport() == Transport::CudaIpc {
+                    return Err(Error::invalid_usage(
+                        "atomicAdd over a CUDA IPC connection is refused by the proxy: it would need a \
+                         kernel that cannot run while the pushing kernel occupies the GPU; add to the \
+                         peer's memory from the kernel itself with MemoryChannel's direct device atomics \
+                         (atom/red .sys on the CUDA IPC-mapped pointer)",
+                    ));
+                }
+                let dst = self.memory(dst_mem, "destination")?.clone();
+                self.make_room(ci, cx)?;
+                conn.atomic_add(&dst, dst_off as u64, value)
+            }
+        }
+    }
+
+    /// Publishes every recorded flush whose connection has completed its sequence number.
+    fn progress_flushes(&mut self) -> Result<()> {
+        let mut left = false;
+        for (i, c) in self.conns.iter_mut().enumerate() {
+            if c.pending.is_empty() {
+                continue;
+            }
+            let done = c.conn.progress()?.completed;
+            let mut publish = None;
+            while let Some(&(pos, seq)) = c.pending.front() {
+                if seq > done {
+                    break;
+                }
+                publish = Some(pos);
+                c.pending.pop_front();
+            }
+            if let Some(pos) = publish {
+                self.words.publish(i, pos);
+            }
+            left |= !c.pending.is_empty();
+        }
+        self.flushes_pending = left;
+        Ok(())
+    }
+
+    /// Records the flush at `pos` on connection `ci`, or publishes it at once when nothing is
+    /// outstanding.
+    fn flush(&mut self, ci: usize, pos: u64) -> Result<()> {
+        let c = &mut self.conns[ci];
+        let p = c.conn.progress_requested()?;
+        if p.completed >= p.issued && c.pending.is_empty() {
+            // Nothing outstanding: done now (the common case for back-to-back flushes).
+            self.words.publish(ci, pos);
+        } else {
+            c.pending.push_back((pos, p.issued));
+            self.flushes_pending = true;
+        }
+        Ok(())
+    }
+
+    fn sem(&self, id: u32) -> Result<&SemEntry> {
+        self.sems.get(id as usize).ok_or_else(|| {
+            Error::invalid_usage(format!(
+                "the trigger names semaphore {id}, but this proxy service has {} semaphores",
+                self.sems.len()
+            ))
+        })
+    }
+
+    fn memory(&self, id: u32, role: &str) -> Result<&RegisteredMemory> {
+        self.memories.get(id as usize).ok_or_else(|| {
+            Error::invalid_usage(format!(
+                "the trigger names {role} memory {id}, but this proxy service has {} memories",
+                self.memories.len()
+            ))
+        })
+    }
+
+    /// Waits, publishing flushes meanwhile, until connection `ci` has fewer than the bound in
+    /// flight. Triggers handled before this one are popped first, so their slots are free while
+    /// it waits.
+    fn make_room(&mut self, ci: usize, cx: &TriggerContext<'_>) -> Result<()> {
+        let Some(max) = self.max_queue else { return Ok(()) };
+        let conn = self.conns[ci].conn.clone();
+        let p = conn.progress()?;
+        if p.issued - p.completed < max {
+            return Ok(());
+        }
+        cx.release_handled();
+        conn.request_progress()?;
+        let deadline = Deadline::after(BACK_PRESSURE_LIMIT);
+        let mut backoff = Backoff::new(BackoffPolicy::FAST);
+        loop {
+            self.progress_flushes()?;
+            let p = conn.progress()?;
+            if p.issued - p.completed < max {
+                return Ok(());
+            }
+            if cx.stop_requested() {
+                return Err(Error::invalid_usage(format!(
+                    "the proxy service was stopped while {} operations were in flight on a full connection",
+                    p.issued - p.completed
+                )));
+            }
+            if deadline.expired() {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{} operations in flight on the connection to {} and none completed for {BACK_PRESSURE_LIMIT:?}",
+                        p.issued - p.completed,
+                        conn.peer_rank().map_or_else(|| "the peer".to_string(), |r| format!("rank {r}"))
+                    ),
+                ));
+            }
+            backoff.snooze(&deadline);
+        }
+    }
+}
+
+impl ProxyHandler for ConnectionHandler {
+    fn handle(&mut self, trigger: ProxyTrigger, cx: &TriggerContext<'_>) -> Result<HandlerResult> {
+        self.execute(decode(trigger)?, cx)?;
+        Ok(HandlerResult::Continue)
+    }
+
+    fn poll(&mut self) -> Result<()> {
+        if self.flushes_pending { self.progress_flushes() } else { Ok(()) }
+    }
+
+    fn release_waiters(&mut self) {
+        self.words.release_all(self.conns.len());
+    }
+
+    fn drain(&mut self) -> Result<()> {
+        for _ in 0..DRAIN_ROUNDS {
+            if self.conns.iter().all(|c| c.pending.is_empty()) {
+                break;
+            }
+            self.progress_flushes()?;
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    fn close(&mut self) -> Result<()> {
+        let mut first = None;
+        for c in &self.conns {
+            if c.conn.outstanding() > 0
+                && let Err(e) = c.conn.flush(STOP_FLUSH_TIMEOUT)
+            {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::super::runner::{LoopShared, Runner, Step};
+    use super::super::{PROXY_FAILED, PROXY_STOPPED};
+    use super::*;
+    use crate::buffer::Buffer;
+    use crate::conn::{ConnInner, ConnectionImpl, Progress};
+    use crate::context::Context;
+    use crate::device::fifo::Fifo;
+    use crate::device::trigger::Put;
+    use crate::platform::hostmem::HostAlloc;
+    use crate::semaphore::{Semaphore, SemaphoreStub};
+    use crate::sync::lock;
+    use crate::transport::{Device, TransportFlags};
+
+    /// What the fake connection was asked to do.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    enum Op {
+        Write { dst_off: u64, src_off: u64, len: u64 },
+        Update { old: u64, new: u64 },
+        Add { dst_off: u64, value: i64 },
+        Flush,
+    }
+
+    /// The far side of the fake: what arrived, how far the "peer" has applied, and a failure to
+    /// inject. Operations take sequence numbers 1, 2, ... as on a real connection.
+    #[derive(Default)]
+    struct Wire {
+        ops: Vec<Op>,
+        completed: u64,
+        fail: Option<String>,
+    }
+
+    struct Fake(Arc<Mutex<Wire>>);
+
+    impl Fake {
+        fn op(&self, op: Op) -> Result<()> {
+            let mut w = lock(&self.0);
+            if let Some(m) = &w.fail {
+                return Err(Error::new(ErrorKind::Remote, m.clone()));
+            }
+            w.ops.push(op);
+            Ok(())
+        }
+    }
+
+    impl ConnectionImpl for Fake {
+        fn write(
+            &self,
+            _: &RegisteredMemory,
+            dst_off: u64,
+            _: &RegisteredMemory,
+            src_off: u64,
+            len: u64,
+        ) -> Result<()> {
+            self.op(Op::Write { dst_off, src_off, len })
+        }
+        fn update_and_sync(&self, _: &RegisteredMemory, _: u64, old: u64, new: u64) -> Result<()> {
+            self.op(Op::Update { old, new })
+        }
+        fn atomic_add(&self, _: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
+            self.op(Op::Add { dst_off, value })
+        }
+        fn flush(&self, _: Duration) -> Result<()> {
+            let mut w = lock(&self.0);
+            w.completed = w.ops.iter().filter(|o| **o != Op::Flush).count() as u64;
+            w.ops.push(Op::Flush);
+            Ok(())
+        }
+        fn failure(&self) -> Option<Error> {
+            lock(&self.0).fail.as_ref().map(|m| Error::new(ErrorKind::Remote, m.clone()))
+        }
+        fn max_write_queue_size(&self) -> usize {
+            1 << 20
+        }
+        fn outstanding(&self) -> u64 {
+            let w = lock(&self.0);
+            w.ops.iter().filter(|o| **o != Op::Flush).count() as u64 - w.completed
+        }
+        /// Keeps answering after an injected failure, so that the failing operation (not the
+        /// proxy's polling) reports it.
+        fn progress(&self, _request: bool) -> Result<Progress> {
+            let w = lock(&self.0);
+            Ok(Progress { issued: w.ops.iter().filter(|o| **o != Op::Flush).count() as u64, completed: w.completed })
+        }
+    }
+
+    /// A handler with one fake connection (peer rank 1), one plain semaphore on it (ID 0), and
+    /// two memories (ID 0: the peer's, 1: local), driven by a runner over a host FIFO.
+    struct Rig {
+        runner: Runner<ConnectionHandler>,
+        wire: Arc<Mutex<Wire>>,
+        words: Arc<FlushWords>,
+        _ctx: Context,
+    }
+
+    fn rig(fifo_size: u32, max_queue: Option<usize>) -> Rig {
+        let ctx = Context::new();
+        let wire = Arc::new(Mutex::new(Wire::default()));
+        let conn = Connection::from_inner(ConnInner {
+            imp: Box::new(Fake(wire.clone())),
+            transport: Transport::Ethernet,
+            remote_transport: Transport::Ethernet,
+            device: Device::Cpu,
+            context: ctx.clone(),
+            peer: Some(1),
+            peer_desc: "the fake peer".to_string(),
+        });
+        let flags = TransportFlags::from(Transport::Ethernet);
+        let stub = SemaphoreStub::new(&conn).unwrap();
+        let peer_token = Buffer::new(&ctx, 8, flags).unwrap();
+        let sem = Semaphore::new(stub, peer_token.memory().clone());
+        let alloc = Arc::new(HostAlloc::zeroed(4 * 8).unwrap());
+        let words = Arc::new(FlushWords::new(Region::owned(alloc, 4 * 8)));
+        let mut h = ConnectionHandler::new(words.clone(), max_queue);
+        assert_eq!(h.add_semaphore(sem.into()), (0, 0));
+        for _ in 0..2 {
+            h.add_memory(Buffer::new(&ctx, 1 << 16, flags).unwrap().memory().clone());
+        }
+        let fifo = Arc::new(Fifo::host_backed(fifo_size).unwrap());
+        Rig { runner: Runner::new(Arc::new(LoopShared::new(fifo)), h), wire, words, _ctx: ctx }
+    }
+
+    impl Rig {
+        fn fifo(&self) -> &Fifo {
+            self.runner.sh_fifo()
+        }
+        /// Pushes `t` and steps once; returns its position.
+        fn run(&mut self, t: ProxyTrigger) -> u64 {
+            let pos = self.fifo().host_producer().unwrap().push(t, Duration::ZERO).unwrap();
+            assert_eq!(self.runner.step(), Step::Worked(1));
+            pos
+        }
+        fn flush_done(&self) -> u64 {
+            self.words.word(0).unwrap().load(Ordering::Acquire)
+        }
+        fn complete_up_to(&self, seq: u64) {
+            lock(&self.wire).completed = seq;
+        }
+        fn ops(&self) -> Vec<Op> {
+            lock(&self.wire).ops.clone()
+        }
+    }
+
+    fn put(size: u32, off: u32) -> Put {
+        Put { src_mem: 1, src_off: off, dst_mem: 0, dst_off: off, size }
+    }
+
+    /// A put+signal becomes a write then a token update (outbound 0 -> 1, then 1 -> 2), an
+    /// atomicAdd an add, in FIFO order.
+    #[test]
+    fn triggers_become_connection_operations() {
+        let mut r = rig(4, None);
+        r.run(ProxyTrigger::put_with_signal(0, put(100, 8)).unwrap());
+        r.run(ProxyTrigger::signal(0).unwrap());
+        r.run(ProxyTrigger::atomic_add(0, 0, 16, -3).unwrap());
+        assert_eq!(
+            r.ops(),
+            vec![
+                Op::Write { dst_off: 8, src_off: 8, len: 100 },
+                Op::Update { old: 0, new: 1 },
+                Op::Update { old: 1, new: 2 },
+                Op::Add { dst_off: 16, value: -3 },
+            ]
+        );
+        assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// A flush is recorded with the connection's issued sequence number and published (as its
+    /// position plus one) once `completed` reaches that number, not when the connection is idle:
+    /// later traffic does not hold it back. Flushes publish in order; one with nothing
+    /// outstanding publishes at once.
+    #[test]
+    fn flushes_are_tracked_by_sequence_number() {
+        let mut r = rig(8, None);
+        r.run(ProxyTrigger::put(0, put(64, 0)).unwrap()); // seq 1
+        r.run(ProxyTrigger::put(0, put(64, 64)).unwrap()); // seq 2
+        let f1 = r.run(ProxyTrigger::flush(0).unwrap()); // waits for seq 2
+        assert_eq!(r.flush_done(), 0, "nothing completed yet");
+        r.run(ProxyTrigger::put(0, put(64, 128)).unwrap()); // seq 3
+        let f2 = r.run(ProxyTrigger::put_with_signal_and_flush(0, put(8, 256)).unwrap()); // seqs 4, 5
+        r.complete_up_to(1);
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.flush_done(), 0, "seq 1 of 2: the first flush is not done");
+        r.complete_up_to(3); // traffic after the first flush is outstanding too
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.flush_done(), f1 + 1, "the first flush published although seq 3 is outstanding");
+        r.complete_up_to(5);
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.flush_done(), f2 + 1);
+        // Nothing outstanding: published while handling the trigger.
+        let f3 = r.run(ProxyTrigger::flush(0).unwrap());
+        assert_eq!(r.flush_done(), f3 + 1);
+        assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// Flush positions keep counting across laps of a small ring: 200 put+flush triggers through
+    /// a 2-slot FIFO each publish their own position.
+    #[test]
+    fn flush_positions_count_across_fifo_laps() {
+        let mut r = rig(2, None);
+        for i in 0..200u64 {
+            let pos = r.run(ProxyTrigger::put_with_signal_and_flush(0, put(8, 0)).unwrap());
+            assert_eq!(pos, i);
+            assert_eq!(r.flush_done(), i, "flush {i} waits for its two operations");
+            r.complete_up_to(2 * (i + 1));
+            assert_eq!(r.runner.step(), Step::Idle);
+            assert_eq!(r.flush_done(), i + 1);
+        }
+        assert_eq!(r.ops().len(), 400);
+    }
+
+    /// A connection error is the proxy's error: the FIFO's error word is `PROXY_FAILED` and every
+    /// flush word `u64::MAX` (the pending flush is released) before the host sees the error,
+    /// which names the FIFO position, the peer and the transport; later triggers, more than the
+    /// ring holds, are popped and not executed.
+    #[test]
+    fn a_connection_error_is_published_and_returned() {
+        let mut r = rig(4, None);
+        r.run(ProxyTrigger::put(0, put(64, 0)).unwrap());
+        r.run(ProxyTrigger::flush(0).unwrap());
+        lock(&r.wire).fail = Some("the peer reset the connection".into());
+        let bad = r.run(ProxyTrigger::put(0, put(64, 64)).unwrap());
+        assert_eq!(r.fifo().proxy_error(), PROXY_FAILED);
+        assert_eq!(r.flush_done(), u64::MAX, "the pending flush is released");
+        let e = r.runner.sh_status().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Remote, "{e}");
+        let text = e.to_string();
+        assert!(text.contains(&format!("FIFO position {bad}")), "{text}");
+        assert!(text.contains("the peer reset the connection") && text.contains("write"), "{text}");
+        lock(&r.wire).fail = None;
+        for _ in 0..10 {
+            r.run(ProxyTrigger::signal(0).unwrap());
+        }
+        assert_eq!(r.ops().len(), 1, "nothing executed after the failure");
+        r.runner.finish();
+        assert_eq!(r.fifo().proxy_error(), PROXY_FAILED, "a stop keeps the failure visible");
+    }
+
+    /// Triggers that do not decode or name what is not registered fail the proxy with
+    /// `InvalidUsage`, and only the first error is kept.
+    #[test]
+    fn bad_triggers_fail_with_the_first_error() {
+        let mut r = rig(4, None);
+        r.run(ProxyTrigger::put(0, Put { dst_mem: 9, ..put(8, 0) }).unwrap());
+        r.run(ProxyTrigger { fst: 77, snd: 2 << 50 });
+        let e = r.runner.sh_status().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage);
+        assert!(e.to_string().contains("destination memory 9"), "{e}");
+        let mut r = rig(4, None);
+        r.run(ProxyTrigger::signal(3).unwrap());
+        assert!(r.runner.sh_status().unwrap_err().to_string().contains("semaphore 3"));
+        let mut r = rig(4, None);
+        r.run(ProxyTrigger { fst: 77, snd: 2 << 50 });
+        assert!(r.runner.sh_status().unwrap_err().to_string().contains("bad trigger"));
+    }
+
+    /// With a bound of 2 in flight, a third operation waits for completions; a stop request ends
+    /// the wait with an error instead of the 30 s limit (no clock in the test: the connection
+    /// never completes, and stop is requested before the trigger is handled).
+    #[test]
+    fn back_pressure_waits_for_room_and_gives_up_on_stop() {
+        let mut r = rig(4, Some(2));
+        r.run(ProxyTrigger::put(0, put(8, 0)).unwrap());
+        r.run(ProxyTrigger::put(0, put(8, 8)).unwrap());
+        r.complete_up_to(1);
+        r.run(ProxyTrigger::put(0, put(8, 16)).unwrap()); // room: 1 in flight
+        assert_eq!(r.ops().len(), 3);
+        r.runner.request_stop();
+        r.run(ProxyTrigger::put(0, put(8, 24)).unwrap()); // 2 in flight: waits, sees the stop
+        assert_eq!(r.ops().len(), 3);
+        let e = r.runner.sh_status().unwrap_err();
+        assert!(e.to_string().contains("stopped while 2 operations were in flight"), "{e}");
+    }
+
+    /// A clean stop drains completed flushes, publishes `PROXY_STOPPED`, releases the flush words
+    /// and flushes the connection.
+    #[test]
+    fn finishing_drains_releases_and_flushes() {
+        let mut r = rig(4, None);
+        r.run(ProxyTrigger::put_with_signal_and_flush(0, put(8, 0)).unwrap());
+        r.runner.finish();
+        assert_eq!(r.fifo().proxy_error(), PROXY_STOPPED);
+        assert_eq!(r.flush_done(), u64::MAX);
+        assert_eq!(r.ops().last(), Some(&Op::Flush), "outstanding operations flushed at the end");
+        assert!(r.runner.sh_status().is_ok());
+    }
+}

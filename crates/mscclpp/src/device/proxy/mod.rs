@@ -1,0 +1,132 @@
+//! The proxy: a host thread that executes the triggers kernels push into a [`Fifo`].
+//!
+//! A kernel pushes `put`/`signal`/`flush`/`atomicAdd` requests (see [`trigger`](super::trigger));
+//! the proxy thread pops them in order and runs them on the connections of the semaphores they
+//! name: `put` is [`Connection::write`] between two registered memories, `signal` is the
+//! semaphore's `update_and_sync` (outbound token + 1), `atomicAdd` is
+//! [`Connection::atomic_add`], and `flush` records the connection's current sequence number
+//! ([`Connection::request_progress`]) and returns at once.
+//!
+//! # Flushes
+//! Each connection has one `flushDonePos` word in mapped pinned host memory (shared by every
+//! channel on that connection, as in MSCCL++). A flush at FIFO position `p` is recorded as
+//! `(p, s)` with `s` the connection's issued sequence number; between triggers the proxy polls
+//! [`Connection::progress`] and, once `completed >= s`, stores `p + 1` into the word (release).
+//! A kernel flushing at position `p` waits until the word exceeds `p`. So a flush never blocks
+//! other channels' requests, and, because its target is a fixed sequence number rather than
+//! "nothing outstanding", it completes under continuous traffic too.
+//!
+//! # Back pressure
+//! With [`ProxyConfig::max_write_queue_size`], the proxy keeps at most that many operations in
+//! flight per connection: before issuing more it polls that connection's progress (publishing
+//! other connections' flushes meanwhile). Connections also bound their own queues.
+//!
+//! # Errors
+//! The first error (a trigger that does not decode or names an unknown semaphore or memory, a
+//! refused request, a transport failure, a peer gone) is kept. It is published to the device at
+//! once: the FIFO's error word becomes [`PROXY_FAILED`] and every `flushDonePos` word
+//! `u64::MAX`, so `wait_for`/`flush_for` in kernels return false and `flush` returns. The proxy
+//! then keeps popping triggers without executing them, so producers never wait on a full FIFO.
+//! [`ProxyService::status`] and [`ProxyService::stop`] return the error.
+//!
+//! # CUDA IPC atomics
+//! An `atomicAdd` trigger on a CUDA IPC connection is refused (a recorded error): a proxy can
+//! only add through a kernel, and that kernel cannot be scheduled while the pushing kernel
+//! occupies the GPU (or costs milliseconds from another context). Kernels add to a peer's memory
+//! over CUDA IPC directly, with `atom`/`red` `.sys` on the mapped pointer (MemoryChannel's
+//! atomics). Over Ethernet and IB, `atomicAdd` runs on the connection.
+//!
+//! # Threads and CUDA
+//! The proxy thread binds to the GPU's NUMA node, makes the device's context current and sets
+//! relaxed stream-capture mode, so a graph capture in another thread is never disturbed; it uses
+//! only the connections' non-blocking streams and launches no kernels. It checks its stop flag
+//! every 1000 iterations. User code must not launch work on the legacy default stream while a
+//! kernel served by a proxy spins (that work waits for the kernel, which waits for the proxy).
+//!
+//! # Structure, and your own handler
+//! The loop ([`runner`]: FIFO polling, batched pops, idle back-off, stop, first error) is apart
+//! from what a trigger means ([`ProxyHandler`]). [`ProxyService`] runs the loop with the built-in
+//! handler described above (`handler`: registries, flushes by sequence number, back pressure);
+//! [`Proxy::start`] runs it with a handler of your own, on any [`Fifo`] (MSCCL++ lets users
+//! run their own proxy function the same way). Your handler gets the same guarantees: triggers
+//! in order, one thread, the first error (or panic) published to kernels and returned by
+//! [`Proxy::stop`].
+//!
+//! C++ MSCCL++: `ProxyService` (with `Proxy` and `BaseProxyService`).
+//!
+//! [`Fifo`]: super::fifo::Fifo
+//! [`Connection::write`]: crate::Connection::write
+//! [`Connection::atomic_add`]: crate::Connection::atomic_add
+//! [`Connection::progress`]: crate::Connection::progress
+//! [`Connection::request_progress`]: crate::Connection::request_progress
+
+mod handler;
+pub mod runner;
+mod service;
+
+pub use runner::{HandlerResult, Proxy, ProxyHandler, ProxyOptions, TriggerContext};
+pub use service::{ProxySemaphore, ProxyService};
+
+use super::fifo::DEFAULT_FIFO_SIZE;
+
+const LOG: &str = "mscclpp::proxy";
+
+/// The FIFO error word's value once the proxy has failed (see the module documentation).
+pub const PROXY_FAILED: u64 = 1;
+/// The FIFO error word's value once the proxy has stopped cleanly.
+pub const PROXY_STOPPED: u64 = 2;
+
+/// A memory's ID in one [`ProxyService`] (what triggers carry, at most 511).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MemoryId(pub u32);
+
+/// A semaphore's ID in one [`ProxyService`] (what triggers carry, at most 1023).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SemaphoreId(pub u32);
+
+/// How a [`ProxyService`] runs.
+///
+/// Start from [`Default`] and change what you need, with the setters or the fields (the struct is
+/// `#[non_exhaustive]`: later versions may add settings without breaking your code).
+///
+/// ```
+/// use mscclpp::device::ProxyConfig;
+/// let cfg = ProxyConfig::default().fifo_size(64).idle_backoff(true);
+/// assert_eq!((cfg.fifo_size, cfg.max_write_queue_size, cfg.idle_backoff), (64, None, true));
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ProxyConfig {
+    /// FIFO slots, a power of two (default 512, as MSCCL++).
+    pub fifo_size: u32,
+    /// Most operations in flight per connection before the proxy waits for completions
+    /// (`None`: only the connection's own bound applies; MSCCL++ uses the CQ size for IB).
+    pub max_write_queue_size: Option<usize>,
+    /// Spin, then yield, then sleep (up to 50 us) while the FIFO stays empty, instead of
+    /// spinning a core. Adds wake-up latency after idle periods; off by default.
+    pub idle_backoff: bool,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig { fifo_size: DEFAULT_FIFO_SIZE, max_write_queue_size: None, idle_backoff: false }
+    }
+}
+
+impl ProxyConfig {
+    /// Sets [`fifo_size`](Self::fifo_size).
+    pub fn fifo_size(mut self, slots: u32) -> Self {
+        self.fifo_size = slots;
+        self
+    }
+    /// Sets [`max_write_queue_size`](Self::max_write_queue_size).
+    pub fn max_write_queue_size(mut self, ops: Option<usize>) -> Self {
+        self.max_write_queue_size = ops;
+        self
+    }
+    /// Sets [`idle_backoff`](Self::idle_backoff).
+    pub fn idle_backoff(mut self, on: bool) -> Self {
+        self.idle_backoff = on;
+        self
+    }
+}

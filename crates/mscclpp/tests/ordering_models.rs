@@ -1,0 +1,586 @@
+//! Model checks (loom) of the two lock-free protocols between kernels and the host, written in
+//! Rust atomics with the orderings of the PTX in `include/mscclpp_rs/device.cuh` (and of the
+//! CPU producer in `src/device/fifo.rs`, which follows it):
+//!
+//! * the FIFO: producers reserve a position (`atom.relaxed.gpu.add` on head, or the
+//!   compare-and-swap of `push_for`), wait while the ring is full (acquire loads of `tail`,
+//!   `red.release.gpu.max` into `tailCache`), and write the trigger with the lap-parity bit (one
+//!   16-byte `st.release.sys`: here `fst` first, then a release store of `snd`); the proxy
+//!   acquire-loads `snd`, checks the parity of `tail`'s lap, reads `fst`, and publishes the pop
+//!   with a release store of `tail`;
+//! * the semaphores' consume step (`detail::poll_inbound` and `detail::wait_inbound`): a signal
+//!   is a release add on the inbound token after the signaller's writes; a wait takes the next
+//!   count with a relaxed fetch-add of `expected` and acquire-loads `inbound` until it reaches
+//!   it; a poll acquire-loads `inbound`, and claims a count with a relaxed compare-and-swap.
+//!
+//! Each model takes its orderings as parameters. The faithful ones must pass every interleaving
+//! loom explores; for each ordering that matters there is a test that weakens it (to
+//! `Relaxed`) and expects loom to find the failing interleaving: a data race on the payload (a
+//! read not ordered after the write it needs, or a slot rewritten before the proxy's read of it
+//! was ordered before), or a wrong value. So weakening an ordering here, or in the protocol they
+//! model, shows up as a failing test.
+//!
+//! Payloads the protocol orders (the trigger's first word, the data a signal publishes) are
+//! `loom::cell::UnsafeCell`s: loom tracks every access and fails the model when two of them are
+//! not ordered by happens-before, whether or not they overlap in the interleaving at hand. The
+//! real FIFO writes `fst` as a (relaxed) atomic; modelling it as plain data asks for more: that
+//! every read of it is ordered after the write and before the next lap's.
+//!
+//! Bounds: rings of one or two slots, two to four triggers, two signals; three preemptions for
+//! the two-thread models, two for the three-thread ones, whose spin loops give up after a few
+//! rounds (see [`SPINS`]).
+//!
+//! A finding: with several producers, `push` and `push_for` may find `tailCache` raised by
+//! another producer and write their slot after a plain (not acquiring) load of it; the rewrite
+//! is then ordered after the proxy's read of the previous lap only by the control dependency,
+//! which loom, like the C++ and PTX models, does not count. On GPUs that is enough (a store is
+//! not made visible before the branch guarding it resolves), so the header keeps MSCCL++'s plain
+//! load and says so at `push`; `fifo_tail_cache_fast_path_is_ordered_by_control_only` shows
+//! loom's counterexample and that an acquire load closes it (the CPU producer in `fifo.rs` uses
+//! one). Not modelled: `wait_inbound_for`'s give-back on timeout (documented as exact for one
+//! waiter).
+//!
+//! Runs as ordinary tests (`cargo test --release --test ordering_models`, well under a second):
+//! loom needs no `--cfg loom` to run a model (that cfg only swaps a crate's own atomics, and
+//! these models use loom's directly).
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use loom::cell::UnsafeCell;
+use loom::sync::Arc;
+use loom::sync::atomic::{AtomicU64, Ordering, Ordering::*};
+use loom::thread;
+
+/// Explores interleavings with up to `preemptions` preemptions (crossbeam's loom runs use two
+/// or three), with room for the spin loops' branches.
+fn check_with(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(preemptions);
+    b.max_branches = 100_000;
+    b.check(f);
+}
+
+fn check(f: impl Fn() + Sync + Send + 'static) {
+    check_with(3, f)
+}
+
+/// Runs a model that must fail and returns loom's reason (the panic's message; the default hook
+/// also prints it, with the failing interleaving's location: that is the counterexample).
+fn failure(f: impl Fn() + Sync + Send + 'static) -> String {
+    match catch_unwind(AssertUnwindSafe(|| check(f))) {
+        Ok(()) => panic!("the model passed, but its weakened ordering should have let loom find a failure"),
+        Err(p) => p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default(),
+    }
+}
+
+/// Loom's verdict on a payload accessed without happens-before.
+const RACE: &str = "Causality violation";
+
+fn assert_race(reason: String) {
+    assert!(reason.contains(RACE), "expected a data race on the payload, loom said: {reason}");
+}
+
+// ------------------------------------------------------------------------------------------
+// The FIFO
+// ------------------------------------------------------------------------------------------
+
+/// The orderings of the FIFO's protocol.
+#[derive(Clone, Copy, Debug)]
+struct FifoOrders {
+    /// The producer's store of `snd` (bit 63: lap parity), after `fst`: the release half of
+    /// `st.global.release.sys.v2.u64`.
+    snd_store: Ordering,
+    /// The proxy's load of `snd` in `Fifo::poll_at`.
+    snd_load: Ordering,
+    /// The proxy's store of `tail` in `Fifo::pop`/`pop_to`.
+    tail_store: Ordering,
+    /// The producer's load of `tail` while the ring is full (`ld.acquire.sys`).
+    tail_load: Ordering,
+    /// `push`'s and `push_for`'s first look at `tailCache` (a plain load in the header).
+    tail_cache_load: Ordering,
+}
+
+const FIFO: FifoOrders = FifoOrders {
+    snd_store: Release,
+    snd_load: Acquire,
+    tail_store: Release,
+    tail_load: Acquire,
+    tail_cache_load: Relaxed,
+};
+
+/// A ring of `SIZE` slots in the model.
+struct Ring<const SIZE: usize> {
+    fst: [UnsafeCell<u64>; SIZE],
+    snd: [AtomicU64; SIZE],
+    head: AtomicU64,
+    tail: AtomicU64,
+    tail_cache: AtomicU64,
+    o: FifoOrders,
+    /// Rounds a spin loop may take before giving up (see [`SPINS`]).
+    spins: usize,
+}
+
+/// How many rounds the spin loops of the three-thread models take before giving up (a
+/// timeout): unbounded spinning with loads that may read stale values multiplies loom's
+/// branches beyond reach. A model that gives up checks what it got so far; the two-thread
+/// models spin without limit and check everything.
+const SPINS: usize = 2;
+
+const PARITY: u64 = 1 << 63;
+
+impl<const SIZE: usize> Ring<SIZE> {
+    fn new(o: FifoOrders, spins: usize) -> Self {
+        Ring {
+            fst: std::array::from_fn(|_| UnsafeCell::new(0)),
+            snd: std::array::from_fn(|_| AtomicU64::new(0)),
+            head: AtomicU64::new(0),
+            tail: AtomicU64::new(0),
+            tail_cache: AtomicU64::new(0),
+            o,
+            spins,
+        }
+    }
+
+    fn shift() -> u32 {
+        SIZE.trailing_zeros()
+    }
+
+    /// `FifoDeviceHandle::push`: reserve, wait while full, write (`None`: gave up waiting, the
+    /// reserved slot stays unwritten, as after a trap).
+    fn push(&self, fst: u64, snd: u64) -> Option<u64> {
+        let size = SIZE as u64;
+        // Relaxed (atom.relaxed.gpu.add): only reserves a number; what the slot may hold is
+        // decided by `tail`, and the proxy learns of the trigger from `snd`.
+        let pos = self.head.fetch_add(1, Relaxed);
+        // Plain load of tailCache in the header (see the module note and
+        // `fifo_tail_cache_fast_path_is_ordered_by_control_only`).
+        if pos >= size + self.tail_cache.load(self.o.tail_cache_load) {
+            let mut round = 0;
+            loop {
+                // Acquire: pairs with the proxy's Release store of `tail`: its read of the
+                // slot's previous trigger happens before this producer rewrites the slot.
+                let t = self.tail.load(self.o.tail_load);
+                if pos < size + t {
+                    // red.release.gpu.max: later readers of tailCache that acquire it see the pop.
+                    self.tail_cache.fetch_max(t, Release);
+                    break;
+                }
+                round += 1;
+                if round == self.spins {
+                    return None;
+                }
+                thread::yield_now();
+            }
+        }
+        self.write(pos, fst, snd);
+        Some(pos)
+    }
+
+    /// `FifoDeviceHandle::push_for`: reserve only a free slot (compare-and-swap of head);
+    /// `None` when it gave up (nothing reserved).
+    fn push_for(&self, fst: u64, snd: u64) -> Option<u64> {
+        let size = SIZE as u64;
+        let mut h = self.head.load(Relaxed);
+        let mut round = 0;
+        loop {
+            // Plain load of the hint in the header, as in `push`.
+            if h >= size + self.tail_cache.load(self.o.tail_cache_load) {
+                // Acquire: as in `push`.
+                let t = self.tail.load(self.o.tail_load);
+                self.tail_cache.fetch_max(t, Release);
+                if h >= size + t {
+                    round += 1;
+                    if round == self.spins {
+                        return None;
+                    }
+                    thread::yield_now();
+                    h = self.head.load(Relaxed);
+                    continue;
+                }
+            }
+            // Relaxed (atom.relaxed.gpu.cas): claims the number only, as `push`'s fetch-add.
+            match self.head.compare_exchange(h, h + 1, Relaxed, Relaxed) {
+                Ok(_) => break,
+                Err(seen) => h = seen,
+            }
+        }
+        self.write(h, fst, snd);
+        Some(h)
+    }
+
+    fn write(&self, pos: u64, fst: u64, snd: u64) {
+        let i = pos as usize % SIZE;
+        let parity = ((pos >> Self::shift()) & 1) ^ 1;
+        // SAFETY: loom checks that this write is ordered after every earlier access to the cell
+        // (the proxy's read of the previous lap) and fails the model otherwise; the pointer is
+        // the cell's own.
+        self.fst[i].with_mut(|p| unsafe { *p = fst });
+        // Release: pairs with the proxy's Acquire load of `snd` in `poll_at`: `fst` is visible
+        // once the parity is.
+        self.snd[i].store((snd & !PARITY) | (parity << 63), self.o.snd_store);
+    }
+
+    /// `Fifo::poll_at(tail)` then `Fifo::pop` (one consumer); `None` when it gave up.
+    fn pop(&self) -> Option<(u64, u64, u64)> {
+        // Relaxed: only the consumer writes tail.
+        let t = self.tail.load(Relaxed);
+        let i = t as usize % SIZE;
+        let parity = ((t >> Self::shift()) & 1) ^ 1;
+        let mut round = 0;
+        loop {
+            // Acquire: pairs with the producer's Release store of `snd` in `write`.
+            let snd = self.snd[i].load(self.o.snd_load);
+            if snd >> 63 == parity {
+                // SAFETY: loom checks that this read is ordered after the producer's write of
+                // this lap (through `snd`) and fails the model otherwise.
+                let fst = self.fst[i].with(|p| unsafe { *p });
+                // Release: pairs with the producers' Acquire loads of `tail`: this read of the
+                // slot happens before the slot is written again.
+                self.tail.store(t + 1, self.o.tail_store);
+                return Some((t, fst, snd & !PARITY));
+            }
+            round += 1;
+            if round == self.spins {
+                return None;
+            }
+            thread::yield_now();
+        }
+    }
+}
+
+/// One producer, a one-slot ring, three triggers: every push after the first waits for the
+/// previous pop (wrap at every trigger; the parity alternates 1, 0, 1). The proxy sees each
+/// trigger once, whole, at its position.
+fn fifo_one_slot_wraps(o: FifoOrders) {
+    check(move || {
+        let ring = Arc::new(Ring::<1>::new(o, usize::MAX));
+        let p = {
+            let ring = ring.clone();
+            thread::spawn(move || {
+                for k in 0..3u64 {
+                    assert_eq!(ring.push(100 + k, k), Some(k));
+                }
+            })
+        };
+        for k in 0..3u64 {
+            assert_eq!(ring.pop(), Some((k, 100 + k, k)), "trigger {k}");
+        }
+        p.join().unwrap();
+    });
+}
+
+/// Two producers (one `push`, one `push_for`) and the proxy on a one-slot ring, one trigger
+/// each: whichever comes second waits for the first to be popped (by the fetch-add's wait or the
+/// compare-and-swap's); both are delivered once, whole, at their positions.
+fn fifo_two_producers(o: FifoOrders) {
+    check_with(2, move || {
+        let ring = Arc::new(Ring::<1>::new(o, SPINS));
+        let producers: Vec<_> = (0..2u64)
+            .map(|id| {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    let v = 7 + id;
+                    if id == 0 { ring.push(v, v) } else { ring.push_for(v, v) }
+                })
+            })
+            .collect();
+        let mut got = Vec::new();
+        while let Some((t, fst, snd)) = ring.pop() {
+            assert_eq!(t, got.len() as u64);
+            assert_eq!(fst, snd, "torn or stale trigger at {t}");
+            got.push(snd);
+            if got.len() == 2 {
+                break;
+            }
+        }
+        for (id, p) in producers.into_iter().enumerate() {
+            if let Some(pos) = p.join().unwrap()
+                && let Some(&v) = got.get(pos as usize)
+            {
+                assert_eq!(v, 7 + id as u64, "producer {id}'s trigger at its position {pos}");
+            }
+        }
+    });
+}
+
+/// Two producers that push twice each (`push`, `push_for`) through a two-slot ring: the case
+/// the other models leave out, where a producer finds `tailCache` raised by the other and
+/// writes its slot without acquiring anything (positions 0 and 3 from one producer, 1 and 2 from
+/// the other, and the proxy has popped 0 and 1).
+fn fifo_two_laps_two_producers(o: FifoOrders) {
+    check_with(2, move || {
+        let ring = Arc::new(Ring::<2>::new(o, SPINS));
+        let producers: Vec<_> = (0..2u64)
+            .map(|id| {
+                let ring = ring.clone();
+                thread::spawn(move || {
+                    for k in 0..2u64 {
+                        let v = id << 8 | k;
+                        let r = if id == 0 { ring.push(v, v) } else { ring.push_for(v, v) };
+                        if r.is_none() {
+                            return;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut next = [0u64; 2];
+        for pos in 0..4u64 {
+            let Some((t, fst, snd)) = ring.pop() else { break };
+            assert_eq!(t, pos);
+            assert_eq!(fst, snd, "torn or stale trigger at {pos}");
+            let (id, k) = ((snd >> 8) as usize, snd & 0xff);
+            assert_eq!(k, next[id], "producer {id}: out of order or twice");
+            next[id] += 1;
+        }
+        for p in producers {
+            p.join().unwrap();
+        }
+    });
+}
+
+#[test]
+fn fifo_push_pop_and_wrap_hold() {
+    fifo_one_slot_wraps(FIFO);
+}
+
+#[test]
+fn fifo_two_producers_hold() {
+    fifo_two_producers(FIFO);
+}
+
+/// The finding behind the header's note at `push`: with the first load of `tailCache` in `push`
+/// and `push_for` relaxed (the header's plain load), loom finds the slot rewritten without happens-before from
+/// the proxy's read of the previous lap (a write-after-read only load buffering could break,
+/// which GPUs do not do: the store waits for the branch on the load). With that load acquiring,
+/// the protocol holds.
+#[test]
+fn fifo_tail_cache_fast_path_is_ordered_by_control_only() {
+    assert_race(failure(|| fifo_two_laps_two_producers(FIFO)));
+    fifo_two_laps_two_producers(FifoOrders { tail_cache_load: Acquire, ..FIFO });
+}
+
+#[test]
+fn fifo_relaxed_trigger_store_is_caught() {
+    assert_race(failure(|| fifo_one_slot_wraps(FifoOrders { snd_store: Relaxed, ..FIFO })));
+}
+
+#[test]
+fn fifo_relaxed_trigger_load_is_caught() {
+    assert_race(failure(|| fifo_one_slot_wraps(FifoOrders { snd_load: Relaxed, ..FIFO })));
+}
+
+#[test]
+fn fifo_relaxed_tail_store_is_caught() {
+    assert_race(failure(|| fifo_one_slot_wraps(FifoOrders { tail_store: Relaxed, ..FIFO })));
+}
+
+#[test]
+fn fifo_relaxed_tail_load_is_caught() {
+    assert_race(failure(|| fifo_one_slot_wraps(FifoOrders { tail_load: Relaxed, ..FIFO })));
+}
+
+// ------------------------------------------------------------------------------------------
+// The semaphores' consume step
+// ------------------------------------------------------------------------------------------
+
+/// The orderings of a signal and of the waits' loads of the inbound token.
+#[derive(Clone, Copy, Debug)]
+struct SemOrders {
+    /// The signal's add on the peer's token (`red.release.sys.global.add.u64`; a Host2Device
+    /// semaphore's token arrives by the transport after the data, the same contract).
+    signal: Ordering,
+    /// `ld.acquire.sys` of `inbound` in `poll_inbound` and `wait_inbound<true>`.
+    inbound_load: Ordering,
+    /// Claim a count in `poll_inbound` with a compare-and-swap (MSCCL++'s poll stores
+    /// `expected + 1` after comparing instead: two pollers can take one signal).
+    poll_cas: bool,
+}
+
+const SEM: SemOrders = SemOrders { signal: Release, inbound_load: Acquire, poll_cas: true };
+
+struct Sem {
+    /// What signal k publishes, in `data[k - 1]`.
+    data: [UnsafeCell<u64>; 2],
+    inbound: AtomicU64,
+    expected: AtomicU64,
+    /// Signals consumed, counted by the model (each consumer adds the count it took).
+    taken: [AtomicU64; 2],
+    o: SemOrders,
+    spins: usize,
+}
+
+impl Sem {
+    fn signal(&self, k: usize) {
+        // SAFETY: loom checks this write against every read of the cell and fails the model if
+        // one is not ordered after it.
+        self.data[k].with_mut(|p| unsafe { *p = 10 + k as u64 });
+        // Release: pairs with the consumers' Acquire loads of `inbound`.
+        self.inbound.fetch_add(1, self.o.signal);
+    }
+
+    /// `detail::poll_inbound`.
+    fn poll(&self) -> Option<u64> {
+        // Relaxed (ld.relaxed.gpu): a count only; the data is ordered by `inbound`'s load.
+        let mut e = self.expected.load(Relaxed);
+        // Acquire: pairs with the signal's Release add.
+        let inbound = self.inbound.load(self.o.inbound_load);
+        while inbound > e {
+            if !self.o.poll_cas {
+                self.expected.store(e + 1, Relaxed);
+                return Some(e + 1);
+            }
+            // Relaxed (atom.relaxed.gpu.cas): claims a count; ordering comes from `inbound`.
+            match self.expected.compare_exchange(e, e + 1, Relaxed, Relaxed) {
+                Ok(_) => return Some(e + 1),
+                Err(seen) => e = seen,
+            }
+        }
+        None
+    }
+
+    /// `detail::wait_inbound<true>` (`None`: gave up, as a trap would; the count stays taken).
+    fn wait(&self) -> Option<u64> {
+        // Relaxed (atom.relaxed.gpu.add): takes the next count; ordering comes from `inbound`.
+        let e = self.expected.fetch_add(1, Relaxed) + 1;
+        let mut round = 0;
+        // Acquire: pairs with the signal's Release add (a release sequence: reading a later
+        // count also synchronizes with the earlier signals' adds).
+        while self.inbound.load(self.o.inbound_load) < e {
+            round += 1;
+            if round == self.spins {
+                return None;
+            }
+            thread::yield_now();
+        }
+        Some(e)
+    }
+
+    /// What a consumer of count `e` does: reads the data signal `e` published, and counts it.
+    fn consume(&self, e: u64) {
+        // SAFETY: loom checks that this read is ordered after the signal's write of the cell
+        // and fails the model otherwise.
+        let v = self.data[e as usize - 1].with(|p| unsafe { *p });
+        assert_eq!(v, 10 + e - 1, "count {e}: the data of its signal");
+        self.taken[e as usize - 1].fetch_add(1, Relaxed);
+    }
+}
+
+fn sem(o: SemOrders, spins: usize) -> Arc<Sem> {
+    Arc::new(Sem {
+        data: [UnsafeCell::new(0), UnsafeCell::new(0)],
+        inbound: AtomicU64::new(0),
+        expected: AtomicU64::new(0),
+        taken: [AtomicU64::new(0), AtomicU64::new(0)],
+        o,
+        spins,
+    })
+}
+
+/// A signaller publishes two values, one signal each; one thread waits while another polls:
+/// whoever consumes a count reads the data that count's signal published, and no signal is
+/// taken twice. (Three threads: the spins are bounded, see [`SPINS`].)
+fn semaphore_consume(o: SemOrders) {
+    check_with(2, move || {
+        let sem = sem(o, SPINS);
+        let signaller = {
+            let sem = sem.clone();
+            thread::spawn(move || {
+                sem.signal(0);
+                sem.signal(1);
+            })
+        };
+        let waiter = {
+            let sem = sem.clone();
+            thread::spawn(move || {
+                if let Some(e) = sem.wait() {
+                    sem.consume(e);
+                }
+            })
+        };
+        for _ in 0..SPINS {
+            if let Some(e) = sem.poll() {
+                sem.consume(e);
+                break;
+            }
+            thread::yield_now();
+        }
+        signaller.join().unwrap();
+        waiter.join().unwrap();
+        for k in 0..2 {
+            assert!(sem.taken[k].load(Relaxed) <= 1, "signal {} consumed twice", k + 1);
+        }
+    });
+}
+
+/// One signal, one waiter, spinning without limit: the waiter returns, having read the data.
+fn semaphore_wait(o: SemOrders) {
+    check(move || {
+        let sem = sem(o, usize::MAX);
+        let waiter = {
+            let sem = sem.clone();
+            thread::spawn(move || {
+                let e = sem.wait();
+                assert_eq!(e, Some(1));
+                sem.consume(1);
+            })
+        };
+        sem.signal(0);
+        waiter.join().unwrap();
+        assert_eq!(sem.taken[0].load(Relaxed), 1);
+    });
+}
+
+/// Two pollers and two signals: each gets one (the compare-and-swap).
+fn semaphore_two_pollers(o: SemOrders) {
+    check(move || {
+        let sem = sem(o, usize::MAX);
+        sem.signal(0);
+        sem.signal(1);
+        let other = {
+            let sem = sem.clone();
+            thread::spawn(move || sem.poll())
+        };
+        let mine = sem.poll();
+        let theirs = other.join().unwrap();
+        let (Some(a), Some(b)) = (mine, theirs) else {
+            panic!("a poller missed a pending signal: {mine:?} {theirs:?}")
+        };
+        assert_ne!(a, b, "two pollers took the same signal");
+    });
+}
+
+#[test]
+fn semaphore_wait_and_poll_hold() {
+    semaphore_wait(SEM);
+    semaphore_consume(SEM);
+}
+
+#[test]
+fn semaphore_pollers_take_distinct_signals() {
+    semaphore_two_pollers(SEM);
+}
+
+#[test]
+fn semaphore_relaxed_signal_is_caught() {
+    assert_race(failure(|| semaphore_wait(SemOrders { signal: Relaxed, ..SEM })));
+    assert_race(failure(|| semaphore_consume(SemOrders { signal: Relaxed, ..SEM })));
+}
+
+#[test]
+fn semaphore_relaxed_inbound_load_is_caught() {
+    assert_race(failure(|| semaphore_wait(SemOrders { inbound_load: Relaxed, ..SEM })));
+    assert_race(failure(|| semaphore_consume(SemOrders { inbound_load: Relaxed, ..SEM })));
+}
+
+#[test]
+fn mscclpp_poll_without_cas_is_caught() {
+    assert!(
+        failure(|| semaphore_two_pollers(SemOrders { poll_cas: false, ..SEM }))
+            .contains("two pollers took the same signal")
+    );
+}
