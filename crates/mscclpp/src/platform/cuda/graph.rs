@@ -43,8 +43,8 @@ pub(crate) fn end_capture(stream: &RawStream) -> Result<Graph> {
     Ok(Graph { exec, dev: stream.dev.clone() })
 }
 
-/// An instantiated CUDA graph, captured with [`Stream::begin_capture`](crate::gpu::Stream::begin_capture)
-/// and [`end_capture`](crate::gpu::Stream::end_capture). Launch it as often as you like; the
+/// An instantiated CUDA graph, captured with [`Stream::begin_capture`](super::module::Stream::begin_capture)
+/// and [`end_capture`](super::module::Stream::end_capture). Launch it as often as you like; the
 /// memory its kernels use must stay valid for as long as it may be launched.
 pub struct Graph {
     exec: sys::CUgraphExec,
@@ -68,7 +68,7 @@ impl Graph {
     ///
     /// # Errors
     /// `Cuda` when the launch fails.
-    pub fn launch(&self, stream: &crate::gpu::Stream) -> Result<()> {
+    pub fn launch(&self, stream: &super::module::Stream) -> Result<()> {
         self.dev.bind()?;
         // SAFETY: exec is a live executable graph of this context and the stream a live stream.
         check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, stream.as_raw() as sys::CUstream) })
@@ -121,7 +121,7 @@ impl TimingEvent {
     ///
     /// # Errors
     /// `Cuda` when the driver refuses (for example a stream of another GPU).
-    pub fn record(&self, stream: &crate::gpu::Stream) -> Result<()> {
+    pub fn record(&self, stream: &super::module::Stream) -> Result<()> {
         self.dev.bind()?;
         // SAFETY: both handles are live.
         check("cuEventRecord", unsafe { sys::cuEventRecord(self.raw, stream.as_raw() as sys::CUstream) })
