@@ -52,21 +52,8 @@ __device__ void fail(const CollArgs& a, u64 kind, u64 peer) {
   if (load_sys(err) == 0) store_sys(err, (1ull << 63) | (kind << 48) | ((peer & 0xffff) << 32) | (a.sig & 0xffffffffull));
 }
 
-// What a wait for `peer` that ran out of time means: in a packet call (`flag` != 0) whose
-// signature packet from `peer` has arrived and differs from ours, the peer made another call
-// (a mismatch, reported as such); otherwise the peer never came.
-__device__ u64 timeout_kind(const CollArgs& a, u32 peer, u32 flag) {
-  if (flag == 0 || peer >= a.nranks) return ERR_TIMEOUT;
-  const LL16Packet* s =
-      (const LL16Packet*)((char*)((const u64*)a.peers)[a.rank] + a.sig_pkt_off) + (flag & 1) * a.nranks + peer;
-  uint2 v;
-  if (s->readOnce(flag, v)) return ERR_TIMEOUT;
-  return (((u64)v.y << 32) | v.x) != a.sig ? ERR_MISMATCH : ERR_TIMEOUT;
-}
-
-// Whether this thread should stop waiting: failed before, aborted by the host, or past the
-// deadline (`flag`: the packet call's flag, 0 for the staged algorithms).
-__device__ __forceinline__ bool must_stop(const CollArgs& a, u64 deadline, u32 peer, u32& spins, u32 flag = 0) {
+// Whether this thread should stop waiting: failed before, aborted by the host, or past the deadline.
+__device__ __forceinline__ bool must_stop(const CollArgs& a, u64 deadline, u32 peer, u32& spins) {
   if ((++spins & 255) != 0) return false;
   CollState* st = (CollState*)a.state;
   if (load_volatile_u32(&st->failed)) return true;
@@ -75,7 +62,7 @@ __device__ __forceinline__ bool must_stop(const CollArgs& a, u64 deadline, u32 p
     return true;
   }
   if (detail::globaltimer() > deadline) {
-    fail(a, timeout_kind(a, peer, flag), peer);
+    fail(a, ERR_TIMEOUT, peer);
     return true;
   }
   return false;
@@ -210,7 +197,7 @@ __device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p,
                                          uint2& v) {
   u32 spins = 0;
   while (p->readOnce(flag, v)) {
-    if (must_stop(a, deadline, peer, spins, flag)) return false;
+    if (must_stop(a, deadline, peer, spins)) return false;
   }
   return true;
 }
@@ -222,8 +209,11 @@ __device__ __forceinline__ LL16Packet* pkt_slot(const CollArgs& a, u32 rank, u32
 }
 
 // The per-call packet prologue: every thread learns the flag; block 0 thread 0 sends this call's
-// signature to every peer (an LL packet), then goes on with its share of the data. Returns false
-// when this rank has failed before (nothing is done then).
+// signature to every peer (an LL packet) and checks theirs before its share of the data, so a
+// mismatched call is reported as such rather than as the timeout it would cause. Reading every
+// peer's signature is also what lets the next-but-one call reuse this half: a peer writes its
+// signature only after it finished the call before. Returns false when this rank has failed
+// before (nothing is done then).
 __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline) {
   CollState* st = (CollState*)a.state;
   deadline = detail::globaltimer() + a.timeout_ns;
@@ -242,19 +232,6 @@ __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& dea
       LL16Packet* s = (LL16Packet*)(scratch_of(a, p) + a.sig_pkt_off) + half * a.nranks + a.rank;
       s->write(a.sig, flag);
     }
-  }
-  return true;
-}
-
-// The per-call packet epilogue. Block 0 thread 0 checks every peer's signature: a different
-// one is a mismatched call (a data wait that timed out first also reports the mismatch, see
-// timeout_kind). Reading every peer's signature is also what lets the next-but-one call reuse
-// this half: a peer writes its signature only after it finished the call before. Then the last
-// block to finish advances the flag.
-__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadline) {
-  CollState* st = (CollState*)a.state;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const u32 half = flag & 1;
     for (u32 i = 1; i < a.nranks; i++) {
       u32 p = (a.rank + i) % a.nranks;
       const LL16Packet* s = (const LL16Packet*)(scratch_of(a, a.rank) + a.sig_pkt_off) + half * a.nranks + p;
@@ -266,6 +243,13 @@ __device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadlin
       }
     }
   }
+  return true;
+}
+
+// The per-call packet epilogue: the last block to finish advances the flag.
+__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadline) {
+  (void)deadline;
+  CollState* st = (CollState*)a.state;
   __syncthreads();
   if (gridDim.x == 1) {
     // One block, whose threads all read the flag (the barrier above); the next launch starts
