@@ -27,12 +27,14 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 mod comm;
+pub mod hier;
 mod kernels;
 pub mod select;
 pub mod tune;
 mod types;
 
 pub use comm::{CallOptions, Collectives, Config, Window};
+pub use hier::{HierConfig, TwoLevel};
 pub use select::{Layout, Limits, Plan};
 pub use types::{Algorithm, Collective, DataType, ReduceOp};
 

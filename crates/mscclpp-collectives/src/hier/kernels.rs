@@ -1,0 +1,216 @@
+//! The CUDA side of the two-level collectives: the argument block (one `#[repr(C)]` struct whose
+//! CUDA definition is generated from [`ARG_FIELDS`]), the source (`src/hier.cu`), and the
+//! compiled kernels (compiled with NVRTC once per process and architecture, loaded once per GPU).
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use mscclpp::device::compile::{CompileOptions, KernelModule, Ptx, compile};
+use mscclpp::gpu::{Kernel, Stream};
+use mscclpp::{Error, Result};
+
+use crate::types::DataType;
+
+/// The argument block of every two-level kernel (by value), fields in [`ARG_FIELDS`] order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HierArgs {
+    pub(crate) input: u64,
+    pub(crate) output: u64,
+    pub(crate) nbytes: u64,
+    pub(crate) op: u64,
+    pub(crate) rank: u64,
+    pub(crate) nranks: u64,
+    pub(crate) local: u64,
+    pub(crate) nlocal: u64,
+    pub(crate) node: u64,
+    pub(crate) nnodes: u64,
+    pub(crate) mem: u64,
+    pub(crate) port: u64,
+    pub(crate) scratch: u64,
+    pub(crate) state: u64,
+    pub(crate) err: u64,
+    pub(crate) abort: u64,
+    pub(crate) timeout_ns: u64,
+    pub(crate) ar_round: u64,
+    pub(crate) ag_round: u64,
+    pub(crate) in_off: u64,
+    pub(crate) res_off: u64,
+    pub(crate) x_off: u64,
+    pub(crate) col_off: u64,
+}
+
+/// The CUDA names of [`HierArgs`]' fields, in order.
+pub(crate) const ARG_FIELDS: [&str; 23] = [
+    "in",
+    "out",
+    "nbytes",
+    "op",
+    "rank",
+    "nranks",
+    "local",
+    "nlocal",
+    "node",
+    "nnodes",
+    "mem",
+    "port",
+    "scratch",
+    "state",
+    "err",
+    "abort",
+    "timeout_ns",
+    "ar_round",
+    "ag_round",
+    "in_off",
+    "res_off",
+    "x_off",
+    "col_off",
+];
+
+/// Bytes of the device state block (`HierState` in the CUDA source).
+pub(crate) const STATE_BYTES: usize = 24;
+
+const KERNELS: &str = include_str!("../hier.cu");
+
+/// The whole CUDA source: the device header, the generated argument struct, the kernels.
+pub(crate) fn source() -> String {
+    let mut s = String::from("#include \"mscclpp_rs/device.cuh\"\n\nstruct HierArgs {\n");
+    for f in ARG_FIELDS {
+        s.push_str(&format!("  mscclpp::u64 {f};\n"));
+    }
+    s.push_str(&format!(
+        "}};\nstatic_assert(sizeof(HierArgs) == {}, \"HierArgs layout\");\n\n",
+        std::mem::size_of::<HierArgs>()
+    ));
+    s.push_str(KERNELS);
+    s
+}
+
+/// The AllReduce kernel's name for `dtype`.
+pub(crate) fn all_reduce_name(dtype: DataType) -> String {
+    format!("hier_allreduce_{}", dtype.name())
+}
+
+/// The AllGather kernel's name.
+pub(crate) const ALL_GATHER_NAME: &str = "hier_allgather_any";
+
+/// Every kernel the source defines.
+pub(crate) fn all_kernel_names() -> Vec<String> {
+    let mut v: Vec<String> = DataType::ALL.iter().map(|&d| all_reduce_name(d)).collect();
+    v.push(ALL_GATHER_NAME.to_string());
+    v
+}
+
+/// The two-level kernels of one GPU, by name.
+#[derive(Debug)]
+pub(crate) struct HierKernels {
+    by_name: HashMap<String, Kernel>,
+    _module: KernelModule,
+}
+
+impl HierKernels {
+    pub(crate) fn get(&self, name: &str) -> Result<&Kernel> {
+        self.by_name.get(name).ok_or_else(|| Error::internal(format!("two-level kernel {name} was not loaded")))
+    }
+
+    /// Blocks of `threads` threads one SM holds of the heaviest kernel.
+    pub(crate) fn min_blocks_per_sm(&self, threads: u32) -> Result<u32> {
+        let mut m = u32::MAX;
+        for k in self.by_name.values() {
+            m = m.min(k.max_active_blocks_per_sm(threads, 0)?);
+        }
+        Ok(if m == u32::MAX { 0 } else { m })
+    }
+}
+
+/// The kernels for GPU `device`: compiled once per process and architecture, loaded once per
+/// GPU and shared by every rank of this process on it.
+pub(crate) fn kernels(device: u32) -> Result<Arc<HierKernels>> {
+    static LOADED: OnceLock<Mutex<HashMap<u32, Arc<HierKernels>>>> = OnceLock::new();
+    static COMPILED: OnceLock<Mutex<HashMap<String, Arc<Ptx>>>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(Default::default);
+    let mut map = loaded.lock().map_err(|_| Error::internal("the two-level kernel cache lock is poisoned"))?;
+    if let Some(k) = map.get(&device) {
+        return Ok(k.clone());
+    }
+    let opts = CompileOptions::for_device(device).name("hier.cu");
+    let arch = opts.resolved_arch();
+    let ptx = {
+        let compiled = COMPILED.get_or_init(Default::default);
+        let mut c = compiled.lock().map_err(|_| Error::internal("the two-level PTX cache lock is poisoned"))?;
+        match c.get(&arch) {
+            Some(p) => p.clone(),
+            None => {
+                let t = std::time::Instant::now();
+                let p = Arc::new(compile(&source(), &opts).map_err(|e| e.during("compiling the two-level kernels"))?);
+                tracing::info!(target: "mscclpp::collectives", "compiled the two-level kernels for {arch} in {:?}", t.elapsed());
+                c.insert(arch, p.clone());
+                p
+            }
+        }
+    };
+    let module = KernelModule::load(device, &ptx)?;
+    let mut by_name = HashMap::new();
+    for name in all_kernel_names() {
+        let k = module.function(&name)?;
+        by_name.insert(name, k);
+    }
+    let k = Arc::new(HierKernels { by_name, _module: module });
+    map.insert(device, k.clone());
+    Ok(k)
+}
+
+/// Launches `kernel` with `args`.
+///
+/// # Safety
+/// Every pointer in `args` is valid for what the kernel does with it until the launch finishes
+/// on `stream`.
+pub(crate) unsafe fn launch(
+    kernel: &Kernel,
+    blocks: u32,
+    threads: u32,
+    stream: &Stream,
+    args: &HierArgs,
+) -> Result<()> {
+    let mut a = *args;
+    let mut params = [(&mut a as *mut HierArgs).cast::<c_void>()];
+    // SAFETY: the kernel takes one HierArgs by value (the CUDA struct is generated from the same
+    // field list, checked by a test); `a` lives until cuLaunchKernel returns (it copies it); the
+    // caller guarantees the pointers inside.
+    unsafe { kernel.launch((blocks, 1, 1), (threads, 1, 1), 0, stream, &mut params) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_struct_matches_the_rust_layout() {
+        assert_eq!(std::mem::size_of::<HierArgs>(), ARG_FIELDS.len() * 8);
+        assert_eq!(std::mem::offset_of!(HierArgs, input), 0);
+        assert_eq!(std::mem::offset_of!(HierArgs, col_off), 22 * 8);
+        assert_eq!(std::mem::offset_of!(HierArgs, timeout_ns), 16 * 8);
+        let src = source();
+        let body = src.split("struct HierArgs {\n").nth(1).and_then(|s| s.split("};").next()).unwrap_or_default();
+        let fields: Vec<&str> = body.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+        assert_eq!(fields.len(), ARG_FIELDS.len());
+        for (line, name) in fields.iter().zip(ARG_FIELDS) {
+            assert_eq!(*line, format!("mscclpp::u64 {name};"));
+            assert!(KERNELS.contains(&format!("a.{name}")), "the kernels never read HierArgs.{name}");
+        }
+        assert!(KERNELS.contains("struct HierState {\n  u32 count;"));
+    }
+
+    #[test]
+    fn every_kernel_name_is_defined() {
+        for n in all_kernel_names() {
+            let defined = match n.strip_prefix("hier_allreduce_") {
+                Some(t) => KERNELS.contains(&format!(", {t})")),
+                None => KERNELS.contains(&format!("void __launch_bounds__(512) {n}(HierArgs a)")),
+            };
+            assert!(defined, "{n} is not defined in hier.cu");
+        }
+    }
+}
