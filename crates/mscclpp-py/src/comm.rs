@@ -123,6 +123,8 @@ pub(crate) struct Communicator {
     state: Mutex<Option<(mscclpp::Communicator, Arc<TcpBootstrap>)>>,
     rank: usize,
     size: usize,
+    /// The collectives the tensor methods use, built on first use.
+    collectives: crate::collectives::Lazy,
 }
 
 /// The `AbortedError` of an object used after `close()`.
@@ -134,7 +136,12 @@ impl Communicator {
     fn from_bootstrap(bs: TcpBootstrap) -> Communicator {
         let bs = Arc::new(bs);
         let (rank, size) = (bs.rank(), bs.size());
-        Communicator { state: Mutex::new(Some((mscclpp::Communicator::new(bs.clone()), bs))), rank, size }
+        Communicator {
+            state: Mutex::new(Some((mscclpp::Communicator::new(bs.clone()), bs))),
+            rank,
+            size,
+            collectives: Default::default(),
+        }
     }
 
     /// The communicator (a cheap clone), or `AbortedError` once closed.
@@ -256,11 +263,134 @@ impl Communicator {
         py.detach(|| bs.barrier()).py(py)
     }
 
-    /// Every rank's `data`, in rank order (GIL released).
-    fn all_gather<'py>(&self, py: Python<'py>, data: Vec<u8>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let bs = self.bs(py)?;
+    /// Two uses, told apart by `data`:
+    ///
+    /// * bytes (`bytes`, `bytearray`, `memoryview`): every rank's bytes, in rank order, through
+    ///   the bootstrap (GIL released; any sizes; returns a list of `bytes`);
+    /// * a GPU tensor or array: AllGather on the GPU into `out` (`size` times `data`'s elements,
+    ///   rank r's at the r-th place; allocated like `data` when `None`, torch tensors only), on the
+    ///   current stream; returns `out`. See `all_reduce` for the rules.
+    #[pyo3(signature = (data, out = None, *, algorithm = None, blocks = None, threads = None, stream = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        data: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        algorithm: Option<&Bound<'py, PyAny>>,
+        blocks: Option<u32>,
+        threads: Option<u32>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use pyo3::types::{PyByteArray, PyList, PyMemoryView};
+        let is_bytes = data.is_instance_of::<PyBytes>()
+            || data.is_instance_of::<PyByteArray>()
+            || data.is_instance_of::<PyMemoryView>();
+        if !is_bytes {
+            return tensor_call(py, "all_gather", (slf, data, out, algorithm, blocks, threads, stream));
+        }
+        if out.is_some() || algorithm.is_some() || blocks.is_some() || threads.is_some() || stream.is_some() {
+            return Err(invalid(py, "all_gather of bytes takes no out, algorithm, blocks, threads or stream"));
+        }
+        let data: Vec<u8> = data.extract()?;
+        let bs = slf.get().bs(py)?;
         let all = py.detach(|| bs.all_gather(&data)).py(py)?;
-        Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
+        Ok(PyList::new(py, all.iter().map(|b| PyBytes::new(py, b)))?.into_any())
+    }
+
+    /// AllReduce of a GPU tensor (torch, or anything with `__cuda_array_interface__`) across the
+    /// ranks, in place when `out` is `None` (else into `out`: same type and element count);
+    /// returns the tensor written. `op`: `"sum"`, `"prod"`, `"min"`, `"max"`, `"avg"`.
+    ///
+    /// Runs on `stream` (an int `cudaStream_t`, or an object with `.cuda_stream`), else on the
+    /// array's own `stream` (`__cuda_array_interface__`), else torch's current stream when torch
+    /// is imported, else the legacy default stream. Contiguous f32/f16/bf16/i32/u32 only.
+    ///
+    /// The first tensor call of a communicator builds its `Collectives` (see `collectives()`): a
+    /// collective call every rank must make, before any CUDA-graph capture. Later calls neither
+    /// synchronize nor allocate device memory, so they can be captured.
+    #[pyo3(signature = (tensor, op = None, out = None, *, algorithm = None, accumulate_f32 = false, blocks = None, threads = None, stream = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        tensor: &Bound<'py, PyAny>,
+        op: Option<&Bound<'py, PyAny>>,
+        out: Option<&Bound<'py, PyAny>>,
+        algorithm: Option<&Bound<'py, PyAny>>,
+        accumulate_f32: bool,
+        blocks: Option<u32>,
+        threads: Option<u32>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        tensor_call(py, "all_reduce", (slf, tensor, op, out, algorithm, accumulate_f32, blocks, threads, stream))
+    }
+
+    /// ReduceScatter of a GPU tensor: `tensor` holds `size` equal segments; rank r gets the
+    /// reduction of segment r in `out` (allocated like `tensor`, its first dimension divided by
+    /// `size`, when `None`; torch tensors only); returns `out`. See `all_reduce` for the rules.
+    #[pyo3(signature = (tensor, out = None, op = None, *, algorithm = None, accumulate_f32 = false, blocks = None, threads = None, stream = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        tensor: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        op: Option<&Bound<'py, PyAny>>,
+        algorithm: Option<&Bound<'py, PyAny>>,
+        accumulate_f32: bool,
+        blocks: Option<u32>,
+        threads: Option<u32>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        tensor_call(py, "reduce_scatter", (slf, tensor, out, op, algorithm, accumulate_f32, blocks, threads, stream))
+    }
+
+    /// Broadcast of `root`'s GPU tensor into every rank's `tensor` (in place); returns it. See
+    /// `all_reduce` for the rules.
+    #[pyo3(signature = (tensor, root = 0, *, algorithm = None, blocks = None, threads = None, stream = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        tensor: &Bound<'py, PyAny>,
+        root: usize,
+        algorithm: Option<&Bound<'py, PyAny>>,
+        blocks: Option<u32>,
+        threads: Option<u32>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        tensor_call(py, "broadcast", (slf, tensor, root, algorithm, blocks, threads, stream))
+    }
+
+    /// The `Collectives` the tensor methods use, built on the first call with these settings (a
+    /// collective call: every rank makes it, GIL released); later calls return the same object
+    /// and ignore the settings. `device`: the GPU (default: torch's current device when torch is
+    /// imported, else 0). Other settings as in `Collectives(...)`.
+    #[pyo3(signature = (*, device = None, timeout = 30.0, tune = None, packet_bytes = None, simple_bytes = None))]
+    fn collectives(
+        &self,
+        py: Python<'_>,
+        device: Option<u32>,
+        timeout: f64,
+        tune: Option<bool>,
+        packet_bytes: Option<u64>,
+        simple_bytes: Option<u64>,
+    ) -> PyResult<Py<crate::collectives::Collectives>> {
+        if let Some(c) = self.collectives.peek(py) {
+            return Ok(c);
+        }
+        let device = match device {
+            Some(d) => d,
+            None => py.import("mscclpp_rs._collectives")?.getattr("_current_device")?.call0()?.extract()?,
+        };
+        self.collectives.get(py, self, device, timeout, tune, packet_bytes, simple_bytes)
+    }
+
+    /// Whether this communicator's `Collectives` were built.
+    #[getter]
+    fn has_collectives(&self, py: Python<'_>) -> bool {
+        self.collectives.peek(py).is_some()
     }
 
     /// Registers the memory of `obj` for `transports` and returns the registration, which keeps
@@ -440,8 +570,12 @@ impl Communicator {
     /// as comm:` closes on leaving the block.
     fn close(&self, py: Python<'_>) {
         let state = lock(&self.state).take();
-        // The bootstrap's goodbye writes are bounded; let other threads run meanwhile.
-        py.detach(move || drop(state));
+        // Taken without the GIL: a build in progress on another thread holds the lock.
+        let (obj, built) = py.detach(|| self.collectives.take());
+        drop(obj);
+        // The bootstrap's goodbye writes are bounded, and freeing the collectives' scratch waits
+        // for the GPU; let other threads run meanwhile.
+        py.detach(move || drop((built, state)));
     }
 
     /// True once `close()` was called.
@@ -470,6 +604,15 @@ impl Communicator {
         let closed = if lock(&self.state).is_none() { ", closed" } else { "" };
         format!("Communicator(rank={}, size={}{closed})", self.rank, self.size)
     }
+}
+
+/// Calls `mscclpp_rs._collectives.<name>(*args)`, where the tensor methods live.
+fn tensor_call<'py>(
+    py: Python<'py>,
+    name: &str,
+    args: impl pyo3::call::PyCallArgs<'py>,
+) -> PyResult<Bound<'py, PyAny>> {
+    py.import("mscclpp_rs._collectives")?.getattr(name)?.call1(args)
 }
 
 /// A connection to one peer over one transport: `write`, `update_and_sync`, `atomic_add`, `flush`.

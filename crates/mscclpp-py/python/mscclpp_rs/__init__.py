@@ -17,6 +17,14 @@ Two ranks moving a tensor (run on both, ``rank`` 0 and 1, the same ``uid`` bytes
             conn.write(peer_mem, 0, mem, 0, mem.nbytes); conn.flush()
         comm.barrier()                                 # rank 1's t now holds rank 0's bytes
 
+Collectives on GPU tensors (torch, or anything with ``__cuda_array_interface__``), on the current
+stream and capturable in CUDA graphs once the first call (a collective call building the
+communicator's :class:`Collectives`) is made::
+
+    comm.all_reduce(t)                       # in place; also all_gather, reduce_scatter, broadcast
+
+:mod:`mscclpp_rs.ext` offers MSCCL++'s ``AlgorithmCollectionBuilder`` / ``Algorithm.execute`` shape.
+
 Every call that waits releases the GIL. Errors are :class:`MscclppError` subclasses.
 """
 
@@ -42,6 +50,7 @@ from ._native import (
     ABI_VERSION,
     HEADER_NAME,
     UNIQUE_ID_BYTES,
+    Collectives,
     Communicator,
     Connection,
     DeviceHandles,
@@ -60,6 +69,8 @@ from ._native import (
     write_header,
 )
 from ._types import ErrorKind, Transport
+from . import ext
+from .ext import DataType, ReduceOp
 
 __version__: str = _native.__version__
 
@@ -68,9 +79,11 @@ __all__ = [
     "HEADER_NAME",
     "UNIQUE_ID_BYTES",
     "AbortedError",
+    "Collectives",
     "Communicator",
     "Connection",
     "CudaError",
+    "DataType",
     "DeviceHandles",
     "ErrorKind",
     "Host2DeviceSemaphore",
@@ -86,12 +99,14 @@ __all__ = [
     "PortChannel",
     "ProxyService",
     "Ptx",
+    "ReduceOp",
     "RegisteredMemory",
     "RemoteError",
     "SystemCallError",
     "Transport",
     "UniqueId",
     "compile_kernel",
+    "ext",
     "handle_sizes",
     "header_path",
     "header_source",
