@@ -175,6 +175,42 @@ pub struct Collectives {
     comm: Communicator,
 }
 
+/// The checks every call makes before it launches: the stream is on the collectives' GPU, and
+/// each `(pointer, bytes, name)` is device memory of that GPU, aligned to its elements, with
+/// `bytes` inside its allocation. Errors say `what()` the call was.
+pub(crate) fn check_call<const N: usize>(
+    device: u32,
+    stream: &Stream,
+    dtype: DataType,
+    buffers: [(u64, u64, &str); N],
+    what: &dyn Fn() -> String,
+) -> Result<()> {
+    if stream.device() != device {
+        return Err(Error::invalid_usage(format!(
+            "{}: the stream is on GPU{}, the collectives on GPU{device}",
+            what(),
+            stream.device()
+        )));
+    }
+    let es = dtype.size() as u64;
+    for (ptr, len, name) in buffers {
+        if ptr % es != 0 {
+            return Err(Error::invalid_usage(format!(
+                "{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements",
+                what()
+            )));
+        }
+        let g = check_device_range(ptr, len, name).map_err(|e| e.during(what()))?;
+        if g != device {
+            return Err(Error::invalid_usage(format!(
+                "{}: the {name} is on GPU{g}, the collectives on GPU{device}",
+                what()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// User buffers registered with every rank for the zero-copy AllReduce
 /// ([`Collectives::register_window`]): every rank's send and receive buffers mapped into every
 /// other rank, so the kernel reads peers' inputs and writes peers' outputs directly (each byte
@@ -507,31 +543,7 @@ impl Collectives {
         if nbytes == 0 {
             return Ok(());
         }
-        if stream.device() != self.device {
-            return Err(Error::invalid_usage(format!(
-                "{}: the stream is on GPU{}, the collectives on GPU{}",
-                what(),
-                stream.device(),
-                self.device
-            )));
-        }
-        let es = dtype.size() as u64;
-        for (ptr, len, name) in [(input, in_len, "input"), (output, out_len, "output")] {
-            if ptr % es != 0 {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements",
-                    what()
-                )));
-            }
-            let g = check_device_range(ptr, len, name).map_err(|e| e.during(what()))?;
-            if g != self.device {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the {name} is on GPU{g}, the collectives on GPU{}",
-                    what(),
-                    self.device
-                )));
-            }
-        }
+        check_call(self.device, stream, dtype, [(input, in_len, "input"), (output, out_len, "output")], &what)?;
         if root >= self.nranks {
             return Err(Error::invalid_usage(format!("{}: root {root} is not a rank", what())));
         }

@@ -117,23 +117,28 @@ pub(crate) fn all_kernel_names() -> Vec<String> {
     v
 }
 
-/// The kernels of one GPU, by name.
+/// The kernels of one module on one GPU, by name.
 #[derive(Debug)]
 pub(crate) struct Kernels {
+    /// What the kernels are, for messages ("collective", "two-level").
+    what: &'static str,
     by_name: HashMap<String, Kernel>,
     _module: KernelModule,
 }
 
 impl Kernels {
+    /// The kernel `name`.
+    pub(crate) fn named(&self, name: &str) -> Result<&Kernel> {
+        self.by_name.get(name).ok_or_else(|| Error::internal(format!("{} kernel {name} was not loaded", self.what)))
+    }
+
     pub(crate) fn get(&self, coll: Collective, algo: Algorithm, dtype: DataType) -> Result<&Kernel> {
-        let name = kernel_name(coll, algo, dtype);
-        self.by_name.get(&name).ok_or_else(|| Error::internal(format!("collective kernel {name} was not loaded")))
+        self.named(&kernel_name(coll, algo, dtype))
     }
 
     /// The zero-copy AllReduce kernel for `dtype`.
     pub(crate) fn get_zero_copy(&self, dtype: DataType) -> Result<&Kernel> {
-        let name = format!("allreduce_zerocopy_{}", dtype.name());
-        self.by_name.get(&name).ok_or_else(|| Error::internal(format!("collective kernel {name} was not loaded")))
+        self.named(&format!("allreduce_zerocopy_{}", dtype.name()))
     }
 
     /// Blocks of `threads` threads one SM holds of the heaviest kernel (the residency bound).
@@ -146,42 +151,54 @@ impl Kernels {
     }
 }
 
-/// The kernels for GPU `device`: compiled with NVRTC once per process and architecture, loaded
-/// once per GPU and shared by every rank of this process on it.
-pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
-    static LOADED: OnceLock<Mutex<HashMap<u32, Arc<Kernels>>>> = OnceLock::new();
-    static COMPILED: OnceLock<Mutex<HashMap<String, Arc<Ptx>>>> = OnceLock::new();
-    let loaded = LOADED.get_or_init(Default::default);
-    // One rank compiles and loads; the others of this process wait for it here.
-    let mut map = loaded.lock().map_err(|_| Error::internal("the collective kernel cache lock is poisoned"))?;
-    if let Some(k) = map.get(&device) {
+/// The kernels of the program `what` (CUDA file `file`, text from `source`, entries `names`) for
+/// GPU `device`: compiled with NVRTC once per process and architecture, loaded once per GPU and
+/// shared by every rank of this process on it (one rank compiles and loads; the others wait).
+pub(crate) fn load(
+    what: &'static str,
+    file: &'static str,
+    device: u32,
+    source: fn() -> String,
+    names: fn() -> Vec<String>,
+) -> Result<Arc<Kernels>> {
+    type Cache<K, V> = OnceLock<Mutex<HashMap<(&'static str, K), Arc<V>>>>;
+    static LOADED: Cache<u32, Kernels> = OnceLock::new();
+    static COMPILED: Cache<String, Ptx> = OnceLock::new();
+    let poisoned = || Error::internal(format!("the {what} kernel cache lock is poisoned"));
+    let mut map = LOADED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
+    if let Some(k) = map.get(&(what, device)) {
         return Ok(k.clone());
     }
-    let opts = CompileOptions::for_device(device);
+    let opts = CompileOptions::for_device(device).name(file);
     let arch = opts.resolved_arch();
     let ptx = {
-        let compiled = COMPILED.get_or_init(Default::default);
-        let mut c = compiled.lock().map_err(|_| Error::internal("the collective PTX cache lock is poisoned"))?;
-        match c.get(&arch) {
+        let mut c = COMPILED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
+        match c.get(&(what, arch.clone())) {
             Some(p) => p.clone(),
             None => {
                 let t = std::time::Instant::now();
-                let p = Arc::new(compile(&source(), &opts).map_err(|e| e.during("compiling the collective kernels"))?);
-                tracing::info!(target: "mscclpp::collectives", "compiled the collective kernels for {arch} in {:?}", t.elapsed());
-                c.insert(arch, p.clone());
+                let p =
+                    Arc::new(compile(&source(), &opts).map_err(|e| e.during(format!("compiling the {what} kernels")))?);
+                tracing::info!(target: "mscclpp::collectives", "compiled the {what} kernels for {arch} in {:?}", t.elapsed());
+                c.insert((what, arch), p.clone());
                 p
             }
         }
     };
     let module = KernelModule::load(device, &ptx)?;
     let mut by_name = HashMap::new();
-    for name in all_kernel_names() {
+    for name in names() {
         let k = module.function(&name)?;
         by_name.insert(name, k);
     }
-    let k = Arc::new(Kernels { by_name, _module: module });
-    map.insert(device, k.clone());
+    let k = Arc::new(Kernels { what, by_name, _module: module });
+    map.insert((what, device), k.clone());
     Ok(k)
+}
+
+/// The collective kernels for GPU `device`.
+pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
+    load("collective", "collectives.cu", device, source, all_kernel_names)
 }
 
 /// Launches `kernel` with `args`.

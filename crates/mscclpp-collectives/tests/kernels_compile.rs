@@ -48,17 +48,10 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
     ] {
         assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
     }
-    let Some(ptxas) = ptxas(&path) else {
-        return skip(test, "no ptxas (MSCCLPP_PTXAS)");
+    let Some(log) = assemble_sm90(test, &path, "coll", ptx.as_str()) else {
+        return;
     };
-    let dir = std::env::temp_dir().join(format!("mscclpp-coll-ptx-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (src, out) = (dir.join("coll.ptx"), dir.join("coll.cubin"));
-    std::fs::write(&src, ptx.as_str()).unwrap();
-    let r = Command::new(&ptxas).args(["-arch=sm_90", "-v", "-o"]).arg(&out).arg(&src).output().unwrap();
-    assert!(r.status.success(), "ptxas failed:\n{}", String::from_utf8_lossy(&r.stderr));
     // No kernel spills more than a few words (spills cost every loop that touches them).
-    let log = String::from_utf8_lossy(&r.stderr);
     let lines: Vec<&str> = log.lines().collect();
     for (i, line) in lines.iter().enumerate().filter(|(_, l)| l.contains("spill")) {
         let fun = lines[..i].iter().rev().find(|l| l.contains("Compiling entry function")).copied().unwrap_or("?");
@@ -70,5 +63,54 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
             .unwrap_or(u32::MAX);
         assert!(stores <= 64, "{fun}: {line}");
     }
+}
+
+/// Assembles `ptx` for sm_90 with ptxas (`-v`) and returns its report; None (after saying
+/// SKIPPED) where no ptxas is found.
+fn assemble_sm90(test: &str, nvrtc_path: &str, stem: &str, ptx: &str) -> Option<String> {
+    let Some(ptxas) = ptxas(nvrtc_path) else {
+        skip(test, "no ptxas (MSCCLPP_PTXAS)");
+        return None;
+    };
+    let dir = std::env::temp_dir().join(format!("mscclpp-{stem}-ptx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src, out) = (dir.join(format!("{stem}.ptx")), dir.join(format!("{stem}.cubin")));
+    std::fs::write(&src, ptx).unwrap();
+    let r = Command::new(&ptxas).args(["-arch=sm_90", "-v", "-o"]).arg(&out).arg(&src).output().unwrap();
+    assert!(r.status.success(), "ptxas failed:\n{}", String::from_utf8_lossy(&r.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
+    Some(String::from_utf8_lossy(&r.stderr).into_owned())
+}
+
+/// The two-level kernels compile with NVRTC (no warnings) and assemble for sm_90.
+#[test]
+fn two_level_kernels_compile_and_assemble_for_sm90() {
+    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    let test = "two_level_kernels_compile_and_assemble_for_sm90";
+    let (path, _) = match nvrtc_info() {
+        Ok(i) => i,
+        Err(e) => return skip(test, e.message()),
+    };
+    let opts = CompileOptions::default().arch("compute_90").name("hier.cu");
+    let ptx = compile(&mscclpp_collectives::hier::kernel_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
+    assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
+    let mut names = ptx.kernels().to_vec();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "hier_allgather_any",
+            "hier_allreduce_bf16",
+            "hier_allreduce_f16",
+            "hier_allreduce_f32",
+            "hier_allreduce_i32",
+            "hier_allreduce_u32"
+        ]
+    );
+    for insn in ["red.release.sys.global.add.u64", "ld.acquire.sys", "st.global.release.sys.v2.u64", "%globaltimer"] {
+        assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
+    }
+    if let Some(log) = assemble_sm90(test, &path, "hier", ptx.as_str()) {
+        println!("{}", log.lines().filter(|l| l.contains("registers")).collect::<Vec<_>>().join("\n"));
+    }
 }

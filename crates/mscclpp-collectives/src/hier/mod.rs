@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use mscclpp::device::{ProxyConfig, ProxyService};
-use mscclpp::gpu::{DeviceBuffer, PinnedBuffer, Stream, check_device_range};
+use mscclpp::gpu::{DeviceBuffer, PinnedBuffer, Stream};
 use mscclpp::{
     Communicator, Device, EndpointConfig, Error, Host2DeviceSemaphore, MemoryChannel, MemoryDevice2DeviceSemaphore,
     Result, Transport, TransportFlags,
@@ -40,8 +40,9 @@ use mscclpp::{
 
 pub use schedule::{Layout, Topology};
 
+use crate::kernels::Kernels;
 use crate::types::{Collective, DataType, ReduceOp};
-use kernels::{HierArgs, HierKernels, STATE_BYTES};
+use kernels::{HierArgs, STATE_BYTES};
 
 /// How a [`TwoLevel`] is built.
 #[derive(Clone, Debug)]
@@ -148,7 +149,7 @@ pub struct TwoLevel {
     layout: Layout,
     timeout: Duration,
     blocks: u32,
-    kernels: Arc<HierKernels>,
+    kernels: Arc<Kernels>,
     scratch: DeviceBuffer,
     handles: DeviceBuffer,
     state: DeviceBuffer,
@@ -430,36 +431,18 @@ impl TwoLevel {
         if nbytes == 0 {
             return Ok(());
         }
-        if stream.device() != self.device {
-            return Err(Error::invalid_usage(format!(
-                "{}: the stream is on GPU{}, the collectives on GPU{}",
-                what(),
-                stream.device(),
-                self.device
-            )));
-        }
-        let es = dtype.size() as u64;
-        for (ptr, len, name) in [(input, in_len, "input"), (output, out_len, "output")] {
-            if ptr % es != 0 {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements",
-                    what()
-                )));
-            }
-            let g = check_device_range(ptr, len, name).map_err(|e| e.during(what()))?;
-            if g != self.device {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the {name} is on GPU{g}, the collectives on GPU{}",
-                    what(),
-                    self.device
-                )));
-            }
-        }
+        crate::comm::check_call(
+            self.device,
+            stream,
+            dtype,
+            [(input, in_len, "input"), (output, out_len, "output")],
+            &what,
+        )?;
         let (name, opcode) = match coll {
             Collective::AllReduce => (kernels::all_reduce_name(dtype), op.map_or(0, |o| o.code())),
             _ => (kernels::ALL_GATHER_NAME.to_string(), 0),
         };
-        let kernel = self.kernels.get(&name)?;
+        let kernel = self.kernels.named(&name)?;
         let words = self.host_words.as_ptr() as u64;
         let l = &self.layout;
         let args = HierArgs {
