@@ -19,6 +19,7 @@
 
 mod collectives;
 mod comm;
+mod connection;
 mod device;
 mod errors;
 mod memory;
