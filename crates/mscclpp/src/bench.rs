@@ -1,14 +1,16 @@
-//! Not public API: raw baselines and counters that `mscclpp-perf` and this crate's tests use.
-//! Hidden from the docs; it may change in any release.
+//! Not public API: raw baselines, counters and waiting helpers that `mscclpp-perf` and this
+//! crate's tests use. Hidden from the docs; it may change in any release.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::buffer::DeviceBuffer;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::RegisteredMemory;
 pub use crate::platform::cuda::ipc_mapped_count;
 use crate::platform::cuda::{self, GpuDevice, PinnedAlloc, Stream};
+use crate::platform::pidfd::PidFd;
+use crate::sync::{BackoffPolicy, Deadline, poll_until};
 
 /// Times `iters` rounds of plain copies of `size` bytes, one stream per (source, destination)
 /// pair, all pairs at once (after `warmup` untimed rounds): `cuMemcpyDtoDAsync` where both
@@ -114,4 +116,37 @@ pub fn baseline_copy_remote(
     let t0 = Instant::now();
     round(iters)?;
     Ok(t0.elapsed())
+}
+
+/// Waits up to `limit` for `child` to exit, woken by the exit itself (a pidfd), not by a poll
+/// interval; `Ok(None)` when it still runs at the limit (the caller decides whether to kill it).
+/// Before Linux 5.3 (no `pidfd_open`) it checks every 10 ms instead.
+///
+/// # Errors
+/// `System` when waiting for the child fails.
+pub fn wait_exit(child: &mut std::process::Child, limit: Duration) -> Result<Option<std::process::ExitStatus>> {
+    let deadline = Deadline::after(limit);
+    // The child is ours and not yet reaped, so its pid names it until `try_wait` reaps it.
+    let pidfd = PidFd::open(child.id(), None).ok();
+    loop {
+        if let Some(s) = child.try_wait().map_err(|e| Error::io(format!("waiting for process {}", child.id()), e))? {
+            return Ok(Some(s));
+        }
+        if deadline.expired() {
+            return Ok(None);
+        }
+        match &pidfd {
+            Some(p) => {
+                p.wait_exit(deadline.remaining())?;
+            }
+            None => std::thread::sleep(deadline.remaining().min(Duration::from_millis(10))),
+        }
+    }
+}
+
+/// Polls `ready` until it holds (`true`) or `limit` passes (`false`), backing off as the
+/// library's own waits do (spin, then yield, then sleeps of up to 1 ms): for a condition that has
+/// no notification to block on, such as a counter or a file in `/proc`.
+pub fn wait_until(limit: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    poll_until(limit, BackoffPolicy::FAST, || Ok::<bool, std::convert::Infallible>(ready())).unwrap_or(false)
 }

@@ -263,12 +263,12 @@ fn peer_killed_mid_run_releases_device_waiters() {
         let dev = gpu_for(r.rank);
         let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
         let p = pair(bs, r.rank, cfg(Transport::Ethernet, dev), (MSGS as u64 * CHUNK) as usize);
+        // Rank 0 says when its kernels run (the sender has far more to send than can go).
+        const RUNNING: u64 = 5;
         if r.rank == 1 {
             p.bs.barrier().unwrap();
-            std::thread::sleep(Duration::from_millis(300));
-            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
-            std::thread::sleep(T);
-            return;
+            p.bs.recv(0, RUNNING).unwrap();
+            common::die();
         }
         let src = DeviceBuffer::new(p.comm.context(), dev, p.local.len(), Transport::Ethernet.into()).unwrap();
         let mut proxy = ProxyService::new(p.comm.context(), dev, ProxyConfig::default()).unwrap();
@@ -293,6 +293,7 @@ fn peer_killed_mid_run_releases_device_waiters() {
         launch(&kernel(&m, "ping"), 1, 1, &wait_s, &mut args![chp, s2, d2, one, tmo, resp2]);
         let mut slots = MSGS;
         launch(&kernel(&m, "sender"), 1, 256, &send_s, &mut args![chp, srcp, n, slots, chunk, tmo, resp]);
+        p.bs.send(1, RUNNING, &[]).unwrap();
         send_s.synchronize(T).unwrap();
         wait_s.synchronize(T).unwrap();
         let e = proxy.status().unwrap_err();

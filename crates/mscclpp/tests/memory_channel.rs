@@ -544,11 +544,11 @@ fn a_dead_peer_releases_time_limited_waits() {
             MemoryChannel::new(s.semaphore(1), &s.remote[1], s.local[0].memory(), Some(s.local[1].memory())).unwrap();
         s.bs.barrier().unwrap();
         if r.rank == 1 {
-            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
-            std::thread::sleep(T);
-            return;
+            common::die();
         }
-        std::thread::sleep(Duration::from_millis(500));
+        // Until rank 1 is dead: it sends nothing, so this receive ends when its bootstrap
+        // connection closes with it.
+        s.bs.recv(1, 99).expect_err("rank 1 sent something instead of dying");
         let m = module(KERNELS, s.dev);
         let stream = Stream::new(s.dev).unwrap();
         let res = results(4, s.comm.context(), s.dev);

@@ -136,15 +136,13 @@ pub fn spawn_limited(
         waiters.push((r, pid, ch, so, se));
     }
     for (r, _pid, mut ch, so, se) in waiters {
-        let status = loop {
-            if let Some(s) = ch.try_wait().expect("try_wait") {
-                break s;
-            }
-            if Instant::now() >= deadline {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let status = match mscclpp::bench::wait_exit(&mut ch, left).expect("wait for a rank") {
+            Some(s) => s,
+            None => {
                 let _ = ch.kill();
-                break ch.wait().expect("wait");
+                ch.wait().expect("wait")
             }
-            std::thread::sleep(Duration::from_millis(10));
         };
         let stdout = so.join().unwrap_or_default();
         let stderr = se.join().unwrap_or_default();
@@ -160,6 +158,20 @@ fn read_all<R: std::io::Read>(r: Option<R>) -> Vec<u8> {
         let _ = r.read_to_end(&mut v);
     }
     v
+}
+
+/// Kills this process with SIGKILL, as a crashed rank dies: no destructors run and no socket says
+/// goodbye. SIGKILL cannot be blocked, so it is delivered before `kill(2)` returns.
+pub fn die() -> ! {
+    // SAFETY: kill(2) takes a pid and a signal number; no memory is passed.
+    unsafe { nix::libc::kill(nix::libc::getpid(), nix::libc::SIGKILL) };
+    unreachable!("SIGKILL sent to this process did not end it")
+}
+
+/// Waits until `ready` holds, failing the test after `limit` with `what` (for conditions with
+/// nothing to block on: counters, tokens, `/proc` files; polled with the library's backoff).
+pub fn wait_until(what: &str, limit: Duration, ready: impl FnMut() -> bool) {
+    assert!(mscclpp::bench::wait_until(limit, ready), "{what}: not within {limit:?}");
 }
 
 /// Starts all `size` ranks of test `name`.
