@@ -211,6 +211,8 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     let (src, dst) = (alloc()?, alloc()?);
     let mut cfg = EndpointConfig::new(transport);
     cfg.ethernet.interface = iface.clone();
+    // `--timeout` bounds every wait, the Ethernet sender's on a peer that reads nothing too.
+    cfg.ethernet.connect_timeout = args.timeout();
     cfg.ib.gid_index = args.gid_index;
     // CUDA IPC, and IB with GPU memory (its NIC is chosen for that GPU), serve the GPU.
     let gpu_endpoint = ipc || (args.ib() && gpu.is_some());
