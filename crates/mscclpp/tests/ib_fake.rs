@@ -162,7 +162,7 @@ fn tiny_queues_never_overflow() {
             s.sems[1].as_ref().unwrap().signal().unwrap();
         } else {
             s.sems[0].as_ref().unwrap().wait(T).unwrap();
-            let v = s.local.to_vec();
+            let v = s.local.to_vec().unwrap();
             assert_eq!(s.local.atomic_u64(0).unwrap().load(std::sync::atomic::Ordering::Acquire), 2 * 429);
             // Words 64 .. 64 + 6000 * 8 were written; the rest stays zero.
             let end = 64 + 6000 * 8;
@@ -249,7 +249,7 @@ fn no_atomic_tokens_cross_2_pow_32() {
         let s = setup(r, &h, 4096, None);
         let peer = 1 - r.rank;
         let conn = s.conns[peer].as_ref().unwrap();
-        let sem = s.sems[peer].as_ref().unwrap().host();
+        let sem = s.sems[peer].as_ref().unwrap().host().unwrap();
         assert_eq!(conn.signal_forwarding().as_deref(), Some("host store"));
         let out = AtomicU64::new(0);
         for (i, &v) in seq.iter().enumerate() {
@@ -283,7 +283,7 @@ fn no_atomic_burst_past_the_receive_queue() {
     threads(2, |r| {
         let s = setup(r, &h, 1 << 16, None);
         let peer = 1 - r.rank;
-        let sem = s.sems[peer].as_ref().unwrap().host();
+        let sem = s.sems[peer].as_ref().unwrap().host().unwrap();
         const N: u64 = 2000;
         if r.rank == 0 {
             let conn = s.conns[1].as_ref().unwrap();
@@ -298,7 +298,7 @@ fn no_atomic_burst_past_the_receive_queue() {
             for i in 0..N {
                 sem.wait(T).unwrap_or_else(|e| panic!("signal {i}: {e}"));
                 if i == 0 {
-                    assert!(s.local.to_vec() == pattern(3, 1 << 16), "the first signal overtook the write");
+                    assert!(s.local.to_vec().unwrap() == pattern(3, 1 << 16), "the first signal overtook the write");
                 }
             }
             assert_eq!(sem.inbound_token(), N);
@@ -364,7 +364,7 @@ fn no_atomic_signal_after_idle_wakes_the_receiver() {
                 conn.flush(T).unwrap();
             } else {
                 sem.wait(T).unwrap();
-                assert!(s.local.to_vec() == pattern(round, 4096), "round {round}: data behind its signal");
+                assert!(s.local.to_vec().unwrap() == pattern(round, 4096), "round {round}: data behind its signal");
             }
             s.bs.barrier().unwrap();
         }
