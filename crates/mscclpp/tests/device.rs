@@ -8,16 +8,13 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::gpu::{args, gpu_for, kernel, launch, module, read, results};
+use common::gpu::{Pair, args, gpu_for, kernel, launch, module, pair, read, results};
 use common::{Rank, spawn_ranks};
 use mscclpp::device::fifo::Fifo;
 use mscclpp::device::proxy::{PROXY_FAILED, ProxyConfig, ProxyService};
 use mscclpp::device::trigger::decode;
 use mscclpp::gpu::Stream;
-use mscclpp::{
-    Bootstrap, Communicator, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory, RootServer,
-    TcpBootstrap, Transport,
-};
+use mscclpp::{Bootstrap, Device, DeviceBuffer, EndpointConfig, RootServer, TcpBootstrap, Transport};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -138,33 +135,6 @@ extern "C" __global__ void bad_trigger(mscclpp::PortChannelDeviceHandle* ch, u64
   result[1] = ch->fifo_.proxy_error();
 }
 "#;
-
-struct Pair {
-    bs: Arc<dyn Bootstrap>,
-    comm: Communicator,
-    local: DeviceBuffer,
-    remote: RegisteredMemory,
-    sem: Host2DeviceSemaphore,
-}
-
-fn pair(bs: Arc<dyn Bootstrap>, rank: usize, cfg: EndpointConfig, len: usize) -> Pair {
-    let comm = Communicator::new(bs.clone());
-    let peer = 1 - rank;
-    let dev = match cfg.device {
-        Device::Gpu(d) => d,
-        Device::Cpu => 0,
-    };
-    let local = DeviceBuffer::new(comm.context(), dev, len, cfg.transport.into()).unwrap();
-    local.fill(0, len, 0).unwrap();
-    let pc = comm.connect(&cfg, peer, 0).unwrap();
-    comm.send_memory(local.memory(), peer, 1).unwrap();
-    let pm = comm.recv_memory(peer, 1).unwrap();
-    let conn = pc.wait().unwrap();
-    let remote = pm.wait().unwrap();
-    let sem = Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
-    bs.barrier().unwrap();
-    Pair { bs, comm, local, remote, sem }
-}
 
 fn cfg(t: Transport, dev: u32) -> EndpointConfig {
     let c = EndpointConfig::new(t).device(Device::Gpu(dev));
@@ -306,12 +276,8 @@ fn peer_killed_mid_run_releases_device_waiters() {
     }
     let job =
         common::spawn_some("peer_killed_mid_run_releases_device_waiters", 2, &[0, 1], T, &[], Duration::from_secs(150));
-    let (_, o) = &job.outputs[0];
-    let out = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    assert!(o.status.success(), "rank 0 failed:\n{}\n{}", out(&o.stdout), out(&o.stderr));
-    for l in out(&o.stdout).lines().filter(|l| l.starts_with("RESULT")) {
-        println!("{l}");
-    }
+    job.assert_rank_success(0);
+    job.relay_results();
 }
 
 /// 64 blocks x 128 threads push 4 triggers each (32768 triggers, 64 laps of a 512-slot ring)

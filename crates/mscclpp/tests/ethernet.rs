@@ -39,8 +39,7 @@ fn flush_times_out_when_peer_stalls() {
         std::process::exit(0);
     }
     let job = common::spawn_some("flush_times_out_when_peer_stalls", 2, &[0, 1], T, &[], Duration::from_secs(120));
-    let (_, o) = &job.outputs[0];
-    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    job.assert_rank_success(0);
 }
 
 /// Rank 1 of a two-rank test hands its pid to rank 0 and idles (`None`: its test body returns);
@@ -121,7 +120,5 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
         &[],
         Duration::from_secs(120),
     );
-    let (_, o) = &job.outputs[0];
-    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    println!("{}", String::from_utf8_lossy(&o.stdout));
+    println!("{}", job.assert_rank_success(0));
 }

@@ -176,7 +176,5 @@ fn cuda_ipc_sender_learns_its_peer_died() {
     }
     // Rank 1 dies by design: only rank 0's outcome counts.
     let job = common::spawn_some("cuda_ipc_sender_learns_its_peer_died", 2, &[0, 1], T, &[], Duration::from_secs(90));
-    let (_, o) = job.outputs.iter().find(|(r, _)| *r == 0).expect("rank 0");
-    println!("{}", String::from_utf8_lossy(&o.stdout));
-    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    println!("{}", job.assert_rank_success(0));
 }

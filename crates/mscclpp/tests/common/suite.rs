@@ -226,28 +226,9 @@ pub fn setup(r: &Rank, h: &Harness, len: usize, queue: Option<usize>) -> Setup {
     let comm = Communicator::new(bs.clone());
     h.prepare_context(comm.context());
     let local = h.alloc(comm.context(), r.rank, len, h.flags());
-    let n = r.size;
-    let peers: Vec<usize> = (0..n).filter(|p| *p != r.rank).collect();
     let cfg = h.endpoint_config(r.rank, queue);
-    let pc: Vec<_> = peers.iter().map(|&p| (p, comm.connect(&cfg, p, 0).unwrap())).collect();
-    for &p in &peers {
-        comm.send_memory(local.memory(), p, 1).unwrap();
-    }
-    let pm: Vec<_> = peers.iter().map(|&p| (p, comm.recv_memory(p, 1).unwrap())).collect();
-    let mut conns: Vec<Option<Connection>> = (0..n).map(|_| None).collect();
-    for (p, c) in pc {
-        conns[p] = Some(c.wait().unwrap());
-    }
-    let mut remote: Vec<Option<RegisteredMemory>> = vec![None; n];
-    for (p, m) in pm {
-        remote[p] = Some(m.wait().unwrap());
-    }
-    let ps: Vec<_> =
-        peers.iter().map(|&p| (p, comm.build_semaphore(conns[p].as_ref().unwrap(), p, 2).unwrap())).collect();
-    let mut sems: Vec<Option<Sem>> = (0..n).map(|_| None).collect();
-    for (p, s) in ps {
-        sems[p] = Some(h.semaphore(s.wait().unwrap()));
-    }
+    let super::Links { conns, remote, sems } =
+        super::connect_all(&comm, r.rank, r.size, &cfg, local.memory(), |s| h.semaphore(s));
     bs.barrier().unwrap();
     Setup { bs, comm, conns, local, remote, sems }
 }
