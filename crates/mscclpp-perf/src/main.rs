@@ -23,7 +23,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, ValueEnum};
+use mscclpp::bench::Memory;
 
 /// Which test to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -63,15 +65,6 @@ impl TestKind {
     }
 }
 
-/// Where the buffers live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum MemoryKind {
-    /// Host memory.
-    Host,
-    /// GPU memory (`cuMemAlloc`), on `--device` (rank r uses device + r, modulo the count).
-    Gpu,
-}
-
 /// Measures mscclpp transports against the raw baseline of the same machine.
 #[derive(Clone, Debug, Parser)]
 #[command(version, about, long_about = None)]
@@ -89,9 +82,10 @@ pub struct Args {
     /// First GPU to use with --memory gpu (rank r uses device + r, modulo the device count).
     #[arg(long, default_value_t = 0)]
     pub device: u32,
-    /// Memory of the buffers.
-    #[arg(long, value_enum, default_value = "host")]
-    pub memory: MemoryKind,
+    /// Memory of the buffers: host, or gpu (`cuMemAlloc`, on --device; rank r uses device + r,
+    /// modulo the count).
+    #[arg(long, default_value = "host", value_parser = parse_memory())]
+    pub memory: Memory,
     /// Smallest message (bytes; K, M, G suffixes allowed).
     #[arg(short = 'b', long, default_value = "8", value_parser = parse_size)]
     pub min_bytes: u64,
@@ -191,6 +185,11 @@ impl Args {
     }
 }
 
+/// Parses `--memory`: host or gpu (the help lists them).
+fn parse_memory() -> impl TypedValueParser<Value = Memory> {
+    PossibleValuesParser::new(["host", "gpu"]).map(|s| if s == "gpu" { Memory::Gpu } else { Memory::Host })
+}
+
 /// Parses `-c`'s value: 1/0, true/false, yes/no.
 pub fn parse_flag(s: &str) -> Result<bool, String> {
     match s.trim().to_ascii_lowercase().as_str() {
@@ -256,7 +255,7 @@ fn check(args: &Args) -> Result<(), String> {
         "ethernet" | "eth" | "tcp" | "cuda-ipc" | "cudaipc" | "ipc" | "ib" | "ib0" | "rdma" | "roce" => {}
         t => return Err(format!("unknown --transport {t:?} (expected ethernet, cuda-ipc or ib)")),
     }
-    if args.cuda_ipc() && args.memory != MemoryKind::Gpu {
+    if args.cuda_ipc() && args.memory != Memory::Gpu {
         return Err("--transport cuda-ipc moves GPU memory: add --memory gpu".into());
     }
     if !args.ib() && (args.ib_device.is_some() || args.gid_index.is_some()) {
@@ -270,7 +269,7 @@ fn check(args: &Args) -> Result<(), String> {
             return Err(format!("--ib-device {d}: no such RDMA device (this machine has: {})", devs.join(", ")));
         }
     }
-    if args.memory == MemoryKind::Gpu {
+    if args.memory == Memory::Gpu {
         mscclpp::gpu::device_count().map_err(|e| format!("--memory gpu: {e}"))?;
     }
     if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
