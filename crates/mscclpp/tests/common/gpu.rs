@@ -8,8 +8,8 @@ use mscclpp::gpu::Stream;
 use std::sync::Arc;
 
 use mscclpp::{
-    Bootstrap, Communicator, Connection, Context, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore,
-    RegisteredMemory, TransportFlags,
+    Bootstrap, Communicator, Connection, Context, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory,
+    TransportFlags,
 };
 
 /// `source`'s kernels, compiled by NVRTC and loaded on `device`.
