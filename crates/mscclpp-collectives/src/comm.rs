@@ -16,7 +16,7 @@ use mscclpp::{
 };
 
 use crate::kernels::{self, CollArgs, Kernels, STATE_BYTES};
-use crate::select::{self, Layout, Limits, MAX_BLOCKS, MAX_RANKS_SIMPLE, Plan};
+use crate::select::{self, Layout, Limits, MAX_BLOCKS, Plan};
 use crate::types::{Algorithm, Collective, DataType, ReduceOp};
 
 mod window;
@@ -360,54 +360,8 @@ impl Collectives {
 
     /// The plan the selector makes for a call (`nbytes` as in [`Layout::packet_need`]).
     pub fn plan(&self, coll: Collective, nbytes: u64, opts: &CallOptions) -> Result<Plan> {
-        let mut plan = select::select(coll, nbytes, &self.layout, &self.limits);
-        let tuned = (coll == Collective::AllReduce && opts.algorithm.is_none())
-            .then(|| self.tuning().and_then(|t| t.lookup(nbytes)))
-            .flatten()
-            .filter(|p| !p.algorithm.is_packet() || self.layout.packet_fits(coll, p.algorithm, nbytes));
-        if let Some(p) = tuned {
-            plan = Plan { blocks: p.blocks.min(self.limits.max_blocks), ..p };
-        }
-        if let Some(a) = opts.algorithm {
-            if !a.serves(coll) {
-                return Err(Error::invalid_usage(format!("the {a} algorithm does not implement {coll}")));
-            }
-            if a.is_packet() && !self.layout.packet_fits(coll, a, nbytes) {
-                return Err(Error::invalid_usage(format!(
-                    "{coll} of {nbytes} bytes by {a} needs {} bytes of packet scratch; this communicator has {} \
-                     (Config::packet_bytes)",
-                    self.layout.packet_need(coll, a, nbytes),
-                    self.layout.pkt_half
-                )));
-            }
-            let (b, t) = select::shape(coll, a, nbytes, &self.layout, self.limits.max_blocks);
-            plan = Plan { algorithm: a, blocks: b, threads: t };
-        }
-        if plan.algorithm == Algorithm::Simple && self.nranks > MAX_RANKS_SIMPLE {
-            return Err(Error::invalid_usage(format!(
-                "{coll} of {nbytes} bytes needs the staged algorithm, which serves at most {MAX_RANKS_SIMPLE} ranks \
-                 (this communicator has {})",
-                self.nranks
-            )));
-        }
-        if let Some(b) = opts.blocks {
-            plan.blocks = b.clamp(1, self.limits.max_blocks);
-        }
-        if let Some(t) = opts.threads {
-            if !(32..=512).contains(&t) || !t.is_multiple_of(32) {
-                return Err(Error::invalid_usage(format!(
-                    "threads per block must be a multiple of 32 in 32..=512, not {t}"
-                )));
-            }
-            if plan.algorithm == Algorithm::Simple && (t as usize) < self.nranks {
-                return Err(Error::invalid_usage(format!(
-                    "the staged algorithm needs at least {} threads per block",
-                    self.nranks
-                )));
-            }
-            plan.threads = t;
-        }
-        Ok(plan)
+        let tuned = self.tuning().and_then(|t| t.lookup(nbytes));
+        select::plan(coll, nbytes, &self.layout, &self.limits, tuned, opts)
     }
 
     /// The error a kernel of this rank reported, if any (non-blocking: reads a page-locked word).
