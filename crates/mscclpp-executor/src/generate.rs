@@ -61,10 +61,11 @@ impl Algorithm {
 }
 
 /// Writes the plan for `algorithm` over `ranks` ranks. `None` when the shape cannot be served:
-/// fewer than 2 ranks, more than 9 (MSCCL++'s limit of 8 channels per operation), or an odd
-/// count for the two-node plan.
+/// fewer than 2 ranks, more than 8 (a node's worth; beyond it the ring's Simple plan would pass
+/// MSCCL++'s 64 operations per thread block), or fewer than 4 or an odd count for the two-node
+/// plan.
 pub fn plan(algorithm: Algorithm, ranks: usize, protocol: Protocol, inplace: bool) -> Option<Plan> {
-    if !(2..=9).contains(&ranks) || (algorithm == Algorithm::HierarchicalAllReduce && (ranks % 2 != 0 || ranks < 4)) {
+    if !(2..=8).contains(&ranks) || (algorithm == Algorithm::HierarchicalAllReduce && (ranks % 2 != 0 || ranks < 4)) {
         return None;
     }
     let gpus = (0..ranks)
