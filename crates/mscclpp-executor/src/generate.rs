@@ -65,7 +65,9 @@ impl Algorithm {
 /// MSCCL++'s 64 operations per thread block), or fewer than 4 or an odd count for the two-node
 /// plan.
 pub fn plan(algorithm: Algorithm, ranks: usize, protocol: Protocol, inplace: bool) -> Option<Plan> {
-    if !(2..=8).contains(&ranks) || (algorithm == Algorithm::HierarchicalAllReduce && (ranks % 2 != 0 || ranks < 4)) {
+    if !(2..=8).contains(&ranks)
+        || (algorithm == Algorithm::HierarchicalAllReduce && (!ranks.is_multiple_of(2) || ranks < 4))
+    {
         return None;
     }
     let gpus = (0..ranks)

@@ -58,6 +58,8 @@
 //! # Ok::<(), PlanError>(())
 //! ```
 
+#![warn(missing_docs)]
+
 mod error;
 pub mod generate;
 mod model;
