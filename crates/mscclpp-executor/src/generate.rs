@@ -274,7 +274,8 @@ impl Builder {
         }
     }
 
-    /// AllReduce on a ring, one thread block; channel 0 to the next rank, 1 from the previous.
+    /// AllReduce on a ring, one thread block; channel 0 to the next rank, 1 from the previous
+    /// (with two ranks, channel 0 both ways).
     fn ring_allreduce(&mut self, protocol: Protocol, inplace: bool) {
         let (n, r) = (self.world, self.rank);
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
@@ -282,14 +283,17 @@ impl Builder {
         let m = ChannelType::Memory;
         let ll = protocol == Protocol::LL;
         self.chunks(n, n, if ll { 2 * n } else { n });
+        // Channel k from A to B pairs with channel k from B to A; with two ranks, one channel
+        // serves both directions (a second would pair with the peer's "next" channel).
         let to_next = self.channels(m, &[next]);
-        let from_prev = self.channels(m, &[prev]);
+        let chans = if n == 2 { vec![to_next] } else { vec![to_next, self.channels(m, &[prev])] };
+        let from = chans.len() - 1;
         let next_scratch = self.remote_buffer(next, BufferType::Scratch, m);
         let next_out = self.remote_buffer(next, out, m);
         let mut ops = Vec::new();
         let sync = |ops: &mut Vec<Op>| {
             ops.push(with_channels(op(OpKind::Signal), m, vec![0]));
-            ops.push(with_channels(op(OpKind::Wait), m, vec![1]));
+            ops.push(with_channels(op(OpKind::Wait), m, vec![from]));
         };
         // Reduce-scatter: at step s, send chunk (r - s) and fold in chunk (r - s - 1).
         for s in 0..n - 1 {
@@ -342,7 +346,6 @@ impl Builder {
                 sync(&mut ops);
             }
         }
-        let chans = vec![to_next, from_prev];
         let bufs = if ll { vec![next_scratch] } else { vec![next_scratch, next_out] };
         self.block(m, chans, bufs, ops);
     }

@@ -12,6 +12,9 @@
 //! Not here yet: execution. Switch (NVLS) channels are refused with
 //! [`PlanError::SwitchChannel`]: they need NVLink multicast, which mscclpp-rs keeps off.
 //!
+//! [`sim`] interprets a plan on the CPU at chunk granularity: the reference the GPU executor's
+//! results will be checked against, and a check that a plan computes its collective.
+//!
 //! [`generate`] writes plans in the same schema (ring and all-pair AllReduce, AllGather,
 //! ReduceScatter, a two-node hierarchical AllReduce; Simple and LL; in and out of place).
 //!
@@ -64,6 +67,7 @@ mod error;
 pub mod generate;
 mod model;
 mod parse;
+pub mod sim;
 mod summary;
 mod validate;
 
