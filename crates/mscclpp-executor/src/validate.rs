@@ -34,9 +34,8 @@ pub(crate) fn validate(plan: &Plan) -> Result<()> {
                 format!("is {}, but this is entry {g} of gpus", gpu.id),
             ));
         }
-        if gpu.input_chunks == 0 && gpu.output_chunks == 0 {
-            return Err(PlanError::invalid(&format!("{p}.input_chunks"), "input_chunks and output_chunks are both 0"));
-        }
+        // input_chunks and output_chunks both 0 load (MSCCL++'s DSL writes such plans for
+        // synchronization-only programs); MSCCL++ refuses them only when sizing a run.
         for (c, ch) in gpu.channels.iter().enumerate() {
             for (k, &peer) in ch.connected_to.iter().enumerate() {
                 peer_in_world(peer, g, world, &format!("{p}.channels[{c}].connected_to[{k}]"))?;
