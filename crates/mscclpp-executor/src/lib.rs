@@ -104,13 +104,14 @@ impl Plan {
     }
 }
 
-/// For the `executor_plan` fuzz target: parsing arbitrary bytes never panics, and a plan that
-/// loads writes JSON that loads back to the same plan.
+/// For the `executor_plan` fuzz target: parsing arbitrary bytes never panics, a plan that loads
+/// writes JSON that loads back to the same plan, and summarizing and interpreting it never panic.
 #[doc(hidden)]
 pub fn fuzz_check(data: &[u8]) {
     if let Ok(plan) = Plan::from_json_slice(data) {
         let again = Plan::from_json_str(&plan.to_json());
         assert!(matches!(again, Ok(ref p) if *p == plan), "a loaded plan does not round-trip: {again:?}");
         let _ = plan.summary().to_string();
+        let _ = sim::simulate(&plan, &[]);
     }
 }

@@ -28,10 +28,17 @@ pub enum SimError {
     /// An operation the interpreter does not model (the NVLS ones, refused at load anyway).
     #[error("{0}: not modelled by the interpreter")]
     Unsupported(String),
+    /// The plan's buffers hold more chunks than the interpreter takes on (it keeps one value per
+    /// chunk): more than [`MAX_CHUNKS`] over all ranks.
+    #[error("{0} chunks over all ranks: the interpreter takes at most {MAX_CHUNKS}")]
+    TooLarge(u128),
     /// The plan does not pass validation (only possible for a plan built by hand).
     #[error("invalid plan: {0}")]
     Invalid(String),
 }
+
+/// The most chunks (input, output and scratch, over all ranks) [`simulate`] takes on.
+pub const MAX_CHUNKS: u128 = 1 << 22;
 
 /// Every rank's buffers after a run: `[rank][chunk]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,6 +93,14 @@ fn run(plan: &Plan, input: &[Vec<i64>], seed: Option<u64>) -> Result<Buffers, Si
     // Plans from `Plan::from_*` are valid already; one built by hand is checked here, so that
     // every index below is in range.
     crate::validate::validate(plan).map_err(|e| SimError::Invalid(e.to_string()))?;
+    let chunks: u128 = plan
+        .gpus
+        .iter()
+        .map(|g| u128::from(g.input_chunks) + u128::from(g.output_chunks) + u128::from(g.scratch_chunks))
+        .sum();
+    if chunks > MAX_CHUNKS {
+        return Err(SimError::TooLarge(chunks));
+    }
     let mut sim = Sim {
         plan,
         data: HashMap::new(),

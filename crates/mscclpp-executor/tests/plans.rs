@@ -401,6 +401,7 @@ proptest! {
             // What loads is consistent: it round-trips and summarizes.
             prop_assert_eq!(Plan::from_json_str(&plan.to_json()).ok(), Some(plan.clone()));
             let _ = plan.summary().to_string();
+            let _ = mscclpp_executor::sim::simulate(&plan, &[]);
         } else if let Err(e) = Plan::from_json_str(&text) {
             prop_assert!(!e.to_string().is_empty());
         }

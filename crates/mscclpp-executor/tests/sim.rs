@@ -92,6 +92,11 @@ fn a_broken_schedule_is_caught() {
     });
     assert!(wrong.count() > 0, "no interleaving exposed the missing barrier");
 
+    // Buffers too large to model one value per chunk are refused, not allocated.
+    let mut plan = generate::plan(Algorithm::AllGather, 2, Protocol::Simple, true).unwrap();
+    plan.gpus[0].scratch_chunks = u64::MAX;
+    assert!(matches!(simulate(&plan, &[]), Err(SimError::TooLarge(_))));
+
     // A hand-built invalid plan is refused, not a panic.
     let mut plan = generate::plan(Algorithm::AllGather, 2, Protocol::LL, true).unwrap();
     plan.gpus[0].remote_buffers.clear();
