@@ -190,6 +190,28 @@ fn op(plan: &Plan, view: &TbView<'_>, op: &Op, p: &str) -> Result<()> {
     if op.kind.needs_channels() && op.channel_ids.is_empty() {
         return Err(missing("channel_ids"));
     }
+    // Over port channels, MSCCL++'s kernel issues destination i's put on channel_ids[i].
+    let port_put = matches!(
+        op.kind,
+        OpKind::Put
+            | OpKind::PutWithSignal
+            | OpKind::PutWithSignalAndFlush
+            | OpKind::PutPackets
+            | OpKind::ReadPutPackets
+    );
+    if port_put && op.channel_type == Some(ChannelType::Port) && op.channel_ids.len() < op.dst_buff.len() {
+        if op.channel_ids.is_empty() {
+            return Err(missing("channel_ids"));
+        }
+        return Err(PlanError::invalid(
+            &format!("{p}.channel_ids"),
+            format!(
+                "{} port channels for {} destinations: a put over port channels needs one per destination",
+                op.channel_ids.len(),
+                op.dst_buff.len()
+            ),
+        ));
+    }
     if op.kind.moves_data() {
         if op.src_buff.is_empty() {
             return Err(missing("src_buff"));

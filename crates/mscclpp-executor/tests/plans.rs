@@ -314,6 +314,15 @@ fn error_kinds_are_typed() {
         "{e}"
     );
 
+    // A put over a port channel names its channel (the two-node plan's pwsf on block 1 of rank 0).
+    let two = generate::plan(Algorithm::HierarchicalAllReduce, 4, Protocol::Simple, true).unwrap();
+    let mut v: Value = serde_json::from_str(&two.to_json()).unwrap();
+    let ops = v.pointer_mut("/gpus/0/threadblocks/1/ops").unwrap().as_array_mut().unwrap();
+    let pwsf = ops.iter_mut().find(|o| o["name"] == "pwsf").unwrap();
+    pwsf.as_object_mut().unwrap().remove("channel_ids");
+    let e = Plan::from_json_str(&v.to_string()).unwrap_err();
+    assert!(matches!(&e, PlanError::Missing { path } if path == "gpus[0].threadblocks[1].ops[2].channel_ids"), "{e}");
+
     let e = refuse(|v| remove(v, "/gpus/0", "threadblocks"));
     assert!(matches!(&e, PlanError::Missing { path } if path == "gpus[0].threadblocks"), "{e}");
     let e = refuse(|v| *at(v, "/gpus") = json!({}));
