@@ -1,4 +1,5 @@
-//! `--plan FILE --dry-run`: load and validate an MSCCL++ execution plan and print its summary.
+//! `--plan FILE --dry-run`: load and validate an MSCCL++ execution plan and print its summary
+//! and its buffer sizes at the sweep's largest message (`-e`).
 
 use mscclpp_executor::Plan;
 
@@ -33,5 +34,19 @@ pub fn dry_run(args: &Args) -> Result<(), String> {
     }
     println!("# {}: valid execution plan (dry run: loaded and validated, not run)", path.display());
     println!("{}", plan.summary());
+    // Buffer bytes at the largest size of the sweep (-e), sized as nccl-tests sizes them.
+    let size = args.max_bytes;
+    let ranks = plan.gpus.len() as u64;
+    let (input, output) = match args.test {
+        TestKind::Allgather => (size / ranks, size),
+        TestKind::Reducescatter => (size, size / ranks),
+        _ => (size, size),
+    };
+    let scratch: Vec<String> =
+        (0..plan.gpus.len()).filter_map(|r| plan.scratch_bytes(r, input, output)).map(|b| b.to_string()).collect();
+    println!("at -e {size} B: input {input} B, output {output} B, scratch per rank {} B", scratch.join(" "));
+    if size < plan.min_message_size || size > plan.max_message_size {
+        println!("# note: {size} B is outside the plan's message sizes");
+    }
     Ok(())
 }

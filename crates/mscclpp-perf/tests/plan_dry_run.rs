@@ -38,6 +38,11 @@ fn dry_run_prints_the_summary_of_generated_plans() {
         assert!(stdout.contains(&format!("plan: {} ({test}", plan.name)), "{stdout}");
         let tbs = plan.gpus.iter().map(|g| g.threadblocks.len().to_string()).collect::<Vec<_>>().join(" ");
         assert!(stdout.contains(&format!("thread blocks per rank: {tbs}")), "{stdout}");
+        if (test, proto) == ("allreduce", Protocol::LL) {
+            // The ring at 1 MiB: 4 chunks of 256 KiB, 8 scratch chunks, twice for packets.
+            let (ok, stdout, _) = run(&[test, "--dry-run", "-e", "1M"], &path);
+            assert!(ok && stdout.contains("scratch per rank 4194304 4194304 4194304 4194304 B"), "{stdout}");
+        }
         if algo == Algorithm::HierarchicalAllReduce {
             assert!(stdout.contains("port 4") && stdout.contains("pwsf 4"), "{stdout}");
         }
