@@ -24,6 +24,7 @@ pub const MAX_DEVICE_SEMAPHORES: usize = 16;
 
 /// An execution plan: what every rank's thread blocks do, as MSCCL++'s DSL writes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Plan {
     /// `name`: the plan's name.
     pub name: String,
@@ -128,6 +129,7 @@ macro_rules! op_kinds {
         /// An operation's `name`: MSCCL++'s `OperationType`, in its order, with the names its
         /// executor accepts.
         #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+        #[non_exhaustive]
         pub enum OpKind {
             $($(#[$doc])* #[serde(rename = $name)] $variant,)*
         }
@@ -239,6 +241,7 @@ impl OpKind {
 
 /// One rank's part of the plan (an entry of `gpus`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Gpu {
     /// `id`: the rank; equal to the entry's position.
     pub id: usize,
@@ -310,6 +313,7 @@ pub struct Semaphore {
 
 /// An entry of a rank's `threadblocks`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct ThreadBlock {
     /// `id`: equal to the entry's position.
     pub id: usize,
@@ -346,6 +350,7 @@ pub struct RemoteBufferRefs {
 
 /// An operation (an entry of a thread block's `ops`, or of a pipeline's `ops`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Op {
     /// `name`.
     #[serde(rename = "name")]

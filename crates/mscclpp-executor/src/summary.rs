@@ -7,6 +7,7 @@ use crate::model::*;
 
 /// Counts that describe a plan: what `mscclpp-perf ... --plan FILE --dry-run` prints.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Summary {
     /// The plan's `name`.
     pub name: String,
