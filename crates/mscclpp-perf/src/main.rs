@@ -6,6 +6,8 @@
 //!
 //! `allreduce`, `allgather` and `reducescatter` run `mscclpp-collectives` like nccl-tests runs
 //! NCCL (ranks as threads of one process on one GPU), optionally next to NCCL (`--nccl PATH`).
+//! With `--plan FILE --dry-run` they load and validate an MSCCL++ execution plan and print its
+//! summary instead, with no GPU (running plans is not implemented yet).
 
 mod bootstrap;
 mod coll;
@@ -15,6 +17,7 @@ mod launch;
 mod memchan;
 mod nccl;
 mod p2p;
+mod plan;
 mod procs;
 mod report;
 mod trace;
@@ -177,6 +180,14 @@ pub struct Args {
     /// the run goes on without it.
     #[arg(long)]
     pub nccl: Option<PathBuf>,
+    /// Collectives: an MSCCL++ execution plan (the JSON its DSL writes) for this collective.
+    /// Only with --dry-run for now: running plans is not implemented yet.
+    #[arg(long)]
+    pub plan: Option<PathBuf>,
+    /// With --plan: load and validate the plan and print its summary (ranks, thread blocks,
+    /// operations, channels, buffers); needs no GPU. Exits non-zero on an invalid plan.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 impl Args {
@@ -340,6 +351,16 @@ fn check(args: &Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.plan.is_some() || args.dry_run {
+        // No GPU, no NCCL: before check(), which asks CUDA for the devices.
+        return match plan::dry_run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mscclpp-perf: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     // Before anything starts a thread (CUDA, the bootstrap, NCCL): the environment NCCL reads.
     let nccl_env_set = args.nccl.is_some() && coll::collective(args.test).is_some() && nccl::prepare_env();
     if let Err(e) = check(&args) {
