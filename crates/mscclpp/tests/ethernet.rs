@@ -102,12 +102,18 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
             }
             assert!(t0.elapsed() < Duration::from_secs(60), "{sent} writes into a stopped peer all succeeded");
         };
+        // Two bounded waits see the stopped peer, both after the 2 s limit: the socket send that
+        // finds the socket full ("stalled"), or, when the sender thread holds the socket, the
+        // caller's wait for room in the full write queue ("none confirmed"). Which comes first
+        // depends on the machine's load; either is a Timeout naming the peer, never a hang.
+        let stopped = |m: &str| m.contains("stalled") || m.contains("none confirmed");
         assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
         assert_eq!(e.peer(), Some(1), "{e}");
-        assert!(e.to_string().contains("stalled"), "{e}");
-        // The connection stays failed: a flush says so at once.
+        assert!(stopped(&e.to_string()), "{e}");
+        // Nothing more lands: a flush fails too, naming the peer.
         let f = conn.flush(Duration::from_secs(5)).unwrap_err();
-        assert!(f.to_string().contains("stalled"), "{f}");
+        assert_eq!(f.peer(), Some(1), "{f}");
+        assert!(f.kind() == ErrorKind::Timeout || stopped(&f.to_string()), "{f}");
         println!("after {sent} rounds of 1 MiB + signal, {:?}: {e}", t0.elapsed());
         let _ = std::process::Command::new("kill").args(["-KILL", &peer_pid]).status();
         std::process::exit(0);
