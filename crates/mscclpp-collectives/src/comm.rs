@@ -6,10 +6,9 @@
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use mscclpp::gpu::{DeviceBuffer, PinnedBuffer, Stream, check_device_range};
+use mscclpp::gpu::{DeviceBuffer, Stream, check_device_range};
 use mscclpp::{
     Communicator, Device, EndpointConfig, Error, ErrorKind, MemoryChannel, MemoryDevice2DeviceSemaphore, Result,
     Transport, TransportFlags,
@@ -17,6 +16,7 @@ use mscclpp::{
 
 use crate::kernels::{self, CollArgs, Kernels, STATE_BYTES};
 use crate::select::{self, Layout, Limits, MAX_BLOCKS, Plan};
+use crate::status::{DeviceStatus, Reported};
 use crate::types::{Algorithm, Collective, DataType, ReduceOp};
 
 mod window;
@@ -169,8 +169,7 @@ pub struct Collectives {
     state: DeviceBuffer,
     expected: DeviceBuffer,
     /// Page-locked: word 0 is the error the kernels report, word 1 the abort request.
-    host_words: PinnedBuffer,
-    failed: AtomicBool,
+    status: DeviceStatus,
     tuned: std::sync::RwLock<Option<Arc<crate::tune::TuneTable>>>,
     _channels: Vec<MemoryChannel>,
     /// Per peer, the semaphore its channels share (windows map more memory through it).
@@ -289,7 +288,7 @@ impl Collectives {
         let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
         state.write(0, &1u32.to_le_bytes())?; // the first LL flag
         let expected = DeviceBuffer::new(ctx, dev, nranks * MAX_BLOCKS as usize * 8, TransportFlags::NONE)?;
-        let host_words = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
+        let status = DeviceStatus::new(ctx, dev)?;
         // Nobody launches before every rank has its kernels loaded and its scratch mapped.
         comm.bootstrap().barrier()?;
         tracing::debug!(target: "mscclpp::collectives", rank, nranks, gpu = dev, on_gpu, max_blocks = limits.max_blocks, scratch = layout.total, "collectives ready");
@@ -305,8 +304,7 @@ impl Collectives {
             peers_table,
             state,
             expected,
-            host_words,
-            failed: AtomicBool::new(false),
+            status,
             tuned: std::sync::RwLock::new(None),
             _channels: channels,
             peer_sems,
@@ -370,22 +368,16 @@ impl Collectives {
     /// `Timeout` naming the rank that never arrived, `InvalidUsage` naming the rank whose call
     /// differed from ours, `Aborted`-like `Remote` after [`abort`](Self::abort).
     pub fn check(&self) -> Result<()> {
-        let mut w = [0u8; 8];
-        self.host_words.read(0, &mut w)?;
-        let code = u64::from_le_bytes(w);
-        if code == 0 {
-            return if self.failed.load(Ordering::Acquire) {
-                Err(Error::remote(format!(
+        let (kind, peer, code) = match self.status.read()? {
+            Reported::Clear => return Ok(()),
+            Reported::FailedBefore => {
+                return Err(Error::remote(format!(
                     "rank {}: the collectives failed earlier and refuse further calls",
                     self.rank
-                )))
-            } else {
-                Ok(())
-            };
-        }
-        self.failed.store(true, Ordering::Release);
-        let kind = (code >> 48) & 0x7fff;
-        let peer = ((code >> 32) & 0xffff) as usize;
+                )));
+            }
+            Reported::Error { kind, peer, code } => (kind, peer, code),
+        };
         let e = match kind {
             ERR_TIMEOUT => Error::timeout(
                 format!("rank {}: a collective waited for rank {peer}, which never arrived (stopped, or making another call)", self.rank),
@@ -412,8 +404,7 @@ impl Collectives {
     /// # Errors
     /// CUDA errors writing the request.
     pub fn abort(&self) -> Result<()> {
-        self.failed.store(true, Ordering::Release);
-        self.host_words.write(8, &1u64.to_le_bytes())
+        self.status.abort()
     }
 
     /// Waits (bounded) for `stream` to finish, then [`check`](Self::check)s.
@@ -428,13 +419,13 @@ impl Collectives {
 
     fn base_args(&self) -> CollArgs {
         let l = &self.layout;
-        let words = self.host_words.as_ptr() as u64;
+
         CollArgs {
             peers: self.peers_table.device_ptr(),
             state: self.state.device_ptr(),
             expected: self.expected.device_ptr(),
-            err: words,
-            abort: words + 8,
+            err: self.status.error_word(),
+            abort: self.status.abort_word(),
             timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX / 2).min(u64::MAX / 2),
             rank: self.rank as u64,
             nranks: self.nranks as u64,
@@ -657,7 +648,7 @@ impl Collectives {
 
     /// Whether this rank's kernels reported an error or it was aborted.
     pub fn has_failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire) || self.check().is_err()
+        self.status.failed() || self.check().is_err()
     }
 
     /// Kind of error the collectives report for a rank that never arrived.

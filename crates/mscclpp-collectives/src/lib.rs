@@ -30,6 +30,7 @@ mod comm;
 pub mod hier;
 mod kernels;
 pub mod select;
+mod status;
 pub mod tune;
 mod types;
 
