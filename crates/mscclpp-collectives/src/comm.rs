@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use mscclpp::gpu::{DeviceBuffer, Stream, check_device_range};
 use mscclpp::{
-    Communicator, Device, EndpointConfig, Error, ErrorKind, MemoryChannel, MemoryDevice2DeviceSemaphore, Result,
-    Transport, TransportFlags,
+    Communicator, Device, EndpointConfig, Error, MemoryChannel, MemoryDevice2DeviceSemaphore, Result, Transport,
+    TransportFlags,
 };
 
 use crate::kernels::{self, CollArgs, Kernels, STATE_BYTES};
@@ -164,7 +164,8 @@ pub struct Collectives {
     limits: Limits,
     timeout: Duration,
     kernels: Arc<Kernels>,
-    scratch: DeviceBuffer,
+    /// Kept alive: every peer has this scratch mapped (the address is in `peers_table`).
+    _scratch: DeviceBuffer,
     peers_table: DeviceBuffer,
     state: DeviceBuffer,
     expected: DeviceBuffer,
@@ -300,7 +301,7 @@ impl Collectives {
             limits,
             timeout: config.timeout,
             kernels,
-            scratch,
+            _scratch: scratch,
             peers_table,
             state,
             expected,
@@ -649,13 +650,5 @@ impl Collectives {
     /// Whether this rank's kernels reported an error or it was aborted.
     pub fn has_failed(&self) -> bool {
         self.status.failed() || self.check().is_err()
-    }
-
-    /// Kind of error the collectives report for a rank that never arrived.
-    pub const TIMEOUT_KIND: ErrorKind = ErrorKind::Timeout;
-
-    #[doc(hidden)]
-    pub fn scratch_ptr(&self) -> u64 {
-        self.scratch.device_ptr()
     }
 }
