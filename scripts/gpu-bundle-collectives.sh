@@ -83,6 +83,10 @@ if [ -d wheel ]; then
 fi
 nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started" >> "$T"
 step "processes (MPS)" 60 "$T" ./bin/gpu_procs --ignored --test-threads=1 --nocapture
+# The speed goal's harness: 2 processes under MPS, bf16, graph and eager, NCCL in the same run.
+step "perf allreduce 2 processes (MPS) graph" 60 "$P" ./bin/mscclpp-perf allreduce --procs -b 1K -e 256M -d bf16 -n 50 --graph $nccl --timeout 30 --json "$logs/ar-procs-graph.json"
+step "perf allreduce 2 processes (MPS) eager" 60 "$P" ./bin/mscclpp-perf allreduce --procs -b 1K -e 256M -d bf16 -n 50 --check $nccl --timeout 30 --json "$logs/ar-procs-eager.json"
+step "perf allreduce 4 processes (MPS) graph" 40 "$P" ./bin/mscclpp-perf allreduce --procs --ranks 4 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
 echo quit | nvidia-cuda-mps-control 2>/dev/null
 step "perf allreduce 8 ranks graph" 40 "$P" ./bin/mscclpp-perf allreduce --ranks 8 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
 step "perf allreduce 4 ranks graph" 40 "$P" ./bin/mscclpp-perf allreduce --ranks 4 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30

@@ -192,28 +192,44 @@ __device__ __forceinline__ u32 unit_bytes(u64 i, u64 nbytes) {
   return rest >= 8 ? 8u : (u32)rest;
 }
 
-// LL16 packet read with the bounded wait.
-__device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p, u32 flag, u64 deadline, u32 peer,
-                                         uint2& v) {
-  u32 spins = 0;
-  while (p->readOnce(flag, v)) {
-    if (must_stop(a, deadline, peer, spins)) return false;
-  }
-  return true;
-}
-
 __device__ __forceinline__ char* scratch_of(const CollArgs& a, u32 rank) { return (char*)((const u64*)a.peers)[rank]; }
 // My LL packets in `rank`'s scratch, in half `half`, slot `slot` of `slot_units` packets.
 __device__ __forceinline__ LL16Packet* pkt_slot(const CollArgs& a, u32 rank, u32 half, u64 slot, u64 slot_units) {
   return (LL16Packet*)(scratch_of(a, rank) + a.pkt_off + half * a.pkt_half + slot * slot_units * 16);
 }
+// `peer`'s signature packet of the call with `flag`, in my scratch.
+__device__ __forceinline__ const LL16Packet* sig_pkt_from(const CollArgs& a, u32 flag, u32 peer) {
+  return (const LL16Packet*)(scratch_of(a, a.rank) + a.sig_pkt_off) + (flag & 1) * a.nranks + peer;
+}
+
+// Whether `peer` has started a call with this flag whose signature differs from mine (a look,
+// no wait): a wait on that peer's data would otherwise end as a timeout, not as the mismatch.
+__device__ __forceinline__ bool peer_sig_differs(const CollArgs& a, u32 flag, u32 peer) {
+  uint2 v;
+  if (peer >= a.nranks || sig_pkt_from(a, flag, peer)->readOnce(flag, v)) return false;
+  return (((u64)v.y << 32) | v.x) != a.sig;
+}
+
+// LL16 packet read with the bounded wait. Every 4096 spins (and before it reports a timeout)
+// it looks at the peer's signature, so a mismatched call is named as such quickly.
+__device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p, u32 flag, u64 deadline, u32 peer,
+                                         uint2& v) {
+  u32 spins = 0;
+  while (p->readOnce(flag, v)) {
+    if ((spins & 0xfff) == 0xfff && peer_sig_differs(a, flag, peer)) {
+      fail(a, ERR_MISMATCH, peer);
+      return false;
+    }
+    if (must_stop(a, deadline, peer, spins)) return false;
+  }
+  return true;
+}
 
 // The per-call packet prologue: every thread learns the flag; block 0 thread 0 sends this call's
-// signature to every peer (an LL packet) and checks theirs before its share of the data, so a
-// mismatched call is reported as such rather than as the timeout it would cause. Reading every
-// peer's signature is also what lets the next-but-one call reuse this half: a peer writes its
-// signature only after it finished the call before. Returns false when this rank has failed
-// before (nothing is done then).
+// signature to every peer (an LL packet) without waiting; the epilogue checks the peers'. The
+// signature travels beside the data rather than ahead of it, so it costs no extra peer round
+// trip on the critical path (it did: 1 KiB AllReduce waited for the signature, then the data).
+// Returns false when this rank has failed before (nothing is done then).
 __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline) {
   CollState* st = (CollState*)a.state;
   deadline = detail::globaltimer() + a.timeout_ns;
@@ -232,23 +248,30 @@ __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& dea
       LL16Packet* s = (LL16Packet*)(scratch_of(a, p) + a.sig_pkt_off) + half * a.nranks + a.rank;
       s->write(a.sig, flag);
     }
-    for (u32 i = 1; i < a.nranks; i++) {
-      u32 p = (a.rank + i) % a.nranks;
-      const LL16Packet* s = (const LL16Packet*)(scratch_of(a, a.rank) + a.sig_pkt_off) + half * a.nranks + p;
-      uint2 v;
-      if (!read_pkt(a, s, flag, deadline, p, v)) break;
-      if ((((u64)v.y << 32) | v.x) != a.sig) {
-        fail(a, ERR_MISMATCH, p);
-        break;
-      }
-    }
   }
   return true;
 }
 
-// The per-call packet epilogue: the last block to finish advances the flag.
+// Block 0 thread 0 checks every peer's signature of this call. Reading them is also what lets
+// the next-but-one call reuse this half: a peer writes its signature only after it finished the
+// call before.
+__device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64 deadline) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  for (u32 i = 1; i < a.nranks; i++) {
+    u32 p = (a.rank + i) % a.nranks;
+    uint2 v;
+    if (!read_pkt(a, sig_pkt_from(a, flag, p), flag, deadline, p, v)) break;
+    if ((((u64)v.y << 32) | v.x) != a.sig) {
+      fail(a, ERR_MISMATCH, p);
+      break;
+    }
+  }
+}
+
+// The per-call packet epilogue: the peers' signatures are checked, then the last block to
+// finish advances the flag.
 __device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadline) {
-  (void)deadline;
+  pkt_check_sigs(a, flag, deadline);
   CollState* st = (CollState*)a.state;
   __syncthreads();
   if (gridDim.x == 1) {

@@ -552,248 +552,339 @@ const COPY: usize = 6;
 const SKIP: usize = 7;
 const FIELDS: usize = 8;
 
-/// Runs the sweep: rows on stdout as each size finishes, `--json` rewritten after each row,
-/// `--plot` at the end. Fails when a check found wrong elements.
+/// Everything the ranks of one sweep share: the flags, the sizes, the report's header fields,
+/// NCCL when given. Built by every process of a `--procs` job, once by a threads job.
+struct Job {
+    spec: Spec,
+    list: Vec<Size>,
+    /// The largest buffer any size needs (bytes).
+    cap: usize,
+    report: Report,
+    json: Option<PathBuf>,
+    plot: Option<PathBuf>,
+    nccl: Option<Nccl>,
+}
+
+impl Job {
+    /// `ranks`: the job's size (`--ranks`, or the launcher's); `print`: whether this process
+    /// prints the header (rank 0, or the one process of a threads job).
+    fn new(args: &Args, env_set_here: bool, ranks: usize, procs: bool, print: bool) -> Result<Job, String> {
+        let mut spec = Spec::from_args(args)?;
+        spec.ranks = ranks;
+        let s = &spec;
+        let say = |l: String| {
+            if print {
+                row(l)
+            }
+        };
+        // NCCL first (its environment variable was set by `main`, before any thread started).
+        let nccl: Option<Nccl> = match &args.nccl {
+            None => None,
+            Some(path) => match Nccl::load(path) {
+                Err(x) => {
+                    say(format!("# nccl: {x}; continuing without the NCCL column"));
+                    None
+                }
+                Ok(lib) => {
+                    let env = std::env::var(MULTI_RANK_ENV).unwrap_or_default();
+                    let by = if env_set_here { "set by mscclpp-perf" } else { "from the environment" };
+                    say(format!("# nccl: {MULTI_RANK_ENV}={env} ({by}; several ranks share GPU{})", s.device));
+                    Some(lib)
+                }
+            },
+        };
+        let nccl_version = nccl.as_ref().and_then(|l| l.version()).map(Nccl::version_string);
+        if let Some(l) = &nccl {
+            say(format!("# nccl: {} (version {})", l.path, nccl_version.as_deref().unwrap_or("unknown")));
+            if l.version().is_some_and(|v| v < 23000) {
+                say("# nccl: versions before 2.30 refuse several ranks on one GPU; trying anyway".into());
+            }
+        }
+        let list = sizes(s.coll, s.dtype, s.ranks, args.min_bytes, args.max_bytes, args.step_factor);
+        if list.is_empty() {
+            return Err(format!(
+                "no size from -b {} to -e {} holds one {} element per rank ({} ranks)",
+                args.min_bytes, args.max_bytes, s.dtype, s.ranks
+            ));
+        }
+        let cap = list.iter().map(|z| z.bytes).max().unwrap_or(0).max(256) as usize;
+        let device_name = mscclpp::gpu::device_name(s.device).unwrap_or_else(|_| format!("GPU{}", s.device));
+        let report = Report {
+            version: env!("CARGO_PKG_VERSION").into(),
+            test: s.coll.name().into(),
+            ranks: s.ranks,
+            device: s.device,
+            device_name: device_name.clone(),
+            dtype: s.dtype.name().into(),
+            redop: s.redop().into(),
+            warmup: s.warmup,
+            iters: s.iters,
+            graph: s.graph,
+            check: s.check,
+            algo: s.algo.map(|a| a.name().to_string()),
+            nccl: nccl.as_ref().map(|l| l.path.clone()),
+            nccl_version,
+            records: Vec::new(),
+        };
+        say(format!(
+            "# mscclpp-perf {}: {} ranks ({}) on GPU{} ({device_name}), {}, {}, warmup {}, iters {}, {}{}",
+            s.coll,
+            s.ranks,
+            if procs { "processes" } else { "threads of one process" },
+            s.device,
+            s.dtype,
+            s.redop(),
+            s.warmup,
+            s.iters,
+            if s.graph { "graph (the -n calls in one CUDA graph)" } else { "eager" },
+            if s.check { ", check" } else { "" }
+        ));
+        say(format!(
+            "# time: GPU time per call, slowest rank; algbw = size / time; busbw = algbw x {}; algo: {}; copy: cuMemcpyDtoDAsync of size bytes on GPU{} (wall time per copy)",
+            if s.coll == Collective::AllReduce { "2(n-1)/n" } else { "(n-1)/n" },
+            s.algo.map_or("the selector's choice".to_string(), |a| format!("--algo {a}")),
+            s.device
+        ));
+        for l in columns(s, nccl.is_some()) {
+            say(l);
+        }
+
+        Ok(Job { spec, list, cap, report, json: args.json.clone(), plot: args.plot.clone(), nccl })
+    }
+
+    /// The rows are done: the JSON and the plot (rank 0), and the verdict of `--check`.
+    fn finish(mut self, records: Vec<Record>, wrong: u64, has_nccl: bool) -> Result<(), String> {
+        self.report.records = records;
+        if !has_nccl {
+            self.report.nccl = None;
+            self.report.nccl_version = None;
+        }
+        if let Some(p) = &self.json {
+            self.report.write_json(p)?;
+        }
+        if let Some(p) = &self.plot {
+            write_svg(&self.report, p)?;
+        }
+        if wrong > 0 {
+            return Err(format!(
+                "{} {}: {wrong} wrong elements (see the #wrong column)",
+                self.spec.coll, self.spec.dtype
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Runs the sweep with `--ranks` ranks as threads of this process: rows on stdout as each size
+/// finishes, `--json` rewritten after each row, `--plot` at the end. Fails when a check found
+/// wrong elements.
 /// `env_set_here`: whether `main` set `NCCL_MULTI_RANK_GPU_ENABLE` ([`crate::nccl::prepare_env`]).
 pub fn run(args: &Args, env_set_here: bool) -> Result<(), String> {
-    let spec = Spec::from_args(args)?;
-    let s = &spec;
-    // NCCL first (its environment variable was set by `main`, before any thread started).
-    let nccl: Option<(Nccl, UniqueId)> = match &args.nccl {
+    let job = Job::new(args, env_set_here, args.ranks, false, true)?;
+    let id = match &job.nccl {
         None => None,
-        Some(path) => match Nccl::load(path) {
+        Some(l) => match l.unique_id() {
+            Ok(id) => Some(id),
             Err(x) => {
                 row(format!("# nccl: {x}; continuing without the NCCL column"));
                 None
             }
-            Ok(lib) => {
-                let env = std::env::var(MULTI_RANK_ENV).unwrap_or_default();
-                let by = if env_set_here { "set by mscclpp-perf" } else { "from the environment" };
-                row(format!("# nccl: {MULTI_RANK_ENV}={env} ({by}; several ranks share GPU{})", s.device));
-                match lib.unique_id() {
-                    Ok(id) => Some((lib, id)),
-                    Err(x) => {
-                        row(format!("# nccl: {x}; continuing without the NCCL column"));
-                        None
-                    }
-                }
-            }
         },
     };
-    let nccl_version = nccl.as_ref().and_then(|(l, _)| l.version()).map(Nccl::version_string);
-    if let Some((l, _)) = &nccl {
-        row(format!("# nccl: {} (version {})", l.path, nccl_version.as_deref().unwrap_or("unknown")));
-        if nccl.as_ref().and_then(|(l, _)| l.version()).is_some_and(|v| v < 23000) {
-            row("# nccl: versions before 2.30 refuse several ranks on one GPU; trying anyway".into());
-        }
-    }
-    let list = sizes(s.coll, s.dtype, s.ranks, args.min_bytes, args.max_bytes, args.step_factor);
-    if list.is_empty() {
-        return Err(format!(
-            "no size from -b {} to -e {} holds one {} element per rank ({} ranks)",
-            args.min_bytes, args.max_bytes, s.dtype, s.ranks
-        ));
-    }
-    let cap = list.iter().map(|z| z.bytes).max().unwrap_or(0).max(256) as usize;
-    let device_name = mscclpp::gpu::device_name(s.device).unwrap_or_else(|_| format!("GPU{}", s.device));
-    let mut report = Report {
-        version: env!("CARGO_PKG_VERSION").into(),
-        test: s.coll.name().into(),
-        ranks: s.ranks,
-        device: s.device,
-        device_name: device_name.clone(),
-        dtype: s.dtype.name().into(),
-        redop: s.redop().into(),
-        warmup: s.warmup,
-        iters: s.iters,
-        graph: s.graph,
-        check: s.check,
-        algo: s.algo.map(|a| a.name().to_string()),
-        nccl: nccl.as_ref().map(|(l, _)| l.path.clone()),
-        nccl_version,
-        records: Vec::new(),
+    let j = &job;
+    let results = local_ranks(j.spec.ranks, j.spec.timeout, |rank, bs| rank_main(j, rank, bs, id))?;
+    let (records, wrong, has_nccl) = results.into_iter().next().unwrap_or_default();
+    job.finish(records, wrong, has_nccl)
+}
+
+/// One rank of a `--procs` job (a process started by the local launcher, mpirun, srun or
+/// torchrun; all on GPU `--device`): the same sweep, rank 0 prints. With `--nccl`, rank 0's
+/// NCCL id reaches the others through the bootstrap; NCCL is used only when every rank loaded it.
+pub fn run_rank(args: &Args, bs: Arc<dyn Bootstrap>, _iface: Option<String>) -> Result<(), String> {
+    let env_set_here = args.nccl.is_some() && std::env::var(MULTI_RANK_ENV).is_ok();
+    let rank = bs.rank();
+    let job = Job::new(args, env_set_here, bs.size(), true, rank == 0)?;
+    let x = |e: mscclpp::Error| format!("rank {rank}: {e}");
+    let id = match &job.nccl {
+        Some(l) if rank == 0 => match l.unique_id() {
+            Ok(id) => Some(id),
+            Err(m) => {
+                row(format!("# nccl: {m}; continuing without the NCCL column"));
+                None
+            }
+        },
+        _ => None,
     };
-    row(format!(
-        "# mscclpp-perf {}: {} ranks (threads of one process) on GPU{} ({device_name}), {}, {}, warmup {}, iters {}, {}{}",
-        s.coll,
-        s.ranks,
-        s.device,
-        s.dtype,
-        s.redop(),
-        s.warmup,
-        s.iters,
-        if s.graph { "graph (the -n calls in one CUDA graph)" } else { "eager" },
-        if s.check { ", check" } else { "" }
-    ));
-    row(format!(
-        "# time: GPU time per call, slowest rank; algbw = size / time; busbw = algbw x {}; algo: {}; copy: cuMemcpyDtoDAsync of size bytes on GPU{} (wall time per copy)",
-        if s.coll == Collective::AllReduce { "2(n-1)/n" } else { "(n-1)/n" },
-        s.algo.map_or("the selector's choice".to_string(), |a| format!("--algo {a}")),
-        s.device
-    ));
-    let json: Option<PathBuf> = args.json.clone();
-    let plot: Option<PathBuf> = args.plot.clone();
-    let nccl_ref = nccl.as_ref();
-    let cols_nccl = nccl.is_some();
-    for l in columns(s, cols_nccl) {
-        row(l);
+    // Rank 0's id (empty when it has none), and whether every rank loaded the library.
+    let payload = match (&job.nccl, &id) {
+        (None, _) => vec![0u8],
+        (Some(_), None) => vec![1u8],
+        (Some(_), Some(id)) => std::iter::once(1u8).chain(id.to_bytes()).collect(),
+    };
+    let all = bs.all_gather(&payload).map_err(x)?;
+    let everyone = all.iter().all(|p| p.first() == Some(&1));
+    let id = match all.first() {
+        Some(p) if everyone && p.len() == 1 + UniqueId::BYTES => UniqueId::from_bytes(&p[1..]),
+        _ => None,
+    };
+    if job.nccl.is_some() && id.is_none() && rank == 0 {
+        row("# nccl: not every rank could load it; continuing without the NCCL column".into());
     }
+    let (records, wrong, has_nccl) = rank_main(&job, rank, bs.clone(), id)?;
+    if rank != 0 {
+        return Ok(());
+    }
+    job.finish(records, wrong, has_nccl)
+}
 
-    let report_ref = &report;
-    let results = local_ranks(s.ranks, s.timeout, |rank, bs| {
-        let comm = Communicator::new(bs.clone());
-        let x = |x: mscclpp::Error| format!("rank {rank}: {x}");
-        let coll = Collectives::new(&comm, Config::new(s.device).timeout(s.timeout)).map_err(x)?;
-        let stream = Stream::new(s.device).map_err(x)?;
-        let a = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
-        let b = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
-        let (start, stop) = (TimingEvent::new(s.device).map_err(x)?, TimingEvent::new(s.device).map_err(x)?);
-        let windows = if s.zero_copy {
-            // SAFETY: `a` and `b` live as long as `me`, which owns them and the windows (declared
-            // before them, so dropped first), and every stream is synchronized before.
-            Some(unsafe {
-                (
-                    coll.register_window(a.device_ptr(), b.device_ptr(), cap).map_err(x)?,
-                    coll.register_window(a.device_ptr(), a.device_ptr(), cap).map_err(x)?,
-                )
-            })
-        } else {
-            None
-        };
-        let me = Rank { spec: s, rank, bs: bs.clone(), coll, stream, a, b, start, stop, windows };
+/// The sweep of one rank: its communicator, collectives, buffers; every size out of place and
+/// in place, ours and NCCL's (when `nccl_id`); rank 0 gathers and prints the rows. Returns rank
+/// 0's records (empty elsewhere), the wrong elements over all ranks and whether NCCL ran.
+fn rank_main(
+    job: &Job,
+    rank: usize,
+    bs: Arc<dyn Bootstrap>,
+    nccl_id: Option<UniqueId>,
+) -> Result<(Vec<Record>, u64, bool), String> {
+    let s = &job.spec;
+    let (list, cap, json) = (&job.list, job.cap, &job.json);
+    let report_ref = &job.report;
+    let nccl_ref = job.nccl.as_ref().zip(nccl_id);
+    let comm = Communicator::new(bs.clone());
+    let x = |x: mscclpp::Error| format!("rank {rank}: {x}");
+    let coll = Collectives::new(&comm, Config::new(s.device).timeout(s.timeout)).map_err(x)?;
+    let stream = Stream::new(s.device).map_err(x)?;
+    let a = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
+    let b = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
+    let (start, stop) = (TimingEvent::new(s.device).map_err(x)?, TimingEvent::new(s.device).map_err(x)?);
+    let windows = if s.zero_copy {
+        // SAFETY: `a` and `b` live as long as `me`, which owns them and the windows (declared
+        // before them, so dropped first), and every stream is synchronized before.
+        Some(unsafe {
+            (
+                coll.register_window(a.device_ptr(), b.device_ptr(), cap).map_err(x)?,
+                coll.register_window(a.device_ptr(), a.device_ptr(), cap).map_err(x)?,
+            )
+        })
+    } else {
+        None
+    };
+    let me = Rank { spec: s, rank, bs: bs.clone(), coll, stream, a, b, start, stop, windows };
 
-        // NCCL: every rank calls ncclCommInitRank at once (it returns when all have).
-        let mut comm_nccl: Option<Comm<'_>> = None;
-        if let Some((lib, id)) = nccl_ref {
-            me.gather(&[1.0])?; // every rank got here: none will be missing from the init
-            // Binds GPU `device`'s primary context on this thread (NCCL uses the current one).
-            let _bind = TimingEvent::new(s.device).map_err(x)?;
-            let res = lib.init_rank(s.ranks, *id, rank);
-            let msgs = bs.all_gather(res.as_ref().err().map_or("", |m| m.as_str()).as_bytes()).map_err(x)?;
-            let first = msgs.iter().find(|m| !m.is_empty()).map(|m| String::from_utf8_lossy(m).into_owned());
-            match first {
-                None => comm_nccl = res.ok(),
-                Some(m) => {
-                    if rank == 0 {
-                        row(format!("# nccl: {m}; continuing without the NCCL column"));
-                    }
-                    // A communicator of a rank that succeeded is left alone (not destroyed:
-                    // its peers never joined).
+    // NCCL: every rank calls ncclCommInitRank at once (it returns when all have).
+    let mut comm_nccl: Option<Comm<'_>> = None;
+    if let Some((lib, id)) = nccl_ref {
+        me.gather(&[1.0])?; // every rank got here: none will be missing from the init
+        // Binds GPU `device`'s primary context on this thread (NCCL uses the current one).
+        let _bind = TimingEvent::new(s.device).map_err(x)?;
+        let res = lib.init_rank(s.ranks, id, rank);
+        let msgs = bs.all_gather(res.as_ref().err().map_or("", |m| m.as_str()).as_bytes()).map_err(x)?;
+        let first = msgs.iter().find(|m| !m.is_empty()).map(|m| String::from_utf8_lossy(m).into_owned());
+        match first {
+            None => comm_nccl = res.ok(),
+            Some(m) => {
+                if rank == 0 {
+                    row(format!("# nccl: {m}; continuing without the NCCL column"));
                 }
+                // A communicator of a rank that succeeded is left alone (not destroyed:
+                // its peers never joined).
             }
         }
-        let has_nccl = comm_nccl.is_some();
+    }
+    let has_nccl = comm_nccl.is_some();
 
-        let mut records = Vec::new();
-        let mut wrong_total = 0u64;
-        for sz in &list {
-            let mut mine = [f64::NAN; FIELDS];
-            // The plan is the same on every rank; a size no algorithm can serve (an --algo
-            // whose scratch is too small) is skipped on all of them.
-            let nbytes = (sz.count * s.dtype.size()) as u64;
-            let plan = me.coll.plan(s.coll, nbytes, &s.opts());
-            mine[SKIP] = if plan.is_ok() { 0.0 } else { 1.0 };
-            let skip = me.gather(&mine[SKIP..SKIP + 1])?.iter().any(|v| v[0] != 0.0);
-            let plan = match plan {
-                Ok(p) if !skip => p,
-                other => {
-                    if rank == 0 {
-                        let why =
-                            other.err().map_or("another rank cannot plan this call".to_string(), |m| m.to_string());
-                        row(format!("# {} B: skipped: {why}", sz.bytes));
-                    }
-                    continue;
+    let mut records = Vec::new();
+    let mut wrong_total = 0u64;
+    for sz in list {
+        let mut mine = [f64::NAN; FIELDS];
+        // The plan is the same on every rank; a size no algorithm can serve (an --algo
+        // whose scratch is too small) is skipped on all of them.
+        let nbytes = (sz.count * s.dtype.size()) as u64;
+        let plan = me.coll.plan(s.coll, nbytes, &s.opts());
+        mine[SKIP] = if plan.is_ok() { 0.0 } else { 1.0 };
+        let skip = me.gather(&mine[SKIP..SKIP + 1])?.iter().any(|v| v[0] != 0.0);
+        let plan = match plan {
+            Ok(p) if !skip => p,
+            other => {
+                if rank == 0 {
+                    let why = other.err().map_or("another rank cannot plan this call".to_string(), |m| m.to_string());
+                    row(format!("# {} B: skipped: {why}", sz.bytes));
                 }
-            };
-            for (place, t, tn, w) in [(Place::Out, OOP, NCCL_OOP, WRONG_OOP), (Place::In, IP, NCCL_IP, WRONG_IP)] {
-                mine[t] = me.measure(&|| me.ours(sz, place), &|| me.sync_ours())?;
-                if let Some(c) = &comm_nccl {
-                    let (send, recv) = me.ptrs(sz, place);
-                    let raw = me.stream.as_raw();
-                    let call = || {
-                        // SAFETY: as for ours (`Rank::ours`): the pointers are into `a`/`b`,
-                        // which hold these bytes and outlive the synchronized stream.
-                        unsafe { c.call(s.coll, send, recv, sz.count, s.dtype, s.op, raw) }
-                            .map_err(|m| format!("rank {rank}: {m}"))
-                    };
-                    mine[tn] = me.measure(&call, &|| me.sync_nccl())?;
-                }
-                if s.check {
-                    let n = me.check(sz, place)?;
-                    mine[w] = n as f64;
-                }
-            }
-            if rank == 0 {
-                let d = mscclpp::bench::baseline_copy(&[(&me.a, &me.b)], sz.bytes as usize, s.warmup, s.iters)
-                    .map_err(x)?;
-                mine[COPY] = d.as_secs_f64() * 1e6 / s.iters as f64;
-            }
-            let all = me.gather(&mine)?;
-            if rank != 0 {
                 continue;
             }
-            let max = |i: usize| all.iter().map(|v| v[i]).fold(f64::NAN, f64::max);
-            let sum = |i: usize| all.iter().map(|v| v[i]).filter(|v| v.is_finite()).sum::<f64>() as u64;
-            let gbps = |us: f64| sz.bytes as f64 / (us * 1e3);
-            let place = |t: usize, tn: usize, w: usize| {
-                let time = max(t);
-                let nt = max(tn);
-                Placement {
-                    time_us: time,
-                    algbw_gbps: gbps(time),
-                    busbw_gbps: gbps(time) * s.bus_factor(),
-                    wrong: s.check.then(|| sum(w)),
-                    nccl_time_us: has_nccl.then_some(nt),
-                    nccl_busbw_gbps: has_nccl.then(|| gbps(nt) * s.bus_factor()),
-                }
-            };
-            let rec = Record {
-                size: sz.bytes,
-                count: sz.count,
-                algorithm: if s.zero_copy { "zerocopy".into() } else { plan.algorithm.name().into() },
-                blocks: plan.blocks,
-                threads: plan.threads,
-                out_of_place: place(OOP, NCCL_OOP, WRONG_OOP),
-                in_place: place(IP, NCCL_IP, WRONG_IP),
-                copy_us: all[0][COPY],
-                copy_gbps: gbps(all[0][COPY]),
-            };
-            wrong_total += rec.out_of_place.wrong.unwrap_or(0) + rec.in_place.wrong.unwrap_or(0);
-            row(row_text(s, &rec, has_nccl));
-            records.push(rec);
-            if let Some(p) = &json {
-                // Rewritten after every row: a run that fails later keeps what it measured.
-                let mut partial = report_ref.clone();
-                partial.records = records.clone();
-                if !has_nccl {
-                    (partial.nccl, partial.nccl_version) = (None, None);
-                }
-                partial.write_json(p).map_err(|m| format!("rank 0: {m}"))?;
+        };
+        for (place, t, tn, w) in [(Place::Out, OOP, NCCL_OOP, WRONG_OOP), (Place::In, IP, NCCL_IP, WRONG_IP)] {
+            mine[t] = me.measure(&|| me.ours(sz, place), &|| me.sync_ours())?;
+            if let Some(c) = &comm_nccl {
+                let (send, recv) = me.ptrs(sz, place);
+                let raw = me.stream.as_raw();
+                let call = || {
+                    // SAFETY: as for ours (`Rank::ours`): the pointers are into `a`/`b`,
+                    // which hold these bytes and outlive the synchronized stream.
+                    unsafe { c.call(s.coll, send, recv, sz.count, s.dtype, s.op, raw) }
+                        .map_err(|m| format!("rank {rank}: {m}"))
+                };
+                mine[tn] = me.measure(&call, &|| me.sync_nccl())?;
+            }
+            if s.check {
+                let n = me.check(sz, place)?;
+                mine[w] = n as f64;
             }
         }
-        me.barrier()?;
-        if let Some(c) = comm_nccl {
-            // Every rank is done and its stream synchronized.
-            c.destroy().map_err(|m| format!("rank {rank}: {m}"))?;
+        if rank == 0 {
+            let d =
+                mscclpp::bench::baseline_copy(&[(&me.a, &me.b)], sz.bytes as usize, s.warmup, s.iters).map_err(x)?;
+            mine[COPY] = d.as_secs_f64() * 1e6 / s.iters as f64;
         }
-        Ok((records, wrong_total, has_nccl))
-    })?;
-    let (records, wrong, has_nccl) = results.into_iter().next().unwrap_or_default();
-    report.records = records;
-    if !has_nccl {
-        report.nccl = None;
-        report.nccl_version = None;
+        let all = me.gather(&mine)?;
+        if rank != 0 {
+            continue;
+        }
+        let max = |i: usize| all.iter().map(|v| v[i]).fold(f64::NAN, f64::max);
+        let sum = |i: usize| all.iter().map(|v| v[i]).filter(|v| v.is_finite()).sum::<f64>() as u64;
+        let gbps = |us: f64| sz.bytes as f64 / (us * 1e3);
+        let place = |t: usize, tn: usize, w: usize| {
+            let time = max(t);
+            let nt = max(tn);
+            Placement {
+                time_us: time,
+                algbw_gbps: gbps(time),
+                busbw_gbps: gbps(time) * s.bus_factor(),
+                wrong: s.check.then(|| sum(w)),
+                nccl_time_us: has_nccl.then_some(nt),
+                nccl_busbw_gbps: has_nccl.then(|| gbps(nt) * s.bus_factor()),
+            }
+        };
+        let rec = Record {
+            size: sz.bytes,
+            count: sz.count,
+            algorithm: if s.zero_copy { "zerocopy".into() } else { plan.algorithm.name().into() },
+            blocks: plan.blocks,
+            threads: plan.threads,
+            out_of_place: place(OOP, NCCL_OOP, WRONG_OOP),
+            in_place: place(IP, NCCL_IP, WRONG_IP),
+            copy_us: all[0][COPY],
+            copy_gbps: gbps(all[0][COPY]),
+        };
+        wrong_total += rec.out_of_place.wrong.unwrap_or(0) + rec.in_place.wrong.unwrap_or(0);
+        row(row_text(s, &rec, has_nccl));
+        records.push(rec);
+        if let Some(p) = &json {
+            // Rewritten after every row: a run that fails later keeps what it measured.
+            let mut partial = report_ref.clone();
+            partial.records = records.clone();
+            if !has_nccl {
+                (partial.nccl, partial.nccl_version) = (None, None);
+            }
+            partial.write_json(p).map_err(|m| format!("rank 0: {m}"))?;
+        }
     }
-    if let Some(p) = &json {
-        report.write_json(p)?;
+    me.barrier()?;
+    if let Some(c) = comm_nccl {
+        // Every rank is done and its stream synchronized.
+        c.destroy().map_err(|m| format!("rank {rank}: {m}"))?;
     }
-    if let Some(p) = &plot {
-        write_svg(&report, p)?;
-    }
-    if wrong > 0 {
-        return Err(format!("{} {}: {wrong} wrong elements (see the #wrong column)", s.coll, s.dtype));
-    }
-    Ok(())
+    Ok((records, wrong_total, has_nccl))
 }
 
 mod report;

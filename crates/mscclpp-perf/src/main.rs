@@ -156,7 +156,10 @@ pub struct Args {
     /// ping-pong, MemoryChannel put/get bandwidth (uni- and bidirectional) from `-b` (at least
     /// 1 KiB) to `--max-bytes` (at most 1 GiB) by `-f`, LL16/LL8 packets, PortChannel ping-pong
     /// and bandwidth, each next to the copy engine. `-n` sets every loop's iterations (a quick
-    /// check), `--rounds` the rounds, `--json` the output file.
+    /// check), `--rounds` the rounds, `--json` the output file. With a collective
+    /// (allreduce, allgather, reducescatter): its ranks are processes (`--ranks` local ones, or
+    /// those of mpirun/srun/torchrun), all on GPU `--device`; start the MPS daemon first so that
+    /// their kernels run at the same time.
     #[arg(long)]
     pub procs: bool,
     /// Collectives: element type, f32, f16, bf16, i32 or u32 (default bf16).
@@ -316,14 +319,16 @@ fn check(args: &Args) -> Result<(), String> {
             return Err(format!("{flag} applies to the collective tests (allreduce, allgather, reducescatter)"));
         }
     }
+    if args.procs && args.test != TestKind::Device && coll::collective(args.test).is_none() {
+        return Err(
+            "--procs applies to the device test and the collectives (allreduce, allgather, reducescatter)".into()
+        );
+    }
     if args.test == TestKind::Bootstrap {
         if args.scale.contains(&0) {
             return Err("--scale sizes must be at least 1".into());
         }
         return Ok(());
-    }
-    if args.procs && args.test != TestKind::Device {
-        return Err("--procs applies to the device test (mscclpp-perf device --procs)".into());
     }
     if coll::collective(args.test).is_some() {
         coll::Spec::from_args(args)?;
@@ -371,6 +376,9 @@ fn main() -> ExitCode {
         TestKind::P2p => launch::run(&args, p2p::run),
         TestKind::Device if args.procs => launch::run(&args, procs::run_rank),
         TestKind::Bootstrap => bootstrap::run(&args),
+        TestKind::Allreduce | TestKind::Allgather | TestKind::Reducescatter if args.procs => {
+            launch::run(&args, coll::run_rank)
+        }
         TestKind::Allreduce | TestKind::Allgather | TestKind::Reducescatter => coll::run(&args, nccl_env_set),
         TestKind::Device => {
             // The MemoryChannel rows run even when the proxy rows failed.
@@ -437,8 +445,8 @@ mod tests {
         assert!(check(&a).unwrap_err().contains("does not implement"));
         let a = Args::parse_from(["mscclpp-perf", "allreduce", "--ranks", "1"]);
         assert!(check(&a).unwrap_err().contains("2 to 64"));
-        let a = Args::parse_from(["mscclpp-perf", "allreduce", "--procs"]);
-        assert!(check(&a).unwrap_err().contains("device test"));
+        let a = Args::parse_from(["mscclpp-perf", "bootstrap", "--procs"]);
+        assert!(check(&a).unwrap_err().contains("device test and the collectives"));
         let a =
             Args::parse_from(["mscclpp-perf", "allreduce", "-b", "8", "-e", "1G", "-d", "bf16", "--check", "--graph"]);
         assert!(a.check && a.graph && a.max_bytes == 1 << 30);
