@@ -752,7 +752,9 @@ fn rank_main(
     let nccl_ref = job.nccl.as_ref().zip(nccl_id);
     let comm = Communicator::new(bs.clone());
     let x = |x: mscclpp::Error| format!("rank {rank}: {x}");
+    let t0 = std::time::Instant::now();
     let coll = Collectives::new(&comm, Config::new(s.device).timeout(s.timeout)).map_err(x)?;
+    let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     let stream = Stream::new(s.device).map_err(x)?;
     let a = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
     let b = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
@@ -770,6 +772,16 @@ fn rank_main(
         None
     };
     let me = Rank { spec: s, rank, bs: bs.clone(), coll, stream, a, b, start, stop, windows };
+    // Setup time (the slowest rank's), tuning included: the bound is 5 s for 15 sizes.
+    let setups = me.gather(&[setup_ms])?;
+    if rank == 0 {
+        let slowest = setups.iter().map(|v| v[0]).fold(0.0, f64::max);
+        let tuned = me.coll.tuning().map_or(0, |t| t.entries.len());
+        row(format!(
+            "# setup: Collectives::new took {slowest:.0} ms (slowest rank){}",
+            if tuned > 0 { format!(", tuning {tuned} AllReduce sizes included") } else { String::new() }
+        ));
+    }
 
     // NCCL: every rank calls ncclCommInitRank at once (it returns when all have).
     let mut comm_nccl: Option<Comm<'_>> = None;
