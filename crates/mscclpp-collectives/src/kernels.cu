@@ -621,7 +621,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
 // input into rank p's scratch (slot = the writer); (1) rank r reduces chunk r from its own input
 // and those slots, into its output and into every peer's result area (slot r); (2) every rank
 // copies the other chunks' results from its own result area. Each byte crosses to a peer once
-// each way and nothing is staged locally (4 bytes moved per byte of the buffer at 2 ranks).
+// each way and nothing is staged locally; the result reaches the next rank from registers.
 // Barriers: before (1) the slots are full; before (2) the results have arrived. A round's (0)
 // overwrites slots only after the peer passed the previous round's second barrier (its (1)
 // read them), and (1) overwrites results only after the peer passed this round's first barrier
@@ -657,10 +657,12 @@ __device__ void allreduce_simple(const CollArgs& a) {
     }
     __syncthreads();
     char* res0 = out + base + c_lo + lo;
-    block_reduce<D>(res0, nullptr, srcs, R, hi - lo, a);
+    // ... and push the result to every peer's result area, slot r: the next rank's straight
+    // from the registers (one read of the result fewer), the others' from my output.
+    char* res_next = scratch_of(a, (r + 1) % R) + a.simple_off + round_bytes + c_lo + lo;
+    block_reduce<D>(res0, res_next, srcs, R, hi - lo, a);
     __syncthreads();
-    // ... and push the result to every peer's result area, slot r.
-    for (u32 k = 1; k < R; k++) {
+    for (u32 k = 2; k < R; k++) {
       u32 p = (r + k) % R;
       block_copy(scratch_of(a, p) + a.simple_off + round_bytes + c_lo + lo, res0, hi - lo);
     }
@@ -699,9 +701,10 @@ __device__ void allreduce_zerocopy(const CollArgs& a) {
   if (threadIdx.x < R) srcs[threadIdx.x] = sends[(r + threadIdx.x) % R] + c_lo + lo;
   __syncthreads();
   char* mine = recvs[r] + c_lo + lo;
-  block_reduce<D>(mine, nullptr, srcs, R, hi - lo, a);
+  // The next rank's copy straight from the registers, the others' from mine.
+  block_reduce<D>(mine, recvs[(r + 1) % R] + c_lo + lo, srcs, R, hi - lo, a);
   __syncthreads();
-  for (u32 k = 1; k < R; k++) block_copy(recvs[(r + k) % R] + c_lo + lo, mine, hi - lo);
+  for (u32 k = 2; k < R; k++) block_copy(recvs[(r + k) % R] + c_lo + lo, mine, hi - lo);
   block_barrier(a, deadline, false);
 }
 
