@@ -221,7 +221,7 @@ class Algorithm:
         output_size: int,
         dtype: Any,
         op: Any = ReduceOp.NOP,
-        stream: Any = 0,
+        stream: Any = None,
         executor: Any = None,
         nblocks: int = 0,
         nthreads_per_block: int = 0,
@@ -237,6 +237,10 @@ class Algorithm:
         pointers are used); ``input_size``/``output_size``: bytes (AllGather: output = size x
         input; ReduceScatter: input = size x output). ``nblocks``/``nthreads_per_block``: 0 lets
         the selector choose. ``accum_dtype``: ``DataType.float32`` reduces f16/bf16 in f32.
+        ``stream``: a raw ``cudaStream_t`` or a torch/CuPy stream; by default torch's current
+        stream on the buffer's GPU (MSCCL++ defaults to 0, the legacy stream, which does not
+        order with the non-blocking streams torch hands out: results read on torch's stream
+        could be read before the collective wrote them; pass ``0`` to get MSCCL++'s default).
         Returns 0, or a :class:`CommResult` code with the exception in ``last_error``."""
         from ._collectives import _stream_of
         from ._native import Communicator, pointer_device
