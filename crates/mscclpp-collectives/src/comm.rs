@@ -14,7 +14,7 @@ use mscclpp::{
     TransportFlags,
 };
 
-use crate::kernels::{self, CollArgs, Kernels, STATE_BYTES};
+use crate::kernels::{self, CollArgs, INLINE_PEERS, Kernels, STATE_BYTES};
 use crate::select::{self, Layout, Limits, MAX_BLOCKS, Plan};
 use crate::status::{DeviceStatus, Reported};
 use crate::types::{Algorithm, Collective, DataType, ReduceOp};
@@ -167,6 +167,8 @@ pub struct Collectives {
     /// Kept alive: every peer has this scratch mapped (the address is in `peers_table`).
     _scratch: DeviceBuffer,
     peers_table: DeviceBuffer,
+    /// The first [`INLINE_PEERS`] entries of `peers_table`, passed in every launch's arguments.
+    inline_peers: [u64; INLINE_PEERS],
     state: DeviceBuffer,
     expected: DeviceBuffer,
     /// Page-locked: word 0 is the error the kernels report, word 1 the abort request.
@@ -284,6 +286,10 @@ impl Collectives {
             peer_sems.push((p, sem));
         }
         let peers_table = DeviceBuffer::new(ctx, dev, nranks * 8, TransportFlags::NONE)?;
+        let mut inline_peers = [0u64; INLINE_PEERS];
+        for (slot, addr) in inline_peers.iter_mut().zip(&table) {
+            *slot = *addr;
+        }
         let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
         peers_table.write(0, &bytes)?;
         let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
@@ -303,6 +309,7 @@ impl Collectives {
             kernels,
             _scratch: scratch,
             peers_table,
+            inline_peers,
             state,
             expected,
             status,
@@ -423,6 +430,7 @@ impl Collectives {
 
         CollArgs {
             peers: self.peers_table.device_ptr(),
+            scratch: self.inline_peers,
             state: self.state.device_ptr(),
             expected: self.expected.device_ptr(),
             err: self.status.error_word(),

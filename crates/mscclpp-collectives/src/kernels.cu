@@ -192,7 +192,10 @@ __device__ __forceinline__ u32 unit_bytes(u64 i, u64 nbytes) {
   return rest >= 8 ? 8u : (u32)rest;
 }
 
-__device__ __forceinline__ char* scratch_of(const CollArgs& a, u32 rank) { return (char*)((const u64*)a.peers)[rank]; }
+// Rank `rank`'s scratch (mapped here): from the kernel's parameters for the first 64 ranks.
+__device__ __forceinline__ char* scratch_of(const CollArgs& a, u32 rank) {
+  return (char*)(rank < 64 ? a.scratch[rank] : ((const u64*)a.peers)[rank]);
+}
 // My LL packets in `rank`'s scratch, in half `half`, slot `slot` of `slot_units` packets.
 __device__ __forceinline__ LL16Packet* pkt_slot(const CollArgs& a, u32 rank, u32 half, u64 slot, u64 slot_units) {
   return (LL16Packet*)(scratch_of(a, rank) + a.pkt_off + half * a.pkt_half + slot * slot_units * 16);
@@ -792,7 +795,7 @@ __device__ void broadcast_simple(const CollArgs& a) {
 // accumulation are arguments.
 
 #define TYPED(coll, algo, D, name) \
-  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(CollArgs a) { coll##_##algo<D>(a); }
+  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { coll##_##algo<D>(a); }
 #define ALL_TYPES(coll, algo)   \
   TYPED(coll, algo, F32, f32)   \
   TYPED(coll, algo, F16, f16)   \
@@ -807,7 +810,7 @@ ALL_TYPES(allreduce, zerocopy)
 ALL_TYPES(reducescatter, packet)
 ALL_TYPES(reducescatter, simple)
 
-extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(CollArgs a) { allgather_packet(a); }
-extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(CollArgs a) { allgather_simple(a); }
-extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(CollArgs a) { broadcast_packet(a); }
-extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(CollArgs a) { broadcast_simple(a); }
+extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(const __grid_constant__ CollArgs a) { allgather_packet(a); }
+extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(const __grid_constant__ CollArgs a) { allgather_simple(a); }
+extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(const __grid_constant__ CollArgs a) { broadcast_packet(a); }
+extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(const __grid_constant__ CollArgs a) { broadcast_simple(a); }

@@ -63,6 +63,20 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
             .unwrap_or(u32::MAX);
         assert!(stores <= 64, "{fun}: {line}");
     }
+    // The kernels keep their arguments in the parameter space (`__grid_constant__`): a
+    // local copy of the 700-byte block (indexed by peer) would show as a stack frame, and cost
+    // a trip to memory before the first packet leaves.
+    for (i, line) in lines.iter().enumerate().filter(|(_, l)| l.contains("stack frame")) {
+        let fun = lines[..i].iter().rev().find(|l| l.contains("Compiling entry function")).copied().unwrap_or("?");
+        let frame: u32 = line
+            .split(':')
+            .next_back()
+            .and_then(|f| f.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(u32::MAX);
+        // A few words of spill are allowed above; the argument block is 688 bytes.
+        assert!(frame < 256, "{fun}: {line}");
+    }
 }
 
 /// Assembles `ptx` for sm_90 with ptxas (`-v`) and returns its report; None (after saying

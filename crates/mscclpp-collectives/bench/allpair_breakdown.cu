@@ -1,0 +1,200 @@
+// Where the time of a small AllReduce goes: the one-hop LL exchange of `allpair` between two
+// ranks on one GPU (two streams of one process), built up a piece at a time, each variant timed
+// as 200 calls captured in one CUDA graph (per call: GPU time of the graph / 200, the slower rank).
+//
+//   nvcc -O3 -arch=sm_90 -o allpair_breakdown allpair_breakdown.cu && ./allpair_breakdown [bytes]
+//
+// Variants (each adds one piece to the one before, except `old sig`):
+//   empty        a kernel that does nothing: the floor of a graph node
+//   bare         the exchange alone: flag from device state, packets out, poll, reduce, flag++
+//   +deadline    every thread reads %globaltimer once; waits check it every 256 spins
+//   +sig         block 0 thread 0 writes a signature packet to the peer at the start and
+//                checks the peer's at the end (what mscclpp-collectives does now)
+//   old sig      the signature written and checked before the data (the previous kernels)
+// Not part of the library or its tests: a measurement tool (docs/performance.md).
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t e = (x);                                                                   \
+    if (e != cudaSuccess) {                                                                \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));   \
+      exit(1);                                                                             \
+    }                                                                                      \
+  } while (0)
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct Args {
+  const uint2* in;
+  uint2* out;
+  uint4* peer_pkts;  // the peer's packet area [2][units]
+  uint4* my_pkts;    // mine
+  uint4* peer_sig;   // the peer's signature slots [2]
+  uint4* my_sig;
+  u32* state;        // [flag, failed]
+  u64 units;
+  u64 sig;
+};
+
+__device__ __forceinline__ void wr(uint4* p, uint2 v, u32 f) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(f), "r"(v.y), "r"(f));
+}
+__device__ __forceinline__ bool rd(const uint4* p, u32 f, uint2& v) {
+  u32 a, b, c, d;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
+  v = make_uint2(a, c);
+  return b == f && d == f;
+}
+__device__ __forceinline__ u64 gtimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint2 add_bf16x4(uint2 a, uint2 b) {
+  uint2 r;
+  u32* pa = (u32*)&a;
+  u32* pb = (u32*)&b;
+  u32* pr = (u32*)&r;
+  for (int i = 0; i < 2; i++) {
+    float lo = __uint_as_float(pa[i] << 16) + __uint_as_float(pb[i] << 16);
+    float hi = __uint_as_float(pa[i] & 0xffff0000u) + __uint_as_float(pb[i] & 0xffff0000u);
+    pr[i] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
+  }
+  return r;
+}
+
+__global__ void k_empty(Args) {}
+
+// DEADLINE: bounded waits; SIG: 0 none, 1 beside the data, 2 before the data.
+template <bool DEADLINE, int SIG>
+__global__ void k_allpair(Args a) {
+  u64 deadline = 0;
+  if (DEADLINE) deadline = gtimer() + 10000000000ull;
+  volatile u32* st = a.state;
+  const u32 flag = st[0];
+  if (DEADLINE && st[1]) return;
+  const u32 half = flag & 1;
+  const bool t0 = blockIdx.x == 0 && threadIdx.x == 0;
+  if (SIG != 0 && t0) wr(a.peer_sig + half, make_uint2((u32)a.sig, (u32)(a.sig >> 32)), flag);
+  if (SIG == 2 && t0) {
+    uint2 v;
+    u32 spins = 0;
+    while (!rd(a.my_sig + half, flag, v)) {
+      if (DEADLINE && (++spins & 255) == 0 && gtimer() > deadline) break;
+    }
+  }
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
+  for (u64 i = tid; i < a.units; i += nth) {
+    uint2 x = a.in[i];
+    wr(a.peer_pkts + half * a.units + i, x, flag);
+    uint2 y;
+    u32 spins = 0;
+    while (!rd(a.my_pkts + half * a.units + i, flag, y)) {
+      if (DEADLINE && (++spins & 255) == 0 && gtimer() > deadline) {
+        st[1] = 1;
+        break;
+      }
+    }
+    a.out[i] = add_bf16x4(x, y);
+  }
+  if (SIG == 1 && t0) {
+    uint2 v;
+    u32 spins = 0;
+    while (!rd(a.my_sig + half, flag, v)) {
+      if (DEADLINE && (++spins & 255) == 0 && gtimer() > deadline) break;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) st[0] = flag + 1;
+}
+
+typedef void (*Kern)(Args);
+
+int main(int argc, char** argv) {
+  const u64 bytes = argc > 1 ? strtoull(argv[1], nullptr, 0) : 1024;
+  const u64 units = (bytes + 7) / 8;
+  const int calls = 200, reps = 5;
+  const u32 threads = units <= 256 ? (u32)((units + 31) / 32 * 32 < 64 ? 64 : (units + 31) / 32 * 32) : 512;
+  const u32 blocks = (u32)((units + threads - 1) / threads > 32 ? 32 : (units + threads - 1) / threads);
+  CK(cudaSetDevice(0));
+  Args a[2];
+  cudaStream_t s[2];
+  for (int r = 0; r < 2; r++) {
+    CK(cudaStreamCreateWithFlags(&s[r], cudaStreamNonBlocking));
+    void *in, *out, *pk, *sg, *stt;
+    CK(cudaMalloc(&in, units * 8));
+    CK(cudaMemset(in, 0x3f, units * 8));
+    CK(cudaMalloc(&out, units * 8));
+    CK(cudaMalloc(&pk, 2 * units * 16));
+    CK(cudaMemset(pk, 0, 2 * units * 16));
+    CK(cudaMalloc(&sg, 2 * 16));
+    CK(cudaMemset(sg, 0, 2 * 16));
+    CK(cudaMalloc(&stt, 8));
+    u32 init[2] = {1, 0};
+    CK(cudaMemcpy(stt, init, 8, cudaMemcpyHostToDevice));
+    a[r].in = (const uint2*)in;
+    a[r].out = (uint2*)out;
+    a[r].my_pkts = (uint4*)pk;
+    a[r].my_sig = (uint4*)sg;
+    a[r].state = (u32*)stt;
+    a[r].units = units;
+    a[r].sig = 0x1234567890abcdefull;
+  }
+  for (int r = 0; r < 2; r++) {
+    a[r].peer_pkts = a[1 - r].my_pkts;
+    a[r].peer_sig = a[1 - r].my_sig;
+  }
+  struct V {
+    const char* name;
+    Kern k;
+  } vs[] = {
+      {"empty", k_empty},
+      {"bare", k_allpair<false, 0>},
+      {"+deadline", k_allpair<true, 0>},
+      {"+sig", k_allpair<true, 1>},
+      {"old sig", k_allpair<true, 2>},
+  };
+  printf("# allpair breakdown: %llu B bf16, 2 ranks (streams) on one GPU, %u block(s) x %u threads, %d calls per graph, best of %d\n",
+         bytes, blocks, threads, calls, reps);
+  printf("%-10s %10s\n", "variant", "us/call");
+  for (auto& v : vs) {
+    cudaGraphExec_t ge[2];
+    for (int r = 0; r < 2; r++) {
+      cudaGraph_t g;
+      CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < calls; i++) v.k<<<blocks, threads, 0, s[r]>>>(a[r]);
+      CK(cudaStreamEndCapture(s[r], &g));
+      CK(cudaGraphInstantiate(&ge[r], g, 0));
+      CK(cudaGraphDestroy(g));
+    }
+    float best = 1e30f;
+    for (int rep = 0; rep < reps + 1; rep++) {
+      cudaEvent_t e0[2], e1[2];
+      for (int r = 0; r < 2; r++) {
+        CK(cudaEventCreate(&e0[r]));
+        CK(cudaEventCreate(&e1[r]));
+        CK(cudaEventRecord(e0[r], s[r]));
+        CK(cudaGraphLaunch(ge[r], s[r]));
+        CK(cudaEventRecord(e1[r], s[r]));
+      }
+      float worst = 0;
+      for (int r = 0; r < 2; r++) {
+        CK(cudaEventSynchronize(e1[r]));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
+        if (ms > worst) worst = ms;
+        CK(cudaEventDestroy(e0[r]));
+        CK(cudaEventDestroy(e1[r]));
+      }
+      if (rep > 0 && worst < best) best = worst;  // the first launch uploads the graph
+    }
+    printf("%-10s %10.2f\n", v.name, best * 1e3f / calls);
+    for (int r = 0; r < 2; r++) CK(cudaGraphExecDestroy(ge[r]));
+  }
+  return 0;
+}
