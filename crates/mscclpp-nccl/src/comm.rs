@@ -358,12 +358,9 @@ impl Comm {
     }
 
     fn native_for(&self, op: Op, dt: ncclDataType_t, red: ncclRedOp_t, count: usize) -> Result<(), String> {
-        if op.is_p2p() {
-            self.p2p.clone()?;
-        } else {
-            self.native.as_ref().map_err(Clone::clone)?;
-        }
-        route::native_support(op, dt, red, count)
+        // The call's own limits first: they name the most specific reason.
+        route::native_support(op, dt, red, count)?;
+        if op.is_p2p() { self.p2p.clone() } else { self.native.as_ref().map(|_| ()).map_err(Clone::clone) }
     }
 
     /// Where `op` goes on this communicator, logged once per (operation, route).

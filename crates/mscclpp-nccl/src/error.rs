@@ -1,5 +1,6 @@
 //! Errors at the C boundary: every failure becomes an `ncclResult_t` and a message that
-//! `ncclGetLastError` returns (the process's last one, as NCCL does), logged at `warn`.
+//! `ncclGetLastError` returns: the calling thread's last one (as NCCL keeps it per thread), or
+//! the process's last when this thread has none. Failures are logged at `warn`.
 
 use std::ffi::{CStr, CString};
 use std::sync::Mutex;
@@ -68,10 +69,15 @@ const KEPT: usize = 32;
 
 static LAST: Mutex<LastErrors> = Mutex::new(LastErrors { ring: Vec::new(), next: 0 });
 
+thread_local! {
+    static MINE: std::cell::RefCell<Option<CString>> = const { std::cell::RefCell::new(None) };
+}
+
 /// Records `f` as the last error (and logs it); returns its code.
 pub fn record(f: &Failure) -> ncclResult_t {
     tracing::warn!(target: "mscclpp::nccl", code = f.code, "{}", f.message);
     let c = CString::new(f.message.replace('\0', " ")).unwrap_or_default();
+    MINE.with(|m| *m.borrow_mut() = Some(c.clone()));
     let mut l = LAST.lock().unwrap_or_else(|p| p.into_inner());
     if l.ring.len() < KEPT {
         l.ring.push(c);
@@ -84,8 +90,13 @@ pub fn record(f: &Failure) -> ncclResult_t {
     f.code
 }
 
-/// The last recorded message (empty when none), valid until 32 more errors are recorded.
+/// The calling thread's last message (valid until its next failure), else the process's last
+/// (valid until 32 more failures), else empty.
 pub fn last_error_ptr() -> *const std::ffi::c_char {
+    let mine = MINE.with(|m| m.borrow().as_ref().map(|c| c.as_ptr()));
+    if let Some(p) = mine {
+        return p;
+    }
     let l = LAST.lock().unwrap_or_else(|p| p.into_inner());
     if l.ring.is_empty() {
         return c"".as_ptr();

@@ -866,3 +866,19 @@ export! {
         });
     }
 }
+
+export! {
+    /// Deprecated in the header ("not supported as part of the NCCL API"): re-reads the real
+    /// NCCL's debug settings when the fallback is loaded; natively there is nothing to reset
+    /// (mscclpp reads its log settings once).
+    fn ncclResetDebugInit / pncclResetDebugInit() -> () {
+        if let Ok(n) = nccl() {
+            type F = unsafe extern "C" fn();
+            // SAFETY: the header's signature.
+            if let Ok(f) = unsafe { n.sym::<F>("ncclResetDebugInit") } {
+                // SAFETY: no arguments.
+                unsafe { f() };
+            }
+        }
+    }
+}

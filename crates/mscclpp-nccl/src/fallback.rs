@@ -35,7 +35,11 @@ pub fn nccl_with(s: &Settings) -> Result<&'static Nccl, String> {
     LOADED.get_or_init(|| load(&s.lib_path)).as_ref().map_err(Clone::clone)
 }
 
-fn load(path: &str) -> Result<Nccl, String> {
+/// Loads the NCCL at `path` now, uncached (what [`nccl`] does once per process).
+///
+/// # Errors
+/// Why it cannot be used: it does not load, is no NCCL, or is this library itself.
+pub fn load(path: &str) -> Result<Nccl, String> {
     // SAFETY: loading a shared library runs its initializers; NCCL's are benign (it is the
     // library the user asked for). Local scope, so its symbols do not join the global namespace.
     let lib = unsafe { libloading::Library::new(path) }

@@ -1,6 +1,6 @@
 //! # mscclpp-nccl: an NCCL-compatible library over mscclpp's collectives
 //!
-//! Builds `libmscclpp_nccl.so`, which exports every host function of NCCL 2.31's `nccl.h`
+//! Builds `libmscclpp_nccl.so`, which exports every host function of NCCL 2.31's `nccl.h` (72 with the deprecated `ncclResetDebugInit`)
 //! (both the `nccl*` names and the `pnccl*` profiling names) with NCCL's ABI. Programs that
 //! call NCCL (PyTorch's `nccl` backend, vLLM's and SGLang's PyNCCL, nccl-tests) run on
 //! mscclpp unchanged, either with `LD_PRELOAD=libmscclpp_nccl.so` or by loading it by path.
