@@ -63,7 +63,7 @@ int main(void) {
 "#;
 
 /// Compiles and runs the program; returns its `key value` lines.
-fn c_facts(inc: &PathBuf) -> Vec<(String, i128)> {
+fn c_facts(inc: &std::path::Path) -> Vec<(String, i128)> {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nccl-abi");
     std::fs::create_dir_all(dir.join("stub")).unwrap();
     // nccl.h includes the CUDA runtime headers: stand-ins with the one type it uses.
@@ -205,11 +205,11 @@ fn layout_and_constants_match_the_header() {
     assert!(bad.is_empty(), "ABI mismatches:\n{}", bad.join("\n"));
     assert_eq!(facts.len(), rust.len(), "every printed fact is compared");
     // mscclpp's UniqueId fits in the 128 bytes
-    assert!(mscclpp::UniqueId::BYTES <= NCCL_UNIQUE_ID_BYTES);
+    const { assert!(mscclpp::UniqueId::BYTES <= NCCL_UNIQUE_ID_BYTES) };
 }
 
 /// The host functions `nccl.h` declares (`ncclResult_t`, `const char*` or `void` functions).
-fn header_functions(inc: &PathBuf) -> BTreeSet<String> {
+fn header_functions(inc: &std::path::Path) -> BTreeSet<String> {
     let text = std::fs::read_to_string(inc.join("nccl.h")).unwrap();
     let mut out = BTreeSet::new();
     for line in text.lines() {
