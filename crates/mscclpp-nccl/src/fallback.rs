@@ -50,9 +50,11 @@ pub fn load(path: &str) -> Result<Nccl, String> {
     // SAFETY: ncclGetVersion has this signature in every NCCL.
     let theirs = unsafe { n.lib.get::<GetVersion>(b"ncclGetVersion\0") }
         .map_err(|e| format!("{path:?} is no NCCL (no ncclGetVersion): {e}"))?;
-    let ours: GetVersion = crate::exports::ncclGetVersion;
-    if *theirs as usize == ours as usize {
-        return Err(format!("MSCCLPP_NCCL_LIB_PATH={path:?} is this library itself, not a real NCCL"));
+    // SAFETY: only the symbol's presence is checked.
+    if unsafe { n.lib.get::<*const u8>(b"mscclpp_nccl_library\0") }.is_ok() {
+        return Err(format!(
+            "MSCCLPP_NCCL_LIB_PATH={path:?} is this library (libmscclpp_nccl) itself, not a real NCCL"
+        ));
     }
     let mut v = 0;
     // SAFETY: a valid out pointer.

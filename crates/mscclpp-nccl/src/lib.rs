@@ -30,3 +30,7 @@ pub mod fallback;
 pub mod group;
 pub mod mem;
 pub mod route;
+
+/// A marker only this library exports, so that the NCCL fallback never loads a copy of it.
+#[unsafe(no_mangle)]
+pub static mscclpp_nccl_library: u8 = 1;
