@@ -518,10 +518,8 @@ impl Executor {
                 bindings.remote_base[gi] = ch.device_handle().dst;
                 mappings.push(ch);
             }
-            if rb.access_channel_types.contains(&ChannelType::Port) {
-                if let Some(p) = proxy.as_mut() {
-                    bindings.remote_mem[gi] = p.add_memory(m.clone())?.0;
-                }
+            if let (true, Some(p)) = (rb.access_channel_types.contains(&ChannelType::Port), proxy.as_mut()) {
+                bindings.remote_mem[gi] = p.add_memory(m.clone())?.0;
             }
         }
         let mut port_bytes = Vec::new();

@@ -81,11 +81,11 @@ impl Layout {
         let size_err = |reason: String| LowerError::Size { send, recv, reason };
         let align = plan.buffer_alignment.max(1);
         let (ic, oc) = (gpu.input_chunks, gpu.output_chunks);
-        if send % align != 0 || recv % align != 0 {
+        if !send.is_multiple_of(align) || !recv.is_multiple_of(align) {
             return Err(size_err(format!("not multiples of the plan's buffer_alignment {align}")));
         }
         for (what, bytes, chunks) in [("input", send, ic), ("output", recv, oc)] {
-            if chunks != 0 && (bytes / align) % chunks != 0 {
+            if chunks != 0 && !(bytes / align).is_multiple_of(chunks) {
                 return Err(size_err(format!(
                     "the {what} does not split into {chunks} chunks of whole {align}-byte units"
                 )));
@@ -448,7 +448,7 @@ fn lower_op(
                     }
                 }
             }
-            if (packet_src || packet_dst) && out.size % 8 != 0 {
+            if (packet_src || packet_dst) && !out.size.is_multiple_of(8) {
                 return Err(invalid(&p, format!("{} bytes of packets: not a multiple of 8", out.size)));
             }
             if out.kind == KIND_PORT || (ct == ChannelType::Port && out.kind == KIND_LOCAL) {
@@ -487,7 +487,7 @@ fn lower_op(
             | OpKind::ReduceCopyPackets
             | OpKind::ReduceCopySendPackets
     );
-    if reduces && d.src[..d.n_src as usize].iter().any(|s| s.size % 4 != 0) {
+    if reduces && d.src[..d.n_src as usize].iter().any(|s| !s.size.is_multiple_of(4)) {
         return Err(invalid(format!("{path}.src_buff"), "reductions need whole 4-byte words"));
     }
     if reduces && op.kind != OpKind::ReadReduce && op.kind != OpKind::ReadReduceSend {
