@@ -93,7 +93,9 @@ pub fn plan(algorithm: Algorithm, ranks: usize, protocol: Protocol, inplace: boo
         protocol,
         inplace,
         reuse_resources: false,
-        use_double_scratch_buffer: false,
+        // LL packets of one launch may still be read while a peer's next launch writes: with two
+        // scratch halves (picked by the flag's parity) consecutive launches never share one.
+        use_double_scratch_buffer: protocol == Protocol::LL,
         buffer_alignment: DEFAULT_BUFFER_ALIGNMENT,
         min_message_size: 0,
         max_message_size: u64::MAX,

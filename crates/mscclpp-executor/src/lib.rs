@@ -9,8 +9,12 @@
 //! names the JSON path of the offending field, such as
 //! `gpus[1].threadblocks[0].ops[3].src_buff[0].index`. No input makes it panic.
 //!
-//! Not here yet: execution. Switch (NVLS) channels are refused with
-//! [`PlanError::SwitchChannel`]: they need NVLink multicast, which mscclpp-rs keeps off.
+//! [`Executor`] runs plans on the GPU: one interpreter kernel (compiled with NVRTC) executes
+//! every rank's operation list per thread block over memory channels (CUDA IPC mapped peer
+//! buffers, device semaphores) and port channels (through a proxy service), with every wait
+//! bounded; [`lower`] turns a plan, a rank and message sizes into that kernel's program (no GPU
+//! needed). Switch (NVLS) channels are refused with [`PlanError::SwitchChannel`]: they need
+//! NVLink multicast, which mscclpp-rs keeps off.
 //!
 //! [`sim`] interprets a plan on the CPU at chunk granularity: the reference the GPU executor's
 //! results will be checked against, and a check that a plan computes its collective.
@@ -61,10 +65,14 @@
 //! # Ok::<(), PlanError>(())
 //! ```
 
-#![warn(missing_docs)]
+#![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+#![deny(unsafe_code)]
 
+pub mod device;
 mod error;
+mod exec;
 pub mod generate;
+pub mod lower;
 mod model;
 mod parse;
 pub mod sim;
@@ -72,6 +80,7 @@ mod summary;
 mod validate;
 
 pub use error::PlanError;
+pub use exec::{DataType, DeviceFailureKind, ExecError, ExecutionPlan, Executor, ExecutorConfig, PacketType};
 pub use model::*;
 pub use summary::Summary;
 

@@ -63,8 +63,10 @@ fn generated_plans_have_the_expected_shape() {
 #[test]
 fn scratch_bytes_follow_mscclpp() {
     let ll = generate::plan(Algorithm::AllPairAllReduce, 4, Protocol::LL, true).unwrap();
-    // 4 input chunks of 1024 B, 8 scratch chunks, twice for packets.
-    assert_eq!(ll.scratch_bytes(0, 4096, 4096), Some(1024 * 8 * 2));
+    // 4 input chunks of 1024 B, 8 scratch chunks, twice for packets, twice again for the two
+    // scratch halves generated LL plans use.
+    assert!(ll.use_double_scratch_buffer);
+    assert_eq!(ll.scratch_bytes(0, 4096, 4096), Some(1024 * 8 * 2 * 2));
     assert_eq!(ll.scratch_bytes(4, 4096, 4096), None);
     let simple = generate::plan(Algorithm::AllGather, 2, Protocol::Simple, true).unwrap();
     assert_eq!(simple.scratch_bytes(1, 100, 200), Some(0));

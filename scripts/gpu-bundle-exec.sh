@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds what one GPU-machine call needs to check the executor (issue #28), into the git-ignored
+# folder gpu-bundle-exec/:
+#   - the release test binary of mscclpp-executor's GPU tests (tests/gpu.rs), in bin.tar.xz;
+#   - run.sh: every GPU test in its own process under `timeout`, one PASS/FAIL line per test
+#     (TIMEOUT when it ran past its cap), the failing messages after the summary; logs under $OUT.
+# The GPU machine needs no Rust toolchain and no network (the kernel is compiled there by NVRTC
+# from the driver's libnvrtc, as for the collectives).
+# Device call: carry ["gpu-bundle-exec"], command "bash gpu-bundle-exec/run.sh".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=gpu-bundle-exec
+rm -rf "$out" && mkdir -p "$out/bin"
+cargo test --release -p mscclpp-executor --test gpu --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        shutil.copy(m["executable"], sys.argv[1] + "/bin/exec-gpu")
+' "$out"
+test -x "$out/bin/exec-gpu" || { echo "the test binary was not built" >&2; exit 1; }
+(cd "$out" && tar cJf bin.tar.xz bin && rm -rf bin)
+cat > "$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+set -u
+cd "$(dirname "$0")"
+logs=${OUT:-logs}; mkdir -p "$logs"
+tar xJf bin.tar.xz
+budget=${RUN_BUDGET:-560}
+sum="$logs/summary.txt"; : > "$sum"
+fails="$logs/failures.txt"; : > "$fails"
+cap_for() { case "$1" in *ethernet*|*large*|*4_ranks*) echo 150;; *) echo 100;; esac; }
+for t in $(./bin/exec-gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
+  cap=$(cap_for "$t"); l=$((budget - SECONDS - 5)); [ "$l" -lt "$cap" ] || l=$cap
+  if [ "$l" -le 5 ]; then echo "SKIPPED (deadline) $t" | tee -a "$sum"; continue; fi
+  log="$logs/$t.log"; t0=$SECONDS
+  timeout "$l" ./bin/exec-gpu --ignored --exact --nocapture --test-threads=1 "$t" > "$log" 2>&1
+  rc=$?; r=PASS
+  [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${l}s"
+  echo "$r $t ($((SECONDS - t0))s)" | tee -a "$sum"
+  if [ "$r" != PASS ]; then
+    { echo "=== $t: $r"; grep -v '^\s*[0-9]*: \|^\s*at ' "$log" | tail -60; } >> "$fails"
+  else
+    grep -h "host cost\|reported after" "$log" >> "$sum" || true
+  fi
+done
+echo; echo "== summary"; cat "$sum"
+if [ -s "$fails" ]; then echo; echo "== failures"; cat "$fails"; fi
+RUN
+chmod +x "$out/run.sh"
+echo "built $out ($(du -sh "$out" | cut -f1)); device call: carry [\"$out\"], command \"bash $out/run.sh\""
