@@ -5,7 +5,8 @@
 #
 # Starts MPS (the ranks share GPU 0 and their kernels must be resident together), runs every
 # step under `timeout`, prints PASS/FAIL per step with the failing lines, stops MPS, exits 1 on
-# any failure. Logs in $OUT (default gpu-bundle-nccl/logs).
+# any failure. Logs in $OUT (default gpu-bundle-nccl/logs). PYNCCL_TIMEOUT, TORCHRUN_TIMEOUT
+# (seconds) and TORCHRUN_RANKS ("2 3 4") shorten a run.
 set -u
 cd "$(dirname "$0")/.."
 b=gpu-bundle-nccl
@@ -38,13 +39,13 @@ unset MSCCLPP_ENABLE_NCCL_FALLBACK MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"
 # 1. PyNCCL-style ctypes client (pytest), 2 and 3 ranks.
 log=$logs/pynccl.log
-MSCCLPP_NCCL_SO=$so timeout 300 python3 -m pytest -q -rs -p no:cacheprovider "$b/test_pynccl.py" > "$log" 2>&1
+MSCCLPP_NCCL_SO=$so timeout "${PYNCCL_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider "$b/test_pynccl.py" > "$log" 2>&1
 result "pynccl pytest" $? "$log"
 # 2. torch.distributed under LD_PRELOAD with torchrun, 2, 3 and 4 processes.
-for n in 2 3 4; do
+for n in ${TORCHRUN_RANKS:-2 3 4}; do
   log=$logs/torchrun-$n.log
   port=$((29500 + RANDOM % 1000))
-  LD_PRELOAD=$so timeout 420 torchrun --nproc-per-node="$n" --master-port="$port" "$b/torch_nccl.py" > "$log" 2>&1
+  LD_PRELOAD=$so timeout "${TORCHRUN_TIMEOUT:-420}" torchrun --nproc-per-node="$n" --master-port="$port" "$b/torch_nccl.py" > "$log" 2>&1
   rc=$?
   result "torchrun $n ranks ($(grep -c '^PASS' "$log") checks passed)" $rc "$log"
   grep -E "mscclpp::nccl.*->" "$log" | sed -E 's/.*(rank=[0-9]+)/\1/' | sort -u | head -20 | sed 's/^/    route: /'
