@@ -228,30 +228,43 @@ __device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p,
   return true;
 }
 
-// The per-call packet prologue: every thread learns the flag; block 0 thread 0 sends this call's
-// signature to every peer (an LL packet) without waiting; the epilogue checks the peers'. The
-// signature travels beside the data rather than ahead of it, so it costs no extra peer round
-// trip on the critical path (it did: 1 KiB AllReduce waited for the signature, then the data).
+// `r + k` for 0 <= k < 2 * R - r, wrapped to a rank (32-bit: a 64-bit `%` is a long software
+// division on the critical path of every small call).
+__device__ __forceinline__ u32 wrap_rank(u32 x, u32 R) { return x >= R ? x - R : x; }
+
+// The per-call packet prologue: thread 0 of each block reads the flag and the failed bit once
+// and shares them with its block; block 0 thread 0 sends this call's signature to every peer (an
+// LL packet) without waiting (the epilogue checks the peers'), so the signature travels beside
+// the data rather than a round trip ahead of it. With several blocks, each counts its arrival
+// (`arrived`: the blocks before it) as soon as it knows the flag: the atomic's round trip
+// overlaps the data, and the last block to arrive advances the flag at its end.
 // Returns false when this rank has failed before (nothing is done then).
-__device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline) {
+__device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline, u32& arrived) {
+  __shared__ u32 ff_shared[2];
   CollState* st = (CollState*)a.state;
   deadline = detail::globaltimer() + a.timeout_ns;
-  // flag and failed in one load.
-  uint2 ff;
-  detail::ld_volatile_v2_u32(st, ff.x, ff.y);
-  if (ff.y) {
+  arrived = 0;
+  if (threadIdx.x == 0) {
+    uint2 ff;
+    detail::ld_volatile_v2_u32(st, ff.x, ff.y);  // flag and failed in one load
+    ff_shared[0] = ff.x;
+    ff_shared[1] = ff.y;
+    if (!ff.y && gridDim.x > 1) arrived = atomicAdd(&st->done, 1u);
+    if (!ff.y && blockIdx.x == 0) {
+      const u32 R = (u32)a.nranks, me = (u32)a.rank, half = ff.x & 1;
+      for (u32 k = 1; k < R; k++) {
+        const u32 p = wrap_rank(me + k, R);
+        LL16Packet* s = (LL16Packet*)(scratch_of(a, p) + a.sig_pkt_off) + half * R + me;
+        s->write(a.sig, ff.x);
+      }
+    }
+  }
+  __syncthreads();
+  if (ff_shared[1]) {
     if (blockIdx.x == 0 && threadIdx.x == 0) fail(a, ERR_FAILED_BEFORE, 0xffff);
     return false;
   }
-  flag = ff.x;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const u32 half = flag & 1;
-    for (u32 p = 0; p < a.nranks; p++) {
-      if (p == a.rank) continue;
-      LL16Packet* s = (LL16Packet*)(scratch_of(a, p) + a.sig_pkt_off) + half * a.nranks + a.rank;
-      s->write(a.sig, flag);
-    }
-  }
+  flag = ff_shared[0];
   return true;
 }
 
@@ -260,8 +273,9 @@ __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& dea
 // call before.
 __device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64 deadline) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  for (u32 i = 1; i < a.nranks; i++) {
-    u32 p = (a.rank + i) % a.nranks;
+  const u32 R = (u32)a.nranks;
+  for (u32 i = 1; i < R; i++) {
+    const u32 p = wrap_rank((u32)a.rank + i, R);
     uint2 v;
     if (!read_pkt(a, sig_pkt_from(a, flag, p), flag, deadline, p, v)) break;
     if ((((u64)v.y << 32) | v.x) != a.sig) {
@@ -271,26 +285,20 @@ __device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64 
   }
 }
 
-// The per-call packet epilogue: the peers' signatures are checked, then the last block to
-// finish advances the flag.
-__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadline) {
+// The per-call packet epilogue: the peers' signatures are checked, then the flag advances.
+__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadline, u32 arrived) {
   pkt_check_sigs(a, flag, deadline);
+  // Every thread took the flag from its block's shared copy at the start, and the next launch
+  // starts after this one ends: no barrier is needed before the flag advances.
+  if (threadIdx.x != 0) return;
   CollState* st = (CollState*)a.state;
-  __syncthreads();
+  const u32 next = flag + 1 == 0 ? 1 : flag + 1;
   if (gridDim.x == 1) {
-    // One block, whose threads all read the flag (the barrier above); the next launch starts
-    // after this one ends.
-    if (threadIdx.x == 0) st->flag = flag + 1 == 0 ? 1 : flag + 1;
-    return;
-  }
-  if (threadIdx.x == 0) {
-    // Every block read the flag at its start; the last one to get here advances it (the next
-    // launch starts after this one ends, so no fence is needed for it).
-    u32 prev = atomicAdd(&st->done, 1u);
-    if (prev == gridDim.x - 1) {
-      st->done = 0;
-      st->flag = flag + 1 == 0 ? 1 : flag + 1;
-    }
+    st->flag = next;
+  } else if (arrived == gridDim.x - 1) {
+    // The last block to arrive: every other block has read the flag.
+    st->done = 0;
+    st->flag = next;
   }
 }
 
@@ -301,10 +309,10 @@ __device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadlin
 // AllReduce, all pairs: every rank sends its whole input to every peer and reduces all of them.
 template <typename D>
 __device__ void allreduce_allpair(const CollArgs& a) {
-  u32 flag;
+  u32 flag, arrived;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline)) return;
-  const u32 half = flag & 1;
+  if (!pkt_begin(a, flag, deadline, arrived)) return;
+  const u32 half = flag & 1, R = (u32)a.nranks, me = (u32)a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -313,32 +321,29 @@ __device__ void allreduce_allpair(const CollArgs& a) {
   for (u64 i = tid; i < units && ok; i += nth) {
     const u32 n = unit_bytes(i, a.nbytes);
     uint2 v = ld8(in + i * 8, n);
-    for (u32 k = 1; k < a.nranks; k++) {
-      u32 p = (a.rank + k) % a.nranks;
-      pkt_slot(a, p, half, a.rank, units)[i].write(v, flag);
-    }
+    for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(me + k, R), half, me, units)[i].write(v, flag);
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
-    for (u32 k = 1; k < a.nranks && ok; k++) {
-      u32 p = (a.rank + a.nranks - k) % a.nranks;
+    for (u32 k = 1; k < R && ok; k++) {
+      const u32 p = wrap_rank(me + R - k, R);
       uint2 w;
-      ok = read_pkt(a, pkt_slot(a, a.rank, half, p, units) + i, flag, deadline, p, w);
+      ok = read_pkt(a, pkt_slot(a, me, half, p, units) + i, flag, deadline, p, w);
       if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
     }
     uint2 r;
     acc.finish((u32*)&r, (int)a.op, a.nranks);
     if (ok) st8(out + i * 8, r, n);
   }
-  pkt_end(a, flag, deadline);
+  pkt_end(a, flag, deadline, arrived);
 }
 
 // AllReduce in two packet phases: chunk p of every input goes to rank p, which reduces it and
 // sends the result to everyone.
 template <typename D>
 __device__ void allreduce_packet(const CollArgs& a) {
-  u32 flag;
+  u32 flag, arrived;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline)) return;
+  if (!pkt_begin(a, flag, deadline, arrived)) return;
   const u32 half = flag & 1, R = a.nranks, r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const u64 cu = (units + R - 1) / R;  // units per chunk
@@ -347,8 +352,9 @@ __device__ void allreduce_packet(const CollArgs& a) {
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
   // Slots: phase 1 [src][cu], phase 2 at R*cu: [src][cu].
   for (u64 x = tid; x < (u64)(R - 1) * cu; x += nth) {
-    u32 p = (r + 1 + (u32)(x / cu)) % R;
-    u64 j = x % cu, i = p * cu + j;
+    const u32 q = (u32)x / (u32)cu;  // packet calls stay far below 2^32 units
+    u32 p = wrap_rank(r + 1 + q, R);
+    u64 j = (u32)x - q * (u32)cu, i = p * cu + j;
     if (i >= units) continue;
     uint2 v = ld8(in + i * 8, unit_bytes(i, a.nbytes));
     pkt_slot(a, p, half, r, cu)[j].write(v, flag);
@@ -362,7 +368,7 @@ __device__ void allreduce_packet(const CollArgs& a) {
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
     for (u32 k = 1; k < R && ok; k++) {
-      u32 p = (r + R - k) % R;
+      u32 p = wrap_rank(r + R - k, R);
       uint2 w;
       ok = read_pkt(a, pkt_slot(a, r, half, p, cu) + j, flag, deadline, p, w);
       if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
@@ -372,35 +378,37 @@ __device__ void allreduce_packet(const CollArgs& a) {
     acc.finish((u32*)&res, (int)a.op, R);
     st8(out + i * 8, res, n);
     for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       pkt_slot(a, p, half, R + r, cu)[j].write(res, flag);
     }
   }
   for (u64 x = tid; x < (u64)(R - 1) * cu && ok; x += nth) {
-    u32 p = (r + 1 + (u32)(x / cu)) % R;
-    u64 j = x % cu, i = p * cu + j;
+    const u32 q = (u32)x / (u32)cu;  // packet calls stay far below 2^32 units
+    u32 p = wrap_rank(r + 1 + q, R);
+    u64 j = (u32)x - q * (u32)cu, i = p * cu + j;
     if (i >= units) continue;
     uint2 v;
     ok = read_pkt(a, pkt_slot(a, r, half, R + p, cu) + j, flag, deadline, p, v);
     if (ok) st8(out + i * 8, v, unit_bytes(i, a.nbytes));
   }
-  pkt_end(a, flag, deadline);
+  pkt_end(a, flag, deadline, arrived);
 }
 
 // ReduceScatter with packets: segment p of every input goes to rank p, which reduces it.
 template <typename D>
 __device__ void reducescatter_packet(const CollArgs& a) {
-  u32 flag;
+  u32 flag, arrived;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline)) return;
+  if (!pkt_begin(a, flag, deadline, arrived)) return;
   const u32 half = flag & 1, R = a.nranks, r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
   for (u64 x = tid; x < (u64)(R - 1) * units; x += nth) {
-    u32 p = (r + 1 + (u32)(x / units)) % R;
-    u64 i = x % units;
+    const u32 q = (u32)x / (u32)units;  // packet calls stay far below 2^32 units
+    u32 p = wrap_rank(r + 1 + q, R);
+    u64 i = (u32)x - q * (u32)units;
     uint2 v = ld8(in + p * a.nbytes + i * 8, unit_bytes(i, a.nbytes));
     pkt_slot(a, p, half, r, units)[i].write(v, flag);
   }
@@ -411,7 +419,7 @@ __device__ void reducescatter_packet(const CollArgs& a) {
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
     for (u32 k = 1; k < R && ok; k++) {
-      u32 p = (r + R - k) % R;
+      u32 p = wrap_rank(r + R - k, R);
       uint2 w;
       ok = read_pkt(a, pkt_slot(a, r, half, p, units) + i, flag, deadline, p, w);
       if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
@@ -421,14 +429,14 @@ __device__ void reducescatter_packet(const CollArgs& a) {
     acc.finish((u32*)&res, (int)a.op, R);
     st8(out + i * 8, res, n);
   }
-  pkt_end(a, flag, deadline);
+  pkt_end(a, flag, deadline, arrived);
 }
 
 // AllGather with packets: every rank sends its segment to every peer.
 __device__ void allgather_packet(const CollArgs& a) {
-  u32 flag;
+  u32 flag, arrived;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline)) return;
+  if (!pkt_begin(a, flag, deadline, arrived)) return;
   const u32 half = flag & 1, R = a.nranks, r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
@@ -438,25 +446,26 @@ __device__ void allgather_packet(const CollArgs& a) {
   for (u64 i = tid; i < units; i += nth) {
     const u32 n = unit_bytes(i, a.nbytes);
     uint2 v = ld8(in + i * 8, n);
-    for (u32 k = 1; k < R; k++) pkt_slot(a, (r + k) % R, half, r, units)[i].write(v, flag);
+    for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(r + k, R), half, r, units)[i].write(v, flag);
     if (copy_own) st8(out + r * a.nbytes + i * 8, v, n);
   }
   bool ok = true;
   for (u64 x = tid; x < (u64)(R - 1) * units && ok; x += nth) {
-    u32 p = (r + 1 + (u32)(x / units)) % R;
-    u64 i = x % units;
+    const u32 q = (u32)x / (u32)units;  // packet calls stay far below 2^32 units
+    u32 p = wrap_rank(r + 1 + q, R);
+    u64 i = (u32)x - q * (u32)units;
     uint2 v;
     ok = read_pkt(a, pkt_slot(a, r, half, p, units) + i, flag, deadline, p, v);
     if (ok) st8(out + p * a.nbytes + i * 8, v, unit_bytes(i, a.nbytes));
   }
-  pkt_end(a, flag, deadline);
+  pkt_end(a, flag, deadline, arrived);
 }
 
 // Broadcast with packets: the root sends to everyone (every rank still exchanges signatures).
 __device__ void broadcast_packet(const CollArgs& a) {
-  u32 flag;
+  u32 flag, arrived;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline)) return;
+  if (!pkt_begin(a, flag, deadline, arrived)) return;
   const u32 half = flag & 1, R = a.nranks, r = a.rank, root = (u32)a.root;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
@@ -467,7 +476,7 @@ __device__ void broadcast_packet(const CollArgs& a) {
     const u32 n = unit_bytes(i, a.nbytes);
     if (r == root) {
       uint2 v = ld8(in + i * 8, n);
-      for (u32 k = 1; k < R; k++) pkt_slot(a, (r + k) % R, half, 0, units)[i].write(v, flag);
+      for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(r + k, R), half, 0, units)[i].write(v, flag);
       if (in != out) st8(out + i * 8, v, n);
     } else {
       uint2 v;
@@ -475,7 +484,7 @@ __device__ void broadcast_packet(const CollArgs& a) {
       if (ok) st8(out + i * 8, v, n);
     }
   }
-  pkt_end(a, flag, deadline);
+  pkt_end(a, flag, deadline, arrived);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -644,7 +653,7 @@ __device__ void allreduce_simple(const CollArgs& a) {
     const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // chunk bytes (slot size)
     // (0) chunk p of my input -> rank p's slot r.
     for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       u64 c_lo = p * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
       slice_of(c_len, b, B, lo, hi);
       block_copy(scratch_of(a, p) + a.simple_off + r * cb + lo, in + base + c_lo + lo, hi - lo);
@@ -655,24 +664,24 @@ __device__ void allreduce_simple(const CollArgs& a) {
     u64 c_lo = r * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
     slice_of(c_len, b, B, lo, hi);
     if (threadIdx.x < R) {
-      u32 q = (r + threadIdx.x) % R;
+      u32 q = wrap_rank(r + threadIdx.x, R);
       srcs[threadIdx.x] = q == r ? in + base + c_lo + lo : scratch_of(a, r) + a.simple_off + q * cb + lo;
     }
     __syncthreads();
     char* res0 = out + base + c_lo + lo;
     // ... and push the result to every peer's result area, slot r: the next rank's straight
     // from the registers (one read of the result fewer), the others' from my output.
-    char* res_next = scratch_of(a, (r + 1) % R) + a.simple_off + round_bytes + c_lo + lo;
+    char* res_next = scratch_of(a, wrap_rank(r + 1, R)) + a.simple_off + round_bytes + c_lo + lo;
     block_reduce<D>(res0, res_next, srcs, R, hi - lo, a);
     __syncthreads();
     for (u32 k = 2; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       block_copy(scratch_of(a, p) + a.simple_off + round_bytes + c_lo + lo, res0, hi - lo);
     }
     if (!block_barrier(a, deadline, false)) return;
     // (2) the other chunks' results, from my result area.
     for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       u64 p_lo = p * cb, p_len = p_lo >= rb ? 0 : (rb - p_lo < cb ? rb - p_lo : cb), plo, phi;
       slice_of(p_len, b, B, plo, phi);
       block_copy(out + base + p_lo + plo, scratch_of(a, r) + a.simple_off + round_bytes + p_lo + plo, phi - plo);
@@ -701,13 +710,13 @@ __device__ void allreduce_zerocopy(const CollArgs& a) {
   const u64 c_lo = r * cb, c_len = c_lo >= a.nbytes ? 0 : (a.nbytes - c_lo < cb ? a.nbytes - c_lo : cb);
   u64 lo, hi;
   slice_of(c_len, b, B, lo, hi);
-  if (threadIdx.x < R) srcs[threadIdx.x] = sends[(r + threadIdx.x) % R] + c_lo + lo;
+  if (threadIdx.x < R) srcs[threadIdx.x] = sends[wrap_rank(r + threadIdx.x, R)] + c_lo + lo;
   __syncthreads();
   char* mine = recvs[r] + c_lo + lo;
   // The next rank's copy straight from the registers, the others' from mine.
-  block_reduce<D>(mine, recvs[(r + 1) % R] + c_lo + lo, srcs, R, hi - lo, a);
+  block_reduce<D>(mine, recvs[wrap_rank(r + 1, R)] + c_lo + lo, srcs, R, hi - lo, a);
   __syncthreads();
-  for (u32 k = 2; k < R; k++) block_copy(recvs[(r + k) % R] + c_lo + lo, mine, hi - lo);
+  for (u32 k = 2; k < R; k++) block_copy(recvs[wrap_rank(r + k, R)] + c_lo + lo, mine, hi - lo);
   block_barrier(a, deadline, false);
 }
 
@@ -732,7 +741,7 @@ __device__ void reducescatter_simple(const CollArgs& a) {
     if (!block_barrier(a, deadline, first)) return;
     first = false;
     if (threadIdx.x < R) {
-      u32 q = (r + threadIdx.x) % R;
+      u32 q = wrap_rank(r + threadIdx.x, R);
       srcs[threadIdx.x] = scratch_of(a, q) + a.simple_off + r * seg_round + lo;
     }
     __syncthreads();
@@ -759,7 +768,7 @@ __device__ void allgather_simple(const CollArgs& a) {
     if (!block_barrier(a, deadline, first)) return;
     first = false;
     for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       block_copy(out + p * a.nbytes + base + lo, scratch_of(a, p) + a.simple_off + lo, hi - lo);
     }
     if (!block_barrier(a, deadline, false)) return;

@@ -85,7 +85,10 @@ impl Layout {
 
     /// Whether a packet algorithm fits a call of `nbytes`.
     pub fn packet_fits(&self, coll: Collective, algo: Algorithm, nbytes: u64) -> bool {
-        self.packet_need(coll, algo, nbytes) <= self.pkt_half
+        // The packet kernels index packets with 32-bit arithmetic: at most 2^31 16-byte
+        // packets per half (32 GiB), whatever scratch a configuration asks for.
+        let need = self.packet_need(coll, algo, nbytes);
+        need <= self.pkt_half && need / 16 < 1 << 31
     }
 }
 
