@@ -5,7 +5,8 @@
 //! bootstrap, communicator, stream and [`Collectives`]. For each size (`-b` .. `-e` by `-f`,
 //! bytes) each rank times `-n` calls between two [`TimingEvent`]s on its stream, after `-w`
 //! untimed ones (with `--graph`: the `-n` calls captured into one CUDA graph, its launch timed
-//! after an untimed one); the time per call is the slowest rank's GPU time over `-n`. Out of
+//! after an untimed one), three times; the time per call is the slowest rank's median GPU time
+//! over `-n`. Out of
 //! place, then in place (NCCL's layouts). nccl-tests' conventions:
 //!
 //! * size: the per-rank buffer of AllReduce, the output of AllGather, the input of
@@ -33,6 +34,15 @@ use mscclpp_collectives::{Algorithm, CallOptions, Collective, Collectives, Confi
 use crate::kern::{local_ranks, row};
 use crate::nccl::{Comm, MULTI_RANK_ENV, Nccl, UniqueId};
 use crate::{Args, TestKind};
+
+/// Timings per row and placement, of which the median is reported.
+const TIMED_RUNS: usize = 3;
+
+/// The median of `v` (the upper one of an even count); NaN when empty.
+fn median(mut v: Vec<f32>) -> f32 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f32::NAN)
+}
 
 /// `-n` when not given (nccl-tests' default).
 pub const DEFAULT_ITERS: u64 = 20;
@@ -415,7 +425,9 @@ impl Rank<'_> {
     }
 
     /// Microseconds per call of `enqueue` (GPU time between two events around `-n` calls, or
-    /// around the launch of a graph holding them, over `-n`). Every rank calls it together.
+    /// around the launch of a graph holding them, over `-n`), the median of [`TIMED_RUNS`] such
+    /// timings (one descheduled host thread of one rank no longer makes a row). Every rank
+    /// calls it together.
     fn measure(
         &self,
         enqueue: &dyn Fn() -> Result<(), String>,
@@ -430,12 +442,17 @@ impl Rank<'_> {
             for _ in 0..s.warmup {
                 enqueue()?;
             }
-            self.start.record(&self.stream).map_err(ev)?;
-            for _ in 0..s.iters {
-                enqueue()?;
+            let mut runs = Vec::with_capacity(TIMED_RUNS);
+            for _ in 0..TIMED_RUNS {
+                self.start.record(&self.stream).map_err(ev)?;
+                for _ in 0..s.iters {
+                    enqueue()?;
+                }
+                self.stop.record(&self.stream).map_err(ev)?;
+                sync()?;
+                runs.push(self.stop.elapsed_ms_since(&self.start).map_err(ev)?);
             }
-            self.stop.record(&self.stream).map_err(ev)?;
-            sync()?;
+            Ok(median(runs) as f64 * 1e3 / s.iters as f64)
         } else {
             // Eager warmup (at least one call: NCCL connects on its first call, which a
             // capture should not hold), then the capture, one rank at a time: a global-mode
@@ -467,13 +484,16 @@ impl Rank<'_> {
             let graph = graph.ok_or_else(|| format!("rank {}: no graph was captured", self.rank))?;
             // An untimed launch first (uploads the graph; lines the ranks up on the GPU).
             graph.launch(&self.stream).map_err(ev)?;
-            self.start.record(&self.stream).map_err(ev)?;
-            graph.launch(&self.stream).map_err(ev)?;
-            self.stop.record(&self.stream).map_err(ev)?;
-            sync()?;
+            let mut runs = Vec::with_capacity(TIMED_RUNS);
+            for _ in 0..TIMED_RUNS {
+                self.start.record(&self.stream).map_err(ev)?;
+                graph.launch(&self.stream).map_err(ev)?;
+                self.stop.record(&self.stream).map_err(ev)?;
+                sync()?;
+                runs.push(self.stop.elapsed_ms_since(&self.start).map_err(ev)?);
+            }
+            Ok(median(runs) as f64 * 1e3 / s.iters as f64)
         }
-        let ms = self.stop.elapsed_ms_since(&self.start).map_err(ev)?;
-        Ok(ms as f64 * 1e3 / s.iters as f64)
     }
 
     /// Writes the check inputs, runs one call of ours, and counts the wrong output elements.
@@ -922,6 +942,13 @@ mod tests {
             check: true,
             timeout: Duration::from_secs(1),
         }
+    }
+
+    #[test]
+    fn the_median_ignores_one_outlier() {
+        assert_eq!(median(vec![3.0, 61.0, 3.1]), 3.1);
+        assert_eq!(median(vec![2.0]), 2.0);
+        assert!(median(vec![]).is_nan());
     }
 
     #[test]
