@@ -9,8 +9,11 @@
 //   bare         the exchange alone: flag from device state, packets out, poll, reduce, flag++
 //   +deadline    every thread reads %globaltimer once; waits check it every 256 spins
 //   +sig         block 0 thread 0 writes a signature packet to the peer at the start and
-//                checks the peer's at the end (what mscclpp-collectives does now)
-//   old sig      the signature written and checked before the data (the previous kernels)
+//                checks the peer's at the end
+//   old sig      the signature written and checked before the data (the kernels before)
+//   lazy dl      `+deadline`, the clock started at a thread's first wait of 256 spins
+//   lazy+sig@d   `lazy dl`, the signature polled together with thread 0's first data packet
+//                (what mscclpp-collectives does now)
 // Not part of the library or its tests: a measurement tool (docs/performance.md).
 #include <cstdio>
 #include <cstdlib>
@@ -70,22 +73,31 @@ __device__ __forceinline__ uint2 add_bf16x4(uint2 a, uint2 b) {
 
 __global__ void k_empty(Args) {}
 
-// DEADLINE: bounded waits; SIG: 0 none, 1 beside the data, 2 before the data.
-template <bool DEADLINE, int SIG>
+// DL: 0 no deadline, 1 read at kernel start, 2 started at a thread's first wait of 256 spins.
+// SIG: 0 none, 1 checked at the end, 2 checked before the data, 3 polled with the first data.
+template <int DL, int SIG>
 __global__ void k_allpair(Args a) {
   u64 deadline = 0;
-  if (DEADLINE) deadline = gtimer() + 10000000000ull;
+  if (DL == 1) deadline = gtimer() + 10000000000ull;
   volatile u32* st = a.state;
   const u32 flag = st[0];
-  if (DEADLINE && st[1]) return;
+  if (DL && st[1]) return;
   const u32 half = flag & 1;
   const bool t0 = blockIdx.x == 0 && threadIdx.x == 0;
   if (SIG != 0 && t0) wr(a.peer_sig + half, make_uint2((u32)a.sig, (u32)(a.sig >> 32)), flag);
+  auto expired = [&](u32& spins) {
+    if (!DL || (++spins & 255) != 0) return false;
+    const u64 now = gtimer();
+    if (DL == 2 && deadline == 0) {
+      deadline = now + 10000000000ull;
+      return false;
+    }
+    return now > deadline;
+  };
   if (SIG == 2 && t0) {
     uint2 v;
     u32 spins = 0;
-    while (!rd(a.my_sig + half, flag, v)) {
-      if (DEADLINE && (++spins & 255) == 0 && gtimer() > deadline) break;
+    while (!rd(a.my_sig + half, flag, v) && !expired(spins)) {
     }
   }
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
@@ -94,8 +106,15 @@ __global__ void k_allpair(Args a) {
     wr(a.peer_pkts + half * a.units + i, x, flag);
     uint2 y;
     u32 spins = 0;
-    while (!rd(a.my_pkts + half * a.units + i, flag, y)) {
-      if (DEADLINE && (++spins & 255) == 0 && gtimer() > deadline) {
+    bool sig_ok = !(SIG == 3 && i == 0);
+    while (true) {
+      const bool d = rd(a.my_pkts + half * a.units + i, flag, y);
+      if (!sig_ok) {
+        uint2 sv;
+        sig_ok = rd(a.my_sig + half, flag, sv);
+      }
+      if (d && sig_ok) break;
+      if (expired(spins)) {
         st[1] = 1;
         break;
       }
@@ -105,8 +124,7 @@ __global__ void k_allpair(Args a) {
   if (SIG == 1 && t0) {
     uint2 v;
     u32 spins = 0;
-    while (!rd(a.my_sig + half, flag, v)) {
-      if (DEADLINE && (++spins & 255) == 0 && gtimer() > deadline) break;
+    while (!rd(a.my_sig + half, flag, v) && !expired(spins)) {
     }
   }
   __syncthreads();
@@ -154,10 +172,12 @@ int main(int argc, char** argv) {
     Kern k;
   } vs[] = {
       {"empty", k_empty},
-      {"bare", k_allpair<false, 0>},
-      {"+deadline", k_allpair<true, 0>},
-      {"+sig", k_allpair<true, 1>},
-      {"old sig", k_allpair<true, 2>},
+      {"bare", k_allpair<0, 0>},
+      {"+deadline", k_allpair<1, 0>},
+      {"+sig", k_allpair<1, 1>},
+      {"old sig", k_allpair<1, 2>},
+      {"lazy dl", k_allpair<2, 0>},
+      {"lazy+sig@d", k_allpair<2, 3>},
   };
   printf("# allpair breakdown: %llu B bf16, 2 ranks (streams) on one GPU, %u block(s) x %u threads, %d calls per graph, best of %d\n",
          bytes, blocks, threads, calls, reps);

@@ -9,7 +9,8 @@
 //   packets: two halves; a packet call with flag f uses half f & 1 (LL16 packets, flag f)
 //   simple:  the staging area of the large-message algorithms, in rounds
 //
-// Every wait is bounded: a thread's deadline is its kernel start + timeout; a timed-out wait
+// Every wait is bounded: a thread's deadline is its kernel start + timeout (packet kernels: its
+// first wait of 256 spins + timeout); a timed-out wait
 // records (kind, peer) in the error word (page-locked host memory the host reads) and sets
 // state->failed, which every other wait and every later launch checks, so the kernel ends
 // within about the timeout and later launches (graph replays too) return at once.
@@ -52,8 +53,11 @@ __device__ void fail(const CollArgs& a, u64 kind, u64 peer) {
   if (load_sys(err) == 0) store_sys(err, (1ull << 63) | (kind << 48) | ((peer & 0xffff) << 32) | (a.sig & 0xffffffffull));
 }
 
-// Whether this thread should stop waiting: failed before, aborted by the host, or past the deadline.
-__device__ __forceinline__ bool must_stop(const CollArgs& a, u64 deadline, u32 peer, u32& spins) {
+// Whether this thread should stop waiting: failed before, aborted by the host, or past the
+// deadline. A deadline of 0 is not started yet: the packet kernels start the clock at a thread's
+// first wait that lasts 256 spins (kernel start + timeout otherwise), which keeps the timer read
+// off the path of a call whose waits all end sooner; every wait is still bounded.
+__device__ __forceinline__ bool must_stop(const CollArgs& a, u64& deadline, u32 peer, u32& spins) {
   if ((++spins & 255) != 0) return false;
   CollState* st = (CollState*)a.state;
   if (load_volatile_u32(&st->failed)) return true;
@@ -61,7 +65,12 @@ __device__ __forceinline__ bool must_stop(const CollArgs& a, u64 deadline, u32 p
     fail(a, ERR_ABORTED, peer);
     return true;
   }
-  if (detail::globaltimer() > deadline) {
+  const u64 now = detail::globaltimer();
+  if (deadline == 0) {
+    deadline = now + a.timeout_ns;
+    return false;
+  }
+  if (now > deadline) {
     fail(a, ERR_TIMEOUT, peer);
     return true;
   }
@@ -215,7 +224,7 @@ __device__ __forceinline__ bool peer_sig_differs(const CollArgs& a, u32 flag, u3
 
 // LL16 packet read with the bounded wait. Every 4096 spins (and before it reports a timeout)
 // it looks at the peer's signature, so a mismatched call is named as such quickly.
-__device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p, u32 flag, u64 deadline, u32 peer,
+__device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p, u32 flag, u64& deadline, u32 peer,
                                          uint2& v) {
   u32 spins = 0;
   while (p->readOnce(flag, v)) {
@@ -232,6 +241,30 @@ __device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p,
 // division on the critical path of every small call).
 __device__ __forceinline__ u32 wrap_rank(u32 x, u32 R) { return x >= R ? x - R : x; }
 
+// `read_pkt` of a data packet from `peer` together with that peer's signature packet: both loads
+// are in flight at once, so checking the signature costs no round trip of its own (the
+// signature is written at the peer's start, before its data). A different signature is a
+// mismatch, named as such.
+__device__ __forceinline__ bool read_pkt_and_sig(const CollArgs& a, const LL16Packet* p, u32 flag, u64& deadline,
+                                                 u32 peer, uint2& v) {
+  const LL16Packet* sp = sig_pkt_from(a, flag, peer);
+  bool have_sig = false;
+  u32 spins = 0;
+  while (true) {
+    const bool data_waits = p->readOnce(flag, v);
+    if (!have_sig) {
+      uint2 sv;
+      have_sig = !sp->readOnce(flag, sv);
+      if (have_sig && (((u64)sv.y << 32) | sv.x) != a.sig) {
+        fail(a, ERR_MISMATCH, peer);
+        return false;
+      }
+    }
+    if (!data_waits && have_sig) return true;
+    if (must_stop(a, deadline, peer, spins)) return false;
+  }
+}
+
 // The per-call packet prologue: thread 0 of each block reads the flag and the failed bit once
 // and shares them with its block; block 0 thread 0 sends this call's signature to every peer (an
 // LL packet) without waiting (the epilogue checks the peers'), so the signature travels beside
@@ -242,7 +275,7 @@ __device__ __forceinline__ u32 wrap_rank(u32 x, u32 R) { return x >= R ? x - R :
 __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline, u32& arrived) {
   __shared__ u32 ff_shared[2];
   CollState* st = (CollState*)a.state;
-  deadline = detail::globaltimer() + a.timeout_ns;
+  deadline = 0;  // started at the first long wait (must_stop)
   arrived = 0;
   if (threadIdx.x == 0) {
     uint2 ff;
@@ -271,7 +304,7 @@ __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& dea
 // Block 0 thread 0 checks every peer's signature of this call. Reading them is also what lets
 // the next-but-one call reuse this half: a peer writes its signature only after it finished the
 // call before.
-__device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64 deadline) {
+__device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64& deadline) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   const u32 R = (u32)a.nranks;
   for (u32 i = 1; i < R; i++) {
@@ -286,8 +319,10 @@ __device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64 
 }
 
 // The per-call packet epilogue: the peers' signatures are checked, then the flag advances.
-__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadline, u32 arrived) {
-  pkt_check_sigs(a, flag, deadline);
+// `sigs_checked`: block 0 thread 0 already read every peer's signature (`read_pkt_and_sig`).
+__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64& deadline, u32 arrived,
+                                        bool sigs_checked = false) {
+  if (!sigs_checked) pkt_check_sigs(a, flag, deadline);
   // Every thread took the flag from its block's shared copy at the start, and the next launch
   // starts after this one ends: no barrier is needed before the flag advances.
   if (threadIdx.x != 0) return;
@@ -327,14 +362,19 @@ __device__ void allreduce_allpair(const CollArgs& a) {
     for (u32 k = 1; k < R && ok; k++) {
       const u32 p = wrap_rank(me + R - k, R);
       uint2 w;
-      ok = read_pkt(a, pkt_slot(a, me, half, p, units) + i, flag, deadline, p, w);
+      const LL16Packet* src = pkt_slot(a, me, half, p, units) + i;
+      // Thread 0 of block 0 (unit 0, which every call has) checks each peer's signature with
+      // that peer's first packet.
+      ok = i == 0 ? read_pkt_and_sig(a, src, flag, deadline, p, w) : read_pkt(a, src, flag, deadline, p, w);
       if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
     }
     uint2 r;
     acc.finish((u32*)&r, (int)a.op, a.nranks);
     if (ok) st8(out + i * 8, r, n);
   }
-  pkt_end(a, flag, deadline, arrived);
+  // A failed wait of thread 0 left some signatures unread: check them (bounded; ends at once
+  // once this rank has failed).
+  pkt_end(a, flag, deadline, arrived, tid == 0 && ok && units > 0);
 }
 
 // AllReduce in two packet phases: chunk p of every input goes to rank p, which reduces it and
@@ -493,7 +533,7 @@ __device__ void broadcast_packet(const CollArgs& a) {
 // (block b signals block b of every peer) orders exactly the data the next phase reads.
 
 // Block barrier with every peer: returns false when a wait failed (the whole block then stops).
-__device__ bool block_barrier(const CollArgs& a, u64 deadline, bool send_sig) {
+__device__ bool block_barrier(const CollArgs& a, u64& deadline, bool send_sig) {
   __shared__ int bad;
   if (threadIdx.x == 0) bad = 0;
   __syncthreads();
