@@ -174,6 +174,8 @@ pub struct Collectives {
     /// Page-locked: word 0 is the error the kernels report, word 1 the abort request.
     status: DeviceStatus,
     tuned: std::sync::RwLock<Option<Arc<crate::tune::TuneTable>>>,
+    /// How long setup spent tuning (`None` with tuning off).
+    tuning_time: Option<Duration>,
     _channels: Vec<MemoryChannel>,
     /// Per peer, the semaphore its channels share (windows map more memory through it).
     peer_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)>,
@@ -314,17 +316,27 @@ impl Collectives {
             expected,
             status,
             tuned: std::sync::RwLock::new(None),
+            tuning_time: None,
             _channels: channels,
             peer_sems,
             comm: comm.clone(),
         })
-        .and_then(|c| {
+        .and_then(|mut c| {
             if config.tune {
+                let start = std::time::Instant::now();
                 let table = crate::tune::tune_all_reduce(&c, comm)?;
                 c.set_tuning(Some(table));
+                c.tuning_time = Some(start.elapsed());
             }
             Ok(c)
         })
+    }
+
+    /// How long [`Collectives::new`] spent tuning (timing candidates on the GPU and agreeing
+    /// with the other ranks; near zero when the process cache had the table); `None` when
+    /// tuning was off ([`Config::tune`]).
+    pub fn tuning_time(&self) -> Option<Duration> {
+        self.tuning_time
     }
 
     /// The AllReduce plans in force from tuning, if any.

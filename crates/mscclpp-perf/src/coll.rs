@@ -797,9 +797,13 @@ fn rank_main(
     if rank == 0 {
         let slowest = setups.iter().map(|v| v[0]).fold(0.0, f64::max);
         let tuned = me.coll.tuning().map_or(0, |t| t.entries.len());
+        let tuning = me.coll.tuning_time().map(|d| d.as_secs_f64() * 1e3);
         row(format!(
             "# setup: Collectives::new took {slowest:.0} ms (slowest rank){}",
-            if tuned > 0 { format!(", tuning {tuned} AllReduce sizes included") } else { String::new() }
+            match tuning {
+                Some(t) if tuned > 0 => format!(", of which tuning {tuned} AllReduce sizes {t:.0} ms (rank 0)"),
+                _ => String::new(),
+            }
         ));
     }
 
