@@ -265,39 +265,29 @@ __device__ __forceinline__ bool read_pkt_and_sig(const CollArgs& a, const LL16Pa
   }
 }
 
-// The per-call packet prologue: thread 0 of each block reads the flag and the failed bit once
-// and shares them with its block; block 0 thread 0 sends this call's signature to every peer (an
-// LL packet) without waiting (the epilogue checks the peers'), so the signature travels beside
-// the data rather than a round trip ahead of it. With several blocks, each counts its arrival
-// (`arrived`: the blocks before it) as soon as it knows the flag: the atomic's round trip
-// overlaps the data, and the last block to arrive advances the flag at its end.
+// The per-call packet prologue: every thread reads the flag and the failed bit itself (in
+// parallel with its first input load: a block-wide broadcast through shared memory put the two
+// loads in series and cost 0.25 us per call); block 0 thread 0 sends this call's signature to
+// every peer (an LL packet) without waiting, so it travels beside the data rather than a round
+// trip ahead of it (checked with the data, or in the epilogue).
 // Returns false when this rank has failed before (nothing is done then).
-__device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline, u32& arrived) {
-  __shared__ u32 ff_shared[2];
+__device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline) {
   CollState* st = (CollState*)a.state;
   deadline = 0;  // started at the first long wait (must_stop)
-  arrived = 0;
-  if (threadIdx.x == 0) {
-    uint2 ff;
-    detail::ld_volatile_v2_u32(st, ff.x, ff.y);  // flag and failed in one load
-    ff_shared[0] = ff.x;
-    ff_shared[1] = ff.y;
-    if (!ff.y && gridDim.x > 1) arrived = atomicAdd(&st->done, 1u);
-    if (!ff.y && blockIdx.x == 0) {
-      const u32 R = (u32)a.nranks, me = (u32)a.rank, half = ff.x & 1;
-      for (u32 k = 1; k < R; k++) {
-        const u32 p = wrap_rank(me + k, R);
-        LL16Packet* s = (LL16Packet*)(scratch_of(a, p) + a.sig_pkt_off) + half * R + me;
-        s->write(a.sig, ff.x);
-      }
-    }
-  }
-  __syncthreads();
-  if (ff_shared[1]) {
+  uint2 ff;
+  detail::ld_volatile_v2_u32(st, ff.x, ff.y);  // flag and failed in one load
+  if (ff.y) {
     if (blockIdx.x == 0 && threadIdx.x == 0) fail(a, ERR_FAILED_BEFORE, 0xffff);
     return false;
   }
-  flag = ff_shared[0];
+  flag = ff.x;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const u32 R = (u32)a.nranks, me = (u32)a.rank, half = flag & 1;
+    for (u32 k = 1; k < R; k++) {
+      LL16Packet* s = (LL16Packet*)(scratch_of(a, wrap_rank(me + k, R)) + a.sig_pkt_off) + half * R + me;
+      s->write(a.sig, flag);
+    }
+  }
   return true;
 }
 
@@ -320,20 +310,24 @@ __device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64&
 
 // The per-call packet epilogue: the peers' signatures are checked, then the flag advances.
 // `sigs_checked`: block 0 thread 0 already read every peer's signature (`read_pkt_and_sig`).
-__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64& deadline, u32 arrived,
-                                        bool sigs_checked = false) {
+__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64& deadline, bool sigs_checked = false) {
   if (!sigs_checked) pkt_check_sigs(a, flag, deadline);
-  // Every thread took the flag from its block's shared copy at the start, and the next launch
-  // starts after this one ends: no barrier is needed before the flag advances.
-  if (threadIdx.x != 0) return;
   CollState* st = (CollState*)a.state;
+  __syncthreads();
   const u32 next = flag + 1 == 0 ? 1 : flag + 1;
   if (gridDim.x == 1) {
-    st->flag = next;
-  } else if (arrived == gridDim.x - 1) {
-    // The last block to arrive: every other block has read the flag.
-    st->done = 0;
-    st->flag = next;
+    // One block, whose threads all read the flag (the barrier above); the next launch starts
+    // after this one ends.
+    if (threadIdx.x == 0) st->flag = next;
+    return;
+  }
+  if (threadIdx.x == 0) {
+    // Every block read the flag at its start; the last one to get here advances it (the next
+    // launch starts after this one ends, so no fence is needed for it).
+    if (atomicAdd(&st->done, 1u) == gridDim.x - 1) {
+      st->done = 0;
+      st->flag = next;
+    }
   }
 }
 
@@ -344,9 +338,9 @@ __device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64& deadli
 // AllReduce, all pairs: every rank sends its whole input to every peer and reduces all of them.
 template <typename D>
 __device__ void allreduce_allpair(const CollArgs& a) {
-  u32 flag, arrived;
+  u32 flag;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline, arrived)) return;
+  if (!pkt_begin(a, flag, deadline)) return;
   const u32 half = flag & 1, R = (u32)a.nranks, me = (u32)a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
@@ -374,16 +368,16 @@ __device__ void allreduce_allpair(const CollArgs& a) {
   }
   // A failed wait of thread 0 left some signatures unread: check them (bounded; ends at once
   // once this rank has failed).
-  pkt_end(a, flag, deadline, arrived, tid == 0 && ok && units > 0);
+  pkt_end(a, flag, deadline, tid == 0 && ok && units > 0);
 }
 
 // AllReduce in two packet phases: chunk p of every input goes to rank p, which reduces it and
 // sends the result to everyone.
 template <typename D>
 __device__ void allreduce_packet(const CollArgs& a) {
-  u32 flag, arrived;
+  u32 flag;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline, arrived)) return;
+  if (!pkt_begin(a, flag, deadline)) return;
   const u32 half = flag & 1, R = a.nranks, r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const u64 cu = (units + R - 1) / R;  // units per chunk
@@ -431,15 +425,15 @@ __device__ void allreduce_packet(const CollArgs& a) {
     ok = read_pkt(a, pkt_slot(a, r, half, R + p, cu) + j, flag, deadline, p, v);
     if (ok) st8(out + i * 8, v, unit_bytes(i, a.nbytes));
   }
-  pkt_end(a, flag, deadline, arrived);
+  pkt_end(a, flag, deadline);
 }
 
 // ReduceScatter with packets: segment p of every input goes to rank p, which reduces it.
 template <typename D>
 __device__ void reducescatter_packet(const CollArgs& a) {
-  u32 flag, arrived;
+  u32 flag;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline, arrived)) return;
+  if (!pkt_begin(a, flag, deadline)) return;
   const u32 half = flag & 1, R = a.nranks, r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
@@ -469,14 +463,14 @@ __device__ void reducescatter_packet(const CollArgs& a) {
     acc.finish((u32*)&res, (int)a.op, R);
     st8(out + i * 8, res, n);
   }
-  pkt_end(a, flag, deadline, arrived);
+  pkt_end(a, flag, deadline);
 }
 
 // AllGather with packets: every rank sends its segment to every peer.
 __device__ void allgather_packet(const CollArgs& a) {
-  u32 flag, arrived;
+  u32 flag;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline, arrived)) return;
+  if (!pkt_begin(a, flag, deadline)) return;
   const u32 half = flag & 1, R = a.nranks, r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
@@ -498,14 +492,14 @@ __device__ void allgather_packet(const CollArgs& a) {
     ok = read_pkt(a, pkt_slot(a, r, half, p, units) + i, flag, deadline, p, v);
     if (ok) st8(out + p * a.nbytes + i * 8, v, unit_bytes(i, a.nbytes));
   }
-  pkt_end(a, flag, deadline, arrived);
+  pkt_end(a, flag, deadline);
 }
 
 // Broadcast with packets: the root sends to everyone (every rank still exchanges signatures).
 __device__ void broadcast_packet(const CollArgs& a) {
-  u32 flag, arrived;
+  u32 flag;
   u64 deadline;
-  if (!pkt_begin(a, flag, deadline, arrived)) return;
+  if (!pkt_begin(a, flag, deadline)) return;
   const u32 half = flag & 1, R = a.nranks, r = a.rank, root = (u32)a.root;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
@@ -524,7 +518,7 @@ __device__ void broadcast_packet(const CollArgs& a) {
       if (ok) st8(out + i * 8, v, n);
     }
   }
-  pkt_end(a, flag, deadline, arrived);
+  pkt_end(a, flag, deadline);
 }
 
 // ---------------------------------------------------------------------------------------------
