@@ -14,6 +14,7 @@
 //   lazy dl      `+deadline`, the clock started at a thread's first wait of 256 spins
 //   lazy+sig@d   `lazy dl`, the signature polled together with thread 0's first data packet
 //                (what mscclpp-collectives does now)
+//   +16K cold    `lazy+sig@d` with ~16 KiB of code inside its spin loop that never runs
 //   688B args    `lazy+sig@d` with its arguments padded to the library's 688 bytes
 // Not part of the library or its tests: a measurement tool (docs/performance.md).
 #include <cstdio>
@@ -75,9 +76,18 @@ __device__ __forceinline__ uint2 add_bf16x4(uint2 a, uint2 b) {
 
 __global__ void k_empty(Args) {}
 
+// About 16 KiB of code that never runs (a branch no call takes), placed inside the spin loop:
+// does the size of a kernel's cold code cost a small call (instruction fetch)?
+__device__ __forceinline__ void cold_code(const Args& a, uint2 y, u32 salt) {
+  float x = __uint_as_float(y.x ^ salt);
+#pragma unroll
+  for (int i = 0; i < 700; i++) x = x * 1.0001f + __uint_as_float(salt + i);
+  a.out[salt & 7] = make_uint2(__float_as_uint(x), salt);
+}
+
 // DL: 0 no deadline, 1 read at kernel start, 2 started at a thread's first wait of 256 spins.
 // SIG: 0 none, 1 checked at the end, 2 checked before the data, 3 polled with the first data.
-template <int DL, int SIG>
+template <int DL, int SIG, bool COLD = false>
 __device__ __forceinline__ void allpair_body(const Args& a) {
   u64 deadline = 0;
   if (DL == 1) deadline = gtimer() + 10000000000ull;
@@ -116,6 +126,7 @@ __device__ __forceinline__ void allpair_body(const Args& a) {
         sig_ok = rd(a.my_sig + half, flag, sv);
       }
       if (d && sig_ok) break;
+      if (COLD && spins == 0x7ffffffdu) cold_code(a, y, spins);
       if (expired(spins)) {
         st[1] = 1;
         break;
@@ -145,6 +156,7 @@ struct BigArgs {
   u64 pad[(688 - sizeof(Args)) / 8];
 };
 __global__ void k_big(BigArgs b) { allpair_body<2, 3>(b.a); }
+__global__ void k_cold(Args a) { allpair_body<2, 3, true>(a); }
 
 typedef void (*Kern)(Args);
 
@@ -193,6 +205,7 @@ int main(int argc, char** argv) {
       {"old sig", k_allpair<1, 2>},
       {"lazy dl", k_allpair<2, 0>},
       {"lazy+sig@d", k_allpair<2, 3>},
+      {"+16K cold", k_cold},
   };
   printf("# allpair breakdown: %llu B bf16, 2 ranks (streams) on one GPU, %u block(s) x %u threads, %d calls per graph, best of %d\n",
          bytes, blocks, threads, calls, reps);

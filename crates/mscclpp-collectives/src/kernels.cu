@@ -46,7 +46,7 @@ __device__ __forceinline__ u64 load_sys(const u64* p) {
 __device__ __forceinline__ u32 load_volatile_u32(const u32* p) { return *(volatile const u32*)p; }
 
 // Records the first error this rank sees (host-visible) and stops every wait of this rank.
-__device__ void fail(const CollArgs& a, u64 kind, u64 peer) {
+__device__ __noinline__ void fail(const CollArgs& a, u64 kind, u64 peer) {
   CollState* st = (CollState*)a.state;
   atomicExch(&st->failed, 1u);
   u64* err = (u64*)a.err;
@@ -57,8 +57,7 @@ __device__ void fail(const CollArgs& a, u64 kind, u64 peer) {
 // deadline. A deadline of 0 is not started yet: the packet kernels start the clock at a thread's
 // first wait that lasts 256 spins (kernel start + timeout otherwise), which keeps the timer read
 // off the path of a call whose waits all end sooner; every wait is still bounded.
-__device__ __forceinline__ bool must_stop(const CollArgs& a, u64& deadline, u32 peer, u32& spins) {
-  if ((++spins & 255) != 0) return false;
+__device__ __noinline__ bool must_stop_slow(const CollArgs& a, u64& deadline, u32 peer, u32 spins) {
   CollState* st = (CollState*)a.state;
   if (load_volatile_u32(&st->failed)) return true;
   if ((spins & 0xffff) == 0 && load_sys((const u64*)a.abort) != 0) {
@@ -75,6 +74,13 @@ __device__ __forceinline__ bool must_stop(const CollArgs& a, u64& deadline, u32 
     return true;
   }
   return false;
+}
+// Out of line past the first test: the slow part is cold code, kept off the instruction cache
+// lines the fast path of every call runs through (the kernels were 10x the size of their hot
+// path; see bench/allpair_breakdown.cu).
+__device__ __forceinline__ bool must_stop(const CollArgs& a, u64& deadline, u32 peer, u32& spins) {
+  if ((++spins & 255) != 0) return false;
+  return must_stop_slow(a, deadline, peer, spins);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -182,19 +188,25 @@ struct Acc {
 // 8-byte units that may be partial (the last one of a buffer) or misaligned (a rank's segment
 // of an AllGather output): loads pad with zeros, stores write only the valid bytes.
 
-__device__ __forceinline__ uint2 ld8(const char* p, u32 n) {
-  if (n == 8 && (((u64)p) & 7) == 0) return *(const uint2*)p;
+__device__ __noinline__ uint2 ld8_slow(const char* p, u32 n) {
   u64 v = 0;
   for (u32 i = 0; i < n / 2; i++) v |= (u64)((const unsigned short*)p)[i] << (16 * i);
   return make_uint2((u32)v, (u32)(v >> 32));
+}
+__device__ __forceinline__ uint2 ld8(const char* p, u32 n) {
+  if (n == 8 && (((u64)p) & 7) == 0) return *(const uint2*)p;
+  return ld8_slow(p, n);
+}
+__device__ __noinline__ void st8_slow(char* p, uint2 w, u32 n) {
+  const u64 v = ((u64)w.y << 32) | w.x;
+  for (u32 i = 0; i < n / 2; i++) ((unsigned short*)p)[i] = (unsigned short)(v >> (16 * i));
 }
 __device__ __forceinline__ void st8(char* p, uint2 w, u32 n) {
   if (n == 8 && (((u64)p) & 7) == 0) {
     *(uint2*)p = w;
     return;
   }
-  const u64 v = ((u64)w.y << 32) | w.x;
-  for (u32 i = 0; i < n / 2; i++) ((unsigned short*)p)[i] = (unsigned short)(v >> (16 * i));
+  st8_slow(p, w, n);
 }
 __device__ __forceinline__ u32 unit_bytes(u64 i, u64 nbytes) {
   u64 rest = nbytes - i * 8;
@@ -216,7 +228,7 @@ __device__ __forceinline__ const LL16Packet* sig_pkt_from(const CollArgs& a, u32
 
 // Whether `peer` has started a call with this flag whose signature differs from mine (a look,
 // no wait): a wait on that peer's data would otherwise end as a timeout, not as the mismatch.
-__device__ __forceinline__ bool peer_sig_differs(const CollArgs& a, u32 flag, u32 peer) {
+__device__ __noinline__ bool peer_sig_differs(const CollArgs& a, u32 flag, u32 peer) {
   uint2 v;
   if (peer >= a.nranks || sig_pkt_from(a, flag, peer)->readOnce(flag, v)) return false;
   return (((u64)v.y << 32) | v.x) != a.sig;
@@ -283,6 +295,7 @@ __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& dea
   flag = ff.x;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     const u32 R = (u32)a.nranks, me = (u32)a.rank, half = flag & 1;
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       LL16Packet* s = (LL16Packet*)(scratch_of(a, wrap_rank(me + k, R)) + a.sig_pkt_off) + half * R + me;
       s->write(a.sig, flag);
@@ -297,6 +310,7 @@ __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& dea
 __device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64& deadline) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   const u32 R = (u32)a.nranks;
+  #pragma unroll 1
   for (u32 i = 1; i < R; i++) {
     const u32 p = wrap_rank((u32)a.rank + i, R);
     uint2 v;
@@ -350,9 +364,11 @@ __device__ void allreduce_allpair(const CollArgs& a) {
   for (u64 i = tid; i < units && ok; i += nth) {
     const u32 n = unit_bytes(i, a.nbytes);
     uint2 v = ld8(in + i * 8, n);
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(me + k, R), half, me, units)[i].write(v, flag);
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
+    #pragma unroll 1
     for (u32 k = 1; k < R && ok; k++) {
       const u32 p = wrap_rank(me + R - k, R);
       uint2 w;
@@ -401,6 +417,7 @@ __device__ void allreduce_packet(const CollArgs& a) {
     uint2 v = ld8(in + i * 8, n);
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
+    #pragma unroll 1
     for (u32 k = 1; k < R && ok; k++) {
       u32 p = wrap_rank(r + R - k, R);
       uint2 w;
@@ -411,6 +428,7 @@ __device__ void allreduce_packet(const CollArgs& a) {
     uint2 res;
     acc.finish((u32*)&res, (int)a.op, R);
     st8(out + i * 8, res, n);
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       u32 p = wrap_rank(r + k, R);
       pkt_slot(a, p, half, R + r, cu)[j].write(res, flag);
@@ -452,6 +470,7 @@ __device__ void reducescatter_packet(const CollArgs& a) {
     uint2 v = ld8(in + r * a.nbytes + i * 8, n);
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
+    #pragma unroll 1
     for (u32 k = 1; k < R && ok; k++) {
       u32 p = wrap_rank(r + R - k, R);
       uint2 w;
@@ -480,6 +499,7 @@ __device__ void allgather_packet(const CollArgs& a) {
   for (u64 i = tid; i < units; i += nth) {
     const u32 n = unit_bytes(i, a.nbytes);
     uint2 v = ld8(in + i * 8, n);
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(r + k, R), half, r, units)[i].write(v, flag);
     if (copy_own) st8(out + r * a.nbytes + i * 8, v, n);
   }
@@ -510,6 +530,7 @@ __device__ void broadcast_packet(const CollArgs& a) {
     const u32 n = unit_bytes(i, a.nbytes);
     if (r == root) {
       uint2 v = ld8(in + i * 8, n);
+      #pragma unroll 1
       for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(r + k, R), half, 0, units)[i].write(v, flag);
       if (in != out) st8(out + i * 8, v, n);
     } else {
@@ -611,6 +632,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
       uint4 v = ((const uint4*)srcs[0])[i];
       Acc<D, 4> acc;
       acc.init((const u32*)&v);
+      #pragma unroll 1
       for (u32 k = 1; k < R; k++) {
         uint4 w = ((const uint4*)srcs[k])[i];
         acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
@@ -628,6 +650,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
       u32 v = nb == 4 ? ((const u32*)srcs[0])[i] : (u32)((const unsigned short*)srcs[0])[2 * i];
       Acc<D, 1> acc;
       acc.init(&v);
+      #pragma unroll 1
       for (u32 k = 1; k < R; k++) {
         u32 w = nb == 4 ? ((const u32*)srcs[k])[i] : (u32)((const unsigned short*)srcs[k])[2 * i];
         acc.add(&w, (int)a.op, a.acc32 != 0);
@@ -650,6 +673,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
     u32 v = ((const unsigned short*)srcs[0])[i];
     Acc<D, 1> acc;
     acc.init(&v);
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       u32 w = ((const unsigned short*)srcs[k])[i];
       acc.add(&w, (int)a.op, a.acc32 != 0);
@@ -686,6 +710,7 @@ __device__ void allreduce_simple(const CollArgs& a) {
     const u64 rb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
     const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // chunk bytes (slot size)
     // (0) chunk p of my input -> rank p's slot r.
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       u32 p = wrap_rank(r + k, R);
       u64 c_lo = p * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
@@ -714,6 +739,7 @@ __device__ void allreduce_simple(const CollArgs& a) {
     }
     if (!block_barrier(a, deadline, false)) return;
     // (2) the other chunks' results, from my result area.
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       u32 p = wrap_rank(r + k, R);
       u64 p_lo = p * cb, p_len = p_lo >= rb ? 0 : (rb - p_lo < cb ? rb - p_lo : cb), plo, phi;
@@ -750,6 +776,7 @@ __device__ void allreduce_zerocopy(const CollArgs& a) {
   // The next rank's copy straight from the registers, the others' from mine.
   block_reduce<D>(mine, recvs[wrap_rank(r + 1, R)] + c_lo + lo, srcs, R, hi - lo, a);
   __syncthreads();
+  #pragma unroll 1
   for (u32 k = 2; k < R; k++) block_copy(recvs[wrap_rank(r + k, R)] + c_lo + lo, mine, hi - lo);
   block_barrier(a, deadline, false);
 }
@@ -801,6 +828,7 @@ __device__ void allgather_simple(const CollArgs& a) {
     block_copy(out + r * a.nbytes + base + lo, in + base + lo, hi - lo);
     if (!block_barrier(a, deadline, first)) return;
     first = false;
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       u32 p = wrap_rank(r + k, R);
       block_copy(out + p * a.nbytes + base + lo, scratch_of(a, p) + a.simple_off + lo, hi - lo);
