@@ -211,6 +211,7 @@ struct Resources {
     // Dropped first: the proxy stops before the memories it moves go.
     _proxy: Option<ProxyService>,
     plan_name: String,
+    kernels: Arc<Kernels>,
     args: ExecArgs,
     nblocks: u32,
     threads: u32,
@@ -306,10 +307,10 @@ impl Executor {
         // SAFETY: the caller's contract.
         let res = unsafe { self.resources(rank, send, recv, send_size, recv_size, plan)? };
         self.check_resources(&res)?;
-        let kernels = kernels(self.config.device)?;
+        // The kernels loaded at setup: no global lock or lookup on this path.
         let k = match packet_type {
-            PacketType::LL16 => &kernels.ll16,
-            PacketType::LL8 => &kernels.ll8,
+            PacketType::LL16 => &res.kernels.ll16,
+            PacketType::LL8 => &res.kernels.ll8,
         };
         let mut a = ExecArgs { dtype: dtype.code(), ..res.args };
         let mut params = [(&mut a as *mut ExecArgs).cast::<c_void>()];
@@ -653,6 +654,7 @@ impl Executor {
         Ok(Resources {
             _proxy: proxy,
             plan_name: plan.name.clone(),
+            kernels,
             args,
             nblocks,
             threads,
