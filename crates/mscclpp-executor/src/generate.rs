@@ -445,10 +445,11 @@ impl Builder {
         let ll = protocol == Protocol::LL;
         // Scratch: g slots for the node phase, 1 for the other node's chunk. With LL the node
         // phases' packets take two chunks of bytes each (packet slot i sits at byte 2 i chunk):
-        // slots 0..g cover chunks 0..2g, so the other node's chunk (plain data) goes to chunk
-        // 2g, apart from every packet, and the second phase's packet slots g+1.. start at 2g+2.
-        self.chunks(g, g, if ll { 2 * g + 1 } else { g + 1 });
-        let cross = if ll { 2 * g } else { g };
+        // slots 0..g cover bytes of chunks 0..2g and the second phase's slots g+1..2g+1 those
+        // of 2g+2..4g+2, so the other node's chunk (plain data) goes to chunk 2g+1: apart from
+        // every packet in bytes, and from every packet slot's index too.
+        self.chunks(g, g, if ll { 2 * g + 2 } else { g + 1 });
+        let cross = if ll { 2 * g + 1 } else { g };
         let first = self.channels(m, &locals);
         let port_chan = self.channels(port, &[other]);
         let scratch: Vec<usize> = locals.iter().map(|&p| self.remote_buffer(p, BufferType::Scratch, m)).collect();
