@@ -126,7 +126,7 @@ pub enum ExecError {
     Lower(#[from] LowerError),
     /// A kernel of this rank reported a failed wait.
     #[error(
-        "rank {rank}: thread block {block}, operation {op}: {}",
+        "rank {rank}, plan {plan}: thread block {block}, operation {op}: {}",
         match (kind, peer) {
             (DeviceFailureKind::Timeout, Some(p)) => format!("waited for rank {p} past the {timeout:?} timeout (it never arrived, or runs another plan)"),
             (DeviceFailureKind::Timeout, None) => format!("a barrier or semaphore of this rank waited past the {timeout:?} timeout"),
@@ -139,6 +139,8 @@ pub enum ExecError {
     Device {
         /// This rank.
         rank: usize,
+        /// The plan's name.
+        plan: String,
         /// What happened.
         kind: DeviceFailureKind,
         /// The rank waited for, when one is known.
@@ -208,6 +210,8 @@ struct Key {
 struct Resources {
     // Dropped first: the proxy stops before the memories it moves go.
     _proxy: Option<ProxyService>,
+    plan_name: String,
+    kernels: Arc<Kernels>,
     args: ExecArgs,
     nblocks: u32,
     threads: u32,
@@ -303,10 +307,10 @@ impl Executor {
         // SAFETY: the caller's contract.
         let res = unsafe { self.resources(rank, send, recv, send_size, recv_size, plan)? };
         self.check_resources(&res)?;
-        let kernels = kernels(self.config.device)?;
+        // The kernels loaded at setup: no global lock or lookup on this path.
         let k = match packet_type {
-            PacketType::LL16 => &kernels.ll16,
-            PacketType::LL8 => &kernels.ll8,
+            PacketType::LL16 => &res.kernels.ll16,
+            PacketType::LL8 => &res.kernels.ll8,
         };
         let mut a = ExecArgs { dtype: dtype.code(), ..res.args };
         let mut params = [(&mut a as *mut ExecArgs).cast::<c_void>()];
@@ -363,6 +367,7 @@ impl Executor {
         let peer = ((code >> 32) & 0xffff) as u32;
         Err(ExecError::Device {
             rank: self.comm.rank(),
+            plan: r.plan_name.clone(),
             kind,
             peer: (peer != NO_PEER).then_some(peer as usize),
             block: ((code >> 16) & 0xffff) as usize,
@@ -462,10 +467,44 @@ impl Executor {
         for (owner, t) in lower::buffer_recvs(plan, rank) {
             recvs.push((owner, t, comm.recv_memory(owner, tag(seq, 4 + t as u32, 0))?));
         }
+        // Port peers swap scratch buffers for the warm-up below (whatever else the plan sends).
+        let mut port_peers: Vec<usize> =
+            links.iter().filter(|l| l.channel_type == ChannelType::Port).map(|l| l.peer).collect();
+        port_peers.sort_unstable();
+        port_peers.dedup();
+        let mut warm_recvs = Vec::new();
+        for &p in &port_peers {
+            comm.send_memory(scratch.memory(), p, tag(seq, 3, 0))?;
+            warm_recvs.push((p, comm.recv_memory(p, tag(seq, 3, 0))?));
+        }
         let mut sems = Vec::new();
+        let mut warm = Vec::new();
         for (l, tg, conn) in pending {
             let conn = conn.wait().map_err(|e| e.during("connecting a plan's channel").with_peer(l.peer))?;
             sems.push((l, comm.build_semaphore(&conn, l.peer, tg)?));
+            if l.channel_type == ChannelType::Port {
+                warm.push((l.peer, conn));
+            }
+        }
+        // Warm-up (as the two-level collectives do): one small write over every port connection
+        // each way before any kernel runs, so that what a transport creates on first use
+        // (Ethernet: pinned staging buffers and a stream per direction and GPU) is not created
+        // while kernels spin waiting for this very data. It copies 16 zero bytes of the fresh
+        // (zeroed) scratch onto the peer's fresh scratch, which no kernel uses before the
+        // barrier at the end of this setup; the flush proves it arrived.
+        let mut warm_mem = Vec::new();
+        for (p, m) in warm_recvs {
+            warm_mem.push((p, m.wait().map_err(|e| e.during("receiving a port peer's scratch").with_peer(p))?));
+        }
+        for (p, conn) in &warm {
+            if let Some((_, m)) = warm_mem.iter().find(|(q, _)| q == p) {
+                conn.write(m, 0, scratch.memory(), 0, 16)
+                    .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
+            }
+        }
+        for (p, conn) in &warm {
+            conn.flush(self.config.timeout)
+                .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
         }
         let mut remote: Vec<(usize, BufferType, RegisteredMemory)> = Vec::new();
         for (owner, t, m) in recvs {
@@ -614,6 +653,8 @@ impl Executor {
         tracing::debug!(target: "mscclpp::executor", rank, plan = %plan.name, blocks = nblocks, ops = low.ops.len(), scratch = layout.scratch_bytes, "plan resources ready");
         Ok(Resources {
             _proxy: proxy,
+            plan_name: plan.name.clone(),
+            kernels,
             args,
             nblocks,
             threads,
@@ -693,6 +734,7 @@ mod tests {
     fn device_errors_name_the_peer() {
         let e = ExecError::Device {
             rank: 0,
+            plan: "p".into(),
             kind: DeviceFailureKind::Timeout,
             peer: Some(1),
             block: 2,

@@ -443,8 +443,13 @@ impl Builder {
         let out = Self::out(inplace);
         let (m, port) = (ChannelType::Memory, ChannelType::Port);
         let ll = protocol == Protocol::LL;
-        // Scratch: g slots for the node phase, 1 for the other node's chunk.
-        self.chunks(g, g, if ll { 2 * g + 1 } else { g + 1 });
+        // Scratch: g slots for the node phase, 1 for the other node's chunk. With LL the node
+        // phases' packets take two chunks of bytes each (packet slot i sits at byte 2 i chunk):
+        // slots 0..g cover bytes of chunks 0..2g and the second phase's slots g+1..2g+1 those
+        // of 2g+2..4g+2, so the other node's chunk (plain data) goes to chunk 2g+1: apart from
+        // every packet in bytes, and from every packet slot's index too.
+        self.chunks(g, g, if ll { 2 * g + 2 } else { g + 1 });
+        let cross = if ll { 2 * g + 1 } else { g };
         let first = self.channels(m, &locals);
         let port_chan = self.channels(port, &[other]);
         let scratch: Vec<usize> = locals.iter().map(|&p| self.remote_buffer(p, BufferType::Scratch, m)).collect();
@@ -493,12 +498,12 @@ impl Builder {
         let reduce_kind = if ll { OpKind::ReducePackets } else { OpKind::Reduce };
         let mut ops = vec![self.barrier(0, nblocks), reduce(reduce_kind, sources, vec![owned.clone()])];
         ops.push(with_channels(
-            data(OpKind::PutWithSignalAndFlush, vec![owned.clone()], vec![remote(0, g, 1)]),
+            data(OpKind::PutWithSignalAndFlush, vec![owned.clone()], vec![remote(0, cross, 1)]),
             port,
             vec![0],
         ));
         ops.push(with_channels(op(OpKind::Wait), port, vec![0]));
-        ops.push(reduce(OpKind::Reduce, vec![owned.clone(), local(BufferType::Scratch, g, 1)], vec![owned]));
+        ops.push(reduce(OpKind::Reduce, vec![owned.clone(), local(BufferType::Scratch, cross, 1)], vec![owned]));
         ops.push(self.barrier(1, nblocks));
         self.block(port, vec![port_chan], vec![other_scratch], ops);
     }

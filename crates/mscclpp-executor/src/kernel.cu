@@ -11,7 +11,8 @@
 // finish, so CUDA graph replays use a fresh flag each time); with a double scratch buffer the
 // flag's parity picks the half.
 //
-// Every wait is bounded: a thread's deadline is its block's start + timeout_ns. The first wait
+// Every wait is bounded: a thread's deadline is its block's start + timeout_ns (barriers and
+// semaphores, which wait for this rank's own blocks, an eighth later). The first wait
 // that fails records (kind, peer, block, op) in the error word (page-locked host memory the host
 // reads) and sets ExecState.failed, which every other wait and every later launch checks.
 
@@ -76,19 +77,29 @@ __device__ void fail(const Ctx& c, u64 kind, u32 peer) {
   }
 }
 
-// Whether this thread should stop waiting: failed before, aborted by the host, or past the deadline.
-__device__ __forceinline__ bool must_stop(const Ctx& c, u32 peer, u32& spins) {
+// Whether this thread should stop waiting: failed before, aborted by the host, or past
+// `deadline`.
+__device__ __forceinline__ bool must_stop_by(const Ctx& c, u32 peer, u32& spins, u64 deadline) {
   if ((++spins & 127) != 0) return false;
   if (vload(&((ExecState*)c.a->state)->failed)) return true;
   if ((spins & 0x3fff) == 0 && load_sys((const u64*)c.a->abort) != 0) {
     fail(c, ERR_ABORTED, peer);
     return true;
   }
-  if (detail::globaltimer() > c.deadline) {
+  if (detail::globaltimer() > deadline) {
     fail(c, ERR_TIMEOUT, peer);
     return true;
   }
   return false;
+}
+__device__ __forceinline__ bool must_stop(const Ctx& c, u32 peer, u32& spins) {
+  return must_stop_by(c, peer, spins, c.deadline);
+}
+// Waits inside the rank (barriers, semaphores) only wait for this rank's other blocks, which
+// wait for peers: they time out an eighth of the timeout later, so the report names the wait
+// that stalled (and the peer it waited for) rather than a barrier behind it.
+__device__ __forceinline__ bool must_stop_local(const Ctx& c, u32& spins) {
+  return must_stop_by(c, NO_PEER, spins, c.deadline + c.a->timeout_ns / 8);
 }
 
 __device__ __forceinline__ u64 remaining(const Ctx& c) {
@@ -215,7 +226,7 @@ __device__ void barrier(const Ctx& c, const DevOp& op) {
     u32 target = (old / n + 1) * n;
     u32 spins = 0;
     while ((int)(vload(ctr) - target) < 0) {
-      if (must_stop(c, NO_PEER, spins)) break;
+      if (must_stop_local(c, spins)) break;
     }
     __threadfence();
   }
@@ -305,7 +316,7 @@ __device__ void sem_acquire(const Ctx& c, const DevOp& op) {
   for (;;) {
     u32 v = vload(s);
     if (v > 0 && atomicCAS(s, v, v - 1) == v) break;
-    if (must_stop(c, NO_PEER, spins)) return;
+    if (must_stop_local(c, spins)) return;
   }
   __threadfence();
 }

@@ -310,6 +310,65 @@ fn packet_writers(plan: &Plan, rank: usize) -> HashMap<u64, usize> {
     w
 }
 
+/// Where packet and plain data share bytes of a rank's scratch: MSCCL++ places a packet range
+/// of scratch chunk `i` at byte `2 * i * chunk` (packets take twice the data's bytes) and a
+/// plain range at `i * chunk`, so a plan that uses chunk indexes for both can make one op's
+/// plain data land on another's packets (whose flags then never match: the reader waits until
+/// the timeout). Returns one line per overlap, naming the owner rank and the two ops (for a
+/// plan whose ops on those bytes run in separate phases this may be deliberate).
+pub fn scratch_overlaps(plan: &Plan) -> Vec<String> {
+    // (owner, start, end in half-chunk units, packet, who)
+    let mut uses: Vec<(usize, u64, u64, bool, String)> = Vec::new();
+    for (q, g) in plan.gpus.iter().enumerate() {
+        for (bi, tb) in g.threadblocks.iter().enumerate() {
+            for (oi, op) in tb.ops.iter().enumerate() {
+                for (ii, o) in std::iter::once(op).chain(op.ops.iter()).enumerate() {
+                    let who = if ii == 0 {
+                        format!("gpus[{q}].threadblocks[{bi}].ops[{oi}] ({})", o.kind.name())
+                    } else {
+                        format!("gpus[{q}].threadblocks[{bi}].ops[{oi}].ops[{}] ({})", ii - 1, o.kind.name())
+                    };
+                    let (pd, ps) = (packet_dsts(o.kind), packet_srcs(o.kind));
+                    let refs = o
+                        .src_buff
+                        .iter()
+                        .enumerate()
+                        .map(|(i, r)| (r, ps.contains(&i)))
+                        .chain(o.dst_buff.iter().enumerate().map(|(i, r)| (r, i >= pd.start)));
+                    for (r, packet) in refs {
+                        let (owner, t) = match r.loc {
+                            BufferLoc::Local(t) => (q, if packet { BufferType::Scratch } else { t }),
+                            BufferLoc::Remote(id) => {
+                                let ct = o.channel_type.unwrap_or(ChannelType::Memory);
+                                match remote_index(tb, ct, id).and_then(|i| g.remote_buffers.get(i)) {
+                                    Some(rb) => (rb.rank, rb.buffer_type),
+                                    None => continue,
+                                }
+                            }
+                        };
+                        if t != BufferType::Scratch || r.size == 0 {
+                            continue;
+                        }
+                        let (a, b) = (r.index.saturating_mul(2), r.index.saturating_add(r.size).saturating_mul(2));
+                        let (a, b) = if packet { (a.saturating_mul(2), b.saturating_mul(2)) } else { (a, b) };
+                        uses.push((owner, a, b, packet, who.clone()));
+                    }
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (i, x) in uses.iter().enumerate() {
+        for y in &uses[i + 1..] {
+            if x.0 == y.0 && x.3 != y.3 && x.1 < y.2 && y.1 < x.2 {
+                let (p, d) = if x.3 { (x, y) } else { (y, x) };
+                out.push(format!("rank {}'s scratch: packets of {} overlap plain data of {}", x.0, p.4, d.4));
+            }
+        }
+    }
+    out
+}
+
 /// Lowers `rank`'s part of `plan` for a call laid out as `layout`, with peer resources `b`.
 pub fn lower(plan: &Plan, rank: usize, layout: &Layout, b: &Bindings) -> Result<Lowered, LowerError> {
     let gpu = plan.gpus.get(rank).ok_or(LowerError::Rank { rank, ranks: plan.gpus.len() })?;
@@ -616,6 +675,122 @@ mod tests {
         let e = channel_links(&p, 0).unwrap_err();
         assert_eq!(e.path(), Some("gpus[0].channels"));
         assert!(e.to_string().contains("no partner"), "{e}");
+    }
+
+    #[test]
+    fn generated_plans_keep_packets_and_plain_data_apart_in_scratch() {
+        for n in [2, 4, 6, 8] {
+            for plan in generate::all(n) {
+                let o = scratch_overlaps(&plan);
+                assert!(o.is_empty(), "{}:\n{}", plan.name, o.join("\n"));
+            }
+        }
+        // The check sees the mistake it is for: a plain put onto a peer's packet slot.
+        let mut p = generate::plan(Algorithm::AllPairAllReduce, 2, Protocol::LL, false).unwrap();
+        let put = p.gpus[0].threadblocks[0].ops[0].clone();
+        let mut plain = put.clone();
+        plain.kind = OpKind::Put;
+        plain.dst_buff[0].index = 1;
+        p.gpus[0].threadblocks[0].ops.push(plain);
+        assert!(!scratch_overlaps(&p).is_empty());
+    }
+
+    /// Per launch of `rank`'s lowered program: how many signals it sends and waits it does on
+    /// each (channel type, peer, pair) — the pair names the connection and semaphore both sides
+    /// build (see [`channel_links`]).
+    fn sync_counts(plan: &Plan, rank: usize) -> HashMap<(u32, usize, usize, bool), u64> {
+        let g0 = &plan.gpus[0];
+        let (send, recv) = (64 * g0.input_chunks.max(1), 64 * g0.output_chunks.max(1));
+        let l = Layout::new(plan, rank, send, recv).unwrap();
+        let low = lower(plan, rank, &l, &fake_bindings(plan, rank)).unwrap();
+        let links = channel_links(plan, rank).unwrap();
+        let link = |ctype: u32, gi: u32| {
+            let t = if ctype == 1 { ChannelType::Memory } else { ChannelType::Port };
+            let x = links.iter().find(|x| x.channel_type == t && x.index == gi as usize).unwrap();
+            (x.peer, x.pair)
+        };
+        let code = |k: OpKind| op_code(k);
+        let mut out = HashMap::new();
+        for b in low.blocks.chunks(2) {
+            let ops = &low.ops[b[0] as usize..(b[0] + b[1]) as usize];
+            let mut i = 0;
+            while i < ops.len() {
+                let pipeline = ops[i].kind == code(OpKind::Pipeline);
+                let (body, times) = if pipeline {
+                    let n = ops[i].n_body as usize;
+                    (&ops[i + 1..i + 1 + n], u64::from(ops[i].n_iter))
+                } else {
+                    (&ops[i..i + 1], 1)
+                };
+                for o in body {
+                    if o.ctype == 0 {
+                        continue;
+                    }
+                    let signals =
+                        [OpKind::Signal, OpKind::RelaxedSignal, OpKind::PutWithSignal, OpKind::PutWithSignalAndFlush]
+                            .iter()
+                            .any(|&k| code(k) == o.kind);
+                    let waits = [OpKind::Wait, OpKind::RelaxedWait].iter().any(|&k| code(k) == o.kind);
+                    // A port put with signal signals once per destination (on channel i, or the
+                    // first); everything else once per channel.
+                    let per: Vec<u32> = if o.ctype == 2
+                        && signals
+                        && o.kind != code(OpKind::Signal)
+                        && o.kind != code(OpKind::RelaxedSignal)
+                    {
+                        (0..o.n_dst).map(|t| o.chans[if t < o.n_chan { t as usize } else { 0 }]).collect()
+                    } else {
+                        o.chans[..o.n_chan as usize].to_vec()
+                    };
+                    if signals || waits {
+                        for gi in per {
+                            let (peer, pair) = link(o.ctype, gi);
+                            *out.entry((o.ctype, peer, pair, signals)).or_insert(0) += times;
+                        }
+                    }
+                }
+                i += body.len() + usize::from(pipeline);
+            }
+        }
+        out
+    }
+
+    /// Every signal a rank sends per launch is waited for by the peer on the same connection
+    /// (and the other way round); else the first mismatch.
+    fn check_pairing(plan: &Plan) -> Result<(), String> {
+        let n = plan.gpus.len();
+        let counts: Vec<_> = (0..n).map(|r| sync_counts(plan, r)).collect();
+        for a in 0..n {
+            for (&(ct, b, pair, signal), &k) in &counts[a] {
+                let theirs = counts[b].get(&(ct, a, pair, !signal)).copied().unwrap_or(0);
+                if k != theirs {
+                    return Err(format!(
+                        "{}: rank {a} {} {k} time(s) on {} channel pair {pair} to rank {b}, which {} {theirs}",
+                        plan.name,
+                        if signal { "signals" } else { "waits" },
+                        if ct == 1 { "memory" } else { "port" },
+                        if signal { "waits" } else { "signals" },
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn every_signal_lands_on_the_semaphore_its_peer_waits_on() {
+        for n in [2, 4, 6, 8] {
+            for plan in generate::all(n) {
+                check_pairing(&plan).unwrap();
+            }
+        }
+        // A wait dropped from one side is caught.
+        let mut p = generate::plan(Algorithm::HierarchicalAllReduce, 4, Protocol::LL, false).unwrap();
+        let ops = &mut p.gpus[3].threadblocks[1].ops;
+        let w = ops.iter().position(|o| o.kind == OpKind::Wait).unwrap();
+        ops.remove(w);
+        let e = check_pairing(&p).unwrap_err();
+        assert!(e.contains("port channel pair 0"), "{e}");
     }
 
     #[test]

@@ -62,17 +62,20 @@ fn reference_agrees_with_the_interpreter() {
     }
 }
 
+/// Bootstrap waits in these tests: longer than any kernel timeout and synchronize below, shorter
+/// than run.sh's per-test cap, so a rank stranded on the host fails with an error naming the peer
+/// instead of being killed without a word.
+const BOOTSTRAP_WAIT: Duration = Duration::from_secs(70);
+
 /// Runs `f(rank, comm)` on `n` rank threads with one bootstrap each.
 fn ranks<T: Send>(n: usize, f: impl Fn(usize, &Communicator) -> T + Sync) -> Vec<T> {
-    let (root, id) = RootServer::start(n, Duration::from_secs(120)).unwrap();
+    let (root, id) = RootServer::start(n, BOOTSTRAP_WAIT).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|rank| {
                 let (id, f) = (id.clone(), &f);
                 s.spawn(move || {
-                    let bs = Arc::new(
-                        TcpBootstrap::config(rank, n).timeout(Duration::from_secs(120)).initialize(&id).unwrap(),
-                    );
+                    let bs = Arc::new(TcpBootstrap::config(rank, n).timeout(BOOTSTRAP_WAIT).initialize(&id).unwrap());
                     let comm = Communicator::new(bs.clone());
                     let r = f(rank, &comm);
                     bs.barrier().unwrap();
@@ -151,17 +154,24 @@ fn run_plans(
     config: impl Fn() -> ExecutorConfig + Sync,
 ) -> Vec<String> {
     let plans: Vec<ExecutionPlan> = plans.iter().cloned().map(ExecutionPlan::new).collect();
+    let start = Instant::now();
     let res = ranks(n, |rank, comm| {
-        let ex = Executor::new(comm, config());
         let stream = Stream::new(0).unwrap();
         let mut bad = Vec::new();
         for p in &plans {
+            // An executor per plan: `synchronize` reports a failure of any plan the executor ran,
+            // so one failed plan would otherwise be reported again by every later one.
+            let ex = Executor::new(comm, config());
             for packet in [PacketType::LL16, PacketType::LL8] {
                 if p.plan().protocol == Protocol::Simple && packet == PacketType::LL8 {
                     continue;
                 }
                 let bufs = buffers(comm, p.plan(), rank, chunk);
                 for it in 0..iters {
+                    if rank == 0 {
+                        // Progress on stderr (run.sh keeps it): where a hang or failure started.
+                        eprintln!("[{:7.2}s] {} {packet:?} iteration {it}", start.elapsed().as_secs_f64(), p.name());
+                    }
                     fill(&bufs, rank);
                     comm.bootstrap().barrier().unwrap();
                     // SAFETY: the buffers live until after the stream is synchronized below.
@@ -181,6 +191,11 @@ fn run_plans(
                     .and_then(|_| ex.synchronize(&stream, Duration::from_secs(60)));
                     comm.bootstrap().barrier().unwrap();
                     if let Err(e) = r {
+                        eprintln!(
+                            "[{:7.2}s] {} {packet:?} rank {rank} iteration {it}: {e}",
+                            start.elapsed().as_secs_f64(),
+                            p.name()
+                        );
                         bad.push(format!("{} {packet:?} rank {rank} iteration {it}: {e}", p.name()));
                         break;
                     }
@@ -200,6 +215,9 @@ fn run_plans(
                 // Keep the buffers until every rank is done with this plan (peers map them).
                 std::mem::forget(bufs);
             }
+            let _ = stream.synchronize(Duration::from_secs(60));
+            comm.bootstrap().barrier().unwrap();
+            drop(ex);
         }
         let _ = stream.synchronize(Duration::from_secs(60));
         comm.bootstrap().barrier().unwrap();

@@ -19,6 +19,11 @@
 //!   every output element compared with a CPU reference; `#wrong` counts the elements that
 //!   differ, summed over ranks, and any makes the run fail.
 //!
+//! With `--plan FILE` (no `--dry-run`) every rank runs that MSCCL++ execution plan through
+//! `mscclpp-executor` instead (its world size must be the job's; its resources for each size are
+//! built before that size is timed; only the placement the plan was written for, in place or
+//! out of place, is timed and checked; sizes the plan cannot split are skipped).
+//!
 //! Each row also has the algorithm the selector chose (or `--algo`), the raw baseline (the
 //! time of `cuMemcpyDtoDAsync` of `size` bytes on the same GPU, by rank 0 alone, wall time per
 //! copy) and, with `--nccl PATH`, NCCL's time for the same calls in the same mode.
@@ -30,6 +35,7 @@ use std::time::Duration;
 use mscclpp::gpu::{DeviceBuffer, Stream, TimingEvent};
 use mscclpp::{Bootstrap, Communicator, TransportFlags};
 use mscclpp_collectives::{Algorithm, CallOptions, Collective, Collectives, Config, DataType, ReduceOp, Window};
+use mscclpp_executor::{ExecutionPlan, Executor, ExecutorConfig, PacketType};
 
 use crate::kern::{local_ranks, row};
 use crate::nccl::{Comm, MULTI_RANK_ENV, Nccl, UniqueId};
@@ -76,6 +82,8 @@ pub struct Spec {
     pub graph: bool,
     pub check: bool,
     pub timeout: Duration,
+    /// `--plan FILE` without `--dry-run`: the plan every rank runs instead of the collectives.
+    pub plan: Option<ExecutionPlan>,
 }
 
 impl Spec {
@@ -113,12 +121,37 @@ impl Spec {
         if !(2..=max).contains(&args.ranks) {
             return Err(format!("{}: --ranks {} must be 2 to {max}", coll.name(), args.ranks));
         }
+        let plan = match (&args.plan, args.dry_run) {
+            (Some(_), false) => {
+                if args.algo.is_some() {
+                    return Err("--plan runs the plan; --algo picks a built-in algorithm: give one of them".into());
+                }
+                if op != ReduceOp::Sum {
+                    return Err(format!(
+                        "--plan: the plan's operations carry their own reduction; the check assumes sum, not -o {op}"
+                    ));
+                }
+                let p = crate::plan::load(args)?;
+                // A --procs job's size comes from its launcher (checked in `Job::new`).
+                if !args.procs && p.plan().gpus.len() != args.ranks {
+                    return Err(format!(
+                        "--plan {}: the plan is for {} ranks, not --ranks {}",
+                        p.name(),
+                        p.plan().gpus.len(),
+                        args.ranks
+                    ));
+                }
+                Some(p)
+            }
+            _ => None,
+        };
         Ok(Spec {
             coll,
             dtype,
             op,
             algo,
             zero_copy,
+            plan,
             ranks: args.ranks,
             device: args.device,
             warmup: args.warmup,
@@ -127,6 +160,23 @@ impl Spec {
             check: args.check,
             timeout: args.timeout(),
         })
+    }
+
+    /// The executor's element type (every type of the collectives has one).
+    fn exec_dtype(&self) -> mscclpp_executor::DataType {
+        match self.dtype {
+            DataType::F32 => mscclpp_executor::DataType::Float32,
+            DataType::F16 => mscclpp_executor::DataType::Float16,
+            DataType::I32 => mscclpp_executor::DataType::Int32,
+            DataType::U32 => mscclpp_executor::DataType::Uint32,
+            _ => mscclpp_executor::DataType::Bfloat16,
+        }
+    }
+
+    /// Whether `place` is timed: every placement for the collectives; with `--plan`, only the
+    /// one the plan was written for.
+    fn runs(&self, place: Place) -> bool {
+        self.plan.as_ref().is_none_or(|p| p.plan().inplace == (place == Place::In))
     }
 
     fn opts(&self) -> CallOptions {
@@ -325,6 +375,8 @@ struct Rank<'a> {
     rank: usize,
     bs: Arc<dyn Bootstrap>,
     coll: Collectives,
+    /// With `--plan`: the executor that runs it.
+    exec: Option<Executor>,
     /// With `--algo zerocopy`: the (a -> b) and (a -> a) windows (dropped before `a` and `b`).
     windows: Option<(Window, Window)>,
     stream: Stream,
@@ -376,6 +428,25 @@ impl Rank<'_> {
         let (send, recv) = self.ptrs(sz, place);
         let s = self.spec;
         let opts = s.opts();
+        if let (Some(ex), Some(plan)) = (&self.exec, &s.plan) {
+            // SAFETY: the pointers are into `a`/`b`, which hold `in_bytes`/`out_bytes` there and
+            // outlive the executor (declared before them in `Rank`, so dropped first) and the
+            // synchronized stream.
+            return unsafe {
+                ex.execute(
+                    self.rank,
+                    send,
+                    recv,
+                    sz.in_bytes,
+                    sz.out_bytes,
+                    s.exec_dtype(),
+                    plan,
+                    &self.stream,
+                    PacketType::LL16,
+                )
+            }
+            .map_err(|x| format!("rank {}: {x}", self.rank));
+        }
         if let Some((oop, ip)) = &self.windows {
             let w = if place == Place::Out { oop } else { ip };
             return self
@@ -402,6 +473,11 @@ impl Rank<'_> {
     /// `--timeout`, so that a kernel whose peer never arrives ends first (its waits are bounded
     /// by `--timeout`) and the error names that peer.
     fn sync_ours(&self) -> Result<(), String> {
+        if let Some(ex) = &self.exec {
+            return ex
+                .synchronize(&self.stream, self.spec.timeout.saturating_mul(2))
+                .map_err(|x| format!("rank {}: {x}", self.rank));
+        }
         self.coll
             .synchronize(&self.stream, self.spec.timeout.saturating_mul(2))
             .map_err(|x| format!("rank {}: {x}", self.rank))
@@ -591,6 +667,15 @@ impl Job {
     fn new(args: &Args, env_set_here: bool, ranks: usize, procs: bool, print: bool) -> Result<Job, String> {
         let mut spec = Spec::from_args(args)?;
         spec.ranks = ranks;
+        if let Some(p) = &spec.plan
+            && p.plan().gpus.len() != ranks
+        {
+            return Err(format!(
+                "--plan {}: the plan is for {} ranks, the job has {ranks} (--ranks or the launcher's)",
+                p.name(),
+                p.plan().gpus.len()
+            ));
+        }
         let s = &spec;
         let say = |l: String| {
             if print {
@@ -641,7 +726,10 @@ impl Job {
             iters: s.iters,
             graph: s.graph,
             check: s.check,
-            algo: s.algo.map(|a| a.name().to_string()),
+            algo: match &s.plan {
+                Some(p) => Some(format!("plan {}", p.name())),
+                None => s.algo.map(|a| a.name().to_string()),
+            },
             nccl: nccl.as_ref().map(|l| l.path.clone()),
             nccl_version,
             records: Vec::new(),
@@ -662,7 +750,15 @@ impl Job {
         say(format!(
             "# time: GPU time per call, slowest rank; algbw = size / time; busbw = algbw x {}; algo: {}; copy: cuMemcpyDtoDAsync of size bytes on GPU{} (wall time per copy)",
             if s.coll == Collective::AllReduce { "2(n-1)/n" } else { "(n-1)/n" },
-            s.algo.map_or("the selector's choice".to_string(), |a| format!("--algo {a}")),
+            match &s.plan {
+                Some(p) => format!(
+                    "execution plan {} ({}; only {} is run)",
+                    p.name(),
+                    if p.plan().inplace { "in place" } else { "out of place" },
+                    if p.plan().inplace { "in place" } else { "out of place" }
+                ),
+                None => s.algo.map_or("the selector's choice".to_string(), |a| format!("--algo {a}")),
+            },
             s.device
         ));
         for l in columns(s, nccl.is_some()) {
@@ -791,7 +887,8 @@ fn rank_main(
     } else {
         None
     };
-    let me = Rank { spec: s, rank, bs: bs.clone(), coll, stream, a, b, start, stop, windows };
+    let exec = s.plan.as_ref().map(|_| Executor::new(&comm, ExecutorConfig::new(s.device).timeout(s.timeout)));
+    let me = Rank { spec: s, rank, bs: bs.clone(), coll, exec, stream, a, b, start, stop, windows };
     // Setup time (the slowest rank's), tuning included: the bound is 5 s for 15 sizes.
     let setups = me.gather(&[setup_ms])?;
     if rank == 0 {
@@ -836,20 +933,44 @@ fn rank_main(
         // The plan is the same on every rank; a size no algorithm can serve (an --algo
         // whose scratch is too small) is skipped on all of them.
         let nbytes = (sz.count * s.dtype.size()) as u64;
-        let plan = me.coll.plan(s.coll, nbytes, &s.opts());
+        // (algorithm, blocks, threads) of the row.
+        let plan: Result<(String, u32, u32), String> = match &s.plan {
+            Some(p) => mscclpp_executor::lower::Layout::new(p.plan(), rank, sz.in_bytes, sz.out_bytes)
+                .map(|_| {
+                    let g = &p.plan().gpus;
+                    let blocks = g.get(rank).map_or(0, |g| g.threadblocks.len()) as u32;
+                    (p.name().to_string(), blocks, p.plan().num_threads_per_block)
+                })
+                .map_err(|e| format!("the plan cannot run it: {e}")),
+            None => me
+                .coll
+                .plan(s.coll, nbytes, &s.opts())
+                .map(|p| (p.algorithm.name().to_string(), p.blocks, p.threads))
+                .map_err(|e| e.to_string()),
+        };
         mine[SKIP] = if plan.is_ok() { 0.0 } else { 1.0 };
         let skip = me.gather(&mine[SKIP..SKIP + 1])?.iter().any(|v| v[0] != 0.0);
         let plan = match plan {
             Ok(p) if !skip => p,
             other => {
                 if rank == 0 {
-                    let why = other.err().map_or("another rank cannot plan this call".to_string(), |m| m.to_string());
+                    let why = other.err().unwrap_or_else(|| "another rank cannot plan this call".to_string());
                     row(format!("# {} B: skipped: {why}", sz.bytes));
                 }
                 continue;
             }
         };
         for (place, t, tn, w) in [(Place::Out, OOP, NCCL_OOP, WRONG_OOP), (Place::In, IP, NCCL_IP, WRONG_IP)] {
+            if !s.runs(place) {
+                continue;
+            }
+            if let (Some(ex), Some(p)) = (&me.exec, &s.plan) {
+                // The plan's resources for these buffers (collective), before anything is timed.
+                let (send, recv) = me.ptrs(sz, place);
+                // SAFETY: as in `Rank::ours`.
+                unsafe { ex.prepare(rank, send, recv, sz.in_bytes, sz.out_bytes, p) }
+                    .map_err(|e| format!("rank {rank}: {e}"))?;
+            }
             mine[t] = me.measure(&|| me.ours(sz, place), &|| me.sync_ours())?;
             if let Some(c) = &comm_nccl {
                 let (send, recv) = me.ptrs(sz, place);
@@ -894,9 +1015,9 @@ fn rank_main(
         let rec = Record {
             size: sz.bytes,
             count: sz.count,
-            algorithm: if s.zero_copy { "zerocopy".into() } else { plan.algorithm.name().into() },
-            blocks: plan.blocks,
-            threads: plan.threads,
+            algorithm: if s.zero_copy { "zerocopy".into() } else { plan.0 },
+            blocks: plan.1,
+            threads: plan.2,
             out_of_place: place(OOP, NCCL_OOP, WRONG_OOP),
             in_place: place(IP, NCCL_IP, WRONG_IP),
             copy_us: all[0][COPY],
@@ -945,6 +1066,7 @@ mod tests {
             graph: false,
             check: true,
             timeout: Duration::from_secs(1),
+            plan: None,
         }
     }
 

@@ -6,8 +6,9 @@
 //!
 //! `allreduce`, `allgather` and `reducescatter` run `mscclpp-collectives` like nccl-tests runs
 //! NCCL (ranks as threads of one process on one GPU), optionally next to NCCL (`--nccl PATH`).
-//! With `--plan FILE --dry-run` they load and validate an MSCCL++ execution plan and print its
-//! summary instead, with no GPU (running plans is not implemented yet).
+//! With `--plan FILE` they run an MSCCL++ execution plan (the JSON its DSL writes) through
+//! `mscclpp-executor` instead of the built-in algorithms; with `--dry-run` as well they only load
+//! and validate it and print its summary, with no GPU.
 
 mod bootstrap;
 mod coll;
@@ -183,8 +184,9 @@ pub struct Args {
     /// the run goes on without it.
     #[arg(long)]
     pub nccl: Option<PathBuf>,
-    /// Collectives: an MSCCL++ execution plan (the JSON its DSL writes) for this collective.
-    /// Only with --dry-run for now: running plans is not implemented yet.
+    /// Collectives: time this MSCCL++ execution plan (the JSON its DSL writes) for this
+    /// collective instead of the built-in algorithms; its world size must be --ranks. Only the
+    /// placement it was written for (in place or out of place) runs; --check checks it.
     #[arg(long)]
     pub plan: Option<PathBuf>,
     /// With --plan: load and validate the plan and print its summary (ranks, thread blocks,
@@ -265,6 +267,12 @@ impl Args {
 }
 
 fn check(args: &Args) -> Result<(), String> {
+    if args.plan.is_some() && coll::collective(args.test).is_none() {
+        return Err(format!(
+            "--plan applies to the collective tests (allreduce, allgather, reducescatter), not {}",
+            args.test.name()
+        ));
+    }
     match args.transport.to_ascii_lowercase().as_str() {
         "ethernet" | "eth" | "tcp" | "cuda-ipc" | "cudaipc" | "ipc" | "ib" | "ib0" | "rdma" | "roce" => {}
         t => return Err(format!("unknown --transport {t:?} (expected ethernet, cuda-ipc or ib)")),
@@ -356,7 +364,7 @@ fn check(args: &Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if args.plan.is_some() || args.dry_run {
+    if args.dry_run {
         // No GPU, no NCCL: before check(), which asks CUDA for the devices.
         return match plan::dry_run(&args) {
             Ok(()) => ExitCode::SUCCESS,

@@ -1,13 +1,14 @@
-//! `--plan FILE --dry-run`: load and validate an MSCCL++ execution plan and print its summary
-//! and its buffer sizes at the sweep's largest message (`-e`).
+//! `--plan FILE`: load and validate an MSCCL++ execution plan (for the collective tests, which
+//! run it); with `--dry-run`, only print its summary and its buffer sizes at the sweep's largest
+//! message (`-e`), with no GPU.
 
-use mscclpp_executor::Plan;
+use mscclpp_executor::{ExecutionPlan, Plan};
 
 use crate::{Args, TestKind, coll};
 
-/// Loads `--plan`, checks that it is for the test's collective and prints its summary. Errors
-/// name the JSON path of the offending field.
-pub fn dry_run(args: &Args) -> Result<(), String> {
+/// Loads and validates `--plan` and checks that it is for the test's collective. Errors name the
+/// JSON path of the offending field.
+pub fn load(args: &Args) -> Result<ExecutionPlan, String> {
     if coll::collective(args.test).is_none() {
         return Err(format!(
             "--plan and --dry-run apply to the collective tests (allreduce, allgather, reducescatter), not {}",
@@ -17,12 +18,6 @@ pub fn dry_run(args: &Args) -> Result<(), String> {
     let Some(path) = &args.plan else {
         return Err("--dry-run needs --plan FILE".into());
     };
-    if !args.dry_run {
-        return Err(format!(
-            "{}: running execution plans is not implemented yet; --dry-run loads and validates the plan",
-            path.display()
-        ));
-    }
     let plan = Plan::from_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let want = match args.test {
         TestKind::Allgather => "allgather",
@@ -32,6 +27,14 @@ pub fn dry_run(args: &Args) -> Result<(), String> {
     if !plan.collective.eq_ignore_ascii_case(want) {
         return Err(format!("{}: the plan is for {:?}, not {want} (collective)", path.display(), plan.collective));
     }
+    Ok(ExecutionPlan::new(plan))
+}
+
+/// `--dry-run`: loads `--plan` (as [`load`]) and prints its summary.
+pub fn dry_run(args: &Args) -> Result<(), String> {
+    let loaded = load(args)?;
+    let plan = loaded.plan();
+    let path = args.plan.as_deref().unwrap_or(std::path::Path::new("-"));
     println!("# {}: valid execution plan (dry run: loaded and validated, not run)", path.display());
     println!("{}", plan.summary());
     // Buffer bytes at the largest size of the sweep (-e), sized as nccl-tests sizes them.

@@ -39,9 +39,10 @@ fn dry_run_prints_the_summary_of_generated_plans() {
         let tbs = plan.gpus.iter().map(|g| g.threadblocks.len().to_string()).collect::<Vec<_>>().join(" ");
         assert!(stdout.contains(&format!("thread blocks per rank: {tbs}")), "{stdout}");
         if (test, proto) == ("allreduce", Protocol::LL) {
-            // The ring at 1 MiB: 4 chunks of 256 KiB, 8 scratch chunks, twice for packets.
+            // The ring at 1 MiB: 4 chunks of 256 KiB, 8 scratch chunks, twice for packets, twice
+            // again for the double scratch buffer the generated LL plans use.
             let (ok, stdout, _) = run(&[test, "--dry-run", "-e", "1M"], &path);
-            assert!(ok && stdout.contains("scratch per rank 4194304 4194304 4194304 4194304 B"), "{stdout}");
+            assert!(ok && stdout.contains("scratch per rank 8388608 8388608 8388608 8388608 B"), "{stdout}");
         }
         if algo == Algorithm::HierarchicalAllReduce {
             assert!(stdout.contains("port 4") && stdout.contains("pwsf 4"), "{stdout}");
@@ -67,13 +68,21 @@ fn invalid_plans_fail_with_the_json_path() {
     let (ok, _, stderr) = run(&["allreduce", "--dry-run"], &tmp("missing.json"));
     assert!(!ok && stderr.contains("cannot read plan"), "{stderr}");
 
-    // A valid plan for another collective, and a plan without --dry-run, are refused.
+    // A valid plan for another collective is refused; so is running a plan (no --dry-run) with
+    // another world size, another reduction or an --algo, and --plan with a test that is not
+    // a collective — all before any GPU is touched.
     let good = tmp("good.json");
     std::fs::write(&good, plan.to_json()).unwrap();
     let (ok, _, stderr) = run(&["allgather", "--dry-run"], &good);
     assert!(!ok && stderr.contains("not allgather"), "{stderr}");
-    let (ok, _, stderr) = run(&["allreduce"], &good);
-    assert!(!ok && stderr.contains("not implemented yet"), "{stderr}");
+    let (ok, _, stderr) = run(&["allreduce", "--ranks", "2"], &good);
+    assert!(!ok && stderr.contains("the plan is for 3 ranks, not --ranks 2"), "{stderr}");
+    let (ok, _, stderr) = run(&["allreduce", "--ranks", "3", "-o", "max"], &good);
+    assert!(!ok && stderr.contains("own reduction"), "{stderr}");
+    let (ok, _, stderr) = run(&["allreduce", "--ranks", "3", "--algo", "packet"], &good);
+    assert!(!ok && stderr.contains("--algo"), "{stderr}");
     let (ok, _, stderr) = run(&["p2p", "--dry-run"], &good);
+    assert!(!ok && stderr.contains("collective tests"), "{stderr}");
+    let (ok, _, stderr) = run(&["p2p"], &good);
     assert!(!ok && stderr.contains("collective tests"), "{stderr}");
 }
