@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=gpu-bundle-nccl
 rm -rf "$out" && mkdir -p "$out/bin"
-cargo build --release -p mscclpp-nccl --example nccl_overhead
+cargo build --release -p mscclpp-nccl --lib --example nccl_overhead
 cp target/release/libmscclpp_nccl.so "$out/"
 cp target/release/examples/nccl_overhead "$out/bin/"
 cargo test --release -p mscclpp-collectives --test gpu_p2p --no-run --message-format=json 2>/dev/null | python3 -c '

@@ -157,7 +157,7 @@ pub fn run(q: Vec<Queued>) -> Res {
     // Route everything first: a refused call fails the group before anything moves.
     let mut routed = Vec::with_capacity(calls.len());
     for (comm, call) in calls {
-        comm.live(&call.describe(&comm))?;
+        comm.live_with(|| call.describe(&comm))?;
         match comm.route(call.op, call.dt, call.red, call.count) {
             Route::Refuse(m) => return Err(Failure::usage(format!("{m} (rank {} of {})", comm.rank, comm.nranks))),
             r => routed.push((comm, call, r)),
