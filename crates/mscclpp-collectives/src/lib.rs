@@ -29,6 +29,7 @@
 mod comm;
 pub mod hier;
 mod kernels;
+pub mod p2p;
 pub mod select;
 mod status;
 pub mod tune;
@@ -36,6 +37,7 @@ mod types;
 
 pub use comm::{CallOptions, Collectives, Config, Window};
 pub use hier::{HierConfig, TwoLevel};
+pub use p2p::{P2pConfig, P2pOp, PointToPoint};
 pub use select::{Layout, Limits, Plan};
 pub use types::{Algorithm, Collective, DataType, ReduceOp};
 

@@ -128,3 +128,34 @@ fn two_level_kernels_compile_and_assemble_for_sm90() {
         println!("{}", log.lines().filter(|l| l.contains("registers")).collect::<Vec<_>>().join("\n"));
     }
 }
+
+/// The point-to-point kernel compiles with NVRTC (no warnings), keeps its 2.7 KB argument block
+/// in the parameter space, and assembles for sm_90.
+#[test]
+fn p2p_kernel_compiles_and_assembles_for_sm90() {
+    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    let test = "p2p_kernel_compiles_and_assembles_for_sm90";
+    let (path, _) = match nvrtc_info() {
+        Ok(i) => i,
+        Err(e) => return skip(test, e.message()),
+    };
+    let opts = CompileOptions::default().arch("compute_90").name("p2p.cu");
+    let ptx = compile(&mscclpp_collectives::p2p::source(), &opts).unwrap_or_else(|e| panic!("{e}"));
+    assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
+    assert_eq!(ptx.kernels(), ["p2p_group"]);
+    for insn in ["st.release.sys.global.u64", "ld.acquire.sys", "ld.global.cv", "%globaltimer"] {
+        assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
+    }
+    if let Some(log) = assemble_sm90(test, &path, "p2p", ptx.as_str()) {
+        println!("{log}");
+        for line in log.lines().filter(|l| l.contains("stack frame")) {
+            let frame: u32 = line
+                .split(':')
+                .next_back()
+                .and_then(|f| f.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(u32::MAX);
+            assert!(frame < 256, "{line}");
+        }
+    }
+}

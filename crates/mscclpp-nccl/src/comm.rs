@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use mscclpp::gpu::{DeviceBuffer, Stream};
 use mscclpp::{Bootstrap, Communicator, TcpBootstrap, TransportFlags, UniqueId};
-use mscclpp_collectives::{CallOptions, Collectives, Config};
+use mscclpp_collectives::{CallOptions, Collectives, Config, P2pConfig, P2pOp, PointToPoint};
 
 use crate::abi::*;
 use crate::error::{Failure, Res};
@@ -129,6 +129,9 @@ pub struct Comm {
     pub native: Result<Collectives, String>,
     /// Whether the host-staged point-to-point path works (needs device memory access).
     pub p2p: Result<(), String>,
+    /// The device point-to-point path (every rank has it, or none uses it), or why there is
+    /// none; without it Send/Recv/AlltoAll/Gather/Scatter run host-staged.
+    pub device_p2p: Result<PointToPoint, String>,
     /// The real NCCL's communicator, or why there is none.
     pub real: Result<Real, String>,
     /// The routing settings in force.
@@ -245,6 +248,13 @@ impl Comm {
         if let Err(e) = &native {
             tracing::warn!(target: "mscclpp::nccl", rank = a.rank, "no native collectives: {e}");
         }
+        let device_p2p = build_device_p2p(&comm, bs.as_ref(), &native, a.native, device, t)?;
+        match &device_p2p {
+            Ok(p) => tracing::debug!(target: "mscclpp::nccl", rank = a.rank, "device point-to-point path: {p:?}"),
+            Err(e) => {
+                tracing::info!(target: "mscclpp::nccl", rank = a.rank, "no device point-to-point path (Send/Recv run host-staged): {e}")
+            }
+        }
         let mem: Arc<dyn DeviceMem> = a.mem.unwrap_or_else(|| Arc::new(CudaMem));
         let p2p = if a.native && gpu.is_err() { gpu.clone() } else { Ok(()) };
         let real = match a.real {
@@ -267,6 +277,7 @@ impl Comm {
             comm,
             native,
             p2p,
+            device_p2p,
             real,
             settings: a.settings,
             mem,
@@ -300,6 +311,14 @@ impl Comm {
         })
     }
 
+    /// [`live`](Self::live), describing the call only when it fails.
+    pub fn live_with(&self, what: impl FnOnce() -> String) -> Res {
+        if self.aborted.load(std::sync::atomic::Ordering::Acquire) {
+            return self.live(&what());
+        }
+        Ok(())
+    }
+
     /// Fails when the communicator was aborted or revoked.
     pub fn live(&self, what: &str) -> Res {
         if self.aborted.load(std::sync::atomic::Ordering::Acquire) {
@@ -319,6 +338,9 @@ impl Comm {
         if let Ok(c) = &self.native {
             first = c.abort().map_err(Failure::from);
         }
+        if let Ok(p) = &self.device_p2p {
+            first = first.and(p.abort().map_err(Failure::from));
+        }
         if let Ok(r) = &self.real {
             let res = forward!(r.nccl, "ncclCommAbort", (r.comm => ncclComm_t));
             first = first.and(res);
@@ -333,6 +355,9 @@ impl Comm {
         if let Ok(c) = &self.native {
             first = c.abort().map_err(Failure::from);
         }
+        if let Ok(p) = &self.device_p2p {
+            first = first.and(p.abort().map_err(Failure::from));
+        }
         if let Ok(r) = &self.real {
             first = first.and(forward!(r.nccl, "ncclCommRevoke", (r.comm => ncclComm_t, flags => c_int)));
         }
@@ -343,6 +368,12 @@ impl Comm {
     pub fn async_error(&self) -> ncclResult_t {
         if let Ok(c) = &self.native
             && let Err(e) = c.check()
+        {
+            let f = Failure::from(e).during(&format!("rank {}", self.rank));
+            return crate::error::record(&f);
+        }
+        if let Ok(p) = &self.device_p2p
+            && let Err(e) = p.check()
         {
             let f = Failure::from(e).during(&format!("rank {}", self.rank));
             return crate::error::record(&f);
@@ -366,20 +397,23 @@ impl Comm {
     /// Where `op` goes on this communicator, logged once per (operation, route).
     pub fn route(&self, op: Op, dt: ncclDataType_t, red: ncclRedOp_t, count: usize) -> Route {
         let r = route::route(op, &self.settings.forced, self.native_for(op, dt, red, count), self.fallback_state());
-        log_route(op, dt, &r, self.rank);
+        log_route(op, dt, &r, self.rank, self.device_p2p.is_ok());
         r
     }
 
     /// Native AllReduce / AllGather / ReduceScatter / Broadcast / Reduce.
     pub fn run_native(&self, c: &Call) -> Res {
-        let what = c.describe(self);
-        let coll = self.native.as_ref().map_err(|e| Failure::usage(format!("{what}: {e}")))?;
+        // Described only on failure: formatting it on every call costs a good part of the
+        // per-call budget (<= 1 us over a direct call).
+        let what = || c.describe(self);
+        let coll = self.native.as_ref().map_err(|e| Failure::usage(format!("{}: {e}", what())))?;
         // SAFETY: the caller's stream (NCCL's contract: live while the call is enqueued).
-        let stream = unsafe { Stream::from_raw(self.device, c.stream) }.map_err(|e| Failure::from(e).during(&what))?;
+        let stream =
+            unsafe { Stream::from_raw(self.device, c.stream) }.map_err(|e| Failure::from(e).during(&what()))?;
         let opts = CallOptions::default();
         let es = route::type_size(c.dt).unwrap_or(1);
-        let err = |e: mscclpp::Error| Failure::from(e).during(&what);
-        let bad = |m: String| Failure::usage(format!("{what}: {m}"));
+        let err = |e: mscclpp::Error| Failure::from(e).during(&what());
+        let bad = |m: String| Failure::usage(format!("{}: {m}", what()));
         match c.op {
             Op::AllReduce | Op::ReduceScatter | Op::Reduce => {
                 let dt = route::native_reduce_type(c.dt).map_err(bad)?;
@@ -416,7 +450,7 @@ impl Comm {
                     unsafe { coll.broadcast(c.send, c.recv, n, dt, c.peer as usize, &stream, &opts) }.map_err(err)
                 }
             }
-            _ => Err(Failure::new(ncclInternalError, format!("{what}: not a collective"))),
+            _ => Err(Failure::new(ncclInternalError, format!("{}: not a collective", what()))),
         }
     }
 
@@ -643,6 +677,101 @@ pub fn split_group(ck: &[(c_int, c_int)], me: usize) -> Option<SplitGroup> {
     Some(SplitGroup { leader: members[0], members, new_rank })
 }
 
+/// Whether `MSCCLPP_NCCL_P2P` allows the device point-to-point path (`host` turns it off; every
+/// rank must agree, which [`build_device_p2p`] checks).
+pub fn device_p2p_setting(v: Option<&str>) -> Result<(), String> {
+    match v.map(|v| v.trim().to_ascii_lowercase()) {
+        Some(v) if v == "host" || v == "0" || v == "off" => Err(format!("turned off (MSCCLPP_NCCL_P2P={v})")),
+        _ => Ok(()),
+    }
+}
+
+/// Builds the device point-to-point path when every rank wants it (a GPU, the native
+/// collectives, `MSCCLPP_NCCL_P2P` not `host`) and keeps it only when every rank built it, so
+/// all ranks of a communicator use the same path (a device send never meets a host-staged
+/// receive).
+fn build_device_p2p(
+    comm: &Communicator,
+    bs: &dyn Bootstrap,
+    native: &Result<Collectives, String>,
+    want_native: bool,
+    device: u32,
+    t: Duration,
+) -> Res<Result<PointToPoint, String>> {
+    let setting = std::env::var("MSCCLPP_NCCL_P2P").ok();
+    let mine = if !want_native {
+        Err("native path turned off".to_string())
+    } else {
+        native.as_ref().map(|_| ()).map_err(Clone::clone).and(device_p2p_setting(setting.as_deref()))
+    };
+    if let Err(e) = agree(bs, &mine)? {
+        return Ok(Err(e));
+    }
+    let built = PointToPoint::new(comm, P2pConfig::new(device).timeout(t))
+        .map_err(|e| format!("building the device point-to-point path failed: {e}"));
+    Ok(match agree(bs, &built.as_ref().map(|_| ()).map_err(Clone::clone))? {
+        Ok(()) => built,
+        Err(e) => Err(e),
+    })
+}
+
+/// The device operations of one communicator's point-to-point primitives of a group, and their
+/// stream: sends and receives to this rank itself pair (in order) into copies. `Err` says why
+/// the group cannot run on the device path (more than one stream, unpaired self messages).
+pub fn device_ops(me: usize, prims: &[Prim]) -> Result<(Vec<P2pOp>, Option<u64>), String> {
+    let mut stream = None;
+    let (mut self_sends, mut self_recvs) = (Vec::new(), Vec::new());
+    let mut ops = Vec::with_capacity(prims.len());
+    for p in prims {
+        let (Prim::Send { stream: s, .. } | Prim::Recv { stream: s, .. } | Prim::Copy { stream: s, .. }) = *p;
+        match stream {
+            None => stream = Some(s),
+            Some(x) if x != s => {
+                return Err(format!(
+                    "the group's sends and receives of this communicator use more than one stream ({x:#x} and {s:#x})"
+                ));
+            }
+            Some(_) => {}
+        }
+        match *p {
+            Prim::Send { peer, ptr, len, .. } if peer == me => self_sends.push((ptr, len)),
+            Prim::Recv { peer, ptr, len, .. } if peer == me => self_recvs.push((ptr, len)),
+            Prim::Send { peer, ptr, len, .. } => ops.push(P2pOp::Send { peer, ptr, bytes: len as u64 }),
+            Prim::Recv { peer, ptr, len, .. } => ops.push(P2pOp::Recv { peer, ptr, bytes: len as u64 }),
+            Prim::Copy { dst, src, len, .. } => ops.push(P2pOp::Copy { dst, src, bytes: len as u64 }),
+        }
+    }
+    if self_sends.len() != self_recvs.len() {
+        return Err(format!(
+            "{} sends to this rank itself and {} receives from it in one group (they must pair)",
+            self_sends.len(),
+            self_recvs.len()
+        ));
+    }
+    for ((src, n), (dst, m)) in self_sends.into_iter().zip(self_recvs) {
+        if n != m {
+            return Err(format!("a send of {n} bytes to this rank itself meets a receive of {m} bytes"));
+        }
+        ops.push(P2pOp::Copy { dst, src, bytes: n as u64 });
+    }
+    Ok((ops, stream))
+}
+
+impl Comm {
+    /// Runs this communicator's point-to-point primitives of a group on the device path: one
+    /// kernel (graph-capturable).
+    pub fn exec_p2p_device(&self, d: &PointToPoint, prims: &[Prim]) -> Res {
+        let what = format!("send/recv (rank {} of {}, device path)", self.rank, self.nranks);
+        let (ops, stream) = device_ops(self.rank, prims).map_err(|m| Failure::usage(format!("{what}: {m}")))?;
+        let Some(stream) = stream else { return Ok(()) };
+        // SAFETY: the caller's stream (NCCL's contract: live while the call is enqueued).
+        let stream = unsafe { Stream::from_raw(self.device, stream) }.map_err(|e| Failure::from(e).during(&what))?;
+        // SAFETY: NCCL's contract on the buffers (count elements, live until the call is done on
+        // the stream; the peers make the matching calls).
+        unsafe { d.launch(&ops, &stream) }.map_err(|e| Failure::from(e).during(&what))
+    }
+}
+
 fn init_real(bs: &dyn Bootstrap, rank: usize, nranks: usize, s: &Settings) -> Res<Result<Real, String>> {
     let mine = crate::fallback::nccl_with(s).map(|_| ());
     if let Err(e) = agree(bs, &mine)? {
@@ -679,10 +808,11 @@ fn init_real(bs: &dyn Bootstrap, rank: usize, nranks: usize, s: &Settings) -> Re
     })
 }
 
-fn log_route(op: Op, dt: ncclDataType_t, r: &Route, rank: usize) {
+fn log_route(op: Op, dt: ncclDataType_t, r: &Route, rank: usize, device_p2p: bool) {
     use std::collections::HashSet;
     static SEEN: Mutex<Option<HashSet<(Op, c_int, u8)>>> = Mutex::new(None);
     let k = match r {
+        Route::Native if op.is_p2p() && device_p2p => 3,
         Route::Native => 0,
         Route::Fallback => 1,
         Route::Refuse(_) => 2,
@@ -690,7 +820,8 @@ fn log_route(op: Op, dt: ncclDataType_t, r: &Route, rank: usize) {
     let mut s = SEEN.lock().unwrap_or_else(|p| p.into_inner());
     if s.get_or_insert_with(HashSet::new).insert((op, dt, k)) {
         let to = match r {
-            Route::Native if op.is_p2p() => "native (host-staged point-to-point)".to_string(),
+            Route::Native if op.is_p2p() && device_p2p => "native (device point-to-point over CUDA IPC)".to_string(),
+            Route::Native if op.is_p2p() => "native (host-staged point-to-point over the bootstrap)".to_string(),
             Route::Native => "native (mscclpp collectives)".to_string(),
             Route::Fallback => "NCCL fallback".to_string(),
             Route::Refuse(m) => format!("refused: {m}"),
@@ -933,6 +1064,52 @@ mod tests {
         assert_eq!(split_group(&ck, 3), Some(SplitGroup { members: vec![1, 3], new_rank: 1, leader: 1 }));
         assert_eq!(split_group(&ck, 4), None);
         assert_eq!(split_group(&ck, 9), None);
+    }
+
+    #[test]
+    fn device_path_ops_pair_self_messages_and_need_one_stream() {
+        let s = 7;
+        // AllToAll of rank 1 of 3: sends and receives per peer, its own chunk a copy.
+        let prims = p2p_prims(Op::AllToAll, 1, 3, 1000, 2000, 10, 0, s).unwrap();
+        let (ops, st) = device_ops(1, &prims).unwrap();
+        assert_eq!(st, Some(s));
+        assert_eq!(
+            ops,
+            vec![
+                P2pOp::Send { peer: 0, ptr: 1000, bytes: 10 },
+                P2pOp::Recv { peer: 0, ptr: 2000, bytes: 10 },
+                P2pOp::Copy { dst: 2010, src: 1010, bytes: 10 },
+                P2pOp::Send { peer: 2, ptr: 1020, bytes: 10 },
+                P2pOp::Recv { peer: 2, ptr: 2020, bytes: 10 },
+            ]
+        );
+        // A receive from itself before its send (any order inside a group) pairs into a copy.
+        let prims = [
+            Prim::Recv { peer: 0, ptr: 50, len: 4, stream: s },
+            Prim::Send { peer: 1, ptr: 60, len: 4, stream: s },
+            Prim::Send { peer: 0, ptr: 70, len: 4, stream: s },
+        ];
+        let (ops, _) = device_ops(0, &prims).unwrap();
+        assert_eq!(ops, vec![P2pOp::Send { peer: 1, ptr: 60, bytes: 4 }, P2pOp::Copy { dst: 50, src: 70, bytes: 4 }]);
+        // Unpaired or unequal self messages, and two streams, cannot run on the device path.
+        let e = device_ops(0, &prims[2..]).unwrap_err();
+        assert!(e.contains("1 sends to this rank itself and 0 receives"), "{e}");
+        let bad =
+            [Prim::Send { peer: 0, ptr: 1, len: 4, stream: s }, Prim::Recv { peer: 0, ptr: 2, len: 8, stream: s }];
+        assert!(device_ops(0, &bad).unwrap_err().contains("4 bytes"));
+        let two =
+            [Prim::Send { peer: 1, ptr: 1, len: 4, stream: 1 }, Prim::Recv { peer: 1, ptr: 2, len: 4, stream: 2 }];
+        assert!(device_ops(0, &two).unwrap_err().contains("more than one stream"));
+        assert_eq!(device_ops(0, &[]).unwrap(), (vec![], None));
+    }
+
+    #[test]
+    fn device_p2p_setting_values() {
+        assert!(device_p2p_setting(None).is_ok());
+        assert!(device_p2p_setting(Some("device")).is_ok());
+        for v in ["host", "HOST", "0", "off"] {
+            assert!(device_p2p_setting(Some(v)).unwrap_err().contains("MSCCLPP_NCCL_P2P"), "{v}");
+        }
     }
 
     #[test]

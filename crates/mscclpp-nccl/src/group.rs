@@ -1,8 +1,9 @@
 //! `ncclGroupStart`/`ncclGroupEnd`: per thread, calls between them are queued and run at the
 //! outermost `ncclGroupEnd`: communicator inits first (in parallel, so one thread can build
 //! several ranks), then the calls sent to the real NCCL (inside one real group), then the native
-//! collectives in call order, then the point-to-point transfers (every send before any receive,
-//! so Send/Recv pairs never deadlock). Outside a group every call runs at once, as a group of one.
+//! collectives in call order, then the point-to-point transfers: on the device path one kernel per communicator holding all
+//! of its group's sends, receives and copies (they run at once, so pairs never deadlock), on the
+//! host-staged path every send before any receive. Outside a group every call runs at once, as a group of one.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -156,7 +157,7 @@ pub fn run(q: Vec<Queued>) -> Res {
     // Route everything first: a refused call fails the group before anything moves.
     let mut routed = Vec::with_capacity(calls.len());
     for (comm, call) in calls {
-        comm.live(&call.describe(&comm))?;
+        comm.live_with(|| call.describe(&comm))?;
         match comm.route(call.op, call.dt, call.red, call.count) {
             Route::Refuse(m) => return Err(Failure::usage(format!("{m} (rank {} of {})", comm.rank, comm.nranks))),
             r => routed.push((comm, call, r)),
@@ -174,20 +175,33 @@ pub fn run(q: Vec<Queued>) -> Res {
         let e = forward!(n, "ncclGroupEnd", ());
         r.and(e)?;
     }
-    let mut prims: Vec<(Arc<Comm>, Prim)> = Vec::new();
+    // Point-to-point primitives per communicator, in call order.
+    let mut per_comm: Vec<(Arc<Comm>, Vec<Prim>)> = Vec::new();
     for (comm, call, r) in &routed {
         if *r != Route::Native {
             continue;
         }
         if call.op.is_p2p() {
-            for p in comm.p2p_prims(call)? {
-                prims.push((comm.clone(), p));
+            let prims = comm.p2p_prims(call)?;
+            match per_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, comm)) {
+                Some((_, v)) => v.extend(prims),
+                None => per_comm.push((comm.clone(), prims)),
             }
         } else {
             comm.run_native(call)?;
         }
     }
-    exec_p2p(&prims)
+    // The device path: one kernel per communicator with all of its group's sends, receives
+    // and copies (asynchronous, so several ranks driven by one thread cannot block each
+    // other). The rest runs host-staged.
+    let mut host: Vec<(Arc<Comm>, Prim)> = Vec::new();
+    for (comm, prims) in per_comm {
+        match &comm.device_p2p {
+            Ok(d) => comm.exec_p2p_device(d, &prims)?,
+            Err(_) => host.extend(prims.into_iter().map(|p| (comm.clone(), p))),
+        }
+    }
+    exec_p2p(&host)
 }
 
 #[cfg(test)]

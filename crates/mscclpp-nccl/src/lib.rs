@@ -7,8 +7,11 @@
 //!
 //! - **Native**: AllReduce, AllGather, ReduceScatter, Broadcast/Bcast and Reduce on
 //!   [`mscclpp_collectives`] (f32, f16, bf16, i32, u32; sum, prod, max, min, avg; any type for
-//!   the data movers); Send/Recv, AlltoAll, Gather and Scatter on a host-staged path over the
-//!   communicator's bootstrap (correct and deadlock-free in groups, not fast, not graph-capturable).
+//!   the data movers); Send/Recv, AlltoAll, Gather and Scatter on the device point-to-point path
+//!   ([`mscclpp_collectives::PointToPoint`]: per-pair staging rings mapped over CUDA IPC, one
+//!   kernel per group and communicator, graph-capturable), or, where no rank can build it (no
+//!   GPU, `MSCCLPP_NCCL_P2P=host`), host-staged over the communicator's bootstrap (correct and
+//!   deadlock-free in groups, not fast, not graph-capturable). The log says which path runs.
 //! - **Fallback**: anything else (other types, PreMulSum, forced operations, signals,
 //!   parameters, suspend/resume) goes to a real NCCL loaded at run time when
 //!   `MSCCLPP_ENABLE_NCCL_FALLBACK=1` (`MSCCLPP_NCCL_LIB_PATH`, default `libnccl.so.2`;

@@ -151,6 +151,64 @@ def t_graph():
         same(buf, want * (i + 1), f"graph replay {i}")
 
 
+def ring_ops(x, y):
+    return [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, y, (rank - 1) % world)]
+
+
+def t_send_recv_large():
+    # several rounds of the device path's staging ring, odd element counts, f16 and i32
+    for dtype, n in [(torch.float16, (3 << 20) // 2 + 7), (torch.int32, 300_001)]:
+        x = inputs(rank, n, dtype).to(dev)
+        y = torch.zeros_like(x)
+        for w in dist.batch_isend_irecv(ring_ops(x, y)):
+            w.wait()
+        torch.cuda.synchronize()
+        same(y, inputs((rank - 1) % world, n, dtype), f"ring {dtype} x{n}")
+
+
+def t_all_to_all_uneven():
+    # all_to_all_single with split sizes: ncclSend/ncclRecv per peer inside one group
+    split = lambda src, dst: 100 * (src + 1) + 7 * dst + 1
+    ins = [split(rank, p) for p in range(world)]
+    outs = [split(p, rank) for p in range(world)]
+    x = torch.cat([inputs(rank * world + p, ins[p], torch.float32) for p in range(world)]).to(dev)
+    out = torch.empty(sum(outs), dtype=torch.float32, device=dev)
+    dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=ins)
+    want = torch.cat([inputs(p * world + rank, outs[p], torch.float32) for p in range(world)])
+    same(out, want, "all_to_all_single uneven")
+
+
+def t_graph_send_recv():
+    # a send/recv ring and an all_to_all_single captured in one CUDA graph, replayed on new data
+    n = 70_000
+    x = inputs(rank, n, torch.float32).to(dev)
+    y = torch.zeros_like(x)
+    a = torch.zeros(world * 1000, dtype=torch.float32, device=dev)
+    b = torch.zeros_like(a)
+    for w in dist.batch_isend_irecv(ring_ops(x, y)):  # warm up outside the capture
+        w.wait()
+    dist.all_to_all_single(b, a)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for w in dist.batch_isend_irecv(ring_ops(x, y)):
+            w.wait()
+        dist.all_to_all_single(b, a)
+    for i in range(3):
+        x.copy_(inputs(rank + 10 * i, n, torch.float32).to(dev))
+        a.copy_(torch.cat([inputs(rank * world + p + 10 * i, 1000, torch.float32) for p in range(world)]).to(dev))
+        torch.cuda.synchronize()
+        dist.barrier()
+        g.replay()
+        torch.cuda.synchronize()
+        same(y, inputs((rank - 1) % world + 10 * i, n, torch.float32), f"graph send/recv replay {i}")
+        want = torch.cat([inputs(p * world + rank + 10 * i, 1000, torch.float32) for p in range(world)])
+        same(b, want, f"graph all_to_all replay {i}")
+        dist.barrier()
+
+
 def t_new_group():
     members = list(range(0, world, 2)) if world > 2 else [0, 1]
     g = dist.new_group(members)
@@ -173,7 +231,9 @@ def t_new_group():
 for name, fn in [("all_gather_into_tensor", t_all_gather), ("reduce_scatter_tensor", t_reduce_scatter),
                  ("broadcast", t_broadcast), ("reduce", t_reduce), ("barrier", t_barrier),
                  ("send/recv", t_send_recv), ("all_to_all_single", t_all_to_all),
-                 ("cuda graph all_reduce", t_graph), ("new_group/split", t_new_group)]:
+                 ("send/recv large", t_send_recv_large), ("all_to_all_single uneven", t_all_to_all_uneven),
+                 ("cuda graph all_reduce", t_graph), ("cuda graph send/recv + all_to_all", t_graph_send_recv),
+                 ("new_group/split", t_new_group)]:
     check(name, fn)
 
 torch.cuda.synchronize()
