@@ -21,6 +21,99 @@
     }                                                                                    \
   } while (0)
 
+// Variants built from the library's own pieces, to find what the real kernel costs over the
+// breakdown's `lazy+sig@d` model:
+//   L0 addressing: the model's body on the library's addressing (scratch_of, pkt_slot,
+//      sig_pkt_from, LL16Packet, wrap_rank), its plain bf16 add, its own spin loop
+//   L1 +waits: L0 with the library's read_pkt / read_pkt_and_sig (bounded, with the peek)
+//   L2 +reduce: L1 with the library's Acc<BF16, 2>, ld8 and st8
+//   L3 +prologue/epilogue: L2 with pkt_begin / pkt_end (the library's allpair but for its loop
+//      shape)
+__device__ __forceinline__ uint2 add_bf16x4(uint2 a, uint2 b) {
+  uint2 r;
+  u32* pa = (u32*)&a;
+  u32* pb = (u32*)&b;
+  u32* pr = (u32*)&r;
+  for (int i = 0; i < 2; i++) {
+    float lo = __uint_as_float(pa[i] << 16) + __uint_as_float(pb[i] << 16);
+    float hi = __uint_as_float(pa[i] & 0xffff0000u) + __uint_as_float(pb[i] & 0xffff0000u);
+    pr[i] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
+  }
+  return r;
+}
+
+template <int L>
+__device__ __forceinline__ void lib_body(const CollArgs& a) {
+  u32 flag;
+  u64 deadline = 0;
+  CollState* st = (CollState*)a.state;
+  if (L >= 3) {
+    if (!pkt_begin(a, flag, deadline)) return;
+  } else {
+    uint2 ff;
+    detail::ld_volatile_v2_u32(st, ff.x, ff.y);
+    if (ff.y) return;
+    flag = ff.x;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      const u32 R = (u32)a.nranks, me = (u32)a.rank;
+      for (u32 k = 1; k < R; k++)
+        ((LL16Packet*)(scratch_of(a, wrap_rank(me + k, R)) + a.sig_pkt_off) + (flag & 1) * R + me)->write(a.sig, flag);
+    }
+  }
+  const u32 half = flag & 1, R = (u32)a.nranks, me = (u32)a.rank;
+  const u64 units = (a.nbytes + 7) / 8;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
+  bool ok = true;
+  for (u64 i = tid; i < units && ok; i += nth) {
+    uint2 v;
+    if (L >= 2) v = ld8((const char*)a.in + i * 8, unit_bytes(i, a.nbytes));
+    else v = ((const uint2*)a.in)[i];
+    for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(me + k, R), half, me, units)[i].write(v, flag);
+    Acc<BF16, 2> acc;
+    uint2 sum = v;
+    if (L >= 2) acc.init((const u32*)&v);
+    for (u32 k = 1; k < R && ok; k++) {
+      const u32 p = wrap_rank(me + R - k, R);
+      const LL16Packet* src = pkt_slot(a, me, half, p, units) + i;
+      uint2 w;
+      if (L >= 1) {
+        ok = i == 0 ? read_pkt_and_sig(a, src, flag, deadline, p, w) : read_pkt(a, src, flag, deadline, p, w);
+      } else {
+        bool sig_ok = i != 0;
+        while (true) {
+          const bool d = !src->readOnce(flag, w);
+          if (!sig_ok) {
+            uint2 sv;
+            sig_ok = !sig_pkt_from(a, flag, p)->readOnce(flag, sv);
+          }
+          if (d && sig_ok) break;
+        }
+      }
+      if (L >= 2) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
+      else sum = add_bf16x4(sum, w);
+    }
+    if (L >= 2) {
+      uint2 r;
+      acc.finish((u32*)&r, (int)a.op, a.nranks);
+      st8((char*)a.out + i * 8, r, unit_bytes(i, a.nbytes));
+    } else {
+      ((uint2*)a.out)[i] = sum;
+    }
+  }
+  if (L >= 3) {
+    pkt_end(a, flag, deadline, tid == 0 && ok && units > 0);
+  } else {
+    __syncthreads();
+    if (threadIdx.x == 0) st->flag = flag + 1;
+  }
+}
+extern "C" __global__ void lib0(const __grid_constant__ CollArgs a) { lib_body<0>(a); }
+extern "C" __global__ void lib1(const __grid_constant__ CollArgs a) { lib_body<1>(a); }
+extern "C" __global__ void lib2(const __grid_constant__ CollArgs a) { lib_body<2>(a); }
+extern "C" __global__ void lib3(const __grid_constant__ CollArgs a) { lib_body<3>(a); }
+
+typedef void (*CollKern)(CollArgs);
+
 int main(int argc, char** argv) {
   const unsigned long long bytes = argc > 1 ? strtoull(argv[1], nullptr, 0) : 1024;
   const unsigned units = (unsigned)((bytes + 7) / 8);
@@ -67,11 +160,17 @@ int main(int argc, char** argv) {
     for (int p = 0; p < 2; p++) a[r].scratch[p] = (unsigned long long)scratch[p];
   printf("# allreduce_allpair_bf16 (the library's kernel, nvcc): %llu B, 2 ranks (streams), %u block(s) x %u threads, %d calls per graph, best of %d\n",
          bytes, blocks, threads, calls, reps);
+  struct V {
+    const char* name;
+    CollKern k;
+  } vs[] = {{"L0 addressing", (CollKern)lib0}, {"L1 +waits", (CollKern)lib1}, {"L2 +reduce", (CollKern)lib2},
+            {"L3 +pro/epi", (CollKern)lib3}, {"real", (CollKern)allreduce_allpair_bf16}};
+  for (auto& v : vs) {
   cudaGraphExec_t ge[2];
   for (int r = 0; r < 2; r++) {
     cudaGraph_t g;
     CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < calls; i++) allreduce_allpair_bf16<<<blocks, threads, 0, s[r]>>>(a[r]);
+    for (int i = 0; i < calls; i++) v.k<<<blocks, threads, 0, s[r]>>>(a[r]);
     CK(cudaStreamEndCapture(s[r], &g));
     CK(cudaGraphInstantiate(&ge[r], g, 0));
     CK(cudaGraphDestroy(g));
@@ -95,10 +194,13 @@ int main(int argc, char** argv) {
     }
     if (rep > 0 && worst < best) best = worst;
   }
+  printf("%-22s %8.2f us/call\n", v.name, best * 1e3f / calls);
+  for (int r = 0; r < 2; r++) CK(cudaGraphExecDestroy(ge[r]));
+  }
   unsigned long long ew[2];
   for (int r = 0; r < 2; r++) {
     CK(cudaMemcpy(&ew[r], (void*)a[r].err, 8, cudaMemcpyDeviceToHost));
   }
-  printf("real       %10.2f us/call (error words %llx %llx)\n", best * 1e3f / calls, ew[0], ew[1]);
+  printf("error words %llx %llx\n", ew[0], ew[1]);
   return 0;
 }
