@@ -283,22 +283,11 @@ __device__ __forceinline__ bool read_pkt_and_sig(const CollArgs& a, const LL16Pa
 // every peer (an LL packet) without waiting, so it travels beside the data rather than a round
 // trip ahead of it (checked with the data, or in the epilogue).
 // Returns false when this rank has failed before (nothing is done then).
-// Reads one word of each 64-byte line of the argument block a small call uses (the scalars, the
-// first ten ranks' scratch addresses), while the state load is in flight. Arguments live in the
-// constant bank, and ptxas reloads them where they are used: the first use of a line after a
-// packet arrived (the operation, the packet offsets) was a constant-cache miss on the critical
-// path, 0.3-0.4 us of a 2.6 us call (bench/allpair_real.cu, variants L0-L2).
-__device__ __forceinline__ void touch_args(const CollArgs& a) {
-  const u64 l0 = a.nbytes, l1 = a.op, l2 = a.pkt_half, l3 = a.scratch[2];
-  asm volatile("" ::"l"(l0), "l"(l1), "l"(l2), "l"(l3));
-}
-
 __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline) {
   CollState* st = (CollState*)a.state;
   deadline = 0;  // started at the first long wait (must_stop)
   uint2 ff;
   detail::ld_volatile_v2_u32(st, ff.x, ff.y);  // flag and failed in one load
-  touch_args(a);
   if (ff.y) {
     if (blockIdx.x == 0 && threadIdx.x == 0) fail(a, ERR_FAILED_BEFORE, 0xffff);
     return false;
