@@ -20,6 +20,7 @@ mod nccl;
 mod p2p;
 mod plan;
 mod procs;
+mod proxyload;
 mod report;
 mod trace;
 
