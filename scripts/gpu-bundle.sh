@@ -22,7 +22,7 @@ cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
 out = sys.argv[1]
-want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel", "user_memory", "peer_death", "timeouts"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel, user GPU memory, peer death, zero and unlimited waits
+want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel", "user_memory", "peer_death", "timeouts", "proxy_load"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel, user GPU memory, peer death, zero and unlimited waits
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -82,6 +82,8 @@ suite "unit tests" 300 "^test .*FAILED|test result" ./bin/unit-tests --test-thre
 suite "GPU tests (--ignored)" 400 "$tests|differs" ./bin/cuda --ignored --test-threads=1 --nocapture
 suite "kernels that communicate: FIFO, proxy, PortChannel (--ignored; NVRTC from the CUDA toolkit)" 300 "$tests" \
   ./bin/device --ignored --test-threads=1 --nocapture
+suite "proxy under load: a million puts from 132 x 256 producers to 4 peers (--ignored)" 200 "$tests|TIMEOUT" \
+  ./bin/proxy_load --ignored --test-threads=1 --nocapture
 suite "MemoryChannel, device-to-device semaphores, LL packets (--ignored; two processes)" 300 "$tests|failed" \
   ./bin/memory_channel --ignored --test-threads=1 --nocapture
 suite "example memory_channel_put" 60 . ./bin/memory_channel_put
@@ -95,7 +97,7 @@ suite "peer death: CUDA IPC sender learns its peer died (--ignored)" 200 "$tests
 suite "zero and unlimited timeouts of the GPU waits (--ignored)" 60 "$tests" \
   ./bin/timeouts --ignored --test-threads=1 --nocapture
 echo "== perf: device (FIFO, proxy, PortChannel; one process, two ranks)" | tee "$logs/perf.txt"
-timeout 200 ./bin/mscclpp-perf device --max-bytes 1G 2>&1 | tee -a "$logs/perf.txt" || fail "perf: device (FIFO, proxy, PortChannel; one process, two ranks)"
+timeout 320 ./bin/mscclpp-perf device --max-bytes 1G 2>&1 | tee -a "$logs/perf.txt" || fail "perf: device (FIFO, proxy, PortChannel; one process, two ranks)"
 echo "== perf: CUDA IPC" | tee -a "$logs/perf.txt"
 timeout 120 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc.json" 2>&1 | tee -a "$logs/perf.txt" || fail "perf: CUDA IPC"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
