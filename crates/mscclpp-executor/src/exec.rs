@@ -234,7 +234,17 @@ struct Resources {
 /// order. The first call for a (plan, send, receive, sizes) is collective and builds the
 /// channels, scratch and device program (or call [`prepare`](Self::prepare) first); later calls
 /// only launch the kernel, and may be captured in a CUDA graph and replayed (the LL flag
-/// advances on the GPU). Every device wait is bounded by [`ExecutorConfig::timeout`]; a failed
+/// advances on the GPU).
+///
+/// **The first call with new buffers is a collective host call, as in MSCCL++**: it allocates
+/// and fills device memory (`cuMemAlloc`, synchronous copies and memsets on the legacy stream)
+/// and may wait for the whole GPU while doing so. Where ranks share a GPU (threads of one
+/// process, or processes under MPS), a rank that builds while a peer's kernel still spins
+/// waiting for it deadlocks until that kernel's timeout. So before such a call every rank must
+/// have finished its earlier kernels (synchronize the stream); the build then opens with a
+/// bootstrap barrier, so that no rank allocates before every rank got there, and ends with one,
+/// so that no rank launches before every rank is built. Freeing (dropping the executor) follows
+/// the same rule: synchronize, barrier, then drop. Every device wait is bounded by [`ExecutorConfig::timeout`]; a failed
 /// wait makes [`check`](Self::check) and the next call return [`ExecError::Device`] naming the
 /// rank waited for, and that plan's resources refuse further runs.
 pub struct Executor {
@@ -264,6 +274,10 @@ impl Executor {
 
     /// Builds the resources of `plan` for these buffers (a collective call) unless cached.
     ///
+    /// A build allocates and copies synchronously: every rank's earlier kernels must have
+    /// finished (each rank synchronized its stream) before any rank calls this with new buffers
+    /// (see [`Executor`]). The build opens and ends with a bootstrap barrier.
+    ///
     /// # Safety
     /// `send` and `recv` are device memory of this executor's GPU, `send_size` and `recv_size`
     /// bytes long, that stay allocated while this executor lives (peers map them).
@@ -282,7 +296,9 @@ impl Executor {
 
     /// Runs `plan` on `send` (`send_size` bytes) into `recv` (`recv_size` bytes) on `stream`
     /// (MSCCL++'s `Executor::execute`). The first call for these (plan, buffers) is collective
-    /// (see [`prepare`](Self::prepare)) and must not be inside a stream capture.
+    /// (see [`prepare`](Self::prepare)): it is a blocking host call that must come after every
+    /// rank's earlier kernels finished, and must not be inside a stream capture. Later calls
+    /// only launch (no allocation, copy or free).
     ///
     /// # Errors
     /// [`ExecError::Lower`] for sizes or a plan this rank cannot run; [`ExecError::Device`] for a
@@ -427,6 +443,10 @@ impl Executor {
         let comm = &self.comm;
         let ctx = comm.context();
         let layout = Layout::new(plan, rank, send_size, recv_size)?;
+        // Nobody allocates, copies synchronously or loads a module (each may wait for the whole
+        // GPU) before every rank got here, i.e. is done launching and has synchronized what it
+        // launched before: a peer's kernel still waiting for this rank would never finish.
+        comm.bootstrap().barrier()?;
         let links = lower::channel_links(plan, rank)?;
         let gpu = &plan.gpus[rank];
         let kernels = kernels(dev)?;
