@@ -144,6 +144,7 @@ pub struct Comm {
     reduce_tmp: Mutex<Vec<DeviceBuffer>>,
     aborted: std::sync::atomic::AtomicBool,
     timeout: Duration,
+    noop_native: bool,
 }
 
 impl std::fmt::Debug for Comm {
@@ -178,6 +179,10 @@ pub struct InitArgs {
     pub real: RealInit,
     /// Routing settings.
     pub settings: Settings,
+    /// Benchmarks of the host path only (no GPU): the native collectives count as present and
+    /// every call routed to them returns at once, launching nothing. Never set it otherwise.
+    #[doc(hidden)]
+    pub noop_native: bool,
 }
 
 impl InitArgs {
@@ -192,6 +197,7 @@ impl InitArgs {
             native: true,
             real: RealInit::Fresh,
             settings: Settings::current(),
+            noop_native: false,
         }
     }
 }
@@ -288,6 +294,7 @@ impl Comm {
             reduce_tmp: Mutex::new(Vec::new()),
             aborted: std::sync::atomic::AtomicBool::new(false),
             timeout: t,
+            noop_native: a.noop_native,
         }))
     }
 
@@ -391,6 +398,9 @@ impl Comm {
     fn native_for(&self, op: Op, dt: ncclDataType_t, red: ncclRedOp_t, count: usize) -> Result<(), String> {
         // The call's own limits first: they name the most specific reason.
         route::native_support(op, dt, red, count)?;
+        if self.noop_native && !op.is_p2p() {
+            return Ok(());
+        }
         if op.is_p2p() { self.p2p.clone() } else { self.native.as_ref().map(|_| ()).map_err(Clone::clone) }
     }
 
@@ -403,6 +413,9 @@ impl Comm {
 
     /// Native AllReduce / AllGather / ReduceScatter / Broadcast / Reduce.
     pub fn run_native(&self, c: &Call) -> Res {
+        if self.noop_native {
+            return Ok(());
+        }
         // Described only on failure: formatting it on every call costs a good part of the
         // per-call budget (<= 1 us over a direct call).
         let what = || c.describe(self);
