@@ -288,11 +288,8 @@ impl Resources {
     /// memory in this process's address space (a cached line while it stays 0; the GPU's write
     /// invalidates it), with no CUDA call and no range check.
     fn error_word(&self) -> u64 {
-        let p = self.status.as_ptr().cast::<u64>().cast_mut();
-        // SAFETY: `status` is 64 bytes of page-locked host memory (page aligned, so `p` is
-        // 8-byte aligned) owned by `self`, alive for the borrow; the kernels write the word with
-        // system-scope atomics and the host only reads it here, so an atomic load is sound.
-        unsafe { AtomicU64::from_ptr(p) }.load(Ordering::Acquire)
+        // Offset 0 of a 64-byte buffer: always in range.
+        self.status.atomic_u64(0).map_or(0, |w| w.load(Ordering::Acquire))
     }
 }
 
