@@ -11,7 +11,7 @@ bash scripts/gpu-bundle-collectives.sh
 bash scripts/gpu-bundle-exec.sh
 bash scripts/gpu-bundle-nccl.sh
 mkdir -p gpu-bundle-coll/bench
-cp crates/mscclpp-collectives/bench/*.cu gpu-bundle-coll/bench/
+cp crates/mscclpp-collectives/bench/*.cu crates/mscclpp-collectives/bench/*.cuh gpu-bundle-coll/bench/
 cargo run -q -p mscclpp-collectives --example kernel_source > gpu-bundle-coll/bench/collectives_generated.cu
 rm -rf gpu-bundle-coll/bench/include && cp -r crates/mscclpp/include gpu-bundle-coll/bench/include
 cat > gpu-bundle-coll/all.sh <<'RUN'

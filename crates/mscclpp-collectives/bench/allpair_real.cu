@@ -12,14 +12,8 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e = (x);                                                                 \
-    if (e != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      exit(1);                                                                           \
-    }                                                                                    \
-  } while (0)
+#include "graph_timing.cuh"
+
 
 // Variants built from the library's own pieces, to find what the real kernel costs over the
 // breakdown's `lazy+sig@d` model:
@@ -205,36 +199,8 @@ int main(int argc, char** argv) {
             {"L2 +reduce", (CollKern)lib2}, {"L3 +pro/epi", (CollKern)lib3},
             {"real", (CollKern)allreduce_allpair_bf16}};
   for (auto& v : vs) {
-  cudaGraphExec_t ge[2];
-  for (int r = 0; r < 2; r++) {
-    cudaGraph_t g;
-    CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < calls; i++) v.k<<<blocks, threads, 0, s[r]>>>(a[r]);
-    CK(cudaStreamEndCapture(s[r], &g));
-    CK(cudaGraphInstantiate(&ge[r], g, 0));
-    CK(cudaGraphDestroy(g));
-  }
-  float best = 1e30f;
-  for (int rep = 0; rep < reps + 1; rep++) {
-    cudaEvent_t e0[2], e1[2];
-    for (int r = 0; r < 2; r++) {
-      CK(cudaEventCreate(&e0[r]));
-      CK(cudaEventCreate(&e1[r]));
-      CK(cudaEventRecord(e0[r], s[r]));
-      CK(cudaGraphLaunch(ge[r], s[r]));
-      CK(cudaEventRecord(e1[r], s[r]));
-    }
-    float worst = 0;
-    for (int r = 0; r < 2; r++) {
-      CK(cudaEventSynchronize(e1[r]));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
-      if (ms > worst) worst = ms;
-    }
-    if (rep > 0 && worst < best) best = worst;
-  }
-  printf("%-22s %8.2f us/call\n", v.name, best * 1e3f / calls);
-  for (int r = 0; r < 2; r++) CK(cudaGraphExecDestroy(ge[r]));
+    const float us = graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { v.k<<<blocks, threads, 0, st>>>(a[r]); });
+    printf("%-22s %8.2f us/call\n", v.name, us);
   }
   {
     // L0 with host-computed packet addresses (2 ranks).
@@ -248,35 +214,9 @@ int main(int argc, char** argv) {
         rot[r].my_sig[h] = a[r].scratch[r] + (unsigned long long)(h * 2 + p) * 16;
       }
     }
-    cudaGraphExec_t ge[2];
-    for (int r = 0; r < 2; r++) {
-      cudaGraph_t g;
-      CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < calls; i++) lib0_rot<<<blocks, threads, 0, s[r]>>>(a[r], rot[r]);
-      CK(cudaStreamEndCapture(s[r], &g));
-      CK(cudaGraphInstantiate(&ge[r], g, 0));
-      CK(cudaGraphDestroy(g));
-    }
-    float best = 1e30f;
-    for (int rep = 0; rep < reps + 1; rep++) {
-      cudaEvent_t e0[2], e1[2];
-      for (int r = 0; r < 2; r++) {
-        CK(cudaEventCreate(&e0[r]));
-        CK(cudaEventCreate(&e1[r]));
-        CK(cudaEventRecord(e0[r], s[r]));
-        CK(cudaGraphLaunch(ge[r], s[r]));
-        CK(cudaEventRecord(e1[r], s[r]));
-      }
-      float worst = 0;
-      for (int r = 0; r < 2; r++) {
-        CK(cudaEventSynchronize(e1[r]));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
-        if (ms > worst) worst = ms;
-      }
-      if (rep > 0 && worst < best) best = worst;
-    }
-    printf("%-22s %8.2f us/call\n", "L0 host addresses", best * 1e3f / calls);
+    const float us =
+        graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { lib0_rot<<<blocks, threads, 0, st>>>(a[r], rot[r]); });
+    printf("%-22s %8.2f us/call\n", "L0 host addresses", us);
   }
   unsigned long long ew[2];
   for (int r = 0; r < 2; r++) {
