@@ -28,6 +28,10 @@ result() { # name rc log
   else
     fail=$((fail + 1)); echo "FAIL $1 (exit $2, log $3)"
     grep -E "FAIL|Error|error|assert|Traceback|failed" "$3" | grep -v "^PASS" | head -20 | sed 's/^/    /'
+    echo "    last lines:"; tail -15 "$3" | sed 's/^/    | /'
+    # A client killed (timeout) or crashed under MPS can leave the server refusing new clients
+    # ("CUDA-capable device(s) is/are busy or unavailable" in every later step): restart it.
+    restart_mps
   fi
 }
 # MPS: own pipe and log folders so nothing else on the machine is touched.
@@ -40,6 +44,13 @@ else
   echo "MPS not started (ranks' kernels may not run together: expect hangs above 1 rank per SM budget)"
 fi
 stop_mps() { if [ "$mps" = 1 ]; then echo quit | timeout 20 nvidia-cuda-mps-control || true; echo "MPS stopped"; fi; }
+restart_mps() {
+  if [ "$mps" = 1 ]; then
+    echo quit | timeout 20 nvidia-cuda-mps-control || true
+    sleep 2
+    if timeout 20 nvidia-cuda-mps-control -d; then echo "    MPS restarted"; else mps=0; echo "    MPS did not restart"; fi
+  fi
+}
 trap stop_mps EXIT
 export PYTHONUNBUFFERED=1 MSCCLPP_LOG_LEVEL=${MSCCLPP_LOG_LEVEL:-INFO} MSCCLPP_NCCL_TIMEOUT_S=${MSCCLPP_NCCL_TIMEOUT_S:-60}
 # The native paths must not need a real NCCL (torch's 2.28.9 refuses two ranks on one GPU).

@@ -23,14 +23,8 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e = (x);                                                                   \
-    if (e != cudaSuccess) {                                                                \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));   \
-      exit(1);                                                                             \
-    }                                                                                      \
-  } while (0)
+#include "graph_timing.cuh"
+
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -211,72 +205,15 @@ int main(int argc, char** argv) {
          bytes, blocks, threads, calls, reps);
   printf("%-10s %10s\n", "variant", "us/call");
   for (auto& v : vs) {
-    cudaGraphExec_t ge[2];
-    for (int r = 0; r < 2; r++) {
-      cudaGraph_t g;
-      CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < calls; i++) v.k<<<blocks, threads, 0, s[r]>>>(a[r]);
-      CK(cudaStreamEndCapture(s[r], &g));
-      CK(cudaGraphInstantiate(&ge[r], g, 0));
-      CK(cudaGraphDestroy(g));
-    }
-    float best = 1e30f;
-    for (int rep = 0; rep < reps + 1; rep++) {
-      cudaEvent_t e0[2], e1[2];
-      for (int r = 0; r < 2; r++) {
-        CK(cudaEventCreate(&e0[r]));
-        CK(cudaEventCreate(&e1[r]));
-        CK(cudaEventRecord(e0[r], s[r]));
-        CK(cudaGraphLaunch(ge[r], s[r]));
-        CK(cudaEventRecord(e1[r], s[r]));
-      }
-      float worst = 0;
-      for (int r = 0; r < 2; r++) {
-        CK(cudaEventSynchronize(e1[r]));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
-        if (ms > worst) worst = ms;
-        CK(cudaEventDestroy(e0[r]));
-        CK(cudaEventDestroy(e1[r]));
-      }
-      if (rep > 0 && worst < best) best = worst;  // the first launch uploads the graph
-    }
-    printf("%-10s %10.2f\n", v.name, best * 1e3f / calls);
-    for (int r = 0; r < 2; r++) CK(cudaGraphExecDestroy(ge[r]));
+    const float us = graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { v.k<<<blocks, threads, 0, st>>>(a[r]); });
+    printf("%-10s %10.2f\n", v.name, us);
   }
   {
     BigArgs b[2];
     memset(b, 0, sizeof(b));
     for (int r = 0; r < 2; r++) b[r].a = a[r];
-    cudaGraphExec_t ge[2];
-    for (int r = 0; r < 2; r++) {
-      cudaGraph_t g;
-      CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < calls; i++) k_big<<<blocks, threads, 0, s[r]>>>(b[r]);
-      CK(cudaStreamEndCapture(s[r], &g));
-      CK(cudaGraphInstantiate(&ge[r], g, 0));
-      CK(cudaGraphDestroy(g));
-    }
-    float best = 1e30f;
-    for (int rep = 0; rep < reps + 1; rep++) {
-      cudaEvent_t e0[2], e1[2];
-      for (int r = 0; r < 2; r++) {
-        CK(cudaEventCreate(&e0[r]));
-        CK(cudaEventCreate(&e1[r]));
-        CK(cudaEventRecord(e0[r], s[r]));
-        CK(cudaGraphLaunch(ge[r], s[r]));
-        CK(cudaEventRecord(e1[r], s[r]));
-      }
-      float worst = 0;
-      for (int r = 0; r < 2; r++) {
-        CK(cudaEventSynchronize(e1[r]));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
-        if (ms > worst) worst = ms;
-      }
-      if (rep > 0 && worst < best) best = worst;
-    }
-    printf("%-10s %10.2f\n", "688B args", best * 1e3f / calls);
+    const float us = graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { k_big<<<blocks, threads, 0, st>>>(b[r]); });
+    printf("%-10s %10.2f\n", "688B args", us);
   }
   return 0;
 }

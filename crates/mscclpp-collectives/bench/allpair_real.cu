@@ -12,14 +12,8 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e = (x);                                                                 \
-    if (e != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      exit(1);                                                                           \
-    }                                                                                    \
-  } while (0)
+#include "graph_timing.cuh"
+
 
 // Variants built from the library's own pieces, to find what the real kernel costs over the
 // breakdown's `lazy+sig@d` model:
@@ -29,6 +23,9 @@
 //   L2 +reduce: L1 with the library's Acc<BF16, 2>, ld8 and st8
 //   L3 +prologue/epilogue: L2 with pkt_begin / pkt_end (the library's allpair but for its loop
 //      shape)
+//   L1 +Acc only / +ld8/st8 only: L2's two halves apart
+//   L0 host addresses: L0 with every packet address computed on the host (no dependent
+//      argument loads before the first packet leaves)
 __device__ __forceinline__ uint2 add_bf16x4(uint2 a, uint2 b) {
   uint2 r;
   u32* pa = (u32*)&a;
@@ -42,7 +39,8 @@ __device__ __forceinline__ uint2 add_bf16x4(uint2 a, uint2 b) {
   return r;
 }
 
-template <int L>
+// ACC / LD: the library's Acc reduce / its ld8+st8 (default: both from L2 on), to split L2's cost.
+template <int L, int ACC = (L >= 2), int LD = (L >= 2)>
 __device__ __forceinline__ void lib_body(const CollArgs& a) {
   u32 flag;
   u64 deadline = 0;
@@ -66,12 +64,12 @@ __device__ __forceinline__ void lib_body(const CollArgs& a) {
   bool ok = true;
   for (u64 i = tid; i < units && ok; i += nth) {
     uint2 v;
-    if (L >= 2) v = ld8((const char*)a.in + i * 8, unit_bytes(i, a.nbytes));
+    if (LD) v = ld8((const char*)a.in + i * 8, unit_bytes(i, a.nbytes));
     else v = ((const uint2*)a.in)[i];
     for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(me + k, R), half, me, units)[i].write(v, flag);
     Acc<BF16, 2> acc;
     uint2 sum = v;
-    if (L >= 2) acc.init((const u32*)&v);
+    if (ACC) acc.init((const u32*)&v);
     for (u32 k = 1; k < R && ok; k++) {
       const u32 p = wrap_rank(me + R - k, R);
       const LL16Packet* src = pkt_slot(a, me, half, p, units) + i;
@@ -89,16 +87,12 @@ __device__ __forceinline__ void lib_body(const CollArgs& a) {
           if (d && sig_ok) break;
         }
       }
-      if (L >= 2) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
+      if (ACC) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
       else sum = add_bf16x4(sum, w);
     }
-    if (L >= 2) {
-      uint2 r;
-      acc.finish((u32*)&r, (int)a.op, a.nranks);
-      st8((char*)a.out + i * 8, r, unit_bytes(i, a.nbytes));
-    } else {
-      ((uint2*)a.out)[i] = sum;
-    }
+    if (ACC) acc.finish((u32*)&sum, (int)a.op, a.nranks);
+    if (LD) st8((char*)a.out + i * 8, sum, unit_bytes(i, a.nbytes));
+    else ((uint2*)a.out)[i] = sum;
   }
   if (L >= 3) {
     pkt_end(a, flag, deadline, tid == 0 && ok && units > 0);
@@ -111,6 +105,43 @@ extern "C" __global__ void lib0(const __grid_constant__ CollArgs a) { lib_body<0
 extern "C" __global__ void lib1(const __grid_constant__ CollArgs a) { lib_body<1>(a); }
 extern "C" __global__ void lib2(const __grid_constant__ CollArgs a) { lib_body<2>(a); }
 extern "C" __global__ void lib3(const __grid_constant__ CollArgs a) { lib_body<3>(a); }
+extern "C" __global__ void lib1acc(const __grid_constant__ CollArgs a) { lib_body<1, 1, 0>(a); }
+extern "C" __global__ void lib1ld(const __grid_constant__ CollArgs a) { lib_body<1, 0, 1>(a); }
+
+// L0 with the packet addresses computed on the host (per half: where my packets go in the peer's
+// scratch, where the peer's arrive in mine; 2 ranks): no dependent argument loads (rank ->
+// peer -> scratch[peer]) before the first packet leaves. Does the library's addressing cost
+// what L0 shows over the breakdown's model?
+struct Rot {
+  u64 peer_pkts[2], my_pkts[2], peer_sig[2], my_sig[2];
+};
+extern "C" __global__ void lib0_rot(const __grid_constant__ CollArgs a, const __grid_constant__ Rot r) {
+  CollState* st = (CollState*)a.state;
+  uint2 ff;
+  detail::ld_volatile_v2_u32(st, ff.x, ff.y);
+  if (ff.y) return;
+  const u32 flag = ff.x, half = flag & 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) ((LL16Packet*)r.peer_sig[half])->write(a.sig, flag);
+  const u64 units = (a.nbytes + 7) / 8;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
+  for (u64 i = tid; i < units; i += nth) {
+    const uint2 v = ((const uint2*)a.in)[i];
+    ((LL16Packet*)r.peer_pkts[half])[i].write(v, flag);
+    uint2 w;
+    bool sig_ok = i != 0;
+    while (true) {
+      const bool d = !((const LL16Packet*)r.my_pkts[half])[i].readOnce(flag, w);
+      if (!sig_ok) {
+        uint2 sv;
+        sig_ok = !((const LL16Packet*)r.my_sig[half])->readOnce(flag, sv);
+      }
+      if (d && sig_ok) break;
+    }
+    ((uint2*)a.out)[i] = add_bf16x4(v, w);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) st->flag = flag + 1;
+}
 
 typedef void (*CollKern)(CollArgs);
 
@@ -163,39 +194,29 @@ int main(int argc, char** argv) {
   struct V {
     const char* name;
     CollKern k;
-  } vs[] = {{"L0 addressing", (CollKern)lib0}, {"L1 +waits", (CollKern)lib1}, {"L2 +reduce", (CollKern)lib2},
-            {"L3 +pro/epi", (CollKern)lib3}, {"real", (CollKern)allreduce_allpair_bf16}};
+  } vs[] = {{"L0 addressing", (CollKern)lib0}, {"L1 +waits", (CollKern)lib1},
+            {"L1 +Acc only", (CollKern)lib1acc}, {"L1 +ld8/st8 only", (CollKern)lib1ld},
+            {"L2 +reduce", (CollKern)lib2}, {"L3 +pro/epi", (CollKern)lib3},
+            {"real", (CollKern)allreduce_allpair_bf16}};
   for (auto& v : vs) {
-  cudaGraphExec_t ge[2];
-  for (int r = 0; r < 2; r++) {
-    cudaGraph_t g;
-    CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < calls; i++) v.k<<<blocks, threads, 0, s[r]>>>(a[r]);
-    CK(cudaStreamEndCapture(s[r], &g));
-    CK(cudaGraphInstantiate(&ge[r], g, 0));
-    CK(cudaGraphDestroy(g));
+    const float us = graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { v.k<<<blocks, threads, 0, st>>>(a[r]); });
+    printf("%-22s %8.2f us/call\n", v.name, us);
   }
-  float best = 1e30f;
-  for (int rep = 0; rep < reps + 1; rep++) {
-    cudaEvent_t e0[2], e1[2];
+  {
+    // L0 with host-computed packet addresses (2 ranks).
+    Rot rot[2];
     for (int r = 0; r < 2; r++) {
-      CK(cudaEventCreate(&e0[r]));
-      CK(cudaEventCreate(&e1[r]));
-      CK(cudaEventRecord(e0[r], s[r]));
-      CK(cudaGraphLaunch(ge[r], s[r]));
-      CK(cudaEventRecord(e1[r], s[r]));
+      const int p = 1 - r;
+      for (int h = 0; h < 2; h++) {
+        rot[r].peer_pkts[h] = a[r].scratch[p] + pkt_off + h * pkt_half + (unsigned long long)r * units * 16;
+        rot[r].my_pkts[h] = a[r].scratch[r] + pkt_off + h * pkt_half + (unsigned long long)p * units * 16;
+        rot[r].peer_sig[h] = a[r].scratch[p] + (unsigned long long)(h * 2 + r) * 16;
+        rot[r].my_sig[h] = a[r].scratch[r] + (unsigned long long)(h * 2 + p) * 16;
+      }
     }
-    float worst = 0;
-    for (int r = 0; r < 2; r++) {
-      CK(cudaEventSynchronize(e1[r]));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
-      if (ms > worst) worst = ms;
-    }
-    if (rep > 0 && worst < best) best = worst;
-  }
-  printf("%-22s %8.2f us/call\n", v.name, best * 1e3f / calls);
-  for (int r = 0; r < 2; r++) CK(cudaGraphExecDestroy(ge[r]));
+    const float us =
+        graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { lib0_rot<<<blocks, threads, 0, st>>>(a[r], rot[r]); });
+    printf("%-22s %8.2f us/call\n", "L0 host addresses", us);
   }
   unsigned long long ew[2];
   for (int r = 0; r < 2; r++) {

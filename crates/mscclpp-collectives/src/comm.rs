@@ -14,6 +14,7 @@ use mscclpp::{
     TransportFlags,
 };
 
+use crate::external::{self, CallShape, ExternalAlgorithm, ExternalId};
 use crate::kernels::{self, CollArgs, INLINE_PEERS, Kernels, STATE_BYTES};
 use crate::select::{self, Layout, Limits, MAX_BLOCKS, Plan};
 use crate::status::{DeviceStatus, Reported};
@@ -89,8 +90,12 @@ impl Config {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CallOptions {
-    /// Run this algorithm (an error if it cannot serve the call).
+    /// Run this built-in algorithm (an error if it cannot serve the call); registered
+    /// [`ExternalAlgorithm`]s are then not considered.
     pub algorithm: Option<Algorithm>,
+    /// Run the registered [`ExternalAlgorithm`] of this name (an error if it is not registered
+    /// or cannot serve the call); see [`CallOptions::external`].
+    pub external: Option<ExternalId>,
     /// Blocks per rank (capped to what fits on the GPU).
     pub blocks: Option<u32>,
     /// Threads per block (32..=512, a multiple of 32).
@@ -103,6 +108,11 @@ impl CallOptions {
     /// Options naming an algorithm.
     pub fn algorithm(a: Algorithm) -> CallOptions {
         CallOptions { algorithm: Some(a), ..CallOptions::default() }
+    }
+    /// Options naming a registered [`ExternalAlgorithm`] by its
+    /// [`name`](ExternalAlgorithm::name).
+    pub fn external(name: &str) -> CallOptions {
+        CallOptions { external: Some(ExternalId::of(name)), ..CallOptions::default() }
     }
     /// Sets blocks and threads.
     pub fn shape(mut self, blocks: u32, threads: u32) -> CallOptions {
@@ -179,6 +189,12 @@ pub struct Collectives {
     _channels: Vec<MemoryChannel>,
     /// Per peer, the semaphore its channels share (windows map more memory through it).
     peer_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)>,
+    /// Ranks on this rank's host.
+    ranks_per_node: usize,
+    /// Registered external algorithms, in registration order (the same on every rank).
+    external: std::sync::RwLock<Vec<Arc<dyn ExternalAlgorithm>>>,
+    /// Whether `external` is non-empty (read without the lock on every call).
+    has_external: std::sync::atomic::AtomicBool,
     comm: Communicator,
 }
 
@@ -249,6 +265,8 @@ impl Collectives {
             }
         }
         let on_gpu = all.iter().filter(|w| w.as_slice() == me.as_bytes()).count();
+        let ranks_per_node =
+            all.iter().filter(|w| String::from_utf8_lossy(w).split('/').next() == Some(my_host)).count();
         let sms = mscclpp::gpu::sm_count(dev)?;
         let per_sm = kernels.min_blocks_per_sm(512)?.max(1);
         let mut limits = config.limits;
@@ -319,6 +337,9 @@ impl Collectives {
             tuning_time: None,
             _channels: channels,
             peer_sems,
+            ranks_per_node,
+            external: std::sync::RwLock::new(Vec::new()),
+            has_external: std::sync::atomic::AtomicBool::new(false),
             comm: comm.clone(),
         })
         .and_then(|mut c| {
@@ -363,6 +384,107 @@ impl Collectives {
     pub fn device(&self) -> u32 {
         self.device
     }
+    /// Ranks on this rank's host (all of them: these collectives run within one host).
+    pub fn ranks_per_node(&self) -> usize {
+        self.ranks_per_node
+    }
+
+    /// Registers an algorithm from outside this crate (an MSCCL++ execution plan through
+    /// `mscclpp_executor::PlanAlgorithm`, or any [`ExternalAlgorithm`]): from now on, a call it
+    /// serves (its collective, this communicator's world size and ranks per node, a message size
+    /// in its range, a placement it supports) runs it instead of the built-in selection, unless
+    /// [`CallOptions::algorithm`] forces a built-in algorithm; [`CallOptions::external`] runs it
+    /// by name. Where several serve a call, the first registered wins.
+    ///
+    /// A collective call: every rank registers the same algorithms in the same order. The
+    /// ranks exchange each algorithm's metadata over the bootstrap and compare it, so a rank
+    /// that registers something else (or refuses it) makes the call fail on every rank, naming
+    /// it, and nothing is registered.
+    ///
+    /// ```no_run
+    /// # fn f(coll: &mscclpp_collectives::Collectives, algo: std::sync::Arc<dyn mscclpp_collectives::ExternalAlgorithm>) -> mscclpp::Result<()> {
+    /// coll.register_algorithm(algo)?; // on every rank
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// `InvalidUsage` for an algorithm no call could use (Broadcast, an empty size range, no
+    /// placement, ranks per node not dividing the world size) or a name already registered, on
+    /// any rank, and when ranks registered different algorithms; bootstrap errors.
+    pub fn register_algorithm(&self, algorithm: Arc<dyn ExternalAlgorithm>) -> Result<()> {
+        let what = || format!("registering the algorithm {:?} (rank {})", algorithm.name(), self.rank);
+        let local = {
+            let reg = self.external.read().map_err(|_| Error::internal("the algorithm registry lock is poisoned"))?;
+            external::check_registrable(algorithm.as_ref(), &reg)
+        };
+        let mine = match &local {
+            Ok(()) => format!("+{}", external::descriptor(algorithm.as_ref())),
+            Err(why) => format!("-{why}"),
+        };
+        let all = self.comm.bootstrap().all_gather(mine.as_bytes()).map_err(|e| e.during(what()))?;
+        let all: Vec<std::result::Result<String, String>> = all
+            .iter()
+            .map(|d| {
+                let d = String::from_utf8_lossy(d);
+                match d.strip_prefix('+') {
+                    Some(ok) => Ok(ok.to_string()),
+                    None => Err(d.strip_prefix('-').unwrap_or(&d).to_string()),
+                }
+            })
+            .collect();
+        external::agreement(&all).map_err(|e| e.during(what()))?;
+        let mut reg = self.external.write().map_err(|_| Error::internal("the algorithm registry lock is poisoned"))?;
+        reg.push(algorithm);
+        self.has_external.store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    /// The names of the registered external algorithms, in registration order.
+    pub fn registered_algorithms(&self) -> Vec<String> {
+        self.external.read().map(|r| r.iter().map(|a| a.name().to_string()).collect()).unwrap_or_default()
+    }
+
+    /// The registered algorithm that would serve a call of `coll` with this message size (see
+    /// [`ExternalAlgorithm`]) and placement, if any.
+    ///
+    /// # Errors
+    /// As [`external::choose`].
+    pub fn external_for(
+        &self,
+        coll: Collective,
+        message_bytes: u64,
+        in_place: bool,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+        opts: &CallOptions,
+    ) -> Result<Option<Arc<dyn ExternalAlgorithm>>> {
+        if !self.has_external.load(std::sync::atomic::Ordering::Acquire) {
+            let shape = self.call_shape(coll, message_bytes, in_place, dtype, op);
+            return Ok(external::choose(&[], &shape, opts)?.cloned());
+        }
+        let reg = self.external.read().map_err(|_| Error::internal("the algorithm registry lock is poisoned"))?;
+        Ok(external::choose(&reg, &self.call_shape(coll, message_bytes, in_place, dtype, op), opts)?.cloned())
+    }
+
+    fn call_shape(
+        &self,
+        collective: Collective,
+        message_bytes: u64,
+        in_place: bool,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+    ) -> CallShape {
+        CallShape {
+            collective,
+            world_size: self.nranks,
+            ranks_per_node: self.ranks_per_node,
+            message_bytes,
+            in_place,
+            dtype,
+            op,
+        }
+    }
+
     /// GPU memory this rank's scratch takes.
     pub fn scratch_bytes(&self) -> u64 {
         self.layout.total
@@ -389,7 +511,7 @@ impl Collectives {
     /// differed from ours, `Aborted`-like `Remote` after [`abort`](Self::abort).
     pub fn check(&self) -> Result<()> {
         let (kind, peer, code) = match self.status.read()? {
-            Reported::Clear => return Ok(()),
+            Reported::Clear => return self.check_external(),
             Reported::FailedBefore => {
                 return Err(Error::remote(format!(
                     "rank {}: the collectives failed earlier and refuse further calls",
@@ -416,6 +538,17 @@ impl Collectives {
             _ => Error::internal(format!("rank {}: unknown collective error word {code:#x}", self.rank)),
         };
         Err(e.during("a collective"))
+    }
+
+    fn check_external(&self) -> Result<()> {
+        if !self.has_external.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        let reg = self.external.read().map_err(|_| Error::internal("the algorithm registry lock is poisoned"))?;
+        for a in reg.iter() {
+            a.check().map_err(|e| e.during(format!("the registered algorithm {:?}", a.name())))?;
+        }
+        Ok(())
     }
 
     /// Asks every running and future kernel of this rank to stop waiting and fail (what
@@ -485,6 +618,28 @@ impl Collectives {
         check_call(self.device, stream, dtype, [(input, in_len, "input"), (output, out_len, "output")], &what)?;
         if root >= self.nranks {
             return Err(Error::invalid_usage(format!("{}: root {root} is not a rank", what())));
+        }
+        if coll != Collective::Broadcast
+            && (opts.external.is_some() || self.has_external.load(std::sync::atomic::Ordering::Acquire))
+        {
+            let rank_off = self.rank as u64 * nbytes;
+            let (message, in_place) = match coll {
+                Collective::AllGather => (out_len, input == output.wrapping_add(rank_off)),
+                Collective::ReduceScatter => (in_len, output == input.wrapping_add(rank_off)),
+                _ => (in_len, input == output),
+            };
+            let ext_op = if coll.reduces() { op } else { None };
+            if let Some(a) =
+                self.external_for(coll, message, in_place, dtype, ext_op, opts).map_err(|e| e.during(what()))?
+            {
+                // SAFETY: the caller's contract: input and output are device memory of this GPU
+                // (checked above) of in_len and out_len bytes, valid until the call finishes on
+                // the stream, and every rank makes the same call.
+                return unsafe { a.launch(self.rank, input, output, in_len, out_len, dtype, ext_op, stream) }
+                    .map_err(|e| e.during(format!("{} by the registered algorithm {:?}", what(), a.name())));
+            }
+        } else if opts.external.is_some() {
+            return Err(Error::invalid_usage(format!("{}: external algorithms do not serve Broadcast", what())));
         }
         let plan = self.plan(coll, nbytes, opts)?;
         let acc32 = opts.accumulate_f32 && dtype.is_float();

@@ -162,7 +162,18 @@ pub(crate) struct Kernels {
     /// What the kernels are, for messages ("collective", "two-level").
     what: &'static str,
     by_name: HashMap<String, Kernel>,
+    /// `by_name`'s entries for [`get`](Kernels::get), indexed by [`key`]: every call looks its
+    /// kernel up here (no name formatting, no hashing).
+    keyed: Vec<Option<Kernel>>,
     _module: KernelModule,
+}
+
+const COLLECTIVES: [Collective; 4] =
+    [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast];
+
+/// The slot of `(coll, algo, dtype)` in [`Kernels::keyed`].
+fn key(coll: Collective, algo: Algorithm, dtype: DataType) -> usize {
+    (coll as usize * Algorithm::ALL.len() + algo as usize) * DataType::ALL.len() + dtype as usize
 }
 
 impl Kernels {
@@ -172,7 +183,10 @@ impl Kernels {
     }
 
     pub(crate) fn get(&self, coll: Collective, algo: Algorithm, dtype: DataType) -> Result<&Kernel> {
-        self.named(&kernel_name(coll, algo, dtype))
+        match self.keyed.get(key(coll, algo, dtype)) {
+            Some(Some(k)) => Ok(k),
+            _ => self.named(&kernel_name(coll, algo, dtype)),
+        }
     }
 
     /// The zero-copy AllReduce kernel for `dtype`.
@@ -230,7 +244,19 @@ pub(crate) fn load(
         let k = module.function(&name)?;
         by_name.insert(name, k);
     }
-    let k = Arc::new(Kernels { what, by_name, _module: module });
+    let mut keyed = vec![None; COLLECTIVES.len() * Algorithm::ALL.len() * DataType::ALL.len()];
+    for coll in COLLECTIVES {
+        for algo in Algorithm::ALL {
+            for d in DataType::ALL {
+                if let (Some(slot), Some(k)) =
+                    (keyed.get_mut(key(coll, algo, d)), by_name.get(&kernel_name(coll, algo, d)))
+                {
+                    *slot = Some(k.clone());
+                }
+            }
+        }
+    }
+    let k = Arc::new(Kernels { what, by_name, keyed, _module: module });
     map.insert((what, device), k.clone());
     Ok(k)
 }
@@ -264,6 +290,21 @@ pub(crate) unsafe fn launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_keys_are_distinct_slots() {
+        let n = COLLECTIVES.len() * Algorithm::ALL.len() * DataType::ALL.len();
+        let mut seen = vec![false; n];
+        for c in COLLECTIVES {
+            for a in Algorithm::ALL {
+                for d in DataType::ALL {
+                    let k = key(c, a, d);
+                    assert!(k < n && !seen[k], "{c:?} {a:?} {d:?}");
+                    seen[k] = true;
+                }
+            }
+        }
+    }
 
     #[test]
     fn generated_struct_matches_the_rust_layout_field_by_field() {

@@ -27,6 +27,7 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 mod comm;
+pub mod external;
 pub mod hier;
 mod kernels;
 pub mod p2p;
@@ -36,6 +37,7 @@ pub mod tune;
 mod types;
 
 pub use comm::{CallOptions, Collectives, Config, Window};
+pub use external::{ExternalAlgorithm, ExternalId};
 pub use hier::{HierConfig, TwoLevel};
 pub use p2p::{P2pConfig, P2pOp, PointToPoint};
 pub use select::{Layout, Limits, Plan};

@@ -328,6 +328,27 @@ impl P2pLayout {
 /// Build it on every rank at once (it maps every peer's scratch over CUDA IPC, so all ranks are
 /// on one host), then [`launch`](Self::launch) groups; a rank's sends to `p` pair in order with
 /// `p`'s receives from it.
+///
+/// # Ranks sharing a GPU
+///
+/// Freeing device memory (`cuMemFree`, i.e. dropping a [`DeviceBuffer`]), allocating it, and the
+/// synchronous copies and fills of a [`DeviceBuffer`] (`write`, `fill`, `read`, `to_vec`) may
+/// wait for the whole GPU, including peers' kernels that spin waiting for this rank: where
+/// ranks share a GPU (threads of one process, or processes under MPS), such a call made while
+/// a peer may still be inside a kernel waiting for this rank deadlocks until that kernel's
+/// timeout. The rule:
+///
+/// - [`new`](Self::new) allocates, fills and maps: call it on every rank after each rank
+///   synchronized whatever it launched before (it lines the ranks up before its first CUDA
+///   call, and again before returning, so that no rank launches before every rank is built);
+/// - [`launch`](Self::launch) never allocates, copies or frees (the argument block goes by
+///   value; the error word is page-locked host memory), so groups may follow each other on a
+///   stream freely;
+/// - allocate the buffers the launches use, and write their inputs, before the launches; between
+///   launches and any host copy, allocation or free, synchronize the stream and pass a bootstrap
+///   barrier on every rank (then no rank's kernel is still waiting);
+/// - drop the `PointToPoint` (its scratch, tables and the peers' mappings) only after that same
+///   synchronize-and-barrier on every rank.
 pub struct PointToPoint {
     rank: usize,
     nranks: usize,
@@ -359,6 +380,10 @@ impl PointToPoint {
     /// Builds the point-to-point path of `comm` (a collective call of every rank): compiles the
     /// kernel once per process (NVRTC), allocates and maps the scratch.
     ///
+    /// Each rank must have synchronized what it launched before (see [`PointToPoint`] on ranks
+    /// sharing a GPU): the ranks line up (a bootstrap all-gather) before the first CUDA call here
+    /// that may wait for the GPU, and pass a barrier before returning.
+    ///
     /// # Errors
     /// `NotAvailable` without CUDA or NVRTC; `InvalidUsage` when a peer is on another host or
     /// too many ranks share a GPU; bootstrap and CUDA errors naming the peer.
@@ -366,9 +391,11 @@ impl PointToPoint {
         let (rank, nranks, dev) = (comm.rank(), comm.size(), config.device);
         let slot_bytes = config.slot_bytes.max(16).div_ceil(16) * 16;
         let slots = config.slots.max(1);
-        let kernels = kernels::load("point-to-point", "p2p.cu", dev, source, names)?;
         let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
+        // Every rank is here (done launching, its streams synchronized) before any loads a
+        // module or allocates: either may wait for the whole GPU.
         let all = comm.bootstrap().all_gather(me.as_bytes())?;
+        let kernels = kernels::load("point-to-point", "p2p.cu", dev, source, names)?;
         let my_host = me.split('/').next().unwrap_or_default();
         for (p, who) in all.iter().enumerate() {
             if String::from_utf8_lossy(who).split('/').next() != Some(my_host) {
@@ -514,6 +541,10 @@ impl PointToPoint {
 
     /// Runs `ops` (a group) in one kernel on `stream`: every send, receive and copy of it at
     /// once. Stream-ordered and capturable in a CUDA graph.
+    ///
+    /// It allocates, copies and frees nothing (no per-launch upload: the plan travels in the
+    /// kernel's argument block), so it is safe while peers' kernels run; the host copies that
+    /// fill and read the operations' buffers are not (see [`PointToPoint`]).
     ///
     /// # Errors
     /// As [`plan`]; `InvalidUsage` for pointers that are not device memory of this GPU or too

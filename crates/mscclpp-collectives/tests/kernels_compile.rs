@@ -1,34 +1,18 @@
 //! The collective kernels compile with NVRTC and assemble with ptxas for sm_90, with no GPU
 //! (CI installs NVRTC and ptxas from pip wheels; elsewhere the test says SKIPPED).
 
-use std::path::PathBuf;
-use std::process::Command;
-
 fn skip(test: &str, why: &str) {
     assert!(std::env::var_os("CI").is_none(), "{test} cannot run in CI: {why}");
     println!("SKIPPED {test}: {why}");
-}
-
-fn ptxas(nvrtc_path: &str) -> Option<PathBuf> {
-    let mut c: Vec<PathBuf> = Vec::new();
-    if let Some(p) = std::env::var_os("MSCCLPP_PTXAS") {
-        c.push(PathBuf::from(p));
-    }
-    if let Some(dir) = std::path::Path::new(nvrtc_path).parent() {
-        c.push(dir.join("../bin/ptxas"));
-    }
-    c.push(PathBuf::from("/usr/local/cuda/bin/ptxas"));
-    c.into_iter().find(|p| p.is_file())
 }
 
 #[test]
 fn collective_kernels_compile_and_assemble_for_sm90() {
     use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
     let test = "collective_kernels_compile_and_assemble_for_sm90";
-    let (path, _) = match nvrtc_info() {
-        Ok(i) => i,
-        Err(e) => return skip(test, e.message()),
-    };
+    if let Err(e) = nvrtc_info() {
+        return skip(test, e.message());
+    }
     let opts = CompileOptions::default().arch("compute_90").name("collectives.cu");
     let t = std::time::Instant::now();
     let ptx = compile(&mscclpp_collectives::kernel_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
@@ -48,7 +32,7 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
     ] {
         assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
     }
-    let Some(log) = assemble_sm90(test, &path, "coll", ptx.as_str()) else {
+    let Some(log) = assemble_sm90(test, ptx.as_str()) else {
         return;
     };
     // No kernel spills more than a few words (spills cost every loop that touches them).
@@ -84,21 +68,14 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
     }
 }
 
-/// Assembles `ptx` for sm_90 with ptxas (`-v`) and returns its report; None (after saying
-/// SKIPPED) where no ptxas is found.
-fn assemble_sm90(test: &str, nvrtc_path: &str, stem: &str, ptx: &str) -> Option<String> {
-    let Some(ptxas) = ptxas(nvrtc_path) else {
+/// Assembles `ptx` for sm_90 (`mscclpp::device::compile::assemble`) and returns ptxas's report;
+/// None (after saying SKIPPED) where no ptxas is found.
+fn assemble_sm90(test: &str, ptx: &str) -> Option<String> {
+    if mscclpp::device::compile::ptxas_path().is_none() {
         skip(test, "no ptxas (MSCCLPP_PTXAS)");
         return None;
-    };
-    let dir = std::env::temp_dir().join(format!("mscclpp-{stem}-ptx-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (src, out) = (dir.join(format!("{stem}.ptx")), dir.join(format!("{stem}.cubin")));
-    std::fs::write(&src, ptx).unwrap();
-    let r = Command::new(&ptxas).args(["-arch=sm_90", "-v", "-o"]).arg(&out).arg(&src).output().unwrap();
-    assert!(r.status.success(), "ptxas failed:\n{}", String::from_utf8_lossy(&r.stderr));
-    std::fs::remove_dir_all(&dir).unwrap();
-    Some(String::from_utf8_lossy(&r.stderr).into_owned())
+    }
+    Some(mscclpp::device::compile::assemble(ptx, "sm_90").unwrap_or_else(|e| panic!("{e}")))
 }
 
 /// The two-level kernels compile with NVRTC (no warnings) and assemble for sm_90.
@@ -106,10 +83,9 @@ fn assemble_sm90(test: &str, nvrtc_path: &str, stem: &str, ptx: &str) -> Option<
 fn two_level_kernels_compile_and_assemble_for_sm90() {
     use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
     let test = "two_level_kernels_compile_and_assemble_for_sm90";
-    let (path, _) = match nvrtc_info() {
-        Ok(i) => i,
-        Err(e) => return skip(test, e.message()),
-    };
+    if let Err(e) = nvrtc_info() {
+        return skip(test, e.message());
+    }
     let opts = CompileOptions::default().arch("compute_90").name("hier.cu");
     let ptx = compile(&mscclpp_collectives::hier::kernel_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
@@ -129,7 +105,7 @@ fn two_level_kernels_compile_and_assemble_for_sm90() {
     for insn in ["red.release.sys.global.add.u64", "ld.acquire.sys", "st.global.release.sys.v2.u64", "%globaltimer"] {
         assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
     }
-    if let Some(log) = assemble_sm90(test, &path, "hier", ptx.as_str()) {
+    if let Some(log) = assemble_sm90(test, ptx.as_str()) {
         println!("{}", log.lines().filter(|l| l.contains("registers")).collect::<Vec<_>>().join("\n"));
     }
 }
@@ -140,10 +116,9 @@ fn two_level_kernels_compile_and_assemble_for_sm90() {
 fn p2p_kernel_compiles_and_assembles_for_sm90() {
     use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
     let test = "p2p_kernel_compiles_and_assembles_for_sm90";
-    let (path, _) = match nvrtc_info() {
-        Ok(i) => i,
-        Err(e) => return skip(test, e.message()),
-    };
+    if let Err(e) = nvrtc_info() {
+        return skip(test, e.message());
+    }
     let opts = CompileOptions::default().arch("compute_90").name("p2p.cu");
     let ptx = compile(&mscclpp_collectives::p2p::source(), &opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
@@ -151,7 +126,7 @@ fn p2p_kernel_compiles_and_assembles_for_sm90() {
     for insn in ["st.release.sys.global.u64", "ld.acquire.sys", "ld.global.cv", "%globaltimer"] {
         assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
     }
-    if let Some(log) = assemble_sm90(test, &path, "p2p", ptx.as_str()) {
+    if let Some(log) = assemble_sm90(test, ptx.as_str()) {
         println!("{log}");
         for line in log.lines().filter(|l| l.contains("stack frame")) {
             let frame: u32 = line

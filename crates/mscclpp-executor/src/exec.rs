@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -197,6 +198,8 @@ impl ExecutorConfig {
     }
 }
 
+/// What resources are cached under: the plan's identity (a number given when it was loaded,
+/// never its contents) and the buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Key {
     plan: u64,
@@ -204,6 +207,58 @@ struct Key {
     recv: u64,
     send_size: u64,
     recv_size: u64,
+}
+
+/// A multiply-rotate hasher for [`Key`]s (five words; the executor's own pointers and sizes, not
+/// attacker-chosen keys): a few nanoseconds where the default SipHash takes tens.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type KeyMap<V> = HashMap<Key, Arc<V>, BuildHasherDefault<KeyHasher>>;
+
+/// The resource cache: (plan, buffers) to what was built for them.
+struct Cache<V> {
+    map: Mutex<KeyMap<V>>,
+}
+
+impl<V> Cache<V> {
+    fn new() -> Self {
+        Cache { map: Mutex::new(HashMap::default()) }
+    }
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, KeyMap<V>>, Error> {
+        self.map.lock().map_err(|_| Error::internal("the executor's cache lock is poisoned"))
+    }
+    /// The cached entry: one uncontended lock, one cheap hash, one reference-count increment.
+    fn get(&self, key: &Key) -> Result<Option<Arc<V>>, Error> {
+        Ok(self.lock()?.get(key).cloned())
+    }
+    fn insert(&self, key: Key, v: Arc<V>) -> Result<(), Error> {
+        self.lock()?.insert(key, v);
+        Ok(())
+    }
+    fn all(&self) -> Result<Vec<Arc<V>>, Error> {
+        Ok(self.lock()?.values().cloned().collect())
+    }
+}
+
+/// The kernel's argument block for one launch: the cached block with the call's element type
+/// (nothing else changes between calls on cached resources).
+fn launch_args(cached: &ExecArgs, dtype: DataType) -> ExecArgs {
+    ExecArgs { dtype: dtype.code(), ..*cached }
 }
 
 /// The resources of one (plan, buffers): built once, reused by every execution.
@@ -228,19 +283,39 @@ struct Resources {
     _scratch: DeviceBuffer,
 }
 
+impl Resources {
+    /// The error word the kernels write (0 while none failed): one load from page-locked host
+    /// memory in this process's address space (a cached line while it stays 0; the GPU's write
+    /// invalidates it), with no CUDA call and no range check.
+    fn error_word(&self) -> u64 {
+        // Offset 0 of a 64-byte buffer: always in range.
+        self.status.atomic_u64(0).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+}
+
 /// Runs execution plans on this rank's GPU (MSCCL++'s `Executor`).
 ///
 /// Every rank of the communicator builds one and makes the same `execute` calls in the same
 /// order. The first call for a (plan, send, receive, sizes) is collective and builds the
 /// channels, scratch and device program (or call [`prepare`](Self::prepare) first); later calls
 /// only launch the kernel, and may be captured in a CUDA graph and replayed (the LL flag
-/// advances on the GPU). Every device wait is bounded by [`ExecutorConfig::timeout`]; a failed
+/// advances on the GPU).
+///
+/// **The first call with new buffers is a collective host call, as in MSCCL++**: it allocates
+/// and fills device memory (`cuMemAlloc`, synchronous copies and memsets on the legacy stream)
+/// and may wait for the whole GPU while doing so. Where ranks share a GPU (threads of one
+/// process, or processes under MPS), a rank that builds while a peer's kernel still spins
+/// waiting for it deadlocks until that kernel's timeout. So before such a call every rank must
+/// have finished its earlier kernels (synchronize the stream); the build then opens with a
+/// bootstrap barrier, so that no rank allocates before every rank got there, and ends with one,
+/// so that no rank launches before every rank is built. Freeing (dropping the executor) follows
+/// the same rule: synchronize, barrier, then drop. Every device wait is bounded by [`ExecutorConfig::timeout`]; a failed
 /// wait makes [`check`](Self::check) and the next call return [`ExecError::Device`] naming the
 /// rank waited for, and that plan's resources refuse further runs.
 pub struct Executor {
     comm: Communicator,
     config: ExecutorConfig,
-    contexts: Mutex<HashMap<Key, Arc<Resources>>>,
+    contexts: Cache<Resources>,
     next_ctx: AtomicU32,
 }
 
@@ -254,7 +329,7 @@ impl Executor {
     /// An executor for `comm`'s rank on `config.device`. Compiles the interpreter kernel (NVRTC,
     /// once per process and architecture) when first needed.
     pub fn new(comm: &Communicator, config: ExecutorConfig) -> Executor {
-        Executor { comm: comm.clone(), config, contexts: Mutex::new(HashMap::new()), next_ctx: AtomicU32::new(0) }
+        Executor { comm: comm.clone(), config, contexts: Cache::new(), next_ctx: AtomicU32::new(0) }
     }
 
     /// This rank.
@@ -263,6 +338,10 @@ impl Executor {
     }
 
     /// Builds the resources of `plan` for these buffers (a collective call) unless cached.
+    ///
+    /// A build allocates and copies synchronously: every rank's earlier kernels must have
+    /// finished (each rank synchronized its stream) before any rank calls this with new buffers
+    /// (see [`Executor`]). The build opens and ends with a bootstrap barrier.
     ///
     /// # Safety
     /// `send` and `recv` are device memory of this executor's GPU, `send_size` and `recv_size`
@@ -282,7 +361,9 @@ impl Executor {
 
     /// Runs `plan` on `send` (`send_size` bytes) into `recv` (`recv_size` bytes) on `stream`
     /// (MSCCL++'s `Executor::execute`). The first call for these (plan, buffers) is collective
-    /// (see [`prepare`](Self::prepare)) and must not be inside a stream capture.
+    /// (see [`prepare`](Self::prepare)): it is a blocking host call that must come after every
+    /// rank's earlier kernels finished, and must not be inside a stream capture. Later calls
+    /// only launch (no allocation, copy or free).
     ///
     /// # Errors
     /// [`ExecError::Lower`] for sizes or a plan this rank cannot run; [`ExecError::Device`] for a
@@ -312,7 +393,7 @@ impl Executor {
             PacketType::LL16 => &res.kernels.ll16,
             PacketType::LL8 => &res.kernels.ll8,
         };
-        let mut a = ExecArgs { dtype: dtype.code(), ..res.args };
+        let mut a = launch_args(&res.args, dtype);
         let mut params = [(&mut a as *mut ExecArgs).cast::<c_void>()];
         // SAFETY: the kernel takes one ExecArgs by value (its CUDA definition is generated from
         // the Rust one and checked by static_asserts); `a` outlives the call (the driver copies
@@ -325,8 +406,7 @@ impl Executor {
     /// The error a kernel of this rank reported for any cached plan, if any (reads page-locked
     /// words; no CUDA call).
     pub fn check(&self) -> Result<(), ExecError> {
-        let all: Vec<Arc<Resources>> = self.lock()?.values().cloned().collect();
-        for r in all {
+        for r in self.contexts.all()? {
             self.check_resources(&r)?;
         }
         Ok(())
@@ -334,7 +414,7 @@ impl Executor {
 
     /// Asks every running and later kernel of this executor to stop waiting and fail.
     pub fn abort(&self) -> Result<(), ExecError> {
-        for r in self.lock()?.values() {
+        for r in self.contexts.all()? {
             r.status.write(8, &1u64.to_le_bytes())?;
         }
         Ok(())
@@ -347,14 +427,8 @@ impl Executor {
         Ok(r?)
     }
 
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, HashMap<Key, Arc<Resources>>>, ExecError> {
-        self.contexts.lock().map_err(|_| ExecError::Mscclpp(Error::internal("the executor's cache lock is poisoned")))
-    }
-
     fn check_resources(&self, r: &Resources) -> Result<(), ExecError> {
-        let mut w = [0u8; 8];
-        r.status.read(0, &mut w)?;
-        let code = u64::from_le_bytes(w);
+        let code = r.error_word();
         if code == 0 {
             return Ok(());
         }
@@ -386,8 +460,8 @@ impl Executor {
         plan: &ExecutionPlan,
     ) -> Result<Arc<Resources>, ExecError> {
         let key = Key { plan: plan.id, send, recv, send_size, recv_size };
-        if let Some(r) = self.lock()?.get(&key) {
-            return Ok(r.clone());
+        if let Some(r) = self.contexts.get(&key)? {
+            return Ok(r);
         }
         if rank != self.comm.rank() {
             return Err(Error::invalid_usage(format!(
@@ -408,7 +482,7 @@ impl Executor {
         let seq = self.next_ctx.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the caller's contract.
         let r = Arc::new(unsafe { self.build(seq, rank, send, recv, send_size, recv_size, &plan.plan) }?);
-        self.lock()?.insert(key, r.clone());
+        self.contexts.insert(key, r.clone())?;
         Ok(r)
     }
 
@@ -427,6 +501,10 @@ impl Executor {
         let comm = &self.comm;
         let ctx = comm.context();
         let layout = Layout::new(plan, rank, send_size, recv_size)?;
+        // Nobody allocates, copies synchronously or loads a module (each may wait for the whole
+        // GPU) before every rank got here, i.e. is done launching and has synchronized what it
+        // launched before: a peer's kernel still waiting for this rank would never finish.
+        comm.bootstrap().barrier()?;
         let links = lower::channel_links(plan, rank)?;
         let gpu = &plan.gpus[rank];
         let kernels = kernels(dev)?;
@@ -728,6 +806,54 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The host work of a cached `execute` before the driver call: the cache lookup (lock, hash,
+    /// reference count) and the argument block. A CPU micro-benchmark: it asserts a bound loose
+    /// enough for unoptimized builds on a busy machine and prints the figure.
+    #[test]
+    fn cached_lookup_and_arguments_cost_well_under_a_microsecond() {
+        let cache = Cache::new();
+        let key = |i: u64| Key {
+            plan: i % 4,
+            send: 0x7f00_0000_0000 + i * 4096,
+            recv: 0x7f10_0000_0000,
+            send_size: 1 << 20,
+            recv_size: 1 << 20,
+        };
+        for i in 0..64 {
+            cache.insert(key(i), Arc::new(ExecArgs { input: i, ..ExecArgs::default() })).unwrap();
+        }
+        let n = 200_000u64;
+        let t = std::time::Instant::now();
+        let mut acc = 0u64;
+        for i in 0..n {
+            let r = cache.get(&key(i % 64)).unwrap().unwrap();
+            let a = launch_args(&r, DataType::Bfloat16);
+            acc = acc.wrapping_add(std::hint::black_box(a).input);
+        }
+        let per = t.elapsed() / n as u32;
+        assert_eq!(acc, (0..n).map(|i| i % 64).sum::<u64>());
+        println!("cached lookup + argument block: {per:?} per execute");
+        assert!(per < Duration::from_micros(2), "{per:?}");
+        assert!(cache.get(&key(1000)).unwrap().is_none());
+    }
+
+    #[test]
+    fn key_hasher_spreads_nearby_buffers() {
+        use std::hash::BuildHasher;
+        let b = BuildHasherDefault::<KeyHasher>::default();
+        let (mut seen, mut top, mut low) =
+            (std::collections::HashSet::new(), std::collections::HashSet::new(), std::collections::HashSet::new());
+        for i in 0..1000u64 {
+            let p = 0x7f00_0000_0000 + i * 256;
+            let h = b.hash_one(Key { plan: 1, send: p, recv: p, send_size: 256, recv_size: 256 });
+            assert!(seen.insert(h), "collision at {i}");
+            // hashbrown picks the bucket from the low bits and the tag from the top 7.
+            top.insert(h >> 57);
+            low.insert(h & 1023);
+        }
+        assert!(top.len() > 100 && low.len() > 500, "{} {}", top.len(), low.len());
     }
 
     #[test]

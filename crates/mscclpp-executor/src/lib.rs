@@ -68,6 +68,7 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 #![deny(unsafe_code)]
 
+mod algorithm;
 pub mod device;
 mod error;
 mod exec;
@@ -79,6 +80,7 @@ pub mod sim;
 mod summary;
 mod validate;
 
+pub use algorithm::{PlanAlgorithm, to_core_error};
 pub use error::PlanError;
 pub use exec::{DataType, DeviceFailureKind, ExecError, ExecutionPlan, Executor, ExecutorConfig, PacketType};
 pub use model::*;

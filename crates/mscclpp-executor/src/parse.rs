@@ -79,8 +79,13 @@ fn opt_array<'a>(m: &'a Obj, path: &str, key: &str) -> Result<&'a [Value]> {
     }
 }
 
+/// `f` of every element of `items` with its path (`path[i]`).
+fn each<T>(items: &[Value], path: &str, f: impl Fn(&Value, &str) -> Result<T>) -> Result<Vec<T>> {
+    items.iter().enumerate().map(|(i, x)| f(x, &format!("{path}[{i}]"))).collect()
+}
+
 fn usizes(v: &Value, path: &str) -> Result<Vec<usize>> {
-    array(v, path)?.iter().enumerate().map(|(i, x)| usize_of(x, &format!("{path}[{i}]"))).collect()
+    each(array(v, path)?, path, usize_of)
 }
 
 fn buffer_type(v: &Value, path: &str) -> Result<BufferType> {
@@ -141,7 +146,7 @@ fn plan(v: &Value) -> Result<Plan> {
     let opt_u64 = |key: &str, default: u64| -> Result<u64> { opt(m, key).map_or(Ok(default), |v| u64_of(v, key)) };
     let opt_bool = |key: &str| -> Result<bool> { opt(m, key).map_or(Ok(false), |v| bool_of(v, key)) };
     let gpus_v = array(req(m, p, "gpus")?, "gpus")?;
-    let gpus = gpus_v.iter().enumerate().map(|(i, g)| gpu(g, &format!("gpus[{i}]"))).collect::<Result<_>>()?;
+    let gpus = each(gpus_v, "gpus", gpu)?;
     Ok(Plan {
         name: str_of(req(m, p, "name")?, "name")?.to_owned(),
         collective: str_of(req(m, p, "collective")?, "collective")?.to_owned(),
@@ -164,51 +169,28 @@ fn gpu(v: &Value, p: &str) -> Result<Gpu> {
     let m = object(v, p)?;
     let chunks = |key: &str| -> Result<u64> { u64_of(req(m, p, key)?, &join(p, key)) };
     // Channels first: a switch channel is refused before anything that refers to it.
-    let channels = opt_array(m, p, "channels")?
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let cp = format!("{p}.channels[{i}]");
-            let cm = object(c, &cp)?;
-            Ok(Channel {
-                channel_type: comm_channel_type(req(cm, &cp, "channel_type")?, &join(&cp, "channel_type"))?,
-                connected_to: usizes(req(cm, &cp, "connected_to")?, &join(&cp, "connected_to"))?,
-            })
+    let channels = each(opt_array(m, p, "channels")?, &join(p, "channels"), |c, cp| {
+        let cm = object(c, cp)?;
+        Ok(Channel {
+            channel_type: comm_channel_type(req(cm, cp, "channel_type")?, &join(cp, "channel_type"))?,
+            connected_to: usizes(req(cm, cp, "connected_to")?, &join(cp, "connected_to"))?,
         })
-        .collect::<Result<_>>()?;
-    let remote_buffers = opt_array(m, p, "remote_buffers")?
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let rp = format!("{p}.remote_buffers[{i}]");
-            let rm = object(r, &rp)?;
-            let ap = join(&rp, "access_channel_types");
-            Ok(RemoteBuffer {
-                rank: usize_of(req(rm, &rp, "rank")?, &join(&rp, "rank"))?,
-                buffer_type: buffer_type(req(rm, &rp, "type")?, &join(&rp, "type"))?,
-                access_channel_types: array(req(rm, &rp, "access_channel_types")?, &ap)?
-                    .iter()
-                    .enumerate()
-                    .map(|(j, t)| comm_channel_type(t, &format!("{ap}[{j}]")))
-                    .collect::<Result<_>>()?,
-            })
+    })?;
+    let remote_buffers = each(opt_array(m, p, "remote_buffers")?, &join(p, "remote_buffers"), |r, rp| {
+        let rm = object(r, rp)?;
+        let ap = join(rp, "access_channel_types");
+        Ok(RemoteBuffer {
+            rank: usize_of(req(rm, rp, "rank")?, &join(rp, "rank"))?,
+            buffer_type: buffer_type(req(rm, rp, "type")?, &join(rp, "type"))?,
+            access_channel_types: each(array(req(rm, rp, "access_channel_types")?, &ap)?, &ap, comm_channel_type)?,
         })
-        .collect::<Result<_>>()?;
-    let semaphores = opt_array(m, p, "semaphores")?
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let sp = format!("{p}.semaphores[{i}]");
-            let sm = object(s, &sp)?;
-            Ok(Semaphore { init_value: u32_of(req(sm, &sp, "init_value")?, &join(&sp, "init_value"))? })
-        })
-        .collect::<Result<_>>()?;
+    })?;
+    let semaphores = each(opt_array(m, p, "semaphores")?, &join(p, "semaphores"), |s, sp| {
+        let sm = object(s, sp)?;
+        Ok(Semaphore { init_value: u32_of(req(sm, sp, "init_value")?, &join(sp, "init_value"))? })
+    })?;
     let tbp = join(p, "threadblocks");
-    let threadblocks = array(req(m, p, "threadblocks")?, &tbp)?
-        .iter()
-        .enumerate()
-        .map(|(i, t)| threadblock(t, &format!("{tbp}[{i}]")))
-        .collect::<Result<_>>()?;
+    let threadblocks = each(array(req(m, p, "threadblocks")?, &tbp)?, &tbp, threadblock)?;
     Ok(Gpu {
         id: usize_of(req(m, p, "id")?, &join(p, "id"))?,
         input_chunks: chunks("input_chunks")?,
@@ -223,67 +205,48 @@ fn gpu(v: &Value, p: &str) -> Result<Gpu> {
 
 fn threadblock(v: &Value, p: &str) -> Result<ThreadBlock> {
     let m = object(v, p)?;
-    let channels = opt_array(m, p, "channels")?
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let cp = format!("{p}.channels[{i}]");
-            let cm = object(c, &cp)?;
-            Ok(ThreadBlockChannels {
-                channel_type: comm_channel_type(req(cm, &cp, "channel_type")?, &join(&cp, "channel_type"))?,
-                channel_ids: usizes(req(cm, &cp, "channel_ids")?, &join(&cp, "channel_ids"))?,
-                buff: opt(cm, "buff").map(|b| buffer_type(b, &join(&cp, "buff"))).transpose()?,
-            })
+    let channels = each(opt_array(m, p, "channels")?, &join(p, "channels"), |c, cp| {
+        let cm = object(c, cp)?;
+        Ok(ThreadBlockChannels {
+            channel_type: comm_channel_type(req(cm, cp, "channel_type")?, &join(cp, "channel_type"))?,
+            channel_ids: usizes(req(cm, cp, "channel_ids")?, &join(cp, "channel_ids"))?,
+            buff: opt(cm, "buff").map(|b| buffer_type(b, &join(cp, "buff"))).transpose()?,
         })
-        .collect::<Result<_>>()?;
-    let remote_buffer_refs = opt_array(m, p, "remote_buffer_refs")?
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let rp = format!("{p}.remote_buffer_refs[{i}]");
-            let rm = object(r, &rp)?;
-            Ok(RemoteBufferRefs {
-                access_channel_type: comm_channel_type(
-                    req(rm, &rp, "access_channel_type")?,
-                    &join(&rp, "access_channel_type"),
-                )?,
-                remote_buffer_ids: usizes(req(rm, &rp, "remote_buffer_ids")?, &join(&rp, "remote_buffer_ids"))?,
-            })
+    })?;
+    let remote_buffer_refs = each(opt_array(m, p, "remote_buffer_refs")?, &join(p, "remote_buffer_refs"), |r, rp| {
+        let rm = object(r, rp)?;
+        Ok(RemoteBufferRefs {
+            access_channel_type: comm_channel_type(
+                req(rm, rp, "access_channel_type")?,
+                &join(rp, "access_channel_type"),
+            )?,
+            remote_buffer_ids: usizes(req(rm, rp, "remote_buffer_ids")?, &join(rp, "remote_buffer_ids"))?,
         })
-        .collect::<Result<_>>()?;
+    })?;
     let opsp = join(p, "ops");
-    let ops = array(req(m, p, "ops")?, &opsp)?
-        .iter()
-        .enumerate()
-        .map(|(i, o)| op(o, &format!("{opsp}[{i}]"), true))
-        .collect::<Result<_>>()?;
+    let ops = each(array(req(m, p, "ops")?, &opsp)?, &opsp, |o, op_path| op(o, op_path, true))?;
     Ok(ThreadBlock { id: usize_of(req(m, p, "id")?, &join(p, "id"))?, ops, channels, remote_buffer_refs })
 }
 
 fn buffer_refs(m: &Obj, p: &str, key: &str) -> Result<Vec<BufferRef>> {
     let bp = join(p, key);
-    opt_array(m, p, key)?
-        .iter()
-        .enumerate()
-        .map(|(i, b)| {
-            let ep = format!("{bp}[{i}]");
-            let bm = object(b, &ep)?;
-            let loc = if let Some(t) = opt(bm, "type") {
-                BufferLoc::Local(buffer_type(t, &join(&ep, "type"))?)
-            } else if let Some(id) = opt(bm, "buffer_id") {
-                BufferLoc::Remote(usize_of(id, &join(&ep, "buffer_id"))?)
-            } else if opt(bm, "switch_channel_id").is_some() {
-                return Err(PlanError::SwitchChannel { path: join(&ep, "switch_channel_id") });
-            } else {
-                return Err(PlanError::Missing { path: join(&ep, "type") });
-            };
-            Ok(BufferRef {
-                loc,
-                index: u64_of(req(bm, &ep, "index")?, &join(&ep, "index"))?,
-                size: u64_of(req(bm, &ep, "size")?, &join(&ep, "size"))?,
-            })
+    each(opt_array(m, p, key)?, &bp, |b, ep| {
+        let bm = object(b, ep)?;
+        let loc = if let Some(t) = opt(bm, "type") {
+            BufferLoc::Local(buffer_type(t, &join(ep, "type"))?)
+        } else if let Some(id) = opt(bm, "buffer_id") {
+            BufferLoc::Remote(usize_of(id, &join(ep, "buffer_id"))?)
+        } else if opt(bm, "switch_channel_id").is_some() {
+            return Err(PlanError::SwitchChannel { path: join(ep, "switch_channel_id") });
+        } else {
+            return Err(PlanError::Missing { path: join(ep, "type") });
+        };
+        Ok(BufferRef {
+            loc,
+            index: u64_of(req(bm, ep, "index")?, &join(ep, "index"))?,
+            size: u64_of(req(bm, ep, "size")?, &join(ep, "size"))?,
         })
-        .collect()
+    })
 }
 
 fn op(v: &Value, p: &str, top_level: bool) -> Result<Op> {
@@ -334,11 +297,7 @@ fn op(v: &Value, p: &str, top_level: bool) -> Result<Op> {
         if !top_level {
             return Err(PlanError::invalid(&np, "a pipeline inside a pipeline is not supported by MSCCL++"));
         }
-        array(req(m, p, "ops")?, &opsp)?
-            .iter()
-            .enumerate()
-            .map(|(i, o)| op(o, &format!("{opsp}[{i}]"), false))
-            .collect::<Result<_>>()?
+        each(array(req(m, p, "ops")?, &opsp)?, &opsp, |o, op_path| op(o, op_path, false))?
     } else {
         Vec::new()
     };

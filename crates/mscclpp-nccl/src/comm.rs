@@ -144,7 +144,16 @@ pub struct Comm {
     reduce_tmp: Mutex<Vec<DeviceBuffer>>,
     aborted: std::sync::atomic::AtomicBool,
     timeout: Duration,
+    noop_native: bool,
+    /// Per (operation, data type, reduction) of the header's values, whether the native
+    /// collectives serve it (computed once at init; see [`native_fast`](Self::native_fast)).
+    native_table: [[u8; ROUTE_DTS]; Op::ALL.len()],
 }
+
+/// Data types `0..ROUTE_DTS` (every `ncclDataType_t` of the header) are in the route table.
+const ROUTE_DTS: usize = 12;
+/// Reductions `0..ROUTE_REDS` (the built-in `ncclRedOp_t`s) are in the route table, one bit each.
+const ROUTE_REDS: usize = 5;
 
 impl std::fmt::Debug for Comm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -178,6 +187,10 @@ pub struct InitArgs {
     pub real: RealInit,
     /// Routing settings.
     pub settings: Settings,
+    /// Benchmarks of the host path only (no GPU): the native collectives count as present and
+    /// every call routed to them returns at once, launching nothing. Never set it otherwise.
+    #[doc(hidden)]
+    pub noop_native: bool,
 }
 
 impl InitArgs {
@@ -192,6 +205,7 @@ impl InitArgs {
             native: true,
             real: RealInit::Fresh,
             settings: Settings::current(),
+            noop_native: false,
         }
     }
 }
@@ -270,6 +284,7 @@ impl Comm {
         tracing::info!(target: "mscclpp::nccl", rank = a.rank, nranks = a.nranks, gpu = device,
             native = native.is_ok(), fallback = real.is_ok(), "communicator ready");
         let n = a.nranks;
+        let native_table = native_table(&a.settings.forced, native.is_ok() || a.noop_native);
         Ok(Arc::new(Comm {
             rank: a.rank,
             nranks: n,
@@ -288,6 +303,8 @@ impl Comm {
             reduce_tmp: Mutex::new(Vec::new()),
             aborted: std::sync::atomic::AtomicBool::new(false),
             timeout: t,
+            noop_native: a.noop_native,
+            native_table,
         }))
     }
 
@@ -391,7 +408,19 @@ impl Comm {
     fn native_for(&self, op: Op, dt: ncclDataType_t, red: ncclRedOp_t, count: usize) -> Result<(), String> {
         // The call's own limits first: they name the most specific reason.
         route::native_support(op, dt, red, count)?;
+        if self.noop_native && !op.is_p2p() {
+            return Ok(());
+        }
         if op.is_p2p() { self.p2p.clone() } else { self.native.as_ref().map(|_| ()).map_err(Clone::clone) }
+    }
+
+    /// Whether this call of a collective (not point to point) goes to the native collectives,
+    /// answered from the table built at init: no lock, no allocation, no environment read.
+    /// `false` means "ask [`route`](Self::route)", which decides every other case (and says
+    /// why). Agrees with `route` wherever it answers `true` (a unit test checks every entry).
+    #[inline]
+    pub fn native_fast(&self, op: Op, dt: ncclDataType_t, red: ncclRedOp_t, count: usize) -> bool {
+        fast_native(&self.native_table, op, dt, red, count)
     }
 
     /// Where `op` goes on this communicator, logged once per (operation, route).
@@ -403,6 +432,9 @@ impl Comm {
 
     /// Native AllReduce / AllGather / ReduceScatter / Broadcast / Reduce.
     pub fn run_native(&self, c: &Call) -> Res {
+        if self.noop_native {
+            return Ok(());
+        }
         // Described only on failure: formatting it on every call costs a good part of the
         // per-call budget (<= 1 us over a direct call).
         let what = || c.describe(self);
@@ -808,26 +840,81 @@ fn init_real(bs: &dyn Bootstrap, rank: usize, nranks: usize, s: &Settings) -> Re
     })
 }
 
+/// [`Comm::native_fast`] on a table made by [`native_table`].
+#[inline]
+fn fast_native(
+    table: &[[u8; ROUTE_DTS]; Op::ALL.len()],
+    op: Op,
+    dt: ncclDataType_t,
+    red: ncclRedOp_t,
+    count: usize,
+) -> bool {
+    // Only reductions depend on `red`; the table holds every other operation's answer in bit 0.
+    let red = if op.reduces() { red } else { 0 };
+    if op.is_p2p() || !(0..ROUTE_DTS as c_int).contains(&dt) || !(0..ROUTE_REDS as c_int).contains(&red) {
+        return false;
+    }
+    let bits = table[op as usize][dt as usize];
+    if bits & (1 << red) == 0 {
+        return false;
+    }
+    // Data movement runs as 2- or 4-byte words: an odd byte count is not native.
+    op.reduces() || route::type_size(dt).is_some_and(|es| count.saturating_mul(es).is_multiple_of(2))
+}
+
+/// The native-route table of a communicator: bit `red` of `[op][dt]` is set when
+/// [`route::route`] sends that call (of an even byte count) to the native collectives.
+fn native_table(forced: &[Op], native_up: bool) -> [[u8; ROUTE_DTS]; Op::ALL.len()] {
+    let mut t = [[0u8; ROUTE_DTS]; Op::ALL.len()];
+    if !native_up {
+        return t;
+    }
+    for op in Op::ALL {
+        if op.is_p2p() {
+            continue;
+        }
+        for dt in 0..ROUTE_DTS as c_int {
+            for red in 0..ROUTE_REDS as c_int {
+                let native = route::native_support(op, dt, red, 2);
+                if route::route(op, forced, native, Err(String::new())) == Route::Native {
+                    t[op as usize][dt as usize] |= 1 << red;
+                }
+            }
+        }
+    }
+    t
+}
+
+/// Logs where `(op, dt)` went, once per process per (operation, type, route). After the first
+/// time it is one relaxed atomic load (no lock, no allocation, no formatting).
 fn log_route(op: Op, dt: ncclDataType_t, r: &Route, rank: usize, device_p2p: bool) {
-    use std::collections::HashSet;
-    static SEEN: Mutex<Option<HashSet<(Op, c_int, u8)>>> = Mutex::new(None);
+    use std::sync::atomic::{AtomicU64, Ordering};
+    /// Bit `dt` (types past 62 share bit 63) of word `op * 4 + route kind`.
+    static SEEN: [AtomicU64; Op::ALL.len() * 4] = [const { AtomicU64::new(0) }; Op::ALL.len() * 4];
     let k = match r {
         Route::Native if op.is_p2p() && device_p2p => 3,
         Route::Native => 0,
         Route::Fallback => 1,
         Route::Refuse(_) => 2,
     };
-    let mut s = SEEN.lock().unwrap_or_else(|p| p.into_inner());
-    if s.get_or_insert_with(HashSet::new).insert((op, dt, k)) {
-        let to = match r {
-            Route::Native if op.is_p2p() && device_p2p => "native (device point-to-point over CUDA IPC)".to_string(),
-            Route::Native if op.is_p2p() => "native (host-staged point-to-point over the bootstrap)".to_string(),
-            Route::Native => "native (mscclpp collectives)".to_string(),
-            Route::Fallback => "NCCL fallback".to_string(),
-            Route::Refuse(m) => format!("refused: {m}"),
-        };
-        tracing::info!(target: "mscclpp::nccl", rank, "{op} of {} -> {to}", route::type_name(dt));
+    let bit = 1u64 << (dt.clamp(0, 63) as u32);
+    let w = &SEEN[op as usize * 4 + k];
+    if w.load(Ordering::Relaxed) & bit != 0 || w.fetch_or(bit, Ordering::Relaxed) & bit != 0 {
+        return;
     }
+    let to = match r {
+        Route::Native if op.is_p2p() && device_p2p => "native (device point-to-point over CUDA IPC)".to_string(),
+        Route::Native if op.is_p2p() => "native (host-staged point-to-point over the bootstrap)".to_string(),
+        Route::Native => "native (mscclpp collectives)".to_string(),
+        Route::Fallback => "NCCL fallback".to_string(),
+        Route::Refuse(m) => format!("refused: {m}"),
+    };
+    tracing::info!(target: "mscclpp::nccl", rank, "{op} of {} -> {to}", route::type_name(dt));
+}
+
+/// Logs a call the fast path sends to the native collectives (once, as [`Comm::route`] would).
+pub(crate) fn log_native(op: Op, dt: ncclDataType_t, rank: usize) {
+    log_route(op, dt, &Route::Native, rank, false);
 }
 
 /// One queued or immediate call.
@@ -1053,6 +1140,37 @@ pub fn shrink(c: &Arc<Comm>, exclude: &[c_int], config: Option<&ncclConfig_t>, f
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fast_route_agrees_with_the_router() {
+        let forced_sets: [&[Op]; 3] = [&[], &[Op::AllReduce, Op::Broadcast], &Op::ALL];
+        for forced in forced_sets {
+            for up in [true, false] {
+                let t = native_table(forced, up);
+                for op in Op::ALL {
+                    for dt in -1..14 {
+                        for red in -1..7 {
+                            for count in [0, 1, 2, 3, 1001] {
+                                let native = route::native_support(op, dt, red, count).and(if up {
+                                    Ok(())
+                                } else {
+                                    Err("down".into())
+                                });
+                                let r = route::route(op, forced, native, Err("no NCCL".into()));
+                                let fast = fast_native(&t, op, dt, red, count);
+                                if fast {
+                                    assert_eq!(r, Route::Native, "{op} {dt} {red} {count} {forced:?}");
+                                }
+                                if r == Route::Native && !op.is_p2p() {
+                                    assert!(fast, "the fast path misses {op} {dt} {red} {count} {forced:?}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn split_groups() {

@@ -128,8 +128,10 @@ fn call(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> Res {
-    let name = format!("nccl{op}");
-    let comm = comm_of(comm, &name)?;
+    // The common case (a collective the native path serves, outside a group) costs no lock
+    // besides the handle's, no allocation and no formatting: messages are made only on failure.
+    let name = op.c_name();
+    let comm = comm_of(comm, name)?;
     if crate::route::type_size(dt).is_none() {
         return Err(Failure::arg(format!(
             "{name} (rank {}): {} is not an ncclDataType_t",
@@ -143,6 +145,12 @@ fn call(
     {
         let what = if matches!(op, Op::Send | Op::Recv) { "peer" } else { "root" };
         return Err(Failure::arg(format!("{}: {what} {peer} is not a rank of 0..{}", c.describe(&comm), comm.nranks)));
+    }
+    if !group::active() && comm.native_fast(op, dt, red, count) {
+        // What group::run does for a group of this one call, without building the group.
+        comm.live_with(|| c.describe(&comm))?;
+        crate::comm::log_native(op, dt, comm.rank);
+        return comm.run_native(&c);
     }
     group::submit(Queued::Call { comm, call: c })
 }

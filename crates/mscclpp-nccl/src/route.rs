@@ -68,6 +68,21 @@ impl Op {
             Op::Scatter => "scatter",
         }
     }
+    /// The C function's name (`ncclAllReduce`), for messages.
+    pub fn c_name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "ncclAllReduce",
+            Op::AllGather => "ncclAllGather",
+            Op::ReduceScatter => "ncclReduceScatter",
+            Op::Broadcast => "ncclBroadcast",
+            Op::Reduce => "ncclReduce",
+            Op::Send => "ncclSend",
+            Op::Recv => "ncclRecv",
+            Op::AllToAll => "ncclAlltoAll",
+            Op::Gather => "ncclGather",
+            Op::Scatter => "ncclScatter",
+        }
+    }
     /// Whether it moves data point to point (the host-staged path here).
     pub fn is_p2p(self) -> bool {
         matches!(self, Op::Send | Op::Recv | Op::AllToAll | Op::Gather | Op::Scatter)

@@ -573,10 +573,18 @@ impl Rank<'_> {
     }
 
     /// Writes the check inputs, runs one call of ours, and counts the wrong output elements.
+    ///
+    /// Host copies (`write`, `fill`, `read`) are synchronous and may wait for the whole GPU:
+    /// where ranks share one, a copy made while a peer's kernel still waits for this rank (its
+    /// last timed call, or this check's) deadlocks until the kernel times out. So every copy
+    /// sits between barriers that come after every rank synchronized its stream.
     fn check(&self, sz: &Size, place: Place) -> Result<u64, String> {
         let s = self.spec;
         let es = s.dtype.size();
         let x = |x: mscclpp::Error| format!("rank {}: check: {x}", self.rank);
+        // Every rank is done with its timed calls (each synchronized its stream in `measure`)
+        // before any rank writes.
+        self.barrier()?;
         let in_elems = sz.in_bytes as usize / es;
         let mut input = Vec::with_capacity(sz.in_bytes as usize);
         for i in 0..in_elems {
@@ -607,6 +615,9 @@ impl Rank<'_> {
         self.barrier()?;
         self.ours(sz, place)?;
         self.sync_ours()?;
+        // Every rank's check kernel is done before any rank reads (and, after the read, goes on
+        // to a build of the next size, which opens with a barrier of its own).
+        self.barrier()?;
         let mut out = vec![0u8; sz.out_bytes as usize];
         out_buf.read(out_off, &mut out).map_err(x)?;
         let mut wrong = 0u64;
@@ -966,6 +977,10 @@ fn rank_main(
             }
             if let (Some(ex), Some(p)) = (&me.exec, &s.plan) {
                 // The plan's resources for these buffers (collective), before anything is timed.
+                // A build allocates and copies synchronously (either may wait for the whole
+                // GPU): every rank has synchronized its stream by now (the last timed run and
+                // the check each end with a synchronize), and the build opens with a barrier,
+                // so no rank builds while a peer's kernel may still wait for it.
                 let (send, recv) = me.ptrs(sz, place);
                 // SAFETY: as in `Rank::ours`.
                 unsafe { ex.prepare(rank, send, recv, sz.in_bytes, sz.out_bytes, p) }
@@ -988,6 +1003,9 @@ fn rank_main(
                 mine[w] = n as f64;
             }
         }
+        // Rank 0's copy baseline creates streams and copies: only once every rank's kernels of
+        // this size are done (each rank synchronized its stream).
+        me.barrier()?;
         if rank == 0 {
             let d =
                 mscclpp::bench::baseline_copy(&[(&me.a, &me.b)], sz.bytes as usize, s.warmup, s.iters).map_err(x)?;

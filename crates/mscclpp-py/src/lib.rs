@@ -22,6 +22,7 @@ mod comm;
 mod connection;
 mod device;
 mod errors;
+mod executor;
 mod memory;
 
 use pyo3::prelude::*;
@@ -34,5 +35,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     memory::register(m)?;
     device::register(m)?;
     collectives::register(m)?;
+    executor::register(m)?;
     Ok(())
 }

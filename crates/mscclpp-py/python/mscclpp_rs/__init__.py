@@ -23,6 +23,10 @@ communicator's :class:`Collectives`) is made::
 
     comm.all_reduce(t)                       # in place; also all_gather, reduce_scatter, broadcast
 
+MSCCL++ execution plans (the JSON its DSL writes) run unchanged through :class:`ExecutionPlan`
+and :class:`Executor` (``executor.execute(rank, send, recv, send_size, recv_size, dtype, plan,
+stream)``), as MSCCL++'s executor does.
+
 :mod:`mscclpp_rs.ext` offers MSCCL++'s ``AlgorithmCollectionBuilder`` / ``Algorithm.execute`` shape.
 
 Every call that waits releases the GIL. Errors are :class:`MscclppError` subclasses.
@@ -43,6 +47,7 @@ from ._errors import (
     MscclppError,
     MscclppTimeoutError,
     NotAvailableError,
+    PlanError,
     RemoteError,
     SystemCallError,
 )
@@ -71,6 +76,7 @@ from ._native import (
 from ._types import ErrorKind, Transport
 from . import ext
 from .ext import DataType, ReduceOp
+from ._executor import ExecutionPlan, Executor, PacketType
 
 __version__: str = _native.__version__
 
@@ -86,6 +92,8 @@ __all__ = [
     "DataType",
     "DeviceHandles",
     "ErrorKind",
+    "ExecutionPlan",
+    "Executor",
     "Host2DeviceSemaphore",
     "Host2HostSemaphore",
     "IbError",
@@ -96,6 +104,8 @@ __all__ = [
     "MscclppError",
     "MscclppTimeoutError",
     "NotAvailableError",
+    "PacketType",
+    "PlanError",
     "PortChannel",
     "ProxyService",
     "Ptx",
