@@ -866,7 +866,7 @@ __device__ void broadcast_simple(const CollArgs& a) {
 // accumulation are arguments.
 
 #define TYPED(coll, algo, D, name) \
-  extern "C" __global__ void __launch_bounds__(512, 1) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { coll##_##algo<D>(a); }
+  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { coll##_##algo<D>(a); }
 #define ALL_TYPES(coll, algo)   \
   TYPED(coll, algo, F32, f32)   \
   TYPED(coll, algo, F16, f16)   \
@@ -881,7 +881,7 @@ ALL_TYPES(allreduce, zerocopy)
 ALL_TYPES(reducescatter, packet)
 ALL_TYPES(reducescatter, simple)
 
-extern "C" __global__ void __launch_bounds__(512, 1) allgather_packet_any(const __grid_constant__ CollArgs a) { allgather_packet(a); }
-extern "C" __global__ void __launch_bounds__(512, 1) allgather_simple_any(const __grid_constant__ CollArgs a) { allgather_simple(a); }
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_packet_any(const __grid_constant__ CollArgs a) { broadcast_packet(a); }
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_simple_any(const __grid_constant__ CollArgs a) { broadcast_simple(a); }
+extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(const __grid_constant__ CollArgs a) { allgather_packet(a); }
+extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(const __grid_constant__ CollArgs a) { allgather_simple(a); }
+extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(const __grid_constant__ CollArgs a) { broadcast_packet(a); }
+extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(const __grid_constant__ CollArgs a) { broadcast_simple(a); }
