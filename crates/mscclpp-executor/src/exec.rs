@@ -291,6 +291,11 @@ impl Resources {
         // Offset 0 of a 64-byte buffer: always in range.
         self.status.atomic_u64(0).map_or(0, |w| w.load(Ordering::Acquire))
     }
+
+    /// Whether [`Executor::abort`] was called (the word at offset 8, read like the error word).
+    fn aborted(&self) -> bool {
+        self.status.atomic_u64(8).is_ok_and(|w| w.load(Ordering::Acquire) != 0)
+    }
 }
 
 /// Runs execution plans on this rank's GPU (MSCCL++'s `Executor`).
@@ -428,9 +433,14 @@ impl Executor {
     }
 
     fn check_resources(&self, r: &Resources) -> Result<(), ExecError> {
-        let code = r.error_word();
+        let mut code = r.error_word();
         if code == 0 {
-            return Ok(());
+            if !r.aborted() {
+                return Ok(());
+            }
+            // Aborted before any kernel noticed: refuse as the kernels would (they no longer
+            // read the abort word at launch; see kernel.cu).
+            code = (1 << 63) | (2 << 48) | (u64::from(NO_PEER) << 32);
         }
         let kind = match (code >> 48) & 0x7fff {
             1 => DeviceFailureKind::Timeout,

@@ -537,7 +537,10 @@ __device__ void run(const ExecArgs& a) {
   if (threadIdx.x == 0) {
     s_flag = vload(&st->flag);
     s_deadline = detail::globaltimer() + a.timeout_ns;
-    s_stop = vload(&st->failed) != 0 ? 1u : (load_sys((const u64*)a.abort) != 0 ? 2u : 0u);
+    // The abort word lives in page-locked host memory: reading it here would put a PCIe round
+    // trip (about a microsecond) at the start of every launch. Waits read it as they spin, and
+    // the host refuses launches once it is set.
+    s_stop = vload(&st->failed) != 0 ? 1u : 0u;
   }
   __syncthreads();
   Ctx c;
@@ -551,7 +554,7 @@ __device__ void run(const ExecArgs& a) {
   c.buf[1] = (char*)a.output;
   c.buf[2] = (char*)a.scratch + c.scratch_off;
   if (s_stop) {
-    if (threadIdx.x == 0) fail(c, s_stop == 2u ? ERR_ABORTED : ERR_FAILED_BEFORE, NO_PEER);
+    if (threadIdx.x == 0) fail(c, ERR_FAILED_BEFORE, NO_PEER);
     return;
   }
   const u32* blk = (const u32*)a.blocks;
