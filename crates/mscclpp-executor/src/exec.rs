@@ -272,7 +272,6 @@ struct Resources {
     threads: u32,
     status: PinnedBuffer,
     _ops: DeviceBuffer,
-    _blocks: DeviceBuffer,
     _state: DeviceBuffer,
     _mem_handles: Option<DeviceBuffer>,
     _port_handles: Option<DeviceBuffer>,
@@ -670,16 +669,27 @@ impl Executor {
         let mem_bytes: Vec<u8> = mem_channels.iter().flat_map(|c| c.device_handle().to_bytes()).collect();
         let mem_handles = upload(&mem_bytes)?;
         let port_handles = upload(&port_bytes)?;
+        // Block b's operations at slots b * stride .. (padded with no-ops), each carrying the
+        // block's count: the kernel copies its block's slots to shared memory in one step.
+        let stride = (0..low.blocks.len() / 2).map(|b| low.blocks[2 * b + 1] as usize).max().unwrap_or(0).max(1);
+        let nblocks_low = low.blocks.len() / 2;
+        let mut padded = vec![device::DevOp::default(); nblocks_low.max(1) * stride];
+        for b in 0..nblocks_low {
+            let (first, count) = (low.blocks[2 * b] as usize, low.blocks[2 * b + 1] as usize);
+            for (k, op) in low.ops[first..first + count].iter().enumerate() {
+                padded[b * stride + k] = *op;
+            }
+            for slot in &mut padded[b * stride..(b + 1) * stride] {
+                slot.block_ops = count as u32;
+            }
+        }
         let ops_buf = DeviceBuffer::new(
             ctx,
             dev,
-            (low.ops.len() * std::mem::size_of::<device::DevOp>()).max(64),
+            (padded.len() * std::mem::size_of::<device::DevOp>()).max(64),
             TransportFlags::NONE,
         )?;
-        ops_buf.write(0, &ops_bytes(&low.ops))?;
-        let block_bytes: Vec<u8> = low.blocks.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let blocks_buf = DeviceBuffer::new(ctx, dev, block_bytes.len().max(64), TransportFlags::NONE)?;
-        blocks_buf.write(0, &block_bytes)?;
+        ops_buf.write(0, &ops_bytes(&padded))?;
         // State: ExecState (16 bytes), barrier counters, semaphores.
         let bar_off = 16usize;
         let sem_off = bar_off + 4 * MAX_DEVICE_SYNCERS as usize;
@@ -691,7 +701,7 @@ impl Executor {
         let state = DeviceBuffer::new(ctx, dev, state_bytes.len(), TransportFlags::NONE)?;
         state.write(0, &state_bytes)?;
         let status = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
-        let nblocks = gpu.threadblocks.len() as u32;
+        let nblocks = nblocks_low as u32;
         let threads = plan.num_threads_per_block.clamp(32, 1024);
         // Kernels that wait on each other must all be resident: count the blocks of every rank
         // on this GPU.
@@ -727,7 +737,7 @@ impl Executor {
             scratch: scratch.device_ptr(),
             scratch_half: layout.scratch_half,
             ops: ops_buf.device_ptr(),
-            blocks: blocks_buf.device_ptr(),
+            ops_stride: stride as u64,
             mem_chans: mem_handles.as_ref().map_or(0, DeviceBuffer::device_ptr),
             port_chans: port_handles.as_ref().map_or(0, DeviceBuffer::device_ptr),
             state: state.device_ptr(),
@@ -748,7 +758,6 @@ impl Executor {
             threads,
             status,
             _ops: ops_buf,
-            _blocks: blocks_buf,
             _state: state,
             _mem_handles: mem_handles,
             _port_handles: port_handles,
