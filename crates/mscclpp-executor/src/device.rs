@@ -152,6 +152,9 @@ pub struct ExecArgs {
     pub timeout_ns: u64,
     /// Element type: 0 i32, 1 u32, 2 f32, 3 f16, 4 bf16.
     pub dtype: u64,
+    /// `u32[blocks]`: each block's LL flag (all equal: every block advances its own once per
+    /// launch, so none waits on a shared counter at its end).
+    pub flags: u64,
 }
 
 /// A field of a generated struct: (CUDA type, name, array length or 0, Rust offset).
@@ -209,6 +212,7 @@ fn args_fields() -> Vec<Field> {
         ("u64", "abort", 0, offset_of!(ExecArgs, abort)),
         ("u64", "timeout_ns", 0, offset_of!(ExecArgs, timeout_ns)),
         ("u64", "dtype", 0, offset_of!(ExecArgs, dtype)),
+        ("u64", "flags", 0, offset_of!(ExecArgs, flags)),
     ]
 }
 

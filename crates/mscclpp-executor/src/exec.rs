@@ -693,8 +693,13 @@ impl Executor {
         // State: ExecState (16 bytes), barrier counters, semaphores.
         let bar_off = 16usize;
         let sem_off = bar_off + 4 * MAX_DEVICE_SYNCERS as usize;
-        let mut state_bytes = vec![0u8; sem_off + 4 * low.semaphores.len()];
+        let flags_off = sem_off + 4 * low.semaphores.len();
+        let mut state_bytes = vec![0u8; flags_off + 4 * nblocks_low.max(1)];
         state_bytes[..4].copy_from_slice(&1u32.to_le_bytes());
+        // Every block's LL flag starts at 1.
+        for f in state_bytes[flags_off..].chunks_exact_mut(4) {
+            f.copy_from_slice(&1u32.to_le_bytes());
+        }
         for (i, v) in low.semaphores.iter().enumerate() {
             state_bytes[sem_off + 4 * i..sem_off + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
         }
@@ -747,6 +752,7 @@ impl Executor {
             abort: status.as_ptr() as u64 + 8,
             timeout_ns: u64::try_from(self.config.timeout.as_nanos()).unwrap_or(u64::MAX / 2).min(u64::MAX / 2),
             dtype: 0,
+            flags: state.device_ptr() + flags_off as u64,
         };
         tracing::debug!(target: "mscclpp::executor", rank, plan = %plan.name, blocks = nblocks, ops = low.ops.len(), scratch = layout.scratch_bytes, "plan resources ready");
         Ok(Resources {

@@ -7,9 +7,9 @@
 // a signal follows every thread's stores). A pipeline op is followed by its body; the body runs
 // n_iter times over unit_size-byte slices of every data operation.
 //
-// LL packets carry the launch's flag (ExecState.flag, advanced on the GPU by the last block to
-// finish, so CUDA graph replays use a fresh flag each time); with a double scratch buffer the
-// flag's parity picks the half.
+// LL packets carry the launch's flag (each block's own word in ExecArgs.flags, advanced by the
+// block at its end, so CUDA graph replays use a fresh flag each time; all blocks' flags stay
+// equal); with a double scratch buffer the flag's parity picks the half.
 //
 // Every wait is bounded: a thread's deadline is the moment one of its waits first spun long
 // enough to look at the clock + timeout_ns (barriers and semaphores, which wait for this rank's
@@ -42,9 +42,9 @@
 #define RO_MAX 2u
 
 struct ExecState {
-  u32 flag;      // LL flag of the running launch (starts at 1)
+  u32 unused0;   // was the shared LL flag (now per block: ExecArgs.flags)
   u32 failed;    // nonzero once any wait of this rank failed
-  u32 done;      // blocks of the running launch that finished
+  u32 unused2;   // was the count of finished blocks
   u32 reported;  // the error word was written
 };
 
@@ -534,6 +534,19 @@ __device__ void exec_op(const Ctx& c, const DevOp& op, u64 po, u64 unit) {
   }
 }
 
+// Whether `next` may start in a thread before every thread of the block finished `op`: `op`
+// only wrote LL packets (to this rank's or a peer's scratch, not through a proxy) and `next`
+// reads packets by polling their flags (so it waits for each one itself) and reads no data
+// `op` wrote. After the last operation no barrier is needed either: every thread took the
+// flag at the start.
+__device__ __forceinline__ bool packets_then_packets(const DevOp& op, const DevOp& next) {
+  const bool writes_packets = (op.kind == OP_ppkt || op.kind == OP_cpkt) && op.ctype != CT_PORT;
+  const bool polls_packets = next.kind == OP_repkt || next.kind == OP_respkt || next.kind == OP_recpkt ||
+                             next.kind == OP_recspkt || next.kind == OP_upkt ||
+                             (next.kind == OP_rppkt && next.ctype != CT_PORT);
+  return writes_packets && polls_packets;
+}
+
 // A block's operations are copied to shared memory at its start when they fit (one step for
 // every thread instead of a chain of global loads per operation); else read where they are.
 #define SHARED_OPS_BYTES 12288
@@ -551,8 +564,9 @@ __device__ void run(const ExecArgs& a) {
     const u64* src = (const u64*)g_ops;
     for (u32 i = threadIdx.x; i < op_bytes / 8; i += blockDim.x) s_ops[i] = src[i];
   }
+  u32* my_flag = (u32*)a.flags + blockIdx.x;
   if (threadIdx.x == 0) {
-    s_flag = vload(&st->flag);
+    s_flag = vload(my_flag);
     // The abort word lives in page-locked host memory: reading it here would put a PCIe round
     // trip (about a microsecond) at the start of every launch. Waits read it as they spin, and
     // the host refuses launches once it is set.
@@ -589,16 +603,14 @@ __device__ void run(const ExecArgs& a) {
       i += 1 + op.n_body;
     } else {
       exec_op<PK>(c, op, 0, ~0ull);
-      __syncthreads();
       i++;
+      if (i < count && !packets_then_packets(op, ops[i])) __syncthreads();
     }
   }
-  // The last block to finish advances the flag for the next launch (which starts after this one
-  // ends: no fence needed).
-  if (threadIdx.x == 0 && atomicAdd(&st->done, 1u) == gridDim.x - 1) {
-    st->done = 0;
-    atomicAdd(&st->flag, 1u);
-  }
+  // Each block advances its own flag for the next launch (which starts after this one ends: no
+  // fence, no shared counter to wait on). Every block runs every launch, so the flags stay equal.
+  // Past 2^32 launches it skips 0 (the value of zeroed memory) and keeps the parity alternating.
+  if (threadIdx.x == 0) *my_flag = c.flag + 1 == 0 ? 2u : c.flag + 1;
 }
 
 // The arguments stay in parameter space (__grid_constant__): taking their address does not copy
