@@ -368,24 +368,19 @@ __device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64& deadli
 // after the last one (the store rounds the same way), on the latency-bound path.
 template <typename D>
 __device__ void allreduce_allpair(const CollArgs& a) {
-  const u64 units = (a.nbytes + 7) / 8;
-  const char* in = (const char*)a.in;
-  char* out = (char*)a.out;
-  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
-  // The first input unit is loaded before the state (flag, failed bit): the two loads are in
-  // flight together instead of one after the other (the branch on the failed bit would order
-  // them), which is most of a small call's critical path.
-  uint2 first = make_uint2(0, 0);
-  if (tid < units) first = ld8(in + tid * 8, unit_bytes(tid, a.nbytes));
   u32 flag;
   u64 deadline;
   if (!pkt_begin(a, flag, deadline)) return;
   const u32 half = flag & 1, R = (u32)a.nranks, me = (u32)a.rank;
   const bool sum = a.op == OP_SUM;
+  const u64 units = (a.nbytes + 7) / 8;
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
   bool ok = true;
   for (u64 i = tid; i < units && ok; i += nth) {
     const u32 n = unit_bytes(i, a.nbytes);
-    uint2 v = i == tid ? first : ld8(in + i * 8, n);
+    uint2 v = ld8(in + i * 8, n);
     #pragma unroll 1
     for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(me + k, R), half, me, units)[i].write(v, flag);
     Acc<D, 2> acc;
