@@ -155,9 +155,6 @@ pub struct ExecArgs {
     /// `u32[blocks]`: each block's LL flag (all equal: every block advances its own once per
     /// launch, so none waits on a shared counter at its end).
     pub flags: u64,
-    /// Bytes of the input buffer of this call: block `b` prefetches its share of the input into
-    /// L1 while it copies its operations (most plans' first operation reads it).
-    pub input_bytes: u64,
 }
 
 /// A field of a generated struct: (CUDA type, name, array length or 0, Rust offset).
@@ -216,7 +213,6 @@ fn args_fields() -> Vec<Field> {
         ("u64", "timeout_ns", 0, offset_of!(ExecArgs, timeout_ns)),
         ("u64", "dtype", 0, offset_of!(ExecArgs, dtype)),
         ("u64", "flags", 0, offset_of!(ExecArgs, flags)),
-        ("u64", "input_bytes", 0, offset_of!(ExecArgs, input_bytes)),
     ]
 }
 

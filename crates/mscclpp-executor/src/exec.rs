@@ -256,8 +256,7 @@ impl<V> Cache<V> {
 }
 
 /// The kernel's argument block for one launch: the cached block with the call's element type
-/// (nothing else changes between calls on cached resources: the buffers and their sizes are the
-/// cache key).
+/// (nothing else changes between calls on cached resources).
 fn launch_args(cached: &ExecArgs, dtype: DataType) -> ExecArgs {
     ExecArgs { dtype: dtype.code(), ..*cached }
 }
@@ -754,7 +753,6 @@ impl Executor {
             timeout_ns: u64::try_from(self.config.timeout.as_nanos()).unwrap_or(u64::MAX / 2).min(u64::MAX / 2),
             dtype: 0,
             flags: state.device_ptr() + flags_off as u64,
-            input_bytes: send_size,
         };
         tracing::debug!(target: "mscclpp::executor", rank, plan = %plan.name, blocks = nblocks, ops = low.ops.len(), scratch = layout.scratch_bytes, "plan resources ready");
         Ok(Resources {

@@ -564,15 +564,6 @@ __device__ void run(const ExecArgs& a) {
     const u64* src = (const u64*)g_ops;
     for (u32 i = threadIdx.x; i < op_bytes / 8; i += blockDim.x) s_ops[i] = src[i];
   }
-  // While the operations arrive, the first warp asks L1 for this block's share of the input (at
-  // most 32 lines of 128 bytes): the first operation of most plans reads it, and an L1 hit then
-  // replaces a second round trip to L2.
-  if (threadIdx.x < 32) {
-    const u64 lo = ((u64)blockIdx.x * a.input_bytes / gridDim.x) & ~127ull;
-    const u64 hi = (u64)(blockIdx.x + 1) * a.input_bytes / gridDim.x;
-    const u64 line = lo + (u64)threadIdx.x * 128;
-    if (line < hi) asm volatile("prefetch.global.L1 [%0];" ::"l"(a.input + line));
-  }
   u32* my_flag = (u32*)a.flags + blockIdx.x;
   if (threadIdx.x == 0) {
     s_flag = vload(my_flag);
