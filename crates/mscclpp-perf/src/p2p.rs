@@ -1,6 +1,12 @@
 //! The `p2p` test: a ring, rank r writes to rank (r+1) mod N and signals it (with 2 ranks only
 //! 0 -> 1, both ways with `--bidirectional`); the same processes then do the same over plain TCP
 //! sockets on the same interface. The round trip passes one token around the ring.
+//!
+//! The raw baseline's bandwidth uses one TCP connection per direction (to `next`, from `prev`);
+//! its round trip is the natural ping-pong: with 2 ranks one connection used both ways, so each
+//! reply carries the TCP acknowledgement of the message it answers (with more ranks, each hop
+//! goes to another peer, over the ring's connections). Its reads and writes poll a non-blocking
+//! socket (spin, then yield), as our semaphore wait does.
 
 use std::io::{IsTerminal, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -285,6 +291,42 @@ fn io(what: &str, peer: usize) -> impl Fn(std::io::Error) -> String + '_ {
     move |e| format!("baseline {what} rank {peer}: {e}")
 }
 
+/// Moves `len` bytes through `f` (a read or write of a non-blocking socket, given how many
+/// bytes are done), polling: spin, then yield while it would block; fails after `t` without
+/// progress, or on `Ok(0)` (the peer closed).
+fn poll_io(
+    what: &str,
+    peer: usize,
+    len: usize,
+    t: Duration,
+    mut f: impl FnMut(usize) -> std::io::Result<usize>,
+) -> Result<(), String> {
+    let mut done = 0;
+    let mut t0 = Instant::now();
+    while done < len {
+        match f(done) {
+            Ok(0) => return Err(format!("baseline: rank {peer} closed the socket")),
+            Ok(n) => {
+                done += n;
+                t0 = Instant::now();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let el = t0.elapsed();
+                if el > t {
+                    return Err(format!("baseline: {what} rank {peer}: no progress in {t:?}"));
+                } else if el < POLL_SPIN {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(what, peer)(e)),
+        }
+    }
+    Ok(())
+}
+
 /// The frame of every bandwidth figure, ours and the baseline's: `phase(warm)` to warm up, a
 /// barrier so that all ranks start together, then seconds for `phase(iters)`; NaN on a rank that
 /// does not `take_part` (it runs the phases and the barrier all the same).
@@ -420,46 +462,39 @@ impl Side {
         Ok(lap / iters as f64 * 2.0 / self.ring.size as f64)
     }
 
-    /// The raw round trip: the same ring over the sockets, each rank polling its incoming
-    /// socket without blocking (spin, then yield), as our semaphore wait does.
+    /// The raw round trip, the natural one: with 2 ranks a ping-pong on one TCP connection used
+    /// both ways (rank 0's `out` is rank 1's `inn`), so each reply carries the TCP
+    /// acknowledgement of the message before it; with more ranks the same ring over the
+    /// sockets (each hop to another peer). Reads poll the socket without blocking (spin, then
+    /// yield), as our semaphore wait does.
     fn base_rtt(&mut self, size: u64, warm: u64, iters: u64, t: Duration) -> Result<f64, String> {
         let size = size as usize;
         let r = self.ring;
-        self.inn.set_nonblocking(true).map_err(|e| e.to_string())?;
-        let (out, inn) = (&self.out, &self.inn);
+        // With 2 ranks: the one connection between them (rank 0 dialled it, rank 1 accepted it).
+        let (tx, rx) = match (r.size, r.rank) {
+            (2, 0) => (&self.out, &self.out),
+            (2, _) => (&self.inn, &self.inn),
+            _ => (&self.out, &self.inn),
+        };
+        for s in [tx, rx] {
+            s.set_nonblocking(true).map_err(|e| e.to_string())?;
+        }
         let (src, dst) = (&self.raw_src[..size], &mut self.raw_dst[..size]);
         let recv = |dst: &mut [u8]| -> Result<(), String> {
-            let mut rd = inn;
-            let mut got = 0;
-            let t0 = Instant::now();
-            while got < dst.len() {
-                match rd.read(&mut dst[got..]) {
-                    Ok(0) => return Err(format!("baseline: rank {} closed the socket", r.prev)),
-                    Ok(n) => got += n,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        let el = t0.elapsed();
-                        if el > t {
-                            return Err(format!("baseline: nothing from rank {} in {t:?}", r.prev));
-                        } else if el < POLL_SPIN {
-                            std::hint::spin_loop();
-                        } else {
-                            std::thread::yield_now();
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(io("read from", r.prev)(e)),
-                }
-            }
-            Ok(())
+            let n = dst.len();
+            let mut rd = rx;
+            poll_io("read from", r.prev, n, t, |got| rd.read(&mut dst[got..]))
         };
         let send = || -> Result<(), String> {
-            let mut w = out;
-            w.write_all(src).map_err(io("write to", r.next))
+            let mut w = tx;
+            poll_io("write to", r.next, src.len(), t, |sent| w.write(&src[sent..]))
         };
         let res = laps(warm, iters, || {
             if r.rank == 0 { send().and_then(|_| recv(dst)) } else { recv(dst).and_then(|_| send()) }
         });
-        self.inn.set_nonblocking(false).map_err(|e| e.to_string())?;
+        for s in [tx, rx] {
+            s.set_nonblocking(false).map_err(|e| e.to_string())?;
+        }
         Ok(res? / iters as f64 * 2.0 / r.size as f64)
     }
 
@@ -624,8 +659,9 @@ fn baseline_desc(args: &Args) -> String {
             if args.ib() { "; raw verbs figures: perftest ib_write_bw/ib_write_lat on the same device" } else { "" };
         format!(
             "plain TCP sockets (TCP_NODELAY) between the same processes and interface, host memory, in the same \
-             pattern; its round trip polls the socket without blocking (spin, then yield) as our semaphore wait \
-             does{ib}"
+             pattern (bandwidth: one connection per direction); its round trip is a ping-pong on one connection \
+             used both ways (with more than 2 ranks, the ring's connections), polling the socket without blocking \
+             (spin, then yield) as our semaphore wait does{ib}"
         )
     }
 }
