@@ -17,6 +17,11 @@
 //! | `MSCCLPP_NVRTC_PATH` | `libnvrtc.so*` or its directory, for [`crate::device::compile`] (read when NVRTC first loads) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
+//!
+//! MSCCL++'s other variables ([`UNREAD_MSCCLPP_VARS`]: `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM`,
+//! `MSCCLPP_NPKIT_DUMP_DIR`, the NCCL fallback's, ...) are not read here; when any is set, the
+//! first use of the environment logs one warning (target `mscclpp::env`) naming them and saying
+//! they have no effect.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -119,7 +124,30 @@ pub struct Env {
     /// Warnings about the log settings (deprecated names, subsystems this library does not have),
     /// printed once by `init_logging`.
     pub log_warnings: Vec<String>,
+    /// The [`UNREAD_MSCCLPP_VARS`] that are set (to anything): they have no effect here.
+    pub unread: Vec<String>,
 }
+
+/// Variables MSCCL++ reads (its `src/core/env.cpp`, and earlier releases') that this library
+/// does not, each with what it does there: setting one has no effect here, which the first use
+/// of the environment says once in the log.
+pub const UNREAD_MSCCLPP_VARS: [(&str, &str); 15] = [
+    ("MSCCLPP_DEBUG_FILE", "MSCCL++'s deprecated name of the log file: use MSCCLPP_LOG_FILE"),
+    ("MSCCLPP_COMM_ID", "bootstrap root address for the NCCL interface"),
+    ("MSCCLPP_CACHE_DIR", "cache of compiled execution plans"),
+    ("MSCCLPP_NPKIT_DUMP_DIR", "NPKit profiling dumps"),
+    ("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "CUDA IPC copies on the default stream"),
+    ("MSCCLPP_NCCL_LIB_PATH", "the NCCL library of the NCCL fallback"),
+    ("MSCCLPP_ENABLE_NCCL_FALLBACK", "the NCCL fallback"),
+    ("MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION", "operations forced to the NCCL fallback"),
+    ("MSCCLPP_NCCL_SYMMETRIC_MEMORY", "symmetric memory in the NCCL interface"),
+    ("MSCCLPP_FORCE_DISABLE_NVLS", "turning NVLS (NVLink SHARP) off"),
+    ("MSCCLPP_FORCE_DISABLE_GDR", "turning GDRCopy off"),
+    ("MSCCLPP_EXECUTION_PLAN_DIR", "execution plans of the executor"),
+    ("MSCCLPP_DISABLE_CHANNEL_CACHE", "the NCCL interface's channel cache"),
+    ("MSCCLPP_NPKIT_FLAGS", "NPKit event selection"),
+    ("MSCCLPP_ENABLE_TRACE", "tracing of the NCCL interface"),
+];
 
 /// The subsystem names `MSCCLPP_LOG_SUBSYS` accepts.
 pub(crate) const LOG_SUBSYSTEMS: [&str; 7] = ["ENV", "GPU", "NET", "CONN", "IB", "BOOTSTRAP", "PROXY"];
@@ -230,7 +258,45 @@ impl Env {
         }
         env.log_warnings = warnings;
         env.log_file = get("MSCCLPP_LOG_FILE").map(PathBuf::from);
+        env.unread =
+            UNREAD_MSCCLPP_VARS.iter().filter(|(k, _)| lookup(k).is_some()).map(|(k, _)| k.to_string()).collect();
         Ok(env)
+    }
+
+    /// The warning about [`Env::unread`], if any is set.
+    pub(crate) fn unread_warning(&self) -> Option<String> {
+        if self.unread.is_empty() {
+            return None;
+        }
+        let what: Vec<String> = self
+            .unread
+            .iter()
+            .map(|k| {
+                let why = UNREAD_MSCCLPP_VARS.iter().find(|(n, _)| n == k).map_or("", |(_, w)| w);
+                format!("{k} ({why})")
+            })
+            .collect();
+        Some(format!(
+            "MSCCL++ environment variable(s) set that this library does not read; they have no effect here: {}",
+            what.join(", ")
+        ))
+    }
+}
+
+/// The environment as read, without the warning about unread variables.
+pub(crate) fn env_quiet() -> Result<&'static Env> {
+    static ENV: OnceLock<Result<Env>> = OnceLock::new();
+    ENV.get_or_init(|| Env::from_lookup(|k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned())))
+        .as_ref()
+        .map_err(Error::duplicate)
+}
+
+/// Logs the warning about [`Env::unread`] once per process (`init_logging` calls it after
+/// installing its subscriber, so the warning is not lost when that is the first use).
+pub(crate) fn warn_unread_once(env: &Env) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if let Some(w) = env.unread_warning() {
+        WARNED.call_once(|| tracing::warn!(target: "mscclpp::env", "{w}"));
     }
 }
 
@@ -239,8 +305,9 @@ impl Env {
 /// # Errors
 /// `InvalidUsage` naming the variable whose value does not parse (the same error every call).
 pub fn env() -> Result<&'static Env> {
-    static ENV: OnceLock<Result<Env>> = OnceLock::new();
-    ENV.get_or_init(|| Env::from_lookup(|k| std::env::var(k).ok())).as_ref().map_err(Error::duplicate)
+    let e = env_quiet()?;
+    warn_unread_once(e);
+    Ok(e)
 }
 
 #[cfg(test)]
@@ -328,6 +395,35 @@ mod tests {
         // a bad value names the variable it came from
         let err = parse(&[("MSCCLPP_DEBUG", "LOUD")]).unwrap_err();
         assert!(err.to_string().contains("MSCCLPP_DEBUG="), "{err}");
+    }
+
+    #[test]
+    fn unread_msccl_variables_are_named_in_one_warning() {
+        let e = parse(&[
+            ("MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "1"),
+            ("MSCCLPP_LOG_LEVEL", "info"),
+            ("MSCCLPP_NPKIT_DUMP_DIR", "/tmp/npkit"),
+            ("MSCCLPP_FORCE_DISABLE_NVLS", ""),
+            ("MSCCLPP_SOMETHING_ELSE", "1"),
+        ])
+        .unwrap();
+        assert_eq!(
+            e.unread,
+            vec!["MSCCLPP_NPKIT_DUMP_DIR", "MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM", "MSCCLPP_FORCE_DISABLE_NVLS"]
+        );
+        let w = e.unread_warning().unwrap();
+        assert!(w.contains("no effect here"), "{w}");
+        for k in &e.unread {
+            assert!(w.contains(k.as_str()), "{w}");
+        }
+        assert!(!w.contains("MSCCLPP_LOG_LEVEL") && !w.contains("MSCCLPP_SOMETHING_ELSE"), "{w}");
+        // Nothing unread set: no warning.
+        assert_eq!(parse(&[("MSCCLPP_HOSTID", "h")]).unwrap().unread_warning(), None);
+        // None of them is one this library reads (their values change nothing else).
+        let all: Vec<(&str, &str)> = UNREAD_MSCCLPP_VARS.iter().map(|(k, _)| (*k, "not a value")).collect();
+        let e = parse(&all).unwrap();
+        assert_eq!(e.unread.len(), UNREAD_MSCCLPP_VARS.len());
+        assert_eq!(Env { unread: Vec::new(), ..e }, Env::default());
     }
 
     #[test]

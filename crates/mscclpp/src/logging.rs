@@ -1,6 +1,6 @@
 //! Opt-in logging set up from the `MSCCLPP_LOG_*` variables.
 
-use crate::env::{LogLevel, env};
+use crate::env::LogLevel;
 use crate::error::{Error, Result};
 
 /// Target of the warnings about the log settings themselves.
@@ -183,7 +183,7 @@ pub fn init_logging() -> Result<()> {
     use tracing_subscriber::filter::Targets;
     use tracing_subscriber::fmt::writer::BoxMakeWriter;
     use tracing_subscriber::prelude::*;
-    let e = env()?;
+    let e = crate::env::env_quiet()?;
     let level = e.log_level.unwrap_or(LogLevel::Warn);
     let mut d = directives(level, e.log_subsys.as_ref());
     if level >= LogLevel::Warn {
@@ -224,6 +224,7 @@ pub fn init_logging() -> Result<()> {
     for w in &e.log_warnings {
         tracing::warn!(target: SETTINGS_TARGET, "{w}");
     }
+    crate::env::warn_unread_once(e);
     Ok(())
 }
 
