@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 use super::acceptor::dial;
 use super::core::{Op, SenderCore};
 use super::recv::{Drainer, RxState, receiver_loop};
-use super::send::{Src, Tx, ack_loop, sender_loop, stall_limit};
+use super::send::{Src, Tx, sender_loop, stall_limit};
 use super::stager::Stager;
 use super::{CLOSE_GRACE, LOG};
 use crate::conn::endpoint::{Endpoint, EndpointKind};
@@ -49,12 +49,20 @@ pub(super) struct Shared {
     pub(super) cond: Condvar,
     /// Wakes the sender thread: work queued, failure, stop.
     pub(super) tx_cond: Condvar,
-    /// The outgoing socket, locked by whoever sends.
-    pub(super) out: Mutex<TcpStream>,
-    /// A clone of the outgoing socket, for shutdown.
-    out_ctl: TcpStream,
-    /// A clone of the incoming socket once it arrived, for shutdown.
-    pub(super) in_ctl: Mutex<Option<TcpStream>>,
+    /// The frame socket (this side's frames out, the peer's in), locked by whoever sends; `None`
+    /// until known (on the high side it is the accepted one, which the receiver thread takes).
+    pub(super) out: Mutex<Option<TcpStream>>,
+    /// Clones of the frame socket and of the record socket (acknowledgements both ways) once
+    /// known, for shutdown.
+    pub(super) frames_ctl: Mutex<Option<TcpStream>>,
+    pub(super) records_ctl: Mutex<Option<TcpStream>>,
+    /// Whether this side is the low one (see "Sockets" in `mod.rs`): its dialled socket carries
+    /// the frames, the accepted one the records; the other way round on the high side.
+    pub(super) low: bool,
+    /// The receiver thread has its sockets (so it sends a closing record when closing).
+    pub(super) rx_started: AtomicBool,
+    /// Threads the receiver thread started (the record reader), joined on drop.
+    pub(super) late_threads: Mutex<Vec<JoinHandle<()>>>,
     /// The receiving half, once the peer's socket arrived.
     pub(super) rx: Mutex<Option<RxState>>,
     /// When a waiting thread last polled the socket itself, in ns since `born`.
@@ -75,9 +83,10 @@ impl Shared {
         self.fail_with(e, true);
     }
 
-    /// Records the first failure and wakes everyone; with `cut_acks`, also shuts the outgoing
-    /// socket, ending the acknowledgement stream (not when the peer merely closed its side: its
-    /// last acknowledgements may still be on their way here).
+    /// Records the first failure and wakes everyone, and shuts the frame socket; with
+    /// `cut_acks`, also the record socket both ways, ending the acknowledgement stream (not when
+    /// the peer merely closed its side: its last acknowledgements may still be on their way
+    /// here; then only this side's records end).
     pub(super) fn fail_with(&self, e: Error, cut_acks: bool) {
         let mut st = lock(&self.st);
         if st.failed.is_none() && !st.closing {
@@ -88,11 +97,20 @@ impl Shared {
         drop(st);
         self.cond.notify_all();
         self.tx_cond.notify_all();
-        if cut_acks {
-            let _ = self.out_ctl.shutdown(Shutdown::Both);
-        }
-        if let Some(s) = lock(&self.in_ctl).as_ref() {
+        if let Some(s) = lock(&self.frames_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Both);
+        }
+        if let Some(s) = lock(&self.records_ctl).as_ref() {
+            let _ = s.shutdown(if cut_acks { Shutdown::Both } else { Shutdown::Write });
+        }
+    }
+
+    /// Shuts both sockets both ways (those known).
+    fn shut_all(&self) {
+        for c in [&self.frames_ctl, &self.records_ctl] {
+            if let Some(s) = lock(c).as_ref() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
     }
 
@@ -278,27 +296,25 @@ impl Drop for EthernetConnection {
         self.sh.tx_cond.notify_all();
         // The receiver first: its socket shut for reading wakes it, it acknowledges every frame
         // it applied (see "Closing" above), and only then does the socket close.
-        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
+        if let Some(s) = lock(&self.sh.frames_ctl).as_ref() {
             let _ = s.shutdown(Shutdown::Read);
         }
         {
             let end = Deadline::after(CLOSE_GRACE);
             let mut st = lock(&self.sh.st);
-            while !st.rx_done && lock(&self.sh.in_ctl).is_some() && !end.expired() {
+            while !st.rx_done && self.sh.rx_started.load(Ordering::Acquire) && !end.expired() {
                 st =
                     self.sh.cond.wait_timeout(st, end.remaining()).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
             }
         }
-        let _ = self.sh.out_ctl.shutdown(Shutdown::Both);
-        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        self.sh.shut_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
         // A receiver that had not yet taken its socket may have stored it after the shutdown above.
-        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
-            let _ = s.shutdown(Shutdown::Both);
+        self.sh.shut_all();
+        for t in std::mem::take(&mut *lock(&self.sh.late_threads)) {
+            let _ = t.join();
         }
     }
 }
@@ -317,15 +333,23 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         Some(p) => format!("rank {p} ({addr})"),
         None => addr.to_string(),
     };
-    let (out, remote_context) =
+    let EndpointKind::Ethernet { addr: my_addr, secret: my_secret } = &local.desc().kind else {
+        return Err(Error::invalid_usage("not a pair of Ethernet endpoints"));
+    };
+    // Both sides order the two endpoints alike: the low side's dialled socket carries the frames
+    // both ways, the high side's the records (see "Sockets" in `mod.rs`).
+    let low = (*my_addr, *my_secret) < (*addr, *secret);
+    let (dialled, remote_context) =
         dial(*addr, secret, ctx.inner().id, deadline).map_err(|e| e.during(format!("connecting to {peer_desc}")))?;
     // A send blocks while the peer's socket is full; a peer that reads nothing for this long
     // (stopped, stuck) fails the connection instead of hanging the sending thread, which may be
     // the caller's own (small writes and signals are sent inline).
-    out.set_write_timeout(Some(stall_limit(cfg.ethernet.connect_timeout)))
+    dialled
+        .set_write_timeout(Some(stall_limit(cfg.ethernet.connect_timeout)))
         .map_err(|e| Error::io("setting the send timeout of a socket", e))?;
-    let out_ctl = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
-    let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
+    let clone = || dialled.try_clone().map_err(|e| Error::io("cloning a socket", e));
+    let (out, frames_ctl, records_ctl) =
+        if low { (Some(clone()?), Some(clone()?), None) } else { (None, None, Some(clone()?)) };
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
         st: Mutex::new(State {
@@ -341,8 +365,11 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         cond: Condvar::new(),
         tx_cond: Condvar::new(),
         out: Mutex::new(out),
-        out_ctl,
-        in_ctl: Mutex::new(None),
+        frames_ctl: Mutex::new(frames_ctl),
+        records_ctl: Mutex::new(records_ctl),
+        low,
+        rx_started: AtomicBool::new(false),
+        late_threads: Mutex::new(Vec::new()),
         rx: Mutex::new(None),
         waiter_polled: AtomicU64::new(0),
         born: Instant::now(),
@@ -360,7 +387,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             .map_err(|e| Error::io(format!("starting thread {name}"), e))
     };
     let mut conn = EthernetConnection { sh: sh.clone(), remote_context, threads: Vec::new() };
-    let (s1, s2, s3) = (sh.clone(), sh.clone(), sh.clone());
+    let (s1, s3) = (sh.clone(), sh.clone());
     let ctx_inner = ctx.inner().clone();
     // Threads serving a GPU run on its NUMA node (where its staging copies are cheapest); for
     // host memory they are left to the scheduler.
@@ -383,12 +410,11 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             sender_loop(s1)
         }),
     )?);
-    threads.push(spawn("mscclpp-eth-ack", Box::new(move || ack_loop(s2, ack_sock)))?);
     threads.push(spawn(
         "mscclpp-eth-rx",
         Box::new(move || {
             pin("mscclpp-eth-rx");
-            receiver_loop(s3, ctx_inner, acceptor, deadline)
+            receiver_loop(s3, ctx_inner, acceptor, deadline, dialled)
         }),
     )?);
     conn.threads = threads;

@@ -397,6 +397,11 @@ impl ReceiverCore {
         self.expect - 1
     }
 
+    /// Whether an acknowledgement is due (the next call returns it, whatever the input).
+    pub(crate) fn ack_due(&self) -> bool {
+        self.pending_ack.is_some()
+    }
+
     /// The current write's next offset and the payload bytes still due, if a write is being
     /// received.
     pub(crate) fn payload_pending(&self) -> Option<(u64, u64)> {

@@ -11,13 +11,19 @@
 //! handle, `flush`, closing, and `connect`, which starts the three threads).
 //!
 //! # Sockets
-//! Each side of a connection has two TCP sockets: the one it opened to the peer's endpoint
-//! (`out`: its frames go out, the peer's acknowledgements come back) and the one the peer opened
-//! to its endpoint (`in`: the peer's frames come in, its acknowledgements go out). An endpoint
-//! accepts on a thread of its own from the moment it is created, so `connect` never waits for
-//! the peer to be inside `connect` too, and all-pairs setup in any order cannot deadlock.
+//! Each pair of endpoints has two TCP sockets, one dialled by each side (an endpoint accepts on
+//! a thread of its own from the moment it is created, so `connect` never waits for the peer to
+//! be inside `connect` too, and all-pairs setup in any order cannot deadlock). Their roles: the
+//! socket dialled by the *low* side (the lower of the two endpoints' `(address, secret)`, which
+//! both sides compute alike) carries the frames of both sides, one direction each; the other
+//! carries the records (acknowledgements, refusals, closing) of both sides. A ping-pong of
+//! writes and signals then runs on one TCP connection, so each frame carries the TCP
+//! acknowledgement of the one it answers (with one connection per direction every frame was
+//! acknowledged by a segment of its own: 4 segments per round trip instead of 2). The high side
+//! sends its first frame once its receiver thread has taken the accepted socket.
 //! Each socket opens with a handshake carrying the endpoint's 128-bit secret (which only the
-//! peer learned, through the bootstrap); a connection without it is dropped.
+//! peer learned, through the bootstrap); a connection without it is dropped. The handshake's
+//! version (2) names this layout: a peer of version 1 (one socket per direction) is refused.
 //!
 //! # Frames
 //! A [`wire::FrameHeader`] (48 bytes, little-endian) names the operation, a sequence number, the
@@ -33,10 +39,10 @@
 //! sends) and every 256 frames; `flush` waits for the acknowledgement of everything issued.
 //!
 //! # Closing
-//! Dropping a connection acknowledges everything its receiver applied before the socket closes:
-//! the receiver is woken (its socket shut for reading), applies what had already arrived, and
-//! sends a closing record naming the last frame it applied ([`wire::Record::Closing`]); only then
-//! is the socket closed. The peer's `flush` succeeds when every operation it covers is
+//! Dropping a connection acknowledges everything its receiver applied before the sockets close:
+//! the receiver is woken (the frame socket shut for reading), applies what had already arrived,
+//! and sends a closing record naming the last frame it applied ([`wire::Record::Closing`]) on
+//! the record socket; only then are the sockets closed. The peer's `flush` succeeds when every operation it covers is
 //! acknowledged and the peer closed this way (the end of the peer's frames does not cut this
 //! side's acknowledgement stream short), and fails with the closing error otherwise: for
 //! operations still in flight at the close, and after a peer that died (no closing record).

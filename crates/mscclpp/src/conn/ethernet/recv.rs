@@ -15,7 +15,7 @@ use super::LOG;
 use super::acceptor::Acceptor;
 use super::connection::Shared;
 use super::core::{ReceiverCore, RegionInfo, RxEvent};
-use super::send::{send_record, stall_limit};
+use super::send::{ack_loop, send_record, stall_limit};
 use super::stager::{StageError, Stager, stager_for};
 use super::wire::Record;
 use crate::context::ContextInner;
@@ -72,6 +72,8 @@ fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion
 /// may a thread waiting for a signal (`poll_incoming`), whichever gets there first.
 pub(super) struct RxState {
     pub(super) rd: BufReader<RxSocket>,
+    /// The record socket: acknowledgements and refusals go out on it.
+    rec: TcpStream,
     pub(super) core: ReceiverCore,
     /// The region of the write being received.
     cur: Option<Arc<LocalRegion>>,
@@ -115,7 +117,7 @@ impl RxState {
                 Ok(x) => x,
                 Err(why) => {
                     warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
-                    let _ = send_record(&self.rd.get_ref().sock, &Record::refusal(&why));
+                    let _ = send_record(&self.rec, &Record::refusal(&why));
                     sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
                     self.applied_all = false;
                     self.done = true;
@@ -190,12 +192,19 @@ impl RxState {
                     };
                     if r.is_ok() {
                         self.ctx.notify_tokens();
+                        // A token usually ends what the peer sent: with nothing buffered and no
+                        // acknowledgement due, return now (a waiter sees its signal without
+                        // another read, which would only find the socket empty).
+                        if self.rd.buffer().is_empty() && !self.core.ack_due() {
+                            progressed = true;
+                            break;
+                        }
                     }
                     r
                 }
                 Some(RxEvent::Ack(seq)) => {
                     self.rd.consume(used);
-                    if let Err(e) = send_record(&self.rd.get_ref().sock, &Record::Ack(seq)) {
+                    if let Err(e) = send_record(&self.rec, &Record::Ack(seq)) {
                         if !sh.stop.load(Ordering::Acquire) {
                             sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
                         }
@@ -225,8 +234,14 @@ impl RxState {
 
 /// Takes the peer's socket, then applies its frames as the receiver core directs, waiting for
 /// data outside the receiver's lock; then says it has finished.
-pub(super) fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Deadline) {
-    receive(&sh, ctx, acceptor, deadline);
+pub(super) fn receiver_loop(
+    sh: Arc<Shared>,
+    ctx: Arc<ContextInner>,
+    acceptor: Arc<Acceptor>,
+    deadline: Deadline,
+    dialled: TcpStream,
+) {
+    receive(&sh, ctx, acceptor, deadline, dialled);
     lock(&sh.st).rx_done = true;
     sh.cond.notify_all();
 }
@@ -234,8 +249,14 @@ pub(super) fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: A
 /// How long a closing receiver's last acknowledgement may take to send.
 const LAST_ACK_WAIT: Duration = Duration::from_secs(1);
 
-pub(super) fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Deadline) {
-    let s = match acceptor.take(deadline, &sh.stop) {
+pub(super) fn receive(
+    sh: &Arc<Shared>,
+    ctx: Arc<ContextInner>,
+    acceptor: Arc<Acceptor>,
+    deadline: Deadline,
+    dialled: TcpStream,
+) {
+    let accepted = match acceptor.take(deadline, &sh.stop) {
         Ok(s) => s,
         Err(e) => {
             if !sh.stop.load(Ordering::Acquire) {
@@ -245,23 +266,45 @@ pub(super) fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Accepto
         }
     };
     drop(acceptor);
-    if let Ok(c) = s.try_clone() {
-        *lock(&sh.in_ctl) = Some(c);
-    }
-    if sh.stop.load(Ordering::Acquire) || lock(&sh.st).failed.is_some() {
-        let _ = s.shutdown(Shutdown::Both);
-        return;
-    }
+    // One socket carries the frames both ways, the other the records (see "Sockets").
+    let (s, rec) = if sh.low { (dialled, accepted) } else { (accepted, dialled) };
     // Reads of a payload's remaining bytes block; a peer that stops in the middle of a frame
-    // fails the connection after this long instead of hanging it. So do acknowledgements sent
-    // back to a peer that stopped reading them (from this thread or a waiter's).
+    // fails the connection after this long instead of hanging it. So do frames and
+    // acknowledgements sent to a peer that stopped reading them (from any thread).
     let _ = s.set_read_timeout(Some(stall_limit(sh.wait_limit)));
     let _ = s.set_write_timeout(Some(stall_limit(sh.wait_limit)));
-    let Ok(watch) = s.try_clone() else {
-        sh.fail(Error::new(ErrorKind::Internal, "cloning the incoming socket failed"));
+    let _ = rec.set_write_timeout(Some(stall_limit(sh.wait_limit)));
+    let _ = s.set_nodelay(true);
+    let _ = rec.set_nodelay(true);
+    let clones = (s.try_clone(), s.try_clone(), s.try_clone(), rec.try_clone(), rec.try_clone());
+    let (Ok(f_ctl), Ok(f_out), Ok(watch), Ok(r_ctl), Ok(r_acks)) = clones else {
+        sh.fail(Error::new(ErrorKind::Internal, "cloning a socket failed"));
+        let _ = s.shutdown(Shutdown::Both);
+        let _ = rec.shutdown(Shutdown::Both);
         return;
     };
+    *lock(&sh.frames_ctl) = Some(f_ctl);
+    *lock(&sh.records_ctl) = Some(r_ctl);
+    if sh.stop.load(Ordering::Acquire) || lock(&sh.st).failed.is_some() {
+        let _ = s.shutdown(Shutdown::Both);
+        let _ = rec.shutdown(Shutdown::Both);
+        return;
+    }
+    if !sh.low {
+        *lock(&sh.out) = Some(f_out);
+        sh.tx_cond.notify_all();
+    }
+    let sh2 = sh.clone();
+    match std::thread::Builder::new().name("mscclpp-eth-ack".into()).spawn(move || ack_loop(sh2, r_acks)) {
+        Ok(t) => lock(&sh.late_threads).push(t),
+        Err(e) => {
+            sh.fail(Error::io("starting thread mscclpp-eth-ack", e));
+            return;
+        }
+    }
+    sh.rx_started.store(true, Ordering::Release);
     *lock(&sh.rx) = Some(RxState {
+        rec,
         rd: BufReader::with_capacity(256 * 1024, RxSocket { sock: s }),
         core: ReceiverCore::default(),
         cur: None,
@@ -306,7 +349,7 @@ pub(super) fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Accepto
     let Some(rx) = g.as_mut() else { return };
     while !rx.done && rx.drain(sh, Drainer::Thread) {}
     if rx.applied_all {
-        let s = &rx.rd.get_ref().sock;
+        let s = &rx.rec;
         let _ = s.set_write_timeout(Some(LAST_ACK_WAIT));
         if let Err(e) = send_record(s, &Record::Closing(rx.core.applied_through())) {
             debug!(target: LOG, "last acknowledgement to {}: {e}", sh.peer_desc);
@@ -416,13 +459,14 @@ mod tests {
             // The fake peer's own "endpoint": a raw listener that answers the handshake.
             let fake = TcpListener::bind("127.0.0.1:0").unwrap();
             let fake_secret = [3u8; 16];
+            let fake_addr = fake.local_addr().unwrap();
             let remote = Endpoint::from_desc_for_test(EndpointDesc {
                 transport: Transport::Ethernet,
                 device: crate::Device::Cpu,
                 host_hash: 1,
                 process_hash: 2,
                 max_write_queue_size: 8,
-                kind: EndpointKind::Ethernet { addr: fake.local_addr().unwrap(), secret: fake_secret },
+                kind: EndpointKind::Ethernet { addr: fake_addr, secret: fake_secret },
             });
             let fake_ctx = 0xfeed_u64;
             let acc = std::thread::spawn(move || {
@@ -430,9 +474,12 @@ mod tests {
                 accept_handshake(s, &fake_secret, fake_ctx).unwrap()
             });
             let conn = ctx.connect(&ep, &remote).unwrap();
-            let _their_in = acc.join().unwrap();
-            // The fake dials our endpoint with the right secret and sends a bad frame.
-            let (mut s, _) = dial(ep_addr, &ep_secret, fake_ctx, Deadline::after(Duration::from_secs(5))).unwrap();
+            let ours = acc.join().unwrap();
+            // The fake dials our endpoint with the right secret and sends a bad frame on the
+            // frame socket (the one the low side dialled), reading records on the other.
+            let (theirs, _) = dial(ep_addr, &ep_secret, fake_ctx, Deadline::after(Duration::from_secs(5))).unwrap();
+            let we_are_low = (ep_addr, ep_secret) < (fake_addr, fake_secret);
+            let (mut frames, mut s) = if we_are_low { (ours, theirs) } else { (theirs, ours) };
             let id = target.memory().desc().region_id;
             let h = match bad {
                 "unregistered" => header(OP_WRITE, 1, id + 1000, 0, 16, 0),
@@ -441,7 +488,7 @@ mod tests {
             };
             let mut frame = h.to_vec();
             frame.extend_from_slice(&[0xAA; 16]);
-            s.write_all(&frame).unwrap();
+            frames.write_all(&frame).unwrap();
             // We are told why, then the socket closes.
             let mut rec = [0u8; 16];
             s.read_exact(&mut rec).unwrap();

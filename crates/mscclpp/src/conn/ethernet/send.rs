@@ -106,8 +106,11 @@ impl Shared {
             return Ok(());
         }
         drop(st);
-        if inline && let Ok(mut out) = self.out.try_lock() {
-            self.pump(&mut out, true);
+        if inline
+            && let Ok(mut out) = self.out.try_lock()
+            && let Some(out) = out.as_mut()
+        {
+            self.pump(out, true);
         }
         // Wake the sender thread if anything is left (it re-checks under the lock).
         let mut st = lock(&self.st);
@@ -237,11 +240,21 @@ pub(super) fn sender_loop(sh: Arc<Shared>) {
         }
         last_work = Instant::now();
         let mut out = lock(&sh.out);
-        sh.pump(&mut out, false);
+        match out.as_mut() {
+            Some(out) => sh.pump(out, false),
+            // The high side's frame socket is the accepted one: the receiver thread installs it.
+            None => {
+                drop(out);
+                if sh.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(TX_TICK);
+            }
+        }
     }
 }
 
-/// Reads acknowledgements and refusals from the outgoing socket and hands them to the core,
+/// Reads acknowledgements and refusals from the record socket and hands them to the core,
 /// until the socket ends; then says so (a flush waiting on a closed connection may decide).
 pub(super) fn ack_loop(sh: Arc<Shared>, s: TcpStream) {
     read_acks(&sh, s);

@@ -25,7 +25,9 @@ const REC_ERR: u8 = 2;
 const REC_CLOSE: u8 = 3;
 
 const HS_MAGIC: &[u8; 4] = b"MSEH";
-const HS_VERSION: u16 = 1;
+/// Version 2: one socket carries the frames both ways, the other the records (see "Sockets" in
+/// `mod.rs`); version 1 peers (one socket per direction) are refused at the handshake.
+const HS_VERSION: u16 = 2;
 const HS_ACK: u8 = 0xa5;
 /// Size of a [`Hello`] body.
 pub(crate) const HELLO_LEN: usize = 4 + 2 + 16 + 8;
@@ -320,6 +322,14 @@ mod tests {
             check_bytes::<Hello>(&junk);
             check_bytes::<HelloAck>(&junk);
         }
+    }
+
+    #[test]
+    fn version_1_handshakes_are_refused() {
+        let mut b = Hello { secret: [1; 16], context: 2 }.to_wire();
+        b[4..6].copy_from_slice(&1u16.to_le_bytes());
+        let e = Hello::from_wire(&b).unwrap_err().to_string();
+        assert!(e.contains("version 1 is not supported"), "{e}");
     }
 
     #[test]
