@@ -67,23 +67,27 @@ if [ -f ../nccl-ignored/libnccl.so.2.xz ]; then
   python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('../nccl-ignored/libnccl.so.2.xz'), open('/tmp/libnccl.so.2','wb'))" && nccl="--nccl /tmp/libnccl.so.2"
 fi
 T="$logs/tests.log"; P="$logs/perf.txt"
+step "unit tests, away from the source tree" 60 "$T" ./bin/unit-tests --test-threads=1
 # The collectives' GPU tests, each in its own process (a fault in one must not poison the next).
 for t in $(./bin/gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
   step "collectives $t" 150 "$T" ./bin/gpu --ignored --exact --nocapture --test-threads=1 "$t"
 done
-step "device (FIFO, proxy, PortChannel)" 120 "$T" ./bin/device --ignored --test-threads=1 --nocapture
-step "memory_channel" 120 "$T" ./bin/memory_channel --ignored --test-threads=1 --nocapture
-step "timeouts (GPU)" 40 "$T" ./bin/timeouts --ignored --test-threads=1 --nocapture
-step "unit tests, away from the source tree" 60 "$T" ./bin/unit-tests --test-threads=1
-step "perf allreduce 2 ranks graph" 70 "$P" ./bin/mscclpp-perf allreduce -b 1K -e 256M -d bf16 -n 20 --graph $nccl --timeout 30 --json "$logs/ar-graph.json"
-step "perf allreduce 2 ranks eager" 70 "$P" ./bin/mscclpp-perf allreduce -b 1K -e 256M -d bf16 -n 20 --check $nccl --timeout 30 --json "$logs/ar-eager.json"
-step "hier (two-level)" 90 "$T" ./bin/gpu_hier --ignored --test-threads=1 --nocapture
+nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started" >> "$T"
+step "processes (MPS)" 60 "$T" ./bin/gpu_procs --ignored --test-threads=1 --nocapture
+# The speed goal's harness: 2 processes under MPS, bf16, graph and eager, NCCL in the same run.
+step "perf allreduce 2 processes (MPS) graph" 60 "$P" ./bin/mscclpp-perf allreduce --procs -b 1K -e 256M -d bf16 -n 50 --graph $nccl --timeout 30 --json "$logs/ar-procs-graph.json"
+step "perf allreduce 2 processes (MPS) eager" 60 "$P" ./bin/mscclpp-perf allreduce --procs -b 1K -e 256M -d bf16 -n 50 --check $nccl --timeout 30 --json "$logs/ar-procs-eager.json"
+step "perf allreduce 4 processes (MPS) graph" 40 "$P" ./bin/mscclpp-perf allreduce --procs --ranks 4 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
+echo quit | nvidia-cuda-mps-control 2>/dev/null
 if [ -d wheel ]; then
   step "python" 90 "$T" bash -c 'python3 -m pip install -q --no-deps --target /tmp/pyc wheel/*.whl && PYTHONPATH=/tmp/pyc python3 -m pytest -q -x -p no:cacheprovider test_collectives.py'
 fi
-nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started" >> "$T"
-step "processes (MPS)" 60 "$T" ./bin/gpu_procs --ignored --test-threads=1 --nocapture
-echo quit | nvidia-cuda-mps-control 2>/dev/null
+step "device (FIFO, proxy, PortChannel)" 120 "$T" ./bin/device --ignored --test-threads=1 --nocapture
+step "memory_channel" 120 "$T" ./bin/memory_channel --ignored --test-threads=1 --nocapture
+step "timeouts (GPU)" 40 "$T" ./bin/timeouts --ignored --test-threads=1 --nocapture
+step "perf allreduce 2 ranks graph" 70 "$P" ./bin/mscclpp-perf allreduce -b 1K -e 256M -d bf16 -n 20 --graph $nccl --timeout 30 --json "$logs/ar-graph.json"
+step "perf allreduce 2 ranks eager" 70 "$P" ./bin/mscclpp-perf allreduce -b 1K -e 256M -d bf16 -n 20 --check $nccl --timeout 30 --json "$logs/ar-eager.json"
+step "hier (two-level)" 90 "$T" ./bin/gpu_hier --ignored --test-threads=1 --nocapture
 step "perf allreduce 8 ranks graph" 40 "$P" ./bin/mscclpp-perf allreduce --ranks 8 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
 step "perf allreduce 4 ranks graph" 40 "$P" ./bin/mscclpp-perf allreduce --ranks 4 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
 step "perf allreduce zero-copy graph" 40 "$P" ./bin/mscclpp-perf allreduce --algo zerocopy -b 1M -e 256M -f 4 -d bf16 -n 20 --graph --timeout 30

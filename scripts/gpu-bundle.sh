@@ -22,7 +22,7 @@ cargo test --release -p mscclpp --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, shutil, sys
 out = sys.argv[1]
-want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel", "user_memory", "peer_death", "timeouts"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel, user GPU memory, peer death, zero and unlimited waits
+want = {"cuda", "device", "device_header", "mscclpp", "ib_fake", "launchers", "memory_channel", "user_memory", "peer_death", "timeouts", "proxy_load"}   # GPU integration tests, kernels that communicate (and the header tests), library unit tests, IB on the test provider, the job torchrun-check.sh starts, MemoryChannel, user GPU memory, peer death, zero and unlimited waits
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -42,54 +42,85 @@ cp scripts/torchrun-check.sh "$out/"
 cp scripts/x2_table.py "$out/"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs the GPU tests and a short perf sweep; logs go to $OUT (or ./logs).
-set -u
+# Runs the GPU tests and a short perf sweep; logs go to $OUT (or ./logs). Exits non-zero when any
+# step fails, after a "failures:" section naming each failing step and test.
+set -u -o pipefail
 cd "$(dirname "$0")"
 logs=${OUT:-logs}
 mkdir -p "$logs"
 export NCCL_NVLS_ENABLE=0
 nvidia-smi -L 2>&1 | tee "$logs/gpus.txt"
 rc=0
-echo "== unit tests" | tee -a "$logs/tests.log"
-./bin/unit-tests --test-threads=1 2>&1 | tail -3 | tee -a "$logs/tests.log" || rc=1
-echo "== GPU tests (--ignored)" | tee -a "$logs/tests.log"
-timeout 400 ./bin/cuda --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result|differs" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-echo "== kernels that communicate: FIFO, proxy, PortChannel (--ignored; NVRTC from the CUDA toolkit)" | tee -a "$logs/tests.log"
-timeout 300 ./bin/device --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-echo "== MemoryChannel, device-to-device semaphores, LL packets (--ignored; two processes) and the examples" | tee -a "$logs/tests.log"
-timeout 300 ./bin/memory_channel --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result|failed" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-timeout 60 ./bin/memory_channel_put 2>&1 | tee -a "$logs/tests.log" || rc=1
-timeout 90 ./bin/memory_channel_allgather 4 2>&1 | tee -a "$logs/tests.log" || rc=1
-echo "== IB on the in-process provider with GPU memory and GPU tokens (--ignored gpu_)" | tee -a "$logs/tests.log"
-timeout 200 ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |forwarding|registered|refused|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-echo "== the user's own GPU memory: register_device, CudaSlice, cuMemCreate over a POSIX fd (--ignored)" | tee -a "$logs/tests.log"
-timeout 200 ./bin/user_memory --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-echo "== peer death: CUDA IPC sender learns its peer died (--ignored)" | tee -a "$logs/tests.log"
-timeout 200 ./bin/peer_death --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |RESULT|panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-echo "== zero and unlimited timeouts of the GPU waits (--ignored)" | tee -a "$logs/tests.log"
-timeout 60 ./bin/timeouts --ignored --test-threads=1 --nocapture 2>&1 | tee -a "$logs/tests.log" | grep -E "^test |panicked|test result" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+failed=()
+fail() { rc=1; failed+=("$1"); }
+# suite NAME SECS PATTERN CMD...: runs a test binary (or example) under `timeout`, its whole
+# output into tests.log; prints the lines matching PATTERN and, when it fails, libtest's
+# "failures:" section (each failing test's output and panic message, then their names) or,
+# without one (a crash, a timeout, an example), the last 40 lines; the step is then a failure.
+suite() {
+  local name=$1 secs=$2 pat=$3; shift 3
+  local tmp code
+  tmp=$(mktemp)
+  echo "== $name" | tee -a "$logs/tests.log"
+  timeout "$secs" "$@" 2>&1 | tee -a "$logs/tests.log" > "$tmp"
+  code=${PIPESTATUS[0]}
+  grep -E "$pat" "$tmp"
+  if [ "$code" != 0 ]; then
+    [ "$code" = 124 ] && code="$code: timed out after ${secs}s"
+    fail "$name (exit $code)"
+    echo "-- FAILED: $name (exit $code)"
+    if grep -q '^failures:$' "$tmp"; then
+      sed -n '/^failures:$/,$p' "$tmp"
+    else
+      tail -40 "$tmp"
+    fi
+  fi
+  rm -f "$tmp"
+}
+tests="^test |RESULT|panicked|test result"
+suite "unit tests" 300 "^test .*FAILED|test result" ./bin/unit-tests --test-threads=1
+suite "GPU tests (--ignored)" 400 "$tests|differs" ./bin/cuda --ignored --test-threads=1 --nocapture
+suite "kernels that communicate: FIFO, proxy, PortChannel (--ignored; NVRTC from the CUDA toolkit)" 300 "$tests" \
+  ./bin/device --ignored --test-threads=1 --nocapture
+suite "proxy under load: a million puts from 132 x 256 producers to 4 peers (--ignored)" 200 "$tests|TIMEOUT" \
+  ./bin/proxy_load --ignored --test-threads=1 --nocapture
+suite "MemoryChannel, device-to-device semaphores, LL packets (--ignored; two processes)" 300 "$tests|failed" \
+  ./bin/memory_channel --ignored --test-threads=1 --nocapture
+suite "example memory_channel_put" 60 . ./bin/memory_channel_put
+suite "example memory_channel_allgather 4" 90 . ./bin/memory_channel_allgather 4
+suite "IB on the in-process provider with GPU memory and GPU tokens (--ignored gpu_)" 200 \
+  "^test |forwarding|registered|refused|panicked|test result" ./bin/ib_fake --ignored gpu_ --test-threads=1 --nocapture
+suite "the user's own GPU memory: register_device, CudaSlice, cuMemCreate over a POSIX fd (--ignored)" 200 "$tests" \
+  ./bin/user_memory --ignored --test-threads=1 --nocapture
+suite "peer death: CUDA IPC sender learns its peer died (--ignored)" 200 "$tests" \
+  ./bin/peer_death --ignored --test-threads=1 --nocapture
+suite "zero and unlimited timeouts of the GPU waits (--ignored)" 60 "$tests" \
+  ./bin/timeouts --ignored --test-threads=1 --nocapture
 echo "== perf: device (FIFO, proxy, PortChannel; one process, two ranks)" | tee "$logs/perf.txt"
-timeout 200 ./bin/mscclpp-perf device --max-bytes 1G 2>&1 | tee -a "$logs/perf.txt" || rc=1
+timeout 320 ./bin/mscclpp-perf device --max-bytes 1G 2>&1 | tee -a "$logs/perf.txt" || fail "perf: device (FIFO, proxy, PortChannel; one process, two ranks)"
 echo "== perf: CUDA IPC" | tee -a "$logs/perf.txt"
-timeout 120 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
+timeout 120 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc.json" 2>&1 | tee -a "$logs/perf.txt" || fail "perf: CUDA IPC"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "$ngpu" -ge 2 ]; then
   # Two GPUs: ranks 0 and 1 on GPUs 0 and 1 (the tests above already spread ranks over GPUs).
   echo "== perf: CUDA IPC, bidirectional" | tee -a "$logs/perf.txt"
-  timeout 150 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --bidirectional --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc-bidir.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
+  timeout 150 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --bidirectional --min-bytes 8 --max-bytes 1G --quiet --json "$logs/perf-ipc-bidir.json" 2>&1 | tee -a "$logs/perf.txt" || fail "perf: CUDA IPC, bidirectional"
   echo "== NCCL send/recv (torch.distributed), same two GPUs" | tee -a "$logs/perf.txt"
-  NCCL_NVLS_ENABLE=0 timeout 200 torchrun --nproc_per_node=2 nccl_sendrecv.py --json "$logs/nccl.json" 2>&1 | grep -v Warning | tee -a "$logs/perf.txt" || rc=1
+  NCCL_NVLS_ENABLE=0 timeout 200 torchrun --nproc_per_node=2 nccl_sendrecv.py --json "$logs/nccl.json" 2>&1 | grep -v Warning | tee -a "$logs/perf.txt" || fail "NCCL send/recv (torch.distributed), same two GPUs"
 else
   echo "== perf: CUDA IPC, bidirectional, both ranks on the one GPU (the NCCL comparison needs two GPUs)" | tee -a "$logs/perf.txt"
-  timeout 100 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --bidirectional --min-bytes 1M --max-bytes 256M --quiet 2>&1 | tee -a "$logs/perf.txt" || rc=1
+  timeout 100 ./bin/mscclpp-perf --transport cuda-ipc --memory gpu --bidirectional --min-bytes 1M --max-bytes 256M --quiet 2>&1 | tee -a "$logs/perf.txt" || fail "perf: CUDA IPC, bidirectional, both ranks on the one GPU (the NCCL comparison needs two GPUs)"
 fi
 echo "== perf: Ethernet, GPU memory" | tee -a "$logs/perf.txt"
-timeout 150 ./bin/mscclpp-perf --memory gpu --min-bytes 8 --max-bytes 256M --quiet --json "$logs/perf-eth-gpu.json" 2>&1 | tee -a "$logs/perf.txt" || rc=1
+timeout 150 ./bin/mscclpp-perf --memory gpu --min-bytes 8 --max-bytes 256M --quiet --json "$logs/perf-eth-gpu.json" 2>&1 | tee -a "$logs/perf.txt" || fail "perf: Ethernet, GPU memory"
 echo "== perf: Ethernet, host memory" | tee -a "$logs/perf.txt"
-timeout 120 ./bin/mscclpp-perf --min-bytes 8 --max-bytes 256M --quiet 2>&1 | tee -a "$logs/perf.txt" || rc=1
+timeout 120 ./bin/mscclpp-perf --min-bytes 8 --max-bytes 256M --quiet 2>&1 | tee -a "$logs/perf.txt" || fail "perf: Ethernet, host memory"
 echo "== a real torchrun starting mscclpp ranks (static, standalone, c10d; root on MASTER_PORT+1)" | tee -a "$logs/tests.log"
-timeout 240 ./torchrun-check.sh 2>&1 | tee -a "$logs/tests.log" | grep -E "^(PASS|FAIL|torch)" ; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-echo "run.sh: exit $rc"
+timeout 240 ./torchrun-check.sh 2>&1 | tee -a "$logs/tests.log" | grep -E "^(PASS|FAIL|torch)" ; [ "${PIPESTATUS[0]}" = 0 ] || fail "a real torchrun starting mscclpp ranks (static, standalone, c10d; root on MASTER_PORT+1)"
+echo "== failures:"
+if [ "${#failed[@]}" = 0 ]; then echo "none"; else printf '%s\n' "${failed[@]}"; fi
+grep -E '^test .* FAILED$' "$logs/tests.log" || true
+echo "run.sh: exit $rc (whole test log: tests.log under \$OUT)"
 exit $rc
 RUN
 chmod +x "$out/run.sh"
@@ -126,6 +157,7 @@ step() {
   if [ "$t" -le 10 ]; then echo "SKIPPED (deadline) $name" | tee -a "$sum" "$log"; return; fi
   echo "== $name (timeout ${t}s, at ${SECONDS}s)" | tee -a "$log"
   local t0=$SECONDS
+  local before; before=$( (cat "$log" 2>/dev/null || true) | wc -l)
   # Perf rows also go to stdout (the device tool returns its tail); test output only to the log.
   if [ "$log" = "$perf" ]; then
     timeout "$t" "$@" 2>&1 | grep --line-buffered -v Warning | tee -a "$log"
@@ -135,6 +167,8 @@ step() {
   local rc=${PIPESTATUS[0]}
   local r=PASS; [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${t}s"
   echo "$r $name ($((SECONDS - t0))s)" | tee -a "$sum"
+  # A failing test binary: its "failures:" section (each failing test's output and message).
+  [ "$rc" = 0 ] || tail -n +$((before + 1)) "$log" | sed -n '/^failures:$/,$p' >> "$sum"
 }
 { nvidia-smi -L; nvidia-smi topo -m; } > "$logs/gpus.txt" 2>&1
 cat "$logs/gpus.txt"

@@ -6,18 +6,22 @@
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use mscclpp::gpu::{DeviceBuffer, PinnedBuffer, Stream, check_device_range};
+use mscclpp::gpu::{DeviceBuffer, Stream, check_device_range};
 use mscclpp::{
-    Communicator, Device, EndpointConfig, Error, ErrorKind, MemoryChannel, MemoryDevice2DeviceSemaphore, Result,
-    Transport, TransportFlags,
+    Communicator, Device, EndpointConfig, Error, MemoryChannel, MemoryDevice2DeviceSemaphore, Result, Transport,
+    TransportFlags,
 };
 
-use crate::kernels::{self, CollArgs, Kernels, STATE_BYTES};
-use crate::select::{self, Layout, Limits, MAX_BLOCKS, MAX_RANKS_SIMPLE, Plan};
+use crate::external::{self, CallShape, ExternalAlgorithm, ExternalId};
+use crate::kernels::{self, CollArgs, INLINE_PEERS, Kernels, STATE_BYTES};
+use crate::select::{self, Layout, Limits, MAX_BLOCKS, Plan};
+use crate::status::{DeviceStatus, Reported};
 use crate::types::{Algorithm, Collective, DataType, ReduceOp};
+
+mod window;
+pub use window::Window;
 
 /// How a [`Collectives`] is built.
 #[derive(Clone, Debug)]
@@ -86,8 +90,12 @@ impl Config {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CallOptions {
-    /// Run this algorithm (an error if it cannot serve the call).
+    /// Run this built-in algorithm (an error if it cannot serve the call); registered
+    /// [`ExternalAlgorithm`]s are then not considered.
     pub algorithm: Option<Algorithm>,
+    /// Run the registered [`ExternalAlgorithm`] of this name (an error if it is not registered
+    /// or cannot serve the call); see [`CallOptions::external`].
+    pub external: Option<ExternalId>,
     /// Blocks per rank (capped to what fits on the GPU).
     pub blocks: Option<u32>,
     /// Threads per block (32..=512, a multiple of 32).
@@ -100,6 +108,11 @@ impl CallOptions {
     /// Options naming an algorithm.
     pub fn algorithm(a: Algorithm) -> CallOptions {
         CallOptions { algorithm: Some(a), ..CallOptions::default() }
+    }
+    /// Options naming a registered [`ExternalAlgorithm`] by its
+    /// [`name`](ExternalAlgorithm::name).
+    pub fn external(name: &str) -> CallOptions {
+        CallOptions { external: Some(ExternalId::of(name)), ..CallOptions::default() }
     }
     /// Sets blocks and threads.
     pub fn shape(mut self, blocks: u32, threads: u32) -> CallOptions {
@@ -161,48 +174,64 @@ pub struct Collectives {
     limits: Limits,
     timeout: Duration,
     kernels: Arc<Kernels>,
-    scratch: DeviceBuffer,
+    /// Kept alive: every peer has this scratch mapped (the address is in `peers_table`).
+    _scratch: DeviceBuffer,
     peers_table: DeviceBuffer,
+    /// The first [`INLINE_PEERS`] entries of `peers_table`, passed in every launch's arguments.
+    inline_peers: [u64; INLINE_PEERS],
     state: DeviceBuffer,
     expected: DeviceBuffer,
     /// Page-locked: word 0 is the error the kernels report, word 1 the abort request.
-    host_words: PinnedBuffer,
-    failed: AtomicBool,
+    status: DeviceStatus,
     tuned: std::sync::RwLock<Option<Arc<crate::tune::TuneTable>>>,
+    /// How long setup spent tuning (`None` with tuning off).
+    tuning_time: Option<Duration>,
     _channels: Vec<MemoryChannel>,
     /// Per peer, the semaphore its channels share (windows map more memory through it).
     peer_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)>,
+    /// Ranks on this rank's host.
+    ranks_per_node: usize,
+    /// Registered external algorithms, in registration order (the same on every rank).
+    external: std::sync::RwLock<Vec<Arc<dyn ExternalAlgorithm>>>,
+    /// Whether `external` is non-empty (read without the lock on every call).
+    has_external: std::sync::atomic::AtomicBool,
     comm: Communicator,
 }
 
-/// User buffers registered with every rank for the zero-copy AllReduce
-/// ([`Collectives::register_window`]): every rank's send and receive buffers mapped into every
-/// other rank, so the kernel reads peers' inputs and writes peers' outputs directly (each byte
-/// read once and written once per rank, no staging). Keep it (and the buffers) alive while
-/// calls that use it may run.
-pub struct Window {
-    send: u64,
-    recv: u64,
-    len: u64,
-    send_table: DeviceBuffer,
-    recv_table: DeviceBuffer,
-    _keep: Vec<MemoryChannel>,
-}
-
-impl std::fmt::Debug for Window {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Window(send {:#x}, recv {:#x}, {} bytes)", self.send, self.recv, self.len)
+/// The checks every call makes before it launches: the stream is on the collectives' GPU, and
+/// each `(pointer, bytes, name)` is device memory of that GPU, aligned to its elements, with
+/// `bytes` inside its allocation. Errors say `what()` the call was.
+pub(crate) fn check_call<const N: usize>(
+    device: u32,
+    stream: &Stream,
+    dtype: DataType,
+    buffers: [(u64, u64, &str); N],
+    what: &dyn Fn() -> String,
+) -> Result<()> {
+    if stream.device() != device {
+        return Err(Error::invalid_usage(format!(
+            "{}: the stream is on GPU{}, the collectives on GPU{device}",
+            what(),
+            stream.device()
+        )));
     }
-}
-
-impl std::fmt::Debug for Collectives {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Collectives(rank {} of {}, GPU{}, scratch {} bytes)",
-            self.rank, self.nranks, self.device, self.layout.total
-        )
+    let es = dtype.size() as u64;
+    for (ptr, len, name) in buffers {
+        if ptr % es != 0 {
+            return Err(Error::invalid_usage(format!(
+                "{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements",
+                what()
+            )));
+        }
+        let g = check_device_range(ptr, len, name).map_err(|e| e.during(what()))?;
+        if g != device {
+            return Err(Error::invalid_usage(format!(
+                "{}: the {name} is on GPU{g}, the collectives on GPU{device}",
+                what()
+            )));
+        }
     }
+    Ok(())
 }
 
 const ERR_TIMEOUT: u64 = 1;
@@ -236,6 +265,8 @@ impl Collectives {
             }
         }
         let on_gpu = all.iter().filter(|w| w.as_slice() == me.as_bytes()).count();
+        let ranks_per_node =
+            all.iter().filter(|w| String::from_utf8_lossy(w).split('/').next() == Some(my_host)).count();
         let sms = mscclpp::gpu::sm_count(dev)?;
         let per_sm = kernels.min_blocks_per_sm(512)?.max(1);
         let mut limits = config.limits;
@@ -275,12 +306,16 @@ impl Collectives {
             peer_sems.push((p, sem));
         }
         let peers_table = DeviceBuffer::new(ctx, dev, nranks * 8, TransportFlags::NONE)?;
+        let mut inline_peers = [0u64; INLINE_PEERS];
+        for (slot, addr) in inline_peers.iter_mut().zip(&table) {
+            *slot = *addr;
+        }
         let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
         peers_table.write(0, &bytes)?;
         let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
         state.write(0, &1u32.to_le_bytes())?; // the first LL flag
         let expected = DeviceBuffer::new(ctx, dev, nranks * MAX_BLOCKS as usize * 8, TransportFlags::NONE)?;
-        let host_words = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
+        let status = DeviceStatus::new(ctx, dev)?;
         // Nobody launches before every rank has its kernels loaded and its scratch mapped.
         comm.bootstrap().barrier()?;
         tracing::debug!(target: "mscclpp::collectives", rank, nranks, gpu = dev, on_gpu, max_blocks = limits.max_blocks, scratch = layout.total, "collectives ready");
@@ -292,24 +327,37 @@ impl Collectives {
             limits,
             timeout: config.timeout,
             kernels,
-            scratch,
+            _scratch: scratch,
             peers_table,
+            inline_peers,
             state,
             expected,
-            host_words,
-            failed: AtomicBool::new(false),
+            status,
             tuned: std::sync::RwLock::new(None),
+            tuning_time: None,
             _channels: channels,
             peer_sems,
+            ranks_per_node,
+            external: std::sync::RwLock::new(Vec::new()),
+            has_external: std::sync::atomic::AtomicBool::new(false),
             comm: comm.clone(),
         })
-        .and_then(|c| {
+        .and_then(|mut c| {
             if config.tune {
+                let start = std::time::Instant::now();
                 let table = crate::tune::tune_all_reduce(&c, comm)?;
                 c.set_tuning(Some(table));
+                c.tuning_time = Some(start.elapsed());
             }
             Ok(c)
         })
+    }
+
+    /// How long [`Collectives::new`] spent tuning (timing candidates on the GPU and agreeing
+    /// with the other ranks; near zero when the process cache had the table); `None` when
+    /// tuning was off ([`Config::tune`]).
+    pub fn tuning_time(&self) -> Option<Duration> {
+        self.tuning_time
     }
 
     /// The AllReduce plans in force from tuning, if any.
@@ -336,6 +384,107 @@ impl Collectives {
     pub fn device(&self) -> u32 {
         self.device
     }
+    /// Ranks on this rank's host (all of them: these collectives run within one host).
+    pub fn ranks_per_node(&self) -> usize {
+        self.ranks_per_node
+    }
+
+    /// Registers an algorithm from outside this crate (an MSCCL++ execution plan through
+    /// `mscclpp_executor::PlanAlgorithm`, or any [`ExternalAlgorithm`]): from now on, a call it
+    /// serves (its collective, this communicator's world size and ranks per node, a message size
+    /// in its range, a placement it supports) runs it instead of the built-in selection, unless
+    /// [`CallOptions::algorithm`] forces a built-in algorithm; [`CallOptions::external`] runs it
+    /// by name. Where several serve a call, the first registered wins.
+    ///
+    /// A collective call: every rank registers the same algorithms in the same order. The
+    /// ranks exchange each algorithm's metadata over the bootstrap and compare it, so a rank
+    /// that registers something else (or refuses it) makes the call fail on every rank, naming
+    /// it, and nothing is registered.
+    ///
+    /// ```no_run
+    /// # fn f(coll: &mscclpp_collectives::Collectives, algo: std::sync::Arc<dyn mscclpp_collectives::ExternalAlgorithm>) -> mscclpp::Result<()> {
+    /// coll.register_algorithm(algo)?; // on every rank
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// `InvalidUsage` for an algorithm no call could use (Broadcast, an empty size range, no
+    /// placement, ranks per node not dividing the world size) or a name already registered, on
+    /// any rank, and when ranks registered different algorithms; bootstrap errors.
+    pub fn register_algorithm(&self, algorithm: Arc<dyn ExternalAlgorithm>) -> Result<()> {
+        let what = || format!("registering the algorithm {:?} (rank {})", algorithm.name(), self.rank);
+        let local = {
+            let reg = self.external.read().map_err(|_| Error::internal("the algorithm registry lock is poisoned"))?;
+            external::check_registrable(algorithm.as_ref(), &reg)
+        };
+        let mine = match &local {
+            Ok(()) => format!("+{}", external::descriptor(algorithm.as_ref())),
+            Err(why) => format!("-{why}"),
+        };
+        let all = self.comm.bootstrap().all_gather(mine.as_bytes()).map_err(|e| e.during(what()))?;
+        let all: Vec<std::result::Result<String, String>> = all
+            .iter()
+            .map(|d| {
+                let d = String::from_utf8_lossy(d);
+                match d.strip_prefix('+') {
+                    Some(ok) => Ok(ok.to_string()),
+                    None => Err(d.strip_prefix('-').unwrap_or(&d).to_string()),
+                }
+            })
+            .collect();
+        external::agreement(&all).map_err(|e| e.during(what()))?;
+        let mut reg = self.external.write().map_err(|_| Error::internal("the algorithm registry lock is poisoned"))?;
+        reg.push(algorithm);
+        self.has_external.store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    /// The names of the registered external algorithms, in registration order.
+    pub fn registered_algorithms(&self) -> Vec<String> {
+        self.external.read().map(|r| r.iter().map(|a| a.name().to_string()).collect()).unwrap_or_default()
+    }
+
+    /// The registered algorithm that would serve a call of `coll` with this message size (see
+    /// [`ExternalAlgorithm`]) and placement, if any.
+    ///
+    /// # Errors
+    /// As [`external::choose`].
+    pub fn external_for(
+        &self,
+        coll: Collective,
+        message_bytes: u64,
+        in_place: bool,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+        opts: &CallOptions,
+    ) -> Result<Option<Arc<dyn ExternalAlgorithm>>> {
+        if !self.has_external.load(std::sync::atomic::Ordering::Acquire) {
+            let shape = self.call_shape(coll, message_bytes, in_place, dtype, op);
+            return Ok(external::choose(&[], &shape, opts)?.cloned());
+        }
+        let reg = self.external.read().map_err(|_| Error::internal("the algorithm registry lock is poisoned"))?;
+        Ok(external::choose(&reg, &self.call_shape(coll, message_bytes, in_place, dtype, op), opts)?.cloned())
+    }
+
+    fn call_shape(
+        &self,
+        collective: Collective,
+        message_bytes: u64,
+        in_place: bool,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+    ) -> CallShape {
+        CallShape {
+            collective,
+            world_size: self.nranks,
+            ranks_per_node: self.ranks_per_node,
+            message_bytes,
+            in_place,
+            dtype,
+            op,
+        }
+    }
+
     /// GPU memory this rank's scratch takes.
     pub fn scratch_bytes(&self) -> u64 {
         self.layout.total
@@ -351,54 +500,8 @@ impl Collectives {
 
     /// The plan the selector makes for a call (`nbytes` as in [`Layout::packet_need`]).
     pub fn plan(&self, coll: Collective, nbytes: u64, opts: &CallOptions) -> Result<Plan> {
-        let mut plan = select::select(coll, nbytes, &self.layout, &self.limits);
-        let tuned = (coll == Collective::AllReduce && opts.algorithm.is_none())
-            .then(|| self.tuning().and_then(|t| t.lookup(nbytes)))
-            .flatten()
-            .filter(|p| !p.algorithm.is_packet() || self.layout.packet_fits(coll, p.algorithm, nbytes));
-        if let Some(p) = tuned {
-            plan = Plan { blocks: p.blocks.min(self.limits.max_blocks), ..p };
-        }
-        if let Some(a) = opts.algorithm {
-            if !a.serves(coll) {
-                return Err(Error::invalid_usage(format!("the {a} algorithm does not implement {coll}")));
-            }
-            if a.is_packet() && !self.layout.packet_fits(coll, a, nbytes) {
-                return Err(Error::invalid_usage(format!(
-                    "{coll} of {nbytes} bytes by {a} needs {} bytes of packet scratch; this communicator has {} \
-                     (Config::packet_bytes)",
-                    self.layout.packet_need(coll, a, nbytes),
-                    self.layout.pkt_half
-                )));
-            }
-            let (b, t) = select::shape(coll, a, nbytes, &self.layout, self.limits.max_blocks);
-            plan = Plan { algorithm: a, blocks: b, threads: t };
-        }
-        if plan.algorithm == Algorithm::Simple && self.nranks > MAX_RANKS_SIMPLE {
-            return Err(Error::invalid_usage(format!(
-                "{coll} of {nbytes} bytes needs the staged algorithm, which serves at most {MAX_RANKS_SIMPLE} ranks \
-                 (this communicator has {})",
-                self.nranks
-            )));
-        }
-        if let Some(b) = opts.blocks {
-            plan.blocks = b.clamp(1, self.limits.max_blocks);
-        }
-        if let Some(t) = opts.threads {
-            if !(32..=512).contains(&t) || !t.is_multiple_of(32) {
-                return Err(Error::invalid_usage(format!(
-                    "threads per block must be a multiple of 32 in 32..=512, not {t}"
-                )));
-            }
-            if plan.algorithm == Algorithm::Simple && (t as usize) < self.nranks {
-                return Err(Error::invalid_usage(format!(
-                    "the staged algorithm needs at least {} threads per block",
-                    self.nranks
-                )));
-            }
-            plan.threads = t;
-        }
-        Ok(plan)
+        let tuned = self.tuning().and_then(|t| t.lookup(nbytes));
+        select::plan(coll, nbytes, &self.layout, &self.limits, tuned, opts)
     }
 
     /// The error a kernel of this rank reported, if any (non-blocking: reads a page-locked word).
@@ -407,22 +510,16 @@ impl Collectives {
     /// `Timeout` naming the rank that never arrived, `InvalidUsage` naming the rank whose call
     /// differed from ours, `Aborted`-like `Remote` after [`abort`](Self::abort).
     pub fn check(&self) -> Result<()> {
-        let mut w = [0u8; 8];
-        self.host_words.read(0, &mut w)?;
-        let code = u64::from_le_bytes(w);
-        if code == 0 {
-            return if self.failed.load(Ordering::Acquire) {
-                Err(Error::remote(format!(
+        let (kind, peer, code) = match self.status.read()? {
+            Reported::Clear => return self.check_external(),
+            Reported::FailedBefore => {
+                return Err(Error::remote(format!(
                     "rank {}: the collectives failed earlier and refuse further calls",
                     self.rank
-                )))
-            } else {
-                Ok(())
-            };
-        }
-        self.failed.store(true, Ordering::Release);
-        let kind = (code >> 48) & 0x7fff;
-        let peer = ((code >> 32) & 0xffff) as usize;
+                )));
+            }
+            Reported::Error { kind, peer, code } => (kind, peer, code),
+        };
         let e = match kind {
             ERR_TIMEOUT => Error::timeout(
                 format!("rank {}: a collective waited for rank {peer}, which never arrived (stopped, or making another call)", self.rank),
@@ -443,14 +540,24 @@ impl Collectives {
         Err(e.during("a collective"))
     }
 
+    fn check_external(&self) -> Result<()> {
+        if !self.has_external.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        let reg = self.external.read().map_err(|_| Error::internal("the algorithm registry lock is poisoned"))?;
+        for a in reg.iter() {
+            a.check().map_err(|e| e.during(format!("the registered algorithm {:?}", a.name())))?;
+        }
+        Ok(())
+    }
+
     /// Asks every running and future kernel of this rank to stop waiting and fail (what
     /// `ncclCommAbort` needs). Kernels see it within about a millisecond; calls after it fail.
     ///
     /// # Errors
     /// CUDA errors writing the request.
     pub fn abort(&self) -> Result<()> {
-        self.failed.store(true, Ordering::Release);
-        self.host_words.write(8, &1u64.to_le_bytes())
+        self.status.abort()
     }
 
     /// Waits (bounded) for `stream` to finish, then [`check`](Self::check)s.
@@ -465,13 +572,14 @@ impl Collectives {
 
     fn base_args(&self) -> CollArgs {
         let l = &self.layout;
-        let words = self.host_words.as_ptr() as u64;
+
         CollArgs {
             peers: self.peers_table.device_ptr(),
+            scratch: self.inline_peers,
             state: self.state.device_ptr(),
             expected: self.expected.device_ptr(),
-            err: words,
-            abort: words + 8,
+            err: self.status.error_word(),
+            abort: self.status.abort_word(),
             timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX / 2).min(u64::MAX / 2),
             rank: self.rank as u64,
             nranks: self.nranks as u64,
@@ -507,33 +615,31 @@ impl Collectives {
         if nbytes == 0 {
             return Ok(());
         }
-        if stream.device() != self.device {
-            return Err(Error::invalid_usage(format!(
-                "{}: the stream is on GPU{}, the collectives on GPU{}",
-                what(),
-                stream.device(),
-                self.device
-            )));
-        }
-        let es = dtype.size() as u64;
-        for (ptr, len, name) in [(input, in_len, "input"), (output, out_len, "output")] {
-            if ptr % es != 0 {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements",
-                    what()
-                )));
-            }
-            let g = check_device_range(ptr, len, name).map_err(|e| e.during(what()))?;
-            if g != self.device {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the {name} is on GPU{g}, the collectives on GPU{}",
-                    what(),
-                    self.device
-                )));
-            }
-        }
+        check_call(self.device, stream, dtype, [(input, in_len, "input"), (output, out_len, "output")], &what)?;
         if root >= self.nranks {
             return Err(Error::invalid_usage(format!("{}: root {root} is not a rank", what())));
+        }
+        if coll != Collective::Broadcast
+            && (opts.external.is_some() || self.has_external.load(std::sync::atomic::Ordering::Acquire))
+        {
+            let rank_off = self.rank as u64 * nbytes;
+            let (message, in_place) = match coll {
+                Collective::AllGather => (out_len, input == output.wrapping_add(rank_off)),
+                Collective::ReduceScatter => (in_len, output == input.wrapping_add(rank_off)),
+                _ => (in_len, input == output),
+            };
+            let ext_op = if coll.reduces() { op } else { None };
+            if let Some(a) =
+                self.external_for(coll, message, in_place, dtype, ext_op, opts).map_err(|e| e.during(what()))?
+            {
+                // SAFETY: the caller's contract: input and output are device memory of this GPU
+                // (checked above) of in_len and out_len bytes, valid until the call finishes on
+                // the stream, and every rank makes the same call.
+                return unsafe { a.launch(self.rank, input, output, in_len, out_len, dtype, ext_op, stream) }
+                    .map_err(|e| e.during(format!("{} by the registered algorithm {:?}", what(), a.name())));
+            }
+        } else if opts.external.is_some() {
+            return Err(Error::invalid_usage(format!("{}: external algorithms do not serve Broadcast", what())));
         }
         let plan = self.plan(coll, nbytes, opts)?;
         let acc32 = opts.accumulate_f32 && dtype.is_float();
@@ -716,148 +822,8 @@ impl Collectives {
         unsafe { self.all_reduce(send.device_ptr(), recv.device_ptr(), count, dtype, op, stream, opts) }
     }
 
-    /// Registers `send` and `recv` (device pointers of this rank's GPU, `len` bytes each; equal
-    /// for in place) with every rank for the zero-copy AllReduce ([`all_reduce_window`](Self::all_reduce_window)).
-    /// A collective call (every rank registers its own pair at the same time); the driver checks
-    /// both ranges; memory must be shareable through CUDA IPC (`cudaMalloc`/`cuMemAlloc`, or
-    /// `cuMemCreate` with a POSIX descriptor handle; not pool memory).
-    ///
-    /// # Errors
-    /// `InvalidUsage` for pointers the driver does not know on this GPU, or memory CUDA IPC cannot
-    /// share; bootstrap errors naming the peer.
-    ///
-    /// # Safety
-    /// Both ranges stay allocated while the returned window (or a graph that captured a call
-    /// using it) lives.
-    pub unsafe fn register_window(&self, send: u64, recv: u64, len: usize) -> Result<Window> {
-        let what = |s: &str| format!("registering a zero-copy window ({s}, rank {})", self.rank);
-        for (ptr, name) in [(send, "send"), (recv, "receive")] {
-            let g = check_device_range(ptr, len as u64, name).map_err(|e| e.during(what(name)))?;
-            if g != self.device {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the buffer is on GPU{g}, the collectives on GPU{}",
-                    what(name),
-                    self.device
-                )));
-            }
-        }
-        let ctx = self.comm.context();
-        // SAFETY: the caller keeps both ranges allocated while the window lives.
-        let mine = unsafe {
-            [
-                ctx.register_device(send, len, Transport::CudaIpc.into()).map_err(|e| e.during(what("send")))?,
-                ctx.register_device(recv, len, Transport::CudaIpc.into()).map_err(|e| e.during(what("receive")))?,
-            ]
-        };
-        let tag = 0x00c0_11ed;
-        let mut pending = Vec::new();
-        for (p, _) in &self.peer_sems {
-            for m in &mine {
-                self.comm.send_memory(m, *p, tag)?;
-            }
-            pending.push((self.comm.recv_memory(*p, tag)?, self.comm.recv_memory(*p, tag)?));
-        }
-        let mut send_tab = vec![0u64; self.nranks];
-        let mut recv_tab = vec![0u64; self.nranks];
-        send_tab[self.rank] = send;
-        recv_tab[self.rank] = recv;
-        let mut keep = Vec::new();
-        for ((p, sem), (ps, pr)) in self.peer_sems.iter().zip(pending) {
-            let (ps, pr) = (ps.wait()?, pr.wait()?);
-            if ps.len() != len as u64 || pr.len() != len as u64 {
-                return Err(Error::invalid_usage(format!(
-                    "{}: rank {p} registered {} bytes, this rank {len}",
-                    what("sizes"),
-                    ps.len()
-                ))
-                .with_peer(*p));
-            }
-            let cs = MemoryChannel::new(sem.clone(), &ps, &mine[0], None)
-                .map_err(|e| e.during(what("mapping")).with_peer(*p))?;
-            let cr = MemoryChannel::new(sem.clone(), &pr, &mine[1], None)
-                .map_err(|e| e.during(what("mapping")).with_peer(*p))?;
-            send_tab[*p] = cs.device_handle().dst;
-            recv_tab[*p] = cr.device_handle().dst;
-            keep.push(cs);
-            keep.push(cr);
-        }
-        let table = |t: &[u64]| -> Result<DeviceBuffer> {
-            let b = DeviceBuffer::new(ctx, self.device, self.nranks * 8, TransportFlags::NONE)?;
-            b.write(0, &t.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>())?;
-            Ok(b)
-        };
-        let w = Window {
-            send,
-            recv,
-            len: len as u64,
-            send_table: table(&send_tab)?,
-            recv_table: table(&recv_tab)?,
-            _keep: keep,
-        };
-        // Nobody calls with the window before every rank has mapped every peer's buffers.
-        self.comm.bootstrap().barrier()?;
-        Ok(w)
-    }
-
-    /// AllReduce of `count` elements from the window's send buffers into its receive buffers,
-    /// reading and writing every rank's buffers directly (no staging): half the memory traffic of
-    /// the staged algorithm for large messages. Every rank calls it with its own window of the
-    /// same registration.
-    ///
-    /// # Errors
-    /// `InvalidUsage` when `count` elements do not fit the window; the errors of
-    /// [`all_reduce`](Self::all_reduce).
-    pub fn all_reduce_window(
-        &self,
-        w: &Window,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<()> {
-        let nbytes = count as u64 * dtype.size() as u64;
-        let what = || format!("zero-copy allreduce ({dtype} of {nbytes} bytes, rank {} of {})", self.rank, self.nranks);
-        self.check().map_err(|e| e.during(what()))?;
-        if nbytes == 0 {
-            return Ok(());
-        }
-        if nbytes > w.len {
-            return Err(Error::invalid_usage(format!("{}: the window holds {} bytes", what(), w.len)));
-        }
-        if stream.device() != self.device {
-            return Err(Error::invalid_usage(format!("{}: the stream is on GPU{}", what(), stream.device())));
-        }
-        if self.nranks > MAX_RANKS_SIMPLE {
-            return Err(Error::invalid_usage(format!("{}: at most {MAX_RANKS_SIMPLE} ranks", what())));
-        }
-        let (blocks, threads) =
-            select::shape(Collective::AllReduce, Algorithm::Simple, nbytes, &self.layout, self.limits.max_blocks);
-        let plan = Plan { algorithm: Algorithm::Simple, blocks, threads };
-        let sig = select::signature(Collective::AllReduce, &plan, Some(dtype), Some(op), false, nbytes, usize::MAX);
-        let args = CollArgs {
-            input: w.send_table.device_ptr(),
-            output: w.recv_table.device_ptr(),
-            nbytes,
-            sig,
-            op: op.code(),
-            ..self.base_args()
-        };
-        let k = self.kernels.get_zero_copy(dtype)?;
-        // SAFETY: the window's tables point to every rank's registered buffers, which the
-        // window's contract keeps allocated; nbytes fits them (checked above).
-        unsafe { kernels::launch(k, blocks, threads, stream, &args) }.map_err(|e| e.during(what()))
-    }
-
     /// Whether this rank's kernels reported an error or it was aborted.
     pub fn has_failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire) || self.check().is_err()
-    }
-
-    /// Kind of error the collectives report for a rank that never arrived.
-    pub const TIMEOUT_KIND: ErrorKind = ErrorKind::Timeout;
-
-    #[doc(hidden)]
-    pub fn scratch_ptr(&self) -> u64 {
-        self.scratch.device_ptr()
+        self.status.failed() || self.check().is_err()
     }
 }

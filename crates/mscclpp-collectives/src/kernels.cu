@@ -9,7 +9,8 @@
 //   packets: two halves; a packet call with flag f uses half f & 1 (LL16 packets, flag f)
 //   simple:  the staging area of the large-message algorithms, in rounds
 //
-// Every wait is bounded: a thread's deadline is its kernel start + timeout; a timed-out wait
+// Every wait is bounded: a thread's deadline is its kernel start + timeout (packet kernels: its
+// first wait of 256 spins + timeout); a timed-out wait
 // records (kind, peer) in the error word (page-locked host memory the host reads) and sets
 // state->failed, which every other wait and every later launch checks, so the kernel ends
 // within about the timeout and later launches (graph replays too) return at once.
@@ -45,27 +46,41 @@ __device__ __forceinline__ u64 load_sys(const u64* p) {
 __device__ __forceinline__ u32 load_volatile_u32(const u32* p) { return *(volatile const u32*)p; }
 
 // Records the first error this rank sees (host-visible) and stops every wait of this rank.
-__device__ void fail(const CollArgs& a, u64 kind, u64 peer) {
+__device__ __noinline__ void fail(const CollArgs& a, u64 kind, u64 peer) {
   CollState* st = (CollState*)a.state;
   atomicExch(&st->failed, 1u);
   u64* err = (u64*)a.err;
   if (load_sys(err) == 0) store_sys(err, (1ull << 63) | (kind << 48) | ((peer & 0xffff) << 32) | (a.sig & 0xffffffffull));
 }
 
-// Whether this thread should stop waiting: failed before, aborted by the host, or past the deadline.
-__device__ __forceinline__ bool must_stop(const CollArgs& a, u64 deadline, u32 peer, u32& spins) {
-  if ((++spins & 255) != 0) return false;
+// Whether this thread should stop waiting: failed before, aborted by the host, or past the
+// deadline. A deadline of 0 is not started yet: the packet kernels start the clock at a thread's
+// first wait that lasts 256 spins (kernel start + timeout otherwise), which keeps the timer read
+// off the path of a call whose waits all end sooner; every wait is still bounded.
+__device__ __noinline__ bool must_stop_slow(const CollArgs& a, u64& deadline, u32 peer, u32 spins) {
   CollState* st = (CollState*)a.state;
   if (load_volatile_u32(&st->failed)) return true;
   if ((spins & 0xffff) == 0 && load_sys((const u64*)a.abort) != 0) {
     fail(a, ERR_ABORTED, peer);
     return true;
   }
-  if (detail::globaltimer() > deadline) {
+  const u64 now = detail::globaltimer();
+  if (deadline == 0) {
+    deadline = now + a.timeout_ns;
+    return false;
+  }
+  if (now > deadline) {
     fail(a, ERR_TIMEOUT, peer);
     return true;
   }
   return false;
+}
+// Out of line past the first test: the slow part is cold code, kept off the instruction cache
+// lines the fast path of every call runs through (the kernels were 10x the size of their hot
+// path; see bench/allpair_breakdown.cu).
+__device__ __forceinline__ bool must_stop(const CollArgs& a, u64& deadline, u32 peer, u32& spins) {
+  if ((++spins & 255) != 0) return false;
+  return must_stop_slow(a, deadline, peer, spins);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -173,97 +188,159 @@ struct Acc {
 // 8-byte units that may be partial (the last one of a buffer) or misaligned (a rank's segment
 // of an AllGather output): loads pad with zeros, stores write only the valid bytes.
 
-__device__ __forceinline__ uint2 ld8(const char* p, u32 n) {
-  if (n == 8 && (((u64)p) & 7) == 0) return *(const uint2*)p;
+__device__ __noinline__ uint2 ld8_slow(const char* p, u32 n) {
   u64 v = 0;
   for (u32 i = 0; i < n / 2; i++) v |= (u64)((const unsigned short*)p)[i] << (16 * i);
   return make_uint2((u32)v, (u32)(v >> 32));
+}
+__device__ __forceinline__ uint2 ld8(const char* p, u32 n) {
+  if (n == 8 && (((u64)p) & 7) == 0) return *(const uint2*)p;
+  return ld8_slow(p, n);
+}
+__device__ __noinline__ void st8_slow(char* p, uint2 w, u32 n) {
+  const u64 v = ((u64)w.y << 32) | w.x;
+  for (u32 i = 0; i < n / 2; i++) ((unsigned short*)p)[i] = (unsigned short)(v >> (16 * i));
 }
 __device__ __forceinline__ void st8(char* p, uint2 w, u32 n) {
   if (n == 8 && (((u64)p) & 7) == 0) {
     *(uint2*)p = w;
     return;
   }
-  const u64 v = ((u64)w.y << 32) | w.x;
-  for (u32 i = 0; i < n / 2; i++) ((unsigned short*)p)[i] = (unsigned short)(v >> (16 * i));
+  st8_slow(p, w, n);
 }
 __device__ __forceinline__ u32 unit_bytes(u64 i, u64 nbytes) {
   u64 rest = nbytes - i * 8;
   return rest >= 8 ? 8u : (u32)rest;
 }
 
-// LL16 packet read with the bounded wait.
-__device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p, u32 flag, u64 deadline, u32 peer,
+// Rank `rank`'s scratch (mapped here): from the kernel's parameters for the first 64 ranks.
+__device__ __forceinline__ char* scratch_of(const CollArgs& a, u32 rank) {
+  return (char*)(rank < 64 ? a.scratch[rank] : ((const u64*)a.peers)[rank]);
+}
+// My LL packets in `rank`'s scratch, in half `half`, slot `slot` of `slot_units` packets.
+__device__ __forceinline__ LL16Packet* pkt_slot(const CollArgs& a, u32 rank, u32 half, u64 slot, u64 slot_units) {
+  return (LL16Packet*)(scratch_of(a, rank) + a.pkt_off + half * a.pkt_half + slot * slot_units * 16);
+}
+// `peer`'s signature packet of the call with `flag`, in my scratch.
+__device__ __forceinline__ const LL16Packet* sig_pkt_from(const CollArgs& a, u32 flag, u32 peer) {
+  return (const LL16Packet*)(scratch_of(a, a.rank) + a.sig_pkt_off) + (flag & 1) * a.nranks + peer;
+}
+
+// Whether `peer` has started a call with this flag whose signature differs from mine (a look,
+// no wait): a wait on that peer's data would otherwise end as a timeout, not as the mismatch.
+__device__ __noinline__ bool peer_sig_differs(const CollArgs& a, u32 flag, u32 peer) {
+  uint2 v;
+  if (peer >= a.nranks || sig_pkt_from(a, flag, peer)->readOnce(flag, v)) return false;
+  return (((u64)v.y << 32) | v.x) != a.sig;
+}
+
+// LL16 packet read with the bounded wait. Every 4096 spins (and before it reports a timeout)
+// it looks at the peer's signature, so a mismatched call is named as such quickly.
+__device__ __forceinline__ bool read_pkt(const CollArgs& a, const LL16Packet* p, u32 flag, u64& deadline, u32 peer,
                                          uint2& v) {
   u32 spins = 0;
   while (p->readOnce(flag, v)) {
+    if ((spins & 0xfff) == 0xfff && peer_sig_differs(a, flag, peer)) {
+      fail(a, ERR_MISMATCH, peer);
+      return false;
+    }
     if (must_stop(a, deadline, peer, spins)) return false;
   }
   return true;
 }
 
-__device__ __forceinline__ char* scratch_of(const CollArgs& a, u32 rank) { return (char*)((const u64*)a.peers)[rank]; }
-// My LL packets in `rank`'s scratch, in half `half`, slot `slot` of `slot_units` packets.
-__device__ __forceinline__ LL16Packet* pkt_slot(const CollArgs& a, u32 rank, u32 half, u64 slot, u64 slot_units) {
-  return (LL16Packet*)(scratch_of(a, rank) + a.pkt_off + half * a.pkt_half + slot * slot_units * 16);
+// `r + k` for 0 <= k < 2 * R - r, wrapped to a rank (32-bit: a 64-bit `%` is a long software
+// division on the critical path of every small call).
+__device__ __forceinline__ u32 wrap_rank(u32 x, u32 R) { return x >= R ? x - R : x; }
+
+// `read_pkt` of a data packet from `peer` together with that peer's signature packet: both loads
+// are in flight at once, so checking the signature costs no round trip of its own (the
+// signature is written at the peer's start, before its data). A different signature is a
+// mismatch, named as such.
+__device__ __forceinline__ bool read_pkt_and_sig(const CollArgs& a, const LL16Packet* p, u32 flag, u64& deadline,
+                                                 u32 peer, uint2& v) {
+  const LL16Packet* sp = sig_pkt_from(a, flag, peer);
+  bool have_sig = false;
+  u32 spins = 0;
+  while (true) {
+    const bool data_waits = p->readOnce(flag, v);
+    if (!have_sig) {
+      uint2 sv;
+      have_sig = !sp->readOnce(flag, sv);
+      if (have_sig && (((u64)sv.y << 32) | sv.x) != a.sig) {
+        fail(a, ERR_MISMATCH, peer);
+        return false;
+      }
+    }
+    if (!data_waits && have_sig) return true;
+    if (must_stop(a, deadline, peer, spins)) return false;
+  }
 }
 
-// The per-call packet prologue: every thread learns the flag; block 0 thread 0 sends this call's
-// signature to every peer (an LL packet) and checks theirs before its share of the data, so a
-// mismatched call is reported as such rather than as the timeout it would cause. Reading every
-// peer's signature is also what lets the next-but-one call reuse this half: a peer writes its
-// signature only after it finished the call before. Returns false when this rank has failed
-// before (nothing is done then).
+// The per-call packet prologue: every thread reads the flag and the failed bit itself (in
+// parallel with its first input load: a block-wide broadcast through shared memory put the two
+// loads in series and cost 0.25 us per call); block 0 thread 0 sends this call's signature to
+// every peer (an LL packet) without waiting, so it travels beside the data rather than a round
+// trip ahead of it (checked with the data, or in the epilogue).
+// Returns false when this rank has failed before (nothing is done then).
 __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& deadline) {
   CollState* st = (CollState*)a.state;
-  deadline = detail::globaltimer() + a.timeout_ns;
-  // flag and failed in one load.
+  deadline = 0;  // started at the first long wait (must_stop)
   uint2 ff;
-  detail::ld_volatile_v2_u32(st, ff.x, ff.y);
+  detail::ld_volatile_v2_u32(st, ff.x, ff.y);  // flag and failed in one load
   if (ff.y) {
     if (blockIdx.x == 0 && threadIdx.x == 0) fail(a, ERR_FAILED_BEFORE, 0xffff);
     return false;
   }
   flag = ff.x;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const u32 half = flag & 1;
-    for (u32 p = 0; p < a.nranks; p++) {
-      if (p == a.rank) continue;
-      LL16Packet* s = (LL16Packet*)(scratch_of(a, p) + a.sig_pkt_off) + half * a.nranks + a.rank;
+    const u32 R = (u32)a.nranks, me = (u32)a.rank, half = flag & 1;
+    #pragma unroll 1
+    for (u32 k = 1; k < R; k++) {
+      LL16Packet* s = (LL16Packet*)(scratch_of(a, wrap_rank(me + k, R)) + a.sig_pkt_off) + half * R + me;
       s->write(a.sig, flag);
-    }
-    for (u32 i = 1; i < a.nranks; i++) {
-      u32 p = (a.rank + i) % a.nranks;
-      const LL16Packet* s = (const LL16Packet*)(scratch_of(a, a.rank) + a.sig_pkt_off) + half * a.nranks + p;
-      uint2 v;
-      if (!read_pkt(a, s, flag, deadline, p, v)) break;
-      if ((((u64)v.y << 32) | v.x) != a.sig) {
-        fail(a, ERR_MISMATCH, p);
-        break;
-      }
     }
   }
   return true;
 }
 
-// The per-call packet epilogue: the last block to finish advances the flag.
-__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64 deadline) {
-  (void)deadline;
+// Block 0 thread 0 checks every peer's signature of this call. Reading them is also what lets
+// the next-but-one call reuse this half: a peer writes its signature only after it finished the
+// call before.
+__device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64& deadline) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const u32 R = (u32)a.nranks;
+  #pragma unroll 1
+  for (u32 i = 1; i < R; i++) {
+    const u32 p = wrap_rank((u32)a.rank + i, R);
+    uint2 v;
+    if (!read_pkt(a, sig_pkt_from(a, flag, p), flag, deadline, p, v)) break;
+    if ((((u64)v.y << 32) | v.x) != a.sig) {
+      fail(a, ERR_MISMATCH, p);
+      break;
+    }
+  }
+}
+
+// The per-call packet epilogue: the peers' signatures are checked, then the flag advances.
+// `sigs_checked`: block 0 thread 0 already read every peer's signature (`read_pkt_and_sig`).
+__device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64& deadline, bool sigs_checked = false) {
+  if (!sigs_checked) pkt_check_sigs(a, flag, deadline);
   CollState* st = (CollState*)a.state;
   __syncthreads();
+  const u32 next = flag + 1 == 0 ? 1 : flag + 1;
   if (gridDim.x == 1) {
     // One block, whose threads all read the flag (the barrier above); the next launch starts
     // after this one ends.
-    if (threadIdx.x == 0) st->flag = flag + 1 == 0 ? 1 : flag + 1;
+    if (threadIdx.x == 0) st->flag = next;
     return;
   }
   if (threadIdx.x == 0) {
     // Every block read the flag at its start; the last one to get here advances it (the next
     // launch starts after this one ends, so no fence is needed for it).
-    u32 prev = atomicAdd(&st->done, 1u);
-    if (prev == gridDim.x - 1) {
+    if (atomicAdd(&st->done, 1u) == gridDim.x - 1) {
       st->done = 0;
-      st->flag = flag + 1 == 0 ? 1 : flag + 1;
+      st->flag = next;
     }
   }
 }
@@ -278,7 +355,7 @@ __device__ void allreduce_allpair(const CollArgs& a) {
   u32 flag;
   u64 deadline;
   if (!pkt_begin(a, flag, deadline)) return;
-  const u32 half = flag & 1;
+  const u32 half = flag & 1, R = (u32)a.nranks, me = (u32)a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -287,23 +364,27 @@ __device__ void allreduce_allpair(const CollArgs& a) {
   for (u64 i = tid; i < units && ok; i += nth) {
     const u32 n = unit_bytes(i, a.nbytes);
     uint2 v = ld8(in + i * 8, n);
-    for (u32 k = 1; k < a.nranks; k++) {
-      u32 p = (a.rank + k) % a.nranks;
-      pkt_slot(a, p, half, a.rank, units)[i].write(v, flag);
-    }
+    #pragma unroll 1
+    for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(me + k, R), half, me, units)[i].write(v, flag);
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
-    for (u32 k = 1; k < a.nranks && ok; k++) {
-      u32 p = (a.rank + a.nranks - k) % a.nranks;
+    #pragma unroll 1
+    for (u32 k = 1; k < R && ok; k++) {
+      const u32 p = wrap_rank(me + R - k, R);
       uint2 w;
-      ok = read_pkt(a, pkt_slot(a, a.rank, half, p, units) + i, flag, deadline, p, w);
+      const LL16Packet* src = pkt_slot(a, me, half, p, units) + i;
+      // Thread 0 of block 0 (unit 0, which every call has) checks each peer's signature with
+      // that peer's first packet.
+      ok = i == 0 ? read_pkt_and_sig(a, src, flag, deadline, p, w) : read_pkt(a, src, flag, deadline, p, w);
       if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
     }
     uint2 r;
     acc.finish((u32*)&r, (int)a.op, a.nranks);
     if (ok) st8(out + i * 8, r, n);
   }
-  pkt_end(a, flag, deadline);
+  // A failed wait of thread 0 left some signatures unread: check them (bounded; ends at once
+  // once this rank has failed).
+  pkt_end(a, flag, deadline, tid == 0 && ok && units > 0);
 }
 
 // AllReduce in two packet phases: chunk p of every input goes to rank p, which reduces it and
@@ -321,8 +402,9 @@ __device__ void allreduce_packet(const CollArgs& a) {
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
   // Slots: phase 1 [src][cu], phase 2 at R*cu: [src][cu].
   for (u64 x = tid; x < (u64)(R - 1) * cu; x += nth) {
-    u32 p = (r + 1 + (u32)(x / cu)) % R;
-    u64 j = x % cu, i = p * cu + j;
+    const u32 q = (u32)x / (u32)cu;  // packet calls stay far below 2^32 units
+    u32 p = wrap_rank(r + 1 + q, R);
+    u64 j = (u32)x - q * (u32)cu, i = p * cu + j;
     if (i >= units) continue;
     uint2 v = ld8(in + i * 8, unit_bytes(i, a.nbytes));
     pkt_slot(a, p, half, r, cu)[j].write(v, flag);
@@ -335,8 +417,9 @@ __device__ void allreduce_packet(const CollArgs& a) {
     uint2 v = ld8(in + i * 8, n);
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
+    #pragma unroll 1
     for (u32 k = 1; k < R && ok; k++) {
-      u32 p = (r + R - k) % R;
+      u32 p = wrap_rank(r + R - k, R);
       uint2 w;
       ok = read_pkt(a, pkt_slot(a, r, half, p, cu) + j, flag, deadline, p, w);
       if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
@@ -345,14 +428,16 @@ __device__ void allreduce_packet(const CollArgs& a) {
     uint2 res;
     acc.finish((u32*)&res, (int)a.op, R);
     st8(out + i * 8, res, n);
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       pkt_slot(a, p, half, R + r, cu)[j].write(res, flag);
     }
   }
   for (u64 x = tid; x < (u64)(R - 1) * cu && ok; x += nth) {
-    u32 p = (r + 1 + (u32)(x / cu)) % R;
-    u64 j = x % cu, i = p * cu + j;
+    const u32 q = (u32)x / (u32)cu;  // packet calls stay far below 2^32 units
+    u32 p = wrap_rank(r + 1 + q, R);
+    u64 j = (u32)x - q * (u32)cu, i = p * cu + j;
     if (i >= units) continue;
     uint2 v;
     ok = read_pkt(a, pkt_slot(a, r, half, R + p, cu) + j, flag, deadline, p, v);
@@ -373,8 +458,9 @@ __device__ void reducescatter_packet(const CollArgs& a) {
   char* out = (char*)a.out;
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
   for (u64 x = tid; x < (u64)(R - 1) * units; x += nth) {
-    u32 p = (r + 1 + (u32)(x / units)) % R;
-    u64 i = x % units;
+    const u32 q = (u32)x / (u32)units;  // packet calls stay far below 2^32 units
+    u32 p = wrap_rank(r + 1 + q, R);
+    u64 i = (u32)x - q * (u32)units;
     uint2 v = ld8(in + p * a.nbytes + i * 8, unit_bytes(i, a.nbytes));
     pkt_slot(a, p, half, r, units)[i].write(v, flag);
   }
@@ -384,8 +470,9 @@ __device__ void reducescatter_packet(const CollArgs& a) {
     uint2 v = ld8(in + r * a.nbytes + i * 8, n);
     Acc<D, 2> acc;
     acc.init((const u32*)&v);
+    #pragma unroll 1
     for (u32 k = 1; k < R && ok; k++) {
-      u32 p = (r + R - k) % R;
+      u32 p = wrap_rank(r + R - k, R);
       uint2 w;
       ok = read_pkt(a, pkt_slot(a, r, half, p, units) + i, flag, deadline, p, w);
       if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
@@ -412,13 +499,15 @@ __device__ void allgather_packet(const CollArgs& a) {
   for (u64 i = tid; i < units; i += nth) {
     const u32 n = unit_bytes(i, a.nbytes);
     uint2 v = ld8(in + i * 8, n);
-    for (u32 k = 1; k < R; k++) pkt_slot(a, (r + k) % R, half, r, units)[i].write(v, flag);
+    #pragma unroll 1
+    for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(r + k, R), half, r, units)[i].write(v, flag);
     if (copy_own) st8(out + r * a.nbytes + i * 8, v, n);
   }
   bool ok = true;
   for (u64 x = tid; x < (u64)(R - 1) * units && ok; x += nth) {
-    u32 p = (r + 1 + (u32)(x / units)) % R;
-    u64 i = x % units;
+    const u32 q = (u32)x / (u32)units;  // packet calls stay far below 2^32 units
+    u32 p = wrap_rank(r + 1 + q, R);
+    u64 i = (u32)x - q * (u32)units;
     uint2 v;
     ok = read_pkt(a, pkt_slot(a, r, half, p, units) + i, flag, deadline, p, v);
     if (ok) st8(out + p * a.nbytes + i * 8, v, unit_bytes(i, a.nbytes));
@@ -441,7 +530,8 @@ __device__ void broadcast_packet(const CollArgs& a) {
     const u32 n = unit_bytes(i, a.nbytes);
     if (r == root) {
       uint2 v = ld8(in + i * 8, n);
-      for (u32 k = 1; k < R; k++) pkt_slot(a, (r + k) % R, half, 0, units)[i].write(v, flag);
+      #pragma unroll 1
+      for (u32 k = 1; k < R; k++) pkt_slot(a, wrap_rank(r + k, R), half, 0, units)[i].write(v, flag);
       if (in != out) st8(out + i * 8, v, n);
     } else {
       uint2 v;
@@ -458,7 +548,7 @@ __device__ void broadcast_packet(const CollArgs& a) {
 // (block b signals block b of every peer) orders exactly the data the next phase reads.
 
 // Block barrier with every peer: returns false when a wait failed (the whole block then stops).
-__device__ bool block_barrier(const CollArgs& a, u64 deadline, bool send_sig) {
+__device__ bool block_barrier(const CollArgs& a, u64& deadline, bool send_sig) {
   __shared__ int bad;
   if (threadIdx.x == 0) bad = 0;
   __syncthreads();
@@ -542,6 +632,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
       uint4 v = ((const uint4*)srcs[0])[i];
       Acc<D, 4> acc;
       acc.init((const u32*)&v);
+      #pragma unroll 1
       for (u32 k = 1; k < R; k++) {
         uint4 w = ((const uint4*)srcs[k])[i];
         acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
@@ -559,6 +650,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
       u32 v = nb == 4 ? ((const u32*)srcs[0])[i] : (u32)((const unsigned short*)srcs[0])[2 * i];
       Acc<D, 1> acc;
       acc.init(&v);
+      #pragma unroll 1
       for (u32 k = 1; k < R; k++) {
         u32 w = nb == 4 ? ((const u32*)srcs[k])[i] : (u32)((const unsigned short*)srcs[k])[2 * i];
         acc.add(&w, (int)a.op, a.acc32 != 0);
@@ -581,6 +673,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
     u32 v = ((const unsigned short*)srcs[0])[i];
     Acc<D, 1> acc;
     acc.init(&v);
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       u32 w = ((const unsigned short*)srcs[k])[i];
       acc.add(&w, (int)a.op, a.acc32 != 0);
@@ -598,7 +691,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
 // input into rank p's scratch (slot = the writer); (1) rank r reduces chunk r from its own input
 // and those slots, into its output and into every peer's result area (slot r); (2) every rank
 // copies the other chunks' results from its own result area. Each byte crosses to a peer once
-// each way and nothing is staged locally (4 bytes moved per byte of the buffer at 2 ranks).
+// each way and nothing is staged locally; the result reaches the next rank from registers.
 // Barriers: before (1) the slots are full; before (2) the results have arrived. A round's (0)
 // overwrites slots only after the peer passed the previous round's second barrier (its (1)
 // read them), and (1) overwrites results only after the peer passed this round's first barrier
@@ -617,8 +710,9 @@ __device__ void allreduce_simple(const CollArgs& a) {
     const u64 rb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
     const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // chunk bytes (slot size)
     // (0) chunk p of my input -> rank p's slot r.
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       u64 c_lo = p * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
       slice_of(c_len, b, B, lo, hi);
       block_copy(scratch_of(a, p) + a.simple_off + r * cb + lo, in + base + c_lo + lo, hi - lo);
@@ -629,22 +723,25 @@ __device__ void allreduce_simple(const CollArgs& a) {
     u64 c_lo = r * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
     slice_of(c_len, b, B, lo, hi);
     if (threadIdx.x < R) {
-      u32 q = (r + threadIdx.x) % R;
+      u32 q = wrap_rank(r + threadIdx.x, R);
       srcs[threadIdx.x] = q == r ? in + base + c_lo + lo : scratch_of(a, r) + a.simple_off + q * cb + lo;
     }
     __syncthreads();
     char* res0 = out + base + c_lo + lo;
-    block_reduce<D>(res0, nullptr, srcs, R, hi - lo, a);
+    // ... and push the result to every peer's result area, slot r: the next rank's straight
+    // from the registers (one read of the result fewer), the others' from my output.
+    char* res_next = scratch_of(a, wrap_rank(r + 1, R)) + a.simple_off + round_bytes + c_lo + lo;
+    block_reduce<D>(res0, res_next, srcs, R, hi - lo, a);
     __syncthreads();
-    // ... and push the result to every peer's result area, slot r.
-    for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+    for (u32 k = 2; k < R; k++) {
+      u32 p = wrap_rank(r + k, R);
       block_copy(scratch_of(a, p) + a.simple_off + round_bytes + c_lo + lo, res0, hi - lo);
     }
     if (!block_barrier(a, deadline, false)) return;
     // (2) the other chunks' results, from my result area.
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       u64 p_lo = p * cb, p_len = p_lo >= rb ? 0 : (rb - p_lo < cb ? rb - p_lo : cb), plo, phi;
       slice_of(p_len, b, B, plo, phi);
       block_copy(out + base + p_lo + plo, scratch_of(a, r) + a.simple_off + round_bytes + p_lo + plo, phi - plo);
@@ -673,12 +770,14 @@ __device__ void allreduce_zerocopy(const CollArgs& a) {
   const u64 c_lo = r * cb, c_len = c_lo >= a.nbytes ? 0 : (a.nbytes - c_lo < cb ? a.nbytes - c_lo : cb);
   u64 lo, hi;
   slice_of(c_len, b, B, lo, hi);
-  if (threadIdx.x < R) srcs[threadIdx.x] = sends[(r + threadIdx.x) % R] + c_lo + lo;
+  if (threadIdx.x < R) srcs[threadIdx.x] = sends[wrap_rank(r + threadIdx.x, R)] + c_lo + lo;
   __syncthreads();
   char* mine = recvs[r] + c_lo + lo;
-  block_reduce<D>(mine, nullptr, srcs, R, hi - lo, a);
+  // The next rank's copy straight from the registers, the others' from mine.
+  block_reduce<D>(mine, recvs[wrap_rank(r + 1, R)] + c_lo + lo, srcs, R, hi - lo, a);
   __syncthreads();
-  for (u32 k = 1; k < R; k++) block_copy(recvs[(r + k) % R] + c_lo + lo, mine, hi - lo);
+  #pragma unroll 1
+  for (u32 k = 2; k < R; k++) block_copy(recvs[wrap_rank(r + k, R)] + c_lo + lo, mine, hi - lo);
   block_barrier(a, deadline, false);
 }
 
@@ -703,7 +802,7 @@ __device__ void reducescatter_simple(const CollArgs& a) {
     if (!block_barrier(a, deadline, first)) return;
     first = false;
     if (threadIdx.x < R) {
-      u32 q = (r + threadIdx.x) % R;
+      u32 q = wrap_rank(r + threadIdx.x, R);
       srcs[threadIdx.x] = scratch_of(a, q) + a.simple_off + r * seg_round + lo;
     }
     __syncthreads();
@@ -729,8 +828,9 @@ __device__ void allgather_simple(const CollArgs& a) {
     block_copy(out + r * a.nbytes + base + lo, in + base + lo, hi - lo);
     if (!block_barrier(a, deadline, first)) return;
     first = false;
+    #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
-      u32 p = (r + k) % R;
+      u32 p = wrap_rank(r + k, R);
       block_copy(out + p * a.nbytes + base + lo, scratch_of(a, p) + a.simple_off + lo, hi - lo);
     }
     if (!block_barrier(a, deadline, false)) return;
@@ -766,7 +866,7 @@ __device__ void broadcast_simple(const CollArgs& a) {
 // accumulation are arguments.
 
 #define TYPED(coll, algo, D, name) \
-  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(CollArgs a) { coll##_##algo<D>(a); }
+  extern "C" __global__ void __launch_bounds__(512, 1) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { coll##_##algo<D>(a); }
 #define ALL_TYPES(coll, algo)   \
   TYPED(coll, algo, F32, f32)   \
   TYPED(coll, algo, F16, f16)   \
@@ -781,7 +881,7 @@ ALL_TYPES(allreduce, zerocopy)
 ALL_TYPES(reducescatter, packet)
 ALL_TYPES(reducescatter, simple)
 
-extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(CollArgs a) { allgather_packet(a); }
-extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(CollArgs a) { allgather_simple(a); }
-extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(CollArgs a) { broadcast_packet(a); }
-extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(CollArgs a) { broadcast_simple(a); }
+extern "C" __global__ void __launch_bounds__(512, 1) allgather_packet_any(const __grid_constant__ CollArgs a) { allgather_packet(a); }
+extern "C" __global__ void __launch_bounds__(512, 1) allgather_simple_any(const __grid_constant__ CollArgs a) { allgather_simple(a); }
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_packet_any(const __grid_constant__ CollArgs a) { broadcast_packet(a); }
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_simple_any(const __grid_constant__ CollArgs a) { broadcast_simple(a); }

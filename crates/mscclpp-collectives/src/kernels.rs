@@ -14,10 +14,14 @@ use mscclpp::{Error, Result};
 
 use crate::types::{Algorithm, Collective, DataType};
 
-/// The argument block of every collective kernel (passed by value). Every field is a `u64`, in
-/// the order of [`ARG_FIELDS`].
+/// Ranks whose scratch address travels in the argument block itself ([`CollArgs::scratch`]);
+/// the others' are read from the `peers` table in device memory.
+pub(crate) const INLINE_PEERS: usize = 64;
+
+/// The argument block of every collective kernel (passed by value, `__grid_constant__`). Every
+/// field is a `u64`, in the order of [`ARG_FIELDS`], then the inline scratch addresses.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct CollArgs {
     pub(crate) input: u64,
     pub(crate) output: u64,
@@ -41,6 +45,40 @@ pub(crate) struct CollArgs {
     pub(crate) inbox_off: u64,
     pub(crate) simple_off: u64,
     pub(crate) simple_round: u64,
+    /// The scratch address of ranks `0..INLINE_PEERS` (mapped here): a kernel reads them from
+    /// its parameters, not from a table in device memory whose first read costs a trip to
+    /// memory before the first packet can leave (about 1 us of a 3 us small AllReduce).
+    pub(crate) scratch: [u64; INLINE_PEERS],
+}
+
+impl Default for CollArgs {
+    fn default() -> CollArgs {
+        CollArgs {
+            input: 0,
+            output: 0,
+            nbytes: 0,
+            peers: 0,
+            state: 0,
+            expected: 0,
+            err: 0,
+            abort: 0,
+            timeout_ns: 0,
+            rank: 0,
+            nranks: 0,
+            sig: 0,
+            root: 0,
+            op: 0,
+            acc32: 0,
+            pkt_off: 0,
+            pkt_half: 0,
+            sig_pkt_off: 0,
+            sig_off: 0,
+            inbox_off: 0,
+            simple_off: 0,
+            simple_round: 0,
+            scratch: [0; INLINE_PEERS],
+        }
+    }
 }
 
 /// The CUDA names of [`CollArgs`]' fields, in order (`in`/`out` are the first two).
@@ -80,6 +118,7 @@ pub(crate) fn source() -> String {
     for f in ARG_FIELDS {
         s.push_str(&format!("  mscclpp::u64 {f};\n"));
     }
+    s.push_str(&format!("  mscclpp::u64 scratch[{INLINE_PEERS}];\n"));
     s.push_str(&format!(
         "}};\nstatic_assert(sizeof(CollArgs) == {}, \"CollArgs layout\");\n\n",
         std::mem::size_of::<CollArgs>()
@@ -117,23 +156,42 @@ pub(crate) fn all_kernel_names() -> Vec<String> {
     v
 }
 
-/// The kernels of one GPU, by name.
+/// The kernels of one module on one GPU, by name.
 #[derive(Debug)]
 pub(crate) struct Kernels {
+    /// What the kernels are, for messages ("collective", "two-level").
+    what: &'static str,
     by_name: HashMap<String, Kernel>,
+    /// `by_name`'s entries for [`get`](Kernels::get), indexed by [`key`]: every call looks its
+    /// kernel up here (no name formatting, no hashing).
+    keyed: Vec<Option<Kernel>>,
     _module: KernelModule,
 }
 
+const COLLECTIVES: [Collective; 4] =
+    [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast];
+
+/// The slot of `(coll, algo, dtype)` in [`Kernels::keyed`].
+fn key(coll: Collective, algo: Algorithm, dtype: DataType) -> usize {
+    (coll as usize * Algorithm::ALL.len() + algo as usize) * DataType::ALL.len() + dtype as usize
+}
+
 impl Kernels {
+    /// The kernel `name`.
+    pub(crate) fn named(&self, name: &str) -> Result<&Kernel> {
+        self.by_name.get(name).ok_or_else(|| Error::internal(format!("{} kernel {name} was not loaded", self.what)))
+    }
+
     pub(crate) fn get(&self, coll: Collective, algo: Algorithm, dtype: DataType) -> Result<&Kernel> {
-        let name = kernel_name(coll, algo, dtype);
-        self.by_name.get(&name).ok_or_else(|| Error::internal(format!("collective kernel {name} was not loaded")))
+        match self.keyed.get(key(coll, algo, dtype)) {
+            Some(Some(k)) => Ok(k),
+            _ => self.named(&kernel_name(coll, algo, dtype)),
+        }
     }
 
     /// The zero-copy AllReduce kernel for `dtype`.
     pub(crate) fn get_zero_copy(&self, dtype: DataType) -> Result<&Kernel> {
-        let name = format!("allreduce_zerocopy_{}", dtype.name());
-        self.by_name.get(&name).ok_or_else(|| Error::internal(format!("collective kernel {name} was not loaded")))
+        self.named(&format!("allreduce_zerocopy_{}", dtype.name()))
     }
 
     /// Blocks of `threads` threads one SM holds of the heaviest kernel (the residency bound).
@@ -146,42 +204,66 @@ impl Kernels {
     }
 }
 
-/// The kernels for GPU `device`: compiled with NVRTC once per process and architecture, loaded
-/// once per GPU and shared by every rank of this process on it.
-pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
-    static LOADED: OnceLock<Mutex<HashMap<u32, Arc<Kernels>>>> = OnceLock::new();
-    static COMPILED: OnceLock<Mutex<HashMap<String, Arc<Ptx>>>> = OnceLock::new();
-    let loaded = LOADED.get_or_init(Default::default);
-    // One rank compiles and loads; the others of this process wait for it here.
-    let mut map = loaded.lock().map_err(|_| Error::internal("the collective kernel cache lock is poisoned"))?;
-    if let Some(k) = map.get(&device) {
+/// The kernels of the program `what` (CUDA file `file`, text from `source`, entries `names`) for
+/// GPU `device`: compiled with NVRTC once per process and architecture, loaded once per GPU and
+/// shared by every rank of this process on it (one rank compiles and loads; the others wait).
+pub(crate) fn load(
+    what: &'static str,
+    file: &'static str,
+    device: u32,
+    source: fn() -> String,
+    names: fn() -> Vec<String>,
+) -> Result<Arc<Kernels>> {
+    type Cache<K, V> = OnceLock<Mutex<HashMap<(&'static str, K), Arc<V>>>>;
+    static LOADED: Cache<u32, Kernels> = OnceLock::new();
+    static COMPILED: Cache<String, Ptx> = OnceLock::new();
+    let poisoned = || Error::internal(format!("the {what} kernel cache lock is poisoned"));
+    let mut map = LOADED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
+    if let Some(k) = map.get(&(what, device)) {
         return Ok(k.clone());
     }
-    let opts = CompileOptions::for_device(device);
+    let opts = CompileOptions::for_device(device).name(file);
     let arch = opts.resolved_arch();
     let ptx = {
-        let compiled = COMPILED.get_or_init(Default::default);
-        let mut c = compiled.lock().map_err(|_| Error::internal("the collective PTX cache lock is poisoned"))?;
-        match c.get(&arch) {
+        let mut c = COMPILED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
+        match c.get(&(what, arch.clone())) {
             Some(p) => p.clone(),
             None => {
                 let t = std::time::Instant::now();
-                let p = Arc::new(compile(&source(), &opts).map_err(|e| e.during("compiling the collective kernels"))?);
-                tracing::info!(target: "mscclpp::collectives", "compiled the collective kernels for {arch} in {:?}", t.elapsed());
-                c.insert(arch, p.clone());
+                let p =
+                    Arc::new(compile(&source(), &opts).map_err(|e| e.during(format!("compiling the {what} kernels")))?);
+                tracing::info!(target: "mscclpp::collectives", "compiled the {what} kernels for {arch} in {:?}", t.elapsed());
+                c.insert((what, arch), p.clone());
                 p
             }
         }
     };
     let module = KernelModule::load(device, &ptx)?;
     let mut by_name = HashMap::new();
-    for name in all_kernel_names() {
+    for name in names() {
         let k = module.function(&name)?;
         by_name.insert(name, k);
     }
-    let k = Arc::new(Kernels { by_name, _module: module });
-    map.insert(device, k.clone());
+    let mut keyed = vec![None; COLLECTIVES.len() * Algorithm::ALL.len() * DataType::ALL.len()];
+    for coll in COLLECTIVES {
+        for algo in Algorithm::ALL {
+            for d in DataType::ALL {
+                if let (Some(slot), Some(k)) =
+                    (keyed.get_mut(key(coll, algo, d)), by_name.get(&kernel_name(coll, algo, d)))
+                {
+                    *slot = Some(k.clone());
+                }
+            }
+        }
+    }
+    let k = Arc::new(Kernels { what, by_name, keyed, _module: module });
+    map.insert((what, device), k.clone());
     Ok(k)
+}
+
+/// The collective kernels for GPU `device`.
+pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
+    load("collective", "collectives.cu", device, source, all_kernel_names)
 }
 
 /// Launches `kernel` with `args`.
@@ -210,8 +292,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn kernel_keys_are_distinct_slots() {
+        let n = COLLECTIVES.len() * Algorithm::ALL.len() * DataType::ALL.len();
+        let mut seen = vec![false; n];
+        for c in COLLECTIVES {
+            for a in Algorithm::ALL {
+                for d in DataType::ALL {
+                    let k = key(c, a, d);
+                    assert!(k < n && !seen[k], "{c:?} {a:?} {d:?}");
+                    seen[k] = true;
+                }
+            }
+        }
+    }
+
+    #[test]
     fn generated_struct_matches_the_rust_layout_field_by_field() {
-        assert_eq!(std::mem::size_of::<CollArgs>(), ARG_FIELDS.len() * 8);
+        assert_eq!(std::mem::size_of::<CollArgs>(), ARG_FIELDS.len() * 8 + INLINE_PEERS * 8);
+        assert_eq!(std::mem::offset_of!(CollArgs, scratch), ARG_FIELDS.len() * 8);
         let offsets = [
             std::mem::offset_of!(CollArgs, input),
             std::mem::offset_of!(CollArgs, output),
@@ -238,7 +336,8 @@ mod tests {
         ];
         let src = source();
         let body = src.split("struct CollArgs {\n").nth(1).and_then(|s| s.split("};").next()).unwrap();
-        let fields: Vec<&str> = body.lines().map(|l| l.trim()).filter(|l| !l.is_empty()).collect();
+        let mut fields: Vec<&str> = body.lines().map(|l| l.trim()).filter(|l| !l.is_empty()).collect();
+        assert_eq!(fields.pop(), Some(format!("mscclpp::u64 scratch[{INLINE_PEERS}];").as_str()));
         assert_eq!(fields.len(), offsets.len());
         for (i, (line, off)) in fields.iter().zip(offsets).enumerate() {
             assert_eq!(off, i * 8, "field {i} of CollArgs");
@@ -258,7 +357,7 @@ mod tests {
         for n in &names {
             let (prefix, ty) = n.rsplit_once('_').unwrap();
             let defined = if ty == "any" {
-                KERNELS.contains(&format!("void __launch_bounds__(512) {n}(CollArgs a)"))
+                KERNELS.contains(&format!("void __launch_bounds__(512, 1) {n}(const __grid_constant__ CollArgs a)"))
             } else {
                 let (coll, algo) = prefix.split_once('_').unwrap();
                 KERNELS.contains(&format!("ALL_TYPES({coll}, {algo})"))

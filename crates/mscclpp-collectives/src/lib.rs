@@ -27,14 +27,19 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 mod comm;
+pub mod external;
 pub mod hier;
 mod kernels;
+pub mod p2p;
 pub mod select;
+mod status;
 pub mod tune;
 mod types;
 
 pub use comm::{CallOptions, Collectives, Config, Window};
+pub use external::{ExternalAlgorithm, ExternalId};
 pub use hier::{HierConfig, TwoLevel};
+pub use p2p::{P2pConfig, P2pOp, PointToPoint};
 pub use select::{Layout, Limits, Plan};
 pub use types::{Algorithm, Collective, DataType, ReduceOp};
 

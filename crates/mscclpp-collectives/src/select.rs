@@ -4,6 +4,7 @@
 
 use mscclpp::{Error, Result};
 
+use crate::comm::CallOptions;
 use crate::types::{Algorithm, Collective, DataType, ReduceOp};
 
 /// Blocks a launch may have (the barrier counters are sized for it; `MAX_BLOCKS` in the CUDA
@@ -84,7 +85,10 @@ impl Layout {
 
     /// Whether a packet algorithm fits a call of `nbytes`.
     pub fn packet_fits(&self, coll: Collective, algo: Algorithm, nbytes: u64) -> bool {
-        self.packet_need(coll, algo, nbytes) <= self.pkt_half
+        // The packet kernels index packets with 32-bit arithmetic: at most 2^31 16-byte
+        // packets per half (32 GiB), whatever scratch a configuration asks for.
+        let need = self.packet_need(coll, algo, nbytes);
+        need <= self.pkt_half && need / 16 < 1 << 31
     }
 }
 
@@ -139,6 +143,78 @@ pub fn select(coll: Collective, nbytes: u64, layout: &Layout, limits: &Limits) -
     };
     let (blocks, threads) = shape(coll, algorithm, nbytes, layout, limits.max_blocks);
     Plan { algorithm, blocks, threads }
+}
+
+/// The plan of one call: the tuned plan (`tuned`, AllReduce only) or the default [`select`]ion,
+/// then [`CallOptions`]' algorithm, blocks and threads; a staged plan beyond
+/// [`MAX_RANKS_SIMPLE`] ranks falls back to packets where they fit.
+///
+/// # Errors
+/// `InvalidUsage` for an algorithm that does not implement `coll` or whose packets do not fit,
+/// a thread count outside 32..=512 or not a multiple of 32 (or below the rank count for the
+/// staged algorithm), and a call only the staged algorithm could serve with too many ranks.
+pub fn plan(
+    coll: Collective,
+    nbytes: u64,
+    layout: &Layout,
+    limits: &Limits,
+    tuned: Option<Plan>,
+    opts: &CallOptions,
+) -> Result<Plan> {
+    let nranks = layout.nranks;
+    let mut plan = select(coll, nbytes, layout, limits);
+    let tuned = tuned
+        .filter(|_| coll == Collective::AllReduce && opts.algorithm.is_none())
+        .filter(|p| !p.algorithm.is_packet() || layout.packet_fits(coll, p.algorithm, nbytes));
+    if let Some(p) = tuned {
+        plan = Plan { blocks: p.blocks.min(limits.max_blocks), ..p };
+    }
+    if let Some(a) = opts.algorithm {
+        if !a.serves(coll) {
+            return Err(Error::invalid_usage(format!("the {a} algorithm does not implement {coll}")));
+        }
+        if a.is_packet() && !layout.packet_fits(coll, a, nbytes) {
+            return Err(Error::invalid_usage(format!(
+                "{coll} of {nbytes} bytes by {a} needs {} bytes of packet scratch; this communicator has {} \
+                 (Config::packet_bytes)",
+                layout.packet_need(coll, a, nbytes),
+                layout.pkt_half
+            )));
+        }
+        let (b, t) = shape(coll, a, nbytes, layout, limits.max_blocks);
+        plan = Plan { algorithm: a, blocks: b, threads: t };
+    }
+    if plan.algorithm == Algorithm::Simple && nranks > MAX_RANKS_SIMPLE && opts.algorithm.is_none() {
+        // Fall back to packets where they fit (the staged kernels keep one pointer per rank in
+        // shared memory).
+        if layout.packet_fits(coll, Algorithm::Packet, nbytes) {
+            let (b, t) = shape(coll, Algorithm::Packet, nbytes, layout, limits.max_blocks);
+            plan = Plan { algorithm: Algorithm::Packet, blocks: b, threads: t };
+        }
+    }
+    if plan.algorithm == Algorithm::Simple && nranks > MAX_RANKS_SIMPLE {
+        return Err(Error::invalid_usage(format!(
+            "{coll} of {nbytes} bytes needs the staged algorithm, which serves at most {MAX_RANKS_SIMPLE} ranks \
+             (this communicator has {nranks}), and does not fit the packet scratch (Config::packet_bytes)"
+        )));
+    }
+    if let Some(b) = opts.blocks {
+        plan.blocks = b.clamp(1, limits.max_blocks);
+    }
+    if let Some(t) = opts.threads {
+        if !(32..=512).contains(&t) || !t.is_multiple_of(32) {
+            return Err(Error::invalid_usage(format!(
+                "threads per block must be a multiple of 32 in 32..=512, not {t}"
+            )));
+        }
+        if plan.algorithm == Algorithm::Simple && (t as usize) < nranks {
+            return Err(Error::invalid_usage(format!(
+                "the staged algorithm needs at least {nranks} threads per block"
+            )));
+        }
+        plan.threads = t;
+    }
+    Ok(plan)
 }
 
 /// Blocks and threads for `algo` on a call of `nbytes`, at most `max_blocks` blocks.
@@ -281,6 +357,42 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn plans_follow_options_tuning_and_fall_back_past_the_staged_rank_limit() {
+        let l = Layout::new(8, 8 << 20, 32 << 20).unwrap();
+        let lim = Limits::default();
+        let none = CallOptions::default();
+        // Tuning applies to AllReduce only, and never to a call naming its algorithm.
+        let t = Plan { algorithm: Algorithm::Packet, blocks: 3, threads: 128 };
+        assert_eq!(plan(Collective::AllReduce, 4096, &l, &lim, Some(t), &none).unwrap(), t);
+        assert_ne!(plan(Collective::AllGather, 4096, &l, &lim, Some(t), &none).unwrap(), t);
+        let forced = CallOptions::algorithm(Algorithm::Simple);
+        assert_eq!(plan(Collective::AllReduce, 4096, &l, &lim, Some(t), &forced).unwrap().algorithm, Algorithm::Simple);
+        // A tuned plan that does not fit this size's packets is not used.
+        let big = plan(Collective::AllReduce, 64 << 20, &l, &lim, Some(t), &none).unwrap();
+        assert_eq!(big.algorithm, Algorithm::Simple);
+        // Options: shape, bad threads, algorithms that cannot serve.
+        let p = plan(Collective::AllReduce, 4096, &l, &lim, None, &CallOptions::default().shape(1000, 256)).unwrap();
+        assert_eq!((p.blocks, p.threads), (lim.max_blocks, 256));
+        for bad in [16, 33, 1024] {
+            let e =
+                plan(Collective::AllReduce, 4096, &l, &lim, None, &CallOptions::default().shape(1, bad)).unwrap_err();
+            assert!(e.message().contains("multiple of 32"), "{e}");
+        }
+        let e =
+            plan(Collective::AllGather, 4096, &l, &lim, None, &CallOptions::algorithm(Algorithm::AllPair)).unwrap_err();
+        assert!(e.message().contains("does not implement"), "{e}");
+        let e = plan(Collective::AllReduce, 1 << 30, &l, &lim, None, &CallOptions::algorithm(Algorithm::Packet))
+            .unwrap_err();
+        assert!(e.message().contains("packet scratch"), "{e}");
+        // Past 64 ranks a staged-size call falls back to packets where they fit, else is refused.
+        let wide = Layout::new(80, 64 << 20, 32 << 20).unwrap();
+        let p = plan(Collective::AllReduce, 2 << 20, &wide, &lim, None, &none).unwrap();
+        assert_eq!(p.algorithm, Algorithm::Packet);
+        let e = plan(Collective::AllReduce, 1 << 30, &wide, &lim, None, &none).unwrap_err();
+        assert!(e.message().contains("at most 64 ranks"), "{e}");
     }
 
     #[test]

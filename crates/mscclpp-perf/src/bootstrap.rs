@@ -131,12 +131,8 @@ fn run_job(args: &Args, n: usize) -> Result<Row, String> {
 
 /// Runs the scaling benchmark (or, in a child, one rank of it).
 pub fn run(args: &Args) -> Result<(), String> {
-    let env = |k: &str| std::env::var(k).ok();
-    if let (Some(r), Some(s), Some(id)) = (env(ENV_RANK), env(ENV_SIZE), env(ENV_ID)) {
-        let rank: usize = r.parse().map_err(|_| format!("bad {ENV_RANK}"))?;
-        let size: usize = s.parse().map_err(|_| format!("bad {ENV_SIZE}"))?;
-        let id: UniqueId = id.parse().map_err(|e: mscclpp::Error| e.to_string())?;
-        return rank_main(args, rank, size, &id, env(ENV_BIG).as_deref() == Some("1"));
+    if let Some((rank, size, id)) = crate::launch::local_rank(ENV_RANK, ENV_SIZE, ENV_ID)? {
+        return rank_main(args, rank, size, &id, std::env::var(ENV_BIG).ok().as_deref() == Some("1"));
     }
     println!(
         "# mscclpp-perf bootstrap: local processes on {} CPUs",

@@ -5,7 +5,8 @@
 //! bootstrap, communicator, stream and [`Collectives`]. For each size (`-b` .. `-e` by `-f`,
 //! bytes) each rank times `-n` calls between two [`TimingEvent`]s on its stream, after `-w`
 //! untimed ones (with `--graph`: the `-n` calls captured into one CUDA graph, its launch timed
-//! after an untimed one); the time per call is the slowest rank's GPU time over `-n`. Out of
+//! after an untimed one), three times; the time per call is the slowest rank's median GPU time
+//! over `-n`. Out of
 //! place, then in place (NCCL's layouts). nccl-tests' conventions:
 //!
 //! * size: the per-rank buffer of AllReduce, the output of AllGather, the input of
@@ -18,6 +19,11 @@
 //!   every output element compared with a CPU reference; `#wrong` counts the elements that
 //!   differ, summed over ranks, and any makes the run fail.
 //!
+//! With `--plan FILE` (no `--dry-run`) every rank runs that MSCCL++ execution plan through
+//! `mscclpp-executor` instead (its world size must be the job's; its resources for each size are
+//! built before that size is timed; only the placement the plan was written for, in place or
+//! out of place, is timed and checked; sizes the plan cannot split are skipped).
+//!
 //! Each row also has the algorithm the selector chose (or `--algo`), the raw baseline (the
 //! time of `cuMemcpyDtoDAsync` of `size` bytes on the same GPU, by rank 0 alone, wall time per
 //! copy) and, with `--nccl PATH`, NCCL's time for the same calls in the same mode.
@@ -29,11 +35,20 @@ use std::time::Duration;
 use mscclpp::gpu::{DeviceBuffer, Stream, TimingEvent};
 use mscclpp::{Bootstrap, Communicator, TransportFlags};
 use mscclpp_collectives::{Algorithm, CallOptions, Collective, Collectives, Config, DataType, ReduceOp, Window};
-use serde::Serialize;
+use mscclpp_executor::{ExecutionPlan, Executor, ExecutorConfig, PacketType};
 
-use crate::kern::{e, local_ranks, row};
+use crate::kern::{local_ranks, row};
 use crate::nccl::{Comm, MULTI_RANK_ENV, Nccl, UniqueId};
 use crate::{Args, TestKind};
+
+/// Timings per row and placement, of which the median is reported.
+const TIMED_RUNS: usize = 3;
+
+/// The median of `v` (the upper one of an even count); NaN when empty.
+fn median(mut v: Vec<f32>) -> f32 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f32::NAN)
+}
 
 /// `-n` when not given (nccl-tests' default).
 pub const DEFAULT_ITERS: u64 = 20;
@@ -67,6 +82,8 @@ pub struct Spec {
     pub graph: bool,
     pub check: bool,
     pub timeout: Duration,
+    /// `--plan FILE` without `--dry-run`: the plan every rank runs instead of the collectives.
+    pub plan: Option<ExecutionPlan>,
 }
 
 impl Spec {
@@ -104,12 +121,37 @@ impl Spec {
         if !(2..=max).contains(&args.ranks) {
             return Err(format!("{}: --ranks {} must be 2 to {max}", coll.name(), args.ranks));
         }
+        let plan = match (&args.plan, args.dry_run) {
+            (Some(_), false) => {
+                if args.algo.is_some() {
+                    return Err("--plan runs the plan; --algo picks a built-in algorithm: give one of them".into());
+                }
+                if op != ReduceOp::Sum {
+                    return Err(format!(
+                        "--plan: the plan's operations carry their own reduction; the check assumes sum, not -o {op}"
+                    ));
+                }
+                let p = crate::plan::load(args)?;
+                // A --procs job's size comes from its launcher (checked in `Job::new`).
+                if !args.procs && p.plan().gpus.len() != args.ranks {
+                    return Err(format!(
+                        "--plan {}: the plan is for {} ranks, not --ranks {}",
+                        p.name(),
+                        p.plan().gpus.len(),
+                        args.ranks
+                    ));
+                }
+                Some(p)
+            }
+            _ => None,
+        };
         Ok(Spec {
             coll,
             dtype,
             op,
             algo,
             zero_copy,
+            plan,
             ranks: args.ranks,
             device: args.device,
             warmup: args.warmup,
@@ -118,6 +160,23 @@ impl Spec {
             check: args.check,
             timeout: args.timeout(),
         })
+    }
+
+    /// The executor's element type (every type of the collectives has one).
+    fn exec_dtype(&self) -> mscclpp_executor::DataType {
+        match self.dtype {
+            DataType::F32 => mscclpp_executor::DataType::Float32,
+            DataType::F16 => mscclpp_executor::DataType::Float16,
+            DataType::I32 => mscclpp_executor::DataType::Int32,
+            DataType::U32 => mscclpp_executor::DataType::Uint32,
+            _ => mscclpp_executor::DataType::Bfloat16,
+        }
+    }
+
+    /// Whether `place` is timed: every placement for the collectives; with `--plan`, only the
+    /// one the plan was written for.
+    fn runs(&self, place: Place) -> bool {
+        self.plan.as_ref().is_none_or(|p| p.plan().inplace == (place == Place::In))
     }
 
     fn opts(&self) -> CallOptions {
@@ -316,6 +375,8 @@ struct Rank<'a> {
     rank: usize,
     bs: Arc<dyn Bootstrap>,
     coll: Collectives,
+    /// With `--plan`: the executor that runs it.
+    exec: Option<Executor>,
     /// With `--algo zerocopy`: the (a -> b) and (a -> a) windows (dropped before `a` and `b`).
     windows: Option<(Window, Window)>,
     stream: Stream,
@@ -367,6 +428,25 @@ impl Rank<'_> {
         let (send, recv) = self.ptrs(sz, place);
         let s = self.spec;
         let opts = s.opts();
+        if let (Some(ex), Some(plan)) = (&self.exec, &s.plan) {
+            // SAFETY: the pointers are into `a`/`b`, which hold `in_bytes`/`out_bytes` there and
+            // outlive the executor (declared before them in `Rank`, so dropped first) and the
+            // synchronized stream.
+            return unsafe {
+                ex.execute(
+                    self.rank,
+                    send,
+                    recv,
+                    sz.in_bytes,
+                    sz.out_bytes,
+                    s.exec_dtype(),
+                    plan,
+                    &self.stream,
+                    PacketType::LL16,
+                )
+            }
+            .map_err(|x| format!("rank {}: {x}", self.rank));
+        }
         if let Some((oop, ip)) = &self.windows {
             let w = if place == Place::Out { oop } else { ip };
             return self
@@ -393,6 +473,11 @@ impl Rank<'_> {
     /// `--timeout`, so that a kernel whose peer never arrives ends first (its waits are bounded
     /// by `--timeout`) and the error names that peer.
     fn sync_ours(&self) -> Result<(), String> {
+        if let Some(ex) = &self.exec {
+            return ex
+                .synchronize(&self.stream, self.spec.timeout.saturating_mul(2))
+                .map_err(|x| format!("rank {}: {x}", self.rank));
+        }
         self.coll
             .synchronize(&self.stream, self.spec.timeout.saturating_mul(2))
             .map_err(|x| format!("rank {}: {x}", self.rank))
@@ -416,7 +501,9 @@ impl Rank<'_> {
     }
 
     /// Microseconds per call of `enqueue` (GPU time between two events around `-n` calls, or
-    /// around the launch of a graph holding them, over `-n`). Every rank calls it together.
+    /// around the launch of a graph holding them, over `-n`), the median of [`TIMED_RUNS`] such
+    /// timings (one descheduled host thread of one rank no longer makes a row). Every rank
+    /// calls it together.
     fn measure(
         &self,
         enqueue: &dyn Fn() -> Result<(), String>,
@@ -431,12 +518,17 @@ impl Rank<'_> {
             for _ in 0..s.warmup {
                 enqueue()?;
             }
-            self.start.record(&self.stream).map_err(ev)?;
-            for _ in 0..s.iters {
-                enqueue()?;
+            let mut runs = Vec::with_capacity(TIMED_RUNS);
+            for _ in 0..TIMED_RUNS {
+                self.start.record(&self.stream).map_err(ev)?;
+                for _ in 0..s.iters {
+                    enqueue()?;
+                }
+                self.stop.record(&self.stream).map_err(ev)?;
+                sync()?;
+                runs.push(self.stop.elapsed_ms_since(&self.start).map_err(ev)?);
             }
-            self.stop.record(&self.stream).map_err(ev)?;
-            sync()?;
+            Ok(median(runs) as f64 * 1e3 / s.iters as f64)
         } else {
             // Eager warmup (at least one call: NCCL connects on its first call, which a
             // capture should not hold), then the capture, one rank at a time: a global-mode
@@ -468,20 +560,31 @@ impl Rank<'_> {
             let graph = graph.ok_or_else(|| format!("rank {}: no graph was captured", self.rank))?;
             // An untimed launch first (uploads the graph; lines the ranks up on the GPU).
             graph.launch(&self.stream).map_err(ev)?;
-            self.start.record(&self.stream).map_err(ev)?;
-            graph.launch(&self.stream).map_err(ev)?;
-            self.stop.record(&self.stream).map_err(ev)?;
-            sync()?;
+            let mut runs = Vec::with_capacity(TIMED_RUNS);
+            for _ in 0..TIMED_RUNS {
+                self.start.record(&self.stream).map_err(ev)?;
+                graph.launch(&self.stream).map_err(ev)?;
+                self.stop.record(&self.stream).map_err(ev)?;
+                sync()?;
+                runs.push(self.stop.elapsed_ms_since(&self.start).map_err(ev)?);
+            }
+            Ok(median(runs) as f64 * 1e3 / s.iters as f64)
         }
-        let ms = self.stop.elapsed_ms_since(&self.start).map_err(ev)?;
-        Ok(ms as f64 * 1e3 / s.iters as f64)
     }
 
     /// Writes the check inputs, runs one call of ours, and counts the wrong output elements.
+    ///
+    /// Host copies (`write`, `fill`, `read`) are synchronous and may wait for the whole GPU:
+    /// where ranks share one, a copy made while a peer's kernel still waits for this rank (its
+    /// last timed call, or this check's) deadlocks until the kernel times out. So every copy
+    /// sits between barriers that come after every rank synchronized its stream.
     fn check(&self, sz: &Size, place: Place) -> Result<u64, String> {
         let s = self.spec;
         let es = s.dtype.size();
         let x = |x: mscclpp::Error| format!("rank {}: check: {x}", self.rank);
+        // Every rank is done with its timed calls (each synchronized its stream in `measure`)
+        // before any rank writes.
+        self.barrier()?;
         let in_elems = sz.in_bytes as usize / es;
         let mut input = Vec::with_capacity(sz.in_bytes as usize);
         for i in 0..in_elems {
@@ -512,6 +615,9 @@ impl Rank<'_> {
         self.barrier()?;
         self.ours(sz, place)?;
         self.sync_ours()?;
+        // Every rank's check kernel is done before any rank reads (and, after the read, goes on
+        // to a build of the next size, which opens with a barrier of its own).
+        self.barrier()?;
         let mut out = vec![0u8; sz.out_bytes as usize];
         out_buf.read(out_off, &mut out).map_err(x)?;
         let mut wrong = 0u64;
@@ -540,172 +646,6 @@ impl Rank<'_> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Results.
-
-/// One placement's numbers (the slowest rank's time).
-#[derive(Clone, Debug, Serialize)]
-pub struct Placement {
-    pub time_us: f64,
-    pub algbw_gbps: f64,
-    pub busbw_gbps: f64,
-    /// With `--check`: wrong elements over all ranks.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub wrong: Option<u64>,
-    /// With `--nccl`: NCCL's time for the same calls.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub nccl_time_us: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub nccl_busbw_gbps: Option<f64>,
-}
-
-/// One size.
-#[derive(Clone, Debug, Serialize)]
-pub struct Record {
-    pub size: u64,
-    pub count: usize,
-    pub algorithm: String,
-    pub blocks: u32,
-    pub threads: u32,
-    pub out_of_place: Placement,
-    pub in_place: Placement,
-    /// `cuMemcpyDtoDAsync` of `size` bytes on the same GPU: wall time per copy.
-    pub copy_us: f64,
-    pub copy_gbps: f64,
-}
-
-/// The whole run (JSON).
-#[derive(Clone, Debug, Serialize)]
-pub struct Report {
-    pub version: String,
-    pub test: String,
-    pub ranks: usize,
-    pub device: u32,
-    pub device_name: String,
-    pub dtype: String,
-    pub redop: String,
-    pub warmup: u64,
-    pub iters: u64,
-    pub graph: bool,
-    pub check: bool,
-    /// `--algo`, if given (else the selector's choice, per record).
-    pub algo: Option<String>,
-    /// The NCCL library the `nccl_*` fields come from.
-    pub nccl: Option<String>,
-    pub nccl_version: Option<String>,
-    pub records: Vec<Record>,
-}
-
-fn f(v: Option<f64>, w: usize, p: usize) -> String {
-    match v {
-        Some(x) if x.is_finite() => format!("{x:>w$.p$}"),
-        _ => format!("{:>w$}", "-"),
-    }
-}
-
-/// The column names (two lines).
-fn columns(s: &Spec, nccl: bool) -> Vec<String> {
-    let group = |title: &str| {
-        let mut a = format!("  {:>9}", "time(us)");
-        let mut t = format!("  {:>9}", "");
-        if nccl {
-            a += &format!(" {:>9}", "nccl(us)");
-            t += &format!(" {:>9}", "");
-        }
-        a += &format!(" {:>7} {:>7}", "algbw", "busbw");
-        t += &format!(" {:>7} {:>7}", "", "");
-        if s.check {
-            a += &format!(" {:>6}", "#wrong");
-            t += &format!(" {:>6}", "");
-        }
-        let width = t.len();
-        (format!("{title:>width$}"), a)
-    };
-    let (to, ao) = group("out-of-place");
-    let (ti, ai) = group("in-place");
-    vec![
-        format!("# {:>10} {:>11} {:>5} {:>5}{to}{ti}", "", "", "", ""),
-        format!(
-            "# {:>10} {:>11} {:>5} {:>5}{ao}{ai}  {:>8} {:>9}",
-            "size(B)", "count", "type", "redop", "algo", "copy(us)"
-        ),
-    ]
-}
-
-fn row_text(s: &Spec, r: &Record, nccl: bool) -> String {
-    let group = |p: &Placement| {
-        let mut t = format!("  {}", f(Some(p.time_us), 9, 2));
-        if nccl {
-            t += &format!(" {}", f(p.nccl_time_us, 9, 2));
-        }
-        t += &format!(" {} {}", f(Some(p.algbw_gbps), 7, 2), f(Some(p.busbw_gbps), 7, 2));
-        if s.check {
-            t += &format!(" {:>6}", p.wrong.map_or("-".to_string(), |w| w.to_string()));
-        }
-        t
-    };
-    format!(
-        "  {:>10} {:>11} {:>5} {:>5}{}{}  {:>8} {}",
-        r.size,
-        r.count,
-        s.dtype.name(),
-        s.redop(),
-        group(&r.out_of_place),
-        group(&r.in_place),
-        r.algorithm,
-        f(Some(r.copy_us), 9, 2)
-    )
-}
-
-/// Draws bus bandwidth and time against size: ours (out of place, in place), NCCL's, the copy.
-fn write_svg(rep: &Report, path: &std::path::Path) -> Result<(), String> {
-    use crate::report::{Panel, Series, draw_svg, si_bytes};
-    use plotters::style::{BLACK, BLUE, GREEN, MAGENTA, RED};
-    let pts = |g: &dyn Fn(&Record) -> Option<f64>| -> Vec<(f64, f64)> {
-        rep.records.iter().filter_map(|r| g(r).map(|v| (r.size as f64, v))).collect()
-    };
-    let mut bw = vec![
-        Series { name: "mscclpp out of place".into(), color: BLUE, points: pts(&|r| Some(r.out_of_place.busbw_gbps)) },
-        Series { name: "mscclpp in place".into(), color: GREEN, points: pts(&|r| Some(r.in_place.busbw_gbps)) },
-        Series { name: "cuMemcpyDtoDAsync (size / time)".into(), color: BLACK, points: pts(&|r| Some(r.copy_gbps)) },
-    ];
-    let mut time = vec![
-        Series { name: "mscclpp out of place".into(), color: BLUE, points: pts(&|r| Some(r.out_of_place.time_us)) },
-        Series { name: "mscclpp in place".into(), color: GREEN, points: pts(&|r| Some(r.in_place.time_us)) },
-        Series { name: "cuMemcpyDtoDAsync".into(), color: BLACK, points: pts(&|r| Some(r.copy_us)) },
-    ];
-    if rep.nccl.is_some() {
-        bw.push(Series {
-            name: "NCCL out of place".into(),
-            color: RED,
-            points: pts(&|r| r.out_of_place.nccl_busbw_gbps),
-        });
-        bw.push(Series { name: "NCCL in place".into(), color: MAGENTA, points: pts(&|r| r.in_place.nccl_busbw_gbps) });
-        time.push(Series {
-            name: "NCCL out of place".into(),
-            color: RED,
-            points: pts(&|r| r.out_of_place.nccl_time_us),
-        });
-        time.push(Series { name: "NCCL in place".into(), color: MAGENTA, points: pts(&|r| r.in_place.nccl_time_us) });
-    }
-    let x_desc = "size, bytes (k = 1e3, M = 1e6)".to_string();
-    let panels = [
-        Panel { x_desc: x_desc.clone(), y_desc: "bus bandwidth, GB/s".into(), x_label: &si_bytes, series: bw },
-        Panel { x_desc, y_desc: "time per call, us".into(), x_label: &si_bytes, series: time },
-    ];
-    let title = format!(
-        "mscclpp-perf {} {} {}: {} ranks on GPU{} ({}), {}",
-        rep.test,
-        rep.dtype,
-        rep.redop,
-        rep.ranks,
-        rep.device,
-        rep.device_name,
-        if rep.graph { "graph" } else { "eager" }
-    );
-    draw_svg(path, &title, &panels)
-}
-
-// ---------------------------------------------------------------------------------------------
 // The run.
 
 /// Per size, what each rank sends rank 0: times (µs; NaN = not measured), wrong counts, copy.
@@ -719,256 +659,412 @@ const COPY: usize = 6;
 const SKIP: usize = 7;
 const FIELDS: usize = 8;
 
-/// Runs the sweep: rows on stdout as each size finishes, `--json` rewritten after each row,
-/// `--plot` at the end. Fails when a check found wrong elements.
+/// Everything the ranks of one sweep share: the flags, the sizes, the report's header fields,
+/// NCCL when given. Built by every process of a `--procs` job, once by a threads job.
+struct Job {
+    spec: Spec,
+    list: Vec<Size>,
+    /// The largest buffer any size needs (bytes).
+    cap: usize,
+    report: Report,
+    json: Option<PathBuf>,
+    plot: Option<PathBuf>,
+    nccl: Option<Nccl>,
+}
+
+impl Job {
+    /// `ranks`: the job's size (`--ranks`, or the launcher's); `print`: whether this process
+    /// prints the header (rank 0, or the one process of a threads job).
+    fn new(args: &Args, env_set_here: bool, ranks: usize, procs: bool, print: bool) -> Result<Job, String> {
+        let mut spec = Spec::from_args(args)?;
+        spec.ranks = ranks;
+        if let Some(p) = &spec.plan
+            && p.plan().gpus.len() != ranks
+        {
+            return Err(format!(
+                "--plan {}: the plan is for {} ranks, the job has {ranks} (--ranks or the launcher's)",
+                p.name(),
+                p.plan().gpus.len()
+            ));
+        }
+        let s = &spec;
+        let say = |l: String| {
+            if print {
+                row(l)
+            }
+        };
+        // NCCL first (its environment variable was set by `main`, before any thread started).
+        let nccl: Option<Nccl> = match &args.nccl {
+            None => None,
+            Some(path) => match Nccl::load(path) {
+                Err(x) => {
+                    say(format!("# nccl: {x}; continuing without the NCCL column"));
+                    None
+                }
+                Ok(lib) => {
+                    let env = std::env::var(MULTI_RANK_ENV).unwrap_or_default();
+                    let by = if env_set_here { "set by mscclpp-perf" } else { "from the environment" };
+                    say(format!("# nccl: {MULTI_RANK_ENV}={env} ({by}; several ranks share GPU{})", s.device));
+                    Some(lib)
+                }
+            },
+        };
+        let nccl_version = nccl.as_ref().and_then(|l| l.version()).map(Nccl::version_string);
+        if let Some(l) = &nccl {
+            say(format!("# nccl: {} (version {})", l.path, nccl_version.as_deref().unwrap_or("unknown")));
+            if l.version().is_some_and(|v| v < 23000) {
+                say("# nccl: versions before 2.30 refuse several ranks on one GPU; trying anyway".into());
+            }
+        }
+        let list = sizes(s.coll, s.dtype, s.ranks, args.min_bytes, args.max_bytes, args.step_factor);
+        if list.is_empty() {
+            return Err(format!(
+                "no size from -b {} to -e {} holds one {} element per rank ({} ranks)",
+                args.min_bytes, args.max_bytes, s.dtype, s.ranks
+            ));
+        }
+        let cap = list.iter().map(|z| z.bytes).max().unwrap_or(0).max(256) as usize;
+        let device_name = mscclpp::gpu::device_name(s.device).unwrap_or_else(|_| format!("GPU{}", s.device));
+        let report = Report {
+            version: env!("CARGO_PKG_VERSION").into(),
+            test: s.coll.name().into(),
+            ranks: s.ranks,
+            device: s.device,
+            device_name: device_name.clone(),
+            dtype: s.dtype.name().into(),
+            redop: s.redop().into(),
+            warmup: s.warmup,
+            iters: s.iters,
+            graph: s.graph,
+            check: s.check,
+            algo: match &s.plan {
+                Some(p) => Some(format!("plan {}", p.name())),
+                None => s.algo.map(|a| a.name().to_string()),
+            },
+            nccl: nccl.as_ref().map(|l| l.path.clone()),
+            nccl_version,
+            records: Vec::new(),
+        };
+        say(format!(
+            "# mscclpp-perf {}: {} ranks ({}) on GPU{} ({device_name}), {}, {}, warmup {}, iters {}, {}{}",
+            s.coll,
+            s.ranks,
+            if procs { "processes" } else { "threads of one process" },
+            s.device,
+            s.dtype,
+            s.redop(),
+            s.warmup,
+            s.iters,
+            if s.graph { "graph (the -n calls in one CUDA graph)" } else { "eager" },
+            if s.check { ", check" } else { "" }
+        ));
+        say(format!(
+            "# time: GPU time per call, slowest rank; algbw = size / time; busbw = algbw x {}; algo: {}; copy: cuMemcpyDtoDAsync of size bytes on GPU{} (wall time per copy)",
+            if s.coll == Collective::AllReduce { "2(n-1)/n" } else { "(n-1)/n" },
+            match &s.plan {
+                Some(p) => format!(
+                    "execution plan {} ({}; only {} is run)",
+                    p.name(),
+                    if p.plan().inplace { "in place" } else { "out of place" },
+                    if p.plan().inplace { "in place" } else { "out of place" }
+                ),
+                None => s.algo.map_or("the selector's choice".to_string(), |a| format!("--algo {a}")),
+            },
+            s.device
+        ));
+        for l in columns(s, nccl.is_some()) {
+            say(l);
+        }
+
+        Ok(Job { spec, list, cap, report, json: args.json.clone(), plot: args.plot.clone(), nccl })
+    }
+
+    /// The rows are done: the JSON and the plot (rank 0), and the verdict of `--check`.
+    fn finish(mut self, records: Vec<Record>, wrong: u64, has_nccl: bool) -> Result<(), String> {
+        self.report.records = records;
+        if !has_nccl {
+            self.report.nccl = None;
+            self.report.nccl_version = None;
+        }
+        if let Some(p) = &self.json {
+            self.report.write_json(p)?;
+        }
+        if let Some(p) = &self.plot {
+            write_svg(&self.report, p)?;
+        }
+        if wrong > 0 {
+            return Err(format!(
+                "{} {}: {wrong} wrong elements (see the #wrong column)",
+                self.spec.coll, self.spec.dtype
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Runs the sweep with `--ranks` ranks as threads of this process: rows on stdout as each size
+/// finishes, `--json` rewritten after each row, `--plot` at the end. Fails when a check found
+/// wrong elements.
 /// `env_set_here`: whether `main` set `NCCL_MULTI_RANK_GPU_ENABLE` ([`crate::nccl::prepare_env`]).
 pub fn run(args: &Args, env_set_here: bool) -> Result<(), String> {
-    let spec = Spec::from_args(args)?;
-    let s = &spec;
-    // NCCL first (its environment variable was set by `main`, before any thread started).
-    let nccl: Option<(Nccl, UniqueId)> = match &args.nccl {
+    let job = Job::new(args, env_set_here, args.ranks, false, true)?;
+    let id = match &job.nccl {
         None => None,
-        Some(path) => match Nccl::load(path) {
+        Some(l) => match l.unique_id() {
+            Ok(id) => Some(id),
             Err(x) => {
                 row(format!("# nccl: {x}; continuing without the NCCL column"));
                 None
             }
-            Ok(lib) => {
-                let env = std::env::var(MULTI_RANK_ENV).unwrap_or_default();
-                let by = if env_set_here { "set by mscclpp-perf" } else { "from the environment" };
-                row(format!("# nccl: {MULTI_RANK_ENV}={env} ({by}; several ranks share GPU{})", s.device));
-                match lib.unique_id() {
-                    Ok(id) => Some((lib, id)),
-                    Err(x) => {
-                        row(format!("# nccl: {x}; continuing without the NCCL column"));
-                        None
-                    }
-                }
-            }
         },
     };
-    let nccl_version = nccl.as_ref().and_then(|(l, _)| l.version()).map(Nccl::version_string);
-    if let Some((l, _)) = &nccl {
-        row(format!("# nccl: {} (version {})", l.path, nccl_version.as_deref().unwrap_or("unknown")));
-        if nccl.as_ref().and_then(|(l, _)| l.version()).is_some_and(|v| v < 23000) {
-            row("# nccl: versions before 2.30 refuse several ranks on one GPU; trying anyway".into());
-        }
+    let j = &job;
+    let results = local_ranks(j.spec.ranks, j.spec.timeout, |rank, bs| rank_main(j, rank, bs, id))?;
+    let (records, wrong, has_nccl) = results.into_iter().next().unwrap_or_default();
+    job.finish(records, wrong, has_nccl)
+}
+
+/// One rank of a `--procs` job (a process started by the local launcher, mpirun, srun or
+/// torchrun; all on GPU `--device`): the same sweep, rank 0 prints. With `--nccl`, rank 0's
+/// NCCL id reaches the others through the bootstrap; NCCL is used only when every rank loaded it.
+pub fn run_rank(args: &Args, bs: Arc<dyn Bootstrap>, _iface: Option<String>) -> Result<(), String> {
+    let env_set_here = args.nccl.is_some() && std::env::var(MULTI_RANK_ENV).is_ok();
+    let rank = bs.rank();
+    let job = Job::new(args, env_set_here, bs.size(), true, rank == 0)?;
+    let x = |e: mscclpp::Error| format!("rank {rank}: {e}");
+    let id = match &job.nccl {
+        Some(l) if rank == 0 => match l.unique_id() {
+            Ok(id) => Some(id),
+            Err(m) => {
+                row(format!("# nccl: {m}; continuing without the NCCL column"));
+                None
+            }
+        },
+        _ => None,
+    };
+    // Rank 0's id (empty when it has none), and whether every rank loaded the library.
+    let payload = match (&job.nccl, &id) {
+        (None, _) => vec![0u8],
+        (Some(_), None) => vec![1u8],
+        (Some(_), Some(id)) => std::iter::once(1u8).chain(id.to_bytes()).collect(),
+    };
+    let all = bs.all_gather(&payload).map_err(x)?;
+    let everyone = all.iter().all(|p| p.first() == Some(&1));
+    let id = match all.first() {
+        Some(p) if everyone && p.len() == 1 + UniqueId::BYTES => UniqueId::from_bytes(&p[1..]),
+        _ => None,
+    };
+    if job.nccl.is_some() && id.is_none() && rank == 0 {
+        row("# nccl: not every rank could load it; continuing without the NCCL column".into());
     }
-    let list = sizes(s.coll, s.dtype, s.ranks, args.min_bytes, args.max_bytes, args.step_factor);
-    if list.is_empty() {
-        return Err(format!(
-            "no size from -b {} to -e {} holds one {} element per rank ({} ranks)",
-            args.min_bytes, args.max_bytes, s.dtype, s.ranks
+    let (records, wrong, has_nccl) = rank_main(&job, rank, bs.clone(), id)?;
+    if rank != 0 {
+        return Ok(());
+    }
+    job.finish(records, wrong, has_nccl)
+}
+
+/// The sweep of one rank: its communicator, collectives, buffers; every size out of place and
+/// in place, ours and NCCL's (when `nccl_id`); rank 0 gathers and prints the rows. Returns rank
+/// 0's records (empty elsewhere), the wrong elements over all ranks and whether NCCL ran.
+fn rank_main(
+    job: &Job,
+    rank: usize,
+    bs: Arc<dyn Bootstrap>,
+    nccl_id: Option<UniqueId>,
+) -> Result<(Vec<Record>, u64, bool), String> {
+    let s = &job.spec;
+    let (list, cap, json) = (&job.list, job.cap, &job.json);
+    let report_ref = &job.report;
+    let nccl_ref = job.nccl.as_ref().zip(nccl_id);
+    let comm = Communicator::new(bs.clone());
+    let x = |x: mscclpp::Error| format!("rank {rank}: {x}");
+    let t0 = std::time::Instant::now();
+    let coll = Collectives::new(&comm, Config::new(s.device).timeout(s.timeout)).map_err(x)?;
+    let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let stream = Stream::new(s.device).map_err(x)?;
+    let a = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
+    let b = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
+    let (start, stop) = (TimingEvent::new(s.device).map_err(x)?, TimingEvent::new(s.device).map_err(x)?);
+    let windows = if s.zero_copy {
+        // SAFETY: `a` and `b` live as long as `me`, which owns them and the windows (declared
+        // before them, so dropped first), and every stream is synchronized before.
+        Some(unsafe {
+            (
+                coll.register_window(a.device_ptr(), b.device_ptr(), cap).map_err(x)?,
+                coll.register_window(a.device_ptr(), a.device_ptr(), cap).map_err(x)?,
+            )
+        })
+    } else {
+        None
+    };
+    let exec = s.plan.as_ref().map(|_| Executor::new(&comm, ExecutorConfig::new(s.device).timeout(s.timeout)));
+    let me = Rank { spec: s, rank, bs: bs.clone(), coll, exec, stream, a, b, start, stop, windows };
+    // Setup time (the slowest rank's), tuning included: the bound is 5 s for 15 sizes.
+    let setups = me.gather(&[setup_ms])?;
+    if rank == 0 {
+        let slowest = setups.iter().map(|v| v[0]).fold(0.0, f64::max);
+        let tuned = me.coll.tuning().map_or(0, |t| t.entries.len());
+        let tuning = me.coll.tuning_time().map(|d| d.as_secs_f64() * 1e3);
+        row(format!(
+            "# setup: Collectives::new took {slowest:.0} ms (slowest rank){}",
+            match tuning {
+                Some(t) if tuned > 0 => format!(", of which tuning {tuned} AllReduce sizes {t:.0} ms (rank 0)"),
+                _ => String::new(),
+            }
         ));
     }
-    let cap = list.iter().map(|z| z.bytes).max().unwrap_or(0).max(256) as usize;
-    let device_name = mscclpp::gpu::device_name(s.device).unwrap_or_else(|_| format!("GPU{}", s.device));
-    let mut report = Report {
-        version: env!("CARGO_PKG_VERSION").into(),
-        test: s.coll.name().into(),
-        ranks: s.ranks,
-        device: s.device,
-        device_name: device_name.clone(),
-        dtype: s.dtype.name().into(),
-        redop: s.redop().into(),
-        warmup: s.warmup,
-        iters: s.iters,
-        graph: s.graph,
-        check: s.check,
-        algo: s.algo.map(|a| a.name().to_string()),
-        nccl: nccl.as_ref().map(|(l, _)| l.path.clone()),
-        nccl_version,
-        records: Vec::new(),
-    };
-    row(format!(
-        "# mscclpp-perf {}: {} ranks (threads of one process) on GPU{} ({device_name}), {}, {}, warmup {}, iters {}, {}{}",
-        s.coll,
-        s.ranks,
-        s.device,
-        s.dtype,
-        s.redop(),
-        s.warmup,
-        s.iters,
-        if s.graph { "graph (the -n calls in one CUDA graph)" } else { "eager" },
-        if s.check { ", check" } else { "" }
-    ));
-    row(format!(
-        "# time: GPU time per call, slowest rank; algbw = size / time; busbw = algbw x {}; algo: {}; copy: cuMemcpyDtoDAsync of size bytes on GPU{} (wall time per copy)",
-        if s.coll == Collective::AllReduce { "2(n-1)/n" } else { "(n-1)/n" },
-        s.algo.map_or("the selector's choice".to_string(), |a| format!("--algo {a}")),
-        s.device
-    ));
-    let json: Option<PathBuf> = args.json.clone();
-    let plot: Option<PathBuf> = args.plot.clone();
-    let nccl_ref = nccl.as_ref();
-    let cols_nccl = nccl.is_some();
-    for l in columns(s, cols_nccl) {
-        row(l);
-    }
 
-    let report_ref = &report;
-    let results = local_ranks(s.ranks, s.timeout, |rank, bs| {
-        let comm = Communicator::new(bs.clone());
-        let x = |x: mscclpp::Error| format!("rank {rank}: {x}");
-        let coll = Collectives::new(&comm, Config::new(s.device).timeout(s.timeout)).map_err(x)?;
-        let stream = Stream::new(s.device).map_err(x)?;
-        let a = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
-        let b = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
-        let (start, stop) = (TimingEvent::new(s.device).map_err(x)?, TimingEvent::new(s.device).map_err(x)?);
-        let windows = if s.zero_copy {
-            // SAFETY: `a` and `b` live as long as `me`, which owns them and the windows (declared
-            // before them, so dropped first), and every stream is synchronized before.
-            Some(unsafe {
-                (
-                    coll.register_window(a.device_ptr(), b.device_ptr(), cap).map_err(x)?,
-                    coll.register_window(a.device_ptr(), a.device_ptr(), cap).map_err(x)?,
-                )
-            })
-        } else {
-            None
-        };
-        let me = Rank { spec: s, rank, bs: bs.clone(), coll, stream, a, b, start, stop, windows };
-
-        // NCCL: every rank calls ncclCommInitRank at once (it returns when all have).
-        let mut comm_nccl: Option<Comm<'_>> = None;
-        if let Some((lib, id)) = nccl_ref {
-            me.gather(&[1.0])?; // every rank got here: none will be missing from the init
-            // Binds GPU `device`'s primary context on this thread (NCCL uses the current one).
-            let _bind = TimingEvent::new(s.device).map_err(x)?;
-            let res = lib.init_rank(s.ranks, *id, rank);
-            let msgs = bs.all_gather(res.as_ref().err().map_or("", |m| m.as_str()).as_bytes()).map_err(x)?;
-            let first = msgs.iter().find(|m| !m.is_empty()).map(|m| String::from_utf8_lossy(m).into_owned());
-            match first {
-                None => comm_nccl = res.ok(),
-                Some(m) => {
-                    if rank == 0 {
-                        row(format!("# nccl: {m}; continuing without the NCCL column"));
-                    }
-                    // A communicator of a rank that succeeded is left alone (not destroyed:
-                    // its peers never joined).
+    // NCCL: every rank calls ncclCommInitRank at once (it returns when all have).
+    let mut comm_nccl: Option<Comm<'_>> = None;
+    if let Some((lib, id)) = nccl_ref {
+        me.gather(&[1.0])?; // every rank got here: none will be missing from the init
+        // Binds GPU `device`'s primary context on this thread (NCCL uses the current one).
+        let _bind = TimingEvent::new(s.device).map_err(x)?;
+        let res = lib.init_rank(s.ranks, id, rank);
+        let msgs = bs.all_gather(res.as_ref().err().map_or("", |m| m.as_str()).as_bytes()).map_err(x)?;
+        let first = msgs.iter().find(|m| !m.is_empty()).map(|m| String::from_utf8_lossy(m).into_owned());
+        match first {
+            None => comm_nccl = res.ok(),
+            Some(m) => {
+                if rank == 0 {
+                    row(format!("# nccl: {m}; continuing without the NCCL column"));
                 }
+                // A communicator of a rank that succeeded is left alone (not destroyed:
+                // its peers never joined).
             }
         }
-        let has_nccl = comm_nccl.is_some();
+    }
+    let has_nccl = comm_nccl.is_some();
 
-        let mut records = Vec::new();
-        let mut wrong_total = 0u64;
-        for sz in &list {
-            let mut mine = [f64::NAN; FIELDS];
-            // The plan is the same on every rank; a size no algorithm can serve (an --algo
-            // whose scratch is too small) is skipped on all of them.
-            let nbytes = (sz.count * s.dtype.size()) as u64;
-            let plan = me.coll.plan(s.coll, nbytes, &s.opts());
-            mine[SKIP] = if plan.is_ok() { 0.0 } else { 1.0 };
-            let skip = me.gather(&mine[SKIP..SKIP + 1])?.iter().any(|v| v[0] != 0.0);
-            let plan = match plan {
-                Ok(p) if !skip => p,
-                other => {
-                    if rank == 0 {
-                        let why =
-                            other.err().map_or("another rank cannot plan this call".to_string(), |m| m.to_string());
-                        row(format!("# {} B: skipped: {why}", sz.bytes));
-                    }
-                    continue;
+    let mut records = Vec::new();
+    let mut wrong_total = 0u64;
+    for sz in list {
+        let mut mine = [f64::NAN; FIELDS];
+        // The plan is the same on every rank; a size no algorithm can serve (an --algo
+        // whose scratch is too small) is skipped on all of them.
+        let nbytes = (sz.count * s.dtype.size()) as u64;
+        // (algorithm, blocks, threads) of the row.
+        let plan: Result<(String, u32, u32), String> = match &s.plan {
+            Some(p) => mscclpp_executor::lower::Layout::new(p.plan(), rank, sz.in_bytes, sz.out_bytes)
+                .map(|_| {
+                    let g = &p.plan().gpus;
+                    let blocks = g.get(rank).map_or(0, |g| g.threadblocks.len()) as u32;
+                    (p.name().to_string(), blocks, p.plan().num_threads_per_block)
+                })
+                .map_err(|e| format!("the plan cannot run it: {e}")),
+            None => me
+                .coll
+                .plan(s.coll, nbytes, &s.opts())
+                .map(|p| (p.algorithm.name().to_string(), p.blocks, p.threads))
+                .map_err(|e| e.to_string()),
+        };
+        mine[SKIP] = if plan.is_ok() { 0.0 } else { 1.0 };
+        let skip = me.gather(&mine[SKIP..SKIP + 1])?.iter().any(|v| v[0] != 0.0);
+        let plan = match plan {
+            Ok(p) if !skip => p,
+            other => {
+                if rank == 0 {
+                    let why = other.err().unwrap_or_else(|| "another rank cannot plan this call".to_string());
+                    row(format!("# {} B: skipped: {why}", sz.bytes));
                 }
-            };
-            for (place, t, tn, w) in [(Place::Out, OOP, NCCL_OOP, WRONG_OOP), (Place::In, IP, NCCL_IP, WRONG_IP)] {
-                mine[t] = me.measure(&|| me.ours(sz, place), &|| me.sync_ours())?;
-                if let Some(c) = &comm_nccl {
-                    let (send, recv) = me.ptrs(sz, place);
-                    let raw = me.stream.as_raw();
-                    let call = || {
-                        // SAFETY: as for ours (`Rank::ours`): the pointers are into `a`/`b`,
-                        // which hold these bytes and outlive the synchronized stream.
-                        unsafe { c.call(s.coll, send, recv, sz.count, s.dtype, s.op, raw) }
-                            .map_err(|m| format!("rank {rank}: {m}"))
-                    };
-                    mine[tn] = me.measure(&call, &|| me.sync_nccl())?;
-                }
-                if s.check {
-                    let n = me.check(sz, place)?;
-                    mine[w] = n as f64;
-                }
-            }
-            if rank == 0 {
-                let d = mscclpp::bench::baseline_copy(&[(&me.a, &me.b)], sz.bytes as usize, s.warmup, s.iters)
-                    .map_err(x)?;
-                mine[COPY] = d.as_secs_f64() * 1e6 / s.iters as f64;
-            }
-            let all = me.gather(&mine)?;
-            if rank != 0 {
                 continue;
             }
-            let max = |i: usize| all.iter().map(|v| v[i]).fold(f64::NAN, f64::max);
-            let sum = |i: usize| all.iter().map(|v| v[i]).filter(|v| v.is_finite()).sum::<f64>() as u64;
-            let gbps = |us: f64| sz.bytes as f64 / (us * 1e3);
-            let place = |t: usize, tn: usize, w: usize| {
-                let time = max(t);
-                let nt = max(tn);
-                Placement {
-                    time_us: time,
-                    algbw_gbps: gbps(time),
-                    busbw_gbps: gbps(time) * s.bus_factor(),
-                    wrong: s.check.then(|| sum(w)),
-                    nccl_time_us: has_nccl.then_some(nt),
-                    nccl_busbw_gbps: has_nccl.then(|| gbps(nt) * s.bus_factor()),
-                }
-            };
-            let rec = Record {
-                size: sz.bytes,
-                count: sz.count,
-                algorithm: if s.zero_copy { "zerocopy".into() } else { plan.algorithm.name().into() },
-                blocks: plan.blocks,
-                threads: plan.threads,
-                out_of_place: place(OOP, NCCL_OOP, WRONG_OOP),
-                in_place: place(IP, NCCL_IP, WRONG_IP),
-                copy_us: all[0][COPY],
-                copy_gbps: gbps(all[0][COPY]),
-            };
-            wrong_total += rec.out_of_place.wrong.unwrap_or(0) + rec.in_place.wrong.unwrap_or(0);
-            row(row_text(s, &rec, has_nccl));
-            records.push(rec);
-            if let Some(p) = &json {
-                // Rewritten after every row: a run that fails later keeps what it measured.
-                let mut partial = report_ref.clone();
-                partial.records = records.clone();
-                if !has_nccl {
-                    (partial.nccl, partial.nccl_version) = (None, None);
-                }
-                partial.write_json(p).map_err(|m| format!("rank 0: {m}"))?;
+        };
+        for (place, t, tn, w) in [(Place::Out, OOP, NCCL_OOP, WRONG_OOP), (Place::In, IP, NCCL_IP, WRONG_IP)] {
+            if !s.runs(place) {
+                continue;
+            }
+            if let (Some(ex), Some(p)) = (&me.exec, &s.plan) {
+                // The plan's resources for these buffers (collective), before anything is timed.
+                // A build allocates and copies synchronously (either may wait for the whole
+                // GPU): every rank has synchronized its stream by now (the last timed run and
+                // the check each end with a synchronize), and the build opens with a barrier,
+                // so no rank builds while a peer's kernel may still wait for it.
+                let (send, recv) = me.ptrs(sz, place);
+                // SAFETY: as in `Rank::ours`.
+                unsafe { ex.prepare(rank, send, recv, sz.in_bytes, sz.out_bytes, p) }
+                    .map_err(|e| format!("rank {rank}: {e}"))?;
+            }
+            mine[t] = me.measure(&|| me.ours(sz, place), &|| me.sync_ours())?;
+            if let Some(c) = &comm_nccl {
+                let (send, recv) = me.ptrs(sz, place);
+                let raw = me.stream.as_raw();
+                let call = || {
+                    // SAFETY: as for ours (`Rank::ours`): the pointers are into `a`/`b`,
+                    // which hold these bytes and outlive the synchronized stream.
+                    unsafe { c.call(s.coll, send, recv, sz.count, s.dtype, s.op, raw) }
+                        .map_err(|m| format!("rank {rank}: {m}"))
+                };
+                mine[tn] = me.measure(&call, &|| me.sync_nccl())?;
+            }
+            if s.check {
+                let n = me.check(sz, place)?;
+                mine[w] = n as f64;
             }
         }
+        // Rank 0's copy baseline creates streams and copies: only once every rank's kernels of
+        // this size are done (each rank synchronized its stream).
         me.barrier()?;
-        if let Some(c) = comm_nccl {
-            // Every rank is done and its stream synchronized.
-            c.destroy().map_err(|m| format!("rank {rank}: {m}"))?;
+        if rank == 0 {
+            let d =
+                mscclpp::bench::baseline_copy(&[(&me.a, &me.b)], sz.bytes as usize, s.warmup, s.iters).map_err(x)?;
+            mine[COPY] = d.as_secs_f64() * 1e6 / s.iters as f64;
         }
-        Ok((records, wrong_total, has_nccl))
-    })?;
-    let (records, wrong, has_nccl) = results.into_iter().next().unwrap_or_default();
-    report.records = records;
-    if !has_nccl {
-        report.nccl = None;
-        report.nccl_version = None;
+        let all = me.gather(&mine)?;
+        if rank != 0 {
+            continue;
+        }
+        let max = |i: usize| all.iter().map(|v| v[i]).fold(f64::NAN, f64::max);
+        let sum = |i: usize| all.iter().map(|v| v[i]).filter(|v| v.is_finite()).sum::<f64>() as u64;
+        let gbps = |us: f64| sz.bytes as f64 / (us * 1e3);
+        let place = |t: usize, tn: usize, w: usize| {
+            let time = max(t);
+            let nt = max(tn);
+            Placement {
+                time_us: time,
+                algbw_gbps: gbps(time),
+                busbw_gbps: gbps(time) * s.bus_factor(),
+                wrong: s.check.then(|| sum(w)),
+                nccl_time_us: has_nccl.then_some(nt),
+                nccl_busbw_gbps: has_nccl.then(|| gbps(nt) * s.bus_factor()),
+            }
+        };
+        let rec = Record {
+            size: sz.bytes,
+            count: sz.count,
+            algorithm: if s.zero_copy { "zerocopy".into() } else { plan.0 },
+            blocks: plan.1,
+            threads: plan.2,
+            out_of_place: place(OOP, NCCL_OOP, WRONG_OOP),
+            in_place: place(IP, NCCL_IP, WRONG_IP),
+            copy_us: all[0][COPY],
+            copy_gbps: gbps(all[0][COPY]),
+        };
+        wrong_total += rec.out_of_place.wrong.unwrap_or(0) + rec.in_place.wrong.unwrap_or(0);
+        row(row_text(s, &rec, has_nccl));
+        records.push(rec);
+        if let Some(p) = &json {
+            // Rewritten after every row: a run that fails later keeps what it measured.
+            let mut partial = report_ref.clone();
+            partial.records = records.clone();
+            if !has_nccl {
+                (partial.nccl, partial.nccl_version) = (None, None);
+            }
+            partial.write_json(p).map_err(|m| format!("rank 0: {m}"))?;
+        }
     }
-    if let Some(p) = &json {
-        report.write_json(p)?;
+    me.barrier()?;
+    if let Some(c) = comm_nccl {
+        // Every rank is done and its stream synchronized.
+        c.destroy().map_err(|m| format!("rank {rank}: {m}"))?;
     }
-    if let Some(p) = &plot {
-        write_svg(&report, p)?;
-    }
-    if wrong > 0 {
-        return Err(format!("{} {}: {wrong} wrong elements (see the #wrong column)", s.coll, s.dtype));
-    }
-    Ok(())
+    Ok((records, wrong_total, has_nccl))
 }
 
-impl Report {
-    fn write_json(&self, path: &std::path::Path) -> Result<(), String> {
-        let text = serde_json::to_string_pretty(self).map_err(e)?;
-        std::fs::write(path, text + "\n").map_err(|x| format!("writing {}: {x}", path.display()))
-    }
-}
+mod report;
+pub use report::{Placement, Record, Report};
+use report::{columns, row_text, write_svg};
 
 #[cfg(test)]
 mod tests {
@@ -988,7 +1084,15 @@ mod tests {
             graph: false,
             check: true,
             timeout: Duration::from_secs(1),
+            plan: None,
         }
+    }
+
+    #[test]
+    fn the_median_ignores_one_outlier() {
+        assert_eq!(median(vec![3.0, 61.0, 3.1]), 3.1);
+        assert_eq!(median(vec![2.0]), 2.0);
+        assert!(median(vec![]).is_nan());
     }
 
     #[test]

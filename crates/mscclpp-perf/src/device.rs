@@ -8,7 +8,10 @@
 //!   write + update_and_sync + flush round trip, the host cost of the CUDA IPC calls, and the
 //!   ping-pong with one flush at the end;
 //! * PortChannel putWithSignal bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync`,
-//!   and plain puts at 64 MiB (what the signals cost).
+//!   and plain puts at 64 MiB (what the signals cost);
+//! * the proxy under load (`proxyload.rs`): put / putWithSignal / signal triggers to 1, 4 and 8
+//!   peers over CUDA IPC and Ethernet from 1 to 132 x 256 producers, beside one host thread
+//!   issuing the same calls directly.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -101,6 +104,24 @@ extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, u6
     ch->putWithSignal(0, size);
   }
   if (!ch->flush_for(timeout)) out[1] = 1;
+}
+
+// Proxy load (proxyload.rs): every thread pushes per_thread triggers; trigger i = k * nthreads + tid
+// goes to peer i % npeers, slot (i / npeers) % slots of `size` bytes (same offset on both sides).
+// op 0: put, 1: putWithSignal, 2: signal. Each push's wait is bounded by max_spins rounds (the
+// kernel traps past it: the proxy stopped popping), so a stalled proxy fails the row, not hangs it.
+struct LoadPeers { unsigned int sem[8]; unsigned int dst[8]; unsigned int src; unsigned int npeers; unsigned int slots; unsigned int pad; };
+extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers p, int op, u64 size, int per_thread,
+                                      long long max_spins) {
+  u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)gridDim.x * blockDim.x;
+  mscclpp::TriggerType type =
+      op == 0 ? mscclpp::TriggerData : op == 1 ? (mscclpp::TriggerData | mscclpp::TriggerFlag) : mscclpp::TriggerFlag;
+  for (int k = 0; k < per_thread; ++k) {
+    u64 i = (u64)k * nthreads + tid;
+    unsigned int peer = (unsigned int)(i % p.npeers);
+    u64 off = op == 2 ? 0 : ((i / p.npeers) % p.slots) * size;
+    fifo.push(mscclpp::ProxyTrigger(type, p.dst[peer], off, p.src, off, op == 2 ? 0 : size, p.sem[peer]), max_spins);
+  }
 }
 
 // n puts of `size` bytes without signals, then one flush; out[0] = elapsed ns, out[1] = 1 if
@@ -452,7 +473,10 @@ pub fn run(args: &Args) -> Result<(), String> {
     for mut p in proxies {
         p.stop().map_err(e)?;
     }
-    Ok(())
+    drop(ranks);
+    // 5. The proxy under load: puts, putWithSignal and signals to 1/4/8 peers from 1 to 132 x 256
+    // producers, over CUDA IPC and Ethernet, beside one host thread issuing the same calls.
+    crate::proxyload::run(dev, &k("proxy_load")?, timeout)
 }
 
 /// Polls the GPU token with 8-byte copies until it reaches `want`.

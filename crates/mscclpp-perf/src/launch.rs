@@ -14,6 +14,18 @@ const ENV_ID: &str = "MSCCLPP_PERF_ID";
 
 type TraceGuard = Option<crate::trace::TraceGuard>;
 
+/// This process's rank, the job's size and its `UniqueId`, from the variables `rank_var`,
+/// `size_var` and `id_var` that [`run_local_ranks`] sets; `None` when they are not all set (not a
+/// rank the local launcher started).
+pub fn local_rank(rank_var: &str, size_var: &str, id_var: &str) -> Result<Option<(usize, usize, UniqueId)>, String> {
+    let env = |k: &str| std::env::var(k).ok();
+    let (Some(r), Some(s), Some(id)) = (env(rank_var), env(size_var), env(id_var)) else { return Ok(None) };
+    let rank: usize = r.parse().map_err(|_| format!("bad {rank_var}"))?;
+    let size: usize = s.parse().map_err(|_| format!("bad {size_var}"))?;
+    let id: UniqueId = id.parse().map_err(|e: mscclpp::Error| format!("bad {id_var}: {e}"))?;
+    Ok(Some((rank, size, id)))
+}
+
 /// Logging to stderr from `MSCCLPP_LOG_*`, and a Chrome trace when `MSCCLPP_TRACE_FILE` is set
 /// (`crate::trace`: the rank as pid, wall-clock times, bounded by `MSCCLPP_TRACE_MAX_MIB`).
 fn init_tracing(rank: usize) -> Result<TraceGuard, String> {
@@ -51,11 +63,7 @@ pub fn run(args: &Args, body: RankMain) -> Result<(), String> {
     if std::env::var_os("MSCCLPP_TRACE_FILE").is_some() {
         crate::trace::max_bytes()?;
     }
-    let env = |k: &str| std::env::var(k).ok();
-    if let (Some(r), Some(s), Some(id)) = (env(ENV_RANK), env(ENV_SIZE), env(ENV_ID)) {
-        let rank: usize = r.parse().map_err(|_| format!("bad {ENV_RANK}"))?;
-        let size: usize = s.parse().map_err(|_| format!("bad {ENV_SIZE}"))?;
-        let id: UniqueId = id.parse().map_err(|e: mscclpp::Error| e.to_string())?;
+    if let Some((rank, size, id)) = local_rank(ENV_RANK, ENV_SIZE, ENV_ID)? {
         let _guard = init_tracing(rank)?;
         let bs = TcpBootstrap::config(rank, size).timeout(args.timeout()).initialize(&id).map_err(|e| e.to_string())?;
         let local_iface = args.interface.clone().or_else(|| Some("127.0.0.1".to_string()));

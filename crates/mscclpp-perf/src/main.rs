@@ -6,6 +6,9 @@
 //!
 //! `allreduce`, `allgather` and `reducescatter` run `mscclpp-collectives` like nccl-tests runs
 //! NCCL (ranks as threads of one process on one GPU), optionally next to NCCL (`--nccl PATH`).
+//! With `--plan FILE` they run an MSCCL++ execution plan (the JSON its DSL writes) through
+//! `mscclpp-executor` instead of the built-in algorithms; with `--dry-run` as well they only load
+//! and validate it and print its summary, with no GPU.
 
 mod bootstrap;
 mod coll;
@@ -15,7 +18,9 @@ mod launch;
 mod memchan;
 mod nccl;
 mod p2p;
+mod plan;
 mod procs;
+mod proxyload;
 mod report;
 mod trace;
 
@@ -23,7 +28,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, ValueEnum};
+use mscclpp::bench::Memory;
 
 /// Which test to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -63,15 +70,6 @@ impl TestKind {
     }
 }
 
-/// Where the buffers live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum MemoryKind {
-    /// Host memory.
-    Host,
-    /// GPU memory (`cuMemAlloc`), on `--device` (rank r uses device + r, modulo the count).
-    Gpu,
-}
-
 /// Measures mscclpp transports against the raw baseline of the same machine.
 #[derive(Clone, Debug, Parser)]
 #[command(version, about, long_about = None)]
@@ -89,9 +87,10 @@ pub struct Args {
     /// First GPU to use with --memory gpu (rank r uses device + r, modulo the device count).
     #[arg(long, default_value_t = 0)]
     pub device: u32,
-    /// Memory of the buffers.
-    #[arg(long, value_enum, default_value = "host")]
-    pub memory: MemoryKind,
+    /// Memory of the buffers: host, or gpu (`cuMemAlloc`, on --device; rank r uses device + r,
+    /// modulo the count).
+    #[arg(long, default_value = "host", value_parser = parse_memory())]
+    pub memory: Memory,
     /// Smallest message (bytes; K, M, G suffixes allowed).
     #[arg(short = 'b', long, default_value = "8", value_parser = parse_size)]
     pub min_bytes: u64,
@@ -159,7 +158,10 @@ pub struct Args {
     /// ping-pong, MemoryChannel put/get bandwidth (uni- and bidirectional) from `-b` (at least
     /// 1 KiB) to `--max-bytes` (at most 1 GiB) by `-f`, LL16/LL8 packets, PortChannel ping-pong
     /// and bandwidth, each next to the copy engine. `-n` sets every loop's iterations (a quick
-    /// check), `--rounds` the rounds, `--json` the output file.
+    /// check), `--rounds` the rounds, `--json` the output file. With a collective
+    /// (allreduce, allgather, reducescatter): its ranks are processes (`--ranks` local ones, or
+    /// those of mpirun/srun/torchrun), all on GPU `--device`; start the MPS daemon first so that
+    /// their kernels run at the same time.
     #[arg(long)]
     pub procs: bool,
     /// Collectives: element type, f32, f16, bf16, i32 or u32 (default bf16).
@@ -183,12 +185,26 @@ pub struct Args {
     /// the run goes on without it.
     #[arg(long)]
     pub nccl: Option<PathBuf>,
+    /// Collectives: time this MSCCL++ execution plan (the JSON its DSL writes) for this
+    /// collective instead of the built-in algorithms; its world size must be --ranks. Only the
+    /// placement it was written for (in place or out of place) runs; --check checks it.
+    #[arg(long)]
+    pub plan: Option<PathBuf>,
+    /// With --plan: load and validate the plan and print its summary (ranks, thread blocks,
+    /// operations, channels, buffers); needs no GPU. Exits non-zero on an invalid plan.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 impl Args {
     pub fn timeout(&self) -> Duration {
         Duration::from_secs(self.timeout.max(1))
     }
+}
+
+/// Parses `--memory`: host or gpu (the help lists them).
+fn parse_memory() -> impl TypedValueParser<Value = Memory> {
+    PossibleValuesParser::new(["host", "gpu"]).map(|s| if s == "gpu" { Memory::Gpu } else { Memory::Host })
 }
 
 /// Parses `-c`'s value: 1/0, true/false, yes/no.
@@ -252,11 +268,17 @@ impl Args {
 }
 
 fn check(args: &Args) -> Result<(), String> {
+    if args.plan.is_some() && coll::collective(args.test).is_none() {
+        return Err(format!(
+            "--plan applies to the collective tests (allreduce, allgather, reducescatter), not {}",
+            args.test.name()
+        ));
+    }
     match args.transport.to_ascii_lowercase().as_str() {
         "ethernet" | "eth" | "tcp" | "cuda-ipc" | "cudaipc" | "ipc" | "ib" | "ib0" | "rdma" | "roce" => {}
         t => return Err(format!("unknown --transport {t:?} (expected ethernet, cuda-ipc or ib)")),
     }
-    if args.cuda_ipc() && args.memory != MemoryKind::Gpu {
+    if args.cuda_ipc() && args.memory != Memory::Gpu {
         return Err("--transport cuda-ipc moves GPU memory: add --memory gpu".into());
     }
     if !args.ib() && (args.ib_device.is_some() || args.gid_index.is_some()) {
@@ -270,7 +292,7 @@ fn check(args: &Args) -> Result<(), String> {
             return Err(format!("--ib-device {d}: no such RDMA device (this machine has: {})", devs.join(", ")));
         }
     }
-    if args.memory == MemoryKind::Gpu {
+    if args.memory == Memory::Gpu {
         mscclpp::gpu::device_count().map_err(|e| format!("--memory gpu: {e}"))?;
     }
     if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
@@ -306,14 +328,16 @@ fn check(args: &Args) -> Result<(), String> {
             return Err(format!("{flag} applies to the collective tests (allreduce, allgather, reducescatter)"));
         }
     }
+    if args.procs && args.test != TestKind::Device && coll::collective(args.test).is_none() {
+        return Err(
+            "--procs applies to the device test and the collectives (allreduce, allgather, reducescatter)".into()
+        );
+    }
     if args.test == TestKind::Bootstrap {
         if args.scale.contains(&0) {
             return Err("--scale sizes must be at least 1".into());
         }
         return Ok(());
-    }
-    if args.procs && args.test != TestKind::Device {
-        return Err("--procs applies to the device test (mscclpp-perf device --procs)".into());
     }
     if coll::collective(args.test).is_some() {
         coll::Spec::from_args(args)?;
@@ -341,6 +365,16 @@ fn check(args: &Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.dry_run {
+        // No GPU, no NCCL: before check(), which asks CUDA for the devices.
+        return match plan::dry_run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mscclpp-perf: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     // Before anything starts a thread (CUDA, the bootstrap, NCCL): the environment NCCL reads.
     let nccl_env_set = args.nccl.is_some() && coll::collective(args.test).is_some() && nccl::prepare_env();
     if let Err(e) = check(&args) {
@@ -351,6 +385,9 @@ fn main() -> ExitCode {
         TestKind::P2p => launch::run(&args, p2p::run),
         TestKind::Device if args.procs => launch::run(&args, procs::run_rank),
         TestKind::Bootstrap => bootstrap::run(&args),
+        TestKind::Allreduce | TestKind::Allgather | TestKind::Reducescatter if args.procs => {
+            launch::run(&args, coll::run_rank)
+        }
         TestKind::Allreduce | TestKind::Allgather | TestKind::Reducescatter => coll::run(&args, nccl_env_set),
         TestKind::Device => {
             // The MemoryChannel rows run even when the proxy rows failed.
@@ -417,8 +454,8 @@ mod tests {
         assert!(check(&a).unwrap_err().contains("does not implement"));
         let a = Args::parse_from(["mscclpp-perf", "allreduce", "--ranks", "1"]);
         assert!(check(&a).unwrap_err().contains("2 to 64"));
-        let a = Args::parse_from(["mscclpp-perf", "allreduce", "--procs"]);
-        assert!(check(&a).unwrap_err().contains("device test"));
+        let a = Args::parse_from(["mscclpp-perf", "bootstrap", "--procs"]);
+        assert!(check(&a).unwrap_err().contains("device test and the collectives"));
         let a =
             Args::parse_from(["mscclpp-perf", "allreduce", "-b", "8", "-e", "1G", "-d", "bf16", "--check", "--graph"]);
         assert!(a.check && a.graph && a.max_bytes == 1 << 30);

@@ -18,6 +18,22 @@ pub struct UniqueId {
     internal: [c_char; 128],
 }
 
+impl UniqueId {
+    /// Bytes in an id.
+    pub const BYTES: usize = 128;
+
+    /// The id's bytes, to pass to the other processes of a job.
+    pub fn to_bytes(self) -> Vec<u8> {
+        self.internal.iter().map(|&c| c as u8).collect()
+    }
+
+    /// An id from [`to_bytes`](Self::to_bytes); `None` unless `b` has [`BYTES`](Self::BYTES).
+    pub fn from_bytes(b: &[u8]) -> Option<UniqueId> {
+        let arr: [u8; Self::BYTES] = b.try_into().ok()?;
+        Some(UniqueId { internal: arr.map(|c| c as c_char) })
+    }
+}
+
 /// `ncclComm_t`.
 type RawComm = *mut c_void;
 /// `ncclResult_t` (0 = ncclSuccess).

@@ -13,13 +13,11 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mscclpp::{
-    Bootstrap, Buffer, Communicator, Connection, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore,
-    Host2HostSemaphore, RegisteredMemory, Transport,
-};
+use mscclpp::{Bootstrap, Communicator, Connection, Device, DeviceBuffer, EndpointConfig, RegisteredMemory, Transport};
 
 use crate::Args;
 use crate::report::{Meta, RankInfo, Record, Report, Stat};
+use mscclpp::bench::{Mem, Memory, Sem};
 
 const TAG_CONN: u32 = 10;
 const TAG_MEM: u32 = 11;
@@ -47,58 +45,10 @@ fn iters_for(args: &Args, size: u64, budget: u64, lo: u64, hi: u64) -> u64 {
     args.iters.unwrap_or_else(|| (budget / size.max(1)).clamp(lo, hi)).max(1)
 }
 
-/// A buffer in host or GPU memory.
-enum Mem {
-    Host(Buffer),
-    Gpu(DeviceBuffer),
-}
-
-impl Mem {
-    fn memory(&self) -> &RegisteredMemory {
-        match self {
-            Mem::Host(b) => b.memory(),
-            Mem::Gpu(b) => b.memory(),
-        }
-    }
-    fn write(&self, off: usize, data: &[u8]) -> mscclpp::Result<()> {
-        match self {
-            Mem::Host(b) => b.write(off, data),
-            Mem::Gpu(b) => b.write(off, data),
-        }
-    }
-    fn read(&self, off: usize, out: &mut [u8]) -> mscclpp::Result<()> {
-        match self {
-            Mem::Host(b) => b.read(off, out),
-            Mem::Gpu(b) => b.read(off, out),
-        }
-    }
-}
-
 /// The bytes rank `rank` sends at `size` (`-c` checks them at the receiver).
 fn pattern(rank: usize, size: u64, out: &mut [u8]) {
     for (i, b) in out.iter_mut().enumerate() {
         *b = (i as u64).wrapping_mul(131).wrapping_add(rank as u64 * 29 + size).wrapping_add((i >> 8) as u64) as u8;
-    }
-}
-
-/// The semaphore: host-waited for Ethernet, GPU-side for CUDA IPC.
-enum Sem {
-    Host(Host2HostSemaphore),
-    Gpu(Host2DeviceSemaphore),
-}
-
-impl Sem {
-    fn signal(&self) -> mscclpp::Result<()> {
-        match self {
-            Sem::Host(s) => s.signal(),
-            Sem::Gpu(s) => s.signal(),
-        }
-    }
-    fn wait(&self, t: std::time::Duration) -> mscclpp::Result<()> {
-        match self {
-            Sem::Host(s) => s.wait(t),
-            Sem::Gpu(s) => s.wait(t),
-        }
     }
 }
 
@@ -190,11 +140,11 @@ fn transport_of(args: &Args) -> Transport {
 /// The GPU this rank uses with `--memory gpu`.
 fn gpu_of(args: &Args, rank: usize) -> Result<Option<u32>, String> {
     match args.memory {
-        crate::MemoryKind::Gpu => {
+        Memory::Gpu => {
             let n = mscclpp::gpu::device_count().map_err(e2s)? as u32;
             Ok(Some((args.device + rank as u32) % n.max(1)))
         }
-        crate::MemoryKind::Host => Ok(None),
+        Memory::Host => Ok(None),
     }
 }
 
@@ -209,14 +159,13 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     }
     let gpu = gpu_of(args, ring.rank)?;
     let alloc = || -> Result<Mem, String> {
-        Ok(match gpu {
-            Some(d) => Mem::Gpu(DeviceBuffer::new(comm.context(), d, len, transport.into()).map_err(e2s)?),
-            None => Mem::Host(Buffer::new(comm.context(), len, transport.into()).map_err(e2s)?),
-        })
+        args.memory.alloc(comm.context(), gpu.unwrap_or(0), len, transport.into()).map_err(e2s)
     };
     let (src, dst) = (alloc()?, alloc()?);
     let mut cfg = EndpointConfig::new(transport);
     cfg.ethernet.interface = iface.clone();
+    // `--timeout` bounds every wait, the Ethernet sender's on a peer that reads nothing too.
+    cfg.ethernet.connect_timeout = args.timeout();
     cfg.ib.gid_index = args.gid_index;
     // CUDA IPC, and IB with GPU memory (its NIC is chosen for that GPU), serve the GPU.
     let gpu_endpoint = ipc || (args.ib() && gpu.is_some());
@@ -239,11 +188,8 @@ fn setup(args: &Args, bs: Arc<dyn Bootstrap>, iface: &Option<String>) -> Result<
     let mut links = Vec::new();
     for (conn, sem) in conns.into_iter().zip(sems) {
         let raw = sem.wait().map_err(e2s)?;
-        let sem = if gpu_endpoint {
-            Sem::Gpu(Host2DeviceSemaphore::new(raw).map_err(e2s)?)
-        } else {
-            Sem::Host(Host2HostSemaphore::new(raw).map_err(e2s)?)
-        };
+        // The semaphore: host-waited for Ethernet, GPU-side where the endpoint serves the GPU.
+        let sem = if gpu_endpoint { Memory::Gpu } else { Memory::Host }.semaphore(raw).map_err(e2s)?;
         links.push(Link { conn, sem });
     }
     let from_prev = if ring.next == ring.prev { 0 } else { 1 };
@@ -696,8 +642,8 @@ pub fn run(args: &Args, bs: Arc<dyn Bootstrap>, iface: Option<String>) -> Result
             test: "p2p".into(),
             transport: transport_desc(args, &side),
             memory: match args.memory {
-                crate::MemoryKind::Host => "host".into(),
-                crate::MemoryKind::Gpu => format!("gpu (device {} + rank)", args.device),
+                Memory::Host => "host".into(),
+                Memory::Gpu => format!("gpu (device {} + rank)", args.device),
             },
             pattern: Ring::describe(bs.size(), args.bidirectional),
             baseline: baseline_desc(args),

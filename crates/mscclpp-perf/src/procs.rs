@@ -484,25 +484,22 @@ mod tests {
     }
 
     /// The kernels this mode loads compile with NVRTC without warnings and assemble with ptxas
-    /// for sm_90 when one is found (`MSCCLPP_PTXAS`, or `../bin/ptxas` next to NVRTC); skips
+    /// for sm_90 when one is found (`mscclpp::device::compile::ptxas_path`); skips
     /// without NVRTC, as the header tests do.
     #[test]
     fn kernels_compile_with_nvrtc() {
-        let Ok((nvrtc, _)) = mscclpp::device::compile::nvrtc_info() else {
+        if mscclpp::device::compile::nvrtc_info().is_err() {
             println!("SKIPPED: no NVRTC (pip install nvidia-cuda-nvrtc)");
             return;
-        };
-        let ptxas = std::env::var_os("MSCCLPP_PTXAS")
-            .map(std::path::PathBuf::from)
-            .or_else(|| std::path::Path::new(&nvrtc).parent().map(|d| d.join("../bin/ptxas")))
-            .filter(|p| p.is_file());
+        }
+        let have_ptxas = mscclpp::device::compile::ptxas_path().is_some();
         let opts = CompileOptions::default().arch("compute_90");
         for (src, want) in [
             (
                 crate::memchan::KERNELS,
                 &["sem_ping", "raw_pong", "copy_bw", "copy_bw_val", "copy_bw_round", "ll_ping", "ll8_pong"][..],
             ),
-            (crate::device::KERNELS, &["ping", "pong", "put_bw", "put_only_bw", "flood"][..]),
+            (crate::device::KERNELS, &["ping", "pong", "put_bw", "put_only_bw", "flood", "proxy_load"][..]),
         ] {
             let ptx = compile(src, &opts).unwrap_or_else(|x| panic!("{x}"));
             assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
@@ -510,18 +507,14 @@ mod tests {
             for w in want {
                 assert!(ks.iter().any(|k| k == w), "no kernel {w} in {ks:?}");
             }
-            let Some(ptxas) = &ptxas else {
+            if !have_ptxas {
                 println!("NVRTC compiled {} kernels; no ptxas found to assemble them", ks.len());
                 continue;
-            };
-            let dir = std::env::temp_dir().join(format!("mscclpp-perf-ptx-{}-{}", std::process::id(), want[0]));
-            std::fs::create_dir_all(&dir).unwrap();
-            let (src, out) = (dir.join("k.ptx"), dir.join("k.cubin"));
-            std::fs::write(&src, ptx.as_str()).unwrap();
-            let r = std::process::Command::new(ptxas).args(["-arch=sm_90", "-o"]).arg(&out).arg(&src).output().unwrap();
-            assert!(r.status.success(), "ptxas failed:\n{}", String::from_utf8_lossy(&r.stderr));
+            }
+            if let Err(x) = mscclpp::device::compile::assemble(ptx.as_str(), "sm_90") {
+                panic!("{x}");
+            }
             println!("assembled {} kernels for sm_90", ks.len());
-            std::fs::remove_dir_all(&dir).unwrap();
         }
     }
 }

@@ -168,49 +168,54 @@ fn torchrun_style_launch() {
 /// fails instead of hanging CI; no time is asserted.)
 #[test]
 fn a_stopped_rank_fails_the_run_instead_of_hanging_it() {
+    use std::io::BufRead;
     let mut launcher = perf()
         .args(["--ranks", "2", "--timeout", "3", "-b", "1M", "-e", "64M", "-n", "1000", "--rounds", "100", "--quiet"])
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let pid = launcher.id();
-    let children_file = format!("/proc/{pid}/task/{pid}/children");
-    let t0 = std::time::Instant::now();
-    let kids: Vec<u32> = loop {
-        let kids: Vec<u32> = std::fs::read_to_string(&children_file)
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|p| p.parse().ok())
-            .collect();
-        if kids.len() == 2 || t0.elapsed().as_secs() > 60 {
-            break kids;
+    // Rank 0 prints the header (a line per rank with its pid, then the column names) once every
+    // rank has passed the barrier before the sweep: then rank 1 is in the sweep. The rest of the
+    // output is drained so that no rank blocks on a full pipe.
+    let stdout = launcher.stdout.take().unwrap();
+    let (header_tx, header_rx) = std::sync::mpsc::channel::<String>();
+    let drain = std::thread::spawn(move || {
+        let mut header = String::new();
+        let mut tx = Some(header_tx);
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(t) = &tx {
+                header += &line;
+                header.push('\n');
+                if line.contains("size(B)") {
+                    let _ = t.send(std::mem::take(&mut header));
+                    tx = None;
+                }
+            }
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    assert_eq!(kids.len(), 2, "the launcher did not start two ranks");
-    // Into the sweep, then stop rank 1.
-    std::thread::sleep(std::time::Duration::from_secs(1));
-    let stop = Command::new("kill").args(["-STOP", &kids[1].to_string()]).status().unwrap();
+    });
+    let header = header_rx.recv_timeout(std::time::Duration::from_secs(120)).expect("no header from rank 0");
+    // "#   rank   1: host H, pid N, device D"
+    let rank1 = header
+        .lines()
+        .filter_map(|l| l.trim_start_matches(['#', ' ']).strip_prefix("rank"))
+        .filter_map(|l| l.trim_start().split_once(": "))
+        .find(|(r, _)| *r == "1")
+        .and_then(|(_, rest)| rest.split_once(", pid ")?.1.split(',').next().map(str::to_string))
+        .unwrap_or_else(|| panic!("no pid of rank 1 in the header:\n{header}"));
+    assert_eq!(header.matches(", pid ").count(), 2, "two ranks:\n{header}");
+    let stop = Command::new("kill").args(["-STOP", &rank1]).status().unwrap();
     assert!(stop.success());
-    let t0 = std::time::Instant::now();
-    let status = loop {
-        if let Some(s) = launcher.try_wait().unwrap() {
-            break Some(s);
-        }
-        if t0.elapsed().as_secs() > 180 {
-            break None;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let status = mscclpp::bench::wait_exit(&mut launcher, std::time::Duration::from_secs(180)).unwrap();
     if status.is_none() {
-        let _ = Command::new("kill").args(["-KILL", &kids[1].to_string()]).status();
+        let _ = Command::new("kill").args(["-KILL", &rank1]).status();
         let _ = launcher.kill();
     }
     let out = launcher.wait_with_output().unwrap();
+    drain.join().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     let status = status.unwrap_or_else(|| panic!("the launcher hung on a stopped rank:\n{stderr}"));
     assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("rank 1 (killed: still running"), "{stderr}");
-    assert!(std::fs::metadata(format!("/proc/{}", kids[1])).is_err(), "rank 1 is still there");
+    assert!(std::fs::metadata(format!("/proc/{rank1}")).is_err(), "rank 1 is still there");
 }

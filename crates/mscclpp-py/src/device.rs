@@ -7,7 +7,8 @@ use mscclpp::device::{self, ProxyConfig};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::comm::{Communicator, Host2DeviceSemaphore, lock};
+use crate::comm::{Communicator, lock};
+use crate::connection::Host2DeviceSemaphore;
 use crate::errors::{IntoPyResult, invalid};
 use crate::memory::RegisteredMemory;
 

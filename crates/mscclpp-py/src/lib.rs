@@ -3,6 +3,9 @@
 //! The Python package `mscclpp_rs` (in `python/`) re-exports these classes and adds what is
 //! easier in Python: the `Transport` flags, the exception classes and the description of a
 //! tensor's memory (`_memory.describe`: `__cuda_array_interface__`, the buffer protocol, DLPack).
+//! The collectives (`Collectives`, and `Communicator.all_reduce`... on tensors) wrap
+//! `mscclpp-collectives`; the tensor side of them is `mscclpp_rs/_collectives.py`, and the
+//! MSCCL++-shaped algorithm objects are `mscclpp_rs/ext.py`.
 //!
 //! Rules kept throughout:
 //! - every call that can wait (bootstrap, connect, exchange, flush, semaphore waits, proxy stop)
@@ -14,9 +17,12 @@
 //!   registration keeps the tensor, a connection keeps the sources of unflushed writes, a proxy
 //!   service keeps the memories and semaphores it was given).
 
+mod collectives;
 mod comm;
+mod connection;
 mod device;
 mod errors;
+mod executor;
 mod memory;
 
 use pyo3::prelude::*;
@@ -28,5 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     comm::register(m)?;
     memory::register(m)?;
     device::register(m)?;
+    collectives::register(m)?;
+    executor::register(m)?;
     Ok(())
 }

@@ -1,9 +1,10 @@
 //! Registered memory: tensors and arrays registered with a communicator's context, kept alive
 //! while registered, and memories received from peers.
 //!
-//! The only `unsafe` of the bindings is here: registering a pointer that Python code described
-//! (`mscclpp_rs._memory.describe`), under the rule that the object owning it lives as long as the
-//! registration (the [`RegisteredMemory`] object holds it).
+//! One of the two places with `unsafe` (the other is `collectives.rs`: raw-pointer collectives):
+//! registering a pointer that Python code described (`mscclpp_rs._memory.describe`), under the
+//! rule that the object owning it lives as long as the registration (the [`RegisteredMemory`]
+//! object holds it).
 
 use mscclpp::{Context, Transport, TransportFlags};
 use pyo3::prelude::*;

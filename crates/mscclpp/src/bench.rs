@@ -1,14 +1,20 @@
-//! Not public API: raw baselines and counters that `mscclpp-perf` and this crate's tests use.
-//! Hidden from the docs; it may change in any release.
+//! Not public API: raw baselines, counters and waiting helpers that `mscclpp-perf` and this
+//! crate's tests use. Hidden from the docs; it may change in any release.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::buffer::DeviceBuffer;
-use crate::error::Result;
+use crate::buffer::{Buffer, DeviceBuffer};
+use crate::context::Context;
+use crate::error::{Error, Result};
 use crate::memory::RegisteredMemory;
 pub use crate::platform::cuda::ipc_mapped_count;
 use crate::platform::cuda::{self, GpuDevice, PinnedAlloc, Stream};
+use crate::platform::pidfd::PidFd;
+// Through the crate's re-exports: where these types live inside the crate may change.
+use crate::sync::{BackoffPolicy, Deadline, poll_until};
+use crate::transport::TransportFlags;
+use crate::{Host2DeviceSemaphore, Host2HostSemaphore, Semaphore};
 
 /// Times `iters` rounds of plain copies of `size` bytes, one stream per (source, destination)
 /// pair, all pairs at once (after `warmup` untimed rounds): `cuMemcpyDtoDAsync` where both
@@ -114,4 +120,193 @@ pub fn baseline_copy_remote(
     let t0 = Instant::now();
     round(iters)?;
     Ok(t0.elapsed())
+}
+
+/// Waits up to `limit` for `child` to exit, woken by the exit itself (a pidfd), not by a poll
+/// interval; `Ok(None)` when it still runs at the limit (the caller decides whether to kill it).
+/// Before Linux 5.3 (no `pidfd_open`) it checks every 10 ms instead.
+///
+/// # Errors
+/// `System` when waiting for the child fails.
+pub fn wait_exit(child: &mut std::process::Child, limit: Duration) -> Result<Option<std::process::ExitStatus>> {
+    let deadline = Deadline::after(limit);
+    // The child is ours and not yet reaped, so its pid names it until `try_wait` reaps it.
+    let pidfd = PidFd::open(child.id(), None).ok();
+    loop {
+        if let Some(s) = child.try_wait().map_err(|e| Error::io(format!("waiting for process {}", child.id()), e))? {
+            return Ok(Some(s));
+        }
+        if deadline.expired() {
+            return Ok(None);
+        }
+        match &pidfd {
+            Some(p) => {
+                p.wait_exit(deadline.remaining())?;
+            }
+            None => std::thread::sleep(deadline.remaining().min(Duration::from_millis(10))),
+        }
+    }
+}
+
+/// Polls `ready` until it holds (`true`) or `limit` passes (`false`), backing off as the
+/// library's own waits do (spin, then yield, then sleeps of up to 1 ms): for a condition that has
+/// no notification to block on, such as a counter or a file in `/proc`.
+pub fn wait_until(limit: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    poll_until(limit, BackoffPolicy::FAST, || Ok::<bool, std::convert::Infallible>(ready())).unwrap_or(false)
+}
+
+/// Which memory buffers and semaphore tokens live in: `mscclpp-perf --memory` and the connection
+/// test suite's harnesses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    /// Host buffers ([`Buffer`]) and [`Host2HostSemaphore`]s.
+    Host,
+    /// GPU buffers ([`DeviceBuffer`]) and [`Host2DeviceSemaphore`]s.
+    Gpu,
+}
+
+impl Memory {
+    /// A buffer of `len` zero bytes in this memory (on GPU `device`; ignored for host memory),
+    /// registered for `transports`.
+    ///
+    /// # Errors
+    /// As [`Buffer::new`] and [`DeviceBuffer::new`].
+    pub fn alloc(self, ctx: &Context, device: u32, len: usize, transports: TransportFlags) -> Result<Mem> {
+        Ok(match self {
+            Memory::Host => Mem::Host(Buffer::new(ctx, len, transports)?),
+            Memory::Gpu => Mem::Gpu(DeviceBuffer::new(ctx, device, len, transports)?),
+        })
+    }
+
+    /// The semaphore whose token lives in this memory.
+    ///
+    /// # Errors
+    /// As [`Host2HostSemaphore::new`] and [`Host2DeviceSemaphore::new`].
+    pub fn semaphore(self, sem: Semaphore) -> Result<Sem> {
+        Ok(match self {
+            Memory::Host => Sem::Host(Host2HostSemaphore::new(sem)?),
+            Memory::Gpu => Sem::Gpu(Host2DeviceSemaphore::new(sem)?),
+        })
+    }
+}
+
+/// A buffer in host or GPU memory, one API over both.
+#[derive(Clone)]
+pub enum Mem {
+    Host(Buffer),
+    Gpu(DeviceBuffer),
+}
+
+impl Mem {
+    /// The registration.
+    pub fn memory(&self) -> &RegisteredMemory {
+        match self {
+            Mem::Host(b) => b.memory(),
+            Mem::Gpu(b) => b.memory(),
+        }
+    }
+
+    /// Copies `data` in at `off`.
+    ///
+    /// # Errors
+    /// `InvalidUsage` out of bounds; a CUDA error for GPU memory.
+    pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
+        match self {
+            Mem::Host(b) => b.write(off, data),
+            Mem::Gpu(b) => b.write(off, data),
+        }
+    }
+
+    /// Copies `out.len()` bytes out from `off`.
+    ///
+    /// # Errors
+    /// `InvalidUsage` out of bounds; a CUDA error for GPU memory.
+    pub fn read(&self, off: usize, out: &mut [u8]) -> Result<()> {
+        match self {
+            Mem::Host(b) => b.read(off, out),
+            Mem::Gpu(b) => b.read(off, out),
+        }
+    }
+
+    /// Sets `len` bytes from `off` to `byte`.
+    ///
+    /// # Errors
+    /// `InvalidUsage` out of bounds; a CUDA error for GPU memory.
+    pub fn fill(&self, off: usize, len: usize, byte: u8) -> Result<()> {
+        match self {
+            Mem::Host(b) => b.fill(off, len, byte),
+            Mem::Gpu(b) => b.fill(off, len, byte),
+        }
+    }
+
+    /// A copy of the whole buffer.
+    ///
+    /// # Errors
+    /// A CUDA error for GPU memory.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        match self {
+            Mem::Host(b) => Ok(b.to_vec()),
+            Mem::Gpu(b) => b.to_vec(),
+        }
+    }
+
+    /// The 8-byte word at `off`, read once (host memory: an acquire load).
+    ///
+    /// # Errors
+    /// `InvalidUsage` out of bounds or unaligned; a CUDA error for GPU memory.
+    pub fn read_u64(&self, off: usize) -> Result<u64> {
+        match self {
+            Mem::Host(b) => Ok(b.atomic_u64(off)?.load(std::sync::atomic::Ordering::Acquire)),
+            Mem::Gpu(b) => b.read_u64(off),
+        }
+    }
+
+    /// The host word at `off`, for CPU atomics.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for GPU memory, out of bounds or unaligned.
+    pub fn atomic_u64(&self, off: usize) -> Result<&std::sync::atomic::AtomicU64> {
+        match self {
+            Mem::Host(b) => b.atomic_u64(off),
+            Mem::Gpu(_) => Err(Error::invalid_usage("CPU atomics need host memory, not GPU memory")),
+        }
+    }
+}
+
+/// A host-to-host or host-to-device semaphore, one API over both.
+pub enum Sem {
+    Host(Host2HostSemaphore),
+    Gpu(Host2DeviceSemaphore),
+}
+
+impl Sem {
+    /// Signals the peer.
+    ///
+    /// # Errors
+    /// As the semaphore's `signal`.
+    pub fn signal(&self) -> Result<()> {
+        match self {
+            Sem::Host(s) => s.signal(),
+            Sem::Gpu(s) => s.signal(),
+        }
+    }
+
+    /// Waits (host side) for the peer's next signal, at most `timeout`.
+    ///
+    /// # Errors
+    /// `Timeout` naming the peer, or the connection's failure.
+    pub fn wait(&self, timeout: Duration) -> Result<()> {
+        match self {
+            Sem::Host(s) => s.wait(timeout),
+            Sem::Gpu(s) => s.wait(timeout),
+        }
+    }
+
+    /// The host-to-host semaphore, if this is one.
+    pub fn host(&self) -> Option<&Host2HostSemaphore> {
+        match self {
+            Sem::Host(s) => Some(s),
+            Sem::Gpu(_) => None,
+        }
+    }
 }

@@ -276,6 +276,15 @@ impl PinnedBuffer {
     pub fn as_ptr(&self) -> *const u8 {
         self.core.bytes.as_mut_ptr()
     }
+    /// The 8-byte word at `offset` (a multiple of 8) as an atomic: a word a GPU kernel writes
+    /// through the buffer's unified address (an error or status word) is read with one load, no
+    /// CUDA call.
+    ///
+    /// # Errors
+    /// `InvalidUsage` for an offset that is not a multiple of 8 or past the end.
+    pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64> {
+        self.core.bytes.atomic_u64(offset as u64)
+    }
 }
 
 #[cfg(test)]

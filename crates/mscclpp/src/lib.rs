@@ -102,8 +102,21 @@ pub mod fuzzing {
     use crate::bootstrap::proto;
     use crate::wire::check::check_bytes;
 
-    /// The names [`check`] accepts, one fuzz target each.
-    pub const FORMS: &[&str] = &[
+    /// Defines [`FORMS`] and, for the tests, each form's fuzz target and `fuzz/Cargo.toml` as
+    /// they were when the tests were built (a form without its target file does not build), so
+    /// the test binary checks them from any directory.
+    macro_rules! forms {
+        ($($name:literal,)*) => {
+            /// The names [`check`] accepts, one fuzz target each.
+            pub const FORMS: &[&str] = &[$($name),*];
+            #[cfg(test)]
+            const FUZZ_TARGETS: &[(&str, &str)] = &[$((
+                $name,
+                include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/fuzz_targets/", $name, ".rs")),
+            )),*];
+        };
+    }
+    forms! {
         "unique_id",
         "bootstrap_hello",
         "bootstrap_root_answer",
@@ -125,7 +138,9 @@ pub mod fuzzing {
         "ipc_info",
         "vmm_info",
         "text_specs",
-    ];
+    }
+    #[cfg(test)]
+    const FUZZ_MANIFEST: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/Cargo.toml"));
 
     /// Decodes `data` as the form `name` and checks that nothing panics and that what decodes
     /// re-encodes to the same bytes (for text forms: prints as text that parses to the same
@@ -172,13 +187,15 @@ pub mod fuzzing {
         /// Every form has its fuzz target, and every target is listed in fuzz/Cargo.toml.
         #[test]
         fn every_form_has_a_fuzz_target() {
-            let fuzz = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz");
-            let manifest = std::fs::read_to_string(format!("{fuzz}/Cargo.toml")).unwrap();
-            for name in super::FORMS {
-                let path = format!("{fuzz}/fuzz_targets/{name}.rs");
-                let src = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert_eq!(super::FUZZ_TARGETS.len(), super::FORMS.len());
+            for (&name, &(target, src)) in super::FORMS.iter().zip(super::FUZZ_TARGETS) {
+                assert_eq!(name, target);
+                let path = format!("fuzz/fuzz_targets/{name}.rs");
                 assert!(src.contains(&format!("check({name:?}")), "{path} does not check {name}");
-                assert!(manifest.contains(&format!("name = {name:?}")), "fuzz/Cargo.toml has no [[bin]] {name}");
+                assert!(
+                    super::FUZZ_MANIFEST.contains(&format!("name = {name:?}")),
+                    "fuzz/Cargo.toml has no [[bin]] {name}"
+                );
                 super::check(name, b"");
                 super::check(name, &[0xff; 64]);
             }

@@ -6,11 +6,10 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::gpu::gpu_for;
+use common::gpu::{Pair, gpu_for};
 use common::{Rank, pattern, spawn_ranks};
 use mscclpp::{
-    Bootstrap, Buffer, Communicator, Connection, Context, Device, DeviceBuffer, EndpointConfig, ErrorKind,
-    Host2DeviceSemaphore, RegisteredMemory, Transport,
+    Bootstrap, Buffer, Context, Device, DeviceBuffer, EndpointConfig, ErrorKind, RegisteredMemory, Transport,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -49,39 +48,9 @@ mod contract {
     connection_suite!(&CUDA_IPC, #[ignore = "needs a CUDA GPU"]);
 }
 
-struct Pair {
-    bs: Arc<dyn Bootstrap>,
-    comm: Communicator,
-    conn: Connection,
-    local: DeviceBuffer,
-    remote: RegisteredMemory,
-    sem: Host2DeviceSemaphore,
-}
-
-fn pair(r: &Rank, cfg: EndpointConfig, len: usize, transports: mscclpp::TransportFlags) -> Pair {
-    let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
-    pair_on(bs, r, cfg, len, transports)
-}
-
-fn pair_on(
-    bs: Arc<dyn Bootstrap>,
-    r: &Rank,
-    cfg: EndpointConfig,
-    len: usize,
-    transports: mscclpp::TransportFlags,
-) -> Pair {
-    let comm = Communicator::new(bs.clone());
-    let peer = 1 - r.rank;
-    let dev = gpu_for(r.rank);
-    let local = DeviceBuffer::new(comm.context(), dev, len, transports).unwrap();
-    let pc = comm.connect(&cfg, peer, 0).unwrap();
-    comm.send_memory(local.memory(), peer, 1).unwrap();
-    let pm = comm.recv_memory(peer, 1).unwrap();
-    let conn = pc.wait().unwrap();
-    let remote = pm.wait().unwrap();
-    let sem = Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
-    bs.barrier().unwrap();
-    Pair { bs, comm, conn, local, remote, sem }
+/// This rank's side of a pair joined over `cfg` (see `common::gpu::pair`).
+fn pair(r: &Rank, cfg: EndpointConfig, len: usize) -> Pair {
+    common::gpu::pair(Arc::new(r.bootstrap(T)), r.rank, cfg, len)
 }
 
 /// CUDA IPC writes of 1 B .. 1 GiB at varied offsets between two processes, each verified; the
@@ -91,7 +60,7 @@ fn pair_on(
 fn cuda_ipc_writes_all_sizes() {
     const CAP: usize = (1 << 30) + (1 << 20);
     if let Some(r) = Rank::from_env() {
-        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), CAP, Transport::CudaIpc.into());
+        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), CAP);
         let sizes = [1usize, 7, 4096, 65537, (1 << 20) + 3, 16 << 20, 256 << 20, 1 << 30];
         let src = DeviceBuffer::new(p.comm.context(), gpu_for(r.rank), CAP, Transport::CudaIpc.into()).unwrap();
         for (i, &len) in sizes.iter().enumerate() {
@@ -134,7 +103,7 @@ fn cuda_ipc_token_never_overtakes_data() {
     const SLOT: usize = 4 << 20;
     const N: usize = 48;
     if let Some(r) = Rank::from_env() {
-        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), SLOT * N, Transport::CudaIpc.into());
+        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), SLOT * N);
         if r.rank == 0 {
             let src = DeviceBuffer::new(p.comm.context(), gpu_for(0), SLOT * N, Transport::CudaIpc.into()).unwrap();
             for i in 0..N {
@@ -171,7 +140,7 @@ fn cuda_ipc_token_never_overtakes_data() {
 fn cuda_ipc_atomic_add_from_both_processes() {
     const N: i64 = 2000;
     if let Some(r) = Rank::from_env() {
-        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), 4096, Transport::CudaIpc.into());
+        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), 4096);
         // A self-connection on rank 1 (tag 5), to reach its own buffer.
         let self_conn =
             if r.rank == 1 { Some(p.comm.connect(&ipc_cfg(gpu_for(1)), 1, 5).unwrap().wait().unwrap()) } else { None };
@@ -204,7 +173,7 @@ fn cuda_ipc_atomic_add_from_both_processes() {
 fn cuda_ipc_flush_times_out_behind_long_copies() {
     if let Some(r) = Rank::from_env() {
         let len = 1usize << 30;
-        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), len, Transport::CudaIpc.into());
+        let p = pair(&r, ipc_cfg(gpu_for(r.rank)), len);
         if r.rank == 0 {
             let src = DeviceBuffer::new(p.comm.context(), gpu_for(0), len, Transport::CudaIpc.into()).unwrap();
             for _ in 0..200 {
@@ -258,7 +227,7 @@ fn ethernet_with_gpu_memory() {
         let cfg = EndpointConfig::new(Transport::Ethernet)
             .ethernet_interface("127.0.0.1")
             .device(Device::Gpu(gpu_for(r.rank)));
-        let p = pair(&r, cfg, CAP, Transport::Ethernet.into());
+        let p = pair(&r, cfg, CAP);
         let peer = 1 - r.rank;
         let host = Buffer::new(p.comm.context(), CAP, Transport::Ethernet.into()).unwrap();
         p.comm.send_memory(host.memory(), peer, 3).unwrap();
@@ -326,7 +295,7 @@ fn host_to_device_semaphore_over_ipc_and_ethernet() {
                 .device(Device::Gpu(gpu_for(r.rank))),
         ] {
             let t = cfg.transport;
-            let p = pair_on(bs.clone(), &r, cfg, 4096, t.into());
+            let p = common::gpu::pair(bs.clone(), r.rank, cfg, 4096);
             if r.rank == 0 {
                 for _ in 0..5 {
                     p.sem.signal().unwrap();

@@ -8,16 +8,13 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::gpu::{args, gpu_for, kernel, launch, module, read, results};
+use common::gpu::{Pair, args, gpu_for, kernel, launch, module, pair, read, results};
 use common::{Rank, spawn_ranks};
 use mscclpp::device::fifo::Fifo;
 use mscclpp::device::proxy::{PROXY_FAILED, ProxyConfig, ProxyService};
 use mscclpp::device::trigger::decode;
 use mscclpp::gpu::Stream;
-use mscclpp::{
-    Bootstrap, Communicator, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory, RootServer,
-    TcpBootstrap, Transport,
-};
+use mscclpp::{Bootstrap, Device, DeviceBuffer, EndpointConfig, RootServer, TcpBootstrap, Transport};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -139,30 +136,6 @@ extern "C" __global__ void bad_trigger(mscclpp::PortChannelDeviceHandle* ch, u64
 }
 "#;
 
-struct Pair {
-    bs: Arc<dyn Bootstrap>,
-    comm: Communicator,
-    local: DeviceBuffer,
-    remote: RegisteredMemory,
-    sem: Host2DeviceSemaphore,
-}
-
-fn pair(bs: Arc<dyn Bootstrap>, rank: usize, cfg: EndpointConfig, len: usize) -> Pair {
-    let comm = Communicator::new(bs.clone());
-    let peer = 1 - rank;
-    let dev = cfg.device.gpu_index().unwrap_or(0);
-    let local = DeviceBuffer::new(comm.context(), dev, len, cfg.transport.into()).unwrap();
-    local.fill(0, len, 0).unwrap();
-    let pc = comm.connect(&cfg, peer, 0).unwrap();
-    comm.send_memory(local.memory(), peer, 1).unwrap();
-    let pm = comm.recv_memory(peer, 1).unwrap();
-    let conn = pc.wait().unwrap();
-    let remote = pm.wait().unwrap();
-    let sem = Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
-    bs.barrier().unwrap();
-    Pair { bs, comm, local, remote, sem }
-}
-
 fn cfg(t: Transport, dev: u32) -> EndpointConfig {
     let c = EndpointConfig::new(t).device(Device::Gpu(dev));
     if t == Transport::Ethernet { c.ethernet_interface("127.0.0.1") } else { c }
@@ -260,12 +233,12 @@ fn peer_killed_mid_run_releases_device_waiters() {
         let dev = gpu_for(r.rank);
         let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
         let p = pair(bs, r.rank, cfg(Transport::Ethernet, dev), (MSGS as u64 * CHUNK) as usize);
+        // Rank 0 says when its kernels run (the sender has far more to send than can go).
+        const RUNNING: u64 = 5;
         if r.rank == 1 {
             p.bs.barrier().unwrap();
-            std::thread::sleep(Duration::from_millis(300));
-            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
-            std::thread::sleep(T);
-            return;
+            p.bs.recv(0, RUNNING).unwrap();
+            common::die();
         }
         let src = DeviceBuffer::new(p.comm.context(), dev, p.local.len(), Transport::Ethernet.into()).unwrap();
         let mut proxy = ProxyService::new(p.comm.context(), dev, ProxyConfig::default()).unwrap();
@@ -290,6 +263,7 @@ fn peer_killed_mid_run_releases_device_waiters() {
         launch(&kernel(&m, "ping"), 1, 1, &wait_s, &mut args![chp, s2, d2, one, tmo, resp2]);
         let mut slots = MSGS;
         launch(&kernel(&m, "sender"), 1, 256, &send_s, &mut args![chp, srcp, n, slots, chunk, tmo, resp]);
+        p.bs.send(1, RUNNING, &[]).unwrap();
         send_s.synchronize(T).unwrap();
         wait_s.synchronize(T).unwrap();
         let e = proxy.status().unwrap_err();
@@ -302,12 +276,8 @@ fn peer_killed_mid_run_releases_device_waiters() {
     }
     let job =
         common::spawn_some("peer_killed_mid_run_releases_device_waiters", 2, &[0, 1], T, &[], Duration::from_secs(150));
-    let (_, o) = &job.outputs[0];
-    let out = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    assert!(o.status.success(), "rank 0 failed:\n{}\n{}", out(&o.stdout), out(&o.stderr));
-    for l in out(&o.stdout).lines().filter(|l| l.starts_with("RESULT")) {
-        println!("{l}");
-    }
+    job.assert_rank_success(0);
+    job.relay_results();
 }
 
 /// 64 blocks x 128 threads push 4 triggers each (32768 triggers, 64 laps of a 512-slot ring)

@@ -6,20 +6,15 @@
 //!   assembled by `ptxas` for sm_90 when it is available (that is what checks the inline PTX).
 //!
 //! Without g++ or NVRTC the tests print why and pass, except in CI (`CI` set), where they fail.
+
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
+use common::ptx::{assemble_sm90, nvrtc_or_skip, ptxas, skip};
 use mscclpp::device::handles::layout_table;
 use mscclpp::device::trigger::ProxyTrigger;
-
-fn in_ci() -> bool {
-    std::env::var_os("CI").is_some()
-}
-
-fn skip(test: &str, why: &str) {
-    assert!(!in_ci(), "{test} cannot run in CI: {why}");
-    println!("SKIPPED {test}: {why}");
-}
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("mscclpp-{name}-{}", std::process::id()));
@@ -148,38 +143,16 @@ fn header_layout_and_trigger_bits_match_rust() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `ptxas` to assemble with: `MSCCLPP_PTXAS`, next to NVRTC (`../bin/ptxas`, as in the pip
-/// wheels and the toolkit), `$CUDA_PATH/bin`, `/usr/local/cuda/bin`, else `PATH`.
-fn ptxas(nvrtc_path: &str) -> Option<PathBuf> {
-    let mut c: Vec<PathBuf> = Vec::new();
-    if let Some(p) = std::env::var_os("MSCCLPP_PTXAS") {
-        c.push(PathBuf::from(p));
-    }
-    if let Some(dir) = std::path::Path::new(nvrtc_path).parent() {
-        c.push(dir.join("../bin/ptxas"));
-    }
-    if let Some(p) = std::env::var_os("CUDA_PATH") {
-        c.push(PathBuf::from(p).join("bin/ptxas"));
-    }
-    c.push(PathBuf::from("/usr/local/cuda/bin/ptxas"));
-    if let Some(found) = c.into_iter().find(|p| p.is_file()) {
-        return Some(found);
-    }
-    Command::new("ptxas").arg("--version").output().ok().filter(|o| o.status.success()).map(|_| PathBuf::from("ptxas"))
-}
-
 /// The kernel that calls every device method of the header.
 const API_KERNELS: &str = include_str!("kernels/device_api.cu");
 
 #[test]
 fn header_compiles_with_nvrtc_and_assembles_with_ptxas() {
-    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    use mscclpp::device::compile::{CompileOptions, compile};
     let test = "header_compiles_with_nvrtc_and_assembles_with_ptxas";
-    let (path, version) = match nvrtc_info() {
-        Ok(i) => i,
-        Err(e) => return skip(test, e.message()),
-    };
-    println!("NVRTC {}.{} from {path}", version.0, version.1);
+    if !nvrtc_or_skip(test) {
+        return;
+    }
     let opts = CompileOptions::default().arch("compute_90").name("device_api.cu");
     let ptx = compile(API_KERNELS, &opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
@@ -201,17 +174,10 @@ fn header_compiles_with_nvrtc_and_assembles_with_ptxas() {
     ] {
         assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
     }
-    let Some(ptxas) = ptxas(&path) else {
+    let Some(ptxas) = ptxas() else {
         return skip(test, "NVRTC compiled the header, but no ptxas was found to assemble it (MSCCLPP_PTXAS)");
     };
-    let dir = scratch("device-ptx");
-    let (src, out) = (dir.join("device_api.ptx"), dir.join("device_api.cubin"));
-    std::fs::write(&src, ptx.as_str()).unwrap();
-    let r = Command::new(&ptxas).args(["-arch=sm_90", "-o"]).arg(&out).arg(&src).output().unwrap();
-    assert!(r.status.success(), "{} failed:\n{}", ptxas.display(), String::from_utf8_lossy(&r.stderr));
-    assert!(std::fs::metadata(&out).unwrap().len() > 0);
-    println!("assembled {} kernels for sm_90 with {}", ptx.kernels().len(), ptxas.display());
-    std::fs::remove_dir_all(&dir).unwrap();
+    assemble_sm90(&ptxas, "device-ptx", &[("device_api", ptx.as_str())]);
 }
 
 #[test]

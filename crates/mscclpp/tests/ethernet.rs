@@ -32,14 +32,14 @@ fn flush_times_out_when_peer_stalls() {
         // the structured detail, not only the text
         assert_eq!((e.operation(), e.transport()), (Some("flush"), Some(Transport::Ethernet)), "{e}");
         assert!(e.outstanding().is_some_and(|n| n >= 1), "{e}: outstanding {:?}", e.outstanding());
-        assert!(el < Duration::from_secs(2), "{el:?}");
+        // It waited its 500 ms and returned then (a loaded machine's margin above it).
+        assert!(el >= Duration::from_millis(500) && el < Duration::from_secs(10), "{el:?}");
         println!("{e}");
         let _ = std::process::Command::new("kill").args(["-KILL", &peer_pid]).status();
         std::process::exit(0);
     }
-    let job = common::spawn_some("flush_times_out_when_peer_stalls", 2, &[0, 1], T, &[], Duration::from_secs(8));
-    let (_, o) = &job.outputs[0];
-    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let job = common::spawn_some("flush_times_out_when_peer_stalls", 2, &[0, 1], T, &[], Duration::from_secs(120));
+    job.assert_rank_success(0);
 }
 
 /// Rank 1 of a two-rank test hands its pid to rank 0 and idles (`None`: its test body returns);
@@ -48,7 +48,9 @@ fn flush_times_out_when_peer_stalls() {
 fn stop_rank_1(r: &Rank, s: &common::suite::Setup) -> Option<String> {
     if r.rank == 1 {
         s.bs.send(0, 9, std::process::id().to_string().as_bytes()).unwrap();
-        std::thread::sleep(Duration::from_secs(60));
+        // Until rank 0 stops and kills it (rank 0 sends nothing under this tag: the receive
+        // ends only if rank 0 goes away first, or at the bootstrap's timeout).
+        let _ = s.bs.recv(0, 10);
         return None;
     }
     let pid = String::from_utf8(s.bs.recv(1, 9).unwrap()).unwrap();
@@ -60,17 +62,12 @@ fn stop_rank_1(r: &Rank, s: &common::suite::Setup) -> Option<String> {
 fn stop_and_wait_stopped(pid: &str) {
     let ok = std::process::Command::new("kill").args(["-STOP", pid]).status().unwrap().success();
     assert!(ok, "kill -STOP {pid}");
-    let t0 = Instant::now();
-    loop {
-        // The state follows the command name, which is in parentheses.
+    // The state follows the command name, which is in parentheses.
+    let state = || {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
-        if state == Some("T") {
-            return;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "process {pid} did not stop: {stat}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+        stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(str::to_string))
+    };
+    common::wait_until(&format!("process {pid} stopping"), Duration::from_secs(60), || state().as_deref() == Some("T"));
 }
 
 /// Ethernet with a 2 s wait limit and room for many outstanding writes (so that the socket,
@@ -103,14 +100,20 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
                 Ok(()) => sent += 1,
                 Err(e) => break e,
             }
-            assert!(t0.elapsed() < Duration::from_secs(15), "{sent} writes into a stopped peer all succeeded");
+            assert!(t0.elapsed() < Duration::from_secs(60), "{sent} writes into a stopped peer all succeeded");
         };
+        // Two bounded waits see the stopped peer, both after the 2 s limit: the socket send that
+        // finds the socket full ("stalled"), or, when the sender thread holds the socket, the
+        // caller's wait for room in the full write queue ("none confirmed"). Which comes first
+        // depends on the machine's load; either is a Timeout naming the peer, never a hang.
+        let stopped = |m: &str| m.contains("stalled") || m.contains("none confirmed");
         assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
         assert_eq!(e.peer(), Some(1), "{e}");
-        assert!(e.to_string().contains("stalled"), "{e}");
-        // The connection stays failed: a flush says so at once.
+        assert!(stopped(&e.to_string()), "{e}");
+        // Nothing more lands: a flush fails too, naming the peer.
         let f = conn.flush(Duration::from_secs(5)).unwrap_err();
-        assert!(f.to_string().contains("stalled"), "{f}");
+        assert_eq!(f.peer(), Some(1), "{f}");
+        assert!(f.kind() == ErrorKind::Timeout || stopped(&f.to_string()), "{f}");
         println!("after {sent} rounds of 1 MiB + signal, {:?}: {e}", t0.elapsed());
         let _ = std::process::Command::new("kill").args(["-KILL", &peer_pid]).status();
         std::process::exit(0);
@@ -121,9 +124,7 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
         &[0, 1],
         T,
         &[],
-        Duration::from_secs(20),
+        Duration::from_secs(120),
     );
-    let (_, o) = &job.outputs[0];
-    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    println!("{}", String::from_utf8_lossy(&o.stdout));
+    println!("{}", job.assert_rank_success(0));
 }

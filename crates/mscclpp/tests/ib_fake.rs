@@ -80,18 +80,22 @@ fn broken_link_fails_every_call_without_hanging() {
             // the structured detail, not only the text: the write and the signal are outstanding
             assert_eq!((e.operation(), e.transport()), (Some("flush"), Some(Transport::IB0)), "{e}");
             assert!(e.outstanding().is_some_and(|n| n >= 2), "{e}: outstanding {:?}", e.outstanding());
-            assert!(t0.elapsed() < Duration::from_secs(2));
+            // It waited its 200 ms, and returned then, not at some later limit (with a loaded
+            // machine's margin).
+            assert!(t0.elapsed() >= Duration::from_millis(200), "{:?}", t0.elapsed());
+            assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
             let e = conn.flush(T).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Ib, "{e}");
             assert!(e.to_string().contains("retry counter exceeded"), "{e}");
-            assert!(t0.elapsed() < fake::RETRY_WINDOW + Duration::from_secs(3), "{:?}", t0.elapsed());
+            assert!(t0.elapsed() < fake::RETRY_WINDOW + Duration::from_secs(15), "{:?}", t0.elapsed());
             let t1 = Instant::now();
             let later = conn.write(dst, 0, s.local.memory(), 0, 8).unwrap_err();
             assert!(later.to_string().contains("retry counter exceeded"), "{later}");
             let w = s.sems[peer].as_ref().unwrap().wait(T).unwrap_err();
             assert_ne!(w.kind(), ErrorKind::Timeout, "{w}");
             assert!(conn.status().is_err());
-            assert!(t1.elapsed() < Duration::from_millis(500), "later calls must fail at once");
+            // At once: not after the wait's 30 s limit (a margin for a loaded machine).
+            assert!(t1.elapsed() < T / 3, "later calls must fail at once, took {:?}", t1.elapsed());
             println!("flush: {e}\nwait: {w}");
         }
         s.bs.barrier().unwrap();
@@ -158,7 +162,7 @@ fn tiny_queues_never_overflow() {
             s.sems[1].as_ref().unwrap().signal().unwrap();
         } else {
             s.sems[0].as_ref().unwrap().wait(T).unwrap();
-            let v = s.local.to_vec();
+            let v = s.local.to_vec().unwrap();
             assert_eq!(s.local.atomic_u64(0).unwrap().load(std::sync::atomic::Ordering::Acquire), 2 * 429);
             // Words 64 .. 64 + 6000 * 8 were written; the rest stays zero.
             let end = 64 + 6000 * 8;
@@ -245,7 +249,7 @@ fn no_atomic_tokens_cross_2_pow_32() {
         let s = setup(r, &h, 4096, None);
         let peer = 1 - r.rank;
         let conn = s.conns[peer].as_ref().unwrap();
-        let sem = s.sems[peer].as_ref().unwrap().host();
+        let sem = s.sems[peer].as_ref().unwrap().host().unwrap();
         assert_eq!(conn.signal_forwarding().as_deref(), Some("host store"));
         let out = AtomicU64::new(0);
         for (i, &v) in seq.iter().enumerate() {
@@ -263,10 +267,7 @@ fn no_atomic_tokens_cross_2_pow_32() {
             }
             s.bs.barrier().unwrap();
             if r.rank == 1 {
-                let t0 = Instant::now();
-                while sem.inbound_token() != v && t0.elapsed() < Duration::from_secs(5) {
-                    std::thread::yield_now();
-                }
+                common::wait_until(&format!("token {i} = {v}"), T, || sem.inbound_token() == v);
                 assert_eq!(sem.inbound_token(), v, "token {i}");
             }
             s.bs.barrier().unwrap();
@@ -282,7 +283,7 @@ fn no_atomic_burst_past_the_receive_queue() {
     threads(2, |r| {
         let s = setup(r, &h, 1 << 16, None);
         let peer = 1 - r.rank;
-        let sem = s.sems[peer].as_ref().unwrap().host();
+        let sem = s.sems[peer].as_ref().unwrap().host().unwrap();
         const N: u64 = 2000;
         if r.rank == 0 {
             let conn = s.conns[1].as_ref().unwrap();
@@ -297,7 +298,7 @@ fn no_atomic_burst_past_the_receive_queue() {
             for i in 0..N {
                 sem.wait(T).unwrap_or_else(|e| panic!("signal {i}: {e}"));
                 if i == 0 {
-                    assert!(s.local.to_vec() == pattern(3, 1 << 16), "the first signal overtook the write");
+                    assert!(s.local.to_vec().unwrap() == pattern(3, 1 << 16), "the first signal overtook the write");
                 }
             }
             assert_eq!(sem.inbound_token(), N);
@@ -319,7 +320,7 @@ fn no_atomic_close_with_signals_in_flight() {
             sem.wait(T).unwrap();
             let t0 = Instant::now();
             drop(s);
-            assert!(t0.elapsed() < Duration::from_secs(3), "closing took {:?}", t0.elapsed());
+            assert!(t0.elapsed() < Duration::from_secs(15), "closing took {:?}", t0.elapsed());
             return;
         }
         let conn = s.conns[peer].as_ref().unwrap();
@@ -334,7 +335,7 @@ fn no_atomic_close_with_signals_in_flight() {
         }
         let flush = conn.flush(T);
         let el = t0.elapsed();
-        assert!(el < fake::RETRY_WINDOW + Duration::from_secs(10), "took {el:?}");
+        assert!(el < fake::RETRY_WINDOW + Duration::from_secs(20), "took {el:?}");
         println!("signal: {first_err:?}\nflush: {flush:?}\nafter {el:?}");
     });
 }
@@ -351,6 +352,9 @@ fn no_atomic_signal_after_idle_wakes_the_receiver() {
         let sem = s.sems[peer].as_ref().unwrap();
         for round in 0..3u64 {
             if r.rank == 0 {
+                // The idle is what this test is about: 300 ms is thousands of times the receive
+                // thread's 50 us before it arms its CQ and sleeps. (The fake provider does not
+                // say per device whether a CQ is armed, so there is no event to wait for.)
                 std::thread::sleep(Duration::from_millis(300));
                 let src = Buffer::new(s.comm.context(), 4096, Transport::IB0.into()).unwrap();
                 src.write(0, &pattern(round, 4096)).unwrap();
@@ -360,7 +364,7 @@ fn no_atomic_signal_after_idle_wakes_the_receiver() {
                 conn.flush(T).unwrap();
             } else {
                 sem.wait(T).unwrap();
-                assert!(s.local.to_vec() == pattern(round, 4096), "round {round}: data behind its signal");
+                assert!(s.local.to_vec().unwrap() == pattern(round, 4096), "round {round}: data behind its signal");
             }
             s.bs.barrier().unwrap();
         }
@@ -463,10 +467,7 @@ fn gpu_token_forwarding_without_gdrcopy() {
         }
         bs.barrier().unwrap();
         if r.rank == 1 {
-            let t0 = Instant::now();
-            while sem.inbound_token().unwrap() != target && t0.elapsed() < Duration::from_secs(5) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            common::wait_until("the token across 2^32", T, || sem.inbound_token().unwrap() == target);
             assert_eq!(sem.inbound_token().unwrap(), target);
         }
         bs.barrier().unwrap();

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::gpu::{args, gpu_for, kernel, launch, module, read, results};
+use common::ptx::{assemble_sm90, nvrtc_or_skip, ptxas, skip};
 use common::{Rank, spawn_ranks};
 use mscclpp::device::compile::{CompileOptions, compile};
 use mscclpp::gpu::Stream;
@@ -25,11 +26,7 @@ use mscclpp::{
 /// Checks that every rank succeeded and prints the ranks' RESULT lines.
 fn relay(job: &common::Job) {
     job.assert_success();
-    for (r, _) in &job.outputs {
-        for l in job.stdout(*r).lines().filter(|l| l.starts_with("RESULT")) {
-            println!("rank {r}: {l}");
-        }
-    }
+    job.relay_results();
 }
 
 const T: Duration = Duration::from_secs(60);
@@ -173,39 +170,14 @@ extern "C" __global__ void orphan_waits(MemoryChannelDeviceHandle* ch, u64 timeo
 /// Every MemoryChannel/semaphore/packet method, for the NVRTC + ptxas check.
 const API_KERNELS: &str = include_str!("kernels/memory_channel_api.cu");
 
-fn in_ci() -> bool {
-    std::env::var_os("CI").is_some()
-}
-
-fn skip(test: &str, why: &str) {
-    assert!(!in_ci(), "{test} cannot run in CI: {why}");
-    println!("SKIPPED {test}: {why}");
-}
-
-/// `ptxas` to assemble with: `MSCCLPP_PTXAS`, next to NVRTC (`../bin/ptxas`), the toolkit.
-fn ptxas(nvrtc_path: &str) -> Option<std::path::PathBuf> {
-    let mut c = Vec::new();
-    if let Some(p) = std::env::var_os("MSCCLPP_PTXAS") {
-        c.push(std::path::PathBuf::from(p));
-    }
-    if let Some(dir) = std::path::Path::new(nvrtc_path).parent() {
-        c.push(dir.join("../bin/ptxas"));
-    }
-    c.push(std::path::PathBuf::from("/usr/local/cuda/bin/ptxas"));
-    c.into_iter().find(|p| p.is_file())
-}
-
 /// Without a GPU: the new header code and this file's kernels compile with NVRTC (no warnings)
 /// to compute_90, emit the orderings the header promises, and assemble with ptxas for sm_90.
 #[test]
 fn memory_channel_code_compiles_with_nvrtc_and_assembles() {
-    use mscclpp::device::compile::nvrtc_info;
     let test = "memory_channel_code_compiles_with_nvrtc_and_assembles";
-    let (path, version) = match nvrtc_info() {
-        Ok(i) => i,
-        Err(e) => return skip(test, e.message()),
-    };
-    println!("NVRTC {}.{} from {path}", version.0, version.1);
+    if !nvrtc_or_skip(test) {
+        return;
+    }
     let opts = CompileOptions::default().arch("compute_90");
     let api = compile(API_KERNELS, &opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(api.log().trim().is_empty(), "NVRTC warned:\n{}", api.log());
@@ -227,19 +199,10 @@ fn memory_channel_code_compiles_with_nvrtc_and_assembles() {
     }
     let tests = compile(KERNELS, &opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(tests.kernels().contains(&"flood".to_string()));
-    let Some(ptxas) = ptxas(&path) else {
+    let Some(ptxas) = ptxas() else {
         return skip(test, "NVRTC compiled the header, but no ptxas was found to assemble it (MSCCLPP_PTXAS)");
     };
-    let dir = std::env::temp_dir().join(format!("mscclpp-memchan-ptx-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for (name, ptx) in [("api", &api), ("tests", &tests)] {
-        let (src, out) = (dir.join(format!("{name}.ptx")), dir.join(format!("{name}.cubin")));
-        std::fs::write(&src, ptx.as_str()).unwrap();
-        let r = std::process::Command::new(&ptxas).args(["-arch=sm_90", "-o"]).arg(&out).arg(&src).output().unwrap();
-        assert!(r.status.success(), "{} failed on {name}:\n{}", ptxas.display(), String::from_utf8_lossy(&r.stderr));
-    }
-    println!("assembled {} + {} kernels for sm_90", api.kernels().len(), tests.kernels().len());
-    std::fs::remove_dir_all(&dir).unwrap();
+    assemble_sm90(&ptxas, "memchan-ptx", &[("api", api.as_str()), ("tests", tests.as_str())]);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -544,11 +507,11 @@ fn a_dead_peer_releases_time_limited_waits() {
             MemoryChannel::new(s.semaphore(1), &s.remote[1], s.local[0].memory(), Some(s.local[1].memory())).unwrap();
         s.bs.barrier().unwrap();
         if r.rank == 1 {
-            let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
-            std::thread::sleep(T);
-            return;
+            common::die();
         }
-        std::thread::sleep(Duration::from_millis(500));
+        // Until rank 1 is dead: it sends nothing, so this receive ends when its bootstrap
+        // connection closes with it.
+        s.bs.recv(1, 99).expect_err("rank 1 sent something instead of dying");
         let m = module(KERNELS, s.dev);
         let stream = Stream::new(s.dev).unwrap();
         let res = results(4, s.comm.context(), s.dev);
@@ -571,10 +534,6 @@ fn a_dead_peer_releases_time_limited_waits() {
     }
     let job =
         common::spawn_some("a_dead_peer_releases_time_limited_waits", 2, &[0, 1], T, &[], Duration::from_secs(120));
-    let (_, o) = &job.outputs[0];
-    let out = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    assert!(o.status.success(), "rank 0 failed:\n{}\n{}", out(&o.stdout), out(&o.stderr));
-    for l in out(&o.stdout).lines().filter(|l| l.starts_with("RESULT")) {
-        println!("{l}");
-    }
+    job.assert_rank_success(0);
+    job.relay_results();
 }

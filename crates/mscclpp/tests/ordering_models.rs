@@ -4,7 +4,8 @@
 //!
 //! * the FIFO: producers reserve a position (`atom.relaxed.gpu.add` on head, or the
 //!   compare-and-swap of `push_for`), wait while the ring is full (acquire loads of `tail`,
-//!   `red.release.gpu.max` into `tailCache`), and write the trigger with the lap-parity bit (one
+//!   `red.release.gpu.max` into `tailCache`; in `wait_popped` only the head of the line reads
+//!   `tail`, and the waiters behind it learn of the pop by acquire loads of `tailCache`), and write the trigger with the lap-parity bit (one
 //!   16-byte `st.release.sys`: here `fst` first, then a release store of `snd`); the proxy
 //!   acquire-loads `snd`, checks the parity of `tail`'s lap, reads `fst`, and publishes the pop
 //!   with a release store of `tail`;
@@ -102,6 +103,11 @@ struct FifoOrders {
     tail_load: Ordering,
     /// `push`'s and `push_for`'s first look at `tailCache` (a plain load in the header).
     tail_cache_load: Ordering,
+    /// `wait_popped`'s loads of `tailCache` (`ld.acquire.gpu`): a waiter that is not the head
+    /// of the line never reads `tail` and learns of the pop only through them.
+    tail_cache_wait_load: Ordering,
+    /// The head of the line's raise of `tailCache` (`red.release.gpu.max`).
+    tail_cache_raise: Ordering,
 }
 
 const FIFO: FifoOrders = FifoOrders {
@@ -110,6 +116,8 @@ const FIFO: FifoOrders = FifoOrders {
     tail_store: Release,
     tail_load: Acquire,
     tail_cache_load: Relaxed,
+    tail_cache_wait_load: Acquire,
+    tail_cache_raise: Release,
 };
 
 /// A ring of `SIZE` slots in the model.
@@ -168,6 +176,47 @@ impl<const SIZE: usize> Ring<SIZE> {
                     // red.release.gpu.max: later readers of tailCache that acquire it see the pop.
                     self.tail_cache.fetch_max(t, Release);
                     break;
+                }
+                round += 1;
+                if round == self.spins {
+                    return None;
+                }
+                thread::yield_now();
+            }
+        }
+        self.write(pos, fst, snd);
+        Some(pos)
+    }
+
+    /// `FifoDeviceHandle::push` with the header's `wait_popped`: while full, only the head of the
+    /// line (the waiter for `p == tailCache`) reads `tail` and raises `tailCache`; the others
+    /// read only `tailCache` (the header's stand-ins, who read `tail` after a stagger of
+    /// stillness, are one of the behaviours left out: a clock that never reaches the stagger).
+    /// `None`: gave up waiting, as in `push`.
+    fn push_head_of_line(&self, fst: u64, snd: u64) -> Option<u64> {
+        let size = SIZE as u64;
+        // Relaxed (atom.relaxed.gpu.add), as in `push`.
+        let pos = self.head.fetch_add(1, Relaxed);
+        if pos >= size + self.tail_cache.load(self.o.tail_cache_load) {
+            let p = pos - size;
+            let mut round = 0;
+            loop {
+                // ld.acquire.gpu: pairs with the head's red.release.gpu.max below (in another
+                // waiter, which had acquired `tail`): the pop happens before this rewrite.
+                let t = self.tail_cache.load(self.o.tail_cache_wait_load);
+                if p < t {
+                    break;
+                }
+                if p == t {
+                    // Acquire: pairs with the proxy's Release store of `tail`.
+                    let h = self.tail.load(self.o.tail_load);
+                    if h > t {
+                        self.tail_cache.fetch_max(h, self.o.tail_cache_raise);
+                        if p < h {
+                            break;
+                        }
+                        continue;
+                    }
                 }
                 round += 1;
                 if round == self.spins {
@@ -341,6 +390,61 @@ fn fifo_two_laps_two_producers(o: FifoOrders) {
             p.join().unwrap();
         }
     });
+}
+
+/// The head-of-line wait: a two-slot ring holding positions 0 and 1, two producers waiting for
+/// slots (positions 2 and 3) and the proxy popping all four. When the proxy pops both before
+/// either waiter looks, the waiter for position 0 (the head) reads `tail` = 2 and raises
+/// `tailCache` past position 1, and the other waiter rewrites slot 1 having read only
+/// `tailCache`: that rewrite must still be ordered after the proxy's read of slot 1's first lap
+/// (through the head's release and its acquire of `tailCache`).
+fn fifo_head_of_line_wait(o: FifoOrders) {
+    check_with(2, move || {
+        let ring = Arc::new(Ring::<2>::new(o, SPINS));
+        // Positions 0 and 1, pushed before anyone else runs (no wait: the ring is empty).
+        for v in 0..2u64 {
+            assert_eq!(ring.push_head_of_line(v, v), Some(v));
+        }
+        let producers: Vec<_> = (0..2u64)
+            .map(|id| {
+                let ring = ring.clone();
+                thread::spawn(move || ring.push_head_of_line(10 + id, 10 + id))
+            })
+            .collect();
+        let mut got = Vec::new();
+        for pos in 0..4u64 {
+            let Some((t, fst, snd)) = ring.pop() else { break };
+            assert_eq!(t, pos);
+            assert_eq!(fst, snd, "torn or stale trigger at {pos}");
+            got.push(snd);
+        }
+        for p in producers {
+            if let Some(pos) = p.join().unwrap()
+                && let Some(&v) = got.get(pos as usize)
+            {
+                assert!(v >= 10, "position {pos} holds a stale first-lap trigger {v}");
+            }
+        }
+    });
+}
+
+/// The first look at `tailCache` acquires here: with the header's plain load, a producer that
+/// finds the cache already raised skips the wait and is ordered by its control dependency only
+/// (`fifo_tail_cache_fast_path_is_ordered_by_control_only`), which loom does not count.
+const HEAD_OF_LINE: FifoOrders = FifoOrders { tail_cache_load: Acquire, ..FIFO };
+
+#[test]
+fn fifo_head_of_line_wait_holds() {
+    fifo_head_of_line_wait(HEAD_OF_LINE);
+}
+
+/// Each half of the hand-over from the head to the waiters behind it matters: a relaxed raise
+/// or a relaxed load of `tailCache` lets a waiter rewrite its slot unordered after the proxy's
+/// read of it.
+#[test]
+fn fifo_head_of_line_relaxed_tail_cache_is_caught() {
+    assert_race(failure(|| fifo_head_of_line_wait(FifoOrders { tail_cache_wait_load: Relaxed, ..HEAD_OF_LINE })));
+    assert_race(failure(|| fifo_head_of_line_wait(FifoOrders { tail_cache_raise: Relaxed, ..HEAD_OF_LINE })));
 }
 
 #[test]

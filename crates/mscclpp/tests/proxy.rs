@@ -5,7 +5,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use common::harnesses;
 use common::suite::{Harness, T, run_threads};
@@ -54,16 +54,11 @@ fn config() -> ProxyConfig {
 
 /// Waits (bounded) until the flush pushed at `pos` is published.
 fn wait_flushed(proxy: &ProxyService, sem: SemaphoreId, pos: u64) {
-    let t0 = Instant::now();
-    loop {
-        let done = proxy.flush_done_pos(sem).unwrap();
-        if done > pos {
-            assert_ne!(done, u64::MAX, "the proxy released the flush at {pos} by failing: {:?}", proxy.status());
-            return;
-        }
-        assert!(t0.elapsed() < T, "the flush at position {pos} was not published (flushDonePos {done})");
-        std::thread::sleep(Duration::from_micros(50));
-    }
+    common::wait_until(&format!("the flush at position {pos} published"), T, || {
+        proxy.flush_done_pos(sem).unwrap() > pos
+    });
+    let done = proxy.flush_done_pos(sem).unwrap();
+    assert_ne!(done, u64::MAX, "the proxy released the flush at {pos} by failing: {:?}", proxy.status());
 }
 
 const PRODUCERS: u64 = 4;
@@ -176,11 +171,7 @@ fn bad_trigger_is_the_recorded_error() {
     for _ in 0..40 {
         producer.push(ProxyTrigger::flush(0).unwrap(), T).unwrap();
     }
-    let t0 = Instant::now();
-    while proxy.processed() < 42 {
-        assert!(t0.elapsed() < T, "triggers after the error were not drained");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    common::wait_until("the triggers after the error drained", T, || proxy.processed() >= 42);
     assert_eq!(proxy.fifo().proxy_error(), PROXY_FAILED);
     let e = proxy.status().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
@@ -193,11 +184,7 @@ fn bad_trigger_is_the_recorded_error() {
     let mut p2 = ProxyService::host_backed(config()).unwrap();
     p2.start().unwrap();
     p2.fifo().host_producer().unwrap().push(ProxyTrigger { fst: 77, snd: 2 << 50 }, T).unwrap();
-    let t0 = Instant::now();
-    while p2.status().is_ok() {
-        assert!(t0.elapsed() < T, "an undecodable trigger was not refused");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    common::wait_until("an undecodable trigger refused", T, || p2.status().is_err());
     let e = p2.stop().unwrap_err();
     assert!(e.to_string().contains("bad trigger"), "{e}");
 }
@@ -225,7 +212,10 @@ fn peer_gone(r: &Rank, h: &Harness) {
     while proxy.status().is_ok() {
         assert!(t0.elapsed() < T, "the proxy never noticed the peer was gone");
         last = producer.push(ProxyTrigger::put_with_signal_and_flush(sem.0, put).unwrap(), T).unwrap();
-        std::thread::sleep(Duration::from_millis(2));
+        // Each round ends with its flush: done (the peer was still there), or failed.
+        common::wait_until("the flush done or the proxy failed", T, || {
+            proxy.flush_done_pos(sem).unwrap() > last || proxy.status().is_err()
+        });
     }
     assert_eq!(proxy.fifo().proxy_error(), PROXY_FAILED);
     assert_eq!(proxy.flush_done_pos(sem).unwrap(), u64::MAX, "the pending flush at {last} is released");

@@ -3,14 +3,13 @@
 //! compiled kernels (compiled with NVRTC once per process and architecture, loaded once per GPU).
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
-use mscclpp::device::compile::{CompileOptions, KernelModule, Ptx, compile};
+use mscclpp::Result;
 use mscclpp::gpu::{Kernel, Stream};
-use mscclpp::{Error, Result};
 
+use crate::kernels::Kernels;
 use crate::types::DataType;
 
 /// The argument block of every two-level kernel (by value), fields in [`ARG_FIELDS`] order.
@@ -103,63 +102,10 @@ pub(crate) fn all_kernel_names() -> Vec<String> {
     v
 }
 
-/// The two-level kernels of one GPU, by name.
-#[derive(Debug)]
-pub(crate) struct HierKernels {
-    by_name: HashMap<String, Kernel>,
-    _module: KernelModule,
-}
-
-impl HierKernels {
-    pub(crate) fn get(&self, name: &str) -> Result<&Kernel> {
-        self.by_name.get(name).ok_or_else(|| Error::internal(format!("two-level kernel {name} was not loaded")))
-    }
-
-    /// Blocks of `threads` threads one SM holds of the heaviest kernel.
-    pub(crate) fn min_blocks_per_sm(&self, threads: u32) -> Result<u32> {
-        let mut m = u32::MAX;
-        for k in self.by_name.values() {
-            m = m.min(k.max_active_blocks_per_sm(threads, 0)?);
-        }
-        Ok(if m == u32::MAX { 0 } else { m })
-    }
-}
-
-/// The kernels for GPU `device`: compiled once per process and architecture, loaded once per
-/// GPU and shared by every rank of this process on it.
-pub(crate) fn kernels(device: u32) -> Result<Arc<HierKernels>> {
-    static LOADED: OnceLock<Mutex<HashMap<u32, Arc<HierKernels>>>> = OnceLock::new();
-    static COMPILED: OnceLock<Mutex<HashMap<String, Arc<Ptx>>>> = OnceLock::new();
-    let loaded = LOADED.get_or_init(Default::default);
-    let mut map = loaded.lock().map_err(|_| Error::internal("the two-level kernel cache lock is poisoned"))?;
-    if let Some(k) = map.get(&device) {
-        return Ok(k.clone());
-    }
-    let opts = CompileOptions::for_device(device).name("hier.cu");
-    let arch = opts.resolved_arch();
-    let ptx = {
-        let compiled = COMPILED.get_or_init(Default::default);
-        let mut c = compiled.lock().map_err(|_| Error::internal("the two-level PTX cache lock is poisoned"))?;
-        match c.get(&arch) {
-            Some(p) => p.clone(),
-            None => {
-                let t = std::time::Instant::now();
-                let p = Arc::new(compile(&source(), &opts).map_err(|e| e.during("compiling the two-level kernels"))?);
-                tracing::info!(target: "mscclpp::collectives", "compiled the two-level kernels for {arch} in {:?}", t.elapsed());
-                c.insert(arch, p.clone());
-                p
-            }
-        }
-    };
-    let module = KernelModule::load(device, &ptx)?;
-    let mut by_name = HashMap::new();
-    for name in all_kernel_names() {
-        let k = module.function(&name)?;
-        by_name.insert(name, k);
-    }
-    let k = Arc::new(HierKernels { by_name, _module: module });
-    map.insert(device, k.clone());
-    Ok(k)
+/// The two-level kernels for GPU `device` (compiled and loaded once per process, see
+/// [`crate::kernels::load`]).
+pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
+    crate::kernels::load("two-level", "hier.cu", device, source, all_kernel_names)
 }
 
 /// Launches `kernel` with `args`.

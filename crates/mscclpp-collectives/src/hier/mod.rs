@@ -28,11 +28,10 @@ pub mod schedule;
 mod kernels;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use mscclpp::device::{ProxyConfig, ProxyService};
-use mscclpp::gpu::{DeviceBuffer, PinnedBuffer, Stream, check_device_range};
+use mscclpp::gpu::{DeviceBuffer, Stream};
 use mscclpp::{
     Communicator, Device, EndpointConfig, Error, Host2DeviceSemaphore, MemoryChannel, MemoryDevice2DeviceSemaphore,
     Result, Transport, TransportFlags,
@@ -40,8 +39,10 @@ use mscclpp::{
 
 pub use schedule::{Layout, Topology};
 
+use crate::kernels::Kernels;
+use crate::status::{DeviceStatus, Reported};
 use crate::types::{Collective, DataType, ReduceOp};
-use kernels::{HierArgs, HierKernels, STATE_BYTES};
+use kernels::{HierArgs, STATE_BYTES};
 
 /// How a [`TwoLevel`] is built.
 #[derive(Clone, Debug)]
@@ -148,13 +149,12 @@ pub struct TwoLevel {
     layout: Layout,
     timeout: Duration,
     blocks: u32,
-    kernels: Arc<HierKernels>,
+    kernels: Arc<Kernels>,
     scratch: DeviceBuffer,
     handles: DeviceBuffer,
     state: DeviceBuffer,
     /// Page-locked: word 0 is the error the kernels report, word 1 the abort request.
-    host_words: PinnedBuffer,
-    failed: AtomicBool,
+    status: DeviceStatus,
     _mem_channels: Vec<MemoryChannel>,
     _port_channels: Vec<mscclpp::device::PortChannel>,
 }
@@ -280,7 +280,7 @@ impl TwoLevel {
         handles.write(0, &table)?;
         let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
         state.fill(0, STATE_BYTES, 0)?;
-        let host_words = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
+        let status = DeviceStatus::new(ctx, dev)?;
         // Nobody launches before every rank has its kernels loaded and its peers mapped.
         comm.bootstrap().barrier()?;
         tracing::debug!(target: "mscclpp::collectives", rank, nranks, ranks_per_node = lr, nodes = mr, inter = %inter_t, blocks, scratch = layout.total, "two-level collectives ready");
@@ -296,8 +296,7 @@ impl TwoLevel {
             scratch,
             handles,
             state,
-            host_words,
-            failed: AtomicBool::new(false),
+            status,
             _mem_channels: mem_channels,
             _port_channels: port_channels,
         })
@@ -334,26 +333,23 @@ impl TwoLevel {
     /// `Timeout` naming the rank that never arrived; `Remote` when the proxy failed (with its
     /// error) or after [`abort`](Self::abort) or an earlier failure.
     pub fn check(&self) -> Result<()> {
-        let mut w = [0u8; 8];
-        self.host_words.read(0, &mut w)?;
-        let code = u64::from_le_bytes(w);
-        if code == 0 {
-            if let Err(e) = self.proxy.status() {
-                self.failed.store(true, Ordering::Release);
-                return Err(e.during(format!("rank {}: the two-level proxy failed", self.rank)));
-            }
-            return if self.failed.load(Ordering::Acquire) {
-                Err(Error::remote(format!(
+        let reported = self.status.read()?;
+        if !matches!(reported, Reported::Error { .. })
+            && let Err(e) = self.proxy.status()
+        {
+            self.status.mark_failed();
+            return Err(e.during(format!("rank {}: the two-level proxy failed", self.rank)));
+        }
+        let (kind, peer, code) = match reported {
+            Reported::Clear => return Ok(()),
+            Reported::FailedBefore => {
+                return Err(Error::remote(format!(
                     "rank {}: the two-level collectives failed earlier and refuse further calls",
                     self.rank
-                )))
-            } else {
-                Ok(())
-            };
-        }
-        self.failed.store(true, Ordering::Release);
-        let kind = (code >> 48) & 0x7fff;
-        let peer = ((code >> 32) & 0xffff) as usize;
+                )));
+            }
+            Reported::Error { kind, peer, code } => (kind, peer, code),
+        };
         let r = self.rank;
         let e = match kind {
             ERR_TIMEOUT => {
@@ -397,8 +393,7 @@ impl TwoLevel {
     /// # Errors
     /// CUDA errors writing the request.
     pub fn abort(&self) -> Result<()> {
-        self.failed.store(true, Ordering::Release);
-        self.host_words.write(8, &1u64.to_le_bytes())
+        self.status.abort()
     }
 
     /// Waits (bounded) for `stream` to finish, then [`check`](Self::check)s.
@@ -430,37 +425,18 @@ impl TwoLevel {
         if nbytes == 0 {
             return Ok(());
         }
-        if stream.device() != self.device {
-            return Err(Error::invalid_usage(format!(
-                "{}: the stream is on GPU{}, the collectives on GPU{}",
-                what(),
-                stream.device(),
-                self.device
-            )));
-        }
-        let es = dtype.size() as u64;
-        for (ptr, len, name) in [(input, in_len, "input"), (output, out_len, "output")] {
-            if ptr % es != 0 {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the {name} pointer {ptr:#x} is not aligned to its {es}-byte elements",
-                    what()
-                )));
-            }
-            let g = check_device_range(ptr, len, name).map_err(|e| e.during(what()))?;
-            if g != self.device {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the {name} is on GPU{g}, the collectives on GPU{}",
-                    what(),
-                    self.device
-                )));
-            }
-        }
+        crate::comm::check_call(
+            self.device,
+            stream,
+            dtype,
+            [(input, in_len, "input"), (output, out_len, "output")],
+            &what,
+        )?;
         let (name, opcode) = match coll {
             Collective::AllReduce => (kernels::all_reduce_name(dtype), op.map_or(0, |o| o.code())),
             _ => (kernels::ALL_GATHER_NAME.to_string(), 0),
         };
-        let kernel = self.kernels.get(&name)?;
-        let words = self.host_words.as_ptr() as u64;
+        let kernel = self.kernels.named(&name)?;
         let l = &self.layout;
         let args = HierArgs {
             input,
@@ -477,8 +453,8 @@ impl TwoLevel {
             port: self.handles.device_ptr() + (self.topo.ranks_per_node() * MEM_HANDLE) as u64,
             scratch: self.scratch.device_ptr(),
             state: self.state.device_ptr(),
-            err: words,
-            abort: words + 8,
+            err: self.status.error_word(),
+            abort: self.status.abort_word(),
             timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX / 8).min(u64::MAX / 8),
             ar_round: l.ar_round,
             ag_round: l.ag_round,

@@ -17,6 +17,18 @@ Two ranks moving a tensor (run on both, ``rank`` 0 and 1, the same ``uid`` bytes
             conn.write(peer_mem, 0, mem, 0, mem.nbytes); conn.flush()
         comm.barrier()                                 # rank 1's t now holds rank 0's bytes
 
+Collectives on GPU tensors (torch, or anything with ``__cuda_array_interface__``), on the current
+stream and capturable in CUDA graphs once the first call (a collective call building the
+communicator's :class:`Collectives`) is made::
+
+    comm.all_reduce(t)                       # in place; also all_gather, reduce_scatter, broadcast
+
+MSCCL++ execution plans (the JSON its DSL writes) run unchanged through :class:`ExecutionPlan`
+and :class:`Executor` (``executor.execute(rank, send, recv, send_size, recv_size, dtype, plan,
+stream)``), as MSCCL++'s executor does.
+
+:mod:`mscclpp_rs.ext` offers MSCCL++'s ``AlgorithmCollectionBuilder`` / ``Algorithm.execute`` shape.
+
 Every call that waits releases the GIL. Errors are :class:`MscclppError` subclasses.
 """
 
@@ -35,6 +47,7 @@ from ._errors import (
     MscclppError,
     MscclppTimeoutError,
     NotAvailableError,
+    PlanError,
     RemoteError,
     SystemCallError,
 )
@@ -42,6 +55,7 @@ from ._native import (
     ABI_VERSION,
     HEADER_NAME,
     UNIQUE_ID_BYTES,
+    Collectives,
     Communicator,
     Connection,
     DeviceHandles,
@@ -60,6 +74,9 @@ from ._native import (
     write_header,
 )
 from ._types import ErrorKind, Transport
+from . import ext
+from .ext import DataType, ReduceOp
+from ._executor import ExecutionPlan, Executor, PacketType
 
 __version__: str = _native.__version__
 
@@ -68,11 +85,15 @@ __all__ = [
     "HEADER_NAME",
     "UNIQUE_ID_BYTES",
     "AbortedError",
+    "Collectives",
     "Communicator",
     "Connection",
     "CudaError",
+    "DataType",
     "DeviceHandles",
     "ErrorKind",
+    "ExecutionPlan",
+    "Executor",
     "Host2DeviceSemaphore",
     "Host2HostSemaphore",
     "IbError",
@@ -83,15 +104,19 @@ __all__ = [
     "MscclppError",
     "MscclppTimeoutError",
     "NotAvailableError",
+    "PacketType",
+    "PlanError",
     "PortChannel",
     "ProxyService",
     "Ptx",
+    "ReduceOp",
     "RegisteredMemory",
     "RemoteError",
     "SystemCallError",
     "Transport",
     "UniqueId",
     "compile_kernel",
+    "ext",
     "handle_sizes",
     "header_path",
     "header_source",

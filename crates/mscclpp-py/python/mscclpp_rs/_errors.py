@@ -23,6 +23,7 @@ __all__ = [
     "InternalError",
     "AbortedError",
     "NotAvailableError",
+    "PlanError",
 ]
 
 
@@ -71,3 +72,11 @@ class AbortedError(MscclppError):
 
 class NotAvailableError(MscclppError):
     """A feature or platform library (CUDA, libibverbs, NVRTC) is not available here."""
+
+
+class PlanError(InvalidUsageError):
+    """An execution plan that cannot be read, parsed, validated or run with the given sizes;
+    ``path`` is the JSON path of the offending field (``gpus[1].threadblocks[0].ops[3].src_buff[0]
+    .index``), or ``None`` when the error is not about one field (unreadable file, not JSON)."""
+
+    path: str | None = None

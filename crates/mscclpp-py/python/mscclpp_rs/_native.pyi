@@ -2,7 +2,7 @@
 
 from os import PathLike
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Literal, Sequence, TypeVar, Union, overload
 
 from typing_extensions import Self
 
@@ -16,6 +16,14 @@ ABI_VERSION: int
 # A Transport flag (or an OR of them), an int of flag bits, a name ("eth", "cuda-ipc", "ib0"),
 # or a list of those.
 TransportLike = Union[int, str, Sequence[Union[int, str]]]
+
+# A GPU tensor or array: a torch CUDA tensor or anything with __cuda_array_interface__.
+_T = TypeVar("_T")
+# A reduction: "sum", "prod", "min", "max", "avg" (any case), or an enum member with that name
+# (mscclpp_rs.ReduceOp, MSCCL++'s ReduceOp, torch.distributed.ReduceOp).
+OpLike = Any
+# A stream: an int cudaStream_t, or an object with .cuda_stream (torch) or .ptr (CuPy).
+StreamLike = Any
 
 class UniqueId:
     """What a job's ranks share to find each other (128 bytes; pickles as its bytes)."""
@@ -142,7 +150,82 @@ class Communicator:
     timeout: float
     """The bootstrap's wait limit in seconds (``float('inf')``: no limit); settable."""
     def barrier(self) -> None: ...
-    def all_gather(self, data: bytes) -> list[bytes]: ...
+    @overload
+    def all_gather(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        """Every rank's bytes, in rank order, through the bootstrap (GIL released)."""
+    @overload
+    def all_gather(
+        self,
+        data: _T,
+        out: _T | None = None,
+        *,
+        algorithm: str | None = None,
+        blocks: int | None = None,
+        threads: int | None = None,
+        stream: StreamLike | None = None,
+    ) -> _T:
+        """AllGather of a GPU tensor into ``out`` (``size`` x its elements, rank order; allocated
+        with torch when ``None``); returns ``out``. See ``all_reduce``."""
+    def all_reduce(
+        self,
+        tensor: _T,
+        op: OpLike = "sum",
+        out: _T | None = None,
+        *,
+        algorithm: str | None = None,
+        accumulate_f32: bool = False,
+        blocks: int | None = None,
+        threads: int | None = None,
+        stream: StreamLike | None = None,
+    ) -> _T:
+        """AllReduce of a GPU tensor (torch, or ``__cuda_array_interface__``), in place unless
+        ``out`` is given; returns the tensor written.
+
+        Contiguous f32/f16/bf16/i32/u32 only (``InvalidUsageError``, a ``ValueError``, otherwise).
+        Runs on ``stream``, else the array's own stream, else torch's current stream, else the
+        legacy default stream. The first tensor call builds the communicator's ``Collectives``: a
+        collective call every rank makes, before any CUDA-graph capture; later calls can be
+        captured. ``algorithm``: ``allpair``, ``packet``, ``simple`` or an MSCCL++ name."""
+    def reduce_scatter(
+        self,
+        tensor: _T,
+        out: _T | None = None,
+        op: OpLike = "sum",
+        *,
+        algorithm: str | None = None,
+        accumulate_f32: bool = False,
+        blocks: int | None = None,
+        threads: int | None = None,
+        stream: StreamLike | None = None,
+    ) -> _T:
+        """ReduceScatter: rank r gets the reduction of segment r of ``tensor`` in ``out``
+        (allocated with torch, first dimension / ``size``, when ``None``); returns ``out``."""
+    def broadcast(
+        self,
+        tensor: _T,
+        root: int = 0,
+        *,
+        algorithm: str | None = None,
+        blocks: int | None = None,
+        threads: int | None = None,
+        stream: StreamLike | None = None,
+    ) -> _T:
+        """Broadcast of ``root``'s tensor into every rank's ``tensor`` (in place); returns it."""
+    def collectives(
+        self,
+        *,
+        device: int | None = None,
+        timeout: float = 30.0,
+        tune: bool | None = None,
+        packet_bytes: int | None = None,
+        simple_bytes: int | None = None,
+    ) -> Collectives:
+        """The ``Collectives`` the tensor methods use, built on the first call with these settings
+        (a collective call; ``device`` defaults to torch's current device, else 0); later calls
+        return the same object and ignore the settings."""
+    @property
+    def has_collectives(self) -> bool:
+        """Whether ``collectives()`` was built."""
     def register(self, obj: Any, transports: TransportLike) -> RegisteredMemory:
         """Registers a CUDA tensor/array (``__cuda_array_interface__``, DLPack) or host memory
         (buffer protocol, DLPack); writable, C-contiguous, non-empty. Keeps ``obj`` alive."""
@@ -180,6 +263,131 @@ class Communicator:
     def closed(self) -> bool: ...
     def __enter__(self) -> Self: ...
     def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> bool: ...
+
+class Collectives:
+    """AllReduce, AllGather, ReduceScatter and Broadcast over a communicator's ranks (one host),
+    on raw device pointers and an int ``cudaStream_t`` (0: the legacy default stream).
+
+    Building is a collective call (every rank). Calls are asynchronous and capturable in CUDA
+    graphs; every rank makes the same calls in the same order. Every device wait is bounded by
+    ``timeout``: a rank that never arrives or makes a different call makes ``check()`` (or the next
+    call) raise naming it, and the object refuses further calls. Pointers must stay valid until
+    the stream passes the call (the driver-known size, device and alignment are checked)."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        device: int = 0,
+        timeout: float = 30.0,
+        tune: bool | None = None,
+        packet_bytes: int | None = None,
+        simple_bytes: int | None = None,
+    ) -> None: ...
+    def all_reduce(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: str,
+        op: str = "sum",
+        stream: int = 0,
+        *,
+        algorithm: str | None = None,
+        blocks: int | None = None,
+        threads: int | None = None,
+        accumulate_f32: bool = False,
+    ) -> None:
+        """``count`` elements of ``dtype`` (``f32``, ``f16``, ``bf16``, ``i32``, ``u32`` or their long
+        names) from ``send`` into ``recv`` (equal: in place)."""
+    def all_gather(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: str,
+        stream: int = 0,
+        *,
+        algorithm: str | None = None,
+        blocks: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        """``count`` elements per rank into ``recv`` (``size`` x ``count``, rank order)."""
+    def reduce_scatter(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: str,
+        op: str = "sum",
+        stream: int = 0,
+        *,
+        algorithm: str | None = None,
+        blocks: int | None = None,
+        threads: int | None = None,
+        accumulate_f32: bool = False,
+    ) -> None:
+        """``send`` holds ``size`` x ``count`` elements; rank r gets segment r's reduction."""
+    def broadcast(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: str,
+        root: int = 0,
+        stream: int = 0,
+        *,
+        algorithm: str | None = None,
+        blocks: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        """``root``'s ``send`` into every rank's ``recv`` (``send`` read on the root only)."""
+    def check(self) -> None:
+        """Raises the error a kernel of this rank reported, if any (does not wait)."""
+    def synchronize(self, stream: int = 0, timeout: float = 30.0) -> None:
+        """Waits (GIL released, bounded) for ``stream``, then ``check()``."""
+    def abort(self) -> None:
+        """Makes running and future kernels of this rank stop waiting and fail."""
+    def plan(
+        self,
+        collective: Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"] | str,
+        nbytes: int,
+        *,
+        algorithm: str | None = None,
+        blocks: int | None = None,
+        threads: int | None = None,
+    ) -> tuple[str, int, int]:
+        """``(algorithm, blocks, threads)`` a call of ``nbytes`` (one rank's buffer; one segment
+        for AllGather/ReduceScatter) would run."""
+    @property
+    def tuning(self) -> list[tuple[int, str, int, int, float]] | None:
+        """``[(bytes, algorithm, blocks, threads, microseconds)]`` chosen by setup-time tuning."""
+    @property
+    def failed(self) -> bool: ...
+    @property
+    def scratch_bytes(self) -> int: ...
+    @property
+    def max_blocks(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def device(self) -> int: ...
+    @property
+    def timeout(self) -> float: ...
+
+def pointer_device(ptr: int, nbytes: int = 1) -> int:
+    """The GPU holding ``nbytes`` from ``ptr``; ``InvalidUsageError`` when it is not device memory."""
+
+def parse_dtype(name: str) -> str:
+    """The canonical dtype name (``f32``, ``f16``, ``bf16``, ``i32``, ``u32``)."""
+
+def parse_op(name: str) -> str:
+    """The canonical reduction name (``sum``, ``prod``, ``min``, ``max``, ``avg``)."""
+
+def parse_algorithm(name: str) -> str:
+    """The algorithm (``allpair``, ``packet``, ``simple``) a name selects."""
 
 class MemoryDevice2DeviceSemaphore:
     """Signalled and waited on by kernels on both GPUs (CUDA IPC); MemoryChannels share it."""
@@ -284,3 +492,60 @@ def compile_kernel(
     name: str | None = None,
 ) -> Ptx:
     """NVRTC compile (GIL released); ``#include "mscclpp_rs/device.cuh"`` works without ``-I``."""
+
+class ExecutionPlan:
+    """An MSCCL++ execution plan, loaded and validated (``PlanError`` names the bad field)."""
+
+    def __init__(self, path: str | PathLike[str]) -> None: ...
+    @staticmethod
+    def from_json(text: str) -> ExecutionPlan: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def collective(self) -> str: ...
+    @property
+    def protocol(self) -> str: ...
+    @property
+    def inplace(self) -> bool: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def min_message_size(self) -> int: ...
+    @property
+    def max_message_size(self) -> int: ...
+    @property
+    def num_threads_per_block(self) -> int: ...
+    def summary(self) -> str: ...
+    def to_json(self) -> str: ...
+
+class Executor:
+    """Runs execution plans on raw device pointers and an int ``cudaStream_t``
+    (``mscclpp_rs.Executor`` takes tensors and torch streams)."""
+
+    def __init__(
+        self, comm: Communicator, *, device: int = 0, timeout: float = 30.0, port_transport: str = "cuda_ipc"
+    ) -> None: ...
+    def execute(
+        self,
+        rank: int,
+        send: int,
+        recv: int,
+        send_size: int,
+        recv_size: int,
+        dtype: str,
+        plan: ExecutionPlan,
+        stream: int = 0,
+        packet_type: str = "LL16",
+    ) -> None: ...
+    def prepare(self, rank: int, send: int, recv: int, send_size: int, recv_size: int, plan: ExecutionPlan) -> None: ...
+    def check(self) -> None: ...
+    def synchronize(self, stream: int = 0, timeout: float = 30.0) -> None: ...
+    def abort(self) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def device(self) -> int: ...
+    @property
+    def timeout(self) -> float: ...
+
+def generate_plan(algorithm: str, ranks: int, protocol: str = "LL", inplace: bool = False) -> str: ...

@@ -16,8 +16,8 @@
 // Memory orderings (the PTX each method emits):
 //   FIFO push:   head: atom.relaxed.gpu.add; full check against tailCache (plain, may be stale);
 //                when full, wait for the slot: ld.acquire.gpu of tailCache with nanosleep
-//                backoff, ld.acquire.sys of tail only by the next waiters in line (or when
-//                tailCache stood still), who raise tailCache with red.release.gpu.max (every
+//                backoff, ld.acquire.sys of tail only by the head of the line (the waiter
+//                for tailCache; the next few in line after a stagger of stillness), who raise tailCache with red.release.gpu.max (every
 //                tailCache update is that red.max, so it never goes back); trigger: one 16-byte
 //                st.global.release.sys.v2.u64 {fst, snd} with the lap-parity bit 63 of snd set to
 //                ((pos >> sizeShift) & 1) ^ 1 (lap 0 writes 1, so a zeroed ring reads empty).
@@ -216,8 +216,8 @@ MSCCLPP_RS_DEVICE bool expired(u64 start, u64 timeout_ns) { return globaltimer()
 #endif  // MSCCLPP_RS_DEVICE_COMPILE
 
 // How `push` waits for a free slot (see `FifoDeviceHandle::wait_popped`); a kernel may define
-// them before the include. Only the waiters within LEAD slots of `tailCache` poll the host's
-// `tail`; the others sleep about NS_PER_SLOT ns per slot ahead of them, at most MAX_NS. Keep
+// them before the include. Only the waiter for `tailCache` polls the host's `tail` (the next
+// LEAD - 1 in line take over after LEAD_STAGGER_NS per place of stillness); the others sleep about NS_PER_SLOT ns per slot ahead of them, at most MAX_NS. Keep
 // NS_PER_SLOT below the time the proxy takes per pop, so that a waiter does not oversleep its
 // turn, and MAX_NS long when many producers wait (tens of thousands): with a short cap every
 // far-back waiter wakes often to read `tailCache`, and those loads of one line starve the pushes
@@ -231,6 +231,9 @@ MSCCLPP_RS_DEVICE bool expired(u64 start, u64 timeout_ns) { return globaltimer()
 #endif
 #ifndef MSCCLPP_RS_FIFO_WAIT_MAX_NS
 #define MSCCLPP_RS_FIFO_WAIT_MAX_NS 1000000
+#endif
+#ifndef MSCCLPP_RS_FIFO_WAIT_LEAD_STAGGER_NS
+#define MSCCLPP_RS_FIFO_WAIT_LEAD_STAGGER_NS 2000
 #endif
 
 /// The device side of a FIFO: a ring of `size` triggers in mapped host memory, `head` and
@@ -335,38 +338,61 @@ struct FifoDeviceHandle {
  private:
   /// `push`'s wait for a free slot: until the proxy has popped position `p` (traps after
   /// `maxSpinCount` rounds). With thousands of producers on a full ring, each polling `tail`
-  /// across PCIe would flood the link and the proxy's cache line (MSCCL++ does that; see
-  /// docs/performance.md for what it costs). Here waiters read `tailCache` in device memory;
-  /// only the next ones in line (within `kLead` slots of it), or a waiter that saw it stand still
-  /// over a whole sleep, read `tail` and raise `tailCache` (release, so readers of the cache
-  /// acquire the proxy's pop). Others sleep about `kSleepPerSlot` ns per slot ahead of them, at
-  /// most `kMaxSleep`. Waiters' positions are contiguous (each reserved one is waited on), so
-  /// after the leaders' last raise the next waiter is within reach of `tailCache` again.
+  /// across PCIe floods the link and the proxy's cache line (MSCCL++ does that; see
+  /// docs/performance.md for what it costs). Here waiters read `tailCache` in device memory and
+  /// at most one of them reads `tail` at a time in the steady state: the head of the line (the
+  /// waiter for `p == tailCache`), which raises `tailCache` (release, so readers of the cache
+  /// acquire the proxy's pop) for everyone. The next `kLead - 1` waiters in line take over, one
+  /// by one, only when `tailCache` has stood still for `kLeadStaggerNs` per place behind the
+  /// head (the head may be asleep or not yet arrived); the others never read `tail` and sleep
+  /// about `kSleepPerSlot` ns per slot ahead of them, at most `kMaxSleep`.
+  ///
+  /// Why the earlier rule ("also poll `tail` when `tailCache` stood still over a whole sleep")
+  /// collapsed under slow triggers (issue 25: puts to 4 peers, 150,000/s with one producer,
+  /// 3,200/s with 132, 280/s with 33,792): a put keeps the proxy several microseconds, so every
+  /// waiter whose sleep is shorter than that (all within ~100 slots; all of them once the proxy
+  /// slows further) found the cache unchanged and read `tail` across PCIe, and those reads,
+  /// queued on one host cache line, slow the proxy's own copy submissions (the GPU fetches its
+  /// command buffers over the same link), which slows the pops further.
+  ///
+  /// Liveness: positions are reserved contiguously and each reserved one is either above the
+  /// cache when its producer looks (it waits here) or below it, so while anyone waits the
+  /// waiter for `tailCache` exists or is about to (between its fetch-add and its check) or
+  /// sleeps at most `kMaxSleep`; a later waiter within `kLead` takes over meanwhile.
   MSCCLPP_RS_DEVICE void wait_popped(u64 p, i64 maxSpinCount) {
     constexpr u64 kLead = MSCCLPP_RS_FIFO_WAIT_LEAD;
     constexpr u64 kSleepPerSlot = MSCCLPP_RS_FIFO_WAIT_NS_PER_SLOT;
     constexpr u64 kMaxSleep = MSCCLPP_RS_FIFO_WAIT_MAX_NS;
+    constexpr u64 kLeadStaggerNs = MSCCLPP_RS_FIFO_WAIT_LEAD_STAGGER_NS;
     i64 spins = 0;
     // Acquire (both loads of tailCache): pairs with the red.release.gpu.max of the producer that
     // raised it, which had acquired `tail`: the proxy's pop happens before this slot's rewrite.
     u64 seen = detail::load_acquire_gpu(tailCache);
+    u64 since = detail::globaltimer();
     for (;;) {
       u64 t = detail::load_acquire_gpu(tailCache);
       if (p < t) return;
-      if (t == seen || p - t < kLead) {
+      u64 ahead = p - t;
+      if (t != seen) {
+        seen = t;
+        since = detail::globaltimer();
+      }
+      if (ahead == 0 || (ahead < kLead && detail::globaltimer() - since >= ahead * kLeadStaggerNs)) {
         // Acquire: pairs with the proxy's release store of `tail` (Rust: `Fifo::pop`/`pop_to`).
         u64 h = detail::load_acquire_sys(tail);
         if (h > t) {
           // Release: pairs with the ld.acquire.gpu loads of tailCache above, in other waiters.
           detail::red_max_release_gpu(tailCache, h);
-          t = h;
-          if (p < t) return;
+          if (p < h) return;
+          continue;
         }
+        // A stand-in found nothing new: it waits out its stagger again before the next read.
+        if (ahead > 0) since = detail::globaltimer();
       }
-      seen = t;
       detail::spin_check(spins, maxSpinCount);
-      u64 ahead = p - t;
-      if (ahead >= kLead) detail::nanosleep((unsigned int)(ahead * kSleepPerSlot < kMaxSleep ? ahead * kSleepPerSlot : kMaxSleep));
+      if (ahead > 0) {
+        detail::nanosleep((unsigned int)(ahead * kSleepPerSlot < kMaxSleep ? ahead * kSleepPerSlot : kMaxSleep));
+      }
     }
   }
 

@@ -130,36 +130,78 @@ impl CudaIpcConnection {
         }
     }
 
-    /// Enqueues one operation with `op`, first waiting (lock released) while
+    /// Enqueues one operation with `op`, first waiting (locks released) while
     /// `max_write_queue_size` operations are in flight.
+    ///
+    /// The wait is for the oldest completion mark (an event recorded behind the operations its
+    /// ticket counts), not for the whole stream to drain: a mark is recorded every half queue,
+    /// so at the bound the copy engine still has about half a queue of work while the caller
+    /// waits for the first half to finish. (Draining the stream at every bound, as before,
+    /// stalled a proxy for the latency of the whole queue every `max_write_queue_size`
+    /// operations and left the copy engine idle meanwhile.)
     fn issue(&self, op: impl FnOnce(&Self, &mut IpcState) -> Result<()>) -> Result<()> {
         self.check_failed()?;
+        // Lock order: marks, then state (as `progress`).
+        let mut m = lock(&self.marks);
         let mut st = lock(&self.state);
         let deadline = Deadline::after(QUEUE_WAIT);
         while !st.core.can_issue() {
-            let t = st.core.begin_flush();
+            let Some((t, ev)) = m.pending.pop_front() else {
+                // No mark yet: one behind everything enqueued so far.
+                let ev = match m.spare.pop() {
+                    Some(e) => e,
+                    None => self.record(Event::new(&self.dev))?,
+                };
+                let t = st.core.begin_flush();
+                self.record(self.stream.record(&ev))?;
+                m.pending.push_back((t, ev));
+                continue;
+            };
             drop(st);
-            let idle = self.record(self.stream.wait_idle(deadline.remaining()))?;
+            drop(m);
+            let done = self.record(ev.wait(deadline.remaining()));
+            m = lock(&self.marks);
             st = lock(&self.state);
-            if idle {
-                st.core.flush_done(t);
-            } else if deadline.expired() {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "the write queue toward {} stayed full ({} operations in flight on GPU{}'s stream, \
-                         max_write_queue_size {}) for {QUEUE_WAIT:?}",
-                        self.peer_desc,
-                        st.core.outstanding(),
-                        self.dev.ordinal,
-                        st.core.max_queue()
-                    ),
-                ));
+            match done {
+                Ok(true) => {
+                    st.core.flush_done(t);
+                    m.spare.push(ev);
+                }
+                Ok(false) | Err(_) => {
+                    m.pending.push_front((t, ev));
+                    done?;
+                    if deadline.expired() {
+                        return Err(Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "the write queue toward {} stayed full ({} operations in flight on GPU{}'s \
+                                 stream, max_write_queue_size {}) for {QUEUE_WAIT:?}",
+                                self.peer_desc,
+                                st.core.outstanding(),
+                                self.dev.ordinal,
+                                st.core.max_queue()
+                            ),
+                        ));
+                    }
+                }
             }
         }
         let r = op(self, &mut st);
         if r.is_ok() {
             st.core.on_issued();
+            if st.core.wants_mark()
+                && m.pending.back().is_none_or(|(t, _)| t.issued() + st.core.mark_every() <= st.core.issued())
+            {
+                let ev = match m.spare.pop() {
+                    Some(e) => e,
+                    None => self.record(Event::new(&self.dev))?,
+                };
+                // Under both locks nothing is enqueued meanwhile: the event follows exactly the
+                // operations the ticket counts.
+                let t = st.core.begin_flush();
+                self.record(self.stream.record(&ev))?;
+                m.pending.push_back((t, ev));
+            }
         }
         self.record(r)
     }

@@ -15,10 +15,13 @@
 //! # Ok::<(), mscclpp::Error>(())
 //! ```
 //! Kernels are found by their PTX entry names, so declare them `extern "C"`.
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::header::{DEVICE_HEADER, HEADER_NAME};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::platform::cuda::module::{self, Module};
 use crate::platform::cuda::nvrtc;
 
@@ -162,6 +165,64 @@ pub fn compile(src: &str, opts: &CompileOptions) -> Result<Ptx> {
 /// `NotAvailable` when it is not found.
 pub fn nvrtc_info() -> Result<(String, (i32, i32))> {
     nvrtc::info()
+}
+
+/// `ptxas`, to see what NVRTC's PTX assembles to (registers, stack, spills) without a GPU:
+/// `MSCCLPP_PTXAS`, next to the NVRTC in use (`../bin/ptxas`, as in the pip wheels and the
+/// toolkit), `$CUDA_PATH/bin`, `/usr/local/cuda/bin`, else `ptxas` on `PATH`; `None` without one.
+pub fn ptxas_path() -> Option<PathBuf> {
+    let mut c: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("MSCCLPP_PTXAS") {
+        c.push(PathBuf::from(p));
+    }
+    if let Some(dir) = nvrtc_info().ok().and_then(|(p, _)| Path::new(&p).parent().map(Path::to_path_buf)) {
+        c.push(dir.join("../bin/ptxas"));
+    }
+    if let Some(p) = std::env::var_os("CUDA_PATH") {
+        c.push(PathBuf::from(p).join("bin/ptxas"));
+    }
+    c.push(PathBuf::from("/usr/local/cuda/bin/ptxas"));
+    if let Some(found) = c.into_iter().find(|p| p.is_file()) {
+        return Some(found);
+    }
+    let on_path = Command::new("ptxas").arg("--version").output().is_ok_and(|o| o.status.success());
+    on_path.then(|| PathBuf::from("ptxas"))
+}
+
+/// Assembles `ptx` for `sm` (`"sm_90"`) with `ptxas -v` (found by [`ptxas_path`]) in a scratch
+/// folder and returns ptxas's report: per entry, its registers, stack frame and spills.
+///
+/// # Errors
+/// `NotAvailable` without ptxas; `InvalidUsage` with ptxas's messages when it refuses the PTX or
+/// writes no code; `Io` for the scratch files.
+pub fn assemble(ptx: &str, sm: &str) -> Result<String> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let ptxas = ptxas_path().ok_or_else(|| {
+        Error::new(ErrorKind::NotAvailable, "no ptxas found (MSCCLPP_PTXAS, next to NVRTC, $CUDA_PATH, PATH)")
+    })?;
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("mscclpp-ptxas-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let (src, out) = (dir.join("k.ptx"), dir.join("k.cubin"));
+    let run = || -> Result<String> {
+        std::fs::write(&src, ptx).map_err(|e| Error::io(format!("writing {}", src.display()), e))?;
+        let r = Command::new(&ptxas)
+            .args([format!("-arch={sm}").as_str(), "-v", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .output()
+            .map_err(|e| Error::io(format!("running {}", ptxas.display()), e))?;
+        let report = String::from_utf8_lossy(&r.stderr).into_owned();
+        let wrote = std::fs::metadata(&out).is_ok_and(|m| m.len() > 0);
+        if !r.status.success() || !wrote {
+            return Err(Error::invalid_usage(format!("{} for {sm} failed:\n{report}", ptxas.display())));
+        }
+        Ok(report)
+    };
+    let res = run();
+    // Best effort: a leftover scratch folder is harmless.
+    let _ = std::fs::remove_dir_all(&dir);
+    res
 }
 
 /// A PTX module loaded on one GPU, every kernel resolved at load (nothing loads lazily later).

@@ -380,6 +380,9 @@ mod tests {
         let start = f.tail();
         std::thread::scope(|s| {
             let h = s.spawn(|| p.push(trig(next, next), T).unwrap());
+            // The wait is the thing under test: the push has no event that says "blocked", so
+            // give it 20 ms in which it must not finish. A slow machine can only make this pass
+            // without having tested much, never fail a correct FIFO.
             std::thread::sleep(Duration::from_millis(20));
             assert!(!h.is_finished(), "the ninth push waits for a free slot");
             assert!((0..8).all(|k| f.poll_at(start + k).is_some()));

@@ -5,7 +5,12 @@ use std::ffi::c_void;
 
 use mscclpp::device::compile::{CompileOptions, Kernel, KernelModule, compile};
 use mscclpp::gpu::Stream;
-use mscclpp::{Context, DeviceBuffer, TransportFlags};
+use std::sync::Arc;
+
+use mscclpp::{
+    Bootstrap, Communicator, Connection, Context, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory,
+    TransportFlags,
+};
 
 /// `source`'s kernels, compiled by NVRTC and loaded on `device`.
 pub fn module(source: &str, device: u32) -> KernelModule {
@@ -50,4 +55,33 @@ pub fn read(b: &DeviceBuffer, i: usize) -> u64 {
 pub fn gpu_for(rank: usize) -> u32 {
     let n = mscclpp::gpu::device_count().expect("CUDA device count");
     (rank % n) as u32
+}
+
+/// Two ranks, this one and `1 - rank`, joined over `cfg`: a connection, a zeroed GPU buffer of
+/// `len` bytes each (on `cfg`'s GPU, else on this rank's) registered for `cfg`'s transport and
+/// exchanged, and a host-to-device semaphore; ready once the barrier at the end returns.
+pub struct Pair {
+    pub bs: Arc<dyn Bootstrap>,
+    pub comm: Communicator,
+    pub conn: Connection,
+    pub local: DeviceBuffer,
+    pub remote: RegisteredMemory,
+    pub sem: Host2DeviceSemaphore,
+}
+
+/// See [`Pair`].
+pub fn pair(bs: Arc<dyn Bootstrap>, rank: usize, cfg: EndpointConfig, len: usize) -> Pair {
+    let comm = Communicator::new(bs.clone());
+    let peer = 1 - rank;
+    let dev = cfg.device.gpu_index().unwrap_or_else(|| gpu_for(rank));
+    let local = DeviceBuffer::new(comm.context(), dev, len, cfg.transport.into()).unwrap();
+    local.fill(0, len, 0).unwrap();
+    let pc = comm.connect(&cfg, peer, 0).unwrap();
+    comm.send_memory(local.memory(), peer, 1).unwrap();
+    let pm = comm.recv_memory(peer, 1).unwrap();
+    let conn = pc.wait().unwrap();
+    let remote = pm.wait().unwrap();
+    let sem = Host2DeviceSemaphore::new(comm.build_semaphore(&conn, peer, 2).unwrap().wait().unwrap()).unwrap();
+    bs.barrier().unwrap();
+    Pair { bs, comm, conn, local, remote, sem }
 }

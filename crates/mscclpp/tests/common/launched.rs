@@ -82,26 +82,9 @@ pub fn mesh_with(info: &LaunchInfo, slot: usize, timeout: Duration, cfg: &Endpoi
     assert_eq!((rank, n), (info.rank, info.size));
     let comm = Communicator::new(bs.clone());
     let buf = Buffer::new(comm.context(), slot * n, Transport::Ethernet.into()).unwrap();
-    let peers: Vec<usize> = (0..n).filter(|p| *p != rank).collect();
-    let pc: Vec<_> = peers.iter().map(|&p| (p, comm.connect(cfg, p, 0).unwrap())).collect();
-    for &p in &peers {
-        comm.send_memory(buf.memory(), p, 1).unwrap();
-    }
-    let pm: Vec<_> = peers.iter().map(|&p| (p, comm.recv_memory(p, 1).unwrap())).collect();
-    let mut conns: Vec<Option<Connection>> = (0..n).map(|_| None).collect();
-    for (p, c) in pc {
-        conns[p] = Some(c.wait().unwrap_or_else(|e| panic!("rank {rank}: connection to rank {p}: {e}")));
-    }
-    let mut remote: Vec<Option<RegisteredMemory>> = vec![None; n];
-    for (p, m) in pm {
-        remote[p] = Some(m.wait().unwrap());
-    }
-    let ps: Vec<_> =
-        peers.iter().map(|&p| (p, comm.build_semaphore(conns[p].as_ref().unwrap(), p, 2).unwrap())).collect();
-    let mut sems: Vec<Option<Host2HostSemaphore>> = (0..n).map(|_| None).collect();
-    for (p, s) in ps {
-        sems[p] = Some(Host2HostSemaphore::new(s.wait().unwrap()).unwrap());
-    }
+    // (A sibling of `common` in the binaries that include it: they all have `mod common`.)
+    let crate::common::Links { conns, remote, sems } =
+        crate::common::connect_all(&comm, rank, n, cfg, buf.memory(), |s| Host2HostSemaphore::new(s).unwrap());
     bs.barrier().unwrap();
     Mesh { bs, listen, comm, buf, conns, remote, sems }
 }

@@ -11,12 +11,15 @@
 
 pub mod gpu;
 pub mod harnesses;
+pub mod ptx;
 pub mod suite;
 
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use mscclpp::{RootServer, TcpBootstrap, UniqueId};
+use mscclpp::{
+    Communicator, Connection, EndpointConfig, RegisteredMemory, RootServer, Semaphore, TcpBootstrap, UniqueId,
+};
 
 /// What a child rank knows about itself.
 pub struct Rank {
@@ -60,6 +63,24 @@ impl Job {
             }
         }
         assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
+    /// Asserts that rank `rank` succeeded (the others may have been killed or stopped on
+    /// purpose), with its output when it did not; returns its stdout.
+    pub fn assert_rank_success(&self, rank: usize) -> String {
+        let Some((_, o)) = self.outputs.iter().find(|(r, _)| *r == rank) else { panic!("no rank {rank} in the job") };
+        let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "rank {rank} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}", o.status);
+        stdout.into_owned()
+    }
+
+    /// Prints every rank's `RESULT` lines, so that the runner's summary shows them.
+    pub fn relay_results(&self) {
+        for (r, _) in &self.outputs {
+            for l in self.stdout(*r).lines().filter(|l| l.starts_with("RESULT")) {
+                println!("rank {r}: {l}");
+            }
+        }
     }
 
     /// A rank's stdout.
@@ -136,15 +157,13 @@ pub fn spawn_limited(
         waiters.push((r, pid, ch, so, se));
     }
     for (r, _pid, mut ch, so, se) in waiters {
-        let status = loop {
-            if let Some(s) = ch.try_wait().expect("try_wait") {
-                break s;
-            }
-            if Instant::now() >= deadline {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let status = match mscclpp::bench::wait_exit(&mut ch, left).expect("wait for a rank") {
+            Some(s) => s,
+            None => {
                 let _ = ch.kill();
-                break ch.wait().expect("wait");
+                ch.wait().expect("wait")
             }
-            std::thread::sleep(Duration::from_millis(10));
         };
         let stdout = so.join().unwrap_or_default();
         let stderr = se.join().unwrap_or_default();
@@ -160,6 +179,61 @@ fn read_all<R: std::io::Read>(r: Option<R>) -> Vec<u8> {
         let _ = r.read_to_end(&mut v);
     }
     v
+}
+
+/// Kills this process with SIGKILL, as a crashed rank dies: no destructors run and no socket says
+/// goodbye. SIGKILL cannot be blocked, so it is delivered before `kill(2)` returns.
+pub fn die() -> ! {
+    // SAFETY: kill(2) takes a pid and a signal number; no memory is passed.
+    unsafe { nix::libc::kill(nix::libc::getpid(), nix::libc::SIGKILL) };
+    unreachable!("SIGKILL sent to this process did not end it")
+}
+
+/// Waits until `ready` holds, failing the test after `limit` with `what` (for conditions with
+/// nothing to block on: counters, tokens, `/proc` files; polled with the library's backoff).
+pub fn wait_until(what: &str, limit: Duration, ready: impl FnMut() -> bool) {
+    assert!(mscclpp::bench::wait_until(limit, ready), "{what}: not within {limit:?}");
+}
+
+/// This rank's links to every other rank of `n`, indexed by peer (`None` at this rank).
+pub struct Links<S> {
+    pub conns: Vec<Option<Connection>>,
+    pub remote: Vec<Option<RegisteredMemory>>,
+    pub sems: Vec<Option<S>>,
+}
+
+/// Joins every pair: a connection over `cfg` to each peer, `local` sent to each and each peer's
+/// memory received, and a semaphore on each connection, made by `sem`. Issues every exchange
+/// before waiting on any (the peers do the same).
+pub fn connect_all<S>(
+    comm: &Communicator,
+    rank: usize,
+    n: usize,
+    cfg: &EndpointConfig,
+    local: &RegisteredMemory,
+    sem: impl Fn(Semaphore) -> S,
+) -> Links<S> {
+    let peers: Vec<usize> = (0..n).filter(|p| *p != rank).collect();
+    let pc: Vec<_> = peers.iter().map(|&p| (p, comm.connect(cfg, p, 0).unwrap())).collect();
+    for &p in &peers {
+        comm.send_memory(local, p, 1).unwrap();
+    }
+    let pm: Vec<_> = peers.iter().map(|&p| (p, comm.recv_memory(p, 1).unwrap())).collect();
+    let mut conns: Vec<Option<Connection>> = (0..n).map(|_| None).collect();
+    for (p, c) in pc {
+        conns[p] = Some(c.wait().unwrap_or_else(|e| panic!("rank {rank}: connection to rank {p}: {e}")));
+    }
+    let mut remote: Vec<Option<RegisteredMemory>> = vec![None; n];
+    for (p, m) in pm {
+        remote[p] = Some(m.wait().unwrap());
+    }
+    let ps: Vec<_> =
+        peers.iter().map(|&p| (p, comm.build_semaphore(conns[p].as_ref().unwrap(), p, 2).unwrap())).collect();
+    let mut sems: Vec<Option<S>> = (0..n).map(|_| None).collect();
+    for (p, s) in ps {
+        sems[p] = Some(sem(s.wait().unwrap()));
+    }
+    Links { conns, remote, sems }
 }
 
 /// Starts all `size` ranks of test `name`.

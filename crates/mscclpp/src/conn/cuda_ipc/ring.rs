@@ -96,6 +96,18 @@ impl IpcCore {
         self.issued += 1;
     }
 
+    /// Operations between two completion marks (events the shell records so that a full queue
+    /// waits for its oldest half rather than for the whole stream): half the queue, at least 1.
+    pub(crate) fn mark_every(&self) -> u64 {
+        (self.max_queue as u64 / 2).max(1)
+    }
+
+    /// Whether the operation just issued ends a stretch of [`mark_every`](Self::mark_every)
+    /// operations since the last proven completion.
+    pub(crate) fn wants_mark(&self) -> bool {
+        self.outstanding() >= self.mark_every()
+    }
+
     /// A flush begins now.
     pub(crate) fn begin_flush(&self) -> FlushTicket {
         FlushTicket { issued: self.issued, handed_out: self.next, hand_outs: self.hand_outs }

@@ -141,11 +141,13 @@ impl ConnectionHandler {
             Request::Ops { sem_id, put, signal, flush } => {
                 let ci = self.sem(sem_id)?.conn;
                 if let Some(p) = put {
-                    let dst = self.memory(p.dst_mem, "destination")?.clone();
-                    let src = self.memory(p.src_mem, "source")?.clone();
+                    // Checked before waiting for room, used by reference after (no clones: the
+                    // per-trigger work allocates nothing and touches no reference count).
+                    self.memory(p.dst_mem, "destination")?;
+                    self.memory(p.src_mem, "source")?;
                     self.make_room(ci, cx)?;
-                    let conn = &self.conns[ci].conn;
-                    conn.write(&dst, p.dst_off as u64, &src, p.src_off as u64, p.size as u64)?;
+                    let (dst, src) = (&self.memories[p.dst_mem as usize], &self.memories[p.src_mem as usize]);
+                    self.conns[ci].conn.write(dst, p.dst_off as u64, src, p.src_off as u64, p.size as u64)?;
                 }
                 if signal {
                     self.make_room(ci, cx)?;
@@ -167,9 +169,9 @@ impl ConnectionHandler {
                          (atom/red .sys on the CUDA IPC-mapped pointer)",
                     ));
                 }
-                let dst = self.memory(dst_mem, "destination")?.clone();
+                self.memory(dst_mem, "destination")?;
                 self.make_room(ci, cx)?;
-                conn.atomic_add(&dst, dst_off as u64, value)
+                conn.atomic_add(&self.memories[dst_mem as usize], dst_off as u64, value)
             }
         }
     }
@@ -599,5 +601,223 @@ mod tests {
         assert_eq!(r.flush_done(), u64::MAX);
         assert_eq!(r.ops().last(), Some(&Op::Flush), "outstanding operations flushed at the end");
         assert!(r.runner.sh_status().is_ok());
+    }
+}
+
+/// The host cost of the proxy's trigger path, without a GPU: host producer threads push into a
+/// host-backed FIFO, a proxy thread runs the built-in handler on counting in-memory connections
+/// (one per peer), and the rate is set beside one host thread issuing the same connection calls
+/// directly. Run with
+/// `cargo test --release -p mscclpp --lib proxy_host_path_throughput -- --ignored --nocapture`.
+#[cfg(test)]
+mod bench {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+
+    use super::super::runner::{Proxy, ProxyOptions};
+    use super::*;
+    use crate::buffer::Buffer;
+    use crate::conn::{ConnInner, ConnectionImpl, Progress};
+    use crate::context::Context;
+    use crate::device::fifo::Fifo;
+    use crate::device::trigger::Put;
+    use crate::platform::hostmem::HostAlloc;
+    use crate::semaphore::{Semaphore, SemaphoreStub};
+    use crate::transport::{Device, TransportFlags};
+
+    /// Counts operations; everything completes at once (the cost measured is the proxy's).
+    struct Counting(Arc<AtomicU64>);
+
+    impl ConnectionImpl for Counting {
+        fn write(&self, _: &RegisteredMemory, _: u64, _: &RegisteredMemory, _: u64, _: u64) -> Result<()> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn update_and_sync(&self, _: &RegisteredMemory, _: u64, _: u64, _: u64) -> Result<()> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn atomic_add(&self, _: &RegisteredMemory, _: u64, _: i64) -> Result<()> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn flush(&self, _: Duration) -> Result<()> {
+            Ok(())
+        }
+        fn failure(&self) -> Option<Error> {
+            None
+        }
+        fn max_write_queue_size(&self) -> usize {
+            1 << 20
+        }
+        fn outstanding(&self) -> u64 {
+            0
+        }
+        fn progress(&self, _: bool) -> Result<Progress> {
+            let n = self.0.load(Ordering::Relaxed);
+            Ok(Progress { issued: n, completed: n })
+        }
+    }
+
+    struct Setup {
+        handler: ConnectionHandler,
+        conns: Vec<Connection>,
+        memories: Vec<RegisteredMemory>,
+        ops: Arc<AtomicU64>,
+        _ctx: Context,
+    }
+
+    fn setup(peers: usize) -> Setup {
+        let ctx = Context::new();
+        let ops = Arc::new(AtomicU64::new(0));
+        let flags = TransportFlags::from(Transport::Ethernet);
+        let alloc = Arc::new(HostAlloc::zeroed(64 * 8).unwrap());
+        let words = Arc::new(FlushWords::new(Region::owned(alloc, 64 * 8)));
+        let mut handler = ConnectionHandler::new(words, None);
+        let mut conns = Vec::new();
+        for p in 0..peers {
+            let conn = Connection::from_inner(ConnInner {
+                imp: Box::new(Counting(ops.clone())),
+                transport: Transport::Ethernet,
+                remote_transport: Transport::Ethernet,
+                device: Device::Cpu,
+                context: ctx.clone(),
+                peer: Some(p + 1),
+                peer_desc: format!("counting peer {p}"),
+            });
+            let stub = SemaphoreStub::new(&conn).unwrap();
+            let token = Buffer::new(&ctx, 8, flags).unwrap();
+            let _ = handler.add_semaphore(Semaphore::new(stub, token.memory().clone()).into());
+            conns.push(conn);
+        }
+        let memories: Vec<_> = (0..2).map(|_| Buffer::new(&ctx, 1 << 16, flags).unwrap().memory().clone()).collect();
+        for m in &memories {
+            handler.add_memory(m.clone());
+        }
+        Setup { handler, conns, memories, ops, _ctx: ctx }
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Op {
+        Put,
+        PutWithSignal,
+        Signal,
+    }
+
+    fn trigger(op: Op, sem: u32, i: u64) -> ProxyTrigger {
+        let p = Put { src_mem: 1, src_off: (i % 64) as u32 * 8, dst_mem: 0, dst_off: (i % 64) as u32 * 8, size: 8 };
+        let r = match op {
+            Op::Put => ProxyTrigger::put(sem, p),
+            Op::PutWithSignal => ProxyTrigger::put_with_signal(sem, p),
+            Op::Signal => ProxyTrigger::signal(sem),
+        };
+        r.unwrap()
+    }
+
+    /// Triggers per second through the proxy with `producers` host threads.
+    fn through_proxy(op: Op, peers: usize, producers: usize, total: u64) -> f64 {
+        let s = setup(peers);
+        let ops = s.ops.clone();
+        let mut proxy = Proxy::start(Fifo::host_backed(512).unwrap(), s.handler, ProxyOptions::default()).unwrap();
+        let each = total / producers as u64;
+        let t0 = Instant::now();
+        std::thread::scope(|sc| {
+            for id in 0..producers {
+                let proxy = &proxy;
+                sc.spawn(move || {
+                    let p = proxy.fifo().host_producer().unwrap();
+                    for i in 0..each {
+                        let sem = ((id as u64 + i) % peers as u64) as u32;
+                        p.push(trigger(op, sem, i), Duration::from_secs(60)).unwrap();
+                    }
+                });
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while proxy.processed() < each * producers as u64 {
+            assert!(Instant::now() < deadline, "the proxy did not drain");
+            std::thread::yield_now();
+        }
+        let el = t0.elapsed().as_secs_f64();
+        proxy.stop().unwrap();
+        let per = match op {
+            Op::PutWithSignal => 2,
+            _ => 1,
+        };
+        assert_eq!(ops.load(Ordering::Relaxed), each * producers as u64 * per, "every operation issued once");
+        (each * producers as u64) as f64 / el
+    }
+
+    /// Nanoseconds of proxy work per trigger (poll, decode, handle, batched pop), the loop
+    /// stepped on this thread over a ring filled beforehand: no producer competes for the core.
+    fn proxy_ns_per_trigger(op: Op, peers: usize, total: u64) -> f64 {
+        use super::super::runner::{LoopShared, Runner, Step};
+        let s = setup(peers);
+        let mut r = Runner::new(Arc::new(LoopShared::new(Arc::new(Fifo::host_backed(512).unwrap()))), s.handler);
+        let (mut done, mut busy) = (0u64, Duration::ZERO);
+        while done < total {
+            let p = r.sh_fifo().host_producer().unwrap();
+            for i in 0..512 {
+                p.push(trigger(op, ((done + i) % peers as u64) as u32, i), Duration::ZERO).unwrap();
+            }
+            let t0 = Instant::now();
+            while let Step::Worked(n) = r.step() {
+                done += n;
+            }
+            busy += t0.elapsed();
+        }
+        busy.as_nanos() as f64 / done as f64
+    }
+
+    /// The same connection calls from one host thread, no FIFO and no proxy.
+    fn direct(op: Op, peers: usize, total: u64) -> f64 {
+        let s = setup(peers);
+        let outbound: Vec<AtomicU64> = (0..peers).map(|_| AtomicU64::new(0)).collect();
+        let (dst, src) = (&s.memories[0], &s.memories[1]);
+        let t0 = Instant::now();
+        for i in 0..total {
+            let c = (i % peers as u64) as usize;
+            let off = (i % 64) * 8;
+            if matches!(op, Op::Put | Op::PutWithSignal) {
+                s.conns[c].write(dst, off, src, off, 8).unwrap();
+            }
+            if matches!(op, Op::Signal | Op::PutWithSignal) {
+                let next = outbound[c].load(Ordering::Relaxed) + 1;
+                s.conns[c].update_and_sync(dst, 0, &outbound[c], next).unwrap();
+            }
+        }
+        total as f64 / t0.elapsed().as_secs_f64()
+    }
+
+    #[test]
+    #[ignore = "benchmark: run in release with --ignored --nocapture"]
+    fn proxy_host_path_throughput() {
+        const TOTAL: u64 = 2_000_000;
+        for op in [Op::Put, Op::PutWithSignal, Op::Signal] {
+            for peers in [1usize, 4, 8] {
+                let d = direct(op, peers, TOTAL);
+                let ns = proxy_ns_per_trigger(op, peers, TOTAL);
+                println!(
+                    "{op:?}, {peers} peers: proxy work {ns:.0} ns/trigger ({:.1} M/s on one core), direct {:.0} ns \
+                     ({:.2} M/s), ratio {:.2}",
+                    1e3 / ns,
+                    1e9 / d,
+                    d / 1e6,
+                    (1e9 / ns) / d
+                );
+                for producers in [1usize, 2, 8] {
+                    let r = through_proxy(op, peers, producers, TOTAL);
+                    println!(
+                        "{op:?}, {peers} peers, {producers} host producers: {:.2} M triggers/s through the proxy \
+                         ({:.0} ns each), direct {:.2} M/s, ratio {:.2}",
+                        r / 1e6,
+                        1e9 / r,
+                        d / 1e6,
+                        r / d
+                    );
+                }
+            }
+        }
     }
 }

@@ -113,6 +113,14 @@ impl std::fmt::Debug for GpuDevice {
 
 /// The device `ordinal`, retained once per process.
 pub(crate) fn device(ordinal: u32) -> Result<Arc<GpuDevice>> {
+    /// Devices `0..FAST` once retained, read without a lock: every `Stream::from_raw` (each call
+    /// of the NCCL library, from every rank thread) comes here, and a process-wide mutex there
+    /// made the ranks' threads take turns.
+    const FAST: usize = 64;
+    static READY: [OnceLock<Arc<GpuDevice>>; FAST] = [const { OnceLock::new() }; FAST];
+    if let Some(d) = READY.get(ordinal as usize).and_then(OnceLock::get) {
+        return Ok(d.clone());
+    }
     init()?;
     static DEVICES: Mutex<Vec<Arc<GpuDevice>>> = Mutex::new(Vec::new());
     let mut devs = lock(&DEVICES);
@@ -129,6 +137,10 @@ pub(crate) fn device(ordinal: u32) -> Result<Arc<GpuDevice>> {
     let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
     let d = Arc::new(GpuDevice { ordinal, ctx });
     devs.push(d.clone());
+    if let Some(slot) = READY.get(ordinal as usize) {
+        // Set once, under DEVICES' lock, to the one retained device of this ordinal.
+        let _ = slot.set(d.clone());
+    }
     Ok(d)
 }
 

@@ -20,6 +20,8 @@ type Status = c_int;
 
 struct Api {
     _lib: libloading::Library,
+    /// `libnvrtc-builtins` from the same folder, loaded first (see [`builtins_beside`]).
+    _builtins: Option<libloading::Library>,
     path: String,
     version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> Status,
     error_string: unsafe extern "C" fn(Status) -> *const c_char,
@@ -106,11 +108,34 @@ fn lib_in(dir: &Path) -> Option<PathBuf> {
     libs.into_iter().next()
 }
 
+/// NVRTC opens `libnvrtc-builtins.so.<major.minor>` by name when it compiles; from a folder
+/// that is not on the loader's path (a pip wheel's, for NVRTC 13.0) it fails with "failed to
+/// open libnvrtc-builtins". Loaded here first, by its full path, the library is already in the
+/// process under that name and NVRTC's own open finds it.
+fn builtins_beside(lib: &Path) -> Option<libloading::Library> {
+    let dir = lib.parent()?;
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvrtc-builtins.so") && !n.contains(".alt."))
+        })
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    // SAFETY: loading NVRTC's builtins library runs its initializers, which have no
+    // preconditions; nothing is called through it here.
+    found.into_iter().find_map(|p| unsafe { libloading::Library::new(&p) }.ok())
+}
+
 fn load() -> std::result::Result<Api, String> {
     let mut tried = Vec::new();
     let mut found = None;
+    let mut builtins = None;
     for dir in candidates() {
         if let Some(lib) = lib_in(&dir) {
+            builtins = builtins_beside(&lib);
             // SAFETY: loading NVRTC runs its initializers, which have no preconditions.
             match unsafe { libloading::Library::new(&lib) } {
                 Ok(l) => {
@@ -158,6 +183,7 @@ fn load() -> std::result::Result<Api, String> {
         destroy: sym!("nvrtcDestroyProgram"),
         path,
         _lib: lib,
+        _builtins: builtins,
     })
 }
 

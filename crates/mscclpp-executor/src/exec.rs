@@ -1,0 +1,874 @@
+//! [`Executor`]: runs plans on the GPU with the interpreter kernel, over memory channels (CUDA IPC
+//! mapped peer buffers, device semaphores) and port channels (through a proxy service).
+//!
+//! `unsafe` here is the raw-pointer API (device pointers the caller vouches for: registering
+//! them and launching the kernel on them), as in `mscclpp-collectives`.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use mscclpp::device::compile::{CompileOptions, KernelModule, Ptx, compile};
+use mscclpp::device::proxy::{MemoryId, ProxyConfig, ProxyService};
+use mscclpp::gpu::{DeviceBuffer, Kernel, PinnedBuffer, Stream};
+use mscclpp::{
+    BaseMemoryChannel, Communicator, Device, EndpointConfig, Error, Host2DeviceSemaphore, MemoryChannel,
+    MemoryDevice2DeviceSemaphore, RegisteredMemory, Transport, TransportFlags,
+};
+
+use crate::device::{self, ExecArgs, NO_PEER};
+use crate::lower::{self, Bindings, Layout, LowerError};
+use crate::model::{BufferType, ChannelType, MAX_DEVICE_SYNCERS, Plan};
+use crate::{PlanError, device::ops_bytes};
+
+/// Element types (MSCCL++'s `DataType` names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DataType {
+    /// `int32`.
+    Int32,
+    /// `uint32`.
+    Uint32,
+    /// `float32`.
+    Float32,
+    /// `float16`.
+    Float16,
+    /// `bfloat16`.
+    Bfloat16,
+}
+
+impl DataType {
+    fn code(self) -> u64 {
+        match self {
+            DataType::Int32 => 0,
+            DataType::Uint32 => 1,
+            DataType::Float32 => 2,
+            DataType::Float16 => 3,
+            DataType::Bfloat16 => 4,
+        }
+    }
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DataType::Float16 | DataType::Bfloat16 => 2,
+            _ => 4,
+        }
+    }
+}
+
+/// LL packet format (MSCCL++'s `PacketType`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PacketType {
+    /// 8 data bytes and two flags in 16 bytes.
+    #[default]
+    LL16,
+    /// 4 data bytes and a flag in 8 bytes.
+    LL8,
+}
+
+/// A loaded plan: [`Plan`] with an identity the executor caches resources under.
+#[derive(Clone, Debug)]
+pub struct ExecutionPlan {
+    plan: Arc<Plan>,
+    id: u64,
+}
+
+impl ExecutionPlan {
+    /// Wraps a plan (already validated by [`Plan::from_json_str`] and friends).
+    pub fn new(plan: Plan) -> ExecutionPlan {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        ExecutionPlan { plan: Arc::new(plan), id: NEXT.fetch_add(1, Ordering::Relaxed) }
+    }
+    /// Loads and validates the plan at `path` (MSCCL++'s `ExecutionPlan(path)`).
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<ExecutionPlan, PlanError> {
+        Ok(ExecutionPlan::new(Plan::from_file(path)?))
+    }
+    /// The plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.plan.name
+    }
+    /// Its collective.
+    pub fn collective(&self) -> &str {
+        &self.plan.collective
+    }
+}
+
+/// What a kernel reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeviceFailureKind {
+    /// A wait passed the timeout.
+    Timeout,
+    /// The host asked every kernel to stop ([`Executor::abort`]).
+    Aborted,
+    /// The proxy serving a port channel failed or stopped.
+    Proxy,
+    /// A launch found this plan's resources failed by an earlier launch and did nothing.
+    FailedBefore,
+}
+
+/// Why an execution failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExecError {
+    /// The plan file could not be loaded.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The plan cannot run for this rank and these sizes.
+    #[error(transparent)]
+    Lower(#[from] LowerError),
+    /// A kernel of this rank reported a failed wait.
+    #[error(
+        "rank {rank}, plan {plan}: thread block {block}, operation {op}: {}",
+        match (kind, peer) {
+            (DeviceFailureKind::Timeout, Some(p)) => format!("waited for rank {p} past the {timeout:?} timeout (it never arrived, or runs another plan)"),
+            (DeviceFailureKind::Timeout, None) => format!("a barrier or semaphore of this rank waited past the {timeout:?} timeout"),
+            (DeviceFailureKind::Aborted, _) => "aborted by the host".to_string(),
+            (DeviceFailureKind::Proxy, Some(p)) => format!("the proxy serving the port channel to rank {p} failed or stopped"),
+            (DeviceFailureKind::Proxy, None) => "the proxy failed or stopped".to_string(),
+            (DeviceFailureKind::FailedBefore, _) => "an earlier execution of this plan failed; it refuses to run".to_string(),
+        }
+    )]
+    Device {
+        /// This rank.
+        rank: usize,
+        /// The plan's name.
+        plan: String,
+        /// What happened.
+        kind: DeviceFailureKind,
+        /// The rank waited for, when one is known.
+        peer: Option<usize>,
+        /// The thread block.
+        block: usize,
+        /// The operation's index in the block's list (pipeline bodies counted).
+        op: usize,
+        /// The wait limit.
+        timeout: Duration,
+    },
+    /// Communication, CUDA or usage errors from the core crate.
+    #[error(transparent)]
+    Mscclpp(#[from] Error),
+}
+
+impl ExecError {
+    /// The peer the error is about, if any.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            ExecError::Device { peer, .. } => *peer,
+            ExecError::Mscclpp(e) => e.peer(),
+            _ => None,
+        }
+    }
+}
+
+/// How an [`Executor`] is built.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ExecutorConfig {
+    /// This rank's GPU.
+    pub device: u32,
+    /// How long any device wait may last from the kernel's start. Default 30 s.
+    pub timeout: Duration,
+    /// The transport of port channels (proxy puts): `CudaIpc` (default) or `Ethernet`.
+    pub port_transport: Transport,
+}
+
+impl ExecutorConfig {
+    /// Defaults for GPU `device`.
+    pub fn new(device: u32) -> ExecutorConfig {
+        ExecutorConfig { device, timeout: Duration::from_secs(30), port_transport: Transport::CudaIpc }
+    }
+    /// Sets the device wait limit.
+    pub fn timeout(mut self, t: Duration) -> ExecutorConfig {
+        self.timeout = t;
+        self
+    }
+    /// Sets the port channels' transport.
+    pub fn port_transport(mut self, t: Transport) -> ExecutorConfig {
+        self.port_transport = t;
+        self
+    }
+}
+
+/// What resources are cached under: the plan's identity (a number given when it was loaded,
+/// never its contents) and the buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Key {
+    plan: u64,
+    send: u64,
+    recv: u64,
+    send_size: u64,
+    recv_size: u64,
+}
+
+/// A multiply-rotate hasher for [`Key`]s (five words; the executor's own pointers and sizes, not
+/// attacker-chosen keys): a few nanoseconds where the default SipHash takes tens.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type KeyMap<V> = HashMap<Key, Arc<V>, BuildHasherDefault<KeyHasher>>;
+
+/// The resource cache: (plan, buffers) to what was built for them.
+struct Cache<V> {
+    map: Mutex<KeyMap<V>>,
+}
+
+impl<V> Cache<V> {
+    fn new() -> Self {
+        Cache { map: Mutex::new(HashMap::default()) }
+    }
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, KeyMap<V>>, Error> {
+        self.map.lock().map_err(|_| Error::internal("the executor's cache lock is poisoned"))
+    }
+    /// The cached entry: one uncontended lock, one cheap hash, one reference-count increment.
+    fn get(&self, key: &Key) -> Result<Option<Arc<V>>, Error> {
+        Ok(self.lock()?.get(key).cloned())
+    }
+    fn insert(&self, key: Key, v: Arc<V>) -> Result<(), Error> {
+        self.lock()?.insert(key, v);
+        Ok(())
+    }
+    fn all(&self) -> Result<Vec<Arc<V>>, Error> {
+        Ok(self.lock()?.values().cloned().collect())
+    }
+}
+
+/// The kernel's argument block for one launch: the cached block with the call's element type
+/// (nothing else changes between calls on cached resources).
+fn launch_args(cached: &ExecArgs, dtype: DataType) -> ExecArgs {
+    ExecArgs { dtype: dtype.code(), ..*cached }
+}
+
+/// The resources of one (plan, buffers): built once, reused by every execution.
+struct Resources {
+    // Dropped first: the proxy stops before the memories it moves go.
+    _proxy: Option<ProxyService>,
+    plan_name: String,
+    kernels: Arc<Kernels>,
+    args: ExecArgs,
+    nblocks: u32,
+    threads: u32,
+    status: PinnedBuffer,
+    _ops: DeviceBuffer,
+    _blocks: DeviceBuffer,
+    _state: DeviceBuffer,
+    _mem_handles: Option<DeviceBuffer>,
+    _port_handles: Option<DeviceBuffer>,
+    _mem_channels: Vec<BaseMemoryChannel>,
+    _mappings: Vec<MemoryChannel>,
+    _remote: Vec<RegisteredMemory>,
+    _local: Vec<RegisteredMemory>,
+    _scratch: DeviceBuffer,
+}
+
+impl Resources {
+    /// The error word the kernels write (0 while none failed): one load from page-locked host
+    /// memory in this process's address space (a cached line while it stays 0; the GPU's write
+    /// invalidates it), with no CUDA call and no range check.
+    fn error_word(&self) -> u64 {
+        // Offset 0 of a 64-byte buffer: always in range.
+        self.status.atomic_u64(0).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+}
+
+/// Runs execution plans on this rank's GPU (MSCCL++'s `Executor`).
+///
+/// Every rank of the communicator builds one and makes the same `execute` calls in the same
+/// order. The first call for a (plan, send, receive, sizes) is collective and builds the
+/// channels, scratch and device program (or call [`prepare`](Self::prepare) first); later calls
+/// only launch the kernel, and may be captured in a CUDA graph and replayed (the LL flag
+/// advances on the GPU).
+///
+/// **The first call with new buffers is a collective host call, as in MSCCL++**: it allocates
+/// and fills device memory (`cuMemAlloc`, synchronous copies and memsets on the legacy stream)
+/// and may wait for the whole GPU while doing so. Where ranks share a GPU (threads of one
+/// process, or processes under MPS), a rank that builds while a peer's kernel still spins
+/// waiting for it deadlocks until that kernel's timeout. So before such a call every rank must
+/// have finished its earlier kernels (synchronize the stream); the build then opens with a
+/// bootstrap barrier, so that no rank allocates before every rank got there, and ends with one,
+/// so that no rank launches before every rank is built. Freeing (dropping the executor) follows
+/// the same rule: synchronize, barrier, then drop. Every device wait is bounded by [`ExecutorConfig::timeout`]; a failed
+/// wait makes [`check`](Self::check) and the next call return [`ExecError::Device`] naming the
+/// rank waited for, and that plan's resources refuse further runs.
+pub struct Executor {
+    comm: Communicator,
+    config: ExecutorConfig,
+    contexts: Cache<Resources>,
+    next_ctx: AtomicU32,
+}
+
+const TAG_BASE: u32 = 0x0e00_0000;
+
+fn tag(ctx: u32, what: u32, pair: usize) -> u32 {
+    TAG_BASE | ((ctx & 0xfff) << 12) | ((what & 0xf) << 8) | (pair as u32 & 0xff)
+}
+
+impl Executor {
+    /// An executor for `comm`'s rank on `config.device`. Compiles the interpreter kernel (NVRTC,
+    /// once per process and architecture) when first needed.
+    pub fn new(comm: &Communicator, config: ExecutorConfig) -> Executor {
+        Executor { comm: comm.clone(), config, contexts: Cache::new(), next_ctx: AtomicU32::new(0) }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Builds the resources of `plan` for these buffers (a collective call) unless cached.
+    ///
+    /// A build allocates and copies synchronously: every rank's earlier kernels must have
+    /// finished (each rank synchronized its stream) before any rank calls this with new buffers
+    /// (see [`Executor`]). The build opens and ends with a bootstrap barrier.
+    ///
+    /// # Safety
+    /// `send` and `recv` are device memory of this executor's GPU, `send_size` and `recv_size`
+    /// bytes long, that stay allocated while this executor lives (peers map them).
+    pub unsafe fn prepare(
+        &self,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        send_size: u64,
+        recv_size: u64,
+        plan: &ExecutionPlan,
+    ) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.resources(rank, send, recv, send_size, recv_size, plan) }.map(|_| ())
+    }
+
+    /// Runs `plan` on `send` (`send_size` bytes) into `recv` (`recv_size` bytes) on `stream`
+    /// (MSCCL++'s `Executor::execute`). The first call for these (plan, buffers) is collective
+    /// (see [`prepare`](Self::prepare)): it is a blocking host call that must come after every
+    /// rank's earlier kernels finished, and must not be inside a stream capture. Later calls
+    /// only launch (no allocation, copy or free).
+    ///
+    /// # Errors
+    /// [`ExecError::Lower`] for sizes or a plan this rank cannot run; [`ExecError::Device`] for a
+    /// failure an earlier launch reported; core errors for setup and the launch.
+    ///
+    /// # Safety
+    /// As [`prepare`](Self::prepare); the buffers stay valid (and `send` unchanged) until the call
+    /// finishes on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn execute(
+        &self,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        send_size: u64,
+        recv_size: u64,
+        dtype: DataType,
+        plan: &ExecutionPlan,
+        stream: &Stream,
+        packet_type: PacketType,
+    ) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract.
+        let res = unsafe { self.resources(rank, send, recv, send_size, recv_size, plan)? };
+        self.check_resources(&res)?;
+        // The kernels loaded at setup: no global lock or lookup on this path.
+        let k = match packet_type {
+            PacketType::LL16 => &res.kernels.ll16,
+            PacketType::LL8 => &res.kernels.ll8,
+        };
+        let mut a = launch_args(&res.args, dtype);
+        let mut params = [(&mut a as *mut ExecArgs).cast::<c_void>()];
+        // SAFETY: the kernel takes one ExecArgs by value (its CUDA definition is generated from
+        // the Rust one and checked by static_asserts); `a` outlives the call (the driver copies
+        // it); every pointer in it is owned by `res` (kept in the cache for the executor's life)
+        // or is the caller's buffer, valid until the stream passes this launch.
+        unsafe { k.launch((res.nblocks, 1, 1), (res.threads, 1, 1), 0, stream, &mut params) }?;
+        Ok(())
+    }
+
+    /// The error a kernel of this rank reported for any cached plan, if any (reads page-locked
+    /// words; no CUDA call).
+    pub fn check(&self) -> Result<(), ExecError> {
+        for r in self.contexts.all()? {
+            self.check_resources(&r)?;
+        }
+        Ok(())
+    }
+
+    /// Asks every running and later kernel of this executor to stop waiting and fail.
+    pub fn abort(&self) -> Result<(), ExecError> {
+        for r in self.contexts.all()? {
+            r.status.write(8, &1u64.to_le_bytes())?;
+        }
+        Ok(())
+    }
+
+    /// Waits (bounded) for `stream`, then [`check`](Self::check)s.
+    pub fn synchronize(&self, stream: &Stream, timeout: Duration) -> Result<(), ExecError> {
+        let r = stream.synchronize(timeout);
+        self.check()?;
+        Ok(r?)
+    }
+
+    fn check_resources(&self, r: &Resources) -> Result<(), ExecError> {
+        let code = r.error_word();
+        if code == 0 {
+            return Ok(());
+        }
+        let kind = match (code >> 48) & 0x7fff {
+            1 => DeviceFailureKind::Timeout,
+            2 => DeviceFailureKind::Aborted,
+            3 => DeviceFailureKind::Proxy,
+            _ => DeviceFailureKind::FailedBefore,
+        };
+        let peer = ((code >> 32) & 0xffff) as u32;
+        Err(ExecError::Device {
+            rank: self.comm.rank(),
+            plan: r.plan_name.clone(),
+            kind,
+            peer: (peer != NO_PEER).then_some(peer as usize),
+            block: ((code >> 16) & 0xffff) as usize,
+            op: (code & 0xffff) as usize,
+            timeout: self.config.timeout,
+        })
+    }
+
+    unsafe fn resources(
+        &self,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        send_size: u64,
+        recv_size: u64,
+        plan: &ExecutionPlan,
+    ) -> Result<Arc<Resources>, ExecError> {
+        let key = Key { plan: plan.id, send, recv, send_size, recv_size };
+        if let Some(r) = self.contexts.get(&key)? {
+            return Ok(r);
+        }
+        if rank != self.comm.rank() {
+            return Err(Error::invalid_usage(format!(
+                "execute: rank {rank} given, the communicator's rank is {}",
+                self.comm.rank()
+            ))
+            .into());
+        }
+        if plan.plan.gpus.len() != self.comm.size() {
+            return Err(Error::invalid_usage(format!(
+                "plan {} is for {} ranks, the communicator has {}",
+                plan.name(),
+                plan.plan.gpus.len(),
+                self.comm.size()
+            ))
+            .into());
+        }
+        let seq = self.next_ctx.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract.
+        let r = Arc::new(unsafe { self.build(seq, rank, send, recv, send_size, recv_size, &plan.plan) }?);
+        self.contexts.insert(key, r.clone())?;
+        Ok(r)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn build(
+        &self,
+        seq: u32,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        send_size: u64,
+        recv_size: u64,
+        plan: &Plan,
+    ) -> Result<Resources, ExecError> {
+        let dev = self.config.device;
+        let comm = &self.comm;
+        let ctx = comm.context();
+        let layout = Layout::new(plan, rank, send_size, recv_size)?;
+        // Nobody allocates, copies synchronously or loads a module (each may wait for the whole
+        // GPU) before every rank got here, i.e. is done launching and has synchronized what it
+        // launched before: a peer's kernel still waiting for this rank would never finish.
+        comm.bootstrap().barrier()?;
+        let links = lower::channel_links(plan, rank)?;
+        let gpu = &plan.gpus[rank];
+        let kernels = kernels(dev)?;
+        let flags: TransportFlags = [Transport::CudaIpc, self.config.port_transport].into_iter().collect();
+        let scratch = DeviceBuffer::new(ctx, dev, layout.scratch_bytes.max(64) as usize, flags)?;
+        for (p, n, what) in [(send, send_size, "send"), (recv, recv_size, "receive")] {
+            let g = mscclpp::gpu::check_device_range(p, n, what)?;
+            if g != dev {
+                return Err(
+                    Error::invalid_usage(format!("the {what} buffer is on GPU{g}, the executor on GPU{dev}")).into()
+                );
+            }
+        }
+        // SAFETY: the caller promises both ranges stay allocated while this executor (which keeps
+        // the registrations) lives.
+        let send_mem = unsafe { ctx.register_device(send, send_size as usize, flags)? };
+        // SAFETY: as above.
+        let recv_mem = unsafe { ctx.register_device(recv, recv_size as usize, flags)? };
+        let local_of = |t: BufferType| match t {
+            BufferType::Input => &send_mem,
+            BufferType::Output => &recv_mem,
+            BufferType::Scratch => scratch.memory(),
+        };
+        // Connections, one per channel, tagged (type, pair) so each meets its partner.
+        let mut pending = Vec::new();
+        for l in &links {
+            let (what, transport) = match l.channel_type {
+                ChannelType::Port => (1, self.config.port_transport),
+                _ => (0, Transport::CudaIpc),
+            };
+            let ep = EndpointConfig::new(transport).device(Device::Gpu(dev));
+            pending.push((l, tag(seq, what, l.pair), comm.connect(&ep, l.peer, tag(seq, what, l.pair))?));
+        }
+        for (peer, t) in lower::buffer_sends(plan, rank) {
+            comm.send_memory(local_of(t), peer, tag(seq, 4 + t as u32, 0))?;
+        }
+        let mut recvs = Vec::new();
+        for (owner, t) in lower::buffer_recvs(plan, rank) {
+            recvs.push((owner, t, comm.recv_memory(owner, tag(seq, 4 + t as u32, 0))?));
+        }
+        // Port peers swap scratch buffers for the warm-up below (whatever else the plan sends).
+        let mut port_peers: Vec<usize> =
+            links.iter().filter(|l| l.channel_type == ChannelType::Port).map(|l| l.peer).collect();
+        port_peers.sort_unstable();
+        port_peers.dedup();
+        let mut warm_recvs = Vec::new();
+        for &p in &port_peers {
+            comm.send_memory(scratch.memory(), p, tag(seq, 3, 0))?;
+            warm_recvs.push((p, comm.recv_memory(p, tag(seq, 3, 0))?));
+        }
+        let mut sems = Vec::new();
+        let mut warm = Vec::new();
+        for (l, tg, conn) in pending {
+            let conn = conn.wait().map_err(|e| e.during("connecting a plan's channel").with_peer(l.peer))?;
+            sems.push((l, comm.build_semaphore(&conn, l.peer, tg)?));
+            if l.channel_type == ChannelType::Port {
+                warm.push((l.peer, conn));
+            }
+        }
+        // Warm-up (as the two-level collectives do): one small write over every port connection
+        // each way before any kernel runs, so that what a transport creates on first use
+        // (Ethernet: pinned staging buffers and a stream per direction and GPU) is not created
+        // while kernels spin waiting for this very data. It copies 16 zero bytes of the fresh
+        // (zeroed) scratch onto the peer's fresh scratch, which no kernel uses before the
+        // barrier at the end of this setup; the flush proves it arrived.
+        let mut warm_mem = Vec::new();
+        for (p, m) in warm_recvs {
+            warm_mem.push((p, m.wait().map_err(|e| e.during("receiving a port peer's scratch").with_peer(p))?));
+        }
+        for (p, conn) in &warm {
+            if let Some((_, m)) = warm_mem.iter().find(|(q, _)| q == p) {
+                conn.write(m, 0, scratch.memory(), 0, 16)
+                    .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
+            }
+        }
+        for (p, conn) in &warm {
+            conn.flush(self.config.timeout)
+                .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
+        }
+        let mut remote: Vec<(usize, BufferType, RegisteredMemory)> = Vec::new();
+        for (owner, t, m) in recvs {
+            let m = m.wait().map_err(|e| e.during("receiving a peer's buffer for a plan").with_peer(owner))?;
+            remote.push((owner, t, m));
+        }
+        let mut mem_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)> = Vec::new();
+        let mut mem_channels = Vec::new();
+        let mut port_sems = Vec::new();
+        for (l, s) in sems {
+            let s = s.wait().map_err(|e| e.during("building a plan's semaphore").with_peer(l.peer))?;
+            if l.channel_type == ChannelType::Memory {
+                let s = Arc::new(MemoryDevice2DeviceSemaphore::new(s)?);
+                mem_channels.push(BaseMemoryChannel::new(s.clone()));
+                mem_sems.push((l.peer, s));
+            } else {
+                port_sems.push((l.peer, Host2DeviceSemaphore::new(s)?));
+            }
+        }
+        // Remote buffers: mapped (memory access) and registered with the proxy (port access).
+        let mut proxy =
+            if port_sems.is_empty() { None } else { Some(ProxyService::new(ctx, dev, ProxyConfig::default())?) };
+        let mut bindings = Bindings {
+            remote_base: vec![0; gpu.remote_buffers.len()],
+            remote_mem: vec![u32::MAX; gpu.remote_buffers.len()],
+            local_mem: [0, 1, 2],
+        };
+        if let Some(p) = proxy.as_mut() {
+            for (i, t) in [BufferType::Input, BufferType::Output, BufferType::Scratch].into_iter().enumerate() {
+                bindings.local_mem[i] = p.add_memory(local_of(t).clone())?.0;
+            }
+        }
+        let mut mappings = Vec::new();
+        for (gi, rb) in gpu.remote_buffers.iter().enumerate() {
+            let Some((_, _, m)) = remote.iter().find(|(o, t, _)| *o == rb.rank && *t == rb.buffer_type) else {
+                continue;
+            };
+            if rb.access_channel_types.contains(&ChannelType::Memory) {
+                let Some((_, s)) = mem_sems.iter().find(|(p, _)| *p == rb.rank) else {
+                    return Err(LowerError::Invalid {
+                        path: format!("gpus[{rank}].remote_buffers[{gi}]"),
+                        reason: format!(
+                            "accessed through memory channels, but the rank has no memory channel to rank {}",
+                            rb.rank
+                        ),
+                    }
+                    .into());
+                };
+                let ch = MemoryChannel::new(s.clone(), m, &send_mem, None)?;
+                bindings.remote_base[gi] = ch.device_handle().dst;
+                mappings.push(ch);
+            }
+            if let (true, Some(p)) = (rb.access_channel_types.contains(&ChannelType::Port), proxy.as_mut()) {
+                bindings.remote_mem[gi] = p.add_memory(m.clone())?.0;
+            }
+        }
+        let mut port_bytes = Vec::new();
+        if let Some(p) = proxy.as_mut() {
+            let scratch_id = MemoryId(bindings.local_mem[2]);
+            for (_, s) in port_sems {
+                let id = p.add_semaphore(s)?;
+                port_bytes
+                    .extend_from_slice(&p.port_channel(id, scratch_id, scratch_id)?.device_handle().base.to_bytes());
+            }
+        }
+        let low = lower::lower(plan, rank, &layout, &bindings)?;
+        let upload = |bytes: &[u8]| -> Result<Option<DeviceBuffer>, Error> {
+            if bytes.is_empty() {
+                return Ok(None);
+            }
+            let b = DeviceBuffer::new(ctx, dev, bytes.len(), TransportFlags::NONE)?;
+            b.write(0, bytes)?;
+            Ok(Some(b))
+        };
+        let mem_bytes: Vec<u8> = mem_channels.iter().flat_map(|c| c.device_handle().to_bytes()).collect();
+        let mem_handles = upload(&mem_bytes)?;
+        let port_handles = upload(&port_bytes)?;
+        let ops_buf = DeviceBuffer::new(
+            ctx,
+            dev,
+            (low.ops.len() * std::mem::size_of::<device::DevOp>()).max(64),
+            TransportFlags::NONE,
+        )?;
+        ops_buf.write(0, &ops_bytes(&low.ops))?;
+        let block_bytes: Vec<u8> = low.blocks.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let blocks_buf = DeviceBuffer::new(ctx, dev, block_bytes.len().max(64), TransportFlags::NONE)?;
+        blocks_buf.write(0, &block_bytes)?;
+        // State: ExecState (16 bytes), barrier counters, semaphores.
+        let bar_off = 16usize;
+        let sem_off = bar_off + 4 * MAX_DEVICE_SYNCERS as usize;
+        let mut state_bytes = vec![0u8; sem_off + 4 * low.semaphores.len()];
+        state_bytes[..4].copy_from_slice(&1u32.to_le_bytes());
+        for (i, v) in low.semaphores.iter().enumerate() {
+            state_bytes[sem_off + 4 * i..sem_off + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        let state = DeviceBuffer::new(ctx, dev, state_bytes.len(), TransportFlags::NONE)?;
+        state.write(0, &state_bytes)?;
+        let status = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
+        let nblocks = gpu.threadblocks.len() as u32;
+        let threads = plan.num_threads_per_block.clamp(32, 1024);
+        // Kernels that wait on each other must all be resident: count the blocks of every rank
+        // on this GPU.
+        let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
+        let all = comm.bootstrap().all_gather(format!("{me}|{nblocks}").as_bytes())?;
+        let on_gpu: u64 = all
+            .iter()
+            .filter_map(|w| String::from_utf8_lossy(w).split_once('|').map(|(a, b)| (a.to_owned(), b.to_owned())))
+            .filter(|(a, _)| *a == me)
+            .map(|(_, b)| b.parse::<u64>().unwrap_or(0))
+            .sum();
+        let fit = u64::from(mscclpp::gpu::sm_count(dev)?)
+            * u64::from(
+                kernels
+                    .ll16
+                    .max_active_blocks_per_sm(threads, 0)?
+                    .min(kernels.ll8.max_active_blocks_per_sm(threads, 0)?),
+            );
+        if on_gpu > fit {
+            return Err(Error::invalid_usage(format!(
+                "the ranks on GPU{dev} run {on_gpu} thread blocks of {threads} threads; only {fit} fit at once, and blocks that wait on each other must all be resident"
+            ))
+            .into());
+        }
+        if let Some(p) = proxy.as_mut() {
+            p.start()?;
+        }
+        // Nobody launches before every rank has its resources.
+        comm.bootstrap().barrier()?;
+        let args = ExecArgs {
+            input: send,
+            output: recv,
+            scratch: scratch.device_ptr(),
+            scratch_half: layout.scratch_half,
+            ops: ops_buf.device_ptr(),
+            blocks: blocks_buf.device_ptr(),
+            mem_chans: mem_handles.as_ref().map_or(0, DeviceBuffer::device_ptr),
+            port_chans: port_handles.as_ref().map_or(0, DeviceBuffer::device_ptr),
+            state: state.device_ptr(),
+            barriers: state.device_ptr() + bar_off as u64,
+            sems: state.device_ptr() + sem_off as u64,
+            err: status.as_ptr() as u64,
+            abort: status.as_ptr() as u64 + 8,
+            timeout_ns: u64::try_from(self.config.timeout.as_nanos()).unwrap_or(u64::MAX / 2).min(u64::MAX / 2),
+            dtype: 0,
+        };
+        tracing::debug!(target: "mscclpp::executor", rank, plan = %plan.name, blocks = nblocks, ops = low.ops.len(), scratch = layout.scratch_bytes, "plan resources ready");
+        Ok(Resources {
+            _proxy: proxy,
+            plan_name: plan.name.clone(),
+            kernels,
+            args,
+            nblocks,
+            threads,
+            status,
+            _ops: ops_buf,
+            _blocks: blocks_buf,
+            _state: state,
+            _mem_handles: mem_handles,
+            _port_handles: port_handles,
+            _mem_channels: mem_channels,
+            _mappings: mappings,
+            _remote: remote.into_iter().map(|(_, _, m)| m).collect(),
+            _local: vec![send_mem, recv_mem],
+            _scratch: scratch,
+        })
+    }
+}
+
+/// The interpreter kernels on one GPU.
+struct Kernels {
+    ll16: Kernel,
+    ll8: Kernel,
+    _module: KernelModule,
+}
+
+/// Compiles (once per process and architecture) and loads (once per GPU) the kernels.
+fn kernels(device: u32) -> Result<Arc<Kernels>, Error> {
+    type Cache<K, V> = OnceLock<Mutex<HashMap<K, Arc<V>>>>;
+    static LOADED: Cache<u32, Kernels> = OnceLock::new();
+    static COMPILED: Cache<String, Ptx> = OnceLock::new();
+    let poisoned = || Error::internal("the executor kernel cache lock is poisoned");
+    let mut map = LOADED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
+    if let Some(k) = map.get(&device) {
+        return Ok(k.clone());
+    }
+    let opts = CompileOptions::for_device(device).name("executor.cu");
+    let arch = opts.resolved_arch();
+    let ptx = {
+        let mut c = COMPILED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
+        match c.get(&arch) {
+            Some(p) => p.clone(),
+            None => {
+                let p =
+                    Arc::new(compile(&device::source(), &opts).map_err(|e| e.during("compiling the executor kernel"))?);
+                c.insert(arch, p.clone());
+                p
+            }
+        }
+    };
+    let module = KernelModule::load(device, &ptx)?;
+    let k = Arc::new(Kernels {
+        ll16: module.function(device::KERNEL_LL16)?,
+        ll8: module.function(device::KERNEL_LL8)?,
+        _module: module,
+    });
+    map.insert(device, k.clone());
+    Ok(k)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_separate_contexts_kinds_and_pairs() {
+        let mut seen = std::collections::HashSet::new();
+        for ctx in 0..4 {
+            for what in 0..7 {
+                for pair in 0..4 {
+                    assert!(seen.insert(tag(ctx, what, pair)));
+                }
+            }
+        }
+    }
+
+    /// The host work of a cached `execute` before the driver call: the cache lookup (lock, hash,
+    /// reference count) and the argument block. A CPU micro-benchmark: it asserts a bound loose
+    /// enough for unoptimized builds on a busy machine and prints the figure.
+    #[test]
+    fn cached_lookup_and_arguments_cost_well_under_a_microsecond() {
+        let cache = Cache::new();
+        let key = |i: u64| Key {
+            plan: i % 4,
+            send: 0x7f00_0000_0000 + i * 4096,
+            recv: 0x7f10_0000_0000,
+            send_size: 1 << 20,
+            recv_size: 1 << 20,
+        };
+        for i in 0..64 {
+            cache.insert(key(i), Arc::new(ExecArgs { input: i, ..ExecArgs::default() })).unwrap();
+        }
+        let n = 200_000u64;
+        let t = std::time::Instant::now();
+        let mut acc = 0u64;
+        for i in 0..n {
+            let r = cache.get(&key(i % 64)).unwrap().unwrap();
+            let a = launch_args(&r, DataType::Bfloat16);
+            acc = acc.wrapping_add(std::hint::black_box(a).input);
+        }
+        let per = t.elapsed() / n as u32;
+        assert_eq!(acc, (0..n).map(|i| i % 64).sum::<u64>());
+        println!("cached lookup + argument block: {per:?} per execute");
+        assert!(per < Duration::from_micros(2), "{per:?}");
+        assert!(cache.get(&key(1000)).unwrap().is_none());
+    }
+
+    #[test]
+    fn key_hasher_spreads_nearby_buffers() {
+        use std::hash::BuildHasher;
+        let b = BuildHasherDefault::<KeyHasher>::default();
+        let (mut seen, mut top, mut low) =
+            (std::collections::HashSet::new(), std::collections::HashSet::new(), std::collections::HashSet::new());
+        for i in 0..1000u64 {
+            let p = 0x7f00_0000_0000 + i * 256;
+            let h = b.hash_one(Key { plan: 1, send: p, recv: p, send_size: 256, recv_size: 256 });
+            assert!(seen.insert(h), "collision at {i}");
+            // hashbrown picks the bucket from the low bits and the tag from the top 7.
+            top.insert(h >> 57);
+            low.insert(h & 1023);
+        }
+        assert!(top.len() > 100 && low.len() > 500, "{} {}", top.len(), low.len());
+    }
+
+    #[test]
+    fn device_errors_name_the_peer() {
+        let e = ExecError::Device {
+            rank: 0,
+            plan: "p".into(),
+            kind: DeviceFailureKind::Timeout,
+            peer: Some(1),
+            block: 2,
+            op: 3,
+            timeout: Duration::from_secs(2),
+        };
+        assert_eq!(e.peer(), Some(1));
+        let s = e.to_string();
+        assert!(s.contains("rank 1") && s.contains("thread block 2") && s.contains("operation 3"), "{s}");
+    }
+}

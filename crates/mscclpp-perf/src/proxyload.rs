@@ -1,0 +1,277 @@
+//! `mscclpp-perf device`, proxy rows under load (issue 25 item 1): one FIFO and one proxy on
+//! rank 0 serve 1, 4 or 8 peers (ranks of this process, threads with a loopback bootstrap, all on
+//! `--device`), over CUDA IPC and over Ethernet (127.0.0.1). Per (transport, operation, size,
+//! peers), GPU producer counts of 1, 132, 132 x 32 and 132 x 256 threads push triggers (kernel
+//! `proxy_load` of `device.rs`: trigger i goes to peer i mod peers) and each row sets the
+//! triggers/s through the proxy beside the rate at which one host thread issues the same
+//! connection calls directly in the same run (write, and/or `Host2DeviceSemaphore::signal`),
+//! measured just before, and their ratio. Both rates count issue (the proxy's pops, the host
+//! loop's calls), not the completion of the last copies. Trigger counts are sized from the
+//! baseline (about 0.1 s each, at least one trigger per producer) so the rows take ~30 s.
+//! Every push's wait is bounded (`MAX_SPINS` rounds, then the kernel traps) and so is every host
+//! wait (`--timeout`).
+
+use std::time::{Duration, Instant};
+
+use mscclpp::device::compile::Kernel;
+use mscclpp::device::proxy::{ProxyConfig, ProxyService};
+use mscclpp::gpu::Stream;
+use mscclpp::{
+    Communicator, Connection, Device, DeviceBuffer, EndpointConfig, Host2DeviceSemaphore, RegisteredMemory, Semaphore,
+    Transport,
+};
+
+use crate::kern::{args, e, human, launch, local_ranks, row};
+
+/// Peers of rank 0 (the most any row uses).
+const PEERS: usize = 8;
+/// Destination slots per peer (of the largest size).
+const SLOTS: u64 = 256;
+/// Largest put.
+const MAX_SIZE: u64 = 4 << 10;
+/// Rounds a push may wait for a free slot before its kernel traps: the head of the line reads the
+/// host's tail about once a microsecond, so a proxy that stops popping fails the row in seconds.
+pub(crate) const MAX_SPINS: i64 = 4_000_000;
+/// (blocks, threads per block) of the producer counts.
+const PRODUCERS: [(u32, u32); 4] = [(1, 1), (132, 1), (132, 32), (132, 256)];
+/// Seconds each measurement aims at.
+const TARGET_S: f64 = 0.1;
+
+/// The kernel's peer table (`LoadPeers` in `device.rs`), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct LoadPeers {
+    sem: [u32; 8],
+    dst: [u32; 8],
+    src: u32,
+    npeers: u32,
+    slots: u32,
+    pad: u32,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Op {
+    Put,
+    PutWithSignal,
+    Signal,
+}
+
+impl Op {
+    fn code(self) -> i32 {
+        match self {
+            Op::Put => 0,
+            Op::PutWithSignal => 1,
+            Op::Signal => 2,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Op::Put => "put",
+            Op::PutWithSignal => "putWithSignal",
+            Op::Signal => "signal",
+        }
+    }
+}
+
+/// One rank's side. Rank 0: a connection to each peer, the source buffer, the peers'
+/// destinations, semaphores for the proxy and for the host baseline. A peer: its connection to
+/// rank 0, its destination buffer, and its ends of the semaphores (kept alive).
+struct LoadRank {
+    comm: Communicator,
+    conns: Vec<Connection>,
+    local: DeviceBuffer,
+    remotes: Vec<RegisteredMemory>,
+    proxy_sems: Vec<Semaphore>,
+    host_sems: Vec<Host2DeviceSemaphore>,
+    _keep: Vec<Semaphore>,
+}
+
+fn endpoint(t: Transport, dev: u32) -> EndpointConfig {
+    let c = EndpointConfig::new(t).device(Device::Gpu(dev));
+    if t == Transport::Ethernet { c.ethernet_interface("127.0.0.1") } else { c }
+}
+
+/// Rank 0 and `PEERS` peers of this process over `t` on `dev`.
+fn ranks(t: Transport, dev: u32, timeout: Duration) -> Result<Vec<LoadRank>, String> {
+    let len = (SLOTS * MAX_SIZE) as usize;
+    local_ranks(PEERS + 1, timeout, |rank, bs| {
+        let comm = Communicator::new(bs.clone());
+        let local = DeviceBuffer::new(comm.context(), dev, len, t.into()).map_err(e)?;
+        local.fill(0, len, 0).map_err(e)?;
+        let cfg = endpoint(t, dev);
+        let others: Vec<usize> = if rank == 0 { (1..=PEERS).collect() } else { vec![0] };
+        let mut pcs = Vec::new();
+        let mut pms = Vec::new();
+        for &p in &others {
+            pcs.push(comm.connect(&cfg, p, 0).map_err(e)?);
+            if rank == 0 {
+                pms.push(comm.recv_memory(p, 1).map_err(e)?);
+            } else {
+                comm.send_memory(local.memory(), p, 1).map_err(e)?;
+            }
+        }
+        let mut conns = Vec::new();
+        for pc in pcs {
+            conns.push(pc.wait().map_err(e)?);
+        }
+        let mut remotes = Vec::new();
+        for pm in pms {
+            remotes.push(pm.wait().map_err(e)?);
+        }
+        let (mut proxy_sems, mut host_sems, mut keep) = (Vec::new(), Vec::new(), Vec::new());
+        for (c, &p) in conns.iter().zip(&others) {
+            let a = comm.build_semaphore(c, p, 2).map_err(e)?;
+            let b = comm.build_semaphore(c, p, 3).map_err(e)?;
+            let (a, b) = (a.wait().map_err(e)?, b.wait().map_err(e)?);
+            if rank == 0 {
+                proxy_sems.push(a);
+                host_sems.push(Host2DeviceSemaphore::new(b).map_err(e)?);
+            } else {
+                keep.push(a);
+                keep.push(b);
+            }
+        }
+        bs.barrier().map_err(e)?;
+        Ok(LoadRank { comm, conns, local, remotes, proxy_sems, host_sems, _keep: keep })
+    })
+}
+
+/// Offset of trigger `i` (as the kernel computes it).
+fn offset(op: Op, i: u64, peers: usize, size: u64) -> u64 {
+    if op == Op::Signal { 0 } else { ((i / peers as u64) % SLOTS) * size }
+}
+
+/// One host thread issuing the same connection calls directly: calls per second (the final
+/// flush, outside the timing, is bounded by `timeout`).
+fn direct(r: &LoadRank, op: Op, size: u64, peers: usize, n: u64, timeout: Duration) -> Result<f64, String> {
+    let src = r.local.memory();
+    let t0 = Instant::now();
+    for i in 0..n {
+        let p = (i % peers as u64) as usize;
+        let off = offset(op, i, peers, size);
+        if op != Op::Signal {
+            r.conns[p].write(&r.remotes[p], off, src, off, size).map_err(e)?;
+        }
+        if op != Op::Put {
+            r.host_sems[p].signal().map_err(e)?;
+        }
+    }
+    let el = t0.elapsed().as_secs_f64();
+    for c in &r.conns[..peers] {
+        c.flush(timeout).map_err(e)?;
+    }
+    Ok(n as f64 / el)
+}
+
+/// Everything one proxy row needs.
+struct Rig<'a> {
+    kern: &'a Kernel,
+    proxy: &'a ProxyService,
+    stream: &'a Stream,
+    table: LoadPeers,
+    timeout: Duration,
+}
+
+impl Rig<'_> {
+    /// Triggers per second through the proxy: launch until the proxy popped every trigger.
+    fn run(&self, op: Op, size: u64, peers: usize, blocks: u32, threads: u32, per: i32) -> Result<f64, String> {
+        let total = (blocks * threads) as u64 * per as u64;
+        let before = self.proxy.processed();
+        let mut table = self.table;
+        table.npeers = peers as u32;
+        let (mut h, mut o, mut sz, mut p, mut ms) =
+            (self.proxy.fifo().device_handle(), op.code(), size, per, MAX_SPINS);
+        let t0 = Instant::now();
+        launch(self.kern, blocks, threads, self.stream, &mut args![h, table, o, sz, p, ms])?;
+        loop {
+            let done = self.proxy.processed() - before;
+            if done >= total {
+                break;
+            }
+            self.proxy.status().map_err(|x| format!("proxy load row: the proxy failed: {x}"))?;
+            if t0.elapsed() > self.timeout {
+                return Err(format!(
+                    "proxy load row ({} {}, {peers} peers, {} producers): only {done} of {total} triggers popped \
+                     after {:?} (the kernel's pushes trap {MAX_SPINS} wait rounds after the proxy stops)",
+                    op.name(),
+                    human(size as usize),
+                    blocks * threads,
+                    self.timeout
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        let el = t0.elapsed().as_secs_f64();
+        self.stream.synchronize(self.timeout).map_err(|x| {
+            format!("proxy load kernel: {x} (a trap means a push waited {MAX_SPINS} rounds for a free slot)")
+        })?;
+        Ok(total as f64 / el)
+    }
+}
+
+/// The proxy rows over `t`.
+fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration) -> Result<(), String> {
+    let mut rs = ranks(t, dev, timeout)?;
+    let r0 = &mut rs[0];
+    let mut proxy = ProxyService::new(r0.comm.context(), dev, ProxyConfig::default()).map_err(e)?;
+    let mut table = LoadPeers { sem: [0; 8], dst: [0; 8], src: 0, npeers: 1, slots: SLOTS as u32, pad: 0 };
+    for (p, s) in std::mem::take(&mut r0.proxy_sems).into_iter().enumerate() {
+        table.sem[p] = proxy.add_semaphore(s).map_err(e)?.0;
+        table.dst[p] = proxy.add_memory(r0.remotes[p].clone()).map_err(e)?.0;
+    }
+    table.src = proxy.add_memory(r0.local.memory().clone()).map_err(e)?.0;
+    proxy.start().map_err(e)?;
+    let stream = Stream::new(dev).map_err(e)?;
+    let rig = Rig { kern, proxy: &proxy, stream: &stream, table, timeout };
+    let r0 = &rs[0];
+    let groups = [
+        (Op::Put, 8u64),
+        (Op::Put, 512),
+        (Op::Put, MAX_SIZE),
+        (Op::PutWithSignal, 8),
+        (Op::PutWithSignal, MAX_SIZE),
+        (Op::Signal, 0),
+    ];
+    let res = (|| -> Result<(), String> {
+        for peers in [1usize, 4, 8] {
+            for (op, size) in groups {
+                // Size the counts from a short baseline run, then time the baseline itself.
+                let probe = direct(r0, op, size, peers, 2048, timeout)?;
+                let n = ((probe * TARGET_S) as u64).clamp(8192, 1 << 20);
+                let base = direct(r0, op, size, peers, n, timeout)?;
+                let what = if op == Op::Signal {
+                    format!("{t} signal")
+                } else {
+                    format!("{t} {} {}", op.name(), human(size as usize))
+                };
+                for (blocks, threads) in PRODUCERS {
+                    let producers = (blocks * threads) as u64;
+                    let per = n.div_ceil(producers).max(1);
+                    let per = i32::try_from(per).map_err(|_| "proxy load: too many triggers per thread".to_string())?;
+                    let rate = rig.run(op, size, peers, blocks, threads, per)?;
+                    let goal = if op == Op::Signal { "goal >= 5 M/s" } else { "goal ratio >= 0.8" };
+                    row(format!(
+                        "proxy load, {what} -> {peers} peers, {producers:>5} producers: {:7.3} M triggers/s, host \
+                         direct {:7.3} M/s, ratio {:.2} ({} triggers; {goal})",
+                        rate / 1e6,
+                        base / 1e6,
+                        rate / base,
+                        producers * per as u64
+                    ));
+                }
+            }
+        }
+        Ok(())
+    })();
+    let stopped = proxy.stop().map_err(e);
+    res.and(stopped)
+}
+
+/// The proxy load rows, over CUDA IPC then Ethernet (see the module doc).
+pub fn run(dev: u32, kern: &Kernel, timeout: Duration) -> Result<(), String> {
+    row("proxy load: one FIFO + proxy on rank 0 serving 1/4/8 in-process peers; GPU producers (blocks x threads) \
+         push triggers; host direct = one host thread issuing the same calls"
+        .into());
+    rows_over(Transport::CudaIpc, dev, kern, timeout)?;
+    rows_over(Transport::Ethernet, dev, kern, timeout)
+}

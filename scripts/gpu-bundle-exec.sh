@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Builds what one GPU-machine call needs to check the executor (issue #28), into the git-ignored
+# folder gpu-bundle-exec/:
+#   - the release test binary of mscclpp-executor's GPU tests (tests/gpu.rs), in bin.tar.xz;
+#   - mscclpp-perf (release) and the generated plans (plans/), for `--plan` runs;
+#   - run.sh: every GPU test in its own process under `timeout`, one PASS/FAIL line per test
+#     (TIMEOUT when it ran past its cap), the failing messages after the summary; logs under $OUT.
+# The GPU machine needs no Rust toolchain and no network (the kernel is compiled there by NVRTC
+# from the driver's libnvrtc, as for the collectives).
+# Device call: carry ["gpu-bundle-exec"], command "bash gpu-bundle-exec/run.sh".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=gpu-bundle-exec
+rm -rf "$out" && mkdir -p "$out/bin"
+cargo test --release -p mscclpp-executor --test gpu --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        shutil.copy(m["executable"], sys.argv[1] + "/bin/exec-gpu")
+' "$out"
+test -x "$out/bin/exec-gpu" || { echo "the test binary was not built" >&2; exit 1; }
+cargo build --release -q -p mscclpp-perf
+cp target/release/mscclpp-perf "$out/bin/"
+cargo run --release -q -p mscclpp-executor --example write_plans -- "$out/bin/plans" >/dev/null
+(cd "$out" && tar cJf bin.tar.xz bin && rm -rf bin)
+cat > "$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+set -u
+cd "$(dirname "$0")"
+logs=${OUT:-logs}; mkdir -p "$logs"
+tar xJf bin.tar.xz
+budget=${RUN_BUDGET:-300}
+sum="$logs/summary.txt"; : > "$sum"
+fails="$logs/failures.txt"; : > "$fails"
+# Caps: longer than the tests' own bounds (20 s kernel timeouts, 60 s synchronize, 70 s
+# bootstrap waits) where a failure can stack them, so a test reports before it is killed.
+cap_for() { case "$1" in *proxy*|*large*|*4_ranks*) echo 90;; *) echo 45;; esac; }
+for t in $(./bin/exec-gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
+  cap=$(cap_for "$t"); l=$((budget - SECONDS - 5)); [ "$l" -lt "$cap" ] || l=$cap
+  if [ "$l" -le 5 ]; then echo "SKIPPED (deadline) $t" | tee -a "$sum"; continue; fi
+  log="$logs/$t.log"; t0=$SECONDS
+  timeout "$l" ./bin/exec-gpu --ignored --exact --nocapture --test-threads=1 "$t" > "$log" 2>&1
+  rc=$?; r=PASS
+  [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${l}s"
+  echo "$r $t ($((SECONDS - t0))s)" | tee -a "$sum"
+  if [ "$r" != PASS ]; then
+    { echo "=== $t: $r"; grep -v '^\s*[0-9]*: \|^\s*at ' "$log" | tail -60; } >> "$fails"
+  else
+    grep -h "host cost\|reported after" "$log" >> "$sum" || true
+  fi
+done
+# mscclpp-perf --plan: a plan timed like the built-in algorithms, with --check (memory channels
+# with 2 ranks; port channels through the proxy over CUDA IPC with 4).
+perf_run() {
+  name=$1; shift; l=$((budget - SECONDS - 5)); [ "$l" -lt 45 ] || l=45
+  if [ "$l" -le 5 ]; then echo "SKIPPED (deadline) perf $name" | tee -a "$sum"; return; fi
+  log="$logs/perf-$name.log"; t0=$SECONDS
+  timeout "$l" ./bin/mscclpp-perf "$@" > "$log" 2>&1
+  rc=$?; r=PASS; [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${l}s"
+  echo "$r perf $name ($((SECONDS - t0))s)" | tee -a "$sum"
+  if [ "$r" != PASS ]; then { echo "=== perf $name: $r"; tail -40 "$log"; } >> "$fails"; else tail -4 "$log" >> "$sum"; fi
+}
+perf_run allpair-ll-2 allreduce --plan bin/plans/allpair_allreduce_2_ll_oop.json --ranks 2 -b 4K -e 1M -d i32 --check --timeout 20
+perf_run two-node-simple-4 allreduce --plan bin/plans/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 20
+echo; echo "== summary"; cat "$sum"
+if [ -s "$fails" ]; then echo; echo "== failures"; cat "$fails"; fi
+RUN
+chmod +x "$out/run.sh"
+echo "built $out ($(du -sh "$out" | cut -f1)); device call: carry [\"$out\"], command \"bash $out/run.sh\""

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds what the GPU machine needs to check libmscclpp_nccl.so into the git-ignored folder
+# gpu-bundle-nccl/: the release libmscclpp_nccl.so, the Python tests (torchrun script and the
+# PyNCCL pytest), and in bin.tar.xz the release GPU test binary of the device point-to-point path
+# (mscclpp-collectives' gpu_p2p) and the overhead driver (mscclpp-nccl's nccl_overhead example).
+# Then, on the GPU machine, from the repository root: bash scripts/gpu-nccl.sh
+# (device call: carry ["gpu-bundle-nccl"], command "bash scripts/gpu-nccl.sh").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=gpu-bundle-nccl
+rm -rf "$out" && mkdir -p "$out/bin"
+cargo build --release -p mscclpp-nccl --lib --example nccl_overhead
+cp target/release/libmscclpp_nccl.so "$out/"
+cp target/release/examples/nccl_overhead "$out/bin/"
+cargo test --release -p mscclpp-collectives --test gpu_p2p --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_p2p":
+        shutil.copy(m["executable"], sys.argv[1] + "/bin/gpu_p2p")
+' "$out"
+test -x "$out/bin/gpu_p2p"
+(cd "$out" && tar cJf bin.tar.xz bin && rm -rf bin)
+cp crates/mscclpp-nccl/tests/python/*.py "$out/"
+ls -la "$out"
+du -sh "$out"
