@@ -13,8 +13,9 @@ use tracing::{debug, warn};
 use super::acceptor::dial;
 use super::core::{Op, SenderCore};
 use super::recv::{Drainer, RxState, receiver_loop};
-use super::send::{Src, Tx, sender_loop, stall_limit};
+use super::send::{OutLanes, Src, Tx, ack_loop, sender_loop, stall_limit};
 use super::stager::Stager;
+use super::wire::Lane;
 use super::{CLOSE_GRACE, LOG};
 use crate::conn::endpoint::{Endpoint, EndpointKind};
 use crate::conn::{ConnInner, Connection, ConnectionImpl, Progress};
@@ -49,20 +50,20 @@ pub(super) struct Shared {
     pub(super) cond: Condvar,
     /// Wakes the sender thread: work queued, failure, stop.
     pub(super) tx_cond: Condvar,
-    /// The frame socket (this side's frames out, the peer's in), locked by whoever sends; `None`
-    /// until known (on the high side it is the accepted one, which the receiver thread takes).
-    pub(super) out: Mutex<Option<TcpStream>>,
-    /// Clones of the frame socket and of the record socket (acknowledgements both ways) once
-    /// known, for shutdown.
-    pub(super) frames_ctl: Mutex<Option<TcpStream>>,
-    pub(super) records_ctl: Mutex<Option<TcpStream>>,
-    /// Whether this side is the low one (see "Sockets" in `mod.rs`): its dialled socket carries
-    /// the frames, the accepted one the records; the other way round on the high side.
+    /// This side's sockets for its frames (both lanes), locked by whoever sends; `None` until
+    /// both are known (on the high side the shared one is accepted: the receiver thread takes
+    /// it).
+    pub(super) out: Mutex<Option<OutLanes>>,
+    /// Clones of the three sockets once known, for shutdown: the shared lane (small frames both
+    /// ways), the peer's own lane (its large writes in, this side's records out) and this
+    /// side's own lane (large writes out, the peer's records in).
+    pub(super) shared_ctl: Mutex<Option<TcpStream>>,
+    pub(super) in_ctl: Mutex<Option<TcpStream>>,
+    pub(super) own_ctl: Mutex<Option<TcpStream>>,
+    /// Whether this side is the low one (see "Sockets" in `mod.rs`): it dials the shared lane.
     pub(super) low: bool,
     /// The receiver thread has its sockets (so it sends a closing record when closing).
     pub(super) rx_started: AtomicBool,
-    /// Threads the receiver thread started (the record reader), joined on drop.
-    pub(super) late_threads: Mutex<Vec<JoinHandle<()>>>,
     /// The receiving half, once the peer's socket arrived.
     pub(super) rx: Mutex<Option<RxState>>,
     /// When a waiting thread last polled the socket itself, in ns since `born`.
@@ -83,10 +84,11 @@ impl Shared {
         self.fail_with(e, true);
     }
 
-    /// Records the first failure and wakes everyone, and shuts the frame socket; with
-    /// `cut_acks`, also the record socket both ways, ending the acknowledgement stream (not when
-    /// the peer merely closed its side: its last acknowledgements may still be on their way
-    /// here; then only this side's records end).
+    /// Records the first failure and wakes everyone, and shuts the shared lane and the peer's
+    /// lane (frames both ways, this side's records); with `cut_acks`, also this side's own lane
+    /// both ways, ending the peer's acknowledgement stream (not when the peer merely closed its
+    /// side: its last acknowledgements may still be on their way here; then only this side's
+    /// frames end).
     pub(super) fn fail_with(&self, e: Error, cut_acks: bool) {
         let mut st = lock(&self.st);
         if st.failed.is_none() && !st.closing {
@@ -97,17 +99,19 @@ impl Shared {
         drop(st);
         self.cond.notify_all();
         self.tx_cond.notify_all();
-        if let Some(s) = lock(&self.frames_ctl).as_ref() {
-            let _ = s.shutdown(Shutdown::Both);
+        for c in [&self.shared_ctl, &self.in_ctl] {
+            if let Some(s) = lock(c).as_ref() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
-        if let Some(s) = lock(&self.records_ctl).as_ref() {
+        if let Some(s) = lock(&self.own_ctl).as_ref() {
             let _ = s.shutdown(if cut_acks { Shutdown::Both } else { Shutdown::Write });
         }
     }
 
-    /// Shuts both sockets both ways (those known).
+    /// Shuts every socket both ways (those known).
     fn shut_all(&self) {
-        for c in [&self.frames_ctl, &self.records_ctl] {
+        for c in [&self.shared_ctl, &self.in_ctl, &self.own_ctl] {
             if let Some(s) = lock(c).as_ref() {
                 let _ = s.shutdown(Shutdown::Both);
             }
@@ -294,10 +298,12 @@ impl Drop for EthernetConnection {
         }
         self.sh.cond.notify_all();
         self.sh.tx_cond.notify_all();
-        // The receiver first: its socket shut for reading wakes it, it acknowledges every frame
-        // it applied (see "Closing" above), and only then does the socket close.
-        if let Some(s) = lock(&self.sh.frames_ctl).as_ref() {
-            let _ = s.shutdown(Shutdown::Read);
+        // The receiver first: its sockets shut for reading wake it, it acknowledges every frame
+        // it applied (see "Closing" above), and only then do the sockets close.
+        for c in [&self.sh.shared_ctl, &self.sh.in_ctl] {
+            if let Some(s) = lock(c).as_ref() {
+                let _ = s.shutdown(Shutdown::Read);
+            }
         }
         {
             let end = Deadline::after(CLOSE_GRACE);
@@ -311,11 +317,9 @@ impl Drop for EthernetConnection {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        // A receiver that had not yet taken its socket may have stored it after the shutdown above.
+        // A receiver that had not yet taken its sockets may have stored them after the shutdown
+        // above.
         self.sh.shut_all();
-        for t in std::mem::take(&mut *lock(&self.sh.late_threads)) {
-            let _ = t.join();
-        }
     }
 }
 
@@ -336,20 +340,28 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let EndpointKind::Ethernet { addr: my_addr, secret: my_secret } = &local.desc().kind else {
         return Err(Error::invalid_usage("not a pair of Ethernet endpoints"));
     };
-    // Both sides order the two endpoints alike: the low side's dialled socket carries the frames
-    // both ways, the high side's the records (see "Sockets" in `mod.rs`).
+    // Both sides order the two endpoints alike: the low side dials the shared lane too (see
+    // "Sockets" in `mod.rs`).
     let low = (*my_addr, *my_secret) < (*addr, *secret);
-    let (dialled, remote_context) =
-        dial(*addr, secret, ctx.inner().id, deadline).map_err(|e| e.during(format!("connecting to {peer_desc}")))?;
-    // A send blocks while the peer's socket is full; a peer that reads nothing for this long
-    // (stopped, stuck) fails the connection instead of hanging the sending thread, which may be
-    // the caller's own (small writes and signals are sent inline).
-    dialled
-        .set_write_timeout(Some(stall_limit(cfg.ethernet.connect_timeout)))
-        .map_err(|e| Error::io("setting the send timeout of a socket", e))?;
-    let clone = || dialled.try_clone().map_err(|e| Error::io("cloning a socket", e));
-    let (out, frames_ctl, records_ctl) =
-        if low { (Some(clone()?), Some(clone()?), None) } else { (None, None, Some(clone()?)) };
+    let dial_lane = |lane: Lane| {
+        let (s, ctx_id) = dial(*addr, secret, ctx.inner().id, lane, deadline)
+            .map_err(|e| e.during(format!("connecting to {peer_desc}")))?;
+        // A send blocks while the peer's socket is full; a peer that reads nothing for this long
+        // (stopped, stuck) fails the connection instead of hanging the sending thread, which may
+        // be the caller's own (small writes and signals are sent inline).
+        s.set_write_timeout(Some(stall_limit(cfg.ethernet.connect_timeout)))
+            .map_err(|e| Error::io("setting the send timeout of a socket", e))?;
+        let _ = s.set_nodelay(true);
+        Ok::<_, Error>((s, ctx_id))
+    };
+    let (own, remote_context) = dial_lane(Lane::Own)?;
+    let shared = if low { Some(dial_lane(Lane::Shared)?.0) } else { None };
+    let clone = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("cloning a socket", e));
+    let (own_ctl, own_acks) = (clone(&own)?, clone(&own)?);
+    let (out, shared_ctl) = match &shared {
+        Some(sh) => (Some(OutLanes { shared: clone(sh)?, own: clone(&own)? }), Some(clone(sh)?)),
+        None => (None, None),
+    };
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
         st: Mutex::new(State {
@@ -365,11 +377,11 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         cond: Condvar::new(),
         tx_cond: Condvar::new(),
         out: Mutex::new(out),
-        frames_ctl: Mutex::new(frames_ctl),
-        records_ctl: Mutex::new(records_ctl),
+        shared_ctl: Mutex::new(shared_ctl),
+        in_ctl: Mutex::new(None),
+        own_ctl: Mutex::new(Some(own_ctl)),
         low,
         rx_started: AtomicBool::new(false),
-        late_threads: Mutex::new(Vec::new()),
         rx: Mutex::new(None),
         waiter_polled: AtomicU64::new(0),
         born: Instant::now(),
@@ -387,7 +399,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             .map_err(|e| Error::io(format!("starting thread {name}"), e))
     };
     let mut conn = EthernetConnection { sh: sh.clone(), remote_context, threads: Vec::new() };
-    let (s1, s3) = (sh.clone(), sh.clone());
+    let (s1, s2, s3) = (sh.clone(), sh.clone(), sh.clone());
     let ctx_inner = ctx.inner().clone();
     // Threads serving a GPU run on its NUMA node (where its staging copies are cheapest); for
     // host memory they are left to the scheduler.
@@ -410,11 +422,12 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             sender_loop(s1)
         }),
     )?);
+    threads.push(spawn("mscclpp-eth-ack", Box::new(move || ack_loop(s2, own_acks)))?);
     threads.push(spawn(
         "mscclpp-eth-rx",
         Box::new(move || {
             pin("mscclpp-eth-rx");
-            receiver_loop(s3, ctx_inner, acceptor, deadline, dialled)
+            receiver_loop(s3, ctx_inner, acceptor, deadline, shared, own)
         }),
     )?);
     conn.threads = threads;

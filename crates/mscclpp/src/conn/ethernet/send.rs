@@ -9,9 +9,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::connection::Shared;
-use super::core::{Op, QueueFull};
+use super::core::{Batch, Op, QueueFull};
 use super::stager::{StageError, stager_for};
-use super::wire::{self, Record};
+use super::wire::{self, Lane, Record};
 use super::{COALESCE_GRACE, INLINE_LIMIT, TX_LINGER, TX_TICK};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{LocalRegion, Mem};
@@ -34,6 +34,21 @@ pub(super) fn inline(op: &Op<Src>) -> bool {
     match op {
         Op::Write { src, len, .. } => *len <= INLINE_LIMIT && matches!(src.mem, Mem::Host(_)),
         _ => true,
+    }
+}
+
+/// This side's two outgoing sockets, for the frames of each lane.
+pub(super) struct OutLanes {
+    pub(super) shared: TcpStream,
+    pub(super) own: TcpStream,
+}
+
+impl OutLanes {
+    fn get(&mut self, lane: Lane) -> &mut TcpStream {
+        match lane {
+            Lane::Shared => &mut self.shared,
+            Lane::Own => &mut self.own,
+        }
     }
 }
 
@@ -122,9 +137,10 @@ impl Shared {
         Ok(())
     }
 
-    /// Sends queued operations in order, a batch per `sendmsg`. With `inline_only` (the calling
+    /// Sends queued operations in order, a batch per `sendmsg` (on the batch's lane, after the
+    /// lane switch on the other one if the lane changes). With `inline_only` (the calling
     /// thread), stops at the first operation only the sender thread sends.
-    fn pump(&self, out: &mut TcpStream, inline_only: bool) {
+    fn pump(&self, out: &mut OutLanes, inline_only: bool) {
         loop {
             let batch = {
                 let mut st = lock(&self.st);
@@ -154,7 +170,7 @@ impl Shared {
     /// Sends one batch: host payloads straight from their regions in one `sendmsg`; GPU
     /// payloads staged through pinned memory, the copy of one chunk overlapping the send of the
     /// previous one.
-    fn send_batch(&self, out: &mut TcpStream, batch: &[(wire::FrameHeader, Op<Src>)]) -> Result<()> {
+    fn send_batch(&self, out: &mut OutLanes, batch: &Batch<Src>) -> Result<()> {
         let io_err = |e: std::io::Error| {
             let why = match e.kind() {
                 std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
@@ -176,9 +192,14 @@ impl Shared {
             };
             Error::remote(why).with_source(e)
         };
-        let headers: Vec<[u8; wire::HEADER]> = batch.iter().map(|(h, _)| h.encode()).collect();
-        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.len());
-        for ((_, op), h) in batch.iter().zip(&headers) {
+        if let Some(lead) = &batch.lead {
+            send_vectored(out.get(batch.lane.other()), &[lead.encode()[..].into()]).map_err(io_err)?;
+        }
+        let out = out.get(batch.lane);
+        let headers: Vec<[u8; wire::HEADER]> = batch.frames.iter().map(|(h, _)| h.encode()).collect();
+        let tail = batch.tail.map(|h| h.encode());
+        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.frames.len() + 1);
+        for ((_, op), h) in batch.frames.iter().zip(&headers) {
             parts.push(h[..].into());
             if let Op::Write { src, src_off, len, .. } = op {
                 match &src.mem {
@@ -195,6 +216,9 @@ impl Shared {
                     }
                 }
             }
+        }
+        if let Some(t) = &tail {
+            parts.push(t[..].into());
         }
         send_vectored(out, &parts).map_err(io_err)
     }
