@@ -66,8 +66,10 @@ pub(super) struct Shared {
     pub(super) rx_started: AtomicBool,
     /// The receiving half, once the peer's socket arrived.
     pub(super) rx: Mutex<Option<RxState>>,
-    /// When a waiting thread last polled the socket itself, in ns since `born`.
+    /// When a waiting thread last polled the socket itself, in ns since `born` (0: it stopped).
     pub(super) waiter_polled: AtomicU64,
+    /// The receiver thread, to wake from its nap when a waiter stops polling.
+    pub(super) rx_thread: std::sync::OnceLock<std::thread::Thread>,
     pub(super) born: Instant,
     pub(super) stop: AtomicBool,
     /// Sequence number of the last acknowledgement probe queued by `progress(true)`.
@@ -99,6 +101,7 @@ impl Shared {
         drop(st);
         self.cond.notify_all();
         self.tx_cond.notify_all();
+        self.wake_receiver();
         for c in [&self.shared_ctl, &self.in_ctl] {
             if let Some(s) = lock(c).as_ref() {
                 let _ = s.shutdown(Shutdown::Both);
@@ -106,6 +109,13 @@ impl Shared {
         }
         if let Some(s) = lock(&self.own_ctl).as_ref() {
             let _ = s.shutdown(if cut_acks { Shutdown::Both } else { Shutdown::Write });
+        }
+    }
+
+    /// Wakes the receiver thread from a nap (see `recv.rs`).
+    pub(super) fn wake_receiver(&self) {
+        if let Some(t) = self.rx_thread.get() {
+            t.unpark();
         }
     }
 
@@ -260,6 +270,11 @@ impl ConnectionImpl for EthernetConnection {
         }
     }
 
+    fn stop_polling(&self) {
+        self.sh.waiter_polled.store(0, Ordering::Relaxed);
+        self.sh.wake_receiver();
+    }
+
     /// Acknowledgements come every 256 frames or when asked: a request queues one probe (a frame
     /// asking for an acknowledgement) unless one is already queued behind everything issued.
     fn progress(&self, request: bool) -> Result<Progress> {
@@ -298,6 +313,7 @@ impl Drop for EthernetConnection {
         }
         self.sh.cond.notify_all();
         self.sh.tx_cond.notify_all();
+        self.sh.wake_receiver();
         // The receiver first: its sockets shut for reading wake it, it acknowledges every frame
         // it applied (see "Closing" above), and only then do the sockets close.
         for c in [&self.sh.shared_ctl, &self.sh.in_ctl] {
@@ -384,6 +400,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         rx_started: AtomicBool::new(false),
         rx: Mutex::new(None),
         waiter_polled: AtomicU64::new(0),
+        rx_thread: std::sync::OnceLock::new(),
         born: Instant::now(),
         stop: AtomicBool::new(false),
         ack_asked: AtomicU64::new(0),

@@ -1,12 +1,13 @@
 //! The receiving side of a connection: the peer's frames applied as the receiver core directs,
 //! by the receiver thread or by a thread waiting for a signal, whichever gets there first.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::net::Shutdown;
 use std::net::TcpStream;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tracing::{debug, warn};
@@ -25,9 +26,13 @@ use crate::sync::{Deadline, lock};
 use crate::transport::Transport;
 
 /// While a waiting thread polled the socket itself (`poll_incoming`) this recently, the receiver
-/// thread keeps away from it (two readers of one socket only contend), and looks again after
-/// the rest of this time (each wake-up takes a CPU from a spinning waiter on a small machine).
+/// thread keeps away from it (two readers of one socket only contend), and naps: each wake-up
+/// takes a CPU from a spinning waiter on a small machine.
 const RX_DEFER: Duration = Duration::from_millis(1);
+/// The receiver thread's nap doubles from [`RX_DEFER`] up to this while waiters keep polling
+/// (a waiter that stops polling without its signal wakes it at once; frames that come after a
+/// waiter returned, with no waiter polling, wait at most this long).
+const RX_NAP_MAX: Duration = Duration::from_millis(8);
 /// How often a blocked receiver thread looks at the stop flag.
 const RX_STOP_CHECK: Duration = Duration::from_millis(100);
 
@@ -57,8 +62,35 @@ impl Read for RxSocket {
 }
 
 /// What the receiver core learns of a region of this context.
+#[cfg(test)]
 fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
+    info_of(ctx.lookup_region(id)?)
+}
+
+/// The last two regions frames named, by id, held weakly (see [`region_info_cached`]).
+type RegionCache = RefCell<[Option<(u64, Weak<LocalRegion>)>; 2]>;
+
+/// [`region_info`] through a two-entry cache of the last regions looked up (a ping-pong names
+/// the same two regions, data and token, over and over). The cache holds a weak reference: a
+/// region dropped since (which is what deregisters it) fails to upgrade, and the lookup then
+/// goes to the context's table, which no longer has it either.
+fn region_info_cached(ctx: &ContextInner, cache: &RegionCache, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
+    let mut c = cache.borrow_mut();
+    for (cid, w) in c.iter().flatten() {
+        if *cid == id
+            && let Some(r) = w.upgrade()
+        {
+            return info_of(r);
+        }
+    }
     let r = ctx.lookup_region(id)?;
+    // The newest first; the older of the two goes.
+    c.swap(0, 1);
+    c[0] = Some((id, Arc::downgrade(&r)));
+    info_of(r)
+}
+
+fn info_of(r: Arc<LocalRegion>) -> Option<RegionInfo<Arc<LocalRegion>>> {
     Some(RegionInfo {
         addr: r.mem.addr(),
         len: r.mem.len(),
@@ -80,6 +112,8 @@ pub(super) struct RxState {
     pub(super) core: ReceiverCore,
     /// The region of the write being received.
     cur: Option<Arc<LocalRegion>>,
+    /// The last two regions frames named (see [`region_info_cached`]).
+    regions: RegionCache,
     pub(super) stagers: HashMap<u32, Stager>,
     pub(super) ctx: Arc<ContextInner>,
     /// The connection is over on this side (failed or closed): nothing more is read.
@@ -109,8 +143,8 @@ impl RxState {
     /// socket's read timeout). Failures end the connection (`done`).
     pub(super) fn drain(&mut self, sh: &Shared, who: Drainer) -> bool {
         let mut progressed = false;
-        let ctx = self.ctx.clone();
-        let lookup = |id: u64| region_info(&ctx, id);
+        let (ctx, cache) = (&self.ctx, &self.regions);
+        let lookup = |id: u64| region_info_cached(ctx, cache, id);
         let report = |e: StageError| {
             let e = match e {
                 StageError::Io(e) => e.to_string(),
@@ -355,6 +389,7 @@ pub(super) fn receive(
         lane: Lane::Shared,
         core: ReceiverCore::default(),
         cur: None,
+        regions: RefCell::new([None, None]),
         stagers: HashMap::new(),
         ctx,
         done: false,
@@ -364,16 +399,21 @@ pub(super) fn receive(
     // after a switch not yet here), wait on this one alone for a while.
     let mut lane = Lane::Shared;
     let mut one_lane = false;
+    let _ = sh.rx_thread.set(std::thread::current());
+    let mut nap = RX_DEFER;
     loop {
         if sh.stop.load(Ordering::Acquire) {
             break;
         }
         let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
         if since < RX_DEFER.as_nanos() as u64 {
-            // A waiter is reading the sockets itself.
-            std::thread::sleep(RX_DEFER - Duration::from_nanos(since));
+            // A waiter is reading the sockets itself: nap (longer each time it still is), unless
+            // it stops polling and wakes this thread.
+            std::thread::park_timeout(nap.saturating_sub(Duration::from_nanos(since)).max(RX_DEFER / 2));
+            nap = (nap * 2).min(RX_NAP_MAX);
             continue;
         }
+        nap = RX_DEFER;
         // Block in `poll` without the lock, so a waiter may take the data first.
         let wait = if one_lane { RX_DEFER } else { RX_STOP_CHECK };
         let ready = readable_lanes(&shared_watch, &in_watch, lane, !one_lane, wait);

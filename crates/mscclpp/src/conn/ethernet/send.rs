@@ -124,8 +124,11 @@ impl Shared {
         if inline
             && let Ok(mut out) = self.out.try_lock()
             && let Some(out) = out.as_mut()
+            && self.pump(out, true)
         {
-            self.pump(out, true);
+            // The queue was empty after this thread's last batch: an operation queued since
+            // then was looked after by its own caller (whose `try_lock` above failed).
+            return Ok(());
         }
         // Wake the sender thread if anything is left (it re-checks under the lock).
         let mut st = lock(&self.st);
@@ -140,21 +143,25 @@ impl Shared {
     /// Sends queued operations in order, a batch per `sendmsg` (on the batch's lane, after the
     /// lane switch on the other one if the lane changes). With `inline_only` (the calling
     /// thread), stops at the first operation only the sender thread sends.
-    fn pump(&self, out: &mut OutLanes, inline_only: bool) {
+    ///
+    /// Returns true when it left the queue empty (after its last batch; a failure counts as
+    /// empty: nothing more is sent).
+    fn pump(&self, out: &mut OutLanes, inline_only: bool) -> bool {
         loop {
-            let batch = {
+            let (batch, idle) = {
                 let mut st = lock(&self.st);
                 if st.failed.is_some() {
-                    return;
+                    return true;
                 }
                 let b = st.core.next_batch(|op| !inline_only || inline(op));
-                if st.core.is_idle() {
+                let idle = st.core.is_idle();
+                if idle {
                     st.held_since = None;
                 }
-                b
+                (b, idle)
             };
             if batch.is_empty() {
-                return;
+                return idle;
             }
             if let Err(e) = self.send_batch(out, &batch) {
                 // The peer closed its end (its closing record, if any, is still on its way to the
@@ -162,7 +169,10 @@ impl Shared {
                 let closed =
                     matches!(e.io_kind(), Some(std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset));
                 self.fail_with(e, !closed);
-                return;
+                return true;
+            }
+            if idle {
+                return true;
             }
         }
     }
@@ -265,7 +275,9 @@ pub(super) fn sender_loop(sh: Arc<Shared>) {
         last_work = Instant::now();
         let mut out = lock(&sh.out);
         match out.as_mut() {
-            Some(out) => sh.pump(out, false),
+            Some(out) => {
+                sh.pump(out, false);
+            }
             // The high side's frame socket is the accepted one: the receiver thread installs it.
             None => {
                 drop(out);
