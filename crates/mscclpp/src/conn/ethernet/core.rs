@@ -73,6 +73,11 @@ pub(crate) struct Batch<S> {
 }
 
 impl<S> Batch<S> {
+    /// A batch with nothing to send.
+    pub(crate) fn empty() -> Self {
+        Batch { lane: Lane::Shared, lead: None, frames: Vec::new(), tail: None }
+    }
+
     /// Whether there is nothing to send.
     pub(crate) fn is_empty(&self) -> bool {
         self.frames.is_empty()

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::connection::Shared;
+use super::connection::{Shared, State};
 use super::core::{Batch, Op, QueueFull};
 use super::stager::{StageError, stager_for};
 use super::wire::{self, Lane, Record};
@@ -120,15 +120,25 @@ impl Shared {
             }
             return Ok(());
         }
-        drop(st);
-        if inline
-            && let Ok(mut out) = self.out.try_lock()
-            && let Some(out) = out.as_mut()
-            && self.pump(out, true)
-        {
-            // The queue was empty after this thread's last batch: an operation queued since
-            // then was looked after by its own caller (whose `try_lock` above failed).
-            return Ok(());
+        if inline {
+            // Send from this thread when no other is sending: the first batch is taken under the
+            // state lock already held (`out` is only tried here, never waited for, so the
+            // other order elsewhere cannot deadlock).
+            if let Ok(mut out) = self.out.try_lock()
+                && let Some(out) = out.as_mut()
+            {
+                let first = take_batch(&mut st, true);
+                drop(st);
+                if self.pump(out, true, Some(first)) {
+                    // The queue was empty after this thread's last batch: an operation queued
+                    // since then was looked after by its own caller (whose `try_lock` failed).
+                    return Ok(());
+                }
+            } else {
+                drop(st);
+            }
+        } else {
+            drop(st);
         }
         // Wake the sender thread if anything is left (it re-checks under the lock).
         let mut st = lock(&self.st);
@@ -146,19 +156,12 @@ impl Shared {
     ///
     /// Returns true when it left the queue empty (after its last batch; a failure counts as
     /// empty: nothing more is sent).
-    fn pump(&self, out: &mut OutLanes, inline_only: bool) -> bool {
+    fn pump(&self, out: &mut OutLanes, inline_only: bool, first: Option<(Batch<Src>, bool)>) -> bool {
+        let mut first = first;
         loop {
-            let (batch, idle) = {
-                let mut st = lock(&self.st);
-                if st.failed.is_some() {
-                    return true;
-                }
-                let b = st.core.next_batch(|op| !inline_only || inline(op));
-                let idle = st.core.is_idle();
-                if idle {
-                    st.held_since = None;
-                }
-                (b, idle)
+            let (batch, idle) = match first.take() {
+                Some(b) => b,
+                None => take_batch(&mut lock(&self.st), inline_only),
             };
             if batch.is_empty() {
                 return idle;
@@ -234,6 +237,20 @@ impl Shared {
     }
 }
 
+/// Takes the next batch (see [`super::core::SenderCore::next_batch`]) and whether the queue is empty after
+/// it; nothing once the connection has failed (which counts as empty: nothing more is sent).
+fn take_batch(st: &mut State, inline_only: bool) -> (Batch<Src>, bool) {
+    if st.failed.is_some() {
+        return (Batch::empty(), true);
+    }
+    let b = st.core.next_batch(|op| !inline_only || inline(op));
+    let idle = st.core.is_idle();
+    if idle {
+        st.held_since = None;
+    }
+    (b, idle)
+}
+
 pub(super) fn sender_loop(sh: Arc<Shared>) {
     let mut last_work = Instant::now();
     loop {
@@ -276,7 +293,7 @@ pub(super) fn sender_loop(sh: Arc<Shared>) {
         let mut out = lock(&sh.out);
         match out.as_mut() {
             Some(out) => {
-                sh.pump(out, false);
+                sh.pump(out, false, None);
             }
             // The high side's frame socket is the accepted one: the receiver thread installs it.
             None => {
