@@ -185,8 +185,13 @@ impl Region {
     }
 }
 
-/// Sends all of `buf` on the socket `fd` (`MSG_NOSIGNAL`: a closed peer is `EPIPE`).
-fn send_all(fd: std::os::fd::RawFd, mut buf: &[u8]) -> std::io::Result<()> {
+/// Sends all of `buf` on `stream` in as few `send` calls as the kernel allows (`MSG_NOSIGNAL`: a
+/// closed peer is `EPIPE`, not `SIGPIPE`).
+pub(crate) fn send_all(stream: &TcpStream, buf: &[u8]) -> std::io::Result<()> {
+    send_fd(stream.as_raw_fd(), buf)
+}
+
+fn send_fd(fd: std::os::fd::RawFd, mut buf: &[u8]) -> std::io::Result<()> {
     while !buf.is_empty() {
         // SAFETY: `buf` is a live slice; send only reads `buf.len()` bytes of it.
         let r = unsafe { nix::libc::send(fd, buf.as_ptr().cast(), buf.len(), nix::libc::MSG_NOSIGNAL) };
@@ -233,7 +238,7 @@ pub(crate) fn send_vectored(stream: &TcpStream, parts: &[IoPart<'_>]) -> std::io
             unsafe { std::ptr::copy_nonoverlapping(p.ptr, buf.as_mut_ptr().add(n), p.len) };
             n += p.len;
         }
-        return send_all(fd, &buf[..n]);
+        return send_fd(fd, buf.get(..n).unwrap_or_default());
     }
     let mut idx = 0usize; // first part not fully sent
     let mut skip = 0usize; // bytes of parts[idx] already sent

@@ -15,7 +15,7 @@ use super::wire::{self, Lane, Record};
 use super::{COALESCE_GRACE, INLINE_LIMIT, TX_LINGER, TX_TICK};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{LocalRegion, Mem};
-use crate::platform::hostmem::{IoPart, send_vectored};
+use crate::platform::hostmem::{IoPart, send_all, send_vectored};
 use crate::sync::{Deadline, lock};
 use crate::wire::WireForm;
 
@@ -27,6 +27,9 @@ pub(super) type Src = Arc<LocalRegion>;
 pub(super) fn stall_limit(wait_limit: Duration) -> Duration {
     wait_limit.max(Duration::from_secs(1))
 }
+
+/// Batches up to this many bytes (headers and payloads) go through [`Shared::send_small`].
+const SMALL_BATCH: usize = 256;
 
 /// Whether the calling thread may send `op` (the sender thread sends larger writes and
 /// everything staged from GPU memory).
@@ -209,6 +212,9 @@ impl Shared {
             send_vectored(out.get(batch.lane.other()), &[lead.encode()[..].into()]).map_err(io_err)?;
         }
         let out = out.get(batch.lane);
+        if let Some(r) = self.send_small(out, batch) {
+            return r.map_err(io_err);
+        }
         let headers: Vec<[u8; wire::HEADER]> = batch.frames.iter().map(|(h, _)| h.encode()).collect();
         let tail = batch.tail.map(|h| h.encode());
         let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.frames.len() + 1);
@@ -235,6 +241,52 @@ impl Shared {
         }
         send_vectored(out, &parts).map_err(io_err)
     }
+}
+
+impl Shared {
+    /// A batch of at most [`SMALL_BATCH`] bytes from host memory (a small write and its signal)
+    /// gathered into one buffer, headers and payloads, and sent with one `send`; `None` (nothing
+    /// sent) for any other batch.
+    fn send_small(&self, out: &TcpStream, batch: &Batch<Src>) -> Option<std::io::Result<()>> {
+        let mut total = usize::from(batch.tail.is_some()) * wire::HEADER;
+        for (_, op) in &batch.frames {
+            if let Op::Write { src, .. } = op
+                && !matches!(src.mem, Mem::Host(_))
+            {
+                return None;
+            }
+            total += wire::HEADER + usize::try_from(op.payload()).ok()?;
+            if total > SMALL_BATCH {
+                return None;
+            }
+        }
+        let mut buf = [0u8; SMALL_BATCH];
+        let mut n = 0usize;
+        for (h, op) in &batch.frames {
+            put(&mut buf, &mut n, &h.encode())?;
+            if let Op::Write { src, src_off, len, .. } = op
+                && let Mem::Host(r) = &src.mem
+            {
+                let len = usize::try_from(*len).ok()?;
+                let dst = buf.get_mut(n..n.checked_add(len)?)?;
+                // The range was checked when the write was issued; should this fail, nothing
+                // was sent yet and the general path reports it.
+                r.read(*src_off, dst).ok()?;
+                n += len;
+            }
+        }
+        if let Some(t) = &batch.tail {
+            put(&mut buf, &mut n, &t.encode())?;
+        }
+        Some(send_all(out, buf.get(..n).unwrap_or_default()))
+    }
+}
+
+/// Appends `bytes` to `buf` at `*n`; `None` if they do not fit.
+fn put(buf: &mut [u8], n: &mut usize, bytes: &[u8]) -> Option<()> {
+    buf.get_mut(*n..n.checked_add(bytes.len())?)?.copy_from_slice(bytes);
+    *n += bytes.len();
+    Some(())
 }
 
 /// Takes the next batch (see [`super::core::SenderCore::next_batch`]) and whether the queue is empty after
