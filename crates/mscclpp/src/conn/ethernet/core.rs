@@ -66,10 +66,6 @@ pub(crate) struct Batch<S> {
     pub(crate) lane: Lane,
     /// A lane switch to send first, on the other lane (the one the last frame went on).
     pub(crate) lead: Option<FrameHeader>,
-    /// Frames that follow `frames` in sequence on the other lane, already queued: sent there
-    /// right after `lead`, in the same call, before `frames` go (the receiver applies them only
-    /// after `frames`, which it reaches through `lead` and leaves through `tail`).
-    pub(crate) then: Vec<(FrameHeader, Op<S>)>,
     pub(crate) frames: Vec<(FrameHeader, Op<S>)>,
     /// A lane switch to send after `frames`, on `lane`: the next queued operation goes on the
     /// other lane.
@@ -79,7 +75,7 @@ pub(crate) struct Batch<S> {
 impl<S> Batch<S> {
     /// A batch with nothing to send.
     pub(crate) fn empty() -> Self {
-        Batch { lane: Lane::Shared, lead: None, then: Vec::new(), frames: Vec::new(), tail: None }
+        Batch { lane: Lane::Shared, lead: None, frames: Vec::new(), tail: None }
     }
 
     /// Whether there is nothing to send.
@@ -230,14 +226,10 @@ impl<S> SenderCore<S> {
     /// [`BATCH_BYTES`] of payload (one larger write goes alone), all of one lane, stopping at
     /// the first operation `may_send` rejects. Lane switches come with it: `lead` when the batch
     /// goes on another lane than the last frame, `tail` when it stops before an operation of the
-    /// other lane (sent after the frames, in the same call). When both, the operations queued
-    /// after the batch on the lane the lead goes on come as `then`, sent with the lead (the
-    /// receiver reads them after the batch, which the lead and tail take it to and back from): a
-    /// large write and the signal after it take two calls, not three. (They may not wait for the
-    /// batch: a large write can fill the socket, and the receiver reads it only after the lead.)
+    /// other lane (sent after the frames, in the same call).
     pub(crate) fn next_batch(&mut self, may_send: impl Fn(&Op<S>) -> bool) -> Batch<S> {
         let lane = self.queue.front().map_or(self.lane, |(_, op)| op.lane());
-        let mut batch = Batch { lane, lead: None, then: Vec::new(), frames: Vec::new(), tail: None };
+        let mut batch = Batch { lane, lead: None, frames: Vec::new(), tail: None };
         let mut bytes = 0u64;
         while let Some((seq, op)) = self.queue.front() {
             if !may_send(op) {
@@ -262,18 +254,6 @@ impl<S> SenderCore<S> {
             bytes += len;
             if batch.frames.len() >= BATCH_OPS {
                 break;
-            }
-        }
-        if batch.lead.is_some() && batch.tail.is_some() {
-            // What follows on the other lane goes out with the lead (the tail names its first).
-            let mut n = batch.frames.len();
-            while let Some((_, op)) = self.queue.front() {
-                if op.lane() == lane || !may_send(op) || n >= BATCH_OPS {
-                    break;
-                }
-                let Some((seq, op)) = self.queue.pop_front() else { break };
-                batch.then.push((self.header(seq, &op), op));
-                n += 1;
             }
         }
         batch

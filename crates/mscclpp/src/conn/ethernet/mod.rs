@@ -11,37 +11,22 @@
 //! handle, `flush`, closing, and `connect`, which starts the three threads).
 //!
 //! # Sockets
-//! Each pair of endpoints has three TCP sockets, in two kinds of [`wire::Lane`] (an endpoint
-//! accepts on a thread of its own from the moment it is created, so `connect` never waits for
-//! the peer to be inside `connect` too, and all-pairs setup in any order cannot deadlock):
-//! - each side dials its **own lane**: its large writes (at least [`core::OWN_LANE_MIN`], 64 KiB)
-//!   go out on it, and the peer's records (acknowledgements, refusals, closing) about this
-//!   side's frames come back on it;
-//! - the *low* side (the lower of the two endpoints' `(address, secret)`, which both sides compute
-//!   alike) also dials the **shared lane**: both sides' other frames (small writes, token
-//!   updates, atomics, probes), one direction each.
-//!
-//! A ping-pong of small writes and signals then runs on one TCP connection, so each frame
-//! carries the TCP acknowledgement of the one it answers (with one connection per direction
-//! every frame was acknowledged by a segment of its own: 4 segments per round trip instead of 2),
-//! while bulk writes both ways at once travel on two connections, one per direction (on one
-//! shared connection, each side's sends and receives contend for that socket's lock: 64 MiB both
-//! ways on the 2-core VM fell to 0.82-0.87x two raw connections).
-//!
-//! Frames of one side stay in one sequence across its two lanes: when the next frame goes on the
-//! other lane, the sender first puts a lane switch ([`wire::FrameOp::Switch`], naming the
-//! sequence number of that frame) on the lane it leaves, after the frames before it (in the same
-//! `send` when the next operation is already queued). The receiver reads one lane at a time,
-//! starting on the shared one, and moves to the other at each switch; the switch's sequence
-//! number is checked like any frame's, so a frame read from the wrong lane is a sequence error
-//! and refused. The high side sends its first frame once its receiver thread has taken the
-//! accepted shared socket.
-//!
+//! Each pair of endpoints has two TCP sockets, one dialled by each side (an endpoint accepts on
+//! a thread of its own from the moment it is created, so `connect` never waits for the peer to
+//! be inside `connect` too, and all-pairs setup in any order cannot deadlock). Their roles: the
+//! socket dialled by the *low* side (the lower of the two endpoints' `(address, secret)`, which
+//! both sides compute alike) carries the frames of both sides, one direction each; the other
+//! carries the records (acknowledgements, refusals, closing) of both sides. A ping-pong of
+//! writes and signals then runs on one TCP connection, so each frame carries the TCP
+//! acknowledgement of the one it answers (with one connection per direction every frame was
+//! acknowledged by a segment of its own: 4 segments per round trip instead of 2). The cost: bulk
+//! writes both ways at once share one connection, whose socket lock serializes each side's
+//! sends and receives (64 MiB both ways on a 2-core VM: about 0.82-0.87x two raw connections,
+//! against 1.0x with one connection per direction; one way is unchanged). The high side sends
+//! its first frame once its receiver thread has taken the accepted socket.
 //! Each socket opens with a handshake carrying the endpoint's 128-bit secret (which only the
-//! peer learned, through the bootstrap) and the socket's lane; a connection without the secret
-//! is dropped, and a second socket of a lane already connected too. The handshake's version (3)
-//! names this layout: peers of versions 1 (one socket per direction) and 2 (one socket for the
-//! frames both ways, one for the records) are refused.
+//! peer learned, through the bootstrap); a connection without it is dropped. The handshake's
+//! version (2) names this layout: a peer of version 1 (one socket per direction) is refused.
 //!
 //! # Frames
 //! A [`wire::FrameHeader`] (48 bytes, little-endian) names the operation, a sequence number, the
@@ -58,23 +43,20 @@
 //!
 //! # Closing
 //! Dropping a connection acknowledges everything its receiver applied before the sockets close:
-//! the receiver is woken (both lanes it reads shut for reading), applies what had already
-//! arrived, and sends a closing record naming the last frame it applied
-//! ([`wire::Record::Closing`]) on the peer's own lane; only then are the sockets closed. The peer's `flush` succeeds when every operation it covers is
+//! the receiver is woken (the frame socket shut for reading), applies what had already arrived,
+//! and sends a closing record naming the last frame it applied ([`wire::Record::Closing`]) on
+//! the record socket; only then are the sockets closed. The peer's `flush` succeeds when every operation it covers is
 //! acknowledged and the peer closed this way (the end of the peer's frames does not cut this
 //! side's acknowledgement stream short), and fails with the closing error otherwise: for
 //! operations still in flight at the close, and after a peer that died (no closing record).
 //!
 //! # Copies
-//! None on either side for large writes: the sender hands headers and payloads, straight from
-//! the source region, to one `sendmsg` per batch of frames, and the receiver reads payloads
-//! straight into the destination region (only bytes that arrived in the same read as a header
-//! pass through its small buffer). A batch of at most 256 bytes (an 8-byte write and its
-//! signal: 104) is copied into one stack buffer and sent with one `send`: importing an iovec
-//! array cost the kernel more than the copy (sender call 2.44 -> 2.37 us, raw `send` 2.12).
+//! None on either side: the sender hands headers and payloads, straight from the source region, to
+//! one `sendmsg` per batch of frames, and the receiver reads payloads straight into the destination
+//! region (only bytes that arrived in the same read as a header pass through its small buffer).
 //! Token updates, atomics and flush probes are sent by the calling thread itself when the sender
 //! thread is idle, together with the small writes (up to [`INLINE_LIMIT`]) queued before them:
-//! a write followed by a signal is one `send` and one packet, with no hand-off to another
+//! a write followed by a signal is one `sendmsg` and one packet, with no hand-off to another
 //! thread. A small write with nothing after it goes out from the sender thread after a 20 us
 //! grace (up to one 1 ms tick later while that thread lingers); larger writes go through the
 //! sender thread at once, so `write` never blocks on a big transfer.
@@ -93,17 +75,6 @@
 //! takes only with `try_lock` and only after waiting for data in `poll` without it; while a
 //! waiter polls, the receiver thread keeps away from the socket), so a ping-pong reply needs no
 //! hand-off from the receiver thread.
-//!
-//! Against the raw ping-pong on one TCP connection (issue 25; `mscclpp-perf p2p -b 8 -e 8`, same
-//! run): the 2 segments per round trip of the shared lane, then what was left (an instrumented
-//! ping-pong: the sender's call 0.3 us slower than a raw `send`, the receiver's wait 0.2 us
-//! slower besides; `perf sched`: the receiver thread woke every 1 ms while a waiter polled, each
-//! time taking a CPU from a spinning waiter). Now the receiver thread's nap while a waiter polls
-//! doubles from 1 ms up to 8 ms, and a waiter that stops polling without its signal wakes it at
-//! once (`stop_polling`); the receiver looks regions up through a two-entry weak cache; small
-//! batches go in one `send` (see "Copies"). The sender thread's 1 ms tick and the periodic
-//! acknowledgements (every 256 frames) were measured too: removing either changed nothing
-//! measurable.
 
 use std::time::Duration;
 

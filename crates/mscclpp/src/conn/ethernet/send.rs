@@ -28,7 +28,7 @@ pub(super) fn stall_limit(wait_limit: Duration) -> Duration {
     wait_limit.max(Duration::from_secs(1))
 }
 
-/// Frames up to this many bytes in all (headers and payloads) go through [`send_small`].
+/// Batches up to this many bytes (headers and payloads) go through [`Shared::send_small`].
 const SMALL_BATCH: usize = 256;
 
 /// Whether the calling thread may send `op` (the sender thread sends larger writes and
@@ -183,26 +183,10 @@ impl Shared {
         }
     }
 
-    /// Sends one batch: on the other lane the lead switch and what follows the batch there (see
-    /// [`Batch::then`]), then on the batch's lane its frames and tail switch.
+    /// Sends one batch: host payloads straight from their regions in one `sendmsg`; GPU
+    /// payloads staged through pinned memory, the copy of one chunk overlapping the send of the
+    /// previous one.
     fn send_batch(&self, out: &mut OutLanes, batch: &Batch<Src>) -> Result<()> {
-        if batch.lead.is_some() || !batch.then.is_empty() {
-            self.send_frames(out.get(batch.lane.other()), batch.lead.as_ref(), &batch.then, None)?;
-        }
-        self.send_frames(out.get(batch.lane), None, &batch.frames, batch.tail.as_ref())
-    }
-
-    /// Sends `head`, `frames` and `tail` on one socket: host payloads straight from their
-    /// regions in one `sendmsg` (a few hundred bytes in all: copied into one buffer and sent with
-    /// one `send`, see [`Shared::send_small`]); GPU payloads staged through pinned memory, the
-    /// copy of one chunk overlapping the send of the previous one.
-    fn send_frames(
-        &self,
-        out: &mut TcpStream,
-        head: Option<&wire::FrameHeader>,
-        frames: &[(wire::FrameHeader, Op<Src>)],
-        tail: Option<&wire::FrameHeader>,
-    ) -> Result<()> {
         let io_err = |e: std::io::Error| {
             let why = match e.kind() {
                 std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
@@ -224,17 +208,17 @@ impl Shared {
             };
             Error::remote(why).with_source(e)
         };
-        if let Some(r) = send_small(out, head, frames, tail) {
+        if let Some(lead) = &batch.lead {
+            send_vectored(out.get(batch.lane.other()), &[lead.encode()[..].into()]).map_err(io_err)?;
+        }
+        let out = out.get(batch.lane);
+        if let Some(r) = self.send_small(out, batch) {
             return r.map_err(io_err);
         }
-        let head = head.map(|h| h.encode());
-        let headers: Vec<[u8; wire::HEADER]> = frames.iter().map(|(h, _)| h.encode()).collect();
-        let tail = tail.map(|h| h.encode());
-        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * frames.len() + 2);
-        if let Some(h) = &head {
-            parts.push(h[..].into());
-        }
-        for ((_, op), h) in frames.iter().zip(&headers) {
+        let headers: Vec<[u8; wire::HEADER]> = batch.frames.iter().map(|(h, _)| h.encode()).collect();
+        let tail = batch.tail.map(|h| h.encode());
+        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.frames.len() + 1);
+        for ((_, op), h) in batch.frames.iter().zip(&headers) {
             parts.push(h[..].into());
             if let Op::Write { src, src_off, len, .. } = op {
                 match &src.mem {
@@ -259,49 +243,43 @@ impl Shared {
     }
 }
 
-/// Frames of at most [`SMALL_BATCH`] bytes in all from host memory (a small write and its
-/// signal) gathered into one buffer, headers and payloads, and sent with one `send`; `None`
-/// (nothing sent) for any others.
-fn send_small(
-    out: &TcpStream,
-    head: Option<&wire::FrameHeader>,
-    frames: &[(wire::FrameHeader, Op<Src>)],
-    tail: Option<&wire::FrameHeader>,
-) -> Option<std::io::Result<()>> {
-    let mut total = (usize::from(head.is_some()) + usize::from(tail.is_some())) * wire::HEADER;
-    for (_, op) in frames {
-        if let Op::Write { src, .. } = op
-            && !matches!(src.mem, Mem::Host(_))
-        {
-            return None;
+impl Shared {
+    /// A batch of at most [`SMALL_BATCH`] bytes from host memory (a small write and its signal)
+    /// gathered into one buffer, headers and payloads, and sent with one `send`; `None` (nothing
+    /// sent) for any other batch.
+    fn send_small(&self, out: &TcpStream, batch: &Batch<Src>) -> Option<std::io::Result<()>> {
+        let mut total = usize::from(batch.tail.is_some()) * wire::HEADER;
+        for (_, op) in &batch.frames {
+            if let Op::Write { src, .. } = op
+                && !matches!(src.mem, Mem::Host(_))
+            {
+                return None;
+            }
+            total += wire::HEADER + usize::try_from(op.payload()).ok()?;
+            if total > SMALL_BATCH {
+                return None;
+            }
         }
-        total += wire::HEADER + usize::try_from(op.payload()).ok()?;
-        if total > SMALL_BATCH {
-            return None;
+        let mut buf = [0u8; SMALL_BATCH];
+        let mut n = 0usize;
+        for (h, op) in &batch.frames {
+            put(&mut buf, &mut n, &h.encode())?;
+            if let Op::Write { src, src_off, len, .. } = op
+                && let Mem::Host(r) = &src.mem
+            {
+                let len = usize::try_from(*len).ok()?;
+                let dst = buf.get_mut(n..n.checked_add(len)?)?;
+                // The range was checked when the write was issued; should this fail, nothing
+                // was sent yet and the general path reports it.
+                r.read(*src_off, dst).ok()?;
+                n += len;
+            }
         }
-    }
-    let mut buf = [0u8; SMALL_BATCH];
-    let mut n = 0usize;
-    if let Some(h) = head {
-        put(&mut buf, &mut n, &h.encode())?;
-    }
-    for (h, op) in frames {
-        put(&mut buf, &mut n, &h.encode())?;
-        if let Op::Write { src, src_off, len, .. } = op
-            && let Mem::Host(r) = &src.mem
-        {
-            let len = usize::try_from(*len).ok()?;
-            let dst = buf.get_mut(n..n.checked_add(len)?)?;
-            // The range was checked when the write was issued; should this fail, nothing was
-            // sent yet and the general path reports it.
-            r.read(*src_off, dst).ok()?;
-            n += len;
+        if let Some(t) = &batch.tail {
+            put(&mut buf, &mut n, &t.encode())?;
         }
+        Some(send_all(out, buf.get(..n).unwrap_or_default()))
     }
-    if let Some(t) = tail {
-        put(&mut buf, &mut n, &t.encode())?;
-    }
-    Some(send_all(out, buf.get(..n).unwrap_or_default()))
 }
 
 /// Appends `bytes` to `buf` at `*n`; `None` if they do not fit.
@@ -369,7 +347,7 @@ pub(super) fn sender_loop(sh: Arc<Shared>) {
             Some(out) => {
                 sh.pump(out, false, None);
             }
-            // The high side's shared lane is the accepted socket: the receiver thread installs it.
+            // The high side's frame socket is the accepted one: the receiver thread installs it.
             None => {
                 drop(out);
                 if sh.stop.load(Ordering::Acquire) {
@@ -381,7 +359,7 @@ pub(super) fn sender_loop(sh: Arc<Shared>) {
     }
 }
 
-/// Reads acknowledgements and refusals from this side's own lane and hands them to the core,
+/// Reads acknowledgements and refusals from the record socket and hands them to the core,
 /// until the socket ends; then says so (a flush waiting on a closed connection may decide).
 pub(super) fn ack_loop(sh: Arc<Shared>, s: TcpStream) {
     read_acks(&sh, s);

@@ -110,13 +110,6 @@ fn drain(tx: &mut Sender) -> Vec<u8> {
             return out;
         }
         out.extend(batch.lead.iter().flat_map(|h| h.encode()));
-        let mut then = Vec::new();
-        for (h, op) in batch.then {
-            then.extend_from_slice(&h.encode());
-            if let Op::Write { src, src_off, len, .. } = op {
-                then.extend_from_slice(&src[src_off as usize..][..len as usize]);
-            }
-        }
         for (h, op) in batch.frames {
             out.extend_from_slice(&h.encode());
             if let Op::Write { src, src_off, len, .. } = op {
@@ -124,8 +117,6 @@ fn drain(tx: &mut Sender) -> Vec<u8> {
             }
         }
         out.extend(batch.tail.iter().flat_map(|h| h.encode()));
-        // (Sent first, on the other lane, but read after the frames and the tail.)
-        out.extend(then);
     }
 }
 
@@ -298,83 +289,9 @@ fn lanes_follow_write_size_with_switches_between() {
     // A big write queued after the last batch went: the switch leads its batch, on the old lane.
     big(&mut tx).unwrap();
     let b = tx.next_batch(|_| true);
-    assert_eq!((b.lane, b.frames.len(), b.tail, b.then.len()), (Lane::Own, 1, None, 0));
+    assert_eq!((b.lane, b.frames.len(), b.tail), (Lane::Own, 1, None));
     assert_eq!(b.lead.map(|h| (h.seq, h.ack, h.op)), Some((6, false, FrameOp::Switch)));
     assert!(tx.next_batch(|_| true).is_empty());
-    // A big write and its signal queued together, after a small one went: the signal goes with
-    // the big write's lead, on the shared lane (two calls, not three), named by its tail.
-    tx.issue(Op::Set { region: 1, offset: 0, value: 3 }).unwrap();
-    assert_eq!(tx.next_batch(|_| true).lead.map(|h| h.seq), Some(7));
-    big(&mut tx).unwrap();
-    tx.issue(Op::Set { region: 1, offset: 0, value: 4 }).unwrap();
-    let b = tx.next_batch(|_| true);
-    assert_eq!((b.lane, b.frames.len(), b.then.len()), (Lane::Own, 1, 1));
-    assert_eq!((b.lead.map(|h| h.seq), b.then[0].0.seq, b.tail.map(|h| h.seq)), (Some(8), 9, Some(9)));
-    assert!(tx.next_batch(|_| true).is_empty());
-    // The receiver is on the shared lane again: a small write needs no switch.
-    tx.issue(write(1, 0, vec![1])).unwrap();
-    let b = tx.next_batch(|_| true);
-    assert_eq!((b.lane, b.lead, b.tail), (Lane::Shared, None, None));
-}
-
-/// Small writes and tokens interleaved with large writes, queued in every grouping, arrive in
-/// order through the lanes (the receiver following the switches over two streams).
-#[test]
-fn mixed_sizes_arrive_in_order_over_two_lanes() {
-    let lookup_big = |id: u64| match id {
-        9 => Some(RegionInfo { handle: 9u64, addr: 0x100000, len: 1 << 20, ethernet: true }),
-        _ => lookup(id),
-    };
-    for pattern in 0u32..64 {
-        let mut tx = Sender::new(1000);
-        let (mut lanes, mut expect) = ([Vec::new(), Vec::new()], Vec::new());
-        let flush = |tx: &mut Sender, lanes: &mut [Vec<u8>; 2]| loop {
-            let b = tx.next_batch(|_| true);
-            if b.is_empty() {
-                return;
-            }
-            let (this, other) = match b.lane {
-                Lane::Shared => (0, 1),
-                Lane::Own => (1, 0),
-            };
-            lanes[other].extend(b.lead.iter().flat_map(|h| h.encode()));
-            for (h, op) in b.then.into_iter().chain(b.frames) {
-                let lane = if op.lane() == b.lane { this } else { other };
-                lanes[lane].extend_from_slice(&h.encode());
-                if let Op::Write { src, .. } = op {
-                    lanes[lane].extend_from_slice(&src);
-                }
-            }
-            lanes[this].extend(b.tail.iter().flat_map(|h| h.encode()));
-        };
-        for i in 0..6u64 {
-            // Bit i: a large write before this token (else a small one).
-            let len = if pattern & (1 << i) != 0 { OWN_LANE_MIN as usize } else { 8 };
-            tx.issue(Op::Write { region: 9, offset: 0, src: vec![i as u8; len], src_off: 0, len: len as u64 }).unwrap();
-            tx.issue(Op::Set { region: 1, offset: 0, value: i }).unwrap();
-            expect.push(i);
-            // Send now or later: every grouping of queued operations.
-            if (pattern >> i) & 3 != 1 {
-                flush(&mut tx, &mut lanes);
-            }
-        }
-        flush(&mut tx, &mut lanes);
-        let mut core = ReceiverCore::default();
-        let (mut pos, mut lane, mut got) = ([0usize; 2], 0usize, Vec::new());
-        loop {
-            let (used, ev) = core.handle_bytes(&lanes[lane][pos[lane]..], &lookup_big).unwrap();
-            pos[lane] += used;
-            match ev {
-                None if used == 0 => break,
-                Some(RxEvent::Switch) => lane ^= 1,
-                Some(RxEvent::Token { value, .. }) => got.push(value),
-                _ => {}
-            }
-        }
-        assert_eq!(got, expect, "pattern {pattern:#b}");
-        assert_eq!((pos[0], pos[1]), (lanes[0].len(), lanes[1].len()), "pattern {pattern:#b}: bytes left");
-        assert_eq!(core.applied_through(), tx.issued(), "pattern {pattern:#b}");
-    }
 }
 
 /// The receiver follows switches across two streams, and refuses a switch that does not name
