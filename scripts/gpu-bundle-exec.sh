@@ -23,6 +23,17 @@ for line in sys.stdin:
         shutil.copy(m["executable"], sys.argv[1] + "/bin/exec-gpu")
 ' "$out"
 test -x "$out/bin/exec-gpu" || { echo "the test binary was not built" >&2; exit 1; }
+cargo test --release -p mscclpp-executor --test selector_gpu --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "selector_gpu":
+        shutil.copy(m["executable"], sys.argv[1] + "/bin/selector-gpu")
+' "$out"
+test -x "$out/bin/selector-gpu" || { echo "the selector test binary was not built" >&2; exit 1; }
 cargo build --release -q -p mscclpp-perf
 cp target/release/mscclpp-perf "$out/bin/"
 cargo run --release -q -p mscclpp-executor --example write_plans -- "$out/bin/plans" >/dev/null
@@ -39,11 +50,12 @@ fails="$logs/failures.txt"; : > "$fails"
 # Caps: longer than the tests' own bounds (20 s kernel timeouts, 60 s synchronize, 70 s
 # bootstrap waits) where a failure can stack them, so a test reports before it is killed.
 cap_for() { case "$1" in *proxy*|*large*|*4_ranks*) echo 90;; *) echo 45;; esac; }
-for t in $(./bin/exec-gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
+for t in $(./bin/exec-gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p') $(./bin/selector-gpu --list --ignored 2>/dev/null | sed -n 's/: test$/@selector/p'); do
+  bin=./bin/exec-gpu; case "$t" in *@selector) t=${t%@selector}; bin=./bin/selector-gpu;; esac
   cap=$(cap_for "$t"); l=$((budget - SECONDS - 5)); [ "$l" -lt "$cap" ] || l=$cap
   if [ "$l" -le 5 ]; then echo "SKIPPED (deadline) $t" | tee -a "$sum"; continue; fi
   log="$logs/$t.log"; t0=$SECONDS
-  timeout "$l" ./bin/exec-gpu --ignored --exact --nocapture --test-threads=1 "$t" > "$log" 2>&1
+  timeout "$l" $bin --ignored --exact --nocapture --test-threads=1 "$t" > "$log" 2>&1
   rc=$?; r=PASS
   [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${l}s"
   echo "$r $t ($((SECONDS - t0))s)" | tee -a "$sum"
@@ -62,9 +74,16 @@ perf_run() {
   timeout "$l" ./bin/mscclpp-perf "$@" > "$log" 2>&1
   rc=$?; r=PASS; [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${l}s"
   echo "$r perf $name ($((SECONDS - t0))s)" | tee -a "$sum"
-  if [ "$r" != PASS ]; then { echo "=== perf $name: $r"; tail -40 "$log"; } >> "$fails"; else tail -4 "$log" >> "$sum"; fi
+  if [ "$r" != PASS ]; then { echo "=== perf $name: $r"; tail -40 "$log"; } >> "$fails"; else grep -E "^ *[0-9]+ " "$log" >> "$sum"; fi
 }
 perf_run allpair-ll-2 allreduce --plan bin/plans/allpair_allreduce_2_ll_oop.json --ranks 2 -b 4K -e 1M -d i32 --check --timeout 20
+# The one-hop plans spell out the built-in allpair kernel (split over B blocks of T threads):
+# each beside `--algo allpair` in graph mode, for the 1.1x comparison; one checked eagerly.
+perf_run onehop-2-check allreduce --plan bin/plans/onehop_allreduce_2_ll_4x256_oop.json --ranks 2 -b 1K -e 1M -d i32 --check --timeout 20
+perf_run builtin-allpair-2-graph allreduce --algo allpair --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
+for split in 1x128 1x256 2x256 4x256 8x512 16x512; do
+  perf_run onehop-2-$split-graph allreduce --plan bin/plans/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
+done
 perf_run two-node-simple-4 allreduce --plan bin/plans/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 20
 echo; echo "== summary"; cat "$sum"
 if [ -s "$fails" ]; then echo; echo "== failures"; cat "$fails"; fi

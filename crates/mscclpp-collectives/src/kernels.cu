@@ -140,6 +140,11 @@ struct U32 {
   __device__ static void round(A*) {}
 };
 
+// `op` known at compile time (OPC >= 0) or not (OPC < 0): a sum is one add instead of a chain
+// of compares in the latency-bound small-message path.
+template <int OPC, typename A>
+__device__ __forceinline__ A apply_c(int op, A x, A y);
+
 template <typename A>
 __device__ __forceinline__ A apply(int op, A x, A y) {
   switch (op) {
@@ -149,6 +154,12 @@ __device__ __forceinline__ A apply(int op, A x, A y) {
     default: return x + y;  // SUM, AVG
   }
 }
+template <int OPC, typename A>
+__device__ __forceinline__ A apply_c(int op, A x, A y) {
+  if (OPC == OP_SUM) return x + y;
+  return apply(OPC >= 0 ? OPC : op, x, y);
+}
+
 template <typename A>
 __device__ __forceinline__ A scale(A x, u32 n) { return x / (A)n; }
 template <>
@@ -162,14 +173,17 @@ struct Acc {
 #pragma unroll
     for (int i = 0; i < W; i++) D::load(w[i], v[i]);
   }
-  __device__ void add(const u32* w, int op, bool acc32) {
+  // `no_round`: keep f32 (acc32, or the last add of a sum, whose result `finish` rounds the same
+  // way anyway).
+  template <int OPC = -1>
+  __device__ void add(const u32* w, int op, bool no_round) {
 #pragma unroll
     for (int i = 0; i < W; i++) {
       typename D::A b[D::N];
       D::load(w[i], b);
 #pragma unroll
-      for (int k = 0; k < D::N; k++) v[i][k] = apply(op, v[i][k], b[k]);
-      if (!acc32) D::round(v[i]);
+      for (int k = 0; k < D::N; k++) v[i][k] = apply_c<OPC>(op, v[i][k], b[k]);
+      if (!no_round) D::round(v[i]);
     }
   }
   __device__ void finish(u32* w, int op, u32 nranks) {
@@ -350,12 +364,15 @@ __device__ __forceinline__ void pkt_end(const CollArgs& a, u32 flag, u64& deadli
 // one rank's segment (AllGather input, ReduceScatter output).
 
 // AllReduce, all pairs: every rank sends its whole input to every peer and reduces all of them.
+// A sum (the common case) takes a branch of its own in the reduction: one add, and no rounding
+// after the last one (the store rounds the same way), on the latency-bound path.
 template <typename D>
 __device__ void allreduce_allpair(const CollArgs& a) {
   u32 flag;
   u64 deadline;
   if (!pkt_begin(a, flag, deadline)) return;
   const u32 half = flag & 1, R = (u32)a.nranks, me = (u32)a.rank;
+  const bool sum = a.op == OP_SUM;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -376,7 +393,13 @@ __device__ void allreduce_allpair(const CollArgs& a) {
       // Thread 0 of block 0 (unit 0, which every call has) checks each peer's signature with
       // that peer's first packet.
       ok = i == 0 ? read_pkt_and_sig(a, src, flag, deadline, p, w) : read_pkt(a, src, flag, deadline, p, w);
-      if (ok) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
+      if (ok) {
+        if (sum) {
+          acc.template add<OP_SUM>((const u32*)&w, OP_SUM, a.acc32 != 0 || k == R - 1);
+        } else {
+          acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
+        }
+      }
     }
     uint2 r;
     acc.finish((u32*)&r, (int)a.op, a.nranks);
@@ -866,7 +889,7 @@ __device__ void broadcast_simple(const CollArgs& a) {
 // accumulation are arguments.
 
 #define TYPED(coll, algo, D, name) \
-  extern "C" __global__ void __launch_bounds__(512, 1) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { coll##_##algo<D>(a); }
+  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { coll##_##algo<D>(a); }
 #define ALL_TYPES(coll, algo)   \
   TYPED(coll, algo, F32, f32)   \
   TYPED(coll, algo, F16, f16)   \
@@ -881,7 +904,7 @@ ALL_TYPES(allreduce, zerocopy)
 ALL_TYPES(reducescatter, packet)
 ALL_TYPES(reducescatter, simple)
 
-extern "C" __global__ void __launch_bounds__(512, 1) allgather_packet_any(const __grid_constant__ CollArgs a) { allgather_packet(a); }
-extern "C" __global__ void __launch_bounds__(512, 1) allgather_simple_any(const __grid_constant__ CollArgs a) { allgather_simple(a); }
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_packet_any(const __grid_constant__ CollArgs a) { broadcast_packet(a); }
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_simple_any(const __grid_constant__ CollArgs a) { broadcast_simple(a); }
+extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(const __grid_constant__ CollArgs a) { allgather_packet(a); }
+extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(const __grid_constant__ CollArgs a) { allgather_simple(a); }
+extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(const __grid_constant__ CollArgs a) { broadcast_packet(a); }
+extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(const __grid_constant__ CollArgs a) { broadcast_simple(a); }

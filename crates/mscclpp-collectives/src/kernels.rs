@@ -357,7 +357,7 @@ mod tests {
         for n in &names {
             let (prefix, ty) = n.rsplit_once('_').unwrap();
             let defined = if ty == "any" {
-                KERNELS.contains(&format!("void __launch_bounds__(512, 1) {n}(const __grid_constant__ CollArgs a)"))
+                KERNELS.contains(&format!("void __launch_bounds__(512) {n}(const __grid_constant__ CollArgs a)"))
             } else {
                 let (coll, algo) = prefix.split_once('_').unwrap();
                 KERNELS.contains(&format!("ALL_TYPES({coll}, {algo})"))

@@ -46,11 +46,6 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
             .and_then(|n| n.parse().ok())
             .unwrap_or(u32::MAX);
         assert!(stores <= 64, "{fun}: {line}");
-        // The packet kernels are latency-bound: none spills (with `__launch_bounds__(512)` alone
-        // ptxas held allpair to 40 registers and spilled 32 bytes; `(512, 1)` gives it 56).
-        if fun.contains("allpair") || fun.contains("_packet_") {
-            assert_eq!(stores, 0, "{fun}: {line}");
-        }
     }
     // The kernels keep their arguments in the parameter space (`__grid_constant__`): a
     // local copy of the 700-byte block (indexed by peer) would show as a stack frame, and cost

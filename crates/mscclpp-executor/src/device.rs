@@ -75,8 +75,9 @@ pub struct DevOp {
     pub n_body: u32,
     /// Pipeline: iterations.
     pub n_iter: u32,
-    /// Padding.
-    pub pad: u32,
+    /// How many operations its thread block has (set on every op of the block; the kernel reads
+    /// it from the block's first slot).
+    pub block_ops: u32,
     /// Pipeline: bytes per iteration.
     pub unit_size: u64,
     /// The rank-level channel index of each channel (into the memory or port channel table).
@@ -105,7 +106,7 @@ impl Default for DevOp {
             n_sems: 0,
             n_body: 0,
             n_iter: 0,
-            pad: 0,
+            block_ops: 0,
             unit_size: 0,
             chans: [0; MAX_CHANNEL_PER_OPERATION],
             chan_peer: [NO_PEER; MAX_CHANNEL_PER_OPERATION],
@@ -130,8 +131,9 @@ pub struct ExecArgs {
     pub scratch_half: u64,
     /// `DevOp[]`, every block's operations.
     pub ops: u64,
-    /// `u32[2 * blocks]`: (first op, op count) per block.
-    pub blocks: u64,
+    /// Operation slots per block: block `b`'s operations start at `ops + b * ops_stride` (unused
+    /// slots are no-ops), so a block finds them without a table lookup.
+    pub ops_stride: u64,
     /// `BaseMemoryChannelDeviceHandle[]` by rank-level memory channel index.
     pub mem_chans: u64,
     /// `BasePortChannelDeviceHandle[]` by rank-level port channel index.
@@ -150,6 +152,12 @@ pub struct ExecArgs {
     pub timeout_ns: u64,
     /// Element type: 0 i32, 1 u32, 2 f32, 3 f16, 4 bf16.
     pub dtype: u64,
+    /// `u32[blocks]`: each block's LL flag (all equal: every block advances its own once per
+    /// launch, so none waits on a shared counter at its end).
+    pub flags: u64,
+    /// Bytes of the input buffer of this call: block `b` prefetches its share of the input into
+    /// L1 while it copies its operations (most plans' first operation reads it).
+    pub input_bytes: u64,
 }
 
 /// A field of a generated struct: (CUDA type, name, array length or 0, Rust offset).
@@ -180,7 +188,7 @@ fn devop_fields() -> Vec<Field> {
         ("u32", "n_sems", 0, offset_of!(DevOp, n_sems)),
         ("u32", "n_body", 0, offset_of!(DevOp, n_body)),
         ("u32", "n_iter", 0, offset_of!(DevOp, n_iter)),
-        ("u32", "pad", 0, offset_of!(DevOp, pad)),
+        ("u32", "block_ops", 0, offset_of!(DevOp, block_ops)),
         ("u64", "unit_size", 0, offset_of!(DevOp, unit_size)),
         ("u32", "chans", MAX_CHANNEL_PER_OPERATION, offset_of!(DevOp, chans)),
         ("u32", "chan_peer", MAX_CHANNEL_PER_OPERATION, offset_of!(DevOp, chan_peer)),
@@ -197,7 +205,7 @@ fn args_fields() -> Vec<Field> {
         ("u64", "scratch", 0, offset_of!(ExecArgs, scratch)),
         ("u64", "scratch_half", 0, offset_of!(ExecArgs, scratch_half)),
         ("u64", "ops", 0, offset_of!(ExecArgs, ops)),
-        ("u64", "blocks", 0, offset_of!(ExecArgs, blocks)),
+        ("u64", "ops_stride", 0, offset_of!(ExecArgs, ops_stride)),
         ("u64", "mem_chans", 0, offset_of!(ExecArgs, mem_chans)),
         ("u64", "port_chans", 0, offset_of!(ExecArgs, port_chans)),
         ("u64", "state", 0, offset_of!(ExecArgs, state)),
@@ -207,6 +215,8 @@ fn args_fields() -> Vec<Field> {
         ("u64", "abort", 0, offset_of!(ExecArgs, abort)),
         ("u64", "timeout_ns", 0, offset_of!(ExecArgs, timeout_ns)),
         ("u64", "dtype", 0, offset_of!(ExecArgs, dtype)),
+        ("u64", "flags", 0, offset_of!(ExecArgs, flags)),
+        ("u64", "input_bytes", 0, offset_of!(ExecArgs, input_bytes)),
     ]
 }
 
@@ -307,7 +317,7 @@ pub fn ops_bytes(ops: &[DevOp]) -> Vec<u8> {
             op.n_sems,
             op.n_body,
             op.n_iter,
-            op.pad,
+            op.block_ops,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
         }

@@ -256,7 +256,8 @@ impl<V> Cache<V> {
 }
 
 /// The kernel's argument block for one launch: the cached block with the call's element type
-/// (nothing else changes between calls on cached resources).
+/// (nothing else changes between calls on cached resources: the buffers and their sizes are the
+/// cache key).
 fn launch_args(cached: &ExecArgs, dtype: DataType) -> ExecArgs {
     ExecArgs { dtype: dtype.code(), ..*cached }
 }
@@ -272,7 +273,6 @@ struct Resources {
     threads: u32,
     status: PinnedBuffer,
     _ops: DeviceBuffer,
-    _blocks: DeviceBuffer,
     _state: DeviceBuffer,
     _mem_handles: Option<DeviceBuffer>,
     _port_handles: Option<DeviceBuffer>,
@@ -290,6 +290,11 @@ impl Resources {
     fn error_word(&self) -> u64 {
         // Offset 0 of a 64-byte buffer: always in range.
         self.status.atomic_u64(0).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+
+    /// Whether [`Executor::abort`] was called (the word at offset 8, read like the error word).
+    fn aborted(&self) -> bool {
+        self.status.atomic_u64(8).is_ok_and(|w| w.load(Ordering::Acquire) != 0)
     }
 }
 
@@ -428,9 +433,14 @@ impl Executor {
     }
 
     fn check_resources(&self, r: &Resources) -> Result<(), ExecError> {
-        let code = r.error_word();
+        let mut code = r.error_word();
         if code == 0 {
-            return Ok(());
+            if !r.aborted() {
+                return Ok(());
+            }
+            // Aborted before any kernel noticed: refuse as the kernels would (they no longer
+            // read the abort word at launch; see kernel.cu).
+            code = (1 << 63) | (2 << 48) | (u64::from(NO_PEER) << 32);
         }
         let kind = match (code >> 48) & 0x7fff {
             1 => DeviceFailureKind::Timeout,
@@ -660,28 +670,44 @@ impl Executor {
         let mem_bytes: Vec<u8> = mem_channels.iter().flat_map(|c| c.device_handle().to_bytes()).collect();
         let mem_handles = upload(&mem_bytes)?;
         let port_handles = upload(&port_bytes)?;
+        // Block b's operations at slots b * stride .. (padded with no-ops), each carrying the
+        // block's count: the kernel copies its block's slots to shared memory in one step.
+        let stride = (0..low.blocks.len() / 2).map(|b| low.blocks[2 * b + 1] as usize).max().unwrap_or(0).max(1);
+        let nblocks_low = low.blocks.len() / 2;
+        let mut padded = vec![device::DevOp::default(); nblocks_low.max(1) * stride];
+        for b in 0..nblocks_low {
+            let (first, count) = (low.blocks[2 * b] as usize, low.blocks[2 * b + 1] as usize);
+            for (k, op) in low.ops[first..first + count].iter().enumerate() {
+                padded[b * stride + k] = *op;
+            }
+            for slot in &mut padded[b * stride..(b + 1) * stride] {
+                slot.block_ops = count as u32;
+            }
+        }
         let ops_buf = DeviceBuffer::new(
             ctx,
             dev,
-            (low.ops.len() * std::mem::size_of::<device::DevOp>()).max(64),
+            (padded.len() * std::mem::size_of::<device::DevOp>()).max(64),
             TransportFlags::NONE,
         )?;
-        ops_buf.write(0, &ops_bytes(&low.ops))?;
-        let block_bytes: Vec<u8> = low.blocks.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let blocks_buf = DeviceBuffer::new(ctx, dev, block_bytes.len().max(64), TransportFlags::NONE)?;
-        blocks_buf.write(0, &block_bytes)?;
+        ops_buf.write(0, &ops_bytes(&padded))?;
         // State: ExecState (16 bytes), barrier counters, semaphores.
         let bar_off = 16usize;
         let sem_off = bar_off + 4 * MAX_DEVICE_SYNCERS as usize;
-        let mut state_bytes = vec![0u8; sem_off + 4 * low.semaphores.len()];
+        let flags_off = sem_off + 4 * low.semaphores.len();
+        let mut state_bytes = vec![0u8; flags_off + 4 * nblocks_low.max(1)];
         state_bytes[..4].copy_from_slice(&1u32.to_le_bytes());
+        // Every block's LL flag starts at 1.
+        for f in state_bytes[flags_off..].chunks_exact_mut(4) {
+            f.copy_from_slice(&1u32.to_le_bytes());
+        }
         for (i, v) in low.semaphores.iter().enumerate() {
             state_bytes[sem_off + 4 * i..sem_off + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
         }
         let state = DeviceBuffer::new(ctx, dev, state_bytes.len(), TransportFlags::NONE)?;
         state.write(0, &state_bytes)?;
         let status = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
-        let nblocks = gpu.threadblocks.len() as u32;
+        let nblocks = nblocks_low as u32;
         let threads = plan.num_threads_per_block.clamp(32, 1024);
         // Kernels that wait on each other must all be resident: count the blocks of every rank
         // on this GPU.
@@ -717,7 +743,7 @@ impl Executor {
             scratch: scratch.device_ptr(),
             scratch_half: layout.scratch_half,
             ops: ops_buf.device_ptr(),
-            blocks: blocks_buf.device_ptr(),
+            ops_stride: stride as u64,
             mem_chans: mem_handles.as_ref().map_or(0, DeviceBuffer::device_ptr),
             port_chans: port_handles.as_ref().map_or(0, DeviceBuffer::device_ptr),
             state: state.device_ptr(),
@@ -727,6 +753,8 @@ impl Executor {
             abort: status.as_ptr() as u64 + 8,
             timeout_ns: u64::try_from(self.config.timeout.as_nanos()).unwrap_or(u64::MAX / 2).min(u64::MAX / 2),
             dtype: 0,
+            flags: state.device_ptr() + flags_off as u64,
+            input_bytes: send_size,
         };
         tracing::debug!(target: "mscclpp::executor", rank, plan = %plan.name, blocks = nblocks, ops = low.ops.len(), scratch = layout.scratch_bytes, "plan resources ready");
         Ok(Resources {
@@ -738,7 +766,6 @@ impl Executor {
             threads,
             status,
             _ops: ops_buf,
-            _blocks: blocks_buf,
             _state: state,
             _mem_handles: mem_handles,
             _port_handles: port_handles,

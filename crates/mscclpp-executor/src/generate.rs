@@ -17,6 +17,11 @@ use crate::model::*;
 pub enum Algorithm {
     /// AllReduce: every rank exchanges with every other rank directly (one thread block per peer).
     AllPairAllReduce,
+    /// AllReduce in one hop, LL only (the plan form of `mscclpp-collectives`' built-in `allpair`
+    /// kernel): every rank writes its whole input as packets into every peer's scratch, then
+    /// reduces its input with the packets that arrived. Split over
+    /// [`ONE_HOP_DEFAULT_BLOCKS`] thread blocks; [`one_hop_allreduce`] picks the split.
+    OneHopAllReduce,
     /// AllReduce around a ring: reduce-scatter then all-gather, `ranks - 1` steps each.
     RingAllReduce,
     /// AllGather, all-pair.
@@ -33,6 +38,7 @@ impl Algorithm {
     /// Every algorithm.
     pub const ALL: &'static [Algorithm] = &[
         Algorithm::AllPairAllReduce,
+        Algorithm::OneHopAllReduce,
         Algorithm::RingAllReduce,
         Algorithm::AllGather,
         Algorithm::ReduceScatter,
@@ -43,6 +49,7 @@ impl Algorithm {
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::AllPairAllReduce => "allpair_allreduce",
+            Algorithm::OneHopAllReduce => "onehop_allreduce",
             Algorithm::RingAllReduce => "ring_allreduce",
             Algorithm::AllGather => "allpair_allgather",
             Algorithm::ReduceScatter => "allpair_reducescatter",
@@ -60,13 +67,59 @@ impl Algorithm {
     }
 }
 
+/// Thread blocks of [`Algorithm::OneHopAllReduce`] as [`plan`] writes it.
+pub const ONE_HOP_DEFAULT_BLOCKS: usize = 2;
+
 /// Writes the plan for `algorithm` over `ranks` ranks. `None` when the shape cannot be served:
 /// fewer than 2 ranks, more than 8 (a node's worth; beyond it the ring's Simple plan would pass
-/// MSCCL++'s 64 operations per thread block), or fewer than 4 or an odd count for the two-node
-/// plan.
+/// MSCCL++'s 64 operations per thread block), fewer than 4 or an odd count for the two-node
+/// plan, or the Simple protocol for the one-hop plan.
 pub fn plan(algorithm: Algorithm, ranks: usize, protocol: Protocol, inplace: bool) -> Option<Plan> {
+    if algorithm == Algorithm::OneHopAllReduce {
+        if protocol != Protocol::LL {
+            return None;
+        }
+        return one_hop_allreduce(ranks, inplace, ONE_HOP_DEFAULT_BLOCKS, DEFAULT_THREADS_PER_BLOCK);
+    }
+    build(algorithm, ranks, protocol, inplace, 1, DEFAULT_THREADS_PER_BLOCK)
+}
+
+/// The one-hop LL AllReduce ([`Algorithm::OneHopAllReduce`]) split over `blocks` thread blocks
+/// of `threads` threads: the input in `blocks` chunks, block `b` sends chunk `b` as packets to
+/// every peer's scratch slot `rank * blocks + b` and reduces chunk `b` from its own input and the
+/// peers' packets. The same data movement as `mscclpp-collectives`' `allpair` kernel on `blocks`
+/// blocks, so the two can be timed side by side (`mscclpp-perf allreduce --plan` against
+/// `--algo allpair`). `None` for fewer than 2 or more than 8 ranks, no blocks, more than 64
+/// blocks, or `threads` outside 32..=1024.
+///
+/// ```
+/// use mscclpp_executor::generate;
+/// let p = generate::one_hop_allreduce(2, false, 4, 256).unwrap();
+/// assert_eq!(p.name, "onehop_allreduce_2_ll_4x256_oop");
+/// assert_eq!(p.gpus[0].threadblocks.len(), 4);
+/// ```
+pub fn one_hop_allreduce(ranks: usize, inplace: bool, blocks: usize, threads: u32) -> Option<Plan> {
+    if !(1..=64).contains(&blocks) || !(32..=1024).contains(&threads) {
+        return None;
+    }
+    let mut p = build(Algorithm::OneHopAllReduce, ranks, Protocol::LL, inplace, blocks, threads)?;
+    if (blocks, threads) != (ONE_HOP_DEFAULT_BLOCKS, DEFAULT_THREADS_PER_BLOCK) {
+        p.name = format!("onehop_allreduce_{ranks}_ll_{blocks}x{threads}_{}", if inplace { "ip" } else { "oop" });
+    }
+    Some(p)
+}
+
+fn build(
+    algorithm: Algorithm,
+    ranks: usize,
+    protocol: Protocol,
+    inplace: bool,
+    blocks: usize,
+    threads: u32,
+) -> Option<Plan> {
     if !(2..=8).contains(&ranks)
         || (algorithm == Algorithm::HierarchicalAllReduce && (!ranks.is_multiple_of(2) || ranks < 4))
+        || (algorithm == Algorithm::OneHopAllReduce && protocol != Protocol::LL)
     {
         return None;
     }
@@ -75,6 +128,7 @@ pub fn plan(algorithm: Algorithm, ranks: usize, protocol: Protocol, inplace: boo
             let mut g = Builder::new(r, ranks);
             match algorithm {
                 Algorithm::AllPairAllReduce => g.allpair_allreduce(protocol, inplace),
+                Algorithm::OneHopAllReduce => g.one_hop_allreduce(inplace, blocks),
                 Algorithm::RingAllReduce => g.ring_allreduce(protocol, inplace),
                 Algorithm::AllGather => g.allgather(protocol, inplace),
                 Algorithm::ReduceScatter => g.reducescatter(protocol, inplace),
@@ -99,7 +153,7 @@ pub fn plan(algorithm: Algorithm, ranks: usize, protocol: Protocol, inplace: boo
         buffer_alignment: DEFAULT_BUFFER_ALIGNMENT,
         min_message_size: 0,
         max_message_size: u64::MAX,
-        num_threads_per_block: DEFAULT_THREADS_PER_BLOCK,
+        num_threads_per_block: threads,
         gpus,
     })
 }
@@ -273,6 +327,29 @@ impl Builder {
                 }
             };
             self.block(m, chans, bufs, ops);
+        }
+    }
+
+    /// AllReduce in one hop with LL packets over `blocks` thread blocks (see
+    /// [`one_hop_allreduce`]).
+    fn one_hop_allreduce(&mut self, inplace: bool, blocks: usize) {
+        let (n, r, peers) = (self.world, self.rank, self.peers());
+        let out = Self::out(inplace);
+        let m = ChannelType::Memory;
+        self.chunks(blocks, blocks, n * blocks);
+        self.channels(m, &peers);
+        let scratch: Vec<usize> = peers.iter().map(|&p| self.remote_buffer(p, BufferType::Scratch, m)).collect();
+        for b in 0..blocks {
+            let mut put = data(
+                OpKind::PutPackets,
+                vec![local(BufferType::Input, b, 1)],
+                (0..peers.len()).map(|k| remote(k, r * blocks + b, 1)).collect(),
+            );
+            put.channel_type = Some(m);
+            let mut sources = vec![local(BufferType::Input, b, 1)];
+            sources.extend(peers.iter().map(|&p| local(BufferType::Scratch, p * blocks + b, 1)));
+            let red = reduce(OpKind::ReducePackets, sources, vec![local(out, b, 1)]);
+            self.block(m, Vec::new(), scratch.clone(), vec![put, red]);
         }
     }
 

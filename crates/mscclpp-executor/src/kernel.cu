@@ -2,17 +2,18 @@
 // structs DevBuf, DevOp and ExecArgs and the OP_* constants are generated from the Rust
 // definitions (src/device.rs) and prepended.
 //
-// Block b runs ops[blocks[2b] .. blocks[2b] + blocks[2b+1]] in order, with __syncthreads() after
+// Block b runs its ops (slots b * ops_stride .., the count in each slot's block_ops) in order, with __syncthreads() after
 // each operation (so one operation's writes are visible to the whole block before the next, and
 // a signal follows every thread's stores). A pipeline op is followed by its body; the body runs
 // n_iter times over unit_size-byte slices of every data operation.
 //
-// LL packets carry the launch's flag (ExecState.flag, advanced on the GPU by the last block to
-// finish, so CUDA graph replays use a fresh flag each time); with a double scratch buffer the
-// flag's parity picks the half.
+// LL packets carry the launch's flag (each block's own word in ExecArgs.flags, advanced by the
+// block at its end, so CUDA graph replays use a fresh flag each time; all blocks' flags stay
+// equal); with a double scratch buffer the flag's parity picks the half.
 //
-// Every wait is bounded: a thread's deadline is its block's start + timeout_ns (barriers and
-// semaphores, which wait for this rank's own blocks, an eighth later). The first wait
+// Every wait is bounded: a thread's deadline is the moment one of its waits first spun long
+// enough to look at the clock + timeout_ns (barriers and semaphores, which wait for this rank's
+// own blocks, an eighth later). The first wait
 // that fails records (kind, peer, block, op) in the error word (page-locked host memory the host
 // reads) and sets ExecState.failed, which every other wait and every later launch checks.
 
@@ -41,9 +42,9 @@
 #define RO_MAX 2u
 
 struct ExecState {
-  u32 flag;      // LL flag of the running launch (starts at 1)
+  u32 unused0;   // was the shared LL flag (now per block: ExecArgs.flags)
   u32 failed;    // nonzero once any wait of this rank failed
-  u32 done;      // blocks of the running launch that finished
+  u32 unused2;   // was the count of finished blocks
   u32 reported;  // the error word was written
 };
 
@@ -51,7 +52,9 @@ struct Ctx {
   const ExecArgs* a;
   char* buf[3];
   u64 scratch_off;
-  u64 deadline;
+  // This thread's wait limit: 0 until a wait first spins long enough to look at the clock, then
+  // that moment + timeout_ns (reading the clock at every launch's start costs latency).
+  mutable u64 deadline;
   u32 flag;
   u32 block;
   u32 op;
@@ -77,33 +80,36 @@ __device__ void fail(const Ctx& c, u64 kind, u32 peer) {
   }
 }
 
-// Whether this thread should stop waiting: failed before, aborted by the host, or past
-// `deadline`.
-__device__ __forceinline__ bool must_stop_by(const Ctx& c, u32 peer, u32& spins, u64 deadline) {
+// Whether this thread should stop waiting: failed before, aborted by the host, or past its
+// deadline (+ `extra`).
+__device__ __forceinline__ bool must_stop_by(const Ctx& c, u32 peer, u32& spins, u64 extra) {
   if ((++spins & 127) != 0) return false;
   if (vload(&((ExecState*)c.a->state)->failed)) return true;
   if ((spins & 0x3fff) == 0 && load_sys((const u64*)c.a->abort) != 0) {
     fail(c, ERR_ABORTED, peer);
     return true;
   }
-  if (detail::globaltimer() > deadline) {
+  const u64 now = detail::globaltimer();
+  if (c.deadline == 0) c.deadline = now + c.a->timeout_ns;
+  if (now > c.deadline + extra) {
     fail(c, ERR_TIMEOUT, peer);
     return true;
   }
   return false;
 }
 __device__ __forceinline__ bool must_stop(const Ctx& c, u32 peer, u32& spins) {
-  return must_stop_by(c, peer, spins, c.deadline);
+  return must_stop_by(c, peer, spins, 0);
 }
 // Waits inside the rank (barriers, semaphores) only wait for this rank's other blocks, which
 // wait for peers: they time out an eighth of the timeout later, so the report names the wait
 // that stalled (and the peer it waited for) rather than a barrier behind it.
 __device__ __forceinline__ bool must_stop_local(const Ctx& c, u32& spins) {
-  return must_stop_by(c, NO_PEER, spins, c.deadline + c.a->timeout_ns / 8);
+  return must_stop_by(c, NO_PEER, spins, c.a->timeout_ns / 8);
 }
 
 __device__ __forceinline__ u64 remaining(const Ctx& c) {
-  u64 now = detail::globaltimer();
+  const u64 now = detail::globaltimer();
+  if (c.deadline == 0) c.deadline = now + c.a->timeout_ns;
   return c.deadline > now ? c.deadline - now : 0;
 }
 
@@ -528,22 +534,58 @@ __device__ void exec_op(const Ctx& c, const DevOp& op, u64 po, u64 unit) {
   }
 }
 
+// Whether `next` may start in a thread before every thread of the block finished `op`: `op`
+// only wrote LL packets (to this rank's or a peer's scratch, not through a proxy) and `next`
+// reads packets by polling their flags (so it waits for each one itself) and reads no data
+// `op` wrote. After the last operation no barrier is needed either: every thread took the
+// flag at the start.
+__device__ __forceinline__ bool packets_then_packets(const DevOp& op, const DevOp& next) {
+  const bool writes_packets = (op.kind == OP_ppkt || op.kind == OP_cpkt) && op.ctype != CT_PORT;
+  const bool polls_packets = next.kind == OP_repkt || next.kind == OP_respkt || next.kind == OP_recpkt ||
+                             next.kind == OP_recspkt || next.kind == OP_upkt ||
+                             (next.kind == OP_rppkt && next.ctype != CT_PORT);
+  return writes_packets && polls_packets;
+}
+
+// A block's operations are copied to shared memory at its start when they fit (one step for
+// every thread instead of a chain of global loads per operation); else read where they are.
+#define SHARED_OPS_BYTES 12288
+
 template <typename PK>
 __device__ void run(const ExecArgs& a) {
   __shared__ u32 s_flag;
   __shared__ u32 s_stop;
-  __shared__ u64 s_deadline;
+  __shared__ __align__(16) u64 s_ops[SHARED_OPS_BYTES / 8];
   ExecState* st = (ExecState*)a.state;
+  const DevOp* g_ops = (const DevOp*)a.ops + (u64)blockIdx.x * a.ops_stride;
+  const u64 op_bytes = a.ops_stride * sizeof(DevOp);
+  const bool in_shared = op_bytes <= SHARED_OPS_BYTES;
+  if (in_shared) {
+    const u64* src = (const u64*)g_ops;
+    for (u32 i = threadIdx.x; i < op_bytes / 8; i += blockDim.x) s_ops[i] = src[i];
+  }
+  // While the operations arrive, the first warp asks L1 for this block's share of the input (at
+  // most 32 lines of 128 bytes): the first operation of most plans reads it, and an L1 hit then
+  // replaces a second round trip to L2.
+  if (threadIdx.x < 32) {
+    const u64 lo = ((u64)blockIdx.x * a.input_bytes / gridDim.x) & ~127ull;
+    const u64 hi = (u64)(blockIdx.x + 1) * a.input_bytes / gridDim.x;
+    const u64 line = lo + (u64)threadIdx.x * 128;
+    if (line < hi) asm volatile("prefetch.global.L1 [%0];" ::"l"(a.input + line));
+  }
+  u32* my_flag = (u32*)a.flags + blockIdx.x;
   if (threadIdx.x == 0) {
-    s_flag = vload(&st->flag);
-    s_deadline = detail::globaltimer() + a.timeout_ns;
-    s_stop = vload(&st->failed) != 0 ? 1u : (load_sys((const u64*)a.abort) != 0 ? 2u : 0u);
+    s_flag = vload(my_flag);
+    // The abort word lives in page-locked host memory: reading it here would put a PCIe round
+    // trip (about a microsecond) at the start of every launch. Waits read it as they spin, and
+    // the host refuses launches once it is set.
+    s_stop = vload(&st->failed) != 0 ? 1u : 0u;
   }
   __syncthreads();
   Ctx c;
   c.a = &a;
   c.flag = s_flag;
-  c.deadline = s_deadline;
+  c.deadline = 0;
   c.block = blockIdx.x;
   c.op = 0xffff;
   c.scratch_off = (a.scratch_half != 0 && (c.flag & 1u) == 0) ? a.scratch_half : 0;
@@ -551,12 +593,11 @@ __device__ void run(const ExecArgs& a) {
   c.buf[1] = (char*)a.output;
   c.buf[2] = (char*)a.scratch + c.scratch_off;
   if (s_stop) {
-    if (threadIdx.x == 0) fail(c, s_stop == 2u ? ERR_ABORTED : ERR_FAILED_BEFORE, NO_PEER);
+    if (threadIdx.x == 0) fail(c, ERR_FAILED_BEFORE, NO_PEER);
     return;
   }
-  const u32* blk = (const u32*)a.blocks;
-  const u32 first = blk[2 * blockIdx.x], count = blk[2 * blockIdx.x + 1];
-  const DevOp* ops = (const DevOp*)a.ops + first;
+  const DevOp* ops = in_shared ? (const DevOp*)s_ops : g_ops;
+  const u32 count = ops[0].block_ops;
   for (u32 i = 0; i < count;) {
     const DevOp& op = ops[i];
     c.op = i;
@@ -571,19 +612,17 @@ __device__ void run(const ExecArgs& a) {
       i += 1 + op.n_body;
     } else {
       exec_op<PK>(c, op, 0, ~0ull);
-      __syncthreads();
       i++;
+      if (i < count && !packets_then_packets(op, ops[i])) __syncthreads();
     }
   }
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&st->done, 1u) == gridDim.x - 1) {
-      st->done = 0;
-      __threadfence();
-      atomicAdd(&st->flag, 1u);
-    }
-  }
+  // Each block advances its own flag for the next launch (which starts after this one ends: no
+  // fence, no shared counter to wait on). Every block runs every launch, so the flags stay equal.
+  // Past 2^32 launches it skips 0 (the value of zeroed memory) and keeps the parity alternating.
+  if (threadIdx.x == 0) *my_flag = c.flag + 1 == 0 ? 2u : c.flag + 1;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) mscclpp_exec_ll16(ExecArgs a) { run<PL16>(a); }
-extern "C" __global__ void __launch_bounds__(1024) mscclpp_exec_ll8(ExecArgs a) { run<PL8>(a); }
+// The arguments stay in parameter space (__grid_constant__): taking their address does not copy
+// them to each thread's local memory.
+extern "C" __global__ void __launch_bounds__(1024) mscclpp_exec_ll16(const __grid_constant__ ExecArgs a) { run<PL16>(a); }
+extern "C" __global__ void __launch_bounds__(1024) mscclpp_exec_ll8(const __grid_constant__ ExecArgs a) { run<PL8>(a); }

@@ -18,9 +18,13 @@ fn every_generated_plan_loads_and_round_trips() {
             count += 1;
         }
     }
-    // 4 single-level algorithms x 2 protocols x 2 placements at 2..=8 ranks, and the two-node
-    // one at even counts of 4 and up (4, 6, 8).
-    assert_eq!(count, 4 * 4 * 7 + 4 * 3);
+    // 4 single-level algorithms x 2 protocols x 2 placements at 2..=8 ranks, the one-hop one in
+    // LL only (2 placements), and the two-node one at even counts of 4 and up (4, 6, 8).
+    assert_eq!(count, 4 * 4 * 7 + 2 * 7 + 4 * 3);
+    assert!(generate::plan(Algorithm::OneHopAllReduce, 2, Protocol::Simple, true).is_none());
+    assert!(generate::one_hop_allreduce(2, true, 0, 256).is_none());
+    assert!(generate::one_hop_allreduce(2, true, 65, 256).is_none());
+    assert!(generate::one_hop_allreduce(2, true, 4, 2048).is_none());
     assert!(generate::plan(Algorithm::HierarchicalAllReduce, 5, Protocol::Simple, true).is_none());
     assert!(generate::plan(Algorithm::RingAllReduce, 1, Protocol::Simple, true).is_none());
     assert!(generate::plan(Algorithm::AllPairAllReduce, 9, Protocol::Simple, true).is_none());

@@ -59,7 +59,8 @@ fn generated_plans_compute_their_collectives() {
             n += 1;
         }
     }
-    assert_eq!(n, 4 * 4 * 7 + 4 * 3);
+    // As in plans.rs: the one-hop plan is LL only.
+    assert_eq!(n, 4 * 4 * 7 + 2 * 7 + 4 * 3);
 }
 
 #[test]

@@ -120,7 +120,10 @@ extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers 
     u64 i = (u64)k * nthreads + tid;
     unsigned int peer = (unsigned int)(i % p.npeers);
     u64 off = op == 2 ? 0 : ((i / p.npeers) % p.slots) * size;
-    fifo.push(mscclpp::ProxyTrigger(type, p.dst[peer], off, p.src, off, op == 2 ? 0 : size, p.sem[peer]), max_spins);
+    // A signal carries no put fields (the proxy refuses one that does).
+    const bool sig = op == 2;
+    fifo.push(mscclpp::ProxyTrigger(type, sig ? 0u : p.dst[peer], off, sig ? 0u : p.src, off, sig ? 0 : size, p.sem[peer]),
+              max_spins);
   }
 }
 

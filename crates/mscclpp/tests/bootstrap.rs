@@ -122,9 +122,15 @@ fn killed_rank_fails_its_peers_fast() {
     if let Some(r) = Rank::from_env() {
         let bs = r.bootstrap(Duration::from_secs(60));
         bs.barrier().unwrap();
+        // Rank 2 dies only once both others have left the barrier (each tells it so): dying
+        // right after its own barrier raced the others' (on a loaded machine a peer could still
+        // be reading the barrier's last message from rank 2, and saw the death there).
         if r.rank == 2 {
+            bs.recv(0, 3).unwrap();
+            bs.recv(1, 3).unwrap();
             common::die();
         }
+        bs.send(2, 3, &[]).unwrap();
         let t0 = Instant::now();
         let err = bs.recv(2, 1).unwrap_err();
         assert_eq!(err.peer(), Some(2), "{err}");

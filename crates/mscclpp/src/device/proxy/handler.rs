@@ -72,6 +72,9 @@ impl FlushWords {
 pub(crate) struct SemEntry {
     pub(crate) sem: ProxySemaphore,
     pub(crate) conn: usize,
+    /// Signals popped but not sent yet (sent together, as one token write, at the end of the
+    /// batch or before a flush of the connection).
+    owed: u64,
 }
 
 /// One connection's flush state.
@@ -90,6 +93,8 @@ pub(crate) struct ConnectionHandler {
     max_queue: Option<u64>,
     /// Whether any connection has recorded flushes to publish.
     flushes_pending: bool,
+    /// Semaphores with signals owed (`SemEntry::owed > 0`), in the order they were first owed.
+    owing: Vec<usize>,
 }
 
 impl ConnectionHandler {
@@ -101,6 +106,7 @@ impl ConnectionHandler {
             words,
             max_queue: max_write_queue_size.map(|q| q.max(1) as u64),
             flushes_pending: false,
+            owing: Vec::new(),
         }
     }
 
@@ -131,7 +137,7 @@ impl ConnectionHandler {
                 self.conns.len() - 1
             }
         };
-        self.sems.push(SemEntry { sem, conn: idx });
+        self.sems.push(SemEntry { sem, conn: idx, owed: 0 });
         (self.sems.len() - 1, idx)
     }
 
@@ -150,10 +156,20 @@ impl ConnectionHandler {
                     self.conns[ci].conn.write(dst, p.dst_off as u64, src, p.src_off as u64, p.size as u64)?;
                 }
                 if signal {
-                    self.make_room(ci, cx)?;
-                    self.sem(sem_id)?.sem.signal()?;
+                    // Owed, not sent: every signal of this semaphore popped in this batch goes
+                    // out as one token write (token += n) when the batch ends (`poll`) or before
+                    // a flush of the connection, after every put popped before it. A signal
+                    // promises that the puts before it landed; one sent after later puts too
+                    // still keeps that promise, and n signals in one write cost what one does.
+                    self.sem(sem_id)?;
+                    let e = &mut self.sems[sem_id as usize];
+                    if e.owed == 0 {
+                        self.owing.push(sem_id as usize);
+                    }
+                    e.owed += 1;
                 }
                 if flush {
+                    self.pay_signals(Some((ci, cx)))?;
                     self.flush(ci, cx.position())?;
                 }
                 Ok(())
@@ -174,6 +190,28 @@ impl ConnectionHandler {
                 conn.atomic_add(&self.memories[dst_mem as usize], dst_off as u64, value)
             }
         }
+    }
+
+    /// Sends the owed signals: of connection `only.0` (with room made on it first), or of every
+    /// connection (at the end of a batch: at most one operation per semaphore beyond the
+    /// connection's queue bound).
+    fn pay_signals(&mut self, only: Option<(usize, &TriggerContext<'_>)>) -> Result<()> {
+        let mut i = 0;
+        while i < self.owing.len() {
+            let id = self.owing[i];
+            let ci = self.sems[id].conn;
+            if let Some((want, cx)) = only {
+                if ci != want {
+                    i += 1;
+                    continue;
+                }
+                self.make_room(ci, cx)?;
+            }
+            let n = std::mem::take(&mut self.sems[id].owed);
+            self.owing.remove(i);
+            self.sems[id].sem.signal_by(n)?;
+        }
+        Ok(())
     }
 
     /// Publishes every recorded flush whose connection has completed its sequence number.
@@ -282,6 +320,9 @@ impl ProxyHandler for ConnectionHandler {
     }
 
     fn poll(&mut self) -> Result<()> {
+        if !self.owing.is_empty() {
+            self.pay_signals(None)?;
+        }
         if self.flushes_pending { self.progress_flushes() } else { Ok(()) }
     }
 
@@ -290,6 +331,7 @@ impl ProxyHandler for ConnectionHandler {
     }
 
     fn drain(&mut self) -> Result<()> {
+        self.pay_signals(None)?;
         for _ in 0..DRAIN_ROUNDS {
             if self.conns.iter().all(|c| c.pending.is_empty()) {
                 break;
@@ -483,6 +525,28 @@ mod tests {
         assert!(r.runner.sh_status().is_ok());
     }
 
+    /// Signals popped in one batch go out as one token write per semaphore, after the batch's
+    /// puts and before a flush of their connection; a lone signal goes out at the next step.
+    #[test]
+    fn signals_of_one_batch_are_one_token_write() {
+        let mut r = rig(16, None);
+        let p = r.fifo().host_producer().unwrap();
+        p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        p.push(ProxyTrigger::put_with_signal(0, put(8, 0)).unwrap(), Duration::ZERO).unwrap();
+        p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        assert_eq!(r.runner.step(), Step::Worked(3));
+        assert_eq!(r.ops(), vec![Op::Write { dst_off: 0, src_off: 0, len: 8 }], "signals wait for the batch's end");
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops(), vec![Op::Write { dst_off: 0, src_off: 0, len: 8 }, Op::Update { old: 0, new: 3 }]);
+        // Owed signals go out before a flush of their connection, in the same step.
+        let p = r.fifo().host_producer().unwrap();
+        p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        p.push(ProxyTrigger::flush(0).unwrap(), Duration::ZERO).unwrap();
+        assert_eq!(r.runner.step(), Step::Worked(2));
+        assert_eq!(r.ops().last(), Some(&Op::Update { old: 3, new: 4 }));
+        assert!(r.runner.sh_status().is_ok());
+    }
+
     /// A flush is recorded with the connection's issued sequence number and published (as its
     /// position plus one) once `completed` reaches that number, not when the connection is idle:
     /// later traffic does not hold it back. Flushes publish in order; one with nothing
@@ -626,20 +690,30 @@ mod bench {
     use crate::semaphore::{Semaphore, SemaphoreStub};
     use crate::transport::{Device, TransportFlags};
 
+    /// Operations issued, writes among them, and the signals the token writes carried.
+    #[derive(Default)]
+    struct Counts {
+        ops: AtomicU64,
+        writes: AtomicU64,
+        signals: AtomicU64,
+    }
+
     /// Counts operations; everything completes at once (the cost measured is the proxy's).
-    struct Counting(Arc<AtomicU64>);
+    struct Counting(Arc<Counts>);
 
     impl ConnectionImpl for Counting {
         fn write(&self, _: &RegisteredMemory, _: u64, _: &RegisteredMemory, _: u64, _: u64) -> Result<()> {
-            self.0.fetch_add(1, Ordering::Relaxed);
+            self.0.ops.fetch_add(1, Ordering::Relaxed);
+            self.0.writes.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
-        fn update_and_sync(&self, _: &RegisteredMemory, _: u64, _: u64, _: u64) -> Result<()> {
-            self.0.fetch_add(1, Ordering::Relaxed);
+        fn update_and_sync(&self, _: &RegisteredMemory, _: u64, old: u64, new: u64) -> Result<()> {
+            self.0.ops.fetch_add(1, Ordering::Relaxed);
+            self.0.signals.fetch_add(new - old, Ordering::Relaxed);
             Ok(())
         }
         fn atomic_add(&self, _: &RegisteredMemory, _: u64, _: i64) -> Result<()> {
-            self.0.fetch_add(1, Ordering::Relaxed);
+            self.0.ops.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
         fn flush(&self, _: Duration) -> Result<()> {
@@ -655,7 +729,7 @@ mod bench {
             0
         }
         fn progress(&self, _: bool) -> Result<Progress> {
-            let n = self.0.load(Ordering::Relaxed);
+            let n = self.0.ops.load(Ordering::Relaxed);
             Ok(Progress { issued: n, completed: n })
         }
     }
@@ -664,13 +738,13 @@ mod bench {
         handler: ConnectionHandler,
         conns: Vec<Connection>,
         memories: Vec<RegisteredMemory>,
-        ops: Arc<AtomicU64>,
+        counts: Arc<Counts>,
         _ctx: Context,
     }
 
     fn setup(peers: usize) -> Setup {
         let ctx = Context::new();
-        let ops = Arc::new(AtomicU64::new(0));
+        let counts = Arc::new(Counts::default());
         let flags = TransportFlags::from(Transport::Ethernet);
         let alloc = Arc::new(HostAlloc::zeroed(64 * 8).unwrap());
         let words = Arc::new(FlushWords::new(Region::owned(alloc, 64 * 8)));
@@ -678,7 +752,7 @@ mod bench {
         let mut conns = Vec::new();
         for p in 0..peers {
             let conn = Connection::from_inner(ConnInner {
-                imp: Box::new(Counting(ops.clone())),
+                imp: Box::new(Counting(counts.clone())),
                 transport: Transport::Ethernet,
                 remote_transport: Transport::Ethernet,
                 device: Device::Cpu,
@@ -695,7 +769,7 @@ mod bench {
         for m in &memories {
             handler.add_memory(m.clone());
         }
-        Setup { handler, conns, memories, ops, _ctx: ctx }
+        Setup { handler, conns, memories, counts, _ctx: ctx }
     }
 
     #[derive(Clone, Copy, Debug)]
@@ -718,7 +792,7 @@ mod bench {
     /// Triggers per second through the proxy with `producers` host threads.
     fn through_proxy(op: Op, peers: usize, producers: usize, total: u64) -> f64 {
         let s = setup(peers);
-        let ops = s.ops.clone();
+        let counts = s.counts.clone();
         let mut proxy = Proxy::start(Fifo::host_backed(512).unwrap(), s.handler, ProxyOptions::default()).unwrap();
         let each = total / producers as u64;
         let t0 = Instant::now();
@@ -741,11 +815,16 @@ mod bench {
         }
         let el = t0.elapsed().as_secs_f64();
         proxy.stop().unwrap();
-        let per = match op {
-            Op::PutWithSignal => 2,
-            _ => 1,
+        let n = each * producers as u64;
+        let (puts, signals) = match op {
+            Op::Put => (n, 0),
+            Op::PutWithSignal => (n, n),
+            Op::Signal => (0, n),
         };
-        assert_eq!(ops.load(Ordering::Relaxed), each * producers as u64 * per, "every operation issued once");
+        // Every put once; every signal counted once in the token writes (a batch's signals of
+        // one semaphore share one write).
+        assert_eq!(counts.writes.load(Ordering::Relaxed), puts, "every put issued once");
+        assert_eq!(counts.signals.load(Ordering::Relaxed), signals, "every signal sent once");
         (each * producers as u64) as f64 / el
     }
 

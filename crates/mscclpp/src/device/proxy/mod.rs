@@ -7,6 +7,15 @@
 //! [`Connection::atomic_add`], and `flush` records the connection's current sequence number
 //! ([`Connection::request_progress`]) and returns at once.
 //!
+//! # Signals are coalesced
+//! A popped `signal` is owed, not sent at once: when the batch of triggers the proxy popped
+//! together ends (or before a flush of that connection), each semaphore with owed signals gets
+//! one token write of outbound + n. The promise of a signal (every put before it on the
+//! connection has landed) holds, since the write follows every put of the batch; n signals cost
+//! what one does, so signal-only traffic is no longer one connection operation per trigger
+//! (MSCCL++'s proxy writes the token for every signal). A lone signal goes out at the next
+//! step of the loop, nanoseconds later.
+//!
 //! # Flushes
 //! Each connection has one `flushDonePos` word in mapped pinned host memory (shared by every
 //! channel on that connection, as in MSCCL++). A flush at FIFO position `p` is recorded as

@@ -53,11 +53,12 @@ impl ProxySemaphore {
             Owner::Plain(_) => None,
         }
     }
-    /// The peer's token becomes outbound + 1, after every earlier operation of the connection.
-    pub(crate) fn signal(&self) -> Result<()> {
+    /// `n` signals at once: the peer's token becomes outbound + `n` (one token write), after
+    /// every earlier operation of the connection.
+    pub(crate) fn signal_by(&self, n: u64) -> Result<()> {
         // Acquire: pairs with the AcqRel swap in `Connection::update_and_sync` of the previous
         // signal (the proxy thread's own, or the semaphore's before the proxy took it over).
-        let next = self.outbound.load(Ordering::Acquire) + 1;
+        let next = self.outbound.load(Ordering::Acquire) + n;
         self.connection().update_and_sync(self.semaphore().remote_memory(), 0, &self.outbound, next)
     }
 }
