@@ -334,6 +334,8 @@ impl Host2HostSemaphore {
             }
             backoff.snooze(&deadline);
         }
+        // The transport's receive thread applies what comes from now on.
+        self.connection().stop_polling();
         let ctx = self.connection().context().inner().clone();
         // The NIC writes IB tokens without telling this process: poll them often. Other
         // transports wake the waiter when they apply a token.

@@ -62,6 +62,10 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     fn poll_incoming(&self) -> bool {
         false
     }
+    /// The waiter that called [`poll_incoming`](Self::poll_incoming) stops polling without its
+    /// signal (it blocks until the transport reports one): the transport's receive thread takes
+    /// over at once.
+    fn stop_polling(&self) {}
 }
 
 /// How far a connection has got, in sequence numbers counted from the connection's start: every
@@ -297,6 +301,11 @@ impl Connection {
     /// transport's receive thread.
     pub(crate) fn poll_incoming(&self) -> bool {
         self.inner.imp.poll_incoming()
+    }
+
+    /// The waiter stops polling (see `ConnectionImpl::stop_polling`).
+    pub(crate) fn stop_polling(&self) {
+        self.inner.imp.stop_polling()
     }
 
     /// Operations issued whose application at the peer is not yet confirmed.

@@ -11,20 +11,46 @@ use std::time::Duration;
 use tracing::{debug, warn};
 
 use super::LOG;
-use super::wire::{HELLO_ACK_LEN, HELLO_LEN, Hello, HelloAck};
+use super::wire::{HELLO_ACK_LEN, HELLO_LEN, Hello, HelloAck, Lane};
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::StoppableListener;
 use crate::sync::{Deadline, lock};
 use crate::wire::{WireForm, length_prefixed, read_length_prefixed};
 
-/// What the accept thread and [`Acceptor::take`] share: the accepted socket, once there is one.
+/// The peer's sockets accepted so far, by lane (a lane arrives once; a second socket of the same
+/// lane is dropped).
+#[derive(Default)]
+struct Slots {
+    shared: Option<TcpStream>,
+    own: Option<TcpStream>,
+    /// Lanes that have arrived (taken or not).
+    arrived: [bool; 2],
+}
+
+impl Slots {
+    fn index(lane: Lane) -> usize {
+        match lane {
+            Lane::Shared => 0,
+            Lane::Own => 1,
+        }
+    }
+    fn slot(&mut self, lane: Lane) -> &mut Option<TcpStream> {
+        match lane {
+            Lane::Shared => &mut self.shared,
+            Lane::Own => &mut self.own,
+        }
+    }
+}
+
+/// What the accept thread and [`Acceptor::take`] share: the accepted sockets, as they arrive.
 struct AcceptShared {
-    slot: Mutex<Option<TcpStream>>,
+    slot: Mutex<Slots>,
     pub(super) cond: Condvar,
     pub(super) stop: AtomicBool,
 }
 
-/// Accepts the one peer connection of an Ethernet endpoint, from the endpoint's creation on.
+/// Accepts the peer's sockets of an Ethernet endpoint (its own lane, and the shared lane when the
+/// peer is the low side), from the endpoint's creation on.
 pub(crate) struct Acceptor {
     addr: SocketAddr,
     shared: Arc<AcceptShared>,
@@ -34,8 +60,11 @@ pub(crate) struct Acceptor {
 impl Acceptor {
     pub(crate) fn start(listener: TcpListener, secret: [u8; 16], context_id: u64) -> Result<Acceptor> {
         let addr = listener.local_addr().map_err(|e| Error::io("reading the listening address", e))?;
-        let shared =
-            Arc::new(AcceptShared { slot: Mutex::new(None), cond: Condvar::new(), stop: AtomicBool::new(false) });
+        let shared = Arc::new(AcceptShared {
+            slot: Mutex::new(Slots::default()),
+            cond: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
         let sh = shared.clone();
         let thread = std::thread::Builder::new()
             .name("mscclpp-eth-accept".into())
@@ -44,11 +73,11 @@ impl Acceptor {
         Ok(Acceptor { addr, shared, thread: Mutex::new(Some(thread)) })
     }
 
-    /// Takes the peer's socket, waiting until `deadline` (or until `stop` is set).
-    pub(super) fn take(&self, deadline: Deadline, stop: &AtomicBool) -> Result<TcpStream> {
+    /// Takes the peer's socket of `lane`, waiting until `deadline` (or until `stop` is set).
+    pub(super) fn take(&self, lane: Lane, deadline: Deadline, stop: &AtomicBool) -> Result<TcpStream> {
         let mut g = lock(&self.shared.slot);
         loop {
-            if let Some(s) = g.take() {
+            if let Some(s) = g.slot(lane).take() {
                 return Ok(s);
             }
             if deadline.expired() {
@@ -73,11 +102,13 @@ impl Drop for Acceptor {
     }
 }
 
-/// The accept thread: a handshake thread per connection until one passes (or `stop`).
+/// The accept thread: a handshake thread per connection until both lanes have arrived (or
+/// `stop`: the connection drops the acceptor once it has what it needs).
 fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], context_id: u64) {
     let mut handshakes: Vec<JoinHandle<()>> = Vec::new();
     let listener = StoppableListener::new(listener);
-    let stopped = || sh.stop.load(Ordering::Acquire) || lock(&sh.slot).is_some();
+    let all_arrived = || lock(&sh.slot).arrived.iter().all(|a| *a);
+    let stopped = || sh.stop.load(Ordering::Acquire) || all_arrived();
     while let Some(conn) = listener.next(stopped) {
         let s = match conn {
             Ok(s) => s,
@@ -95,13 +126,15 @@ fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], c
         let h = std::thread::Builder::new().name("mscclpp-eth-hs".into()).spawn(move || {
             let from = s.peer_addr().ok();
             match accept_handshake(s, &secret, context_id) {
-                Ok(s) => {
-                    let mut slot = lock(&sh2.slot);
-                    if slot.is_none() && !sh2.stop.load(Ordering::Acquire) {
-                        *slot = Some(s);
+                Ok((s, lane)) => {
+                    let mut slots = lock(&sh2.slot);
+                    let i = Slots::index(lane);
+                    if !slots.arrived[i] && !sh2.stop.load(Ordering::Acquire) {
+                        slots.arrived[i] = true;
+                        *slots.slot(lane) = Some(s);
                         sh2.cond.notify_all();
                     } else {
-                        warn!(target: LOG, "endpoint already connected; dropping a second peer connection from {from:?}");
+                        warn!(target: LOG, "endpoint already connected; dropping a second peer connection ({lane:?} lane) from {from:?}");
                     }
                 }
                 Err(e) => warn!(target: LOG, "dropping connection from {from:?} that failed the handshake: {e}"),
@@ -110,7 +143,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], c
         if let Ok(h) = h {
             handshakes.push(h);
         }
-        if lock(&sh.slot).is_some() {
+        if all_arrived() {
             break;
         }
     }
@@ -121,8 +154,8 @@ fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], c
 }
 
 /// The acceptor's side of the handshake: the peer's hello must carry `secret`; the answer
-/// carries this side's context id.
-pub(super) fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Result<TcpStream> {
+/// carries this side's context id. Returns the socket and the lane the peer opened it for.
+pub(super) fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: u64) -> Result<(TcpStream, Lane)> {
     s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| Error::io("setting a read timeout", e))?;
     let body = read_length_prefixed(&mut s, HELLO_LEN, "the handshake")?;
     let hello = Hello::from_wire(&body)?;
@@ -132,18 +165,19 @@ pub(super) fn accept_handshake(mut s: TcpStream, secret: &[u8; 16], context_id: 
     s.write_all(&HelloAck { context: context_id }.to_wire()).map_err(|e| Error::io("answering the handshake", e))?;
     s.set_read_timeout(None).map_err(|e| Error::io("clearing the read timeout", e))?;
     let _ = s.set_nodelay(true);
-    Ok(s)
+    Ok((s, hello.lane))
 }
 
-/// Opens the socket to the peer's endpoint and returns it with the peer's context id.
+/// Opens a socket of `lane` to the peer's endpoint and returns it with the peer's context id.
 pub(super) fn dial(
     addr: SocketAddr,
     secret: &[u8; 16],
     my_context: u64,
+    lane: Lane,
     deadline: Deadline,
 ) -> Result<(TcpStream, u64)> {
     let mut s = crate::net::connect_retry(addr, deadline, "the peer's Ethernet endpoint")?;
-    let hello = Hello { secret: *secret, context: my_context }.to_wire();
+    let hello = Hello { secret: *secret, context: my_context, lane }.to_wire();
     s.write_all(&length_prefixed(&hello)).map_err(|e| Error::io("sending the handshake", e))?;
     s.set_read_timeout(Some(deadline.remaining_at_least(Duration::from_millis(10))))
         .map_err(|e| Error::io("setting a read timeout", e))?;

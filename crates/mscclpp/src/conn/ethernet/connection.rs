@@ -13,8 +13,9 @@ use tracing::{debug, warn};
 use super::acceptor::dial;
 use super::core::{Op, SenderCore};
 use super::recv::{Drainer, RxState, receiver_loop};
-use super::send::{Src, Tx, ack_loop, sender_loop, stall_limit};
+use super::send::{OutLanes, Src, Tx, ack_loop, sender_loop, stall_limit};
 use super::stager::Stager;
+use super::wire::Lane;
 use super::{CLOSE_GRACE, LOG};
 use crate::conn::endpoint::{Endpoint, EndpointKind};
 use crate::conn::{ConnInner, Connection, ConnectionImpl, Progress};
@@ -49,16 +50,26 @@ pub(super) struct Shared {
     pub(super) cond: Condvar,
     /// Wakes the sender thread: work queued, failure, stop.
     pub(super) tx_cond: Condvar,
-    /// The outgoing socket, locked by whoever sends.
-    pub(super) out: Mutex<TcpStream>,
-    /// A clone of the outgoing socket, for shutdown.
-    out_ctl: TcpStream,
-    /// A clone of the incoming socket once it arrived, for shutdown.
+    /// This side's sockets for its frames (both lanes), locked by whoever sends; `None` until
+    /// both are known (on the high side the shared one is accepted: the receiver thread takes
+    /// it).
+    pub(super) out: Mutex<Option<OutLanes>>,
+    /// Clones of the three sockets once known, for shutdown: the shared lane (small frames both
+    /// ways), the peer's own lane (its large writes in, this side's records out) and this
+    /// side's own lane (large writes out, the peer's records in).
+    pub(super) shared_ctl: Mutex<Option<TcpStream>>,
     pub(super) in_ctl: Mutex<Option<TcpStream>>,
+    pub(super) own_ctl: Mutex<Option<TcpStream>>,
+    /// Whether this side is the low one (see "Sockets" in `mod.rs`): it dials the shared lane.
+    pub(super) low: bool,
+    /// The receiver thread has its sockets (so it sends a closing record when closing).
+    pub(super) rx_started: AtomicBool,
     /// The receiving half, once the peer's socket arrived.
     pub(super) rx: Mutex<Option<RxState>>,
-    /// When a waiting thread last polled the socket itself, in ns since `born`.
+    /// When a waiting thread last polled the socket itself, in ns since `born` (0: it stopped).
     pub(super) waiter_polled: AtomicU64,
+    /// The receiver thread, to wake from its nap when a waiter stops polling.
+    pub(super) rx_thread: std::sync::OnceLock<std::thread::Thread>,
     pub(super) born: Instant,
     pub(super) stop: AtomicBool,
     /// Sequence number of the last acknowledgement probe queued by `progress(true)`.
@@ -75,9 +86,11 @@ impl Shared {
         self.fail_with(e, true);
     }
 
-    /// Records the first failure and wakes everyone; with `cut_acks`, also shuts the outgoing
-    /// socket, ending the acknowledgement stream (not when the peer merely closed its side: its
-    /// last acknowledgements may still be on their way here).
+    /// Records the first failure and wakes everyone, and shuts the shared lane and the peer's
+    /// lane (frames both ways, this side's records); with `cut_acks`, also this side's own lane
+    /// both ways, ending the peer's acknowledgement stream (not when the peer merely closed its
+    /// side: its last acknowledgements may still be on their way here; then only this side's
+    /// frames end).
     pub(super) fn fail_with(&self, e: Error, cut_acks: bool) {
         let mut st = lock(&self.st);
         if st.failed.is_none() && !st.closing {
@@ -88,11 +101,30 @@ impl Shared {
         drop(st);
         self.cond.notify_all();
         self.tx_cond.notify_all();
-        if cut_acks {
-            let _ = self.out_ctl.shutdown(Shutdown::Both);
+        self.wake_receiver();
+        for c in [&self.shared_ctl, &self.in_ctl] {
+            if let Some(s) = lock(c).as_ref() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
-        if let Some(s) = lock(&self.in_ctl).as_ref() {
-            let _ = s.shutdown(Shutdown::Both);
+        if let Some(s) = lock(&self.own_ctl).as_ref() {
+            let _ = s.shutdown(if cut_acks { Shutdown::Both } else { Shutdown::Write });
+        }
+    }
+
+    /// Wakes the receiver thread from a nap (see `recv.rs`).
+    pub(super) fn wake_receiver(&self) {
+        if let Some(t) = self.rx_thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// Shuts every socket both ways (those known).
+    fn shut_all(&self) {
+        for c in [&self.shared_ctl, &self.in_ctl, &self.own_ctl] {
+            if let Some(s) = lock(c).as_ref() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
     }
 
@@ -238,6 +270,11 @@ impl ConnectionImpl for EthernetConnection {
         }
     }
 
+    fn stop_polling(&self) {
+        self.sh.waiter_polled.store(0, Ordering::Relaxed);
+        self.sh.wake_receiver();
+    }
+
     /// Acknowledgements come every 256 frames or when asked: a request queues one probe (a frame
     /// asking for an acknowledgement) unless one is already queued behind everything issued.
     fn progress(&self, request: bool) -> Result<Progress> {
@@ -276,30 +313,29 @@ impl Drop for EthernetConnection {
         }
         self.sh.cond.notify_all();
         self.sh.tx_cond.notify_all();
-        // The receiver first: its socket shut for reading wakes it, it acknowledges every frame
-        // it applied (see "Closing" above), and only then does the socket close.
-        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
-            let _ = s.shutdown(Shutdown::Read);
+        self.sh.wake_receiver();
+        // The receiver first: its sockets shut for reading wake it, it acknowledges every frame
+        // it applied (see "Closing" above), and only then do the sockets close.
+        for c in [&self.sh.shared_ctl, &self.sh.in_ctl] {
+            if let Some(s) = lock(c).as_ref() {
+                let _ = s.shutdown(Shutdown::Read);
+            }
         }
         {
             let end = Deadline::after(CLOSE_GRACE);
             let mut st = lock(&self.sh.st);
-            while !st.rx_done && lock(&self.sh.in_ctl).is_some() && !end.expired() {
+            while !st.rx_done && self.sh.rx_started.load(Ordering::Acquire) && !end.expired() {
                 st =
                     self.sh.cond.wait_timeout(st, end.remaining()).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
             }
         }
-        let _ = self.sh.out_ctl.shutdown(Shutdown::Both);
-        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        self.sh.shut_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        // A receiver that had not yet taken its socket may have stored it after the shutdown above.
-        if let Some(s) = lock(&self.sh.in_ctl).as_ref() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        // A receiver that had not yet taken its sockets may have stored them after the shutdown
+        // above.
+        self.sh.shut_all();
     }
 }
 
@@ -317,15 +353,31 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         Some(p) => format!("rank {p} ({addr})"),
         None => addr.to_string(),
     };
-    let (out, remote_context) =
-        dial(*addr, secret, ctx.inner().id, deadline).map_err(|e| e.during(format!("connecting to {peer_desc}")))?;
-    // A send blocks while the peer's socket is full; a peer that reads nothing for this long
-    // (stopped, stuck) fails the connection instead of hanging the sending thread, which may be
-    // the caller's own (small writes and signals are sent inline).
-    out.set_write_timeout(Some(stall_limit(cfg.ethernet.connect_timeout)))
-        .map_err(|e| Error::io("setting the send timeout of a socket", e))?;
-    let out_ctl = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
-    let ack_sock = out.try_clone().map_err(|e| Error::io("cloning a socket", e))?;
+    let EndpointKind::Ethernet { addr: my_addr, secret: my_secret } = &local.desc().kind else {
+        return Err(Error::invalid_usage("not a pair of Ethernet endpoints"));
+    };
+    // Both sides order the two endpoints alike: the low side dials the shared lane too (see
+    // "Sockets" in `mod.rs`).
+    let low = (*my_addr, *my_secret) < (*addr, *secret);
+    let dial_lane = |lane: Lane| {
+        let (s, ctx_id) = dial(*addr, secret, ctx.inner().id, lane, deadline)
+            .map_err(|e| e.during(format!("connecting to {peer_desc}")))?;
+        // A send blocks while the peer's socket is full; a peer that reads nothing for this long
+        // (stopped, stuck) fails the connection instead of hanging the sending thread, which may
+        // be the caller's own (small writes and signals are sent inline).
+        s.set_write_timeout(Some(stall_limit(cfg.ethernet.connect_timeout)))
+            .map_err(|e| Error::io("setting the send timeout of a socket", e))?;
+        let _ = s.set_nodelay(true);
+        Ok::<_, Error>((s, ctx_id))
+    };
+    let (own, remote_context) = dial_lane(Lane::Own)?;
+    let shared = if low { Some(dial_lane(Lane::Shared)?.0) } else { None };
+    let clone = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("cloning a socket", e));
+    let (own_ctl, own_acks) = (clone(&own)?, clone(&own)?);
+    let (out, shared_ctl) = match &shared {
+        Some(sh) => (Some(OutLanes { shared: clone(sh)?, own: clone(&own)? }), Some(clone(sh)?)),
+        None => (None, None),
+    };
     let max_queue = local.max_write_queue_size().max(1) as u64;
     let sh = Arc::new(Shared {
         st: Mutex::new(State {
@@ -341,10 +393,14 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         cond: Condvar::new(),
         tx_cond: Condvar::new(),
         out: Mutex::new(out),
-        out_ctl,
+        shared_ctl: Mutex::new(shared_ctl),
         in_ctl: Mutex::new(None),
+        own_ctl: Mutex::new(Some(own_ctl)),
+        low,
+        rx_started: AtomicBool::new(false),
         rx: Mutex::new(None),
         waiter_polled: AtomicU64::new(0),
+        rx_thread: std::sync::OnceLock::new(),
         born: Instant::now(),
         stop: AtomicBool::new(false),
         ack_asked: AtomicU64::new(0),
@@ -383,12 +439,12 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             sender_loop(s1)
         }),
     )?);
-    threads.push(spawn("mscclpp-eth-ack", Box::new(move || ack_loop(s2, ack_sock)))?);
+    threads.push(spawn("mscclpp-eth-ack", Box::new(move || ack_loop(s2, own_acks)))?);
     threads.push(spawn(
         "mscclpp-eth-rx",
         Box::new(move || {
             pin("mscclpp-eth-rx");
-            receiver_loop(s3, ctx_inner, acceptor, deadline)
+            receiver_loop(s3, ctx_inner, acceptor, deadline, shared, own)
         }),
     )?);
     conn.threads = threads;

@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-use super::wire::{FrameHeader, FrameOp, HEADER, RECORD, Record, RecordHead};
+use super::wire::{FrameHeader, FrameOp, HEADER, Lane, RECORD, Record, RecordHead};
 
 /// Most frames per batch (one `sendmsg`).
 pub(crate) const BATCH_OPS: usize = 64;
@@ -16,6 +16,9 @@ pub(crate) const BATCH_OPS: usize = 64;
 pub(crate) const BATCH_BYTES: u64 = 16 << 20;
 /// The receiver acknowledges at least every this many frames.
 pub(crate) const ACK_EVERY: u64 = 256;
+/// Writes of at least this many bytes travel on the sender's own lane; smaller writes, token
+/// updates and probes on the shared one (see "Sockets" in `mod.rs`).
+pub(crate) const OWN_LANE_MIN: u64 = 64 << 10;
 
 /// An operation the sender queues; `S` is where a write's payload comes from.
 #[derive(Debug)]
@@ -48,6 +51,36 @@ impl<S> Op<S> {
             Op::Write { len, .. } => *len,
             _ => 0,
         }
+    }
+
+    /// The lane this operation's frame travels on.
+    pub(crate) fn lane(&self) -> Lane {
+        if self.payload() >= OWN_LANE_MIN { Lane::Own } else { Lane::Shared }
+    }
+}
+
+/// Frames to send in one go, all on one lane.
+#[derive(Debug)]
+pub(crate) struct Batch<S> {
+    /// The lane of `frames` (and of `tail`).
+    pub(crate) lane: Lane,
+    /// A lane switch to send first, on the other lane (the one the last frame went on).
+    pub(crate) lead: Option<FrameHeader>,
+    pub(crate) frames: Vec<(FrameHeader, Op<S>)>,
+    /// A lane switch to send after `frames`, on `lane`: the next queued operation goes on the
+    /// other lane.
+    pub(crate) tail: Option<FrameHeader>,
+}
+
+impl<S> Batch<S> {
+    /// A batch with nothing to send.
+    pub(crate) fn empty() -> Self {
+        Batch { lane: Lane::Shared, lead: None, frames: Vec::new(), tail: None }
+    }
+
+    /// Whether there is nothing to send.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.frames.is_empty()
     }
 }
 
@@ -116,6 +149,8 @@ pub(crate) struct SenderCore<S> {
     asked: u64,
     records: RecordReader,
     failed: Option<String>,
+    /// The lane the receiver reads next: the last frame's, or the one a switch named.
+    lane: Lane,
 }
 
 impl<S> SenderCore<S> {
@@ -130,6 +165,7 @@ impl<S> SenderCore<S> {
             asked: 0,
             records: RecordReader::default(),
             failed: None,
+            lane: Lane::Shared,
         }
     }
 
@@ -187,23 +223,36 @@ impl<S> SenderCore<S> {
     }
 
     /// Takes the next batch, in order, with the headers to send: at most [`BATCH_OPS`] frames and
-    /// [`BATCH_BYTES`] of payload (one larger write goes alone), stopping at the first operation
-    /// `may_send` rejects.
-    pub(crate) fn next_batch(&mut self, may_send: impl Fn(&Op<S>) -> bool) -> Vec<(FrameHeader, Op<S>)> {
-        let mut batch = Vec::new();
+    /// [`BATCH_BYTES`] of payload (one larger write goes alone), all of one lane, stopping at
+    /// the first operation `may_send` rejects. Lane switches come with it: `lead` when the batch
+    /// goes on another lane than the last frame, `tail` when it stops before an operation of the
+    /// other lane (sent after the frames, in the same call).
+    pub(crate) fn next_batch(&mut self, may_send: impl Fn(&Op<S>) -> bool) -> Batch<S> {
+        let lane = self.queue.front().map_or(self.lane, |(_, op)| op.lane());
+        let mut batch = Batch { lane, lead: None, frames: Vec::new(), tail: None };
         let mut bytes = 0u64;
-        while let Some((_, op)) = self.queue.front() {
+        while let Some((seq, op)) = self.queue.front() {
             if !may_send(op) {
                 break;
             }
+            if op.lane() != lane {
+                // The receiver reads the other lane from this frame on.
+                batch.tail = Some(FrameHeader { seq: *seq, ack: false, op: FrameOp::Switch });
+                self.lane = op.lane();
+                break;
+            }
             let len = op.payload();
-            if !batch.is_empty() && bytes + len > BATCH_BYTES {
+            if !batch.frames.is_empty() && bytes + len > BATCH_BYTES {
                 break;
             }
             let Some((seq, op)) = self.queue.pop_front() else { break };
-            batch.push((self.header(seq, &op), op));
+            if batch.frames.is_empty() && self.lane != lane {
+                batch.lead = Some(FrameHeader { seq, ack: false, op: FrameOp::Switch });
+            }
+            self.lane = lane;
+            batch.frames.push((self.header(seq, &op), op));
             bytes += len;
-            if batch.len() >= BATCH_OPS {
+            if batch.frames.len() >= BATCH_OPS {
                 break;
             }
         }
@@ -290,6 +339,9 @@ pub(crate) enum RxEvent<'a, R> {
     /// Send [`Record::Ack`] with this sequence number: everything up to it is applied. Comes
     /// from a call that used no input.
     Ack(u64),
+    /// The next frame comes on the sender's other lane: read that socket from now on (the
+    /// rest of this one waits for the switch back).
+    Switch,
 }
 
 /// The receiving half: reassembles headers from any cut of the stream, validates each against
@@ -380,6 +432,8 @@ impl ReceiverCore {
                         self.complete(seq, ack, more);
                         return Ok((take, None));
                     }
+                    // Nothing applied: the frame it names is still due, on the other lane.
+                    Validated::Switch => RxEvent::Switch,
                 };
                 Ok((take, Some(ev)))
             }
@@ -395,6 +449,11 @@ impl ReceiverCore {
     /// on the events it got, all of them are in memory). What a closing receiver acknowledges.
     pub(crate) fn applied_through(&self) -> u64 {
         self.expect - 1
+    }
+
+    /// Whether an acknowledgement is due (the next call returns it, whatever the input).
+    pub(crate) fn ack_due(&self) -> bool {
+        self.pending_ack.is_some()
     }
 
     /// The current write's next offset and the payload bytes still due, if a write is being
@@ -436,6 +495,7 @@ impl ReceiverCore {
         let (seq, ack) = (h.seq, h.ack);
         let (region, offset, need) = match h.op {
             FrameOp::Nop => return Ok(Validated::Nop { seq, ack }),
+            FrameOp::Switch => return Ok(Validated::Switch),
             FrameOp::Write { region, offset, len } => (region, offset, len),
             FrameOp::Set { region, offset, .. } | FrameOp::Add { region, offset, .. } => (region, offset, 8),
         };
@@ -462,6 +522,7 @@ impl ReceiverCore {
             FrameOp::Set { value, .. } => Validated::Token { region: handle, offset, value, add: false, seq, ack },
             FrameOp::Add { value, .. } => Validated::Token { region: handle, offset, value, add: true, seq, ack },
             FrameOp::Nop => Validated::Nop { seq, ack },
+            FrameOp::Switch => Validated::Switch,
         })
     }
 }
@@ -470,6 +531,7 @@ enum Validated<R> {
     Write { region: R, offset: u64, len: u64, seq: u64, ack: bool },
     Token { region: R, offset: u64, value: u64, add: bool, seq: u64, ack: bool },
     Nop { seq: u64, ack: bool },
+    Switch,
 }
 
 #[cfg(test)]
@@ -526,6 +588,7 @@ pub(crate) fn fuzz_stream(data: &[u8]) {
                         assert!(s > last_ack && s < core.expect, "ack {s} after {last_ack}, next due {}", core.expect);
                         last_ack = s;
                     }
+                    Some(RxEvent::Switch) => assert_eq!(write_left, 0, "a lane switch inside a payload"),
                 }
                 input = &input[used..];
             }

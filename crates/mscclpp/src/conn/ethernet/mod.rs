@@ -11,13 +11,31 @@
 //! handle, `flush`, closing, and `connect`, which starts the three threads).
 //!
 //! # Sockets
-//! Each side of a connection has two TCP sockets: the one it opened to the peer's endpoint
-//! (`out`: its frames go out, the peer's acknowledgements come back) and the one the peer opened
-//! to its endpoint (`in`: the peer's frames come in, its acknowledgements go out). An endpoint
-//! accepts on a thread of its own from the moment it is created, so `connect` never waits for
-//! the peer to be inside `connect` too, and all-pairs setup in any order cannot deadlock.
-//! Each socket opens with a handshake carrying the endpoint's 128-bit secret (which only the
-//! peer learned, through the bootstrap); a connection without it is dropped.
+//! Each pair of endpoints has three TCP sockets, each opened with a handshake naming its lane
+//! (an endpoint accepts on a thread of its own from the moment it is created, so `connect`
+//! never waits for the peer to be inside `connect` too, and all-pairs setup in any order cannot
+//! deadlock):
+//! - each side dials its *own* lane: its writes of 64 KiB and more ([`core::OWN_LANE_MIN`]) go
+//!   out on it, and the peer's records of this side's frames (acknowledgements, refusals,
+//!   closing) come back on it;
+//! - the *low* side (the lower of the two endpoints' `(address, secret)`, which both sides
+//!   compute alike) also dials the *shared* lane, which carries both sides' other frames (small
+//!   writes, tokens, atomics, probes), one direction each. A ping-pong of small writes and
+//!   signals then runs on one TCP connection, so each frame carries the TCP acknowledgement of
+//!   the one it answers (with one connection per direction every frame is acknowledged by a
+//!   segment of its own: 4 segments per round trip instead of 2).
+//!
+//! Bulk writes both ways at once still use two connections (64 MiB both ways on a 2-core VM:
+//! 0.99x two raw connections; one way 0.95-0.99x). A side's frames keep one sequence over its
+//! two lanes: when a frame goes on another lane than the one before it, a `Switch` frame on the
+//! old lane names its sequence number, and the receiver reads the other lane from that frame on,
+//! so it applies frames exactly in sequence order. A write and the signal after it take three
+//! sends when the write is large (a switch, the write and a switch back, the signal): a
+//! variant that sent the signal with the switch before the write hung intermittently and was
+//! reverted. The high side sends its first frame once its receiver thread has taken the accepted
+//! shared socket. Each socket's handshake carries the endpoint's 128-bit secret (which only the
+//! peer learned, through the bootstrap); a connection without it is dropped. The handshake's
+//! version (3) names this layout: peers of versions 1 and 2 (two sockets) are refused.
 //!
 //! # Frames
 //! A [`wire::FrameHeader`] (48 bytes, little-endian) names the operation, a sequence number, the
@@ -33,11 +51,11 @@
 //! sends) and every 256 frames; `flush` waits for the acknowledgement of everything issued.
 //!
 //! # Closing
-//! Dropping a connection acknowledges everything its receiver applied before the socket closes:
-//! the receiver is woken (its socket shut for reading), applies what had already arrived, and
-//! sends a closing record naming the last frame it applied ([`wire::Record::Closing`]); only then
-//! is the socket closed. The peer's `flush` succeeds when every operation it covers is
-//! acknowledged and the peer closed this way (the end of the peer's frames does not cut this
+//! Dropping a connection acknowledges everything its receiver applied before the sockets close:
+//! the receiver is woken (the sockets it reads shut for reading), applies what had already
+//! arrived, and sends a closing record naming the last frame it applied
+//! ([`wire::Record::Closing`]) on the peer's own lane; only then are the sockets closed. The
+//! peer's `flush` succeeds when every operation it covers is acknowledged and the peer closed this way (the end of the peer's frames does not cut this
 //! side's acknowledgement stream short), and fails with the closing error otherwise: for
 //! operations still in flight at the close, and after a peer that died (no closing record).
 //!

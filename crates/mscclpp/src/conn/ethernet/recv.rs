@@ -1,12 +1,13 @@
 //! The receiving side of a connection: the peer's frames applied as the receiver core directs,
 //! by the receiver thread or by a thread waiting for a signal, whichever gets there first.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::net::Shutdown;
 use std::net::TcpStream;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tracing::{debug, warn};
@@ -15,20 +16,23 @@ use super::LOG;
 use super::acceptor::Acceptor;
 use super::connection::Shared;
 use super::core::{ReceiverCore, RegionInfo, RxEvent};
-use super::send::{send_record, stall_limit};
+use super::send::{OutLanes, send_record, stall_limit};
 use super::stager::{StageError, Stager, stager_for};
-use super::wire::Record;
+use super::wire::{Lane, Record};
 use crate::context::ContextInner;
 use crate::error::{Error, ErrorKind};
 use crate::memory::{LocalRegion, Mem};
-use crate::net::readable;
 use crate::sync::{Deadline, lock};
 use crate::transport::Transport;
 
 /// While a waiting thread polled the socket itself (`poll_incoming`) this recently, the receiver
-/// thread keeps away from it (two readers of one socket only contend), and looks again after
-/// the rest of this time (each wake-up takes a CPU from a spinning waiter on a small machine).
+/// thread keeps away from it (two readers of one socket only contend), and naps: each wake-up
+/// takes a CPU from a spinning waiter on a small machine.
 const RX_DEFER: Duration = Duration::from_millis(1);
+/// The receiver thread's nap doubles from [`RX_DEFER`] up to this while waiters keep polling
+/// (a waiter that stops polling without its signal wakes it at once; frames that come after a
+/// waiter returned, with no waiter polling, wait at most this long).
+const RX_NAP_MAX: Duration = Duration::from_millis(8);
 /// How often a blocked receiver thread looks at the stop flag.
 const RX_STOP_CHECK: Duration = Duration::from_millis(100);
 
@@ -58,8 +62,35 @@ impl Read for RxSocket {
 }
 
 /// What the receiver core learns of a region of this context.
+#[cfg(test)]
 fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
+    info_of(ctx.lookup_region(id)?)
+}
+
+/// The last two regions frames named, by id, held weakly (see [`region_info_cached`]).
+type RegionCache = RefCell<[Option<(u64, Weak<LocalRegion>)>; 2]>;
+
+/// [`region_info`] through a two-entry cache of the last regions looked up (a ping-pong names
+/// the same two regions, data and token, over and over). The cache holds a weak reference: a
+/// region dropped since (which is what deregisters it) fails to upgrade, and the lookup then
+/// goes to the context's table, which no longer has it either.
+fn region_info_cached(ctx: &ContextInner, cache: &RegionCache, id: u64) -> Option<RegionInfo<Arc<LocalRegion>>> {
+    let mut c = cache.borrow_mut();
+    for (cid, w) in c.iter().flatten() {
+        if *cid == id
+            && let Some(r) = w.upgrade()
+        {
+            return info_of(r);
+        }
+    }
     let r = ctx.lookup_region(id)?;
+    // The newest first; the older of the two goes.
+    c.swap(0, 1);
+    c[0] = Some((id, Arc::downgrade(&r)));
+    info_of(r)
+}
+
+fn info_of(r: Arc<LocalRegion>) -> Option<RegionInfo<Arc<LocalRegion>>> {
     Some(RegionInfo {
         addr: r.mem.addr(),
         len: r.mem.len(),
@@ -71,10 +102,18 @@ fn region_info(ctx: &ContextInner, id: u64) -> Option<RegionInfo<Arc<LocalRegion
 /// The receiving half's state, behind a lock: the receiver thread applies frames with it, and so
 /// may a thread waiting for a signal (`poll_incoming`), whichever gets there first.
 pub(super) struct RxState {
-    pub(super) rd: BufReader<RxSocket>,
+    /// The peer's frames: on the shared lane, and on its own lane (large writes).
+    shared: BufReader<RxSocket>,
+    own: BufReader<RxSocket>,
+    /// The lane the next frame comes on (both sides start on the shared one).
+    lane: Lane,
+    /// The peer's own lane, this way: acknowledgements and refusals go out on it.
+    rec: TcpStream,
     pub(super) core: ReceiverCore,
     /// The region of the write being received.
     cur: Option<Arc<LocalRegion>>,
+    /// The last two regions frames named (see [`region_info_cached`]).
+    regions: RegionCache,
     pub(super) stagers: HashMap<u32, Stager>,
     pub(super) ctx: Arc<ContextInner>,
     /// The connection is over on this side (failed or closed): nothing more is read.
@@ -94,13 +133,18 @@ pub(super) enum Drainer {
 }
 
 impl RxState {
+    /// The lane the next frame comes on.
+    pub(super) fn lane(&self) -> Lane {
+        self.lane
+    }
+
     /// Applies every frame the socket holds now, in order; returns whether any byte was taken.
     /// A payload begun is finished (reads of its remaining bytes may block, bounded by the
     /// socket's read timeout). Failures end the connection (`done`).
     pub(super) fn drain(&mut self, sh: &Shared, who: Drainer) -> bool {
         let mut progressed = false;
-        let ctx = self.ctx.clone();
-        let lookup = |id: u64| region_info(&ctx, id);
+        let (ctx, cache) = (&self.ctx, &self.regions);
+        let lookup = |id: u64| region_info_cached(ctx, cache, id);
         let report = |e: StageError| {
             let e = match e {
                 StageError::Io(e) => e.to_string(),
@@ -111,11 +155,15 @@ impl RxState {
             }
         };
         while !self.done {
-            let (used, ev) = match self.core.handle_bytes(self.rd.buffer(), &lookup) {
+            let rd = match self.lane {
+                Lane::Shared => &mut self.shared,
+                Lane::Own => &mut self.own,
+            };
+            let (used, ev) = match self.core.handle_bytes(rd.buffer(), &lookup) {
                 Ok(x) => x,
                 Err(why) => {
                     warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
-                    let _ = send_record(&self.rd.get_ref().sock, &Record::refusal(&why));
+                    let _ = send_record(&self.rec, &Record::refusal(&why));
                     sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
                     self.applied_all = false;
                     self.done = true;
@@ -124,16 +172,16 @@ impl RxState {
             };
             let applied: std::result::Result<(), StageError> = match ev {
                 None if used > 0 => {
-                    self.rd.consume(used);
+                    rd.consume(used);
                     Ok(())
                 }
                 None => match (self.core.payload_pending(), self.cur.as_ref().map(|r| &r.mem), who) {
                     // Past what was buffered: the rest of a host write goes straight to its place.
                     (Some((offset, left)), Some(Mem::Host(reg)), Drainer::Thread) => reg
-                        .recv_exact(offset, left, &self.rd.get_ref().sock)
+                        .recv_exact(offset, left, &rd.get_ref().sock)
                         .map_err(StageError::from)
                         .map(|()| self.core.payload_received(left, false)),
-                    _ => match self.rd.fill_buf() {
+                    _ => match rd.fill_buf() {
                         Ok([]) => {
                             sh.fail_read("reading frames from", std::io::ErrorKind::UnexpectedEof.into());
                             self.done = true;
@@ -155,24 +203,24 @@ impl RxState {
                         Some(Mem::Host(reg)) => reg.write(offset, bytes).map_err(StageError::from),
                         _ => Err(StageError::Mscclpp(Error::internal("write payload without a host region"))),
                     };
-                    self.rd.consume(used);
+                    rd.consume(used);
                     r
                 }
                 Some(RxEvent::Write { region, offset, len }) => {
-                    self.rd.consume(used);
+                    rd.consume(used);
                     let r = match &region.mem {
                         Mem::Host(_) => Ok(()),
                         // GPU memory: staged through pinned buffers, the whole payload at once.
                         Mem::Gpu(g) => stager_for(&mut self.stagers, g)
                             .map_err(StageError::from)
-                            .and_then(|st| st.recv(&mut self.rd, g, offset, len))
-                            .map(|()| self.core.payload_received(len, !self.rd.buffer().is_empty())),
+                            .and_then(|st| st.recv(rd, g, offset, len))
+                            .map(|()| self.core.payload_received(len, !rd.buffer().is_empty())),
                     };
                     self.cur = Some(region);
                     r
                 }
                 Some(RxEvent::Token { region, offset, value, add }) => {
-                    self.rd.consume(used);
+                    rd.consume(used);
                     let r = match &region.mem {
                         Mem::Host(reg) => reg
                             .atomic_u64(offset)
@@ -190,12 +238,19 @@ impl RxState {
                     };
                     if r.is_ok() {
                         self.ctx.notify_tokens();
+                        // A token usually ends what the peer sent: with nothing buffered and no
+                        // acknowledgement due, return now (a waiter sees its signal without
+                        // another read, which would only find the socket empty).
+                        if rd.buffer().is_empty() && !self.core.ack_due() {
+                            progressed = true;
+                            break;
+                        }
                     }
                     r
                 }
                 Some(RxEvent::Ack(seq)) => {
-                    self.rd.consume(used);
-                    if let Err(e) = send_record(&self.rd.get_ref().sock, &Record::Ack(seq)) {
+                    rd.consume(used);
+                    if let Err(e) = send_record(&self.rec, &Record::Ack(seq)) {
                         if !sh.stop.load(Ordering::Acquire) {
                             sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
                         }
@@ -205,6 +260,11 @@ impl RxState {
                         self.done = true;
                         break;
                     }
+                    Ok(())
+                }
+                Some(RxEvent::Switch) => {
+                    rd.consume(used);
+                    self.lane = self.lane.other();
                     Ok(())
                 }
             };
@@ -223,10 +283,17 @@ impl RxState {
     }
 }
 
-/// Takes the peer's socket, then applies its frames as the receiver core directs, waiting for
+/// Takes the peer's sockets, then applies its frames as the receiver core directs, waiting for
 /// data outside the receiver's lock; then says it has finished.
-pub(super) fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Deadline) {
-    receive(&sh, ctx, acceptor, deadline);
+pub(super) fn receiver_loop(
+    sh: Arc<Shared>,
+    ctx: Arc<ContextInner>,
+    acceptor: Arc<Acceptor>,
+    deadline: Deadline,
+    shared: Option<TcpStream>,
+    own: TcpStream,
+) {
+    receive(&sh, ctx, acceptor, deadline, shared, own);
     lock(&sh.st).rx_done = true;
     sh.cond.notify_all();
 }
@@ -234,54 +301,130 @@ pub(super) fn receiver_loop(sh: Arc<Shared>, ctx: Arc<ContextInner>, acceptor: A
 /// How long a closing receiver's last acknowledgement may take to send.
 const LAST_ACK_WAIT: Duration = Duration::from_secs(1);
 
-pub(super) fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Acceptor>, deadline: Deadline) {
-    let s = match acceptor.take(deadline, &sh.stop) {
-        Ok(s) => s,
-        Err(e) => {
-            if !sh.stop.load(Ordering::Acquire) {
-                sh.fail(e.during(format!("waiting for {} to connect back", sh.peer_desc)));
-            }
-            return;
+/// Waits up to `timeout` for something to read on `lane`'s socket, or with `both`, on either.
+fn readable_lanes(shared: &TcpStream, own: &TcpStream, lane: Lane, both: bool, timeout: Duration) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::os::fd::AsFd;
+    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+    let (first, second) = match lane {
+        Lane::Shared => (shared, own),
+        Lane::Own => (own, shared),
+    };
+    let mut fds = [PollFd::new(first.as_fd(), PollFlags::POLLIN), PollFd::new(second.as_fd(), PollFlags::POLLIN)];
+    let n = if both { 2 } else { 1 };
+    // Interrupted: let the caller look again.
+    poll(&mut fds[..n], PollTimeout::from(ms)).is_ok_and(|n| n > 0)
+}
+
+/// The socket of the peer that carries `lane`: the shared one is dialled by the low side.
+fn take_lane(sh: &Shared, acceptor: &Acceptor, lane: Lane, deadline: Deadline) -> std::result::Result<TcpStream, ()> {
+    acceptor.take(lane, deadline, &sh.stop).map_err(|e| {
+        if !sh.stop.load(Ordering::Acquire) {
+            sh.fail(e.during(format!("waiting for {} to connect back", sh.peer_desc)));
         }
+    })
+}
+
+pub(super) fn receive(
+    sh: &Arc<Shared>,
+    ctx: Arc<ContextInner>,
+    acceptor: Arc<Acceptor>,
+    deadline: Deadline,
+    shared: Option<TcpStream>,
+    own: TcpStream,
+) {
+    // The peer's own lane; and the shared lane, when the peer dialled it (this side is high).
+    let Ok(s_in) = take_lane(sh, &acceptor, Lane::Own, deadline) else { return };
+    let shared = match shared {
+        Some(s) => s,
+        None => match take_lane(sh, &acceptor, Lane::Shared, deadline) {
+            Ok(s) => s,
+            Err(()) => {
+                let _ = s_in.shutdown(Shutdown::Both);
+                return;
+            }
+        },
     };
     drop(acceptor);
-    if let Ok(c) = s.try_clone() {
-        *lock(&sh.in_ctl) = Some(c);
-    }
-    if sh.stop.load(Ordering::Acquire) || lock(&sh.st).failed.is_some() {
-        let _ = s.shutdown(Shutdown::Both);
-        return;
-    }
     // Reads of a payload's remaining bytes block; a peer that stops in the middle of a frame
-    // fails the connection after this long instead of hanging it. So do acknowledgements sent
-    // back to a peer that stopped reading them (from this thread or a waiter's).
-    let _ = s.set_read_timeout(Some(stall_limit(sh.wait_limit)));
-    let _ = s.set_write_timeout(Some(stall_limit(sh.wait_limit)));
-    let Ok(watch) = s.try_clone() else {
-        sh.fail(Error::new(ErrorKind::Internal, "cloning the incoming socket failed"));
+    // fails the connection after this long instead of hanging it. So do frames and
+    // acknowledgements sent to a peer that stopped reading them (from any thread).
+    for s in [&s_in, &shared] {
+        let _ = s.set_read_timeout(Some(stall_limit(sh.wait_limit)));
+        let _ = s.set_write_timeout(Some(stall_limit(sh.wait_limit)));
+        let _ = s.set_nodelay(true);
+    }
+    let clones = (
+        s_in.try_clone(),
+        s_in.try_clone(),
+        s_in.try_clone(),
+        shared.try_clone(),
+        shared.try_clone(),
+        shared.try_clone(),
+    );
+    let (Ok(in_ctl), Ok(in_watch), Ok(rec), Ok(shared_ctl), Ok(shared_out), Ok(shared_watch)) = clones else {
+        sh.fail(Error::new(ErrorKind::Internal, "cloning a socket failed"));
+        let _ = s_in.shutdown(Shutdown::Both);
+        let _ = shared.shutdown(Shutdown::Both);
         return;
     };
+    *lock(&sh.in_ctl) = Some(in_ctl);
+    if !sh.low {
+        *lock(&sh.shared_ctl) = Some(shared_ctl);
+    }
+    if sh.stop.load(Ordering::Acquire) || lock(&sh.st).failed.is_some() {
+        let _ = s_in.shutdown(Shutdown::Both);
+        let _ = shared.shutdown(Shutdown::Both);
+        return;
+    }
+    if !sh.low {
+        *lock(&sh.out) = Some(OutLanes { shared: shared_out, own });
+        sh.tx_cond.notify_all();
+    }
+    sh.rx_started.store(true, Ordering::Release);
     *lock(&sh.rx) = Some(RxState {
-        rd: BufReader::with_capacity(256 * 1024, RxSocket { sock: s }),
+        rec,
+        shared: BufReader::with_capacity(256 * 1024, RxSocket { sock: shared }),
+        own: BufReader::with_capacity(256 * 1024, RxSocket { sock: s_in }),
+        lane: Lane::Shared,
         core: ReceiverCore::default(),
         cur: None,
+        regions: RefCell::new([None, None]),
         stagers: HashMap::new(),
         ctx,
         done: false,
         applied_all: true,
     });
+    // The lane to wait on; while the other lane has data and this one not (the peer's frames
+    // after a switch not yet here), wait on this one alone for a while.
+    let mut lane = Lane::Shared;
+    let mut one_lane = false;
+    let _ = sh.rx_thread.set(std::thread::current());
+    let mut nap = RX_DEFER;
     loop {
         if sh.stop.load(Ordering::Acquire) {
             break;
         }
         let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
         if since < RX_DEFER.as_nanos() as u64 {
-            // A waiter is reading the socket itself.
-            std::thread::sleep(RX_DEFER - Duration::from_nanos(since));
+            // A waiter is reading the sockets itself: nap (longer each time it still is), unless
+            // it stops polling and wakes this thread.
+            std::thread::park_timeout(nap.saturating_sub(Duration::from_nanos(since)).max(RX_DEFER / 2));
+            nap = (nap * 2).min(RX_NAP_MAX);
             continue;
         }
+        nap = RX_DEFER;
         // Block in `poll` without the lock, so a waiter may take the data first.
-        if !readable(&watch, RX_STOP_CHECK) {
+        let wait = if one_lane { RX_DEFER } else { RX_STOP_CHECK };
+        let ready = readable_lanes(&shared_watch, &in_watch, lane, !one_lane, wait);
+        one_lane = false;
+        if !ready {
+            // (A waiter may have switched lanes meanwhile.)
+            if let Ok(g) = sh.rx.try_lock()
+                && let Some(rx) = g.as_ref()
+            {
+                lane = rx.lane();
+            }
             continue;
         }
         // Never queue behind a waiter that holds the lock (its unlock would then have to wake
@@ -291,10 +434,12 @@ pub(super) fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Accepto
             continue;
         };
         let Some(rx) = g.as_mut() else { return };
-        rx.drain(sh, Drainer::Thread);
+        let progressed = rx.drain(sh, Drainer::Thread);
         if rx.done {
             break;
         }
+        one_lane = !progressed && rx.lane() == lane;
+        lane = rx.lane();
     }
     // Closing (this side dropped the connection): apply what had already arrived (the socket is
     // shut for reading, so the reads end), then acknowledge every frame applied, so that the
@@ -306,7 +451,7 @@ pub(super) fn receive(sh: &Shared, ctx: Arc<ContextInner>, acceptor: Arc<Accepto
     let Some(rx) = g.as_mut() else { return };
     while !rx.done && rx.drain(sh, Drainer::Thread) {}
     if rx.applied_all {
-        let s = &rx.rd.get_ref().sock;
+        let s = &rx.rec;
         let _ = s.set_write_timeout(Some(LAST_ACK_WAIT));
         if let Err(e) = send_record(s, &Record::Closing(rx.core.applied_through())) {
             debug!(target: LOG, "last acknowledgement to {}: {e}", sh.peer_desc);
@@ -416,23 +561,39 @@ mod tests {
             // The fake peer's own "endpoint": a raw listener that answers the handshake.
             let fake = TcpListener::bind("127.0.0.1:0").unwrap();
             let fake_secret = [3u8; 16];
+            let fake_addr = fake.local_addr().unwrap();
             let remote = Endpoint::from_desc_for_test(EndpointDesc {
                 transport: Transport::Ethernet,
                 device: crate::Device::Cpu,
                 host_hash: 1,
                 process_hash: 2,
                 max_write_queue_size: 8,
-                kind: EndpointKind::Ethernet { addr: fake.local_addr().unwrap(), secret: fake_secret },
+                kind: EndpointKind::Ethernet { addr: fake_addr, secret: fake_secret },
             });
             let fake_ctx = 0xfeed_u64;
+            let we_are_low = (ep_addr, ep_secret) < (fake_addr, fake_secret);
+            // We dial the fake's own lane, and the shared lane too when we are the low side.
             let acc = std::thread::spawn(move || {
-                let (s, _) = fake.accept().unwrap();
-                accept_handshake(s, &fake_secret, fake_ctx).unwrap()
+                let mut got = Vec::new();
+                for _ in 0..if we_are_low { 2 } else { 1 } {
+                    let (s, _) = fake.accept().unwrap();
+                    got.push(accept_handshake(s, &fake_secret, fake_ctx).unwrap());
+                }
+                got
             });
             let conn = ctx.connect(&ep, &remote).unwrap();
-            let _their_in = acc.join().unwrap();
-            // The fake dials our endpoint with the right secret and sends a bad frame.
-            let (mut s, _) = dial(ep_addr, &ep_secret, fake_ctx, Deadline::after(Duration::from_secs(5))).unwrap();
+            let mut ours = acc.join().unwrap();
+            // The fake dials our endpoint with the right secret (its own lane, where our records
+            // come back, and the shared lane when it is the low side) and sends a bad frame on
+            // the shared lane (where the receiver starts reading).
+            let dial_lane = |lane| dial(ep_addr, &ep_secret, fake_ctx, lane, Deadline::after(Duration::from_secs(5)));
+            let (mut s, _) = dial_lane(Lane::Own).unwrap();
+            let mut frames = if we_are_low {
+                let i = ours.iter().position(|(_, l)| *l == Lane::Shared).unwrap();
+                ours.swap_remove(i).0
+            } else {
+                dial_lane(Lane::Shared).unwrap().0
+            };
             let id = target.memory().desc().region_id;
             let h = match bad {
                 "unregistered" => header(OP_WRITE, 1, id + 1000, 0, 16, 0),
@@ -441,7 +602,7 @@ mod tests {
             };
             let mut frame = h.to_vec();
             frame.extend_from_slice(&[0xAA; 16]);
-            s.write_all(&frame).unwrap();
+            frames.write_all(&frame).unwrap();
             // We are told why, then the socket closes.
             let mut rec = [0u8; 16];
             s.read_exact(&mut rec).unwrap();

@@ -8,14 +8,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::connection::Shared;
-use super::core::{Op, QueueFull};
+use super::connection::{Shared, State};
+use super::core::{Batch, Op, QueueFull};
 use super::stager::{StageError, stager_for};
-use super::wire::{self, Record};
+use super::wire::{self, Lane, Record};
 use super::{COALESCE_GRACE, INLINE_LIMIT, TX_LINGER, TX_TICK};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{LocalRegion, Mem};
-use crate::platform::hostmem::{IoPart, send_vectored};
+use crate::platform::hostmem::{IoPart, send_all, send_vectored};
 use crate::sync::{Deadline, lock};
 use crate::wire::WireForm;
 
@@ -28,12 +28,30 @@ pub(super) fn stall_limit(wait_limit: Duration) -> Duration {
     wait_limit.max(Duration::from_secs(1))
 }
 
+/// Batches up to this many bytes (headers and payloads) go through [`Shared::send_small`].
+const SMALL_BATCH: usize = 256;
+
 /// Whether the calling thread may send `op` (the sender thread sends larger writes and
 /// everything staged from GPU memory).
 pub(super) fn inline(op: &Op<Src>) -> bool {
     match op {
         Op::Write { src, len, .. } => *len <= INLINE_LIMIT && matches!(src.mem, Mem::Host(_)),
         _ => true,
+    }
+}
+
+/// This side's two outgoing sockets, for the frames of each lane.
+pub(super) struct OutLanes {
+    pub(super) shared: TcpStream,
+    pub(super) own: TcpStream,
+}
+
+impl OutLanes {
+    fn get(&mut self, lane: Lane) -> &mut TcpStream {
+        match lane {
+            Lane::Shared => &mut self.shared,
+            Lane::Own => &mut self.own,
+        }
     }
 }
 
@@ -105,9 +123,25 @@ impl Shared {
             }
             return Ok(());
         }
-        drop(st);
-        if inline && let Ok(mut out) = self.out.try_lock() {
-            self.pump(&mut out, true);
+        if inline {
+            // Send from this thread when no other is sending: the first batch is taken under the
+            // state lock already held (`out` is only tried here, never waited for, so the
+            // other order elsewhere cannot deadlock).
+            if let Ok(mut out) = self.out.try_lock()
+                && let Some(out) = out.as_mut()
+            {
+                let first = take_batch(&mut st, true);
+                drop(st);
+                if self.pump(out, true, Some(first)) {
+                    // The queue was empty after this thread's last batch: an operation queued
+                    // since then was looked after by its own caller (whose `try_lock` failed).
+                    return Ok(());
+                }
+            } else {
+                drop(st);
+            }
+        } else {
+            drop(st);
         }
         // Wake the sender thread if anything is left (it re-checks under the lock).
         let mut st = lock(&self.st);
@@ -119,23 +153,21 @@ impl Shared {
         Ok(())
     }
 
-    /// Sends queued operations in order, a batch per `sendmsg`. With `inline_only` (the calling
+    /// Sends queued operations in order, a batch per `sendmsg` (on the batch's lane, after the
+    /// lane switch on the other one if the lane changes). With `inline_only` (the calling
     /// thread), stops at the first operation only the sender thread sends.
-    fn pump(&self, out: &mut TcpStream, inline_only: bool) {
+    ///
+    /// Returns true when it left the queue empty (after its last batch; a failure counts as
+    /// empty: nothing more is sent).
+    fn pump(&self, out: &mut OutLanes, inline_only: bool, first: Option<(Batch<Src>, bool)>) -> bool {
+        let mut first = first;
         loop {
-            let batch = {
-                let mut st = lock(&self.st);
-                if st.failed.is_some() {
-                    return;
-                }
-                let b = st.core.next_batch(|op| !inline_only || inline(op));
-                if st.core.is_idle() {
-                    st.held_since = None;
-                }
-                b
+            let (batch, idle) = match first.take() {
+                Some(b) => b,
+                None => take_batch(&mut lock(&self.st), inline_only),
             };
             if batch.is_empty() {
-                return;
+                return idle;
             }
             if let Err(e) = self.send_batch(out, &batch) {
                 // The peer closed its end (its closing record, if any, is still on its way to the
@@ -143,7 +175,10 @@ impl Shared {
                 let closed =
                     matches!(e.io_kind(), Some(std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset));
                 self.fail_with(e, !closed);
-                return;
+                return true;
+            }
+            if idle {
+                return true;
             }
         }
     }
@@ -151,7 +186,7 @@ impl Shared {
     /// Sends one batch: host payloads straight from their regions in one `sendmsg`; GPU
     /// payloads staged through pinned memory, the copy of one chunk overlapping the send of the
     /// previous one.
-    fn send_batch(&self, out: &mut TcpStream, batch: &[(wire::FrameHeader, Op<Src>)]) -> Result<()> {
+    fn send_batch(&self, out: &mut OutLanes, batch: &Batch<Src>) -> Result<()> {
         let io_err = |e: std::io::Error| {
             let why = match e.kind() {
                 std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
@@ -173,9 +208,17 @@ impl Shared {
             };
             Error::remote(why).with_source(e)
         };
-        let headers: Vec<[u8; wire::HEADER]> = batch.iter().map(|(h, _)| h.encode()).collect();
-        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.len());
-        for ((_, op), h) in batch.iter().zip(&headers) {
+        if let Some(lead) = &batch.lead {
+            send_vectored(out.get(batch.lane.other()), &[lead.encode()[..].into()]).map_err(io_err)?;
+        }
+        let out = out.get(batch.lane);
+        if let Some(r) = self.send_small(out, batch) {
+            return r.map_err(io_err);
+        }
+        let headers: Vec<[u8; wire::HEADER]> = batch.frames.iter().map(|(h, _)| h.encode()).collect();
+        let tail = batch.tail.map(|h| h.encode());
+        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.frames.len() + 1);
+        for ((_, op), h) in batch.frames.iter().zip(&headers) {
             parts.push(h[..].into());
             if let Op::Write { src, src_off, len, .. } = op {
                 match &src.mem {
@@ -193,8 +236,71 @@ impl Shared {
                 }
             }
         }
+        if let Some(t) = &tail {
+            parts.push(t[..].into());
+        }
         send_vectored(out, &parts).map_err(io_err)
     }
+}
+
+impl Shared {
+    /// A batch of at most [`SMALL_BATCH`] bytes from host memory (a small write and its signal)
+    /// gathered into one buffer, headers and payloads, and sent with one `send`; `None` (nothing
+    /// sent) for any other batch.
+    fn send_small(&self, out: &TcpStream, batch: &Batch<Src>) -> Option<std::io::Result<()>> {
+        let mut total = usize::from(batch.tail.is_some()) * wire::HEADER;
+        for (_, op) in &batch.frames {
+            if let Op::Write { src, .. } = op
+                && !matches!(src.mem, Mem::Host(_))
+            {
+                return None;
+            }
+            total += wire::HEADER + usize::try_from(op.payload()).ok()?;
+            if total > SMALL_BATCH {
+                return None;
+            }
+        }
+        let mut buf = [0u8; SMALL_BATCH];
+        let mut n = 0usize;
+        for (h, op) in &batch.frames {
+            put(&mut buf, &mut n, &h.encode())?;
+            if let Op::Write { src, src_off, len, .. } = op
+                && let Mem::Host(r) = &src.mem
+            {
+                let len = usize::try_from(*len).ok()?;
+                let dst = buf.get_mut(n..n.checked_add(len)?)?;
+                // The range was checked when the write was issued; should this fail, nothing
+                // was sent yet and the general path reports it.
+                r.read(*src_off, dst).ok()?;
+                n += len;
+            }
+        }
+        if let Some(t) = &batch.tail {
+            put(&mut buf, &mut n, &t.encode())?;
+        }
+        Some(send_all(out, buf.get(..n).unwrap_or_default()))
+    }
+}
+
+/// Appends `bytes` to `buf` at `*n`; `None` if they do not fit.
+fn put(buf: &mut [u8], n: &mut usize, bytes: &[u8]) -> Option<()> {
+    buf.get_mut(*n..n.checked_add(bytes.len())?)?.copy_from_slice(bytes);
+    *n += bytes.len();
+    Some(())
+}
+
+/// Takes the next batch (see [`super::core::SenderCore::next_batch`]) and whether the queue is empty after
+/// it; nothing once the connection has failed (which counts as empty: nothing more is sent).
+fn take_batch(st: &mut State, inline_only: bool) -> (Batch<Src>, bool) {
+    if st.failed.is_some() {
+        return (Batch::empty(), true);
+    }
+    let b = st.core.next_batch(|op| !inline_only || inline(op));
+    let idle = st.core.is_idle();
+    if idle {
+        st.held_since = None;
+    }
+    (b, idle)
 }
 
 pub(super) fn sender_loop(sh: Arc<Shared>) {
@@ -237,11 +343,23 @@ pub(super) fn sender_loop(sh: Arc<Shared>) {
         }
         last_work = Instant::now();
         let mut out = lock(&sh.out);
-        sh.pump(&mut out, false);
+        match out.as_mut() {
+            Some(out) => {
+                sh.pump(out, false, None);
+            }
+            // The high side's frame socket is the accepted one: the receiver thread installs it.
+            None => {
+                drop(out);
+                if sh.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(TX_TICK);
+            }
+        }
     }
 }
 
-/// Reads acknowledgements and refusals from the outgoing socket and hands them to the core,
+/// Reads acknowledgements and refusals from the record socket and hands them to the core,
 /// until the socket ends; then says so (a flush waiting on a closed connection may decide).
 pub(super) fn ack_loop(sh: Arc<Shared>, s: TcpStream) {
     read_acks(&sh, s);

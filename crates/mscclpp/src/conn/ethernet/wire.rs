@@ -18,6 +18,7 @@ const OP_WRITE: u8 = 1;
 const OP_SET: u8 = 2;
 const OP_ADD: u8 = 3;
 const OP_NOP: u8 = 4;
+const OP_SWITCH: u8 = 5;
 const FLAG_ACK: u8 = 1;
 
 const REC_ACK: u8 = 1;
@@ -25,10 +26,14 @@ const REC_ERR: u8 = 2;
 const REC_CLOSE: u8 = 3;
 
 const HS_MAGIC: &[u8; 4] = b"MSEH";
-const HS_VERSION: u16 = 1;
+/// Version 3: three sockets per pair, each opened with its [`Lane`] (see "Sockets" in `mod.rs`);
+/// peers of versions 1 and 2 (two sockets) are refused at the handshake.
+const HS_VERSION: u16 = 3;
 const HS_ACK: u8 = 0xa5;
+const HS_LANE_SHARED: u8 = 1;
+const HS_LANE_OWN: u8 = 2;
 /// Size of a [`Hello`] body.
-pub(crate) const HELLO_LEN: usize = 4 + 2 + 16 + 8;
+pub(crate) const HELLO_LEN: usize = 4 + 2 + 16 + 8 + 1;
 /// Size of a [`HelloAck`].
 pub(crate) const HELLO_ACK_LEN: usize = 9;
 
@@ -43,6 +48,30 @@ pub(crate) enum FrameOp {
     Add { region: u64, offset: u64, value: u64 },
     /// Nothing to apply: a probe that asks for an acknowledgement (`flush`).
     Nop,
+    /// Nothing to apply: frame `seq` (this header's sequence number, still due) and the ones
+    /// after it come on the sender's other lane (see "Sockets" in `mod.rs`).
+    Switch,
+}
+
+/// Which socket a frame travels on, and what a socket carries (named in its [`Hello`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    /// The socket both sides' small frames share (the low side dials it), so that a reply
+    /// carries the TCP acknowledgement of the frame it answers.
+    Shared,
+    /// The socket a side dials for its own large writes; its records (acknowledgements of the
+    /// peer's frames) come back on it.
+    Own,
+}
+
+impl Lane {
+    /// The other lane.
+    pub(crate) fn other(self) -> Lane {
+        match self {
+            Lane::Shared => Lane::Own,
+            Lane::Own => Lane::Shared,
+        }
+    }
 }
 
 /// The 48-byte header in front of every frame, little-endian: operation, flags, 6 zero bytes,
@@ -64,6 +93,7 @@ impl FrameHeader {
             FrameOp::Set { region, offset, value } => (OP_SET, region, offset, 8, value),
             FrameOp::Add { region, offset, value } => (OP_ADD, region, offset, 8, value),
             FrameOp::Nop => (OP_NOP, 0, 0, 0, 0),
+            FrameOp::Switch => (OP_SWITCH, 0, 0, 0, 0),
         };
         let mut b = [0u8; HEADER];
         b[0] = op;
@@ -92,6 +122,12 @@ impl FrameHeader {
                     return Err("probe frame with non-zero fields".into());
                 }
                 FrameOp::Nop
+            }
+            OP_SWITCH => {
+                if region != 0 || offset != 0 || len != 0 || value != 0 || flags != 0 {
+                    return Err("lane switch with non-zero fields or flags".into());
+                }
+                FrameOp::Switch
             }
             OP_WRITE => {
                 if value != 0 {
@@ -216,12 +252,13 @@ impl WireForm for Record {
     }
 }
 
-/// The first message on a socket, from the side that opened it: the endpoint's secret and the
-/// opener's context id. Sent length-prefixed; this is the body.
+/// The first message on a socket, from the side that opened it: the endpoint's secret, the
+/// opener's context id and what the socket carries. Sent length-prefixed; this is the body.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Hello {
     pub(crate) secret: [u8; 16],
     pub(crate) context: u64,
+    pub(crate) lane: Lane,
 }
 
 impl WireForm for Hello {
@@ -230,14 +267,23 @@ impl WireForm for Hello {
         let mut w = Writer::new(HS_MAGIC, HS_VERSION);
         w.raw(&self.secret);
         w.u64(self.context);
+        w.u8(match self.lane {
+            Lane::Shared => HS_LANE_SHARED,
+            Lane::Own => HS_LANE_OWN,
+        });
         w.finish()
     }
     fn from_wire(bytes: &[u8]) -> Result<Self> {
         let mut r = Reader::new(bytes, Self::WHAT, HS_MAGIC, HS_VERSION)?;
         let secret = r.array()?;
         let context = r.u64()?;
+        let lane = match r.u8()? {
+            HS_LANE_SHARED => Lane::Shared,
+            HS_LANE_OWN => Lane::Own,
+            l => return Err(r.err(format!("unknown lane {l}"))),
+        };
         r.finish()?;
-        Ok(Hello { secret, context })
+        Ok(Hello { secret, context, lane })
     }
 }
 
@@ -292,6 +338,7 @@ mod tests {
                 value
             }),
             Just(FrameOp::Nop),
+            Just(FrameOp::Switch),
         ]
     }
 
@@ -299,7 +346,8 @@ mod tests {
         #[test]
         fn frame_header_wire_form(seq: u64, ack: bool, op in frame_op(),
                                   junk in proptest::collection::vec(any::<u8>(), HEADER..HEADER + 1)) {
-            let h = FrameHeader { seq, ack, op };
+            // A lane switch never asks for an acknowledgement.
+            let h = FrameHeader { seq, ack: ack && op != FrameOp::Switch, op };
             check_value(&h);
             prop_assert_eq!(FrameHeader::from_wire(&h.to_wire()).unwrap(), h);
             check_bytes::<FrameHeader>(&junk);
@@ -315,11 +363,38 @@ mod tests {
 
         #[test]
         fn handshake_wire_forms(secret: [u8; 16], context: u64, junk in proptest::collection::vec(any::<u8>(), 0..40)) {
-            check_value(&Hello { secret, context });
+            check_value(&Hello { secret, context, lane: Lane::Shared });
+            check_value(&Hello { secret, context, lane: Lane::Own });
             check_value(&HelloAck { context });
             check_bytes::<Hello>(&junk);
             check_bytes::<HelloAck>(&junk);
         }
+    }
+
+    #[test]
+    fn older_handshakes_are_refused() {
+        for v in [1u16, 2] {
+            let mut b = Hello { secret: [1; 16], context: 2, lane: Lane::Own }.to_wire();
+            b[4..6].copy_from_slice(&v.to_le_bytes());
+            let e = Hello::from_wire(&b).unwrap_err().to_string();
+            assert!(e.contains(&format!("version {v} is not supported")), "{e}");
+        }
+        let mut b = Hello { secret: [1; 16], context: 2, lane: Lane::Own }.to_wire();
+        let last = b.len() - 1;
+        b[last] = 7;
+        let e = Hello::from_wire(&b).unwrap_err().to_string();
+        assert!(e.contains("unknown lane 7"), "{e}");
+    }
+
+    #[test]
+    fn lane_switches_carry_nothing_else() {
+        let mut b = FrameHeader { seq: 9, ack: false, op: FrameOp::Switch }.encode();
+        assert_eq!(FrameHeader::decode(&b).unwrap().op, FrameOp::Switch);
+        b[1] = FLAG_ACK;
+        assert!(FrameHeader::decode(&b).unwrap_err().contains("lane switch"));
+        b[1] = 0;
+        b[40] = 1;
+        assert!(FrameHeader::decode(&b).unwrap_err().contains("lane switch"));
     }
 
     #[test]

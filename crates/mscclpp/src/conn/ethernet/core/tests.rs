@@ -85,6 +85,8 @@ impl Rx {
                     assert_eq!(used, 0, "an acknowledgement used input");
                     self.acks.push(s)
                 }
+                // One stream holds both lanes here, in the order the receiver reads them.
+                Some(RxEvent::Switch) => {}
             }
             chunk = &chunk[used..];
         }
@@ -98,7 +100,8 @@ fn write(region: u64, offset: u64, data: Vec<u8>) -> Op<Vec<u8>> {
     Op::Write { region, offset, src: data, src_off: 0, len }
 }
 
-/// Everything the sender has queued, as the bytes it puts on the wire (all batches).
+/// Everything the sender has queued, as the bytes it puts on the wire (all batches, both lanes
+/// in one stream in the order the receiver reads them, lane switches included).
 fn drain(tx: &mut Sender) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
@@ -106,12 +109,14 @@ fn drain(tx: &mut Sender) -> Vec<u8> {
         if batch.is_empty() {
             return out;
         }
-        for (h, op) in batch {
+        out.extend(batch.lead.iter().flat_map(|h| h.encode()));
+        for (h, op) in batch.frames {
             out.extend_from_slice(&h.encode());
             if let Op::Write { src, src_off, len, .. } = op {
                 out.extend_from_slice(&src[src_off as usize..][..len as usize]);
             }
         }
+        out.extend(batch.tail.iter().flat_map(|h| h.encode()));
     }
 }
 
@@ -219,7 +224,7 @@ fn the_queue_bound_is_honoured_and_acks_free_it() {
     assert_eq!(full, QueueFull { outstanding: 4 });
     // Headers ask for an acknowledgement once half the bound is unconfirmed, then every half
     // bound (not on every frame while the answer is on its way).
-    let acks: Vec<bool> = tx.next_batch(|_| true).iter().map(|(h, _)| h.ack).collect();
+    let acks: Vec<bool> = tx.next_batch(|_| true).frames.iter().map(|(h, _)| h.ack).collect();
     assert_eq!(acks, [false, true, false, true]);
     tx.handle_bytes(&Record::Ack(1).to_wire()).unwrap();
     assert_eq!(tx.outstanding(), 3);
@@ -236,26 +241,90 @@ fn batches_keep_order_and_limits() {
         tx.issue(Op::Nop).unwrap();
     }
     let b = tx.next_batch(|_| true);
-    assert_eq!(b.len(), BATCH_OPS);
-    assert!(b.iter().enumerate().all(|(i, (h, _))| h.seq == i as u64 + 1));
-    assert_eq!(tx.next_batch(|_| true).len(), 100 - BATCH_OPS);
+    assert_eq!(b.frames.len(), BATCH_OPS);
+    assert!(b.frames.iter().enumerate().all(|(i, (h, _))| h.seq == i as u64 + 1));
+    assert_eq!(tx.next_batch(|_| true).frames.len(), 100 - BATCH_OPS);
     // Payload bytes: a batch stops before passing BATCH_BYTES, a single larger write goes alone.
-    let big = BATCH_BYTES as usize / 2 + 1;
-    for _ in 0..3 {
-        tx.issue(Op::Write { region: 1, offset: 0, src: Vec::new(), src_off: 0, len: big as u64 }).unwrap();
+    let big = BATCH_BYTES / 2 + 1;
+    let small = OWN_LANE_MIN - 1;
+    for len in [big, big, small, small, small] {
+        tx.issue(Op::Write { region: 1, offset: 0, src: Vec::new(), src_off: 0, len }).unwrap();
     }
-    tx.issue(Op::Nop).unwrap();
-    assert_eq!(tx.next_batch(|_| true).len(), 1);
-    assert_eq!(tx.next_batch(|_| true).len(), 1);
-    assert_eq!(tx.next_batch(|_| true).len(), 2);
+    assert_eq!(tx.next_batch(|_| true).frames.len(), 1);
+    assert_eq!(tx.next_batch(|_| true).frames.len(), 1);
+    assert_eq!(tx.next_batch(|_| true).frames.len(), 3);
     // `may_send` stops a batch (the calling thread leaves large writes to the sender thread).
     tx.issue(Op::Nop).unwrap();
     tx.issue(write(1, 0, vec![1])).unwrap();
     tx.issue(Op::Nop).unwrap();
-    assert_eq!(tx.next_batch(|op| !matches!(op, Op::Write { .. })).len(), 1);
+    assert_eq!(tx.next_batch(|op| !matches!(op, Op::Write { .. })).frames.len(), 1);
     assert!(matches!(tx.front(), Some(Op::Write { .. })));
-    assert_eq!(tx.next_batch(|_| true).len(), 2);
+    assert_eq!(tx.next_batch(|_| true).frames.len(), 2);
     assert!(tx.is_idle());
+}
+
+/// Large writes go on the own lane, the rest on the shared one; a batch holds one lane, and a
+/// switch names the frame that comes next on the other lane (sent before the batch on the old
+/// lane, or after it on its own lane when the next operation is already queued).
+#[test]
+fn lanes_follow_write_size_with_switches_between() {
+    let mut tx = Sender::new(1000);
+    let big =
+        |tx: &mut Sender| tx.issue(Op::Write { region: 1, offset: 0, src: Vec::new(), src_off: 0, len: OWN_LANE_MIN });
+    tx.issue(write(1, 0, vec![1; 8])).unwrap();
+    tx.issue(Op::Set { region: 1, offset: 0, value: 1 }).unwrap();
+    big(&mut tx).unwrap();
+    big(&mut tx).unwrap();
+    tx.issue(Op::Set { region: 1, offset: 0, value: 2 }).unwrap();
+    // Shared: the small write and the token, then a switch to the big write (seq 3).
+    let b = tx.next_batch(|_| true);
+    assert_eq!((b.lane, b.frames.len(), b.lead), (Lane::Shared, 2, None));
+    assert_eq!(b.tail.map(|h| (h.seq, h.op)), Some((3, FrameOp::Switch)));
+    // Own: both big writes, then the switch back to the token (seq 5).
+    let b = tx.next_batch(|_| true);
+    assert_eq!((b.lane, b.frames.len(), b.lead), (Lane::Own, 2, None));
+    assert_eq!(b.tail.map(|h| (h.seq, h.op)), Some((5, FrameOp::Switch)));
+    let b = tx.next_batch(|_| true);
+    assert_eq!((b.lane, b.frames.len(), b.lead, b.tail), (Lane::Shared, 1, None, None));
+    // A big write queued after the last batch went: the switch leads its batch, on the old lane.
+    big(&mut tx).unwrap();
+    let b = tx.next_batch(|_| true);
+    assert_eq!((b.lane, b.frames.len(), b.tail), (Lane::Own, 1, None));
+    assert_eq!(b.lead.map(|h| (h.seq, h.ack, h.op)), Some((6, false, FrameOp::Switch)));
+    assert!(tx.next_batch(|_| true).is_empty());
+}
+
+/// The receiver follows switches across two streams, and refuses a switch that does not name
+/// the frame due next, or a frame read on the old lane after a switch (a sequence gap there).
+#[test]
+fn receiver_follows_lane_switches() {
+    let switch = |seq| FrameHeader { seq, ack: false, op: FrameOp::Switch }.encode();
+    let set = |seq, value| FrameHeader { seq, ack: false, op: FrameOp::Set { region: 1, offset: 8, value } }.encode();
+    // Shared: set(1), switch(2), set(4). Own: set(2), set(3), switch(4).
+    let shared: Vec<u8> = [set(1, 10), switch(2), set(4, 40)].concat();
+    let own: Vec<u8> = [set(2, 20), set(3, 30), switch(4)].concat();
+    let mut core = ReceiverCore::default();
+    let (mut lanes, mut pos, mut lane, mut values) = ([shared.clone(), own], [0usize; 2], 0usize, Vec::new());
+    loop {
+        let (used, ev) = core.handle_bytes(&lanes[lane][pos[lane]..], &lookup).unwrap();
+        pos[lane] += used;
+        match ev {
+            None if used == 0 => break,
+            Some(RxEvent::Switch) => lane ^= 1,
+            Some(RxEvent::Token { value, .. }) => values.push(value),
+            _ => {}
+        }
+    }
+    assert_eq!(values, [10, 20, 30, 40]);
+    assert_eq!((pos[0], pos[1], core.applied_through()), (lanes[0].len(), lanes[1].len(), 4));
+    // Ignoring the switch: the frame after it on the old lane is out of sequence.
+    let mut core = ReceiverCore::default();
+    lanes[0] = [set(1, 10), set(4, 40)].concat();
+    let (used, _) = core.handle_bytes(&lanes[0], &lookup).unwrap();
+    assert!(core.handle_bytes(&lanes[0][used..], &lookup).unwrap_err().contains("sequence 4 where 2 was due"));
+    // A switch naming another frame than the one due.
+    let mut core = ReceiverCore::default();
+    assert!(core.handle_bytes(&switch(2), &lookup).unwrap_err().contains("sequence 2 where 1 was due"));
 }
 
 #[test]
