@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mscclpp::gpu::{DeviceBuffer, Stream};
-use mscclpp::{Bootstrap, Communicator, TcpBootstrap, TransportFlags, UniqueId};
+use mscclpp::{Bootstrap, Communicator, ReservedRoot, RootServer, TcpBootstrap, TransportFlags, UniqueId};
 use mscclpp_collectives::{CallOptions, Collectives, Config, P2pConfig, P2pOp, PointToPoint};
 
 use crate::abi::*;
@@ -141,6 +141,8 @@ pub struct Comm {
     recv_seq: Mutex<Vec<u64>>,
     self_msgs: Mutex<VecDeque<Vec<u8>>>,
     splits: Mutex<u64>,
+    /// The root of the id `ncclCommGetUniqueId` handed out, until `ncclCommGrow` consumes it.
+    grow_root: Mutex<Option<ReservedRoot>>,
     reduce_tmp: Mutex<Vec<DeviceBuffer>>,
     aborted: std::sync::atomic::AtomicBool,
     timeout: Duration,
@@ -300,6 +302,7 @@ impl Comm {
             recv_seq: Mutex::new(vec![0; n]),
             self_msgs: Mutex::new(VecDeque::new()),
             splits: Mutex::new(0),
+            grow_root: Mutex::new(None),
             reduce_tmp: Mutex::new(Vec::new()),
             aborted: std::sync::atomic::AtomicBool::new(false),
             timeout: t,
@@ -1083,6 +1086,102 @@ pub fn exec_p2p(batch: &[(Arc<Comm>, Prim)]) -> Res {
         }
     }
     Ok(())
+}
+
+impl Comm {
+    /// `ncclCommGetUniqueId`: an id for growing this communicator, whose root this rank binds
+    /// now and serves when it calls [`grow`](Self::grow) with it. One at a time: a second id
+    /// before the first was consumed by a grow is refused (as in NCCL).
+    pub fn grow_unique_id(&self) -> Res<UniqueId> {
+        let what = format!("ncclCommGetUniqueId (rank {} of {})", self.rank, self.nranks);
+        self.live(&what)?;
+        let mut g = self.grow_root.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_some() {
+            return Err(Failure::usage(format!(
+                "{what}: the id of an earlier ncclCommGetUniqueId on this rank was not consumed by ncclCommGrow yet"
+            )));
+        }
+        let (root, id) = RootServer::reserve().map_err(|e| Failure::from(e).during(&what))?;
+        *g = Some(root);
+        Ok(id)
+    }
+
+    /// `ncclCommGrow` on an existing rank (a collective call of all of this communicator's
+    /// ranks, with the new ranks calling [`Comm::init`] on the same id): the new communicator
+    /// has `nranks` ranks, this rank keeps its rank, the new ones take the rest. Exactly one
+    /// existing rank passes the id (the one whose `ncclCommGetUniqueId` made it: it serves the
+    /// new job's bootstrap root); the others pass none and learn it from that rank.
+    pub fn grow(&self, nranks: usize, id: Option<UniqueId>, config: Option<&ncclConfig_t>) -> Res<Arc<Comm>> {
+        let what = format!("ncclCommGrow (rank {} of {} growing to {nranks})", self.rank, self.nranks);
+        self.live(&what)?;
+        let _ = config; // blocking or not, the call completes before it returns
+        if nranks <= self.nranks {
+            return Err(Failure::arg(format!("{what}: a grown communicator needs more than {} ranks", self.nranks)));
+        }
+        // Every existing rank says the size it asks for and whether it holds the id (checked
+        // here first: an id its communicator did not make fails every rank at once, rather
+        // than leaving the others waiting for a root that never serves).
+        let mut mine = (nranks as u64).to_le_bytes().to_vec();
+        if let Some(id) = &id {
+            let ours = self.grow_root.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|r| r.id() == id);
+            if ours {
+                mine.push(1);
+                mine.extend_from_slice(&id.to_bytes());
+            } else {
+                mine.push(2);
+                mine.extend_from_slice(b"the unique id was not made by ncclCommGetUniqueId on this communicator");
+            }
+        }
+        let all = self.bootstrap().all_gather(&mine).map_err(|e| Failure::from(e).during(&what))?;
+        let mut root: Option<(usize, UniqueId)> = None;
+        for (r, w) in all.iter().enumerate() {
+            let malformed = || Failure::new(ncclRemoteError, format!("{what}: rank {r} sent a malformed grow request"));
+            let (size, rest) = w.split_at_checked(8).ok_or_else(malformed)?;
+            let size = u64::from_le_bytes(size.try_into().map_err(|_| malformed())?);
+            if size != nranks as u64 {
+                return Err(Failure::arg(format!("{what}: rank {r} grows to {size} ranks, this rank to {nranks}")));
+            }
+            match rest.split_first() {
+                None => {}
+                Some((2, why)) => {
+                    return Err(Failure::arg(format!("{what}: rank {r}: {}", String::from_utf8_lossy(why))));
+                }
+                Some((1, bytes)) => {
+                    let rid = UniqueId::from_bytes(bytes).map_err(|e| Failure::from(e).during(&what))?;
+                    if let Some((first, _)) = &root {
+                        return Err(Failure::arg(format!(
+                            "{what}: ranks {first} and {r} both passed a unique id (only the rank that called ncclCommGetUniqueId passes it)"
+                        )));
+                    }
+                    root = Some((r, rid));
+                }
+                Some(_) => return Err(malformed()),
+            }
+        }
+        let Some((root_rank, id)) = root else {
+            return Err(Failure::arg(format!(
+                "{what}: no existing rank passed the unique id (the rank that called ncclCommGetUniqueId passes it)"
+            )));
+        };
+        // The rank that made the id serves its root, for the new size (the id is consumed).
+        let server = if root_rank == self.rank {
+            let reserved = self.grow_root.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let reserved =
+                reserved.ok_or_else(|| Failure::usage(format!("{what}: the unique id was consumed meanwhile")))?;
+            Some(reserved.serve(nranks, self.timeout).map_err(|e| Failure::from(e).during(&what))?)
+        } else {
+            None
+        };
+        let mut a = InitArgs::new(self.rank, nranks, id);
+        a.device = Some(self.device);
+        a.mem = Some(self.mem.clone());
+        a.settings = self.settings.clone();
+        let c = Comm::init(a);
+        if let Some(s) = server {
+            s.join();
+        }
+        c.map_err(|e| e.during(&what))
+    }
 }
 
 /// `ncclCommShrink`: the ranks not in `exclude` form a new communicator, in old-rank order.

@@ -79,6 +79,15 @@ fn read_config(config: *const ncclConfig_t, what: &str) -> Res<Option<ncclConfig
     Ok(Some(c))
 }
 
+/// Our id in NCCL's 128 bytes.
+fn nccl_id(id: &UniqueId) -> ncclUniqueId {
+    let mut u = ncclUniqueId { internal: [0; NCCL_UNIQUE_ID_BYTES] };
+    for (d, s) in u.internal.iter_mut().zip(id.to_bytes()) {
+        *d = s as c_char;
+    }
+    u
+}
+
 fn id_of(id: &ncclUniqueId, what: &str) -> Res<UniqueId> {
     let b: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
     UniqueId::from_bytes(&b).map_err(|e| {
@@ -215,11 +224,7 @@ export! {
     fn ncclGetUniqueId / pncclGetUniqueId(uniqueId: *mut ncclUniqueId) -> ncclResult_t {
         guard("ncclGetUniqueId", || {
             let id = TcpBootstrap::create_unique_id().map_err(|e| Failure::from(e).during("ncclGetUniqueId"))?;
-            let mut u = ncclUniqueId { internal: [0; NCCL_UNIQUE_ID_BYTES] };
-            for (d, s) in u.internal.iter_mut().zip(id.to_bytes()) {
-                *d = s as c_char;
-            }
-            put(uniqueId, u, "ncclGetUniqueId", "uniqueId")
+            put(uniqueId, nccl_id(&id), "ncclGetUniqueId", "uniqueId")
         })
     }
 }
@@ -365,23 +370,55 @@ export! {
 }
 
 export! {
-    /// The unique id for `ncclCommGrow`: not supported (growing needs new ranks joining our
-    /// bootstrap); fails naming it.
+    /// The unique id for `ncclCommGrow`: an mscclpp bootstrap id whose root this rank binds now
+    /// and serves when it calls `ncclCommGrow` with it (one unconsumed id at a time).
     fn ncclCommGetUniqueId / pncclCommGetUniqueId(comm: ncclComm_t, uniqueId: *mut ncclUniqueId) -> ncclResult_t {
         guard("ncclCommGetUniqueId", || {
-            let c = comm_of(comm, "ncclCommGetUniqueId")?;
-            let _ = uniqueId;
-            Err(Failure::usage(format!("ncclCommGetUniqueId (rank {}): communicator growth (ncclCommGrow) is not supported by libmscclpp_nccl, natively or through the fallback", c.rank)))
+            let what = "ncclCommGetUniqueId";
+            out(uniqueId, what, "uniqueId")?;
+            let c = comm_of(comm, what)?;
+            let id = c.grow_unique_id()?;
+            put(uniqueId, nccl_id(&id), what, "uniqueId")
         })
     }
 }
 
 export! {
-    /// Grows a communicator: not supported; fails naming it.
+    /// Grows a communicator (native): existing ranks pass `comm` and `rank` -1 (the one whose
+    /// `ncclCommGetUniqueId` made the id passes it, the others NULL); new ranks pass a NULL
+    /// `comm`, the id and their rank. Existing ranks keep their ranks.
     fn ncclCommGrow / pncclCommGrow(comm: ncclComm_t, nRanks: c_int, uniqueId: *const ncclUniqueId, rank: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) -> ncclResult_t {
         guard("ncclCommGrow", || {
-            let _ = (comm, uniqueId, newcomm, config);
-            Err(Failure::usage(format!("ncclCommGrow (rank {rank} of {nRanks}): communicator growth is not supported by libmscclpp_nccl, natively or through the fallback")))
+            let what = format!("ncclCommGrow (rank {rank} of {nRanks})");
+            out(newcomm, &what, "newcomm")?;
+            if nRanks < 1 {
+                return Err(Failure::arg(format!("{what}: nRanks {nRanks} < 1")));
+            }
+            if comm.is_null() {
+                // A new rank: joins like ncclCommInitRankConfig on the grow id.
+                if uniqueId.is_null() {
+                    return Err(Failure::arg(format!("{what}: a new rank (comm NULL) needs the unique id")));
+                }
+                // SAFETY: checked non-NULL; NCCL's contract: it points to an ncclUniqueId.
+                let id = unsafe { *uniqueId };
+                return init(newcomm, nRanks, &id, rank, config, &what);
+            }
+            let c = comm_of(comm, "ncclCommGrow")?;
+            if rank != -1 {
+                return Err(Failure::arg(format!(
+                    "ncclCommGrow (rank {} of {}): an existing rank passes rank -1 (it keeps its rank), not {rank}",
+                    c.rank, c.nranks
+                )));
+            }
+            let cfg = read_config(config, "ncclCommGrow")?;
+            let id = if uniqueId.is_null() {
+                None
+            } else {
+                // SAFETY: checked non-NULL; NCCL's contract: it points to an ncclUniqueId.
+                Some(id_of(unsafe { &*uniqueId }, "ncclCommGrow")?)
+            };
+            let n = c.grow(nRanks as usize, id, cfg.as_ref())?;
+            put(newcomm, Handle::leak(Some(n)), "ncclCommGrow", "newcomm")
         })
     }
 }

@@ -153,8 +153,12 @@ fn init_query_and_unsupported_calls_over_tcp() {
             assert!(last().contains("ncclSignal"), "{}", last());
             assert_eq!(ncclParamBind(&mut h, c"NCCL_DEBUG".as_ptr()), ncclInvalidUsage);
             assert!(last().contains("ncclParamBind") && last().contains("MSCCLPP_ENABLE_NCCL_FALLBACK"), "{}", last());
-            assert_eq!(ncclCommGrow(c, 4, std::ptr::null(), 3, null_mut(), null_mut()), ncclInvalidUsage);
-            assert!(last().contains("not supported"), "{}", last());
+            // An existing rank passes rank -1 (checked before anything is exchanged).
+            let mut g: ncclComm_t = null_mut();
+            assert_eq!(ncclCommGrow(c, 4, std::ptr::null(), 3, &mut g, null_mut()), ncclInvalidArgument);
+            assert!(last().contains("rank -1"), "{}", last());
+            assert_eq!(ncclCommGrow(c, 4, std::ptr::null(), -1, null_mut(), null_mut()), ncclInvalidArgument);
+            assert!(last().contains("newcomm is NULL"), "{}", last());
             assert_eq!(ncclRedOpDestroy(ncclSum, c), ncclInvalidArgument);
         }
         r
@@ -239,5 +243,116 @@ fn simulate_end_drops_the_group() {
         assert_eq!(ncclGroupSimulateEnd(&mut si), ncclInvalidUsage);
         assert!(last().contains("no performance model"), "{}", last());
         assert_eq!(ncclGroupEnd(), ncclInvalidUsage); // the group is closed
+    }
+}
+
+/// ncclCommGrow: 3 existing ranks (rank 1 made the id) and 2 new ones form a communicator of
+/// 5; existing ranks keep their ranks; the new one works (a split over it); a second id while
+/// one is unconsumed is refused; the old communicator keeps working.
+#[test]
+fn grow_adds_ranks() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (tx, rx) = std::sync::mpsc::channel::<ncclUniqueId>();
+    let rx = std::sync::Mutex::new(rx);
+    std::thread::scope(|s| {
+        // The new ranks 3 and 4: they get the id from rank 1 (as a launcher would hand it out).
+        let new_ranks: Vec<_> = (3..5)
+            .map(|r| {
+                let rx = &rx;
+                s.spawn(move || {
+                    let id = rx.lock().unwrap().recv().unwrap();
+                    let mut nc: ncclComm_t = null_mut();
+                    // SAFETY: a NULL comm (a new rank), the id, a valid out pointer.
+                    let rc = unsafe { ncclCommGrow(null_mut(), 5, &id, r, &mut nc, null_mut()) };
+                    assert_eq!(rc, ncclSuccess, "new rank {r}: {}", last());
+                    let (mut n, mut me) = (0, 0);
+                    // SAFETY: the new communicator.
+                    unsafe {
+                        assert_eq!(ncclCommCount(nc, &mut n), ncclSuccess);
+                        assert_eq!(ncclCommUserRank(nc, &mut me), ncclSuccess);
+                    }
+                    let mut sc: ncclComm_t = null_mut();
+                    // SAFETY: live communicator, valid out pointer.
+                    assert_eq!(unsafe { ncclCommSplit(nc, 0, me, &mut sc, null_mut()) }, ncclSuccess, "{}", last());
+                    let mut sn = 0;
+                    // SAFETY: the split communicator, then both destroyed.
+                    unsafe {
+                        assert_eq!(ncclCommCount(sc, &mut sn), ncclSuccess);
+                        assert_eq!(ncclCommDestroy(sc), ncclSuccess);
+                        assert_eq!(ncclCommDestroy(nc), ncclSuccess);
+                    }
+                    (n, me, sn)
+                })
+            })
+            .collect();
+        let got = with_ranks(3, |r, c| {
+            let mut id = ncclUniqueId { internal: [0; NCCL_UNIQUE_ID_BYTES] };
+            if r == 1 {
+                // SAFETY: live communicator, valid out pointer.
+                unsafe {
+                    assert_eq!(ncclCommGetUniqueId(c, &mut id), ncclSuccess, "{}", last());
+                    let mut again = id;
+                    assert_eq!(ncclCommGetUniqueId(c, &mut again), ncclInvalidUsage);
+                    assert!(last().contains("not consumed"), "{}", last());
+                }
+                tx.send(id).unwrap();
+                tx.send(id).unwrap();
+            }
+            let mut nc: ncclComm_t = null_mut();
+            let idp: *const ncclUniqueId = if r == 1 { &id } else { std::ptr::null() };
+            // SAFETY: live communicator; the id only on the rank that made it.
+            let rc = unsafe { ncclCommGrow(c, 5, idp, -1, &mut nc, null_mut()) };
+            assert_eq!(rc, ncclSuccess, "existing rank {r}: {}", last());
+            let (mut n, mut me) = (0, 0);
+            // SAFETY: the new communicator.
+            unsafe {
+                assert_eq!(ncclCommCount(nc, &mut n), ncclSuccess);
+                assert_eq!(ncclCommUserRank(nc, &mut me), ncclSuccess);
+            }
+            let mut sc: ncclComm_t = null_mut();
+            // SAFETY: live communicator, valid out pointer.
+            assert_eq!(unsafe { ncclCommSplit(nc, 0, me, &mut sc, null_mut()) }, ncclSuccess, "{}", last());
+            let mut sn = 0;
+            // SAFETY: the split communicator and the grown one, destroyed; the old one still answers.
+            unsafe {
+                assert_eq!(ncclCommCount(sc, &mut sn), ncclSuccess);
+                assert_eq!(ncclCommDestroy(sc), ncclSuccess);
+                assert_eq!(ncclCommDestroy(nc), ncclSuccess);
+                let mut old = 0;
+                assert_eq!(ncclCommCount(c, &mut old), ncclSuccess);
+                assert_eq!(old, 3);
+            }
+            (n, me, sn)
+        });
+        assert_eq!(got, vec![(5, 0, 5), (5, 1, 5), (5, 2, 5)]);
+        let new: Vec<_> = new_ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(new, vec![(5, 3, 5), (5, 4, 5)]);
+    });
+}
+
+/// ncclCommGrow refusals that need the existing ranks' exchange: no rank passes the id, or a
+/// rank passes an id its communicator did not make; every existing rank fails at once, naming
+/// the rank and why.
+#[test]
+fn grow_refuses_a_missing_or_foreign_id() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let foreign = unique_id();
+    let got = with_ranks(2, |r, c| {
+        let mut nc: ncclComm_t = null_mut();
+        // SAFETY: live communicator, valid out pointer.
+        let rc = unsafe { ncclCommGrow(c, 3, std::ptr::null(), -1, &mut nc, null_mut()) };
+        let none = (rc, last());
+        // Rank 0 passes an id of ncclGetUniqueId, not of ncclCommGetUniqueId.
+        let idp: *const ncclUniqueId = if r == 0 { &foreign } else { std::ptr::null() };
+        // SAFETY: as above.
+        let rc = unsafe { ncclCommGrow(c, 3, idp, -1, &mut nc, null_mut()) };
+        let wrong = (rc, last());
+        (none, wrong)
+    });
+    for (r, (none, wrong)) in got.iter().enumerate() {
+        assert_eq!(none.0, ncclInvalidArgument, "rank {r}: {}", none.1);
+        assert!(none.1.contains("no existing rank passed the unique id"), "rank {r}: {}", none.1);
+        assert_eq!(wrong.0, ncclInvalidArgument, "rank {r}: {}", wrong.1);
+        assert!(wrong.1.contains("rank 0: the unique id was not made by ncclCommGetUniqueId"), "rank {r}: {}", wrong.1);
     }
 }

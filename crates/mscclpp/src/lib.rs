@@ -203,7 +203,9 @@ pub mod fuzzing {
     }
 }
 
-pub use bootstrap::{Bootstrap, RESERVED_TAG_BASE, RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId};
+pub use bootstrap::{
+    Bootstrap, RESERVED_TAG_BASE, ReservedRoot, RootServer, TcpBootstrap, TcpBootstrapConfig, UniqueId,
+};
 pub use buffer::{Buffer, DeviceBuffer};
 pub use communicator::{Communicator, Pending};
 pub use conn::endpoint::{DEFAULT_ETHERNET_QUEUE, Endpoint};

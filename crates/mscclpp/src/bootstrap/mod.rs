@@ -20,7 +20,7 @@ mod schedule;
 mod tcp;
 mod unique_id;
 
-pub use root::RootServer;
+pub use root::{ReservedRoot, RootServer};
 pub use tcp::{TcpBootstrap, TcpBootstrapConfig};
 pub use unique_id::UniqueId;
 #[cfg(feature = "fuzzing")]

@@ -72,6 +72,38 @@ impl RootServer {
         Ok(RootServer { addr, thread: Some(thread) })
     }
 
+    /// Binds a root now and returns its id, to be served once the job size is known
+    /// ([`ReservedRoot::serve`]): for an id that must be handed out before the size is known,
+    /// such as the one a communicator hands out before it grows. Ranks that join before the
+    /// root serves wait in its listen backlog (within their own timeout). As with
+    /// [`start`](Self::start), rank 0 does not host this root.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use mscclpp::{Bootstrap, RootServer, TcpBootstrap};
+    /// # fn main() -> mscclpp::Result<()> {
+    /// let (reserved, id) = RootServer::reserve()?;
+    /// // The id can travel now; rank 1 may even start joining.
+    /// let id1 = id.clone();
+    /// let peer = std::thread::spawn(move || -> mscclpp::Result<usize> {
+    ///     Ok(TcpBootstrap::initialize(1, 2, &id1)?.all_gather(&[1])?.len())
+    /// });
+    /// // Later, once the job size is known:
+    /// let root = reserved.serve(2, Duration::from_secs(10))?;
+    /// let bs = TcpBootstrap::initialize(0, 2, &id)?;
+    /// assert_eq!(bs.all_gather(&[0])?.len(), 2);
+    /// assert!(matches!(peer.join(), Ok(Ok(2))));
+    /// root.join();
+    /// # Ok(()) }
+    /// ```
+    pub fn reserve() -> Result<(ReservedRoot, UniqueId)> {
+        let listener = bind_on_default_interface()?;
+        let secret = random_secret()?;
+        let addr = listener.local_addr().map_err(|e| Error::io("reading the root address", e))?;
+        let id = UniqueId { root: addr, secret, external_root: true };
+        Ok((ReservedRoot { listener, id: id.clone() }, id))
+    }
+
     /// The address ranks connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr
@@ -90,6 +122,29 @@ impl Drop for RootServer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// A bootstrap root bound by [`RootServer::reserve`] and not yet serving.
+#[derive(Debug)]
+pub struct ReservedRoot {
+    listener: TcpListener,
+    id: UniqueId,
+}
+
+impl ReservedRoot {
+    /// The id ranks join with.
+    pub fn id(&self) -> &UniqueId {
+        &self.id
+    }
+
+    /// Starts serving a job of `size` ranks, waiting at most `timeout` for them (as
+    /// [`RootServer::start`]).
+    pub fn serve(self, size: usize, timeout: Duration) -> Result<RootServer> {
+        if size == 0 {
+            return Err(Error::invalid_usage("a bootstrap root for 0 ranks"));
+        }
+        RootServer::spawn(self.listener, size, self.id.secret, timeout)
     }
 }
 
