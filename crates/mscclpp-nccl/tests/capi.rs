@@ -246,6 +246,23 @@ fn simulate_end_drops_the_group() {
     }
 }
 
+/// Size and rank of a grown communicator, and the size of a split of it with one color (a
+/// collective call of all its ranks: the new communicator works); destroys both.
+fn use_grown(nc: ncclComm_t) -> (c_int, c_int, c_int) {
+    let (mut n, mut me, mut sn) = (0, 0, 0);
+    let mut sc: ncclComm_t = null_mut();
+    // SAFETY: a live communicator and valid out pointers; both destroyed at the end.
+    unsafe {
+        assert_eq!(ncclCommCount(nc, &mut n), ncclSuccess);
+        assert_eq!(ncclCommUserRank(nc, &mut me), ncclSuccess);
+        assert_eq!(ncclCommSplit(nc, 0, me, &mut sc, null_mut()), ncclSuccess, "{}", last());
+        assert_eq!(ncclCommCount(sc, &mut sn), ncclSuccess);
+        assert_eq!(ncclCommDestroy(sc), ncclSuccess);
+        assert_eq!(ncclCommDestroy(nc), ncclSuccess);
+    }
+    (n, me, sn)
+}
+
 /// ncclCommGrow: 3 existing ranks (rank 1 made the id) and 2 new ones form a communicator of
 /// 5; existing ranks keep their ranks; the new one works (a split over it); a second id while
 /// one is unconsumed is refused; the old communicator keeps working.
@@ -265,23 +282,7 @@ fn grow_adds_ranks() {
                     // SAFETY: a NULL comm (a new rank), the id, a valid out pointer.
                     let rc = unsafe { ncclCommGrow(null_mut(), 5, &id, r, &mut nc, null_mut()) };
                     assert_eq!(rc, ncclSuccess, "new rank {r}: {}", last());
-                    let (mut n, mut me) = (0, 0);
-                    // SAFETY: the new communicator.
-                    unsafe {
-                        assert_eq!(ncclCommCount(nc, &mut n), ncclSuccess);
-                        assert_eq!(ncclCommUserRank(nc, &mut me), ncclSuccess);
-                    }
-                    let mut sc: ncclComm_t = null_mut();
-                    // SAFETY: live communicator, valid out pointer.
-                    assert_eq!(unsafe { ncclCommSplit(nc, 0, me, &mut sc, null_mut()) }, ncclSuccess, "{}", last());
-                    let mut sn = 0;
-                    // SAFETY: the split communicator, then both destroyed.
-                    unsafe {
-                        assert_eq!(ncclCommCount(sc, &mut sn), ncclSuccess);
-                        assert_eq!(ncclCommDestroy(sc), ncclSuccess);
-                        assert_eq!(ncclCommDestroy(nc), ncclSuccess);
-                    }
-                    (n, me, sn)
+                    use_grown(nc)
                 })
             })
             .collect();
@@ -303,26 +304,12 @@ fn grow_adds_ranks() {
             // SAFETY: live communicator; the id only on the rank that made it.
             let rc = unsafe { ncclCommGrow(c, 5, idp, -1, &mut nc, null_mut()) };
             assert_eq!(rc, ncclSuccess, "existing rank {r}: {}", last());
-            let (mut n, mut me) = (0, 0);
-            // SAFETY: the new communicator.
-            unsafe {
-                assert_eq!(ncclCommCount(nc, &mut n), ncclSuccess);
-                assert_eq!(ncclCommUserRank(nc, &mut me), ncclSuccess);
-            }
-            let mut sc: ncclComm_t = null_mut();
-            // SAFETY: live communicator, valid out pointer.
-            assert_eq!(unsafe { ncclCommSplit(nc, 0, me, &mut sc, null_mut()) }, ncclSuccess, "{}", last());
-            let mut sn = 0;
-            // SAFETY: the split communicator and the grown one, destroyed; the old one still answers.
-            unsafe {
-                assert_eq!(ncclCommCount(sc, &mut sn), ncclSuccess);
-                assert_eq!(ncclCommDestroy(sc), ncclSuccess);
-                assert_eq!(ncclCommDestroy(nc), ncclSuccess);
-                let mut old = 0;
-                assert_eq!(ncclCommCount(c, &mut old), ncclSuccess);
-                assert_eq!(old, 3);
-            }
-            (n, me, sn)
+            let got = use_grown(nc);
+            let mut old = 0;
+            // SAFETY: the old communicator still answers.
+            assert_eq!(unsafe { ncclCommCount(c, &mut old) }, ncclSuccess);
+            assert_eq!(old, 3);
+            got
         });
         assert_eq!(got, vec![(5, 0, 5), (5, 1, 5), (5, 2, 5)]);
         let new: Vec<_> = new_ranks.into_iter().map(|h| h.join().unwrap()).collect();
