@@ -128,3 +128,41 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
     );
     println!("{}", job.assert_rank_success(0));
 }
+
+/// A rank connected to itself over Ethernet (one endpoint on both sides, as the Python
+/// package's one-rank tests do): small and large writes (both lanes) and signals arrive in
+/// order, flush succeeds, and dropping the connection returns at once.
+#[test]
+fn a_connection_to_itself_works_on_both_lanes() {
+    use std::sync::Arc;
+
+    use mscclpp::{Buffer, Communicator, EndpointConfig, Host2HostSemaphore, TcpBootstrap};
+    let t = Duration::from_secs(20);
+    let id = TcpBootstrap::create_unique_id().unwrap();
+    let bs = Arc::new(TcpBootstrap::config(0, 1).timeout(t).initialize(&id).unwrap());
+    let comm = Communicator::new(bs);
+    let dst = Buffer::new(comm.context(), 1 << 20, Transport::Ethernet.into()).unwrap();
+    comm.send_memory(dst.memory(), 0, 0).unwrap();
+    let remote = comm.recv_memory(0, 0).unwrap();
+    let config = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1");
+    let conn = comm.connect(&config, 0, 0).unwrap().wait().unwrap();
+    let remote = remote.wait().unwrap();
+    let sem = Host2HostSemaphore::new(comm.build_semaphore(&conn, 0, 0).unwrap().wait().unwrap()).unwrap();
+    let src = Buffer::new(comm.context(), 1 << 20, Transport::Ethernet.into()).unwrap();
+    let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7 + 3) as u8).collect();
+    src.write(0, &data).unwrap();
+    // A small write (shared lane), a large one (own lane), a small one again, each signalled.
+    for (off, len) in [(0usize, 8usize), (4096, 512 << 10), (1000, 24)] {
+        conn.write(&remote, off as u64, src.memory(), off as u64, len as u64).unwrap();
+        sem.signal().unwrap();
+        sem.wait(t).unwrap();
+        let mut got = vec![0u8; len];
+        dst.read(off, &mut got).unwrap();
+        assert!(got == data[off..off + len], "write of {len} bytes at {off} did not arrive intact");
+    }
+    conn.flush(t).unwrap();
+    let t0 = Instant::now();
+    drop(sem);
+    drop(conn);
+    assert!(t0.elapsed() < Duration::from_secs(2), "closing took {:?}", t0.elapsed());
+}

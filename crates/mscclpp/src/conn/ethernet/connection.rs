@@ -62,6 +62,11 @@ pub(super) struct Shared {
     pub(super) own_ctl: Mutex<Option<TcpStream>>,
     /// Whether this side is the low one (see "Sockets" in `mod.rs`): it dials the shared lane.
     pub(super) low: bool,
+    /// A connection of an endpoint to itself: it dials the shared lane (as the low side) and
+    /// also accepts it; its frames go out on the dialled end and come in on the accepted one.
+    pub(super) self_pair: bool,
+    /// With `self_pair`: a clone of the accepted end of the shared lane, for shutdown.
+    pub(super) loop_ctl: Mutex<Option<TcpStream>>,
     /// The receiver thread has its sockets (so it sends a closing record when closing).
     pub(super) rx_started: AtomicBool,
     /// The receiving half, once the peer's socket arrived.
@@ -102,7 +107,7 @@ impl Shared {
         self.cond.notify_all();
         self.tx_cond.notify_all();
         self.wake_receiver();
-        for c in [&self.shared_ctl, &self.in_ctl] {
+        for c in [&self.shared_ctl, &self.in_ctl, &self.loop_ctl] {
             if let Some(s) = lock(c).as_ref() {
                 let _ = s.shutdown(Shutdown::Both);
             }
@@ -121,7 +126,7 @@ impl Shared {
 
     /// Shuts every socket both ways (those known).
     fn shut_all(&self) {
-        for c in [&self.shared_ctl, &self.in_ctl, &self.own_ctl] {
+        for c in [&self.shared_ctl, &self.in_ctl, &self.own_ctl, &self.loop_ctl] {
             if let Some(s) = lock(c).as_ref() {
                 let _ = s.shutdown(Shutdown::Both);
             }
@@ -316,7 +321,7 @@ impl Drop for EthernetConnection {
         self.sh.wake_receiver();
         // The receiver first: its sockets shut for reading wake it, it acknowledges every frame
         // it applied (see "Closing" above), and only then do the sockets close.
-        for c in [&self.sh.shared_ctl, &self.sh.in_ctl] {
+        for c in [&self.sh.shared_ctl, &self.sh.in_ctl, &self.sh.loop_ctl] {
             if let Some(s) = lock(c).as_ref() {
                 let _ = s.shutdown(Shutdown::Read);
             }
@@ -358,7 +363,10 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     };
     // Both sides order the two endpoints alike: the low side dials the shared lane too (see
     // "Sockets" in `mod.rs`).
-    let low = (*my_addr, *my_secret) < (*addr, *secret);
+    // A connection of an endpoint to itself dials the shared lane too, and reads it where it
+    // is accepted.
+    let self_pair = (*my_addr, *my_secret) == (*addr, *secret);
+    let low = self_pair || (*my_addr, *my_secret) < (*addr, *secret);
     let dial_lane = |lane: Lane| {
         let (s, ctx_id) = dial(*addr, secret, ctx.inner().id, lane, deadline)
             .map_err(|e| e.during(format!("connecting to {peer_desc}")))?;
@@ -397,6 +405,8 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         in_ctl: Mutex::new(None),
         own_ctl: Mutex::new(Some(own_ctl)),
         low,
+        self_pair,
+        loop_ctl: Mutex::new(None),
         rx_started: AtomicBool::new(false),
         rx: Mutex::new(None),
         waiter_polled: AtomicU64::new(0),
@@ -444,7 +454,8 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         "mscclpp-eth-rx",
         Box::new(move || {
             pin("mscclpp-eth-rx");
-            receiver_loop(s3, ctx_inner, acceptor, deadline, shared, own)
+            // A self-connection reads the accepted end of the shared lane, not the dialled one.
+            receiver_loop(s3, ctx_inner, acceptor, deadline, if self_pair { None } else { shared }, own)
         }),
     )?);
     conn.threads = threads;

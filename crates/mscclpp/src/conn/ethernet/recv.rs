@@ -333,7 +333,8 @@ pub(super) fn receive(
     shared: Option<TcpStream>,
     own: TcpStream,
 ) {
-    // The peer's own lane; and the shared lane, when the peer dialled it (this side is high).
+    // The peer's own lane; and the shared lane, when the peer dialled it (this side is high, or
+    // the peer is this endpoint itself).
     let Ok(s_in) = take_lane(sh, &acceptor, Lane::Own, deadline) else { return };
     let shared = match shared {
         Some(s) => s,
@@ -369,7 +370,9 @@ pub(super) fn receive(
         return;
     };
     *lock(&sh.in_ctl) = Some(in_ctl);
-    if !sh.low {
+    if sh.self_pair {
+        *lock(&sh.loop_ctl) = Some(shared_ctl);
+    } else if !sh.low {
         *lock(&sh.shared_ctl) = Some(shared_ctl);
     }
     if sh.stop.load(Ordering::Acquire) || lock(&sh.st).failed.is_some() {
