@@ -117,6 +117,21 @@ impl Shared {
         }
     }
 
+    /// A failure the peer stated in a record (a refusal): it replaces a failure recorded as the
+    /// peer closing, because the refusing side closes its sockets right after sending the
+    /// record and this side's receiver may see the close before the record is read (the error
+    /// then said "closed", at random, instead of why).
+    pub(super) fn fail_stated(&self, e: Error) {
+        {
+            let mut st = lock(&self.st);
+            if st.failed_by_close && !st.closing {
+                st.failed = None;
+                st.failed_by_close = false;
+            }
+        }
+        self.fail(e);
+    }
+
     /// Wakes the receiver thread from a nap (see `recv.rs`).
     pub(super) fn wake_receiver(&self) {
         if let Some(t) = self.rx_thread.get() {
@@ -314,7 +329,7 @@ impl Drop for EthernetConnection {
             // leave the join below waiting for ever).
             let mut st = lock(&self.sh.st);
             st.closing = true;
-            self.sh.stop.store(true, Ordering::Release);
+            self.sh.stop.store(true, Ordering::SeqCst);
         }
         self.sh.cond.notify_all();
         self.sh.tx_cond.notify_all();
@@ -329,7 +344,7 @@ impl Drop for EthernetConnection {
         {
             let end = Deadline::after(CLOSE_GRACE);
             let mut st = lock(&self.sh.st);
-            while !st.rx_done && self.sh.rx_started.load(Ordering::Acquire) && !end.expired() {
+            while !st.rx_done && self.sh.rx_started.load(Ordering::SeqCst) && !end.expired() {
                 st =
                     self.sh.cond.wait_timeout(st, end.remaining()).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
             }

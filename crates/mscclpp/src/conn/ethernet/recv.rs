@@ -375,7 +375,13 @@ pub(super) fn receive(
     } else if !sh.low {
         *lock(&sh.shared_ctl) = Some(shared_ctl);
     }
-    if sh.stop.load(Ordering::Acquire) || lock(&sh.st).failed.is_some() {
+    // Started before the stop check (SeqCst both here and in Drop, which stores `stop` and then
+    // reads this): either Drop sees it started and waits for `rx_done` (set when this returns,
+    // early or not), or this sees the stop. Set after the check, a Drop in between skipped the
+    // wait and closed the sockets under a receiver about to apply frames and send its closing
+    // record.
+    sh.rx_started.store(true, Ordering::SeqCst);
+    if sh.stop.load(Ordering::SeqCst) || lock(&sh.st).failed.is_some() {
         let _ = s_in.shutdown(Shutdown::Both);
         let _ = shared.shutdown(Shutdown::Both);
         return;
@@ -384,7 +390,6 @@ pub(super) fn receive(
         *lock(&sh.out) = Some(OutLanes { shared: shared_out, own });
         sh.tx_cond.notify_all();
     }
-    sh.rx_started.store(true, Ordering::Release);
     *lock(&sh.rx) = Some(RxState {
         rec,
         shared: BufReader::with_capacity(256 * 1024, RxSocket { sock: shared }),

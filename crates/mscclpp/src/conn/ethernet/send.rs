@@ -384,7 +384,7 @@ fn read_acks(sh: &Shared, mut s: TcpStream) {
         };
         let r = lock(&sh.st).core.handle_bytes(&buf[..n]);
         if let Err(why) = r {
-            sh.fail(Error::remote(format!("peer {} {why}", sh.peer_desc)));
+            sh.fail_stated(Error::remote(format!("peer {} {why}", sh.peer_desc)));
             return;
         }
         sh.cond.notify_all();
