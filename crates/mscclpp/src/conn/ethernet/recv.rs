@@ -147,11 +147,23 @@ impl RxState {
         let lookup = |id: u64| region_info_cached(ctx, cache, id);
         let report = |e: StageError| {
             let e = match e {
-                StageError::Io(e) => e.to_string(),
-                StageError::Mscclpp(e) => e.to_string(),
+                // The socket's read timeout (the stall limit) passed in the middle of a payload.
+                StageError::Io(e)
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+                {
+                    Error::timeout(
+                        format!(
+                            "receiving a write from {}: the peer stopped sending in the middle of it",
+                            sh.peer_desc
+                        ),
+                        stall_limit(sh.wait_limit),
+                    )
+                }
+                StageError::Io(e) => Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)),
+                StageError::Mscclpp(e) => Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)),
             };
             if !sh.stop.load(Ordering::Acquire) {
-                sh.fail(Error::remote(format!("receiving a write from {} failed: {e}", sh.peer_desc)));
+                sh.fail(e);
             }
         };
         while !self.done {
@@ -347,9 +359,11 @@ pub(super) fn receive(
         },
     };
     drop(acceptor);
-    // Reads of a payload's remaining bytes block; a peer that stops in the middle of a frame
-    // fails the connection after this long instead of hanging it. So do frames and
-    // acknowledgements sent to a peer that stopped reading them (from any thread).
+    // Reads of a payload's remaining bytes block; a peer that stops in the middle of a payload
+    // fails the connection after this long (a Timeout) instead of hanging the receiver. So do
+    // frames and acknowledgements sent to a peer that stopped reading them (from any thread).
+    // A peer that stops between frames, or inside a header, leaves the receiver polling: the
+    // waits of the callers (flush, semaphore waits) are bounded by their own timeouts.
     for s in [&s_in, &shared] {
         let _ = s.set_read_timeout(Some(stall_limit(sh.wait_limit)));
         let _ = s.set_write_timeout(Some(stall_limit(sh.wait_limit)));
@@ -553,55 +567,73 @@ mod tests {
         assert!(first(header(OP_WRITE, 1, id, 0, 1, 0)).unwrap_err().contains("not registered"));
     }
 
+    /// A fake peer that passed the handshakes, connected to `ep` of `ctx`: our connection to it,
+    /// its socket for frames (the shared lane, where our receiver starts reading), its own lane
+    /// (where our records come back), and the ends it accepted of our lanes (kept open: a
+    /// closed one is the peer closing).
+    #[allow(clippy::type_complexity)]
+    fn fake_peer(ctx: &Context, ep: &Endpoint) -> (crate::Connection, TcpStream, TcpStream, Vec<(TcpStream, Lane)>) {
+        use crate::conn::endpoint::EndpointDesc;
+        let EndpointKind::Ethernet { addr: ep_addr, secret: ep_secret } = ep.desc().kind.clone() else { panic!() };
+        // The fake peer's own "endpoint": a raw listener that answers the handshake.
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let fake_secret = [3u8; 16];
+        let fake_addr = fake.local_addr().unwrap();
+        let remote = Endpoint::from_desc_for_test(EndpointDesc {
+            transport: Transport::Ethernet,
+            device: crate::Device::Cpu,
+            host_hash: 1,
+            process_hash: 2,
+            max_write_queue_size: 8,
+            kind: EndpointKind::Ethernet { addr: fake_addr, secret: fake_secret },
+        });
+        let fake_ctx = 0xfeed_u64;
+        let we_are_low = (ep_addr, ep_secret) < (fake_addr, fake_secret);
+        // We dial the fake's own lane, and the shared lane too when we are the low side.
+        let acc = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            for _ in 0..if we_are_low { 2 } else { 1 } {
+                let (s, _) = fake.accept().unwrap();
+                got.push(accept_handshake(s, &fake_secret, fake_ctx).unwrap());
+            }
+            got
+        });
+        let conn = ctx.connect(ep, &remote).unwrap();
+        let mut ours = acc.join().unwrap();
+        // The fake dials our endpoint with the right secret (its own lane, where our records
+        // come back, and the shared lane when it is the low side).
+        let dial_lane = |lane| dial(ep_addr, &ep_secret, fake_ctx, lane, Deadline::after(Duration::from_secs(5)));
+        let (s, _) = dial_lane(Lane::Own).unwrap();
+        let frames = if we_are_low {
+            let i = ours.iter().position(|(_, l)| *l == Lane::Shared).unwrap();
+            ours.swap_remove(i).0
+        } else {
+            dial_lane(Lane::Shared).unwrap().0
+        };
+        (conn, frames, s, ours)
+    }
+
+    /// Waits (5 s at most) for `conn` to fail and returns its error.
+    fn failure_of(conn: &crate::Connection) -> crate::Error {
+        let t0 = Instant::now();
+        while conn.status().is_ok() && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        conn.status().unwrap_err()
+    }
+
     /// A peer that passes the handshake and then sends a frame naming memory that is not
     /// registered (or past a region's end) is refused: nothing is written, the sender is told
     /// why, and the connection fails on our side too.
     #[test]
     fn raw_peer_with_bad_frames_is_refused() {
-        use crate::conn::endpoint::EndpointDesc;
         for bad in ["unregistered", "past the end", "wrong sequence"] {
             let ctx = Context::new();
             let target = Buffer::new(&ctx, 4096, Transport::Ethernet.into()).unwrap();
             let ep = ctx
                 .create_endpoint(&crate::EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1"))
                 .unwrap();
-            let EndpointKind::Ethernet { addr: ep_addr, secret: ep_secret } = ep.desc().kind.clone() else { panic!() };
-            // The fake peer's own "endpoint": a raw listener that answers the handshake.
-            let fake = TcpListener::bind("127.0.0.1:0").unwrap();
-            let fake_secret = [3u8; 16];
-            let fake_addr = fake.local_addr().unwrap();
-            let remote = Endpoint::from_desc_for_test(EndpointDesc {
-                transport: Transport::Ethernet,
-                device: crate::Device::Cpu,
-                host_hash: 1,
-                process_hash: 2,
-                max_write_queue_size: 8,
-                kind: EndpointKind::Ethernet { addr: fake_addr, secret: fake_secret },
-            });
-            let fake_ctx = 0xfeed_u64;
-            let we_are_low = (ep_addr, ep_secret) < (fake_addr, fake_secret);
-            // We dial the fake's own lane, and the shared lane too when we are the low side.
-            let acc = std::thread::spawn(move || {
-                let mut got = Vec::new();
-                for _ in 0..if we_are_low { 2 } else { 1 } {
-                    let (s, _) = fake.accept().unwrap();
-                    got.push(accept_handshake(s, &fake_secret, fake_ctx).unwrap());
-                }
-                got
-            });
-            let conn = ctx.connect(&ep, &remote).unwrap();
-            let mut ours = acc.join().unwrap();
-            // The fake dials our endpoint with the right secret (its own lane, where our records
-            // come back, and the shared lane when it is the low side) and sends a bad frame on
-            // the shared lane (where the receiver starts reading).
-            let dial_lane = |lane| dial(ep_addr, &ep_secret, fake_ctx, lane, Deadline::after(Duration::from_secs(5)));
-            let (mut s, _) = dial_lane(Lane::Own).unwrap();
-            let mut frames = if we_are_low {
-                let i = ours.iter().position(|(_, l)| *l == Lane::Shared).unwrap();
-                ours.swap_remove(i).0
-            } else {
-                dial_lane(Lane::Shared).unwrap().0
-            };
+            let (conn, mut frames, mut s, _accepted) = fake_peer(&ctx, &ep);
             let id = target.memory().desc().region_id;
             let h = match bad {
                 "unregistered" => header(OP_WRITE, 1, id + 1000, 0, 16, 0),
@@ -623,14 +655,32 @@ mod tests {
             let _ = s.read_to_end(&mut rest);
             assert!(target.to_vec().iter().all(|b| *b == 0), "{bad}: memory changed");
             // Our side of the connection has failed with that reason.
-            let t0 = Instant::now();
-            while conn.status().is_ok() && t0.elapsed() < Duration::from_secs(5) {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let e = conn.status().unwrap_err();
+            let e = failure_of(&conn);
             assert!(e.to_string().contains("refused a frame"), "{bad}: {e}");
             assert!(e.to_string().contains(&msg), "{bad}: {e} / {msg}");
             assert!(conn.flush(Duration::from_secs(1)).is_err());
         }
+    }
+
+    /// A peer that stops in the middle of a write's payload (its socket open, nothing more
+    /// sent) fails the connection with a Timeout naming the peer after the stall limit, not a
+    /// hang and not an I/O error's text.
+    #[test]
+    fn a_peer_that_stops_mid_payload_is_a_timeout() {
+        let ctx = Context::new();
+        let target = Buffer::new(&ctx, 4096, Transport::Ethernet.into()).unwrap();
+        let cfg = crate::EndpointConfig::new(Transport::Ethernet)
+            .ethernet(crate::EthernetConfig::default().interface("127.0.0.1").connect_timeout(Duration::from_secs(1)));
+        let ep = ctx.create_endpoint(&cfg).unwrap();
+        let (conn, mut frames, _s, _accepted) = fake_peer(&ctx, &ep);
+        let id = target.memory().desc().region_id;
+        let mut frame = header(OP_WRITE, 1, id, 0, 2048, 0).to_vec();
+        frame.extend_from_slice(&[0xAA; 100]);
+        frames.write_all(&frame).unwrap();
+        let t0 = Instant::now();
+        let e = failure_of(&conn);
+        assert_eq!(e.kind(), crate::ErrorKind::Timeout, "{e}");
+        assert!(e.to_string().contains("stopped sending in the middle"), "{e}");
+        assert!(t0.elapsed() >= Duration::from_millis(900), "{:?}", t0.elapsed());
     }
 }
