@@ -25,6 +25,8 @@ struct Slots {
     own: Option<TcpStream>,
     /// Lanes that have arrived (taken or not).
     arrived: [bool; 2],
+    /// The accept thread has ended: handshakes still running deliver nothing.
+    closed: bool,
 }
 
 impl Slots {
@@ -105,7 +107,8 @@ impl Drop for Acceptor {
 /// The accept thread: a handshake thread per connection until both lanes have arrived (or
 /// `stop`: the connection drops the acceptor once it has what it needs).
 fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], context_id: u64) {
-    let mut handshakes: Vec<JoinHandle<()>> = Vec::new();
+    // Each handshake thread, a clone of its socket, and whether it delivered the socket.
+    let mut handshakes: Vec<(JoinHandle<()>, Option<TcpStream>, Arc<AtomicBool>)> = Vec::new();
     let listener = StoppableListener::new(listener);
     let all_arrived = || lock(&sh.slot).arrived.iter().all(|a| *a);
     let stopped = || sh.stop.load(Ordering::Acquire) || all_arrived();
@@ -123,14 +126,18 @@ fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], c
             break;
         }
         let sh2 = sh.clone();
+        let ctl = s.try_clone().ok();
+        let delivered = Arc::new(AtomicBool::new(false));
+        let delivered2 = delivered.clone();
         let h = std::thread::Builder::new().name("mscclpp-eth-hs".into()).spawn(move || {
             let from = s.peer_addr().ok();
             match accept_handshake(s, &secret, context_id) {
                 Ok((s, lane)) => {
                     let mut slots = lock(&sh2.slot);
                     let i = Slots::index(lane);
-                    if !slots.arrived[i] && !sh2.stop.load(Ordering::Acquire) {
+                    if !slots.arrived[i] && !slots.closed && !sh2.stop.load(Ordering::Acquire) {
                         slots.arrived[i] = true;
+                        delivered2.store(true, Ordering::Relaxed);
                         *slots.slot(lane) = Some(s);
                         sh2.cond.notify_all();
                     } else {
@@ -141,14 +148,24 @@ fn accept_loop(listener: TcpListener, sh: Arc<AcceptShared>, secret: [u8; 16], c
             }
         });
         if let Ok(h) = h {
-            handshakes.push(h);
+            handshakes.push((h, ctl, delivered));
         }
         if all_arrived() {
             break;
         }
     }
-    // Handshake threads finish within their read timeout.
-    for h in handshakes {
+    // Handshakes still running (a stray or slow connection) are cut short rather than waited
+    // for up to their read timeout: from now on they deliver nothing (decided under the lock
+    // they deliver under), so shutting their sockets touches no delivered lane.
+    let undelivered: Vec<TcpStream> = {
+        let mut slots = lock(&sh.slot);
+        slots.closed = true;
+        handshakes.iter_mut().filter(|(_, _, d)| !d.load(Ordering::Relaxed)).filter_map(|(_, c, _)| c.take()).collect()
+    };
+    for c in &undelivered {
+        let _ = c.shutdown(std::net::Shutdown::Both);
+    }
+    for (h, _, _) in handshakes {
         let _ = h.join();
     }
 }
@@ -220,5 +237,31 @@ mod tests {
         t.join().unwrap();
         // Dropping the acceptor now finds no thread to join (its self-connect goes unanswered).
         drop(acc);
+    }
+
+    /// A stray connection that never sends its handshake does not hold up the acceptor: both
+    /// lanes are taken, and dropping the acceptor cuts the stray handshake short instead of
+    /// waiting out its 10 s read timeout; the delivered lanes stay usable.
+    #[test]
+    fn a_stray_connection_does_not_delay_the_acceptor() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let secret = [7u8; 16];
+        let acc = Acceptor::start(listener, secret, 1).unwrap();
+        let _stray = TcpStream::connect(addr).unwrap();
+        let deadline = Deadline::after(Duration::from_secs(5));
+        let (mut own, _) = dial(addr, &secret, 2, Lane::Own, deadline).unwrap();
+        let (_shared, _) = dial(addr, &secret, 2, Lane::Shared, deadline).unwrap();
+        let stop = AtomicBool::new(false);
+        let mut a = acc.take(Lane::Own, deadline, &stop).unwrap();
+        let _b = acc.take(Lane::Shared, deadline, &stop).unwrap();
+        let t0 = Instant::now();
+        drop(acc);
+        assert!(t0.elapsed() < Duration::from_secs(3), "dropping the acceptor took {:?}", t0.elapsed());
+        // The delivered lane still carries bytes.
+        own.write_all(b"ok").unwrap();
+        let mut got = [0u8; 2];
+        a.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"ok");
     }
 }
