@@ -25,5 +25,12 @@ for line in sys.stdin:
 test -x "$out/bin/gpu_p2p"
 (cd "$out" && tar cJf bin.tar.xz bin && rm -rf bin)
 cp crates/mscclpp-nccl/tests/python/*.py "$out/"
+# A real NCCL for the fallback step, when one was made (python3 ../shared/tools/nccl-sm90.py ...
+# nccl-ignored/libnccl.so.2.xz; see that tool's header).
+if [ -f nccl-ignored/libnccl.so.2.xz ]; then
+  mkdir -p "$out/nccl" && cp nccl-ignored/libnccl.so.2.xz "$out/nccl/"
+else
+  echo "no nccl-ignored/libnccl.so.2.xz: the GPU run skips the NCCL fallback step" >&2
+fi
 ls -la "$out"
 du -sh "$out"

@@ -9,7 +9,8 @@
 # seconds (default 300): each step's limit (P2P_TIMEOUT, PYNCCL_TIMEOUT, TORCHRUN_TIMEOUT,
 # OVERHEAD_TIMEOUT) is cut to what is left. TORCHRUN_RANKS ("2 3 4") shortens a run.
 # Steps: the device point-to-point GPU tests (Rust, ranks as threads), the PyNCCL pytest,
-# torchrun 2/3/4 ranks under LD_PRELOAD, the C API overhead table (nccl_overhead).
+# torchrun 2/3/4 ranks under LD_PRELOAD, torchrun through the NCCL fallback (when the bundle
+# carries a real NCCL), the C API overhead table (nccl_overhead).
 set -u
 cd "$(dirname "$0")/.."
 b=gpu-bundle-nccl
@@ -78,6 +79,33 @@ for n in ${TORCHRUN_RANKS:-2 3 4}; do
   result "torchrun $n ranks ($(grep -c '^PASS' "$log") checks passed)" $rc "$log"
   grep -E "mscclpp::nccl.*->" "$log" | sed -E 's/.*(rank=[0-9]+)/\1/' | sort -u | head -20 | sed 's/^/    route: /'
 done
+# 2b. The NCCL fallback with a real NCCL (>= 2.30, several ranks on one GPU): torchrun with every
+# operation forced to NCCL (MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION=all), the same checks against
+# a CPU reference; the log must show the calls routed to the fallback. Runs when the bundle
+# carries nccl/libnccl.so.2.xz (scripts/gpu-bundle-nccl.sh copies nccl-ignored/, made by
+# shared/tools/nccl-sm90.py) or FALLBACK_NCCL names a library.
+real=${FALLBACK_NCCL:-}
+if [ -z "$real" ] && [ -f "$b/nccl/libnccl.so.2.xz" ]; then
+  python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('$b/nccl/libnccl.so.2.xz'), open('/tmp/libnccl-fallback.so.2','wb'))" \
+    && real=/tmp/libnccl-fallback.so.2
+fi
+if [ -n "$real" ]; then
+  for n in ${FALLBACK_RANKS:-2}; do
+    log=$logs/torchrun-fallback-$n.log
+    port=$((29500 + RANDOM % 1000))
+    LD_PRELOAD=$so MSCCLPP_ENABLE_NCCL_FALLBACK=1 MSCCLPP_NCCL_LIB_PATH=$real MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION=all \
+      NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_NVLS_ENABLE=0 \
+      timeout "$(limit "${TORCHRUN_TIMEOUT:-75}")" torchrun --nproc-per-node="$n" --master-port="$port" "$b/torch_nccl.py" > "$log" 2>&1
+    rc=$?
+    routed=$(grep -c -- "-> NCCL fallback" "$log")
+    # Every check passed and calls really went to the real NCCL.
+    [ "$rc" = 0 ] && [ "$routed" -gt 0 ] || { [ "$rc" = 0 ] && rc=1; }
+    result "torchrun $n ranks through the NCCL fallback ($(grep -c '^PASS' "$log") checks passed, $routed routes to NCCL)" $rc "$log"
+    grep -E "loaded the NCCL fallback|-> NCCL fallback" "$log" | sed -E 's/.*(rank=[0-9]+)/\1/' | sort -u | head -12 | sed 's/^/    route: /'
+  done
+else
+  echo "SKIP the NCCL fallback: no real NCCL (bundle nccl-ignored/libnccl.so.2.xz, or FALLBACK_NCCL=path)"
+fi
 # 3. What the C API adds per AllReduce call (host) and inside a CUDA graph (GPU), 2 ranks.
 if [ -x "$b/bin/nccl_overhead" ]; then
   log=$logs/overhead.log
