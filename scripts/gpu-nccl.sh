@@ -7,7 +7,8 @@
 # step under `timeout`, prints PASS/FAIL per step with the failing lines, stops MPS, exits 1 on
 # any failure. Logs in $OUT (default gpu-bundle-nccl/logs). Everything runs within RUN_BUDGET
 # seconds (default 300): each step's limit (P2P_TIMEOUT, PYNCCL_TIMEOUT, TORCHRUN_TIMEOUT,
-# OVERHEAD_TIMEOUT) is cut to what is left. TORCHRUN_RANKS ("2 3 4") shortens a run.
+# OVERHEAD_TIMEOUT) is cut to what is left. TORCHRUN_RANKS ("2 3 4") shortens a run; STEPS
+# (default "p2p pynccl torchrun fallback overhead") picks the steps.
 # Steps: the device point-to-point GPU tests (Rust, ranks as threads), the PyNCCL pytest,
 # torchrun 2/3/4 ranks under LD_PRELOAD, torchrun through the NCCL fallback (when the bundle
 # carries a real NCCL), the C API overhead table (nccl_overhead).
@@ -19,6 +20,7 @@ mkdir -p "$logs"
 so=$PWD/$b/libmscclpp_nccl.so
 if ! [ -f "$so" ]; then echo "FAIL setup: no $so (run scripts/gpu-bundle-nccl.sh on the build machine)"; exit 1; fi
 pass=0; fail=0
+want() { case " ${STEPS:-p2p pynccl torchrun fallback overhead} " in *" $1 "*) return 0;; *) return 1;; esac; }
 deadline=$((SECONDS + ${RUN_BUDGET:-300}))
 limit() { # a step's own limit, cut to what is left of the budget (at least 5 s)
   local left=$((deadline - SECONDS)); [ "$left" -lt 5 ] && left=5
@@ -57,9 +59,11 @@ export PYTHONUNBUFFERED=1 MSCCLPP_LOG_LEVEL=${MSCCLPP_LOG_LEVEL:-INFO} MSCCLPP_N
 # The native paths must not need a real NCCL (torch's 2.28.9 refuses two ranks on one GPU).
 unset MSCCLPP_ENABLE_NCCL_FALLBACK MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"
+[ -f "$b/bin.tar.xz" ] && tar xJf "$b/bin.tar.xz" -C "$b"
 # 0. The device point-to-point path on its own (ring 2-4 ranks, all-to-all, graph replay, errors).
-if [ -f "$b/bin.tar.xz" ]; then
-  tar xJf "$b/bin.tar.xz" -C "$b"
+if ! want p2p; then
+  echo "SKIP gpu_p2p (STEPS)"
+elif [ -x "$b/bin/gpu_p2p" ]; then
   log=$logs/gpu_p2p.log
   timeout "$(limit "${P2P_TIMEOUT:-60}")" "$b/bin/gpu_p2p" --ignored --test-threads=1 > "$log" 2>&1
   result "gpu_p2p ($(grep -c ' ok$' "$log") tests passed)" $? "$log"
@@ -67,11 +71,15 @@ else
   echo "SKIP gpu_p2p: no $b/bin.tar.xz"
 fi
 # 1. PyNCCL-style ctypes client (pytest), 2 and 3 ranks.
-log=$logs/pynccl.log
-MSCCLPP_NCCL_SO=$so timeout "$(limit "${PYNCCL_TIMEOUT:-60}")" python3 -m pytest -q -rs -p no:cacheprovider "$b/test_pynccl.py" > "$log" 2>&1
-result "pynccl pytest" $? "$log"
+if want pynccl; then
+  log=$logs/pynccl.log
+  MSCCLPP_NCCL_SO=$so timeout "$(limit "${PYNCCL_TIMEOUT:-60}")" python3 -m pytest -q -rs -p no:cacheprovider "$b/test_pynccl.py" > "$log" 2>&1
+  result "pynccl pytest" $? "$log"
+fi
 # 2. torch.distributed under LD_PRELOAD with torchrun, 2, 3 and 4 processes.
+want torchrun || TORCHRUN_RANKS=none
 for n in ${TORCHRUN_RANKS:-2 3 4}; do
+  [ "$n" = none ] && continue
   log=$logs/torchrun-$n.log
   port=$((29500 + RANDOM % 1000))
   LD_PRELOAD=$so timeout "$(limit "${TORCHRUN_TIMEOUT:-75}")" torchrun --nproc-per-node="$n" --master-port="$port" "$b/torch_nccl.py" > "$log" 2>&1
@@ -85,11 +93,13 @@ done
 # carries nccl/libnccl.so.2.xz (scripts/gpu-bundle-nccl.sh copies nccl-ignored/, made by
 # shared/tools/nccl-sm90.py) or FALLBACK_NCCL names a library.
 real=${FALLBACK_NCCL:-}
-if [ -z "$real" ] && [ -f "$b/nccl/libnccl.so.2.xz" ]; then
+if want fallback && [ -z "$real" ] && [ -f "$b/nccl/libnccl.so.2.xz" ]; then
   python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('$b/nccl/libnccl.so.2.xz'), open('/tmp/libnccl-fallback.so.2','wb'))" \
     && real=/tmp/libnccl-fallback.so.2
 fi
-if [ -n "$real" ]; then
+if ! want fallback; then
+  echo "SKIP the NCCL fallback (STEPS)"
+elif [ -n "$real" ]; then
   for n in ${FALLBACK_RANKS:-2}; do
     log=$logs/torchrun-fallback-$n.log
     port=$((29500 + RANDOM % 1000))
@@ -107,7 +117,7 @@ else
   echo "SKIP the NCCL fallback: no real NCCL (bundle nccl-ignored/libnccl.so.2.xz, or FALLBACK_NCCL=path)"
 fi
 # 3. What the C API adds per AllReduce call (host) and inside a CUDA graph (GPU), 2 ranks.
-if [ -x "$b/bin/nccl_overhead" ]; then
+if want overhead && [ -x "$b/bin/nccl_overhead" ]; then
   log=$logs/overhead.log
   timeout "$(limit "${OVERHEAD_TIMEOUT:-45}")" "$b/bin/nccl_overhead" --ranks 2 > "$log" 2>&1
   result "nccl_overhead" $? "$log"
