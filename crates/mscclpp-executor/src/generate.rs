@@ -149,7 +149,13 @@ fn build(
         reuse_resources: false,
         // LL packets of one launch may still be read while a peer's next launch writes: with two
         // scratch halves (picked by the flag's parity) consecutive launches never share one.
-        use_double_scratch_buffer: protocol == Protocol::LL,
+        // The two-node plan needs them with Simple too: nothing orders a rank's cross-node put of
+        // launch i+1 after the other node's reduction of that scratch chunk in launch i (the
+        // putter only waits for the other node's put of launch i, which comes before that
+        // reduction), so back-to-back launches could overwrite data still being read. With two
+        // halves, reaching the same half again (launch i+2) needs the other node's put of launch
+        // i+1, which that rank issues only after finishing launch i.
+        use_double_scratch_buffer: protocol == Protocol::LL || algorithm == Algorithm::HierarchicalAllReduce,
         buffer_alignment: DEFAULT_BUFFER_ALIGNMENT,
         min_message_size: 0,
         max_message_size: u64::MAX,

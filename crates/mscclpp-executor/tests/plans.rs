@@ -74,6 +74,18 @@ fn scratch_bytes_follow_mscclpp() {
     assert_eq!(ll.scratch_bytes(4, 4096, 4096), None);
     let simple = generate::plan(Algorithm::AllGather, 2, Protocol::Simple, true).unwrap();
     assert_eq!(simple.scratch_bytes(1, 100, 200), Some(0));
+    // The two-node Simple plan alternates scratch halves too: a rank's cross-node put of the
+    // next launch is not ordered after the other node's reduction of that chunk in this one.
+    for ranks in [4, 6, 8] {
+        let two = generate::plan(Algorithm::HierarchicalAllReduce, ranks, Protocol::Simple, true).unwrap();
+        assert!(two.use_double_scratch_buffer, "{}", two.name);
+        let both = two.scratch_bytes(0, 4096, 4096).unwrap();
+        let mut one_half = two.clone();
+        one_half.use_double_scratch_buffer = false;
+        let half = one_half.scratch_bytes(0, 4096, 4096).unwrap();
+        // Twice the chunks (MSCCL++'s formula aligns the whole, not each half).
+        assert!(both > half && both <= 2 * half, "{}: {both} bytes against {half}", two.name);
+    }
 }
 
 /// A valid base: 3-rank all-pair AllReduce, Simple, in place. Rank g, block k: ops
