@@ -466,6 +466,11 @@ impl Builder {
                 self.block(m, Vec::new(), vec![buf], ops);
             } else {
                 let buf = self.remote_buffer(p, BufferType::Output, m);
+                // Entry handshake: the peer's output is written only once the peer is in this
+                // launch too (a rank that ran ahead into the next launch overwrote a peer's
+                // output before that peer had finished the previous one).
+                ops.push(with_channels(op(OpKind::Signal), m, vec![0]));
+                ops.push(with_channels(op(OpKind::Wait), m, vec![0]));
                 ops.push(with_channels(data(OpKind::Put, vec![mine.clone()], vec![remote(0, r, 1)]), m, vec![0]));
                 ops.push(with_channels(op(OpKind::Signal), m, vec![0]));
                 ops.push(with_channels(op(OpKind::Wait), m, vec![0]));
@@ -497,6 +502,10 @@ impl Builder {
                 }
                 self.block(m, Vec::new(), vec![buf], ops);
             } else {
+                // Entry handshake: the peer's scratch is written only once the peer is in this
+                // launch too, past its reduction of the previous launch's scratch.
+                ops.push(with_channels(op(OpKind::Signal), m, vec![0]));
+                ops.push(with_channels(op(OpKind::Wait), m, vec![0]));
                 ops.push(with_channels(
                     data(OpKind::Put, vec![local(BufferType::Input, p, 1)], vec![remote(0, r, 1)]),
                     m,

@@ -13,6 +13,11 @@
 //! input and output buffers into the larger one at `rank * size` (in place AllGather's input is
 //! its output chunk `rank`). Thread-block groups (`tbg_info`) are done by their block 0; a
 //! `pipeline` runs its body once.
+//!
+//! [`simulate_launches`] runs a plan several times back to back with a rank allowed to fall
+//! behind the others (one rank per seed runs only when nothing else can, or one step in 16), so
+//! that a rank already in the next launch can overwrite a buffer a slower peer still reads:
+//! the races between launches that a single run cannot show.
 
 use std::collections::HashMap;
 
@@ -54,10 +59,16 @@ pub struct Buffers {
 /// Where a buffer chunk lives: (rank, canonical buffer, chunk).
 type Slot = (usize, BufferType, usize);
 
+/// One rank's input, output and scratch chunks at the end of a launch.
+type Snapshot = (Vec<i64>, Vec<i64>, Vec<i64>);
+
 struct Sim<'a> {
     plan: &'a Plan,
     data: HashMap<Slot, i64>,
-    packets: HashMap<Slot, bool>,
+    /// LL packets written, by slot and launch (a packet carries its launch's flag).
+    packets: HashMap<(Slot, usize), bool>,
+    /// Scratch chunks per rank, when the plan alternates scratch halves between launches.
+    halves: Option<Vec<usize>>,
     /// Signals pending at (receiver, sender, channel type, pair index).
     signals: HashMap<(usize, usize, ChannelType, usize), u64>,
     /// Barrier arrivals per (rank, barrier id).
@@ -68,6 +79,8 @@ struct Sim<'a> {
 /// One thread block's flattened program (pipeline bodies inlined) and progress.
 struct Block<'a> {
     rank: usize,
+    /// Which launch of the plan (0 for a single run).
+    launch: usize,
     tb: &'a ThreadBlock,
     ops: Vec<&'a Op>,
     pc: usize,
@@ -79,17 +92,31 @@ struct Block<'a> {
 /// every rank's buffers. Output and scratch start at 0. Each block runs until it blocks, in
 /// rank and block order.
 pub fn simulate(plan: &Plan, input: &[Vec<i64>]) -> Result<Buffers, SimError> {
-    run(plan, input, None)
+    let mut out = run(plan, std::slice::from_ref(&input.to_vec()), None)?;
+    Ok(out.pop().unwrap_or_else(|| Buffers { input: Vec::new(), output: Vec::new(), scratch: Vec::new() }))
 }
 
 /// As [`simulate`], but one operation at a time, of a block chosen by a generator seeded with
 /// `seed`: another interleaving per seed. A plan whose result depends on the seed has a race
 /// (a buffer read before the write it needs is synchronized, or overwritten while in use).
 pub fn simulate_interleaved(plan: &Plan, input: &[Vec<i64>], seed: u64) -> Result<Buffers, SimError> {
-    run(plan, input, Some(seed))
+    let mut out = run(plan, std::slice::from_ref(&input.to_vec()), Some(seed))?;
+    Ok(out.pop().unwrap_or_else(|| Buffers { input: Vec::new(), output: Vec::new(), scratch: Vec::new() }))
 }
 
-fn run(plan: &Plan, input: &[Vec<i64>], seed: Option<u64>) -> Result<Buffers, SimError> {
+/// Runs `plan` `inputs.len()` times back to back, as a stream runs launches: a rank starts
+/// launch `l + 1` (its input buffer then holds `inputs[l + 1]`) as soon as its own blocks of
+/// launch `l` have finished, while other ranks may still be in launch `l`; signals, barrier
+/// counts and semaphores carry over, LL packets match their own launch only, and a plan with
+/// `use_double_scratch_buffer` alternates scratch halves. Operations run one at a time in an
+/// order drawn from `seed`. Returns each launch's buffers, every rank's taken when that rank
+/// finished the launch. A result that differs from a single run's is a race between launches
+/// (a buffer of one launch overwritten by the next while still in use).
+pub fn simulate_launches(plan: &Plan, inputs: &[Vec<Vec<i64>>], seed: u64) -> Result<Vec<Buffers>, SimError> {
+    run(plan, inputs, Some(seed))
+}
+
+fn run(plan: &Plan, inputs: &[Vec<Vec<i64>>], seed: Option<u64>) -> Result<Vec<Buffers>, SimError> {
     // Plans from `Plan::from_*` are valid already; one built by hand is checked here, so that
     // every index below is in range.
     crate::validate::validate(plan).map_err(|e| SimError::Invalid(e.to_string()))?;
@@ -105,48 +132,92 @@ fn run(plan: &Plan, input: &[Vec<i64>], seed: Option<u64>) -> Result<Buffers, Si
         plan,
         data: HashMap::new(),
         packets: HashMap::new(),
+        halves: plan.use_double_scratch_buffer.then(|| plan.gpus.iter().map(|g| g.scratch_chunks as usize).collect()),
         signals: HashMap::new(),
         arrivals: HashMap::new(),
         semaphores: plan.gpus.iter().map(|g| g.semaphores.iter().map(|s| u64::from(s.init_value)).collect()).collect(),
     };
-    for (r, gpu) in plan.gpus.iter().enumerate() {
-        for c in 0..gpu.input_chunks as usize {
-            let v = input.get(r).and_then(|x| x.get(c)).copied().unwrap_or(0);
-            let slot = sim.slot(r, BufferType::Input, c);
-            sim.data.insert(slot, v);
-        }
-    }
+    let launches = inputs.len().max(1);
+    let nranks = plan.gpus.len();
     let mut blocks: Vec<Block<'_>> = Vec::new();
-    for (r, gpu) in plan.gpus.iter().enumerate() {
-        for tb in &gpu.threadblocks {
-            let ops = tb.ops.iter().flat_map(|o| std::iter::once(o).chain(o.ops.iter())).collect();
-            blocks.push(Block { rank: r, tb, ops, pc: 0, barrier_target: None });
+    for l in 0..launches {
+        for (r, gpu) in plan.gpus.iter().enumerate() {
+            for tb in &gpu.threadblocks {
+                let ops = tb.ops.iter().flat_map(|o| std::iter::once(o).chain(o.ops.iter())).collect();
+                blocks.push(Block { rank: r, launch: l, tb, ops, pc: 0, barrier_target: None });
+            }
         }
     }
+    // Per (launch, rank): blocks not finished; whether it started (its input written).
+    let mut left = vec![vec![0usize; nranks]; launches];
+    for b in &blocks {
+        left[b.launch][b.rank] += 1;
+    }
+    let mut started = vec![vec![false; nranks]; launches];
+    let mut snaps: Vec<Vec<Option<Snapshot>>> = vec![vec![None; nranks]; launches];
+    let runnable = |left: &Vec<Vec<usize>>, b: &Block<'_>| {
+        b.pc < b.ops.len() && (b.launch == 0 || left[b.launch - 1][b.rank] == 0)
+    };
     let mut rng = seed.map(|s| s ^ 0x9e37_79b9_7f4a_7c15);
     loop {
         let mut progress = false;
+        // A rank whose previous launch is over starts the next: its input as given.
+        for l in 0..launches {
+            for r in 0..nranks {
+                if !started[l][r] && (l == 0 || left[l - 1][r] == 0) {
+                    started[l][r] = true;
+                    let gpu = &plan.gpus[r];
+                    for c in 0..gpu.input_chunks as usize {
+                        let v = inputs.get(l).and_then(|i| i.get(r)).and_then(|x| x.get(c)).copied().unwrap_or(0);
+                        let slot = sim.slot(r, BufferType::Input, c);
+                        sim.data.insert(slot, v);
+                    }
+                }
+            }
+        }
         if let Some(state) = rng.as_mut() {
             // xorshift64*: pick a start, step the first runnable block from there.
             *state ^= *state << 13;
             *state ^= *state >> 7;
             *state ^= *state << 17;
-            let open: Vec<usize> = (0..blocks.len()).filter(|&i| blocks[i].pc < blocks[i].ops.len()).collect();
-            if open.is_empty() {
+            let open: Vec<usize> = (0..blocks.len()).filter(|&i| runnable(&left, &blocks[i])).collect();
+            if open.is_empty() && blocks.iter().all(|b| b.pc == b.ops.len()) {
                 break;
             }
-            let start = (*state % open.len() as u64) as usize;
-            for k in 0..open.len() {
-                let b = &mut blocks[open[(start + k) % open.len()]];
+            let start = if open.is_empty() { 0 } else { (*state % open.len() as u64) as usize };
+            // One rank (chosen by the seed) runs only when nothing else can, or one step in 16:
+            // a slow rank, so that others run ahead of it into the next launch.
+            let slow = seed.map_or(usize::MAX, |s| (s as usize) % nranks.max(1));
+            let lucky = (*state >> 40) % 16 == 0;
+            let order: Vec<usize> = (0..open.len())
+                .map(|k| open[(start + k) % open.len()])
+                .filter(|&i| lucky || blocks[i].rank != slow || launches == 1)
+                .chain((0..open.len()).map(|k| open[(start + k) % open.len()]).filter(|&i| blocks[i].rank == slow))
+                .collect();
+            for i in order {
+                let b = &mut blocks[i];
                 if sim.step(b)? {
                     b.pc += 1;
                     progress = true;
+                    if b.pc == b.ops.len() {
+                        let (l, r) = (b.launch, b.rank);
+                        left[l][r] -= 1;
+                        if left[l][r] == 0 {
+                            snaps[l][r] = Some(sim.snapshot(r));
+                        }
+                    }
                     break;
                 }
             }
         } else {
             let mut unfinished = 0;
             for b in blocks.iter_mut() {
+                if !runnable(&left, b) {
+                    if b.pc < b.ops.len() {
+                        unfinished += 1;
+                    }
+                    continue;
+                }
                 while b.pc < b.ops.len() {
                     if sim.step(b)? {
                         b.pc += 1;
@@ -157,6 +228,12 @@ fn run(plan: &Plan, input: &[Vec<i64>], seed: Option<u64>) -> Result<Buffers, Si
                 }
                 if b.pc < b.ops.len() {
                     unfinished += 1;
+                } else {
+                    let (l, r) = (b.launch, b.rank);
+                    left[l][r] -= 1;
+                    if left[l][r] == 0 {
+                        snaps[l][r] = Some(sim.snapshot(r));
+                    }
                 }
             }
             if unfinished == 0 {
@@ -173,20 +250,33 @@ fn run(plan: &Plan, input: &[Vec<i64>], seed: Option<u64>) -> Result<Buffers, Si
             return Err(SimError::Deadlock(blocked.join("; ")));
         }
     }
-    let view = |t: BufferType, count: fn(&Gpu) -> u64| -> Vec<Vec<i64>> {
-        plan.gpus
-            .iter()
-            .enumerate()
-            .map(|(r, g)| {
-                (0..count(g) as usize).map(|c| sim.data.get(&sim.slot(r, t, c)).copied().unwrap_or(0)).collect()
-            })
-            .collect()
-    };
-    Ok(Buffers {
-        input: view(BufferType::Input, |g| g.input_chunks),
-        output: view(BufferType::Output, |g| g.output_chunks),
-        scratch: view(BufferType::Scratch, |g| g.scratch_chunks),
-    })
+    Ok(snaps
+        .into_iter()
+        .map(|per_rank| {
+            let mut out = Buffers { input: Vec::new(), output: Vec::new(), scratch: Vec::new() };
+            for (i, o, sc) in per_rank.into_iter().map(Option::unwrap_or_default) {
+                out.input.push(i);
+                out.output.push(o);
+                out.scratch.push(sc);
+            }
+            out
+        })
+        .collect())
+}
+
+impl Sim<'_> {
+    /// Rank `r`'s input, output and scratch (the first half) as they are now.
+    fn snapshot(&self, r: usize) -> Snapshot {
+        let g = &self.plan.gpus[r];
+        let view = |t: BufferType, n: u64| -> Vec<i64> {
+            (0..n as usize).map(|c| self.data.get(&self.slot(r, t, c)).copied().unwrap_or(0)).collect()
+        };
+        (
+            view(BufferType::Input, g.input_chunks),
+            view(BufferType::Output, g.output_chunks),
+            view(BufferType::Scratch, g.scratch_chunks),
+        )
+    }
 }
 
 impl Sim<'_> {
@@ -207,6 +297,18 @@ impl Sim<'_> {
 
     /// Resolves a buffer reference of `op` run by block `b` to (rank, buffer type, first chunk).
     fn resolve(&self, b: &Block<'_>, op: &Op, r: &BufferRef) -> (usize, BufferType, usize) {
+        let (rank, t, c) = self.resolve_plain(b, op, r);
+        // With two scratch halves, launch l uses half l % 2 (its own and its peers', as the
+        // kernel adds its own half's offset to every scratch address).
+        match &self.halves {
+            Some(h) if t == BufferType::Scratch && b.launch % 2 == 1 => {
+                (rank, t, c + h.get(rank).copied().unwrap_or(0))
+            }
+            _ => (rank, t, c),
+        }
+    }
+
+    fn resolve_plain(&self, b: &Block<'_>, op: &Op, r: &BufferRef) -> (usize, BufferType, usize) {
         match r.loc {
             BufferLoc::Local(t) => (b.rank, t, r.index as usize),
             BufferLoc::Remote(id) => {
@@ -228,16 +330,18 @@ impl Sim<'_> {
         self.data.get(&self.slot(at.0, at.1, at.2 + j)).copied().unwrap_or(0)
     }
 
-    fn write(&mut self, at: (usize, BufferType, usize), j: usize, v: i64, packet: bool) {
+    /// Writes chunk `j` of `at`; a packet carries the writing block's launch.
+    fn write(&mut self, at: (usize, BufferType, usize), j: usize, v: i64, packet: Option<usize>) {
         let s = self.slot(at.0, at.1, at.2 + j);
         self.data.insert(s, v);
-        if packet {
-            self.packets.insert(s, true);
+        if let Some(launch) = packet {
+            self.packets.insert((s, launch), true);
         }
     }
 
-    fn packets_ready(&self, at: (usize, BufferType, usize), size: usize) -> bool {
-        (0..size).all(|j| self.packets.get(&self.slot(at.0, at.1, at.2 + j)).copied().unwrap_or(false))
+    /// Whether the packets of `at` written by `launch` have all arrived.
+    fn packets_ready(&self, at: (usize, BufferType, usize), size: usize, launch: usize) -> bool {
+        (0..size).all(|j| self.packets.get(&(self.slot(at.0, at.1, at.2 + j), launch)).copied().unwrap_or(false))
     }
 
     /// (peer, pair index) of block `b`'s `i`-th channel of type `t` (thread-block numbering).
@@ -328,7 +432,7 @@ impl Sim<'_> {
                     let s = src[i.min(src.len() - 1)];
                     for j in 0..size {
                         let v = self.read(s, j);
-                        self.write(d, j, v, false);
+                        self.write(d, j, v, None);
                     }
                 }
                 if matches!(op.kind, OpKind::PutWithSignal | OpKind::PutWithSignalAndFlush) {
@@ -340,19 +444,19 @@ impl Sim<'_> {
                     let s = src[i.min(src.len() - 1)];
                     for j in 0..size {
                         let v = self.read(s, j);
-                        self.write(d, j, v, true);
+                        self.write(d, j, v, Some(b.launch));
                     }
                 }
             }
             OpKind::ReadPutPackets | OpKind::UnpackPackets => {
-                if !self.packets_ready(src[0], size) {
+                if !self.packets_ready(src[0], size, b.launch) {
                     return Ok(false);
                 }
                 let packet = op.kind == OpKind::ReadPutPackets;
                 for &d in &dst {
                     for j in 0..size {
                         let v = self.read(src[0], j);
-                        self.write(d, j, v, packet);
+                        self.write(d, j, v, packet.then_some(b.launch));
                     }
                 }
             }
@@ -362,7 +466,7 @@ impl Sim<'_> {
                     .collect();
                 for &d in &dst {
                     for (j, &v) in vals.iter().enumerate() {
-                        self.write(d, j, v, false);
+                        self.write(d, j, v, None);
                     }
                 }
             }
@@ -372,7 +476,7 @@ impl Sim<'_> {
             | OpKind::ReduceCopySendPackets => {
                 // The sources after the first are packets in this rank's scratch.
                 let pkt_src: Vec<_> = src[1..].iter().map(|&(_, _, c)| (b.rank, BufferType::Scratch, c)).collect();
-                if !pkt_src.iter().all(|&s| self.packets_ready(s, size)) {
+                if !pkt_src.iter().all(|&s| self.packets_ready(s, size, b.launch)) {
                     return Ok(false);
                 }
                 let vals: Vec<i64> = (0..size)
@@ -380,7 +484,7 @@ impl Sim<'_> {
                     .collect();
                 for (i, &d) in dst.iter().enumerate() {
                     for (j, &v) in vals.iter().enumerate() {
-                        self.write(d, j, v, i > 0);
+                        self.write(d, j, v, (i > 0).then_some(b.launch));
                     }
                 }
             }

@@ -2,7 +2,7 @@
 //! MSCCL++'s own plans (from a fetched repository; skipped when absent) compute theirs.
 
 use mscclpp_executor::generate::{self, Algorithm};
-use mscclpp_executor::sim::{Buffers, SimError, simulate, simulate_interleaved};
+use mscclpp_executor::sim::{Buffers, SimError, simulate, simulate_interleaved, simulate_launches};
 use mscclpp_executor::{Plan, Protocol};
 
 /// Rank r's input chunk c: distinct everywhere.
@@ -63,6 +63,51 @@ fn generated_plans_compute_their_collectives() {
     assert_eq!(n, 4 * 4 * 7 + 2 * 7 + 4 * 3);
 }
 
+/// The inputs of `launches` back-to-back launches: distinct in every launch.
+fn launch_inputs(plan: &Plan, launches: usize) -> Vec<Vec<Vec<i64>>> {
+    (0..launches as i64)
+        .map(|l| inputs(plan).into_iter().map(|v| v.into_iter().map(|x| x + 100_000 * l).collect()).collect())
+        .collect()
+}
+
+/// Launches of a plan back to back, ranks running ahead of each other into the next launch:
+/// every launch of every generated plan computes its own inputs' collective (no buffer of one
+/// launch is overwritten by the next while still in use), in many interleavings.
+#[test]
+fn back_to_back_launches_of_generated_plans_do_not_race() {
+    for ranks in [2, 3, 4, 6, 8] {
+        for plan in generate::all(ranks) {
+            let ins = launch_inputs(&plan, 3);
+            for seed in 0..24 {
+                let outs =
+                    simulate_launches(&plan, &ins, seed).unwrap_or_else(|e| panic!("{} seed {seed}: {e}", plan.name));
+                for (l, out) in outs.iter().enumerate() {
+                    check(&plan, &ins[l], out).unwrap_or_else(|e| panic!("launch {l} seed {seed}: {e}"));
+                }
+            }
+        }
+    }
+}
+
+/// The race the two scratch halves close in the two-node Simple plan (a rank's cross-node put
+/// of the next launch lands in the other node's scratch before that node reduced it): with one
+/// scratch buffer some interleaving computes a wrong result, with two none does.
+#[test]
+fn the_two_node_plan_needs_two_scratch_halves() {
+    let good = generate::plan(Algorithm::HierarchicalAllReduce, 4, Protocol::Simple, false).unwrap();
+    let mut bad = good.clone();
+    bad.use_double_scratch_buffer = false;
+    let ins = launch_inputs(&good, 3);
+    let wrong = |plan: &Plan, seed: u64| {
+        let outs = simulate_launches(plan, &ins, seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        outs.iter().enumerate().any(|(l, out)| check(plan, &ins[l], out).is_err())
+    };
+    let seeds = 0..400u64;
+    let first_bad = seeds.clone().find(|&s| wrong(&bad, s));
+    assert!(first_bad.is_some(), "no interleaving of 400 showed the race with one scratch buffer");
+    assert!(!seeds.clone().any(|s| wrong(&good, s)), "a race with two scratch halves");
+}
+
 #[test]
 fn a_broken_schedule_is_caught() {
     // Drop rank 1's signals in a ring: its successor waits forever.
@@ -73,7 +118,8 @@ fn a_broken_schedule_is_caught() {
 
     // Point a put at the wrong chunk: the result is wrong.
     let mut plan = generate::plan(Algorithm::AllGather, 4, Protocol::Simple, false).unwrap();
-    plan.gpus[2].threadblocks[1].ops[0].dst_buff[0].index = 3;
+    let put = plan.gpus[2].threadblocks[1].ops.iter_mut().find(|o| o.kind == mscclpp_executor::OpKind::Put).unwrap();
+    put.dst_buff[0].index = 3;
     let input = inputs(&plan);
     let out = simulate(&plan, &input).unwrap();
     assert!(check(&plan, &input, &out).is_err());
