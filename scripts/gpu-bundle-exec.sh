@@ -10,30 +10,11 @@
 # Device call: carry ["gpu-bundle-exec"], command "bash gpu-bundle-exec/run.sh".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/test-binary.sh
 out=gpu-bundle-exec
 rm -rf "$out" && mkdir -p "$out/bin"
-cargo test --release -p mscclpp-executor --test gpu --no-run --message-format=json 2>/dev/null | python3 -c '
-import json, shutil, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
-        shutil.copy(m["executable"], sys.argv[1] + "/bin/exec-gpu")
-' "$out"
-test -x "$out/bin/exec-gpu" || { echo "the test binary was not built" >&2; exit 1; }
-cargo test --release -p mscclpp-executor --test selector_gpu --no-run --message-format=json 2>/dev/null | python3 -c '
-import json, shutil, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "selector_gpu":
-        shutil.copy(m["executable"], sys.argv[1] + "/bin/selector-gpu")
-' "$out"
-test -x "$out/bin/selector-gpu" || { echo "the selector test binary was not built" >&2; exit 1; }
+test_binary mscclpp-executor gpu "$out/bin/exec-gpu"
+test_binary mscclpp-executor selector_gpu "$out/bin/selector-gpu"
 cargo build --release -q -p mscclpp-perf
 cp target/release/mscclpp-perf "$out/bin/"
 cargo run --release -q -p mscclpp-executor --example write_plans -- "$out/bin/plans" >/dev/null

@@ -7,22 +7,13 @@
 # (device call: carry ["gpu-bundle-nccl"], command "bash scripts/gpu-nccl.sh").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/test-binary.sh
 out=gpu-bundle-nccl
 rm -rf "$out" && mkdir -p "$out/bin"
 cargo build --release -p mscclpp-nccl --lib --example nccl_overhead
 cp target/release/libmscclpp_nccl.so "$out/"
 cp target/release/examples/nccl_overhead "$out/bin/"
-cargo test --release -p mscclpp-collectives --test gpu_p2p --no-run --message-format=json 2>/dev/null | python3 -c '
-import json, shutil, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_p2p":
-        shutil.copy(m["executable"], sys.argv[1] + "/bin/gpu_p2p")
-' "$out"
-test -x "$out/bin/gpu_p2p"
+test_binary mscclpp-collectives gpu_p2p "$out/bin/gpu_p2p"
 (cd "$out" && tar cJf bin.tar.xz bin && rm -rf bin)
 cp crates/mscclpp-nccl/tests/python/*.py "$out/"
 # A real NCCL for the fallback step, when one was made (python3 ../shared/tools/nccl-sm90.py ...

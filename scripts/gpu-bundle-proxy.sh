@@ -14,23 +14,14 @@
 # Logs under $OUT (or ./logs): perf-device.txt, proxy-load-test.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/test-binary.sh
 out=gpu-bundle-proxy
 grep -qx '/gpu-bundle-proxy/' .git/info/exclude 2>/dev/null || echo '/gpu-bundle-proxy/' >> "$(git rev-parse --git-path info/exclude)"
 rm -rf "$out" && mkdir -p "$out/bin"
 cargo build --release -p mscclpp-perf
 cp target/release/mscclpp-perf "$out/bin/"
-cargo test --release -p mscclpp --test proxy_load --no-run --message-format=json 2>/dev/null | python3 -c '
-import json, shutil, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "proxy_load":
-        shutil.copy(m["executable"], sys.argv[1] + "/bin/proxy_load")
-        print("bundled", sys.argv[1] + "/bin/proxy_load")
-' "$out"
-test -x "$out/bin/proxy_load"
+test_binary mscclpp proxy_load "$out/bin/proxy_load"
+echo "bundled $out/bin/proxy_load"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 set -u -o pipefail
