@@ -111,6 +111,7 @@ extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, u6
 // op 0: put, 1: putWithSignal, 2: signal. Each push's wait is bounded by max_spins rounds (the
 // kernel traps past it: the proxy stopped popping), so a stalled proxy fails the row, not hangs it.
 struct LoadPeers { unsigned int sem[8]; unsigned int dst[8]; unsigned int src; unsigned int npeers; unsigned int slots; unsigned int pad; };
+static_assert(sizeof(LoadPeers) == 80, "LoadPeers differs from proxyload.rs");
 extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers p, int op, u64 size, int per_thread,
                                       long long max_spins) {
   u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)gridDim.x * blockDim.x;

@@ -48,6 +48,8 @@ struct LoadPeers {
     slots: u32,
     pad: u32,
 }
+// Same fields, order and size as the CUDA struct (which static_asserts 80 bytes): all u32.
+const _: () = assert!(std::mem::size_of::<LoadPeers>() == 80);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Op {

@@ -34,6 +34,7 @@ __device__ u64 value(u64 i) { return 0x5a00000000000000ull | (i + 1); }
 // Trigger i = k * nthreads + tid: src[i] = value(i), then a put of those 8 bytes to peer
 // i % npeers at slot i / npeers. Each push waits at most max_spins rounds (then traps).
 struct Peers { unsigned int sem[4]; unsigned int dst[4]; unsigned int src; unsigned int npeers; };
+static_assert(sizeof(Peers) == 40, "Peers differs from the Rust struct");
 extern "C" __global__ void put_once(mscclpp::FifoDeviceHandle fifo, Peers p, u64* src, int per_thread,
                                     long long max_spins) {
   u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)gridDim.x * blockDim.x;
@@ -56,6 +57,8 @@ struct Peers {
     src: u32,
     npeers: u32,
 }
+// Same fields, order and size as the CUDA struct (which static_asserts 40 bytes): all u32.
+const _: () = assert!(std::mem::size_of::<Peers>() == 40);
 
 fn value(i: u64) -> u64 {
     0x5a00_0000_0000_0000 | (i + 1)
