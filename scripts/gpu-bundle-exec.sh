@@ -62,7 +62,7 @@ perf_run allpair-ll-2 allreduce --plan bin/plans/allpair_allreduce_2_ll_oop.json
 # each beside `--algo allpair` in graph mode, for the 1.1x comparison; one checked eagerly.
 perf_run onehop-2-check allreduce --plan bin/plans/onehop_allreduce_2_ll_4x256_oop.json --ranks 2 -b 1K -e 1M -d i32 --check --timeout 20
 perf_run builtin-allpair-2-graph allreduce --algo allpair --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
-for split in 1x128 1x256 2x256 4x256 8x512 16x512; do
+for split in 1x128 1x256 2x256 4x256 8x512 16x512 32x512; do
   perf_run onehop-2-$split-graph allreduce --plan bin/plans/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
 done
 perf_run two-node-simple-4 allreduce --plan bin/plans/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 20

@@ -7,8 +7,10 @@
 
 use std::process::ExitCode;
 
-/// (thread blocks, threads per block) of the one-hop AllReduce plans written beside the others.
-const ONE_HOP_SPLITS: [(usize, u32); 6] = [(1, 128), (1, 256), (2, 256), (4, 256), (8, 512), (16, 512)];
+/// (thread blocks, threads per block) of the one-hop AllReduce plans written beside the others;
+/// the built-in `allpair` kernel launches 1 x 128 at 1 KiB and 32 x 512 from 128 KiB up
+/// (`mscclpp_collectives::select::shape`), so each size has a plan of its shape to compare with.
+const ONE_HOP_SPLITS: [(usize, u32); 7] = [(1, 128), (1, 256), (2, 256), (4, 256), (8, 512), (16, 512), (32, 512)];
 
 fn main() -> ExitCode {
     let Some(dir) = std::env::args_os().nth(1) else {
