@@ -7,7 +7,9 @@
 #     (TIMEOUT when it ran past its cap), the failing messages after the summary; logs under $OUT.
 # The GPU machine needs no Rust toolchain and no network (the kernel is compiled there by NVRTC
 # from the driver's libnvrtc, as for the collectives).
-# Device call: carry ["gpu-bundle-exec"], command "bash gpu-bundle-exec/run.sh".
+# Both executor kernels run: the interpreter and the per-plan kernel (MSCCLPP_EXECUTOR_KERNEL).
+# Device call: carry ["gpu-bundle-exec"], command "bash gpu-bundle-exec/run.sh" (RUN_BUDGET,
+# default 560 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/test-binary.sh
@@ -25,27 +27,32 @@ set -u
 cd "$(dirname "$0")"
 logs=${OUT:-logs}; mkdir -p "$logs"
 tar xJf bin.tar.xz
-budget=${RUN_BUDGET:-300}
+budget=${RUN_BUDGET:-560}
 sum="$logs/summary.txt"; : > "$sum"
 fails="$logs/failures.txt"; : > "$fails"
 # Caps: longer than the tests' own bounds (20 s kernel timeouts, 60 s synchronize, 70 s
 # bootstrap waits) where a failure can stack them, so a test reports before it is killed.
 cap_for() { case "$1" in *proxy*|*large*|*4_ranks*) echo 90;; *) echo 45;; esac; }
-for t in $(./bin/exec-gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p') $(./bin/selector-gpu --list --ignored 2>/dev/null | sed -n 's/: test$/@selector/p'); do
-  bin=./bin/exec-gpu; case "$t" in *@selector) t=${t%@selector}; bin=./bin/selector-gpu;; esac
-  cap=$(cap_for "$t"); l=$((budget - SECONDS - 5)); [ "$l" -lt "$cap" ] || l=$cap
-  if [ "$l" -le 5 ]; then echo "SKIPPED (deadline) $t" | tee -a "$sum"; continue; fi
-  log="$logs/$t.log"; t0=$SECONDS
-  timeout "$l" $bin --ignored --exact --nocapture --test-threads=1 "$t" > "$log" 2>&1
-  rc=$?; r=PASS
-  [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${l}s"
-  echo "$r $t ($((SECONDS - t0))s)" | tee -a "$sum"
-  if [ "$r" != PASS ]; then
-    { echo "=== $t: $r"; grep -v '^\s*[0-9]*: \|^\s*at ' "$log" | tail -60; } >> "$fails"
-  else
-    grep -h "host cost\|reported after" "$log" >> "$sum" || true
-  fi
-done
+# Every GPU test under one executor kernel (MSCCLPP_EXECUTOR_KERNEL=$1); names get "@$1".
+run_tests() {
+  export MSCCLPP_EXECUTOR_KERNEL=$1
+  for t in $(./bin/exec-gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p') $(./bin/selector-gpu --list --ignored 2>/dev/null | sed -n 's/: test$/@selector/p'); do
+    bin=./bin/exec-gpu; case "$t" in *@selector) t=${t%@selector}; bin=./bin/selector-gpu;; esac
+    cap=$(cap_for "$t"); l=$((budget - SECONDS - 5)); [ "$l" -lt "$cap" ] || l=$cap
+    if [ "$l" -le 5 ]; then echo "SKIPPED (deadline) $t@$1" | tee -a "$sum"; continue; fi
+    log="$logs/$t@$1.log"; t0=$SECONDS
+    timeout "$l" $bin --ignored --exact --nocapture --test-threads=1 "$t" > "$log" 2>&1
+    rc=$?; r=PASS
+    [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${l}s"
+    echo "$r $t@$1 ($((SECONDS - t0))s)" | tee -a "$sum"
+    if [ "$r" != PASS ]; then
+      { echo "=== $t@$1: $r"; grep -v '^\s*[0-9]*: \|^\s*at ' "$log" | tail -60; } >> "$fails"
+    else
+      grep -h "host cost\|reported after" "$log" >> "$sum" || true
+    fi
+  done
+  unset MSCCLPP_EXECUTOR_KERNEL
+}
 # mscclpp-perf --plan: a plan timed like the built-in algorithms, with --check (memory channels
 # with 2 ranks; port channels through the proxy over CUDA IPC with 4).
 perf_run() {
@@ -57,15 +64,34 @@ perf_run() {
   echo "$r perf $name ($((SECONDS - t0))s)" | tee -a "$sum"
   if [ "$r" != PASS ]; then { echo "=== perf $name: $r"; tail -40 "$log"; } >> "$fails"; else grep -E "^ *[0-9]+ " "$log" >> "$sum"; fi
 }
-perf_run allpair-ll-2 allreduce --plan bin/plans/allpair_allreduce_2_ll_oop.json --ranks 2 -b 4K -e 1M -d i32 --check --timeout 20
-# The one-hop plans spell out the built-in allpair kernel (split over B blocks of T threads):
-# each beside `--algo allpair` in graph mode, for the 1.1x comparison; one checked eagerly.
-perf_run onehop-2-check allreduce --plan bin/plans/onehop_allreduce_2_ll_4x256_oop.json --ranks 2 -b 1K -e 1M -d i32 --check --timeout 20
+# Order: what decides the most first. The per-plan kernel (MSCCLPP_EXECUTOR_KERNEL=per-plan)
+# checked, then timed beside the built-in kernel and the interpreter; then every GPU test under
+# each kernel; then the rest.
+P=bin/plans
+MSCCLPP_EXECUTOR_KERNEL=per-plan perf_run onehop-2-check@per-plan allreduce --plan $P/onehop_allreduce_2_ll_4x256_oop.json --ranks 2 -b 1K -e 1M -d i32 --check --timeout 20
+# The one-hop plans spell out the built-in allpair kernel (split over B blocks of T threads;
+# allpair itself runs 1x128 at 1 KiB, 32x512 from 128 KiB): each beside `--algo allpair` in
+# graph mode, for the 1.1x comparison.
 perf_run builtin-allpair-2-graph allreduce --algo allpair --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
-for split in 1x128 1x256 2x256 4x256 8x512 16x512 32x512; do
-  perf_run onehop-2-$split-graph allreduce --plan bin/plans/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
+for split in 1x128 4x256 32x512 1x256 2x256 8x512 16x512; do
+  MSCCLPP_EXECUTOR_KERNEL=per-plan perf_run onehop-2-$split-graph@per-plan allreduce --plan $P/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
 done
-perf_run two-node-simple-4 allreduce --plan bin/plans/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 20
+for split in 1x128 4x256 32x512; do
+  MSCCLPP_EXECUTOR_KERNEL=interpreter perf_run onehop-2-$split-graph@interpreter allreduce --plan $P/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
+done
+run_tests per-plan
+run_tests interpreter
+for k in per-plan interpreter; do
+  MSCCLPP_EXECUTOR_KERNEL=$k perf_run allpair-ll-2@$k allreduce --plan $P/allpair_allreduce_2_ll_oop.json --ranks 2 -b 4K -e 1M -d i32 --check --timeout 20
+  MSCCLPP_EXECUTOR_KERNEL=$k perf_run two-node-simple-4@$k allreduce --plan $P/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 20
+done
+# The intermittent first-size timeout of two-node-simple-4 (sessions 9-10): does it follow the
+# number of hardware queues the rank threads' streams share? (Default 8.)
+for q in 2 32; do
+  for i in 1 2 3; do
+    CUDA_DEVICE_MAX_CONNECTIONS=$q perf_run two-node-simple-4-q$q-$i allreduce --plan $P/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 5
+  done
+done
 echo; echo "== summary"; cat "$sum"
 if [ -s "$fails" ]; then echo; echo "== failures"; cat "$fails"; fi
 RUN

@@ -179,12 +179,57 @@ pub struct ExecutorConfig {
     pub timeout: Duration,
     /// The transport of port channels (proxy puts): `CudaIpc` (default) or `Ethernet`.
     pub port_transport: Transport,
+    /// Which kernel runs plans: the interpreter (default) or one generated per plan shape. The
+    /// default comes from `MSCCLPP_EXECUTOR_KERNEL` (`interpreter` or `per-plan`) when set.
+    pub kernel: KernelKind,
+}
+
+/// Which kernel runs a plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KernelKind {
+    /// One interpreter kernel for every plan, compiled once per process: each operation's
+    /// kind, channel type and counts are read at run time.
+    #[default]
+    Interpreter,
+    /// A kernel generated from the plan's shape (see [`crate::plan_kernel`]), compiled with NVRTC
+    /// when a plan's resources are first built (inside that collective call, before its closing
+    /// barrier) and cached by shape for the process: the same operation code with the dispatch,
+    /// the branches on the shape and the loops over channels and buffers resolved by the
+    /// compiler. The first build of each shape costs an NVRTC compile.
+    PerPlan,
+}
+
+impl KernelKind {
+    /// The choice `MSCCLPP_EXECUTOR_KERNEL` names (`interpreter`, `per-plan`); the default when
+    /// unset, and (with a warning) when it names neither.
+    pub fn from_env() -> KernelKind {
+        match std::env::var("MSCCLPP_EXECUTOR_KERNEL") {
+            Err(_) => KernelKind::default(),
+            Ok(v) => match v.trim() {
+                "interpreter" | "" => KernelKind::Interpreter,
+                "per-plan" | "per_plan" | "plan" => KernelKind::PerPlan,
+                other => {
+                    tracing::warn!(
+                        target: "mscclpp::executor",
+                        "MSCCLPP_EXECUTOR_KERNEL={other:?} is neither \"interpreter\" nor \"per-plan\": using the interpreter"
+                    );
+                    KernelKind::Interpreter
+                }
+            },
+        }
+    }
 }
 
 impl ExecutorConfig {
     /// Defaults for GPU `device`.
     pub fn new(device: u32) -> ExecutorConfig {
-        ExecutorConfig { device, timeout: Duration::from_secs(30), port_transport: Transport::CudaIpc }
+        ExecutorConfig {
+            device,
+            timeout: Duration::from_secs(30),
+            port_transport: Transport::CudaIpc,
+            kernel: KernelKind::from_env(),
+        }
     }
     /// Sets the device wait limit.
     pub fn timeout(mut self, t: Duration) -> ExecutorConfig {
@@ -194,6 +239,11 @@ impl ExecutorConfig {
     /// Sets the port channels' transport.
     pub fn port_transport(mut self, t: Transport) -> ExecutorConfig {
         self.port_transport = t;
+        self
+    }
+    /// Sets which kernel runs plans.
+    pub fn kernel(mut self, k: KernelKind) -> ExecutorConfig {
+        self.kernel = k;
         self
     }
 }
@@ -516,7 +566,10 @@ impl Executor {
         comm.bootstrap().barrier()?;
         let links = lower::channel_links(plan, rank)?;
         let gpu = &plan.gpus[rank];
-        let kernels = kernels(dev)?;
+        let mut kernels = match self.config.kernel {
+            KernelKind::Interpreter => Some(kernels(dev)?),
+            KernelKind::PerPlan => None,
+        };
         let flags: TransportFlags = [Transport::CudaIpc, self.config.port_transport].into_iter().collect();
         let scratch = DeviceBuffer::new(ctx, dev, layout.scratch_bytes.max(64) as usize, flags)?;
         for (p, n, what) in [(send, send_size, "send"), (recv, recv_size, "receive")] {
@@ -658,6 +711,11 @@ impl Executor {
             }
         }
         let low = lower::lower(plan, rank, &layout, &bindings)?;
+        let kernels = match kernels.take() {
+            Some(k) => k,
+            None => plan_kernels(dev, &crate::plan_kernel::source(&low.ops, &low.blocks))
+                .map_err(|e| e.during(format!("building the per-plan kernel of plan {}", plan.name)))?,
+        };
         let upload = |bytes: &[u8]| -> Result<Option<DeviceBuffer>, Error> {
             if bytes.is_empty() {
                 return Ok(None);
@@ -776,7 +834,7 @@ impl Executor {
     }
 }
 
-/// The interpreter kernels on one GPU.
+/// The kernels of a plan on one GPU (the interpreter's, or its per-plan ones).
 struct Kernels {
     ll16: Kernel,
     ll8: Kernel,
@@ -814,6 +872,43 @@ fn kernels(device: u32) -> Result<Arc<Kernels>, Error> {
         _module: module,
     });
     map.insert(device, k.clone());
+    Ok(k)
+}
+
+/// Compiles (once per process, architecture and source) and loads (once per GPU and source)
+/// a per-plan kernel.
+fn plan_kernels(device: u32, source: &str) -> Result<Arc<Kernels>, Error> {
+    type Cache<V> = OnceLock<Mutex<HashMap<String, Arc<V>>>>;
+    static LOADED: Cache<Kernels> = OnceLock::new();
+    static COMPILED: Cache<Ptx> = OnceLock::new();
+    let poisoned = || Error::internal("the per-plan kernel cache lock is poisoned");
+    let loaded_key = format!("{device}\n{source}");
+    let mut map = LOADED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
+    if let Some(k) = map.get(&loaded_key) {
+        return Ok(k.clone());
+    }
+    let opts = CompileOptions::for_device(device).name("executor_plan.cu");
+    let compiled_key = format!("{}\n{source}", opts.resolved_arch());
+    let ptx = {
+        let mut c = COMPILED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
+        match c.get(&compiled_key) {
+            Some(p) => p.clone(),
+            None => {
+                let t = std::time::Instant::now();
+                let p = Arc::new(compile(source, &opts).map_err(|e| e.during("compiling a per-plan executor kernel"))?);
+                tracing::debug!(target: "mscclpp::executor", elapsed = ?t.elapsed(), "per-plan kernel compiled");
+                c.insert(compiled_key, p.clone());
+                p
+            }
+        }
+    };
+    let module = KernelModule::load(device, &ptx)?;
+    let k = Arc::new(Kernels {
+        ll16: module.function(crate::plan_kernel::KERNEL_LL16)?,
+        ll8: module.function(crate::plan_kernel::KERNEL_LL8)?,
+        _module: module,
+    });
+    map.insert(loaded_key, k.clone());
     Ok(k)
 }
 

@@ -13,7 +13,9 @@
 //! every rank's operation list per thread block over memory channels (CUDA IPC mapped peer
 //! buffers, device semaphores) and port channels (through a proxy service), with every wait
 //! bounded; [`lower`] turns a plan, a rank and message sizes into that kernel's program (no GPU
-//! needed). Switch (NVLS) channels are refused with [`PlanError::SwitchChannel`]: they need
+//! needed). [`KernelKind::PerPlan`] (or `MSCCLPP_EXECUTOR_KERNEL=per-plan`) runs the same
+//! program with a kernel generated from the plan's shape instead ([`plan_kernel`]): the same
+//! operation code, with each operation's kind, channel type and counts known to the compiler. Switch (NVLS) channels are refused with [`PlanError::SwitchChannel`]: they need
 //! NVLink multicast, which mscclpp-rs keeps off.
 //!
 //! [`sim`] interprets a plan on the CPU at chunk granularity: the reference the GPU executor's
@@ -76,13 +78,16 @@ pub mod generate;
 pub mod lower;
 mod model;
 mod parse;
+pub mod plan_kernel;
 pub mod sim;
 mod summary;
 mod validate;
 
 pub use algorithm::{PlanAlgorithm, to_core_error};
 pub use error::PlanError;
-pub use exec::{DataType, DeviceFailureKind, ExecError, ExecutionPlan, Executor, ExecutorConfig, PacketType};
+pub use exec::{
+    DataType, DeviceFailureKind, ExecError, ExecutionPlan, Executor, ExecutorConfig, KernelKind, PacketType,
+};
 pub use model::*;
 pub use summary::Summary;
 

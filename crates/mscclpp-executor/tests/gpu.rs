@@ -11,7 +11,8 @@ use mscclpp::gpu::{DeviceBuffer, Stream};
 use mscclpp::{Bootstrap, Communicator, RootServer, TcpBootstrap, Transport};
 use mscclpp_executor::generate::{self, Algorithm};
 use mscclpp_executor::{
-    DataType, DeviceFailureKind, ExecError, ExecutionPlan, Executor, ExecutorConfig, PacketType, Plan, Protocol,
+    DataType, DeviceFailureKind, ExecError, ExecutionPlan, Executor, ExecutorConfig, KernelKind, PacketType, Plan,
+    Protocol,
 };
 
 /// Rank r's input element e (distinct, and sums stay exact in i32 with wrapping).
@@ -281,6 +282,23 @@ fn port_channel_plans_run_through_the_proxy_over_ethernet() {
     let bad = run_plans(4, &generated(4, &[Algorithm::HierarchicalAllReduce]), 1024, 2, || {
         cfg().port_transport(Transport::Ethernet)
     });
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The per-plan kernels (whatever `MSCCLPP_EXECUTOR_KERNEL` says): every generated plan shape,
+/// the one-hop splits, odd chunks, and port channels through the proxy.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn per_plan_kernels_match_the_reference() {
+    let per_plan = || cfg().kernel(KernelKind::PerPlan);
+    let mut bad = run_plans(2, &generated(2, FLAT), 1024, 3, per_plan);
+    bad.extend(run_plans(4, &generated(4, FLAT), 12, 2, per_plan));
+    let one_hop: Vec<Plan> = [(1, 128), (4, 256), (32, 512)]
+        .iter()
+        .filter_map(|&(b, t)| generate::one_hop_allreduce(2, false, b, t))
+        .collect();
+    bad.extend(run_plans(2, &one_hop, 4096, 3, per_plan));
+    bad.extend(run_plans(4, &generated(4, &[Algorithm::HierarchicalAllReduce]), 1024, 2, per_plan));
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 

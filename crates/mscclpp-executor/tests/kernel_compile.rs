@@ -41,3 +41,84 @@ fn executor_kernel_compiles_and_assembles_for_sm90() {
         log.lines().filter(|l| l.contains("registers") || l.contains("spill")).collect::<Vec<_>>().join("\n")
     );
 }
+
+/// The per-plan kernels of every generated plan shape compile with NVRTC without a warning and
+/// assemble for sm_90 without spilling: each rank of each generated plan for 2 and 4 ranks (the
+/// shapes repeat beyond), the one-hop splits, and MSCCL++-style plans with pipelines. Sources
+/// that are equal compile once.
+#[test]
+fn per_plan_kernels_compile_for_every_generated_plan() {
+    use mscclpp::device::compile::{CompileOptions, assemble, compile, nvrtc_info, ptxas_path};
+    use mscclpp_executor::generate;
+    use mscclpp_executor::lower::{Bindings, Layout, lower};
+    let test = "per_plan_kernels_compile_for_every_generated_plan";
+    if let Err(e) = nvrtc_info() {
+        return skip(test, e.message());
+    }
+    let mut plans: Vec<mscclpp_executor::Plan> = Vec::new();
+    for ranks in [2, 4] {
+        plans.extend(generate::all(ranks));
+    }
+    plans.extend(generate::one_hop_allreduce(2, false, 1, 128));
+    let mut sources = std::collections::BTreeMap::new();
+    for plan in &plans {
+        for rank in 0..plan.gpus.len() {
+            let g = &plan.gpus[rank];
+            let (send, recv) = (4096 * g.input_chunks.max(1), 4096 * g.output_chunks.max(1));
+            let layout = Layout::new(plan, rank, send, recv).unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+            let b = Bindings {
+                remote_base: vec![0x1000; g.remote_buffers.len()],
+                remote_mem: vec![3; g.remote_buffers.len()],
+                local_mem: [0, 1, 2],
+            };
+            let low = lower(plan, rank, &layout, &b).unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+            let src = mscclpp_executor::plan_kernel::source(&low.ops, &low.blocks);
+            sources.entry(src).or_insert_with(|| format!("{} rank {rank}", plan.name));
+        }
+    }
+    // A pipeline (no generated plan has one): its body loops with a barrier after each operation.
+    {
+        use mscclpp_executor::OpKind;
+        use mscclpp_executor::device::{DevOp, op_code};
+        let op = |k: OpKind, ctype: u32, n_chan: u32, n_src: u32, n_dst: u32| DevOp {
+            kind: op_code(k),
+            ctype,
+            n_chan,
+            n_src,
+            n_dst,
+            ..DevOp::default()
+        };
+        let ops = vec![
+            DevOp { n_body: 3, n_iter: 4, unit_size: 1024, ..op(OpKind::Pipeline, 0, 0, 0, 0) },
+            op(OpKind::Put, 1, 1, 1, 1),
+            op(OpKind::Signal, 1, 1, 0, 0),
+            op(OpKind::Reduce, 0, 0, 3, 1),
+            op(OpKind::Wait, 1, 1, 0, 0),
+            op(OpKind::PutWithSignalAndFlush, 2, 1, 1, 1),
+        ];
+        let src = mscclpp_executor::plan_kernel::source(&ops, &[0, ops.len() as u32, 0, 2]);
+        sources.entry(src).or_insert_with(|| "a pipeline block and a block of its first operations".into());
+    }
+    println!("{} plans, {} distinct per-plan kernels", plans.len(), sources.len());
+    let opts = CompileOptions::default().arch("compute_90").name("executor_plan.cu");
+    for (src, what) in &sources {
+        let t = std::time::Instant::now();
+        let ptx = compile(src, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(ptx.log().trim().is_empty(), "{what}: NVRTC warned:\n{}", ptx.log());
+        let mut names = ptx.kernels().to_vec();
+        names.sort();
+        assert_eq!(names, ["mscclpp_exec_plan_ll16", "mscclpp_exec_plan_ll8"], "{what}");
+        let compiled = t.elapsed();
+        if ptxas_path().is_none() {
+            println!("{what}: NVRTC {compiled:?}");
+            continue;
+        }
+        let log = assemble(ptx.as_str(), "sm_90").unwrap_or_else(|e| panic!("{what}: {e}"));
+        let regs: Vec<&str> = log.lines().filter(|l| l.contains("registers") || l.contains("spill")).collect();
+        println!("{what}: NVRTC {compiled:?}; {}", regs.join(" | "));
+        assert!(
+            log.lines().filter(|l| l.contains("spill stores")).all(|l| l.contains(" 0 bytes spill stores")),
+            "{what}: the per-plan kernel spills:\n{log}"
+        );
+    }
+}

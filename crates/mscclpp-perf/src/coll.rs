@@ -763,10 +763,14 @@ impl Job {
             if s.coll == Collective::AllReduce { "2(n-1)/n" } else { "(n-1)/n" },
             match &s.plan {
                 Some(p) => format!(
-                    "execution plan {} ({}; only {} is run)",
+                    "execution plan {} ({}; only {} is run; {} kernel, MSCCLPP_EXECUTOR_KERNEL)",
                     p.name(),
                     if p.plan().inplace { "in place" } else { "out of place" },
-                    if p.plan().inplace { "in place" } else { "out of place" }
+                    if p.plan().inplace { "in place" } else { "out of place" },
+                    match mscclpp_executor::KernelKind::from_env() {
+                        mscclpp_executor::KernelKind::PerPlan => "per-plan",
+                        _ => "interpreter",
+                    }
                 ),
                 None => s.algo.map_or("the selector's choice".to_string(), |a| format!("--algo {a}")),
             },
