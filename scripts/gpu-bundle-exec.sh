@@ -4,7 +4,10 @@
 #   - the release test binary of mscclpp-executor's GPU tests (tests/gpu.rs), in bin.tar.xz;
 #   - mscclpp-perf (release) and the generated plans (plans/), for `--plan` runs;
 #   - run.sh: every GPU test in its own process under `timeout`, one PASS/FAIL line per test
-#     (TIMEOUT when it ran past its cap), the failing messages after the summary; logs under $OUT.
+#     (TIMEOUT when it ran past its cap), the failing messages after the summary; logs under $OUT;
+#   - breakdown.sh (run.sh calls it last; also runs alone): the interpreter's cost breakdown,
+#     crates/mscclpp-executor/bench/exec_breakdown.cu with its inputs regenerated here, compiled
+#     by the GPU machine's nvcc and run for 1K-64K; prints its table (a failure fails no test).
 # The GPU machine needs no Rust toolchain and no network (the kernel is compiled there by NVRTC
 # from the driver's libnvrtc, as for the collectives).
 # Both executor kernels run: the interpreter and the per-plan kernel (MSCCLPP_EXECUTOR_KERNEL).
@@ -21,6 +24,34 @@ cargo build --release -q -p mscclpp-perf
 cp target/release/mscclpp-perf "$out/bin/"
 cargo run --release -q -p mscclpp-executor --example write_plans -- "$out/bin/plans" >/dev/null
 (cd "$out" && tar cJf bin.tar.xz bin && rm -rf bin)
+# The breakdown bench and what it includes, at their paths relative to each other.
+bd="$out/breakdown/crates"
+mkdir -p "$bd/mscclpp-executor/bench" "$bd/mscclpp-collectives/bench" "$bd/mscclpp/include/mscclpp_rs"
+cp crates/mscclpp-executor/bench/exec_breakdown.cu "$bd/mscclpp-executor/bench/"
+cargo run --release -q -p mscclpp-executor --example dump_breakdown_inputs -- "$bd/mscclpp-executor/bench/exec_breakdown_inputs.h" >/dev/null
+cp crates/mscclpp-collectives/bench/graph_timing.cuh "$bd/mscclpp-collectives/bench/"
+cp crates/mscclpp/include/mscclpp_rs/device.cuh "$bd/mscclpp/include/mscclpp_rs/"
+cat > "$out/breakdown.sh" <<'BREAKDOWN'
+#!/usr/bin/env bash
+# The interpreter's cost breakdown: exec_breakdown.cu compiled with this machine's nvcc, run for
+# every dumped size (its own bounded waits; the whole under BREAKDOWN_CAP seconds, default 180).
+set -u
+cd "$(dirname "$0")"
+logs=${OUT:-logs}; mkdir -p "$logs"
+cap=${BREAKDOWN_CAP:-180}
+nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; } || true)
+[ -n "$nvcc" ] || { echo "exec-breakdown: no nvcc"; exit 1; }
+dir=breakdown/crates/mscclpp-executor/bench
+t0=$SECONDS
+if ! timeout "$cap" "$nvcc" -O3 -arch=sm_90 -o "$dir/exec_breakdown" "$dir/exec_breakdown.cu" > "$logs/exec-breakdown-build.log" 2>&1; then
+  echo "exec-breakdown: nvcc failed"; tail -30 "$logs/exec-breakdown-build.log"; exit 1
+fi
+echo "exec-breakdown: built in $((SECONDS - t0)) s with $("$nvcc" --version | tail -1)"
+l=$((cap - (SECONDS - t0))); [ "$l" -gt 20 ] || l=20
+timeout "$l" "$dir/exec_breakdown" "$@" 2>&1 | tee "$logs/exec-breakdown.log"
+exit "${PIPESTATUS[0]}"
+BREAKDOWN
+chmod +x "$out/breakdown.sh"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 set -u
@@ -92,8 +123,14 @@ for q in 2 32; do
     CUDA_DEVICE_MAX_CONNECTIONS=$q perf_run two-node-simple-4-q$q-$i allreduce --plan $P/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 5
   done
 done
+# The interpreter's cost breakdown (breakdown.sh): reported, never fatal.
+t0=$SECONDS
+bash ./breakdown.sh > "$logs/exec-breakdown-run.txt" 2>&1
+rc=$?; r=PASS; [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT"
+echo "$r exec-breakdown ($((SECONDS - t0))s)" | tee -a "$sum"
+if [ "$rc" = 0 ]; then sed -n '/^# exec breakdown/,$p' "$logs/exec-breakdown-run.txt" >> "$sum"; else { echo "=== exec-breakdown: $r"; tail -40 "$logs/exec-breakdown-run.txt"; } >> "$fails"; fi
 echo; echo "== summary"; cat "$sum"
 if [ -s "$fails" ]; then echo; echo "== failures"; cat "$fails"; fi
 RUN
 chmod +x "$out/run.sh"
-echo "built $out ($(du -sh "$out" | cut -f1)); device call: carry [\"$out\"], command \"bash $out/run.sh\""
+echo "built $out ($(du -sh "$out" | cut -f1)); device call: carry [\"$out\"], command \"bash $out/run.sh\" (the breakdown alone: \"bash $out/breakdown.sh\")"

@@ -22,7 +22,7 @@ use mscclpp::{
 
 use crate::device::{self, ExecArgs, NO_PEER};
 use crate::lower::{self, Bindings, Layout, LowerError};
-use crate::model::{BufferType, ChannelType, MAX_DEVICE_SYNCERS, Plan};
+use crate::model::{BufferType, ChannelType, Plan};
 use crate::{PlanError, device::ops_bytes};
 
 /// Element types (MSCCL++'s `DataType` names).
@@ -729,40 +729,19 @@ impl Executor {
         let port_handles = upload(&port_bytes)?;
         // Block b's operations at slots b * stride .. (padded with no-ops), each carrying the
         // block's count: the kernel copies its block's slots to shared memory in one step.
-        let stride = (0..low.blocks.len() / 2).map(|b| low.blocks[2 * b + 1] as usize).max().unwrap_or(0).max(1);
-        let nblocks_low = low.blocks.len() / 2;
-        let mut padded = vec![device::DevOp::default(); nblocks_low.max(1) * stride];
-        for b in 0..nblocks_low {
-            let (first, count) = (low.blocks[2 * b] as usize, low.blocks[2 * b + 1] as usize);
-            for (k, op) in low.ops[first..first + count].iter().enumerate() {
-                padded[b * stride + k] = *op;
-            }
-            for slot in &mut padded[b * stride..(b + 1) * stride] {
-                slot.block_ops = count as u32;
-            }
-        }
+        let image = low.device_image();
+        let (stride, nblocks_low) = (image.stride, image.nblocks);
         let ops_buf = DeviceBuffer::new(
             ctx,
             dev,
-            (padded.len() * std::mem::size_of::<device::DevOp>()).max(64),
+            (image.slots.len() * std::mem::size_of::<device::DevOp>()).max(64),
             TransportFlags::NONE,
         )?;
-        ops_buf.write(0, &ops_bytes(&padded))?;
-        // State: ExecState (16 bytes), barrier counters, semaphores.
-        let bar_off = 16usize;
-        let sem_off = bar_off + 4 * MAX_DEVICE_SYNCERS as usize;
-        let flags_off = sem_off + 4 * low.semaphores.len();
-        let mut state_bytes = vec![0u8; flags_off + 4 * nblocks_low.max(1)];
-        state_bytes[..4].copy_from_slice(&1u32.to_le_bytes());
-        // Every block's LL flag starts at 1.
-        for f in state_bytes[flags_off..].chunks_exact_mut(4) {
-            f.copy_from_slice(&1u32.to_le_bytes());
-        }
-        for (i, v) in low.semaphores.iter().enumerate() {
-            state_bytes[sem_off + 4 * i..sem_off + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
-        }
-        let state = DeviceBuffer::new(ctx, dev, state_bytes.len(), TransportFlags::NONE)?;
-        state.write(0, &state_bytes)?;
+        ops_buf.write(0, &ops_bytes(&image.slots))?;
+        // State: ExecState, barrier counters, semaphores, per-block LL flags.
+        let (bar_off, sem_off, flags_off) = (image.barriers_off, image.sems_off, image.flags_off);
+        let state = DeviceBuffer::new(ctx, dev, image.state.len(), TransportFlags::NONE)?;
+        state.write(0, &image.state)?;
         let status = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
         let nblocks = nblocks_low as u32;
         let threads = plan.num_threads_per_block.clamp(32, 1024);

@@ -159,6 +159,58 @@ pub struct Lowered {
     pub semaphores: Vec<u32>,
 }
 
+/// What the executor uploads for a [`Lowered`] program: the operation slots (block `b`'s at
+/// `b * stride ..`, padded with no-ops, every slot carrying its block's count in `block_ops`) and
+/// the initial state buffer (`ExecState`, barrier counters, semaphores, per-block LL flags).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceImage {
+    /// `nblocks * stride` operation slots (at least one block's worth).
+    pub slots: Vec<DevOp>,
+    /// Slots per block (`ExecArgs::ops_stride`).
+    pub stride: usize,
+    /// Thread blocks of the program.
+    pub nblocks: usize,
+    /// The state buffer's initial bytes.
+    pub state: Vec<u8>,
+    /// Byte offset of the barrier counters in `state` (`ExecArgs::barriers`).
+    pub barriers_off: usize,
+    /// Byte offset of the device semaphores (`ExecArgs::sems`).
+    pub sems_off: usize,
+    /// Byte offset of the per-block LL flags (`ExecArgs::flags`).
+    pub flags_off: usize,
+}
+
+impl Lowered {
+    /// The slots and state the executor copies to the GPU for this program.
+    pub fn device_image(&self) -> DeviceImage {
+        let nblocks = self.blocks.len() / 2;
+        let stride = (0..nblocks).map(|b| self.blocks[2 * b + 1] as usize).max().unwrap_or(0).max(1);
+        let mut slots = vec![DevOp::default(); nblocks.max(1) * stride];
+        for b in 0..nblocks {
+            let (first, count) = (self.blocks[2 * b] as usize, self.blocks[2 * b + 1] as usize);
+            for (k, op) in self.ops.iter().skip(first).take(count).enumerate() {
+                slots[b * stride + k] = *op;
+            }
+            for slot in &mut slots[b * stride..(b + 1) * stride] {
+                slot.block_ops = count as u32;
+            }
+        }
+        // ExecState (16 bytes: its first word 1), barrier counters, semaphores, flags (each 1).
+        let barriers_off = 16usize;
+        let sems_off = barriers_off + 4 * MAX_DEVICE_SYNCERS as usize;
+        let flags_off = sems_off + 4 * self.semaphores.len();
+        let mut state = vec![0u8; flags_off + 4 * nblocks.max(1)];
+        state[..4].copy_from_slice(&1u32.to_le_bytes());
+        for f in state[flags_off..].chunks_exact_mut(4) {
+            f.copy_from_slice(&1u32.to_le_bytes());
+        }
+        for (i, v) in self.semaphores.iter().enumerate() {
+            state[sems_off + 4 * i..sems_off + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        DeviceImage { slots, stride, nblocks, state, barriers_off, sems_off, flags_off }
+    }
+}
+
 /// A channel of the rank, with what pairs it with the peer's: channel `pair` of `channel_type`
 /// between this rank and `peer` (the `pair`-th such channel on each side).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -658,6 +710,28 @@ mod tests {
         let res = &low.ops[1];
         assert_eq!(res.kind, op_code(OpKind::ReduceSendPackets));
         assert_eq!((res.src[1].btype, res.src[1].off, res.src[1].peer), (BUF_SCRATCH, 1024, 1));
+    }
+
+    #[test]
+    fn device_images_pad_blocks_and_start_flags_at_one() {
+        let p = generate::one_hop_allreduce(2, false, 3, 256).unwrap();
+        let l = Layout::new(&p, 1, 3 * 64, 3 * 64).unwrap();
+        let mut low = lower(&p, 1, &l, &fake_bindings(&p, 1)).unwrap();
+        // Give block 1 a third op: every block gets three slots, the others padded with no-ops.
+        let extra = low.ops[2];
+        low.ops.insert(4, extra);
+        low.blocks = vec![0, 2, 2, 3, 5, 2];
+        let img = low.device_image();
+        assert_eq!((img.stride, img.nblocks, img.slots.len()), (3, 3, 9));
+        assert_eq!(img.slots[3..6], [low.ops[2], low.ops[3], low.ops[4]].map(|o| DevOp { block_ops: 3, ..o }));
+        assert_eq!(img.slots[2], DevOp { block_ops: 2, ..DevOp::default() });
+        assert!(img.slots[6..9].iter().all(|o| o.block_ops == 2));
+        assert_eq!(img.barriers_off, 16);
+        assert_eq!(img.sems_off, 16 + 4 * MAX_DEVICE_SYNCERS as usize);
+        assert_eq!(img.flags_off, img.sems_off + 4 * low.semaphores.len());
+        assert_eq!(img.state.len(), img.flags_off + 4 * 3);
+        assert_eq!(img.state[..4], 1u32.to_le_bytes());
+        assert!(img.state[img.flags_off..].chunks(4).all(|f| f == 1u32.to_le_bytes()));
     }
 
     #[test]
