@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds every GPU bundle (collectives + device suites, executor, NCCL library) and writes
 # gpu-bundle-coll/all.sh, which runs them in one device call within RUN_BUDGET seconds (default
-# 560): the collectives bundle's run.sh, the executor's, the NCCL library's, and the 1 KiB
-# breakdown (bench/allpair_real.cu, compiled by nvcc there).
+# 560): the 1 KiB breakdown (bench/allpair_real.cu, compiled by nvcc there), the collectives
+# bundle's run.sh, the executor's, the NCCL library's, and Ethernet p2p rows; PARTS picks them
+# (e.g. PARTS=exec for a call of its own).
 # Device call: carry ["gpu-bundle-coll", "gpu-bundle-exec", "gpu-bundle-nccl", "nccl-ignored"],
 # command "bash gpu-bundle-coll/all.sh". MATURIN=path adds the Python wheel and its GPU tests.
 set -euo pipefail
@@ -16,20 +17,37 @@ cargo run -q -p mscclpp-collectives --example kernel_source > gpu-bundle-coll/be
 rm -rf gpu-bundle-coll/bench/include && cp -r crates/mscclpp/include gpu-bundle-coll/bench/include
 cat > gpu-bundle-coll/all.sh <<'RUN'
 #!/usr/bin/env bash
+# PARTS picks and orders the parts (default: "breakdown coll exec nccl p2p"); each part gets its
+# share of RUN_BUDGET as it starts (exec and nccl: what is left, divided by the parts left).
 cd "$(dirname "$0")/.."
 budget=${RUN_BUDGET:-560}
 L=${OUT:-/tmp/out}; mkdir -p "$L"
 C=gpu-bundle-coll/bench
-echo "== 1 KiB breakdown"
-nvcc -O3 -arch=sm_90 -I $C/include -include $C/collectives_generated.cu -o /tmp/ar $C/allpair_real.cu && timeout 30 /tmp/ar 1024
-echo "== collectives and device suites"
-OUT=$L/coll RUN_BUDGET=$((budget * 45 / 100)) bash gpu-bundle-coll/run.sh 2>&1 | tail -45
-left=$((budget - SECONDS - 10))
-echo "== executor"
-OUT=$L/exec RUN_BUDGET=$((left / 2)) bash gpu-bundle-exec/run.sh 2>&1 | tail -30
-left=$((budget - SECONDS - 5))
-echo "== NCCL library"
-OUT=$L/nccl RUN_BUDGET=$left TORCHRUN_RANKS="2 4" bash scripts/gpu-nccl.sh 2>&1 | tail -50
+parts=(${PARTS:-breakdown coll exec nccl p2p})
+n=${#parts[@]}
+for i in "${!parts[@]}"; do
+  part=${parts[$i]}
+  left=$((budget - SECONDS - 5)); share=$((left / (n - i)))
+  [ "$share" -gt 10 ] || { echo "== $part: SKIPPED (budget)"; continue; }
+  echo "== $part (up to ${share}s)"
+  case "$part" in
+    breakdown)
+      nvcc -O3 -arch=sm_90 -I $C/include -include $C/collectives_generated.cu -o /tmp/ar $C/allpair_real.cu && timeout 30 /tmp/ar 1024 ;;
+    coll)
+      OUT=$L/coll RUN_BUDGET=$share bash gpu-bundle-coll/run.sh 2>&1 | tail -45 ;;
+    exec)
+      OUT=$L/exec RUN_BUDGET=$share bash gpu-bundle-exec/run.sh 2>&1 | tail -80 ;;
+    nccl)
+      OUT=$L/nccl RUN_BUDGET=$share TORCHRUN_RANKS="${TORCHRUN_RANKS:-2 4}" bash scripts/gpu-nccl.sh 2>&1 | tail -50 ;;
+    p2p)
+      # Ethernet over loopback (host memory, no GPU): the 8-byte round trip and 64 MiB one way
+      # against the same run's raw TCP baseline (issue 25, item 6).
+      tar xJf gpu-bundle-exec/bin.tar.xz -C /tmp bin/mscclpp-perf 2>/dev/null
+      for k in $(seq 14); do timeout 20 /tmp/bin/mscclpp-perf p2p -b 8 -e 8 | tail -1; done
+      for k in $(seq 5); do timeout 30 /tmp/bin/mscclpp-perf p2p -b 64M -e 64M | tail -1; done ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
 RUN
 chmod +x gpu-bundle-coll/all.sh
 du -sh gpu-bundle-coll gpu-bundle-exec gpu-bundle-nccl
