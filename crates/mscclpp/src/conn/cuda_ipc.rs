@@ -148,13 +148,7 @@ impl CudaIpcConnection {
         while !st.core.can_issue() {
             let Some((t, ev)) = m.pending.pop_front() else {
                 // No mark yet: one behind everything enqueued so far.
-                let ev = match m.spare.pop() {
-                    Some(e) => e,
-                    None => self.record(Event::new(&self.dev))?,
-                };
-                let t = st.core.begin_flush();
-                self.record(self.stream.record(&ev))?;
-                m.pending.push_back((t, ev));
+                self.mark(&mut m, &mut st)?;
                 continue;
             };
             drop(st);
@@ -192,18 +186,25 @@ impl CudaIpcConnection {
             if st.core.wants_mark()
                 && m.pending.back().is_none_or(|(t, _)| t.issued() + st.core.mark_every() <= st.core.issued())
             {
-                let ev = match m.spare.pop() {
-                    Some(e) => e,
-                    None => self.record(Event::new(&self.dev))?,
-                };
-                // Under both locks nothing is enqueued meanwhile: the event follows exactly the
-                // operations the ticket counts.
-                let t = st.core.begin_flush();
-                self.record(self.stream.record(&ev))?;
-                m.pending.push_back((t, ev));
+                self.mark(&mut m, &mut st)?;
             }
         }
         self.record(r)
+    }
+
+    /// Records a completion mark behind everything enqueued so far: an event (a spare one, else
+    /// new) and the flush ticket it proves once it has passed. Called with both locks held, so
+    /// nothing is enqueued meanwhile and the event follows exactly the operations the ticket
+    /// counts.
+    fn mark(&self, m: &mut Marks, st: &mut IpcState) -> Result<()> {
+        let ev = match m.spare.pop() {
+            Some(e) => e,
+            None => self.record(Event::new(&self.dev))?,
+        };
+        let t = st.core.begin_flush();
+        self.record(self.stream.record(&ev))?;
+        m.pending.push_back((t, ev));
+        Ok(())
     }
 
     /// Writes the token: by `cuStreamWriteValue64`, else (no stream memory operations, or right
@@ -359,15 +360,7 @@ impl ConnectionImpl for CudaIpcConnection {
         }
         if request {
             if m.pending.back().is_none_or(|(t, _)| t.issued() < issued) {
-                let ev = match m.spare.pop() {
-                    Some(e) => e,
-                    None => self.record(Event::new(&self.dev))?,
-                };
-                // Under the state lock nothing is enqueued meanwhile: the event follows exactly
-                // the operations the ticket counts.
-                let t = st.core.begin_flush();
-                self.record(self.stream.record(&ev))?;
-                m.pending.push_back((t, ev));
+                self.mark(&mut m, &mut st)?;
             }
         } else if m.pending.is_empty() {
             let t = st.core.begin_flush();
