@@ -39,8 +39,10 @@
 //                  its ops from global memory instead of copying them
 //   interp-param   a candidate fix: the interpreter's run loop (same exec_op) with the ops in
 //                  the kernel parameters (__grid_constant__) instead of global memory
-//   per-plan       the executor's per-plan kernel (mscclpp_exec_plan_ll16, KernelKind::PerPlan):
-//                  the same operation code on FixedOp views, shape compiled in, same ExecArgs
+//   per-plan-nopf  the executor's per-plan kernel (KernelKind::PerPlan: the same operation
+//                  code on FixedOp views, shape compiled in, same ExecArgs) without its prefetch
+//                  of the op slots
+//   per-plan       the per-plan kernel as the executor builds it (mscclpp_exec_plan_ll16)
 //
 // The bench's kernels are declared __launch_bounds__(1024, 1): up to 64 registers, the budget
 // ptxas gives mscclpp_exec_ll16 (__launch_bounds__(1024)); without the ", 1" it held some of them
@@ -59,6 +61,11 @@
 #include "exec_breakdown_inputs.h"
 
 #define BK_TIMEOUT_NS 1000000000ull
+
+// The per-plan kernel without its prefetch of the op slots.
+extern "C" __global__ void __launch_bounds__(1024, 1) bk_exec_plan_nopf(const __grid_constant__ ExecArgs a) {
+  run_plan<PL16, PlanBlocks, false>(a);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Pieces of the model kernels.
@@ -625,13 +632,14 @@ enum {
   K_INTERP,
   K_INTERP_GLOBAL,
   K_INTERP_PARAM,
+  K_PER_PLAN_NOPF,
   K_PER_PLAN,
 };
 static const Variant variants[] = {
     {"empty", K_EMPTY},         {"builtin", K_BUILTIN},       {"plan-grid", K_PLAN_GRID},
     {"no-sig", K_NO_SIG},       {"ops-global", K_OPS_GLOBAL}, {"ops-shared", K_OPS_SHARED},
     {"two-ops", K_TWO_OPS},     {"generic", K_GENERIC},       {"interp", K_INTERP},
-    {"interp-global", K_INTERP_GLOBAL}, {"interp-param", K_INTERP_PARAM}, {"per-plan", K_PER_PLAN},
+    {"interp-global", K_INTERP_GLOBAL}, {"interp-param", K_INTERP_PARAM}, {"per-plan-nopf", K_PER_PLAN_NOPF}, {"per-plan", K_PER_PLAN},
 };
 static const int n_variants = sizeof(variants) / sizeof(variants[0]);
 
@@ -651,6 +659,7 @@ static const void* kernel_of(int id) {
     case K_GENERIC: return (const void*)k_ops<V_GENERIC>;
     case K_INTERP:
     case K_INTERP_GLOBAL: return (const void*)mscclpp_exec_ll16;
+    case K_PER_PLAN_NOPF: return (const void*)bk_exec_plan_nopf;
     case K_PER_PLAN: return (const void*)mscclpp_exec_plan_ll16;
 #ifdef BK_PARAM_SLOTS
     case K_INTERP_PARAM: return (const void*)bk_exec_param;
@@ -675,6 +684,7 @@ static bool launch(Setup& S, int id, int r, cudaStream_t st) {
     case K_GENERIC: k_ops<V_GENERIC><<<g, t, 0, st>>>(R.args); break;
     case K_INTERP: mscclpp_exec_ll16<<<g, t, 0, st>>>(R.args); break;
     case K_INTERP_GLOBAL: mscclpp_exec_ll16<<<g, t, 0, st>>>(R.args_wide); break;
+    case K_PER_PLAN_NOPF: bk_exec_plan_nopf<<<g, t, 0, st>>>(R.args); break;
     case K_PER_PLAN: mscclpp_exec_plan_ll16<<<g, t, 0, st>>>(R.args); break;
     case K_INTERP_PARAM:
 #ifdef BK_PARAM_SLOTS

@@ -683,14 +683,26 @@ __device__ void run(const ExecArgs& a) {
 // `device::plan_source`) runs block b's operations as FixedOps, in the interpreter's order with
 // its barriers; their data is read from the same DevOp slots, in global memory (each thread
 // loads only the fields its operations use, all at once, instead of copying whole slots).
-template <typename PK, typename Blocks>
+//
+// With `kPrefetch`, the block's slots are prefetched into L1 (a line per thread) before the flag
+// barrier: the operations' first loads of their fields then hit L1 instead of waiting for L2
+// after the barrier, a dependent round trip the built-in kernels do not have (their addresses
+// are kernel arguments).
+template <typename PK, typename Blocks, bool kPrefetch = true>
 __device__ void run_plan(const ExecArgs& a) {
   __shared__ Start s;
+  const DevOp* ops = (const DevOp*)a.ops + (u64)blockIdx.x * a.ops_stride;
+  if (kPrefetch) {
+    const u64 lines = (a.ops_stride * sizeof(DevOp) + 127) / 128;
+    for (u64 i = threadIdx.x; i < lines; i += blockDim.x) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"((const char*)ops + i * 128));
+    }
+  }
   begin(a, s);
   __syncthreads();
   Ctx c;
   if (!begin_ctx(a, s, c)) return;
-  Blocks::template run<PK>(c, (const DevOp*)a.ops + (u64)blockIdx.x * a.ops_stride);
+  Blocks::template run<PK>(c, ops);
   finish(a, c);
 }
 
