@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use mscclpp::gpu::Stream;
-use mscclpp_executor::{DataType, DeviceFailureKind, ExecError, ExecutorConfig, PacketType, PlanError, generate};
+use mscclpp_executor::{
+    DataType, DeviceFailureKind, ExecError, ExecutorConfig, KernelKind, PacketType, PlanError, generate,
+};
 use pyo3::prelude::*;
 
 use crate::comm::Communicator;
@@ -258,8 +260,15 @@ impl Executor {
 #[pymethods]
 impl Executor {
     #[new]
-    #[pyo3(signature = (comm, *, device = 0, timeout = 30.0, port_transport = "cuda_ipc"))]
-    fn new(py: Python<'_>, comm: &Communicator, device: u32, timeout: f64, port_transport: &str) -> PyResult<Self> {
+    #[pyo3(signature = (comm, *, device = 0, timeout = 30.0, port_transport = "cuda_ipc", kernel = None))]
+    fn new(
+        py: Python<'_>,
+        comm: &Communicator,
+        device: u32,
+        timeout: f64,
+        port_transport: &str,
+        kernel: Option<&str>,
+    ) -> PyResult<Self> {
         let c = comm.comm(py)?;
         let t = seconds(py, "timeout", timeout)?;
         let transport = match port_transport.to_ascii_lowercase().replace('-', "_").as_str() {
@@ -272,7 +281,16 @@ impl Executor {
                 ));
             }
         };
-        let cfg = ExecutorConfig::new(device).timeout(t).port_transport(transport);
+        let mut cfg = ExecutorConfig::new(device).timeout(t).port_transport(transport);
+        if let Some(k) = kernel {
+            cfg = cfg.kernel(match k.to_ascii_lowercase().replace('_', "-").as_str() {
+                "interpreter" => KernelKind::Interpreter,
+                "per-plan" => KernelKind::PerPlan,
+                _ => {
+                    return Err(invalid(py, format!("kernel {k:?}: use \"interpreter\" or \"per-plan\"")));
+                }
+            });
+        }
         Ok(Executor {
             inner: Arc::new(mscclpp_executor::Executor::new(&c, cfg)),
             device,

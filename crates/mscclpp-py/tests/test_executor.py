@@ -142,6 +142,10 @@ def test_executor_checks_arguments_before_any_gpu_work(comm1):
         nat.execute(0, 1 << 40, 1 << 40, 1024, 1024, "f32", plan2, 0, "LL4")
     with pytest.raises(ValueError, match="port_transport"):
         m.Executor(comm1, device=0, port_transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="kernel"):
+        m.Executor(comm1, device=0, kernel="jit")
+    for kernel in ("interpreter", "per-plan", "per_plan", None):
+        m.Executor(comm1, device=0, kernel=kernel)
     with pytest.raises(ValueError, match="timeout"):
         m.Executor(comm1, device=0, timeout=-1.0)
 

@@ -90,20 +90,32 @@ def _buffer(b: Any, size: int, what: str) -> tuple[int, Any, int | None]:
 class Executor:
     """Runs execution plans on this rank's GPU (MSCCL++'s ``Executor(comm)``).
 
-    ``Executor(comm, device=None, timeout=30.0, port_transport="cuda_ipc")``: ``device`` defaults
-    to torch's current device (0 without torch); ``timeout`` bounds every device wait (seconds),
-    after which the call's kernels stop and ``check()``, ``synchronize()`` or the next ``execute``
-    raise ``MscclppTimeoutError`` naming the peer (``.peer``); ``port_transport`` carries the
-    plan's port channels (``"cuda_ipc"`` or ``"ethernet"``).
+    ``Executor(comm, device=None, timeout=30.0, port_transport="cuda_ipc", kernel=None)``:
+    ``device`` defaults to torch's current device (0 without torch); ``timeout`` bounds every
+    device wait (seconds), after which the call's kernels stop and ``check()``, ``synchronize()``
+    or the next ``execute`` raise ``MscclppTimeoutError`` naming the peer (``.peer``);
+    ``port_transport`` carries the plan's port channels (``"cuda_ipc"`` or ``"ethernet"``);
+    ``kernel`` runs plans with the interpreter (``"interpreter"``) or with a kernel generated per
+    plan shape (``"per-plan"``, compiled in the first call of each shape); ``None`` follows
+    ``MSCCLPP_EXECUTOR_KERNEL`` (default: the interpreter).
     """
 
-    def __init__(self, comm, device: int | None = None, timeout: float = 30.0, port_transport: Any = "cuda_ipc"):
+    def __init__(
+        self,
+        comm,
+        device: int | None = None,
+        timeout: float = 30.0,
+        port_transport: Any = "cuda_ipc",
+        kernel: str | None = None,
+    ):
         if device is None:
             device = _current_device()
         if not isinstance(port_transport, str):
             name = getattr(port_transport, "name", None)
             port_transport = name if isinstance(name, str) else str(port_transport)
-        self._native = _native.Executor(comm, device=device, timeout=timeout, port_transport=port_transport)
+        self._native = _native.Executor(
+            comm, device=device, timeout=timeout, port_transport=port_transport, kernel=kernel
+        )
         self._comm_rank, self._comm_size = comm.rank, comm.size
         self._keep: dict[tuple, tuple] = {}
 

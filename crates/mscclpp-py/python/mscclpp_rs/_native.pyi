@@ -523,7 +523,13 @@ class Executor:
     (``mscclpp_rs.Executor`` takes tensors and torch streams)."""
 
     def __init__(
-        self, comm: Communicator, *, device: int = 0, timeout: float = 30.0, port_transport: str = "cuda_ipc"
+        self,
+        comm: Communicator,
+        *,
+        device: int = 0,
+        timeout: float = 30.0,
+        port_transport: str = "cuda_ipc",
+        kernel: str | None = None,
     ) -> None: ...
     def execute(
         self,
