@@ -139,7 +139,8 @@ fn render() -> Result<String, Box<dyn std::error::Error>> {
         for rank in 0..RANKS {
             let layout = Layout::new(&plan, rank, bytes, bytes)?;
             let n = plan.gpus[rank].remote_buffers.len();
-            let bindings = Bindings { remote_base: vec![REMOTE_MARK; n], remote_mem: vec![u32::MAX; n], local_mem: [0, 1, 2] };
+            let bindings =
+                Bindings { remote_base: vec![REMOTE_MARK; n], remote_mem: vec![u32::MAX; n], local_mem: [0, 1, 2] };
             let low = lower::lower(&plan, rank, &layout, &bindings)?;
             let p = mscclpp_executor::plan_kernel::plan_part(&low.ops, &low.blocks);
             match &part {
