@@ -746,22 +746,15 @@ impl Executor {
         let nblocks = nblocks_low as u32;
         let threads = plan.num_threads_per_block.clamp(32, 1024);
         // Kernels that wait on each other must all be resident: count the blocks of every rank
-        // on this GPU.
+        // on this GPU, and hold them to the fewest blocks per SM that any of those ranks' kernels
+        // allows (per-plan kernels differ between ranks, and ranks may run different kinds): the
+        // same bound on every rank, so that all of them refuse or none does.
+        let per_sm =
+            kernels.ll16.max_active_blocks_per_sm(threads, 0)?.min(kernels.ll8.max_active_blocks_per_sm(threads, 0)?);
         let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
-        let all = comm.bootstrap().all_gather(format!("{me}|{nblocks}").as_bytes())?;
-        let on_gpu: u64 = all
-            .iter()
-            .filter_map(|w| String::from_utf8_lossy(w).split_once('|').map(|(a, b)| (a.to_owned(), b.to_owned())))
-            .filter(|(a, _)| *a == me)
-            .map(|(_, b)| b.parse::<u64>().unwrap_or(0))
-            .sum();
-        let fit = u64::from(mscclpp::gpu::sm_count(dev)?)
-            * u64::from(
-                kernels
-                    .ll16
-                    .max_active_blocks_per_sm(threads, 0)?
-                    .min(kernels.ll8.max_active_blocks_per_sm(threads, 0)?),
-            );
+        let all = comm.bootstrap().all_gather(format!("{me}|{nblocks}|{per_sm}").as_bytes())?;
+        let (on_gpu, per_sm) = residency(&all, &me, per_sm);
+        let fit = u64::from(mscclpp::gpu::sm_count(dev)?) * u64::from(per_sm);
         if on_gpu > fit {
             return Err(Error::invalid_usage(format!(
                 "the ranks on GPU{dev} run {on_gpu} thread blocks of {threads} threads; only {fit} fit at once, and blocks that wait on each other must all be resident"
@@ -811,6 +804,24 @@ impl Executor {
             _scratch: scratch,
         })
     }
+}
+
+/// The thread blocks that the ranks on GPU `me` run together, and the fewest blocks per SM any
+/// of their kernels allows (`own` if none says), from every rank's `"{gpu}|{blocks}|{per SM}"`.
+fn residency(all: &[Vec<u8>], me: &str, own: u32) -> (u64, u32) {
+    let (mut blocks, mut per_sm) = (0u64, own);
+    for w in all {
+        let w = String::from_utf8_lossy(w);
+        let mut f = w.split('|');
+        if f.next() != Some(me) {
+            continue;
+        }
+        blocks += f.next().and_then(|b| b.parse::<u64>().ok()).unwrap_or(0);
+        if let Some(p) = f.next().and_then(|p| p.parse::<u32>().ok()) {
+            per_sm = per_sm.min(p);
+        }
+    }
+    (blocks, per_sm)
 }
 
 /// The kernels of a plan on one GPU (the interpreter's, or its per-plan ones).
@@ -894,6 +905,18 @@ fn plan_kernels(device: u32, source: &str) -> Result<Arc<Kernels>, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn residency_takes_the_fewest_blocks_per_sm_of_the_ranks_on_the_gpu() {
+        let all: Vec<Vec<u8>> =
+            ["h/0|4|2", "h/1|8|1", "h/0|3|4", "h/0|5|3"].iter().map(|s| s.as_bytes().to_vec()).collect();
+        // Ranks 0, 2 and 3 share GPU h/0: 12 blocks, the tightest kernel allows 2 per SM,
+        // whatever this rank's own kernel allows.
+        assert_eq!(residency(&all, "h/0", 4), (12, 2));
+        assert_eq!(residency(&all, "h/0", 1), (12, 1));
+        assert_eq!(residency(&all, "h/1", 3), (8, 1));
+        assert_eq!(residency(&all, "h/2", 3), (0, 3));
+    }
 
     #[test]
     fn tags_separate_contexts_kinds_and_pairs() {
