@@ -206,9 +206,9 @@ impl KernelKind {
     pub fn from_env() -> KernelKind {
         match std::env::var("MSCCLPP_EXECUTOR_KERNEL") {
             Err(_) => KernelKind::default(),
-            Ok(v) => match v.trim() {
+            Ok(v) => match v.trim().to_ascii_lowercase().replace('_', "-").as_str() {
                 "interpreter" | "" => KernelKind::Interpreter,
-                "per-plan" | "per_plan" | "plan" => KernelKind::PerPlan,
+                "per-plan" | "plan" => KernelKind::PerPlan,
                 other => {
                     tracing::warn!(
                         target: "mscclpp::executor",

@@ -96,7 +96,9 @@ pub fn plan_part(ops: &[DevOp], blocks: &[u32]) -> String {
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for (b, pair) in blocks.chunks(2).enumerate() {
         let (first, count) = (pair[0] as usize, pair.get(1).copied().unwrap_or(0) as usize);
-        let body = block_body(ops.get(first..first + count).unwrap_or(&[]));
+        // The slots `Lowered::device_image` fills for the block.
+        let slots: Vec<DevOp> = ops.iter().skip(first).take(count).copied().collect();
+        let body = block_body(&slots);
         match groups.iter_mut().find(|(g, _)| *g == body) {
             Some((_, ids)) => ids.push(b),
             None => groups.push((body, vec![b])),
