@@ -32,7 +32,10 @@ for i in "${!parts[@]}"; do
   echo "== $part (up to ${share}s)"
   case "$part" in
     breakdown)
-      nvcc -O3 -arch=sm_90 -I $C/include -include $C/collectives_generated.cu -o /tmp/ar $C/allpair_real.cu && timeout 30 /tmp/ar 1024 ;;
+      nvcc -O3 -arch=sm_90 -I $C/include -include $C/collectives_generated.cu -o /tmp/ar $C/allpair_real.cu && timeout 30 /tmp/ar 1024
+      # The same with the rank count compiled in (kernels.cu `nranks_of`): does it pay?
+      echo "-- with -DMSCCLPP_COLL_NRANKS=2"
+      nvcc -O3 -arch=sm_90 -DMSCCLPP_COLL_NRANKS=2 -I $C/include -include $C/collectives_generated.cu -o /tmp/ar2 $C/allpair_real.cu && timeout 30 /tmp/ar2 1024 ;;
     coll)
       OUT=$L/coll RUN_BUDGET=$share bash gpu-bundle-coll/run.sh 2>&1 | tail -45 ;;
     exec)

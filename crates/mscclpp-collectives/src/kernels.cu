@@ -227,6 +227,17 @@ __device__ __forceinline__ u32 unit_bytes(u64 i, u64 nbytes) {
   return rest >= 8 ? 8u : (u32)rest;
 }
 
+// The rank count: compiled in when MSCCLPP_COLL_NRANKS is defined (an experiment of the 1 KiB
+// breakdown, bench/allpair_real.cu: peer loops and rank arithmetic then fold), else from the
+// arguments (what the library compiles).
+__device__ __forceinline__ u32 nranks_of(const CollArgs& a) {
+#ifdef MSCCLPP_COLL_NRANKS
+  return MSCCLPP_COLL_NRANKS;
+#else
+  return (u32)a.nranks;
+#endif
+}
+
 // Rank `rank`'s scratch (mapped here): from the kernel's parameters for the first 64 ranks.
 __device__ __forceinline__ char* scratch_of(const CollArgs& a, u32 rank) {
   return (char*)(rank < 64 ? a.scratch[rank] : ((const u64*)a.peers)[rank]);
@@ -237,14 +248,14 @@ __device__ __forceinline__ LL16Packet* pkt_slot(const CollArgs& a, u32 rank, u32
 }
 // `peer`'s signature packet of the call with `flag`, in my scratch.
 __device__ __forceinline__ const LL16Packet* sig_pkt_from(const CollArgs& a, u32 flag, u32 peer) {
-  return (const LL16Packet*)(scratch_of(a, a.rank) + a.sig_pkt_off) + (flag & 1) * a.nranks + peer;
+  return (const LL16Packet*)(scratch_of(a, a.rank) + a.sig_pkt_off) + (flag & 1) * nranks_of(a) + peer;
 }
 
 // Whether `peer` has started a call with this flag whose signature differs from mine (a look,
 // no wait): a wait on that peer's data would otherwise end as a timeout, not as the mismatch.
 __device__ __noinline__ bool peer_sig_differs(const CollArgs& a, u32 flag, u32 peer) {
   uint2 v;
-  if (peer >= a.nranks || sig_pkt_from(a, flag, peer)->readOnce(flag, v)) return false;
+  if (peer >= nranks_of(a) || sig_pkt_from(a, flag, peer)->readOnce(flag, v)) return false;
   return (((u64)v.y << 32) | v.x) != a.sig;
 }
 
@@ -308,7 +319,7 @@ __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& dea
   }
   flag = ff.x;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const u32 R = (u32)a.nranks, me = (u32)a.rank, half = flag & 1;
+    const u32 R = nranks_of(a), me = (u32)a.rank, half = flag & 1;
     #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       LL16Packet* s = (LL16Packet*)(scratch_of(a, wrap_rank(me + k, R)) + a.sig_pkt_off) + half * R + me;
@@ -323,7 +334,7 @@ __device__ __forceinline__ bool pkt_begin(const CollArgs& a, u32& flag, u64& dea
 // call before.
 __device__ __forceinline__ void pkt_check_sigs(const CollArgs& a, u32 flag, u64& deadline) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  const u32 R = (u32)a.nranks;
+  const u32 R = nranks_of(a);
   #pragma unroll 1
   for (u32 i = 1; i < R; i++) {
     const u32 p = wrap_rank((u32)a.rank + i, R);
@@ -371,7 +382,7 @@ __device__ void allreduce_allpair(const CollArgs& a) {
   u32 flag;
   u64 deadline;
   if (!pkt_begin(a, flag, deadline)) return;
-  const u32 half = flag & 1, R = (u32)a.nranks, me = (u32)a.rank;
+  const u32 half = flag & 1, R = nranks_of(a), me = (u32)a.rank;
   const bool sum = a.op == OP_SUM;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
@@ -402,7 +413,7 @@ __device__ void allreduce_allpair(const CollArgs& a) {
       }
     }
     uint2 r;
-    acc.finish((u32*)&r, (int)a.op, a.nranks);
+    acc.finish((u32*)&r, (int)a.op, nranks_of(a));
     if (ok) st8(out + i * 8, r, n);
   }
   // A failed wait of thread 0 left some signatures unread: check them (bounded; ends at once
@@ -417,7 +428,7 @@ __device__ void allreduce_packet(const CollArgs& a) {
   u32 flag;
   u64 deadline;
   if (!pkt_begin(a, flag, deadline)) return;
-  const u32 half = flag & 1, R = a.nranks, r = a.rank;
+  const u32 half = flag & 1, R = nranks_of(a), r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const u64 cu = (units + R - 1) / R;  // units per chunk
   const char* in = (const char*)a.in;
@@ -475,7 +486,7 @@ __device__ void reducescatter_packet(const CollArgs& a) {
   u32 flag;
   u64 deadline;
   if (!pkt_begin(a, flag, deadline)) return;
-  const u32 half = flag & 1, R = a.nranks, r = a.rank;
+  const u32 half = flag & 1, R = nranks_of(a), r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -513,7 +524,7 @@ __device__ void allgather_packet(const CollArgs& a) {
   u32 flag;
   u64 deadline;
   if (!pkt_begin(a, flag, deadline)) return;
-  const u32 half = flag & 1, R = a.nranks, r = a.rank;
+  const u32 half = flag & 1, R = nranks_of(a), r = a.rank;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -543,7 +554,7 @@ __device__ void broadcast_packet(const CollArgs& a) {
   u32 flag;
   u64 deadline;
   if (!pkt_begin(a, flag, deadline)) return;
-  const u32 half = flag & 1, R = a.nranks, r = a.rank, root = (u32)a.root;
+  const u32 half = flag & 1, R = nranks_of(a), r = a.rank, root = (u32)a.root;
   const u64 units = (a.nbytes + 7) / 8;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -576,7 +587,7 @@ __device__ bool block_barrier(const CollArgs& a, u64& deadline, bool send_sig) {
   if (threadIdx.x == 0) bad = 0;
   __syncthreads();
   const u32 t = threadIdx.x;
-  if (t < a.nranks && t != a.rank) {
+  if (t < nranks_of(a) && t != a.rank) {
     u64* inbox_at_peer = (u64*)(scratch_of(a, t) + a.inbox_off) + (u64)a.rank * MAX_BLOCKS + blockIdx.x;
     if (send_sig) store_sys((u64*)(scratch_of(a, t) + a.sig_off) + a.rank, a.sig);
     __threadfence_system();
@@ -661,7 +672,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
         acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
       }
       uint4 res;
-      acc.finish((u32*)&res, (int)a.op, a.nranks);
+      acc.finish((u32*)&res, (int)a.op, nranks_of(a));
       ((uint4*)out)[i] = res;
       if (out2) ((uint4*)out2)[i] = res;
     }
@@ -679,7 +690,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
         acc.add(&w, (int)a.op, a.acc32 != 0);
       }
       u32 res;
-      acc.finish(&res, (int)a.op, a.nranks);
+      acc.finish(&res, (int)a.op, nranks_of(a));
       if (nb == 4) {
         ((u32*)out)[i] = res;
         if (out2) ((u32*)out2)[i] = res;
@@ -702,7 +713,7 @@ __device__ __forceinline__ void block_reduce(char* out, char* out2, const char* 
       acc.add(&w, (int)a.op, a.acc32 != 0);
     }
     u32 res;
-    acc.finish(&res, (int)a.op, a.nranks);
+    acc.finish(&res, (int)a.op, nranks_of(a));
     ((unsigned short*)out)[i] = (unsigned short)res;
     if (out2) ((unsigned short*)out2)[i] = (unsigned short)res;
   }
@@ -723,7 +734,7 @@ template <typename D>
 __device__ void allreduce_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
-  const u32 R = a.nranks, r = a.rank, b = blockIdx.x, B = gridDim.x;
+  const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
   const u64 round_bytes = a.simple_round;  // per round, a multiple of 16 * R
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -784,7 +795,7 @@ template <typename D>
 __device__ void allreduce_zerocopy(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
-  const u32 R = a.nranks, r = a.rank, b = blockIdx.x, B = gridDim.x;
+  const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
   const char* const* sends = (const char* const*)a.in;
   char* const* recvs = (char* const*)a.out;
   __shared__ const char* srcs[MAX_RANKS_SIMPLE];
@@ -810,7 +821,7 @@ template <typename D>
 __device__ void reducescatter_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
-  const u32 R = a.nranks, r = a.rank, b = blockIdx.x, B = gridDim.x;
+  const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
   const u64 seg_round = a.simple_round / R / 16 * 16;  // per segment and round
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -838,7 +849,7 @@ __device__ void reducescatter_simple(const CollArgs& a) {
 __device__ void allgather_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
-  const u32 R = a.nranks, r = a.rank, b = blockIdx.x, B = gridDim.x;
+  const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
   const u64 round_bytes = a.simple_round;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
