@@ -76,3 +76,48 @@ fn mscclpp_checked_in_plans_load_unchanged() {
         println!("SKIPPED: none of MSCCL++'s plans found in {}", repo.display());
     }
 }
+
+/// MSCCL++'s plans that load also lower for every rank and compile as per-plan kernels (NVRTC,
+/// no warning): their thread-block groups, no-ops and operation mixes are shapes the generated
+/// plans do not have. Skipped without the repository or without NVRTC (outside CI).
+#[test]
+fn mscclpp_checked_in_plans_compile_as_per_plan_kernels() {
+    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    use mscclpp_executor::lower::{Bindings, Layout, lower};
+    let Some(repo) = repo() else {
+        println!("SKIPPED: no MSCCL++ repository (set MSCCLPP_REPO)");
+        return;
+    };
+    if let Err(e) = nvrtc_info() {
+        assert!(std::env::var_os("CI").is_none(), "no NVRTC in CI: {}", e.message());
+        println!("SKIPPED: {}", e.message());
+        return;
+    }
+    let opts = CompileOptions::default().arch("compute_90").name("executor_plan.cu");
+    let mut compiled = 0;
+    for path in PLANS {
+        let Some(Ok(plan)) = read(&repo, path).map(|t| Plan::from_json_str(&t)) else { continue };
+        let mut sources = std::collections::BTreeSet::new();
+        for rank in 0..plan.gpus.len() {
+            let g = &plan.gpus[rank];
+            // Sizes every chunk count divides (in 16-byte units, as MSCCL++'s alignment asks).
+            let unit = 16 * 1024;
+            let (send, recv) = (unit * g.input_chunks.max(1), unit * g.output_chunks.max(1));
+            let layout = Layout::new(&plan, rank, send, recv).unwrap_or_else(|e| panic!("{path} rank {rank}: {e}"));
+            let b = Bindings {
+                remote_base: vec![0x1000; g.remote_buffers.len()],
+                remote_mem: vec![3; g.remote_buffers.len()],
+                local_mem: [0, 1, 2],
+            };
+            let low = lower(&plan, rank, &layout, &b).unwrap_or_else(|e| panic!("{path} rank {rank}: {e}"));
+            sources.insert(mscclpp_executor::plan_kernel::source(&low.ops, &low.blocks));
+        }
+        for src in &sources {
+            let ptx = compile(src, &opts).unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert!(ptx.log().trim().is_empty(), "{path}: NVRTC warned:\n{}", ptx.log());
+            compiled += 1;
+        }
+        println!("{path}: {} per-plan kernel(s) compiled", sources.len());
+    }
+    println!("{compiled} per-plan kernels of MSCCL++'s plans compiled");
+}
