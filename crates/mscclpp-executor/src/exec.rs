@@ -865,46 +865,90 @@ fn kernels(device: u32) -> Result<Arc<Kernels>, Error> {
     Ok(k)
 }
 
+/// A cache whose values are built at most once per key, different keys in parallel: the map's
+/// lock is held only to find (or add) the key's slot, the slot's own lock while its value is
+/// built, so that ranks compiling different shapes do not wait for each other while ranks
+/// needing the same one wait for the first. A failed build leaves the slot empty (the next
+/// caller tries again).
+struct OnceMap<V> {
+    map: Mutex<HashMap<String, Arc<Slot<V>>>>,
+}
+
+/// One key's value of a [`OnceMap`], once built.
+type Slot<V> = Mutex<Option<Arc<V>>>;
+
+impl<V> OnceMap<V> {
+    fn new() -> OnceMap<V> {
+        OnceMap { map: Mutex::new(HashMap::new()) }
+    }
+
+    fn get_or_build(&self, key: String, build: impl FnOnce() -> Result<V, Error>) -> Result<Arc<V>, Error> {
+        let poisoned = || Error::internal("the per-plan kernel cache lock is poisoned");
+        let slot = self.map.lock().map_err(|_| poisoned())?.entry(key).or_default().clone();
+        let mut v = slot.lock().map_err(|_| poisoned())?;
+        if let Some(v) = v.as_ref() {
+            return Ok(v.clone());
+        }
+        let built = Arc::new(build()?);
+        *v = Some(built.clone());
+        Ok(built)
+    }
+}
+
 /// Compiles (once per process, architecture and source) and loads (once per GPU and source)
 /// a per-plan kernel.
 fn plan_kernels(device: u32, source: &str) -> Result<Arc<Kernels>, Error> {
-    type Cache<V> = OnceLock<Mutex<HashMap<String, Arc<V>>>>;
-    static LOADED: Cache<Kernels> = OnceLock::new();
-    static COMPILED: Cache<Ptx> = OnceLock::new();
-    let poisoned = || Error::internal("the per-plan kernel cache lock is poisoned");
-    let loaded_key = format!("{device}\n{source}");
-    let mut map = LOADED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
-    if let Some(k) = map.get(&loaded_key) {
-        return Ok(k.clone());
-    }
-    let opts = CompileOptions::for_device(device).name("executor_plan.cu");
-    let compiled_key = format!("{}\n{source}", opts.resolved_arch());
-    let ptx = {
-        let mut c = COMPILED.get_or_init(Default::default).lock().map_err(|_| poisoned())?;
-        match c.get(&compiled_key) {
-            Some(p) => p.clone(),
-            None => {
+    static LOADED: OnceLock<OnceMap<Kernels>> = OnceLock::new();
+    static COMPILED: OnceLock<OnceMap<Ptx>> = OnceLock::new();
+    LOADED.get_or_init(OnceMap::new).get_or_build(format!("{device}\n{source}"), || {
+        let opts = CompileOptions::for_device(device).name("executor_plan.cu");
+        let ptx =
+            COMPILED.get_or_init(OnceMap::new).get_or_build(format!("{}\n{source}", opts.resolved_arch()), || {
                 let t = std::time::Instant::now();
-                let p = Arc::new(compile(source, &opts).map_err(|e| e.during("compiling a per-plan executor kernel"))?);
+                let p = compile(source, &opts).map_err(|e| e.during("compiling a per-plan executor kernel"))?;
                 tracing::debug!(target: "mscclpp::executor", elapsed = ?t.elapsed(), "per-plan kernel compiled");
-                c.insert(compiled_key, p.clone());
-                p
-            }
-        }
-    };
-    let module = KernelModule::load(device, &ptx)?;
-    let k = Arc::new(Kernels {
-        ll16: module.function(crate::plan_kernel::KERNEL_LL16)?,
-        ll8: module.function(crate::plan_kernel::KERNEL_LL8)?,
-        _module: module,
-    });
-    map.insert(loaded_key, k.clone());
-    Ok(k)
+                Ok(p)
+            })?;
+        let module = KernelModule::load(device, &ptx)?;
+        Ok(Kernels {
+            ll16: module.function(crate::plan_kernel::KERNEL_LL16)?,
+            ll8: module.function(crate::plan_kernel::KERNEL_LL8)?,
+            _module: module,
+        })
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn once_map_builds_each_key_once_and_different_keys_in_parallel() {
+        use std::sync::atomic::AtomicUsize;
+        let m = OnceMap::<usize>::new();
+        let builds = AtomicUsize::new(0);
+        let started = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            // Two keys built at once: each build waits for the other to start, which would
+            // deadlock if the map's lock were held while building.
+            for k in ["a", "b"] {
+                let (m, builds, started) = (&m, &builds, &started);
+                s.spawn(move || {
+                    m.get_or_build(k.into(), || {
+                        started.wait();
+                        builds.fetch_add(1, Ordering::Relaxed);
+                        Ok(k.len())
+                    })
+                    .unwrap();
+                });
+            }
+        });
+        // Cached: no third build; a failed build leaves the key empty for the next caller.
+        assert_eq!(*m.get_or_build("a".into(), || Ok(99)).unwrap(), 1);
+        assert!(m.get_or_build("c".into(), || Err(Error::internal("no"))).is_err());
+        assert_eq!(*m.get_or_build("c".into(), || Ok(3)).unwrap(), 3);
+        assert_eq!(builds.load(Ordering::Relaxed), 2);
+    }
 
     #[test]
     fn residency_takes_the_fewest_blocks_per_sm_of_the_ranks_on_the_gpu() {
