@@ -360,10 +360,14 @@ impl Resources {
 /// and may wait for the whole GPU while doing so. Where ranks share a GPU (threads of one
 /// process, or processes under MPS), a rank that builds while a peer's kernel still spins
 /// waiting for it deadlocks until that kernel's timeout. So before such a call every rank must
-/// have finished its earlier kernels (synchronize the stream); the build then opens with a
-/// bootstrap barrier, so that no rank allocates before every rank got there, and ends with one,
-/// so that no rank launches before every rank is built. Freeing (dropping the executor) follows
-/// the same rule: synchronize, barrier, then drop. Every device wait is bounded by [`ExecutorConfig::timeout`]; a failed
+/// have finished its earlier kernels (synchronize the stream); the build then opens with an
+/// exchange among all ranks (a barrier), so that no rank allocates before every rank got there,
+/// and ends with a barrier, so that no rank launches before every rank is built. A rank that
+/// cannot build (sizes that do not fit the plan, a buffer on another GPU, a kernel that does not
+/// compile) says so at one of those exchanges, and every rank's call fails at once naming it
+/// (MSCCL++ leaves the others waiting). Freeing (dropping the executor) follows the same rule:
+/// synchronize, barrier, then drop. Every device wait is bounded by
+/// [`ExecutorConfig::timeout`]; a failed
 /// wait makes [`check`](Self::check) and the next call return [`ExecError::Device`] naming the
 /// rank waited for, and that plan's resources refuse further runs.
 pub struct Executor {
@@ -395,7 +399,8 @@ impl Executor {
     ///
     /// A build allocates and copies synchronously: every rank's earlier kernels must have
     /// finished (each rank synchronized its stream) before any rank calls this with new buffers
-    /// (see [`Executor`]). The build opens and ends with a bootstrap barrier.
+    /// (see [`Executor`]). The build opens and ends with a meeting of all ranks; a rank that
+    /// cannot build fails every rank's call, named.
     ///
     /// # Safety
     /// `send` and `recv` are device memory of this executor's GPU, `send_size` and `recv_size`
@@ -559,12 +564,27 @@ impl Executor {
         let dev = self.config.device;
         let comm = &self.comm;
         let ctx = comm.context();
-        let layout = Layout::new(plan, rank, send_size, recv_size)?;
+        // What this rank can check alone: the sizes against the plan, the buffers, the channels.
+        let local = (|| -> Result<(Layout, Vec<lower::ChannelLink>), ExecError> {
+            let layout = Layout::new(plan, rank, send_size, recv_size)?;
+            for (p, n, what) in [(send, send_size, "send"), (recv, recv_size, "receive")] {
+                let g = mscclpp::gpu::check_device_range(p, n, what)?;
+                if g != dev {
+                    return Err(Error::invalid_usage(format!(
+                        "the {what} buffer is on GPU{g}, the executor on GPU{dev}"
+                    ))
+                    .into());
+                }
+            }
+            Ok((layout, lower::channel_links(plan, rank)?))
+        })();
         // Nobody allocates, copies synchronously or loads a module (each may wait for the whole
         // GPU) before every rank got here, i.e. is done launching and has synchronized what it
-        // launched before: a peer's kernel still waiting for this rank would never finish.
-        comm.bootstrap().barrier()?;
-        let links = lower::channel_links(plan, rank)?;
+        // launched before: a peer's kernel still waiting for this rank would never finish. The
+        // meeting point also tells every rank whether every other can run the plan: a rank that
+        // cannot fails every rank at once, named, instead of leaving them to a bootstrap timeout.
+        let ((layout, links), _) =
+            agree(comm, &plan.name, "checking its sizes and buffers", local.map(|x| (x, String::new())))?;
         let gpu = &plan.gpus[rank];
         let mut kernels = match self.config.kernel {
             KernelKind::Interpreter => Some(kernels(dev)?),
@@ -572,14 +592,6 @@ impl Executor {
         };
         let flags: TransportFlags = [Transport::CudaIpc, self.config.port_transport].into_iter().collect();
         let scratch = DeviceBuffer::new(ctx, dev, layout.scratch_bytes.max(64) as usize, flags)?;
-        for (p, n, what) in [(send, send_size, "send"), (recv, recv_size, "receive")] {
-            let g = mscclpp::gpu::check_device_range(p, n, what)?;
-            if g != dev {
-                return Err(
-                    Error::invalid_usage(format!("the {what} buffer is on GPU{g}, the executor on GPU{dev}")).into()
-                );
-            }
-        }
         // SAFETY: the caller promises both ranges stay allocated while this executor (which keeps
         // the registrations) lives.
         let send_mem = unsafe { ctx.register_device(send, send_size as usize, flags)? };
@@ -710,49 +722,61 @@ impl Executor {
                     .extend_from_slice(&p.port_channel(id, scratch_id, scratch_id)?.device_handle().base.to_bytes());
             }
         }
-        let low = lower::lower(plan, rank, &layout, &bindings)?;
-        let kernels = match kernels.take() {
-            Some(k) => k,
-            None => plan_kernels(dev, &crate::plan_kernel::source(&low.ops, &low.blocks))
-                .map_err(|e| e.during(format!("building the per-plan kernel of plan {}", plan.name)))?,
-        };
-        let upload = |bytes: &[u8]| -> Result<Option<DeviceBuffer>, Error> {
-            if bytes.is_empty() {
-                return Ok(None);
-            }
-            let b = DeviceBuffer::new(ctx, dev, bytes.len(), TransportFlags::NONE)?;
-            b.write(0, bytes)?;
-            Ok(Some(b))
-        };
-        let mem_bytes: Vec<u8> = mem_channels.iter().flat_map(|c| c.device_handle().to_bytes()).collect();
-        let mem_handles = upload(&mem_bytes)?;
-        let port_handles = upload(&port_bytes)?;
-        // Block b's operations at slots b * stride .. (padded with no-ops), each carrying the
-        // block's count: the kernel copies its block's slots to shared memory in one step.
-        let image = low.device_image();
-        let (stride, nblocks_low) = (image.stride, image.nblocks);
-        let ops_buf = DeviceBuffer::new(
-            ctx,
-            dev,
-            (image.slots.len() * std::mem::size_of::<device::DevOp>()).max(64),
-            TransportFlags::NONE,
-        )?;
-        ops_buf.write(0, &ops_bytes(&image.slots))?;
-        // State: ExecState, barrier counters, semaphores, per-block LL flags.
-        let (bar_off, sem_off, flags_off) = (image.barriers_off, image.sems_off, image.flags_off);
-        let state = DeviceBuffer::new(ctx, dev, image.state.len(), TransportFlags::NONE)?;
-        state.write(0, &image.state)?;
-        let status = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
-        let nblocks = nblocks_low as u32;
+        // Lowering, the kernel and the uploads may fail on one rank only: every rank reports at
+        // the residency exchange below, so that a rank that cannot go on fails the others at once,
+        // named, instead of leaving them at the closing barrier.
         let threads = plan.num_threads_per_block.clamp(32, 1024);
-        // Kernels that wait on each other must all be resident: count the blocks of every rank
-        // on this GPU, and hold them to the fewest blocks per SM that any of those ranks' kernels
-        // allows (per-plan kernels differ between ranks, and ranks may run different kinds): the
-        // same bound on every rank, so that all of them refuse or none does.
-        let per_sm =
-            kernels.ll16.max_active_blocks_per_sm(threads, 0)?.min(kernels.ll8.max_active_blocks_per_sm(threads, 0)?);
-        let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
-        let all = comm.bootstrap().all_gather(format!("{me}|{nblocks}|{per_sm}").as_bytes())?;
+        let prepared = (|| -> Result<_, ExecError> {
+            let low = lower::lower(plan, rank, &layout, &bindings)?;
+            let kernels = match kernels.take() {
+                Some(k) => k,
+                None => plan_kernels(dev, &crate::plan_kernel::source(&low.ops, &low.blocks))
+                    .map_err(|e| e.during(format!("building the per-plan kernel of plan {}", plan.name)))?,
+            };
+            let upload = |bytes: &[u8]| -> Result<Option<DeviceBuffer>, Error> {
+                if bytes.is_empty() {
+                    return Ok(None);
+                }
+                let b = DeviceBuffer::new(ctx, dev, bytes.len(), TransportFlags::NONE)?;
+                b.write(0, bytes)?;
+                Ok(Some(b))
+            };
+            let mem_bytes: Vec<u8> = mem_channels.iter().flat_map(|c| c.device_handle().to_bytes()).collect();
+            let mem_handles = upload(&mem_bytes)?;
+            let port_handles = upload(&port_bytes)?;
+            // Block b's operations at slots b * stride .. (padded with no-ops), each carrying the
+            // block's count: the kernel copies its block's slots to shared memory in one step.
+            let image = low.device_image();
+            let ops_buf = DeviceBuffer::new(
+                ctx,
+                dev,
+                (image.slots.len() * std::mem::size_of::<device::DevOp>()).max(64),
+                TransportFlags::NONE,
+            )?;
+            ops_buf.write(0, &ops_bytes(&image.slots))?;
+            // State: ExecState, barrier counters, semaphores, per-block LL flags.
+            let state = DeviceBuffer::new(ctx, dev, image.state.len(), TransportFlags::NONE)?;
+            state.write(0, &image.state)?;
+            let status = PinnedBuffer::new(ctx, dev, 64, TransportFlags::NONE)?;
+            // Kernels that wait on each other must all be resident: count the blocks of every
+            // rank on this GPU, and hold them to the fewest blocks per SM that any of those
+            // ranks' kernels allows (per-plan kernels differ between ranks, and ranks may run
+            // different kinds): the same bound on every rank, so that all of them refuse or none
+            // does.
+            let per_sm = kernels
+                .ll16
+                .max_active_blocks_per_sm(threads, 0)?
+                .min(kernels.ll8.max_active_blocks_per_sm(threads, 0)?);
+            let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
+            let text = format!("{me}|{}|{per_sm}", image.nblocks);
+            Ok(((low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm), text))
+        })();
+        let ((low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm), all) =
+            agree(comm, &plan.name, "preparing its program", prepared)?;
+        let (stride, nblocks_low) = (image.stride, image.nblocks);
+        let (bar_off, sem_off, flags_off) = (image.barriers_off, image.sems_off, image.flags_off);
+        let nblocks = nblocks_low as u32;
+        let all: Vec<Vec<u8>> = all.into_iter().map(String::into_bytes).collect();
         let (on_gpu, per_sm) = residency(&all, &me, per_sm);
         let fit = u64::from(mscclpp::gpu::sm_count(dev)?) * u64::from(per_sm);
         if on_gpu > fit {
@@ -804,6 +828,42 @@ impl Executor {
             _scratch: scratch,
         })
     }
+}
+
+/// A meeting point of the build: every rank reports that it is ready (with `text` for the others)
+/// or why it cannot go on; all learn of every failure at once. This rank's own failure comes back
+/// as it was; another rank's names it (the first one, by rank). On success, this rank's value and
+/// every rank's text, by rank.
+fn agree<T>(
+    comm: &Communicator,
+    plan: &str,
+    step: &str,
+    mine: Result<(T, String), ExecError>,
+) -> Result<(T, Vec<String>), ExecError> {
+    let report = match &mine {
+        Ok((_, text)) => format!("ok|{text}"),
+        Err(e) => format!("err|{e}"),
+    };
+    let all = comm.bootstrap().all_gather(report.as_bytes())?;
+    let (value, _) = mine?;
+    let mut texts = Vec::with_capacity(all.len());
+    for (r, w) in all.iter().enumerate() {
+        let w = String::from_utf8_lossy(w);
+        match w.split_once('|') {
+            Some(("ok", t)) => texts.push(t.to_string()),
+            Some(("err", why)) => {
+                return Err(Error::remote(format!("rank {r} cannot run plan {plan} ({step}): {why}"))
+                    .with_peer(r)
+                    .into());
+            }
+            _ => {
+                return Err(Error::remote(format!("rank {r} sent an unreadable build report for plan {plan}"))
+                    .with_peer(r)
+                    .into());
+            }
+        }
+    }
+    Ok((value, texts))
 }
 
 /// The thread blocks that the ranks on GPU `me` run together, and the fewest blocks per SM any
@@ -948,6 +1008,60 @@ mod tests {
         assert!(m.get_or_build("c".into(), || Err(Error::internal("no"))).is_err());
         assert_eq!(*m.get_or_build("c".into(), || Ok(3)).unwrap(), 3);
         assert_eq!(builds.load(Ordering::Relaxed), 2);
+    }
+
+    /// A build's meeting point: a rank that cannot go on fails every other rank at once, named,
+    /// with its reason; its own error comes back unchanged; with none failing, every rank's text
+    /// comes back in rank order.
+    #[test]
+    fn agree_names_the_rank_that_cannot_go_on() {
+        use mscclpp::{Bootstrap, RootServer, TcpBootstrap};
+        let run = |fail: Option<usize>| -> Vec<Result<(usize, Vec<String>), ExecError>> {
+            let n = 3;
+            let (root, id) = RootServer::start(n, Duration::from_secs(30)).unwrap();
+            let out = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..n)
+                    .map(|rank| {
+                        let id = id.clone();
+                        s.spawn(move || {
+                            let bs = Arc::new(
+                                TcpBootstrap::config(rank, n).timeout(Duration::from_secs(30)).initialize(&id).unwrap(),
+                            );
+                            let comm = Communicator::new(bs.clone());
+                            let mine = if fail == Some(rank) {
+                                Err(LowerError::Size { send: 7, recv: 7, reason: "not whole chunks".into() }.into())
+                            } else {
+                                Ok((rank * 10, format!("r{rank}")))
+                            };
+                            let r = agree(&comm, "p", "checking its sizes", mine);
+                            bs.barrier().unwrap();
+                            r
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+            });
+            drop(root);
+            out
+        };
+        for (rank, r) in run(None).into_iter().enumerate() {
+            let (v, texts) = r.unwrap();
+            assert_eq!((v, texts), (rank * 10, vec!["r0".to_string(), "r1".into(), "r2".into()]));
+        }
+        let res = run(Some(1));
+        match &res[1] {
+            Err(ExecError::Lower(LowerError::Size { reason, .. })) => assert_eq!(reason, "not whole chunks"),
+            other => panic!("rank 1's own error changed: {other:?}"),
+        }
+        for r in [0, 2] {
+            let Err(ExecError::Mscclpp(e)) = &res[r] else { panic!("rank {r}: {:?}", res[r]) };
+            assert_eq!(e.peer(), Some(1), "{e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("rank 1 cannot run plan p (checking its sizes)") && msg.contains("not whole chunks"),
+                "{msg}"
+            );
+        }
     }
 
     #[test]
