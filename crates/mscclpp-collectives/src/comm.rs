@@ -250,11 +250,24 @@ impl Collectives {
     /// bootstrap and CUDA errors naming the peer.
     pub fn new(comm: &Communicator, config: Config) -> Result<Collectives> {
         let (rank, nranks, dev) = (comm.rank(), comm.size(), config.device);
-        let layout = Layout::new(nranks, config.packet_bytes, config.simple_bytes)?;
-        let kernels = kernels::kernels(dev)?;
+        // What this rank sets up alone; a rank that cannot (no NVRTC, a kernel that does not
+        // compile, a bad configuration) fails every rank at the first exchange, named, instead of
+        // leaving them waiting for it until the bootstrap timeout.
+        let local = (|| -> Result<_> {
+            let layout = Layout::new(nranks, config.packet_bytes, config.simple_bytes)?;
+            let kernels = kernels::kernels(dev)?;
+            let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
+            Ok((layout, kernels, me))
+        })();
+        let why = local.as_ref().err().map(ToString::to_string);
         // Which ranks share this GPU: kernels that wait on each other must all be resident.
-        let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
-        let all = comm.bootstrap().all_gather(me.as_bytes())?;
+        let report = match (&local, &why) {
+            (Ok((_, _, me)), _) => Ok(me.as_bytes()),
+            (Err(_), w) => Err(w.as_deref().unwrap_or_default()),
+        };
+        let all = comm.bootstrap().all_gather_ready(report, "setting up the collectives");
+        let (layout, kernels, me) = local?;
+        let all = all?;
         let my_host = me.split('/').next().unwrap_or_default();
         for (p, who) in all.iter().enumerate() {
             if String::from_utf8_lossy(who).split('/').next() != Some(my_host) {

@@ -395,7 +395,9 @@ impl PointToPoint {
         // Every rank is here (done launching, its streams synchronized) before any loads a
         // module or allocates: either may wait for the whole GPU.
         let all = comm.bootstrap().all_gather(me.as_bytes())?;
-        let kernels = kernels::load("point-to-point", "p2p.cu", dev, source, names)?;
+        // A rank whose kernel does not load still takes part in the block-cap exchange below,
+        // so that every rank fails there, named, instead of waiting for it.
+        let kernels = kernels::load("point-to-point", "p2p.cu", dev, source, names);
         let my_host = me.split('/').next().unwrap_or_default();
         for (p, who) in all.iter().enumerate() {
             if String::from_utf8_lossy(who).split('/').next() != Some(my_host) {
@@ -406,12 +408,22 @@ impl PointToPoint {
             }
         }
         let on_gpu = all.iter().filter(|w| w.as_slice() == me.as_bytes()).count();
-        let sms = mscclpp::gpu::sm_count(dev)?;
-        let per_sm = kernels.min_blocks_per_sm(THREADS)?.max(1);
-        let cap = crate::select::residency_cap(sms, per_sm, on_gpu)?;
         let channels_max = (2 * nranks.saturating_sub(1) + 1) as u32;
-        let mut bmax = (cap / channels_max).clamp(1, config.max_blocks_per_peer.clamp(1, u16::MAX as u32));
-        for c in comm.bootstrap().all_gather(&bmax.to_le_bytes())? {
+        let mine = kernels.and_then(|k| {
+            let sms = mscclpp::gpu::sm_count(dev)?;
+            let per_sm = k.min_blocks_per_sm(THREADS)?.max(1);
+            let cap = crate::select::residency_cap(sms, per_sm, on_gpu)?;
+            Ok((k, (cap / channels_max).clamp(1, config.max_blocks_per_peer.clamp(1, u16::MAX as u32))))
+        });
+        let why = mine.as_ref().err().map(ToString::to_string);
+        let bytes = mine.as_ref().map(|(_, b)| b.to_le_bytes()).unwrap_or_default();
+        let report = match &why {
+            None => Ok(&bytes[..]),
+            Some(w) => Err(w.as_str()),
+        };
+        let caps = comm.bootstrap().all_gather_ready(report, "setting up the point-to-point path");
+        let (kernels, mut bmax) = mine?;
+        for c in caps? {
             let c: [u8; 4] = c.as_slice().try_into().map_err(|_| Error::remote("a peer sent a malformed block cap"))?;
             bmax = bmax.min(u32::from_le_bytes(c).max(1));
         }

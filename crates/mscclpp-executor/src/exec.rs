@@ -840,30 +840,14 @@ fn agree<T>(
     step: &str,
     mine: Result<(T, String), ExecError>,
 ) -> Result<(T, Vec<String>), ExecError> {
-    let report = match &mine {
-        Ok((_, text)) => format!("ok|{text}"),
-        Err(e) => format!("err|{e}"),
+    let why = mine.as_ref().err().map(ToString::to_string);
+    let report = match (&mine, &why) {
+        (Ok((_, text)), _) => Ok(text.as_bytes()),
+        (Err(_), w) => Err(w.as_deref().unwrap_or_default()),
     };
-    let all = comm.bootstrap().all_gather(report.as_bytes())?;
+    let all = comm.bootstrap().all_gather_ready(report, &format!("plan {plan}: {step}"));
     let (value, _) = mine?;
-    let mut texts = Vec::with_capacity(all.len());
-    for (r, w) in all.iter().enumerate() {
-        let w = String::from_utf8_lossy(w);
-        match w.split_once('|') {
-            Some(("ok", t)) => texts.push(t.to_string()),
-            Some(("err", why)) => {
-                return Err(Error::remote(format!("rank {r} cannot run plan {plan} ({step}): {why}"))
-                    .with_peer(r)
-                    .into());
-            }
-            _ => {
-                return Err(Error::remote(format!("rank {r} sent an unreadable build report for plan {plan}"))
-                    .with_peer(r)
-                    .into());
-            }
-        }
-    }
-    Ok((value, texts))
+    Ok((value, all?.into_iter().map(|b| String::from_utf8_lossy(&b).into_owned()).collect()))
 }
 
 /// The thread blocks that the ranks on GPU `me` run together, and the fewest blocks per SM any
@@ -1058,7 +1042,7 @@ mod tests {
             assert_eq!(e.peer(), Some(1), "{e}");
             let msg = e.to_string();
             assert!(
-                msg.contains("rank 1 cannot run plan p (checking its sizes)") && msg.contains("not whole chunks"),
+                msg.contains("rank 1 cannot go on (plan p: checking its sizes)") && msg.contains("not whole chunks"),
                 "{msg}"
             );
         }

@@ -189,13 +189,25 @@ impl TwoLevel {
     /// without CUDA or NVRTC; connection, bootstrap and CUDA errors naming the peer.
     pub fn new(comm: &Communicator, config: HierConfig) -> Result<TwoLevel> {
         let (rank, nranks, dev) = (comm.rank(), comm.size(), config.device);
-        let topo = Topology::new(nranks, config.ranks_per_node)?;
-        let layout = Layout::new(&topo, config.round_bytes)?;
-        let inter_t = config.inter.transport;
-        let kernels = kernels::kernels(dev)?;
+        // What this rank sets up alone; a rank that cannot fails every rank at the first
+        // exchange, named, instead of leaving them waiting for it until the bootstrap timeout.
+        let local = (|| -> Result<_> {
+            let topo = Topology::new(nranks, config.ranks_per_node)?;
+            let layout = Layout::new(&topo, config.round_bytes)?;
+            let kernels = kernels::kernels(dev)?;
+            let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
+            Ok((topo, layout, kernels, me))
+        })();
+        let why = local.as_ref().err().map(ToString::to_string);
         // Kernels of every rank sharing this GPU wait on each other: all must be resident.
-        let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
-        let all = comm.bootstrap().all_gather(me.as_bytes())?;
+        let report = match (&local, &why) {
+            (Ok((_, _, _, me)), _) => Ok(me.as_bytes()),
+            (Err(_), w) => Err(w.as_deref().unwrap_or_default()),
+        };
+        let all = comm.bootstrap().all_gather_ready(report, "setting up the two-level collectives");
+        let (topo, layout, kernels, me) = local?;
+        let all = all?;
+        let inter_t = config.inter.transport;
         let on_gpu = all.iter().filter(|w| w.as_slice() == me.as_bytes()).count().max(1) as u32;
         let sms = mscclpp::gpu::sm_count(dev)?;
         let per_sm = kernels.min_blocks_per_sm(THREADS)?;

@@ -84,6 +84,69 @@ pub trait Bootstrap: Send + Sync {
         .ok_or_else(|| Error::internal("a tree all_gather without a size limit overflowed").during(what))
     }
 
+    /// [`all_gather`](Self::all_gather) for a step of a collective setup where a rank may be
+    /// unable to go on: each rank gives `Ok(data)` or `Err(reason)`. Without a failure, every
+    /// rank's data by rank; with one, on every rank (the failing ones too), an error naming the
+    /// first failing rank (its [`peer`](crate::Error::peer)), the step and the reason, so that
+    /// no rank is left waiting for a peer that gave up until a timeout. A failing rank usually
+    /// returns its own, more precise error instead (it still has to call this: the others wait
+    /// for its part).
+    ///
+    /// ```
+    /// # use mscclpp::{Bootstrap, RootServer, TcpBootstrap};
+    /// # use std::time::Duration;
+    /// let (root, id) = RootServer::start(2, Duration::from_secs(10))?;
+    /// let errs: Vec<String> = std::thread::scope(|s| {
+    ///     let hs: Vec<_> = (0..2)
+    ///         .map(|rank| {
+    ///             let id = id.clone();
+    ///             s.spawn(move || {
+    ///                 let bs = TcpBootstrap::config(rank, 2).initialize(&id).unwrap();
+    ///                 let mine: Result<&[u8], &str> = if rank == 1 { Err("no GPU") } else { Ok(b"ready") };
+    ///                 bs.all_gather_ready(mine, "opening the plan").unwrap_err().to_string()
+    ///             })
+    ///         })
+    ///         .collect();
+    ///     hs.into_iter().map(|h| h.join().unwrap()).collect()
+    /// });
+    /// assert!(errs[0].contains("rank 1") && errs[0].contains("no GPU"));
+    /// drop(root);
+    /// # Ok::<(), mscclpp::Error>(())
+    /// ```
+    fn all_gather_ready(&self, mine: std::result::Result<&[u8], &str>, step: &str) -> Result<Vec<Vec<u8>>> {
+        let mut msg = Vec::new();
+        match mine {
+            Ok(d) => {
+                msg.push(0u8);
+                msg.extend_from_slice(d);
+            }
+            Err(why) => {
+                msg.push(1u8);
+                msg.extend_from_slice(why.as_bytes());
+            }
+        }
+        let all = self.all_gather(&msg).map_err(|e| e.during(step.to_string()))?;
+        let mut out = Vec::with_capacity(all.len());
+        for (r, m) in all.into_iter().enumerate() {
+            match m.split_first() {
+                Some((0, d)) => out.push(d.to_vec()),
+                Some((1, why)) => {
+                    return Err(Error::remote(format!(
+                        "rank {r} cannot go on ({step}): {}",
+                        String::from_utf8_lossy(why)
+                    ))
+                    .with_peer(r));
+                }
+                _ => {
+                    return Err(
+                        Error::remote(format!("rank {r} sent a malformed readiness report ({step})")).with_peer(r)
+                    );
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// `root`'s `data`, on every rank (other ranks' `data` is ignored).
     ///
     /// The default climbs from `root` to rank 0 along the binary tree, then goes down it: at
@@ -203,6 +266,48 @@ mod tests {
                 assert!(s.is_subset(&tree), "{n} ranks: rank {r} sent to {s:?}, outside its tree peers {tree:?}");
             }
             assert!(job.boxes.lock().unwrap().values().all(|q| q.is_empty()), "{n} ranks: messages left over");
+        }
+    }
+
+    /// A rank that cannot go on fails every rank's `all_gather_ready`, named (the first failing
+    /// rank, by rank), its reason and the step in the message; without one, the data by rank.
+    #[test]
+    fn all_gather_ready_names_the_rank_that_cannot_go_on() {
+        for fail in [None, Some(vec![2]), Some(vec![1, 3])] {
+            let n = 4;
+            let job = Arc::new(Mem {
+                boxes: Mutex::new(HashMap::new()),
+                cond: Condvar::new(),
+                sent_to: (0..n).map(|_| Mutex::new(BTreeSet::new())).collect(),
+            });
+            let hs: Vec<_> = (0..n)
+                .map(|rank| {
+                    let bs = MemRank { rank, job: job.clone() };
+                    let fail = fail.clone();
+                    std::thread::spawn(move || {
+                        let why = format!("rank {rank}'s own reason");
+                        let data = vec![rank as u8; rank];
+                        let mine = match &fail {
+                            Some(f) if f.contains(&rank) => Err(why.as_str()),
+                            _ => Ok(data.as_slice()),
+                        };
+                        bs.all_gather_ready(mine, "the test step")
+                    })
+                })
+                .collect();
+            for h in hs {
+                let r = h.join().unwrap();
+                match &fail {
+                    None => assert_eq!(r.unwrap(), (0..n).map(|i| vec![i as u8; i]).collect::<Vec<_>>()),
+                    Some(f) => {
+                        let e = r.unwrap_err();
+                        assert_eq!(e.peer(), Some(f[0]), "{e}");
+                        let m = e.to_string();
+                        let want = format!("rank {0} cannot go on (the test step): rank {0}'s own reason", f[0]);
+                        assert!(m.contains(&want), "{m}");
+                    }
+                }
+            }
         }
     }
 }
