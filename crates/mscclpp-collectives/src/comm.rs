@@ -280,13 +280,24 @@ impl Collectives {
         let on_gpu = all.iter().filter(|w| w.as_slice() == me.as_bytes()).count();
         let ranks_per_node =
             all.iter().filter(|w| String::from_utf8_lossy(w).split('/').next() == Some(my_host)).count();
-        let sms = mscclpp::gpu::sm_count(dev)?;
-        let per_sm = kernels.min_blocks_per_sm(512)?.max(1);
         let mut limits = config.limits;
-        limits.max_blocks = limits.max_blocks.min(select::residency_cap(sms, per_sm, on_gpu)?);
+        // Only the ranks on this GPU refuse too many ranks sharing it: the others learn of it at
+        // the cap exchange, named, instead of waiting for them there.
+        let cap = (|| -> Result<u32> {
+            let sms = mscclpp::gpu::sm_count(dev)?;
+            let per_sm = kernels.min_blocks_per_sm(512)?.max(1);
+            select::residency_cap(sms, per_sm, on_gpu)
+        })();
+        let why = cap.as_ref().err().map(ToString::to_string);
+        let bytes = cap.as_ref().map(|c| limits.max_blocks.min(*c).to_le_bytes()).unwrap_or_default();
+        let report = match &why {
+            None => Ok(&bytes[..]),
+            Some(w) => Err(w.as_str()),
+        };
         // Every rank plans with the same cap (the smallest), so their default plans agree.
-        let caps = comm.bootstrap().all_gather(&limits.max_blocks.to_le_bytes())?;
-        for c in caps {
+        let caps = comm.bootstrap().all_gather_ready(report, "agreeing on the collectives' block cap");
+        limits.max_blocks = limits.max_blocks.min(cap?);
+        for c in caps? {
             let c: [u8; 4] = c.as_slice().try_into().map_err(|_| Error::remote("a peer sent a malformed block cap"))?;
             limits.max_blocks = limits.max_blocks.min(u32::from_le_bytes(c).max(1));
         }

@@ -391,10 +391,18 @@ impl PointToPoint {
         let (rank, nranks, dev) = (comm.rank(), comm.size(), config.device);
         let slot_bytes = config.slot_bytes.max(16).div_ceil(16) * 16;
         let slots = config.slots.max(1);
-        let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
+        let me = mscclpp::gpu::pci_bus_id(dev).map(|id| format!("{:x}/{id}", mscclpp::host_hash()));
+        let why = me.as_ref().err().map(ToString::to_string);
+        let report = match (&me, &why) {
+            (Ok(me), _) => Ok(me.as_bytes()),
+            (Err(_), w) => Err(w.as_deref().unwrap_or_default()),
+        };
         // Every rank is here (done launching, its streams synchronized) before any loads a
-        // module or allocates: either may wait for the whole GPU.
-        let all = comm.bootstrap().all_gather(me.as_bytes())?;
+        // module or allocates: either may wait for the whole GPU. A rank without its GPU fails
+        // every rank here, named.
+        let all = comm.bootstrap().all_gather_ready(report, "lining up for the point-to-point path");
+        let me = me?;
+        let all = all?;
         // A rank whose kernel does not load still takes part in the block-cap exchange below,
         // so that every rank fails there, named, instead of waiting for it.
         let kernels = kernels::load("point-to-point", "p2p.cu", dev, source, names);

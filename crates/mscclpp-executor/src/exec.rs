@@ -362,14 +362,14 @@ impl Resources {
 /// waiting for it deadlocks until that kernel's timeout. So before such a call every rank must
 /// have finished its earlier kernels (synchronize the stream); the build then opens with an
 /// exchange among all ranks (a barrier), so that no rank allocates before every rank got there,
-/// and ends with a barrier, so that no rank launches before every rank is built. A rank that
+/// and ends with another, so that no rank launches before every rank is built. A rank that
 /// cannot build (sizes that do not fit the plan, a buffer on another GPU, a kernel that does not
-/// compile) says so at one of those exchanges, and every rank's call fails at once naming it
-/// (MSCCL++ leaves the others waiting). Freeing (dropping the executor) follows the same rule:
-/// synchronize, barrier, then drop. Every device wait is bounded by
-/// [`ExecutorConfig::timeout`]; a failed
-/// wait makes [`check`](Self::check) and the next call return [`ExecError::Device`] naming the
-/// rank waited for, and that plan's resources refuse further runs.
+/// compile, blocks that cannot all be resident) says so at one of those exchanges, and every
+/// rank's call fails at once naming it (MSCCL++ leaves the others waiting). Freeing (dropping
+/// the executor) follows the same rule: synchronize, barrier, then drop. Every device wait is
+/// bounded by [`ExecutorConfig::timeout`]; a failed wait makes [`check`](Self::check) and the
+/// next call return [`ExecError::Device`] naming the rank waited for, and that plan's resources
+/// refuse further runs.
 pub struct Executor {
     comm: Communicator,
     config: ExecutorConfig,
@@ -527,22 +527,8 @@ impl Executor {
         if let Some(r) = self.contexts.get(&key)? {
             return Ok(r);
         }
-        if rank != self.comm.rank() {
-            return Err(Error::invalid_usage(format!(
-                "execute: rank {rank} given, the communicator's rank is {}",
-                self.comm.rank()
-            ))
-            .into());
-        }
-        if plan.plan.gpus.len() != self.comm.size() {
-            return Err(Error::invalid_usage(format!(
-                "plan {} is for {} ranks, the communicator has {}",
-                plan.name(),
-                plan.plan.gpus.len(),
-                self.comm.size()
-            ))
-            .into());
-        }
+        // The rank and the plan's size are checked in the build, at its first exchange: a rank
+        // that refuses them fails every rank there, named.
         let seq = self.next_ctx.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the caller's contract.
         let r = Arc::new(unsafe { self.build(seq, rank, send, recv, send_size, recv_size, &plan.plan) }?);
@@ -566,6 +552,22 @@ impl Executor {
         let ctx = comm.context();
         // What this rank can check alone: the sizes against the plan, the buffers, the channels.
         let local = (|| -> Result<(Layout, Vec<lower::ChannelLink>), ExecError> {
+            if rank != comm.rank() {
+                return Err(Error::invalid_usage(format!(
+                    "execute: rank {rank} given, the communicator's rank is {}",
+                    comm.rank()
+                ))
+                .into());
+            }
+            if plan.gpus.len() != comm.size() {
+                return Err(Error::invalid_usage(format!(
+                    "plan {} is for {} ranks, the communicator has {}",
+                    plan.name,
+                    plan.gpus.len(),
+                    comm.size()
+                ))
+                .into());
+            }
             let layout = Layout::new(plan, rank, send_size, recv_size)?;
             for (p, n, what) in [(send, send_size, "send"), (recv, recv_size, "receive")] {
                 let g = mscclpp::gpu::check_device_range(p, n, what)?;
@@ -586,10 +588,6 @@ impl Executor {
         let ((layout, links), _) =
             agree(comm, &plan.name, "checking its sizes and buffers", local.map(|x| (x, String::new())))?;
         let gpu = &plan.gpus[rank];
-        let mut kernels = match self.config.kernel {
-            KernelKind::Interpreter => Some(kernels(dev)?),
-            KernelKind::PerPlan => None,
-        };
         let flags: TransportFlags = [Transport::CudaIpc, self.config.port_transport].into_iter().collect();
         let scratch = DeviceBuffer::new(ctx, dev, layout.scratch_bytes.max(64) as usize, flags)?;
         // SAFETY: the caller promises both ranges stay allocated while this executor (which keeps
@@ -728,9 +726,11 @@ impl Executor {
         let threads = plan.num_threads_per_block.clamp(32, 1024);
         let prepared = (|| -> Result<_, ExecError> {
             let low = lower::lower(plan, rank, &layout, &bindings)?;
-            let kernels = match kernels.take() {
-                Some(k) => k,
-                None => plan_kernels(dev, &crate::plan_kernel::source(&low.ops, &low.blocks))
+            // The interpreter's kernels too (NVRTC, a module load): a rank without them says so
+            // here rather than leaving the others at this exchange.
+            let kernels = match self.config.kernel {
+                KernelKind::Interpreter => kernels(dev)?,
+                KernelKind::PerPlan => plan_kernels(dev, &crate::plan_kernel::source(&low.ops, &low.blocks))
                     .map_err(|e| e.during(format!("building the per-plan kernel of plan {}", plan.name)))?,
             };
             let upload = |bytes: &[u8]| -> Result<Option<DeviceBuffer>, Error> {
@@ -777,19 +777,25 @@ impl Executor {
         let (bar_off, sem_off, flags_off) = (image.barriers_off, image.sems_off, image.flags_off);
         let nblocks = nblocks_low as u32;
         let all: Vec<Vec<u8>> = all.into_iter().map(String::into_bytes).collect();
-        let (on_gpu, per_sm) = residency(&all, &me, per_sm);
-        let fit = u64::from(mscclpp::gpu::sm_count(dev)?) * u64::from(per_sm);
-        if on_gpu > fit {
-            return Err(Error::invalid_usage(format!(
-                "the ranks on GPU{dev} run {on_gpu} thread blocks of {threads} threads; only {fit} fit at once, and blocks that wait on each other must all be resident"
-            ))
-            .into());
-        }
-        if let Some(p) = proxy.as_mut() {
-            p.start()?;
-        }
+        // Only the ranks on this GPU refuse a count of blocks that cannot all be resident, and the
+        // proxy may fail to start on one rank only: the closing meeting carries either, so that
+        // the ranks on other GPUs fail at once too, named, instead of waiting for them there.
+        let started = (|| -> Result<((), String), ExecError> {
+            let (on_gpu, per_sm) = residency(&all, &me, per_sm);
+            let fit = u64::from(mscclpp::gpu::sm_count(dev)?) * u64::from(per_sm);
+            if on_gpu > fit {
+                return Err(Error::invalid_usage(format!(
+                    "the ranks on GPU{dev} run {on_gpu} thread blocks of {threads} threads; only {fit} fit at once, and blocks that wait on each other must all be resident"
+                ))
+                .into());
+            }
+            if let Some(p) = proxy.as_mut() {
+                p.start()?;
+            }
+            Ok(((), String::new()))
+        })();
         // Nobody launches before every rank has its resources.
-        comm.bootstrap().barrier()?;
+        agree(comm, &plan.name, "starting", started)?;
         let args = ExecArgs {
             input: send,
             output: recv,

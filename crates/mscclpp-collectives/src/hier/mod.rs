@@ -196,27 +196,36 @@ impl TwoLevel {
             let layout = Layout::new(&topo, config.round_bytes)?;
             let kernels = kernels::kernels(dev)?;
             let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
-            Ok((topo, layout, kernels, me))
+            let sms = mscclpp::gpu::sm_count(dev)?;
+            let per_sm = kernels.min_blocks_per_sm(THREADS)?;
+            Ok((topo, layout, kernels, me, sms, per_sm))
         })();
         let why = local.as_ref().err().map(ToString::to_string);
-        // Kernels of every rank sharing this GPU wait on each other: all must be resident.
-        let report = match (&local, &why) {
-            (Ok((_, _, _, me)), _) => Ok(me.as_bytes()),
-            (Err(_), w) => Err(w.as_deref().unwrap_or_default()),
+        // Kernels of every rank sharing this GPU wait on each other: all must be resident. Every
+        // rank tells its GPU and how many blocks that GPU holds at once, so that every rank
+        // checks every GPU: ranks on a crowded GPU fail the others at once, named.
+        let text = local.as_ref().map(|(.., me, sms, per_sm)| format!("{me}|{}", sms * per_sm)).unwrap_or_default();
+        let report = match &why {
+            None => Ok(text.as_bytes()),
+            Some(w) => Err(w.as_str()),
         };
         let all = comm.bootstrap().all_gather_ready(report, "setting up the two-level collectives");
-        let (topo, layout, kernels, me) = local?;
-        let all = all?;
+        let (topo, layout, kernels, me, sms, per_sm) = local?;
+        let gpus = gpus_and_room(&all?);
         let inter_t = config.inter.transport;
-        let on_gpu = all.iter().filter(|w| w.as_slice() == me.as_bytes()).count().max(1) as u32;
-        let sms = mscclpp::gpu::sm_count(dev)?;
-        let per_sm = kernels.min_blocks_per_sm(THREADS)?;
+        let on_gpu = gpus.iter().filter(|(g, _)| *g == me).count().max(1) as u32;
         let fit = (sms * per_sm) / on_gpu;
         if fit == 0 {
             return Err(Error::invalid_usage(format!(
                 "{on_gpu} ranks share GPU{dev}: their two-level kernels cannot all be resident at once ({sms} SMs, \
                  {per_sm} blocks each)"
             )));
+        }
+        if let Some((r, on)) = first_crowded(&gpus) {
+            return Err(Error::invalid_usage(format!(
+                "{on} ranks share rank {r}'s GPU: their two-level kernels cannot all be resident at once"
+            ))
+            .with_peer(r));
         }
         let blocks = config.max_blocks.clamp(1, fit);
 
@@ -542,4 +551,51 @@ impl TwoLevel {
 /// The CUDA source of the two-level kernels (the device header included by name).
 pub fn kernel_source() -> String {
     kernels::source()
+}
+
+/// Every rank's GPU and how many two-level blocks it holds at once, by rank, from each rank's
+/// `"{gpu}|{blocks}"` (a rank that sent no count holds none).
+fn gpus_and_room(all: &[Vec<u8>]) -> Vec<(String, u64)> {
+    all.iter()
+        .map(|w| {
+            let w = String::from_utf8_lossy(w);
+            match w.rsplit_once('|') {
+                Some((g, room)) => (g.to_string(), room.parse().unwrap_or(0)),
+                None => (w.into_owned(), 0),
+            }
+        })
+        .collect()
+}
+
+/// The first rank (by rank) on a GPU that cannot hold one block of every rank on it at once,
+/// and how many ranks share that GPU.
+fn first_crowded(gpus: &[(String, u64)]) -> Option<(usize, usize)> {
+    let mut on = std::collections::HashMap::new();
+    for (g, _) in gpus {
+        *on.entry(g.as_str()).or_insert(0usize) += 1;
+    }
+    gpus.iter().enumerate().find_map(|(r, (g, room))| {
+        let n = on[g.as_str()];
+        (*room / n as u64 == 0).then_some((r, n))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank finds the first rank whose GPU is crowded, its own GPU or another.
+    #[test]
+    fn a_crowded_gpu_is_found_by_every_rank() {
+        let all = |v: &[&str]| v.iter().map(|s| s.as_bytes().to_vec()).collect::<Vec<_>>();
+        let g = gpus_and_room(&all(&["h/0|4", "h/1|2", "h/1|2", "h/0|4"]));
+        assert_eq!(g[1], ("h/1".to_string(), 2));
+        assert_eq!(first_crowded(&g), None);
+        let g = gpus_and_room(&all(&["h/0|4", "h/1|2", "h/1|2", "h/1|2"]));
+        assert_eq!(first_crowded(&g), Some((1, 3)));
+        // A GPU id with '|' in it, a count that does not parse.
+        let g = gpus_and_room(&all(&["a|b|8", "x/9|many"]));
+        assert_eq!(g, vec![("a|b".to_string(), 8), ("x/9".to_string(), 0)]);
+        assert_eq!(first_crowded(&g), Some((1, 1)));
+    }
 }

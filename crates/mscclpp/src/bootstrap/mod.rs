@@ -285,7 +285,8 @@ mod tests {
                     let bs = MemRank { rank, job: job.clone() };
                     let fail = fail.clone();
                     std::thread::spawn(move || {
-                        let why = format!("rank {rank}'s own reason");
+                        // Bytes that frame nothing: '|', a NUL, the readiness flag's values.
+                        let why = format!("rank {rank}'s own reason|\0\u{1}");
                         let data = vec![rank as u8; rank];
                         let mine = match &fail {
                             Some(f) if f.contains(&rank) => Err(why.as_str()),
@@ -302,8 +303,10 @@ mod tests {
                     Some(f) => {
                         let e = r.unwrap_err();
                         assert_eq!(e.peer(), Some(f[0]), "{e}");
+                        assert_eq!(e.kind(), crate::ErrorKind::Remote, "{e}");
                         let m = e.to_string();
-                        let want = format!("rank {0} cannot go on (the test step): rank {0}'s own reason", f[0]);
+                        let want =
+                            format!("rank {0} cannot go on (the test step): rank {0}'s own reason|\0\u{1}", f[0]);
                         assert!(m.contains(&want), "{m}");
                     }
                 }
