@@ -315,8 +315,8 @@ __global__ void __launch_bounds__(1024, 1) k_ops(const __grid_constant__ ExecArg
 }
 
 // ---------------------------------------------------------------------------------------------
-// interp-param: the interpreter's run<PL16> (kernel.cu) with one change, the ops read from the
-// kernel's parameters. 32 slots: the largest case (16 blocks x 2 ops); 31.6 KB of parameters
+// interp-param: the interpreter's run<PL16> (kernel.cu: begin, run_ops, finish) with one change,
+// the ops read from the kernel's parameters. 32 slots: the largest case (16 blocks x 2 ops); 31.6 KB of parameters
 // (CUDA 12.1+ allows 32764 bytes).
 
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
@@ -329,50 +329,13 @@ static_assert(sizeof(ParamProgram) <= 32764, "kernel parameters past CUDA's limi
 
 extern "C" __global__ void __launch_bounds__(1024, 1) bk_exec_param(const __grid_constant__ ParamProgram p) {
   const ExecArgs& a = p.a;
-  __shared__ u32 s_flag;
-  __shared__ u32 s_stop;
-  ExecState* st = (ExecState*)a.state;
-  u32* my_flag = (u32*)a.flags + blockIdx.x;
-  if (threadIdx.x == 0) {
-    s_flag = vload(my_flag);
-    s_stop = vload(&st->failed) != 0 ? 1u : 0u;
-  }
+  __shared__ Start s;
+  begin(a, s);
   __syncthreads();
   Ctx c;
-  c.a = &a;
-  c.flag = s_flag;
-  c.deadline = 0;
-  c.block = blockIdx.x;
-  c.op = 0xffff;
-  c.scratch_off = (a.scratch_half != 0 && (c.flag & 1u) == 0) ? a.scratch_half : 0;
-  c.buf[0] = (char*)a.input;
-  c.buf[1] = (char*)a.output;
-  c.buf[2] = (char*)a.scratch + c.scratch_off;
-  if (s_stop) {
-    if (threadIdx.x == 0) fail(c, ERR_FAILED_BEFORE, NO_PEER);
-    return;
-  }
-  const DevOp* ops = p.ops + (u64)blockIdx.x * a.ops_stride;
-  const u32 count = ops[0].block_ops;
-  for (u32 i = 0; i < count;) {
-    const DevOp& op = ops[i];
-    c.op = i;
-    if (op.kind == OP_pipeline) {
-      for (u32 it = 0; it < op.n_iter; it++) {
-        for (u32 j = 1; j <= op.n_body && i + j < count; j++) {
-          c.op = i + j;
-          exec_op<PL16>(c, ops[i + j], (u64)it * op.unit_size, op.unit_size);
-          __syncthreads();
-        }
-      }
-      i += 1 + op.n_body;
-    } else {
-      exec_op<PL16>(c, op, 0, ~0ull);
-      i++;
-      if (i < count && !packets_then_packets(op.kind, op.ctype, ops[i].kind, ops[i].ctype)) __syncthreads();
-    }
-  }
-  if (threadIdx.x == 0) *my_flag = c.flag + 1 == 0 ? 2u : c.flag + 1;
+  if (!begin_ctx(a, s, c)) return;
+  run_ops<PL16>(c, p.ops + (u64)blockIdx.x * a.ops_stride);
+  finish(a, c);
 }
 #endif
 

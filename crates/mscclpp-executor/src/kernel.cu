@@ -640,23 +640,9 @@ __device__ __forceinline__ void finish(const ExecArgs& a, const Ctx& c) {
 // every thread instead of a chain of global loads per operation); else read where they are.
 #define SHARED_OPS_BYTES 12288
 
-// The interpreter: block b runs the ops of its slots, whatever their shape.
+// The interpreter's loop over one block's slots (`ops`), whatever their shape.
 template <typename PK>
-__device__ void run(const ExecArgs& a) {
-  __shared__ Start s;
-  __shared__ __align__(16) u64 s_ops[SHARED_OPS_BYTES / 8];
-  const DevOp* g_ops = (const DevOp*)a.ops + (u64)blockIdx.x * a.ops_stride;
-  const u64 op_bytes = a.ops_stride * sizeof(DevOp);
-  const bool in_shared = op_bytes <= SHARED_OPS_BYTES;
-  if (in_shared) {
-    const u64* src = (const u64*)g_ops;
-    for (u32 i = threadIdx.x; i < op_bytes / 8; i += blockDim.x) s_ops[i] = src[i];
-  }
-  begin(a, s);
-  __syncthreads();
-  Ctx c;
-  if (!begin_ctx(a, s, c)) return;
-  const DevOp* ops = in_shared ? (const DevOp*)s_ops : g_ops;
+__device__ void run_ops(Ctx& c, const DevOp* ops) {
   const u32 count = ops[0].block_ops;
   for (u32 i = 0; i < count;) {
     const DevOp& op = ops[i];
@@ -676,6 +662,25 @@ __device__ void run(const ExecArgs& a) {
       if (i < count && !packets_then_packets(op.kind, op.ctype, ops[i].kind, ops[i].ctype)) __syncthreads();
     }
   }
+}
+
+// The interpreter: block b runs the ops of its slots, whatever their shape.
+template <typename PK>
+__device__ void run(const ExecArgs& a) {
+  __shared__ Start s;
+  __shared__ __align__(16) u64 s_ops[SHARED_OPS_BYTES / 8];
+  const DevOp* g_ops = (const DevOp*)a.ops + (u64)blockIdx.x * a.ops_stride;
+  const u64 op_bytes = a.ops_stride * sizeof(DevOp);
+  const bool in_shared = op_bytes <= SHARED_OPS_BYTES;
+  if (in_shared) {
+    const u64* src = (const u64*)g_ops;
+    for (u32 i = threadIdx.x; i < op_bytes / 8; i += blockDim.x) s_ops[i] = src[i];
+  }
+  begin(a, s);
+  __syncthreads();
+  Ctx c;
+  if (!begin_ctx(a, s, c)) return;
+  run_ops<PK>(c, in_shared ? (const DevOp*)s_ops : g_ops);
   finish(a, c);
 }
 

@@ -231,8 +231,8 @@ fn per_plan_block_code_runs_the_interpreters_calls_and_barriers() {
     cpp.push_str("\n}\n");
     cpp.push_str(cut(KERNEL, "template <u32 KIND, u32 CTYPE", "\n};\n"));
     cpp.push_str("\n};\n");
-    let lp = cut(KERNEL, "  const u32 count = ops[0].block_ops;", "  finish(a, c);");
-    let _ = write!(cpp, "template <typename PK>\nvoid interp(Ctx& c, const DevOp* ops) {{\n{lp}}}\n");
+    let lp = cut(KERNEL, "  const u32 count = ops[0].block_ops;", "\n}\n");
+    let _ = write!(cpp, "template <typename PK>\nvoid interp(Ctx& c, const DevOp* ops) {{\n{lp}\n}}\n");
     cpp.push_str(HARNESS_RECORDERS);
 
     let mut names = Vec::new();
