@@ -29,7 +29,7 @@ bd="$out/breakdown/crates"
 mkdir -p "$bd/mscclpp-executor/bench" "$bd/mscclpp-collectives/bench" "$bd/mscclpp/include/mscclpp_rs"
 cp crates/mscclpp-executor/bench/exec_breakdown.cu "$bd/mscclpp-executor/bench/"
 cargo run --release -q -p mscclpp-executor --example dump_breakdown_inputs -- "$bd/mscclpp-executor/bench/exec_breakdown_inputs.h" >/dev/null
-cp crates/mscclpp-collectives/bench/graph_timing.cuh "$bd/mscclpp-collectives/bench/"
+cp crates/mscclpp-collectives/bench/graph_timing.cuh crates/mscclpp-collectives/bench/bench_pieces.cuh "$bd/mscclpp-collectives/bench/"
 cp crates/mscclpp/include/mscclpp_rs/device.cuh "$bd/mscclpp/include/mscclpp_rs/"
 cat > "$out/breakdown.sh" <<'BREAKDOWN'
 #!/usr/bin/env bash

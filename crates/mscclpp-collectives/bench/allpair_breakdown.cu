@@ -23,6 +23,7 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
+#include "bench_pieces.cuh"
 #include "graph_timing.cuh"
 
 
@@ -41,33 +42,6 @@ struct Args {
   u64 sig;
 };
 
-__device__ __forceinline__ void wr(uint4* p, uint2 v, u32 f) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(f), "r"(v.y), "r"(f));
-}
-__device__ __forceinline__ bool rd(const uint4* p, u32 f, uint2& v) {
-  u32 a, b, c, d;
-  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
-  v = make_uint2(a, c);
-  return b == f && d == f;
-}
-__device__ __forceinline__ u64 gtimer() {
-  u64 t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ uint2 add_bf16x4(uint2 a, uint2 b) {
-  uint2 r;
-  u32* pa = (u32*)&a;
-  u32* pb = (u32*)&b;
-  u32* pr = (u32*)&r;
-  for (int i = 0; i < 2; i++) {
-    float lo = __uint_as_float(pa[i] << 16) + __uint_as_float(pb[i] << 16);
-    float hi = __uint_as_float(pa[i] & 0xffff0000u) + __uint_as_float(pb[i] & 0xffff0000u);
-    pr[i] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
-  }
-  return r;
-}
-
 __global__ void k_empty(Args) {}
 
 // About 16 KiB of code that never runs (a branch no call takes), placed inside the spin loop:
@@ -84,16 +58,16 @@ __device__ __forceinline__ void cold_code(const Args& a, uint2 y, u32 salt) {
 template <int DL, int SIG, bool COLD = false>
 __device__ __forceinline__ void allpair_body(const Args& a) {
   u64 deadline = 0;
-  if (DL == 1) deadline = gtimer() + 10000000000ull;
+  if (DL == 1) deadline = bench_now() + 10000000000ull;
   volatile u32* st = a.state;
   const u32 flag = st[0];
   if (DL && st[1]) return;
   const u32 half = flag & 1;
   const bool t0 = blockIdx.x == 0 && threadIdx.x == 0;
-  if (SIG != 0 && t0) wr(a.peer_sig + half, make_uint2((u32)a.sig, (u32)(a.sig >> 32)), flag);
+  if (SIG != 0 && t0) bench_pkt_write(a.peer_sig + half, make_uint2((u32)a.sig, (u32)(a.sig >> 32)), flag);
   auto expired = [&](u32& spins) {
     if (!DL || (++spins & 255) != 0) return false;
-    const u64 now = gtimer();
+    const u64 now = bench_now();
     if (DL == 2 && deadline == 0) {
       deadline = now + 10000000000ull;
       return false;
@@ -103,21 +77,21 @@ __device__ __forceinline__ void allpair_body(const Args& a) {
   if (SIG == 2 && t0) {
     uint2 v;
     u32 spins = 0;
-    while (!rd(a.my_sig + half, flag, v) && !expired(spins)) {
+    while (!bench_pkt_read(a.my_sig + half, flag, v) && !expired(spins)) {
     }
   }
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
   for (u64 i = tid; i < a.units; i += nth) {
     uint2 x = a.in[i];
-    wr(a.peer_pkts + half * a.units + i, x, flag);
+    bench_pkt_write(a.peer_pkts + half * a.units + i, x, flag);
     uint2 y;
     u32 spins = 0;
     bool sig_ok = !(SIG == 3 && i == 0);
     while (true) {
-      const bool d = rd(a.my_pkts + half * a.units + i, flag, y);
+      const bool d = bench_pkt_read(a.my_pkts + half * a.units + i, flag, y);
       if (!sig_ok) {
         uint2 sv;
-        sig_ok = rd(a.my_sig + half, flag, sv);
+        sig_ok = bench_pkt_read(a.my_sig + half, flag, sv);
       }
       if (d && sig_ok) break;
       if (COLD && spins == 0x7ffffffdu) cold_code(a, y, spins);
@@ -126,12 +100,12 @@ __device__ __forceinline__ void allpair_body(const Args& a) {
         break;
       }
     }
-    a.out[i] = add_bf16x4(x, y);
+    a.out[i] = bench_add_bf16x4(x, y);
   }
   if (SIG == 1 && t0) {
     uint2 v;
     u32 spins = 0;
-    while (!rd(a.my_sig + half, flag, v) && !expired(spins)) {
+    while (!bench_pkt_read(a.my_sig + half, flag, v) && !expired(spins)) {
     }
   }
   __syncthreads();

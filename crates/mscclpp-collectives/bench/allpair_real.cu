@@ -12,6 +12,7 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
+#include "bench_pieces.cuh"
 #include "graph_timing.cuh"
 
 
@@ -26,18 +27,6 @@
 //   L1 +Acc only / +ld8/st8 only: L2's two halves apart
 //   L0 host addresses: L0 with every packet address computed on the host (no dependent
 //      argument loads before the first packet leaves)
-__device__ __forceinline__ uint2 add_bf16x4(uint2 a, uint2 b) {
-  uint2 r;
-  u32* pa = (u32*)&a;
-  u32* pb = (u32*)&b;
-  u32* pr = (u32*)&r;
-  for (int i = 0; i < 2; i++) {
-    float lo = __uint_as_float(pa[i] << 16) + __uint_as_float(pb[i] << 16);
-    float hi = __uint_as_float(pa[i] & 0xffff0000u) + __uint_as_float(pb[i] & 0xffff0000u);
-    pr[i] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
-  }
-  return r;
-}
 
 // ACC / LD: the library's Acc reduce / its ld8+st8 (default: both from L2 on), to split L2's cost.
 template <int L, int ACC = (L >= 2), int LD = (L >= 2)>
@@ -88,7 +77,7 @@ __device__ __forceinline__ void lib_body(const CollArgs& a) {
         }
       }
       if (ACC) acc.add((const u32*)&w, (int)a.op, a.acc32 != 0);
-      else sum = add_bf16x4(sum, w);
+      else sum = bench_add_bf16x4(sum, w);
     }
     if (ACC) acc.finish((u32*)&sum, (int)a.op, a.nranks);
     if (LD) st8((char*)a.out + i * 8, sum, unit_bytes(i, a.nbytes));
@@ -137,7 +126,7 @@ extern "C" __global__ void lib0_rot(const __grid_constant__ CollArgs a, const __
       }
       if (d && sig_ok) break;
     }
-    ((uint2*)a.out)[i] = add_bf16x4(v, w);
+    ((uint2*)a.out)[i] = bench_add_bf16x4(v, w);
   }
   __syncthreads();
   if (threadIdx.x == 0) st->flag = flag + 1;

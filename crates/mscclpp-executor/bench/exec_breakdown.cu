@@ -57,6 +57,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
+#include "../../mscclpp-collectives/bench/bench_pieces.cuh"
 #include "../../mscclpp-collectives/bench/graph_timing.cuh"
 #include "exec_breakdown_inputs.h"
 
@@ -70,39 +71,12 @@ extern "C" __global__ void __launch_bounds__(1024, 1) bk_exec_plan_nopf(const __
 // ---------------------------------------------------------------------------------------------
 // Pieces of the model kernels.
 
-__device__ __forceinline__ void bk_wr(void* p, uint2 v, u32 f) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(f), "r"(v.y), "r"(f));
-}
-__device__ __forceinline__ bool bk_rd(const void* p, u32 f, uint2& v) {
-  u32 a, b, c, d;
-  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
-  v = make_uint2(a, c);
-  return b == f && d == f;
-}
-__device__ __forceinline__ u64 bk_now() {
-  u64 t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// bf16 x 4 sum (truncating, as allpair_breakdown; the check's values add exactly).
-__device__ __forceinline__ uint2 bk_add(uint2 a, uint2 b) {
-  uint2 r;
-  u32* pa = (u32*)&a;
-  u32* pb = (u32*)&b;
-  u32* pr = (u32*)&r;
-  for (int i = 0; i < 2; i++) {
-    float lo = __uint_as_float(pa[i] << 16) + __uint_as_float(pb[i] << 16);
-    float hi = __uint_as_float(pa[i] & 0xffff0000u) + __uint_as_float(pb[i] & 0xffff0000u);
-    pr[i] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
-  }
-  return r;
-}
 // A thread's bounded wait: the clock is read every 256 spins, the deadline set at the first read.
 struct BkWait {
   u64 deadline = 0;
   __device__ __forceinline__ bool expired(u32& spins) {
     if ((++spins & 255) != 0) return false;
-    const u64 now = bk_now();
+    const u64 now = bench_now();
     if (deadline == 0) {
       deadline = now + BK_TIMEOUT_NS;
       return false;
@@ -140,7 +114,7 @@ __global__ void __launch_bounds__(1024, 1) k_model(BArgs a) {
   if (st[1]) return;
   const u32 half = flag & 1;
   const bool t0 = blockIdx.x == 0 && threadIdx.x == 0;
-  if (SIG && t0) bk_wr(a.peer_sig + half, make_uint2((u32)a.sig, (u32)(a.sig >> 32)), flag);
+  if (SIG && t0) bench_pkt_write(a.peer_sig + half, make_uint2((u32)a.sig, (u32)(a.sig >> 32)), flag);
   BkWait w;
   // Units [first, end) step `step`; unit i's packet is number i - base of the packet areas.
   u64 first, end, step, base;
@@ -166,15 +140,15 @@ __global__ void __launch_bounds__(1024, 1) k_model(BArgs a) {
   }
   for (u64 i = first; i < end; i += step) {
     const uint2 x = a.in[i];
-    bk_wr((void*)(peer_pk + 16 * (i - base)), x, flag);
+    bench_pkt_write((void*)(peer_pk + 16 * (i - base)), x, flag);
     uint2 y;
     u32 spins = 0;
     bool sig_ok = !(SIG && i == 0);
     while (true) {
-      const bool d = bk_rd(my_pk + 16 * (i - base), flag, y);
+      const bool d = bench_pkt_read(my_pk + 16 * (i - base), flag, y);
       if (!sig_ok) {
         uint2 sv;
-        sig_ok = bk_rd(a.my_sig + half, flag, sv);
+        sig_ok = bench_pkt_read(a.my_sig + half, flag, sv);
       }
       if (d && sig_ok) break;
       if (w.expired(spins)) {
@@ -182,7 +156,7 @@ __global__ void __launch_bounds__(1024, 1) k_model(BArgs a) {
         return;
       }
     }
-    a.out[i] = bk_add(x, y);
+    a.out[i] = bench_add_bf16x4(x, y);
   }
   if (SIG) __syncthreads();
   if (threadIdx.x == 0) st[0] = flag + 1;
@@ -208,7 +182,7 @@ __device__ __forceinline__ void bk_put(const ExecArgs& a, const DevOp& op, u64 s
   const uint2* src = (const uint2*)(bk_buf(a, op.src[0].btype, so) + op.src[0].off);
   char* dst = (char*)(op.dst[0].base + 2 * op.dst[0].off + so);
   const u64 n = op.src[0].size / 8;
-  for (u64 j = threadIdx.x; j < n; j += blockDim.x) bk_wr(dst + 16 * j, src[j], flag);
+  for (u64 j = threadIdx.x; j < n; j += blockDim.x) bench_pkt_write(dst + 16 * j, src[j], flag);
 }
 // repkt, one local source and one packet source, bf16 sum.
 __device__ __forceinline__ void bk_reduce(const ExecArgs& a, const DevOp& op, u64 so, u32 flag) {
@@ -220,13 +194,13 @@ __device__ __forceinline__ void bk_reduce(const ExecArgs& a, const DevOp& op, u6
   for (u64 j = threadIdx.x; j < n; j += blockDim.x) {
     uint2 y;
     u32 spins = 0;
-    while (!bk_rd(pk + 16 * j, flag, y)) {
+    while (!bench_pkt_read(pk + 16 * j, flag, y)) {
       if (w.expired(spins)) {
         bk_failed(a);
         return;
       }
     }
-    out[j] = bk_add(in[j], y);
+    out[j] = bench_add_bf16x4(in[j], y);
   }
 }
 
@@ -270,16 +244,16 @@ __global__ void __launch_bounds__(1024, 1) k_ops(const __grid_constant__ ExecArg
     BkWait w;
     for (u64 j = threadIdx.x; j < n; j += blockDim.x) {
       const uint2 x = src[j];
-      bk_wr(dst + 16 * j, x, flag);
+      bench_pkt_write(dst + 16 * j, x, flag);
       uint2 y;
       u32 spins = 0;
-      while (!bk_rd(pk + 16 * j, flag, y)) {
+      while (!bench_pkt_read(pk + 16 * j, flag, y)) {
         if (w.expired(spins)) {
           bk_failed(a);
           return;
         }
       }
-      out[j] = bk_add(x, y);
+      out[j] = bench_add_bf16x4(x, y);
     }
   } else {
     Ctx c;
