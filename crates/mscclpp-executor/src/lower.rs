@@ -421,6 +421,21 @@ pub fn scratch_overlaps(plan: &Plan) -> Vec<String> {
     out
 }
 
+/// Lowers `rank`'s part of `plan` without resources, for what looks at the program rather than
+/// runs it (kernel sources, compile checks, the CPU tests): `chunk_bytes` per input and output
+/// chunk, and placeholder bindings (every remote buffer mapped at `0x1000`, proxy memory 3).
+pub fn lower_unbound(plan: &Plan, rank: usize, chunk_bytes: u64) -> Result<Lowered, LowerError> {
+    let g = plan.gpus.get(rank).ok_or(LowerError::Rank { rank, ranks: plan.gpus.len() })?;
+    let (send, recv) = (chunk_bytes * g.input_chunks.max(1), chunk_bytes * g.output_chunks.max(1));
+    let layout = Layout::new(plan, rank, send, recv)?;
+    let b = Bindings {
+        remote_base: vec![0x1000; g.remote_buffers.len()],
+        remote_mem: vec![3; g.remote_buffers.len()],
+        local_mem: [0, 1, 2],
+    };
+    lower(plan, rank, &layout, &b)
+}
+
 /// Lowers `rank`'s part of `plan` for a call laid out as `layout`, with peer resources `b`.
 pub fn lower(plan: &Plan, rank: usize, layout: &Layout, b: &Bindings) -> Result<Lowered, LowerError> {
     let gpu = plan.gpus.get(rank).ok_or(LowerError::Rank { rank, ranks: plan.gpus.len() })?;

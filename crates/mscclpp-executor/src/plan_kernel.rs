@@ -146,19 +146,11 @@ pub fn source(ops: &[DevOp], blocks: &[u32]) -> String {
 mod tests {
     use super::*;
     use crate::generate::{self, Algorithm};
-    use crate::lower::{Bindings, Layout, lower};
+    use crate::lower::lower_unbound;
     use crate::model::Protocol;
 
     fn lowered(plan: &crate::model::Plan, rank: usize) -> crate::lower::Lowered {
-        let g = &plan.gpus[rank];
-        let (send, recv) = (1024 * g.input_chunks.max(1), 1024 * g.output_chunks.max(1));
-        let layout = Layout::new(plan, rank, send, recv).unwrap();
-        let b = Bindings {
-            remote_base: vec![0x1000; g.remote_buffers.len()],
-            remote_mem: vec![3; g.remote_buffers.len()],
-            local_mem: [0, 1, 2],
-        };
-        lower(plan, rank, &layout, &b).unwrap()
+        lower_unbound(plan, rank, 1024).unwrap()
     }
 
     #[test]
