@@ -130,28 +130,6 @@ fn render() -> Result<String, Box<dyn std::error::Error>> {
     }
     h.push_str("#include \"../../mscclpp/include/mscclpp_rs/device.cuh\"");
     h.push_str(&src[inc.len()..]);
-    // The per-plan kernel's block code (plan_kernel::plan_part): one shape for every case and
-    // rank of the one-hop plan (checked below), so one `PlanBlocks` serves them all.
-    let mut part: Option<String> = None;
-    for (bytes, blocks, threads) in CASES {
-        let plan = generate::one_hop_allreduce(RANKS, false, blocks, threads)
-            .ok_or_else(|| format!("no one-hop plan for {blocks}x{threads}"))?;
-        for rank in 0..RANKS {
-            let layout = Layout::new(&plan, rank, bytes, bytes)?;
-            let n = plan.gpus[rank].remote_buffers.len();
-            let bindings =
-                Bindings { remote_base: vec![REMOTE_MARK; n], remote_mem: vec![u32::MAX; n], local_mem: [0, 1, 2] };
-            let low = lower::lower(&plan, rank, &layout, &bindings)?;
-            let p = mscclpp_executor::plan_kernel::plan_part(&low.ops, &low.blocks);
-            match &part {
-                Some(q) if *q != p => return Err(format!("{} rank {rank}: another per-plan shape", plan.name).into()),
-                Some(_) => {}
-                None => part = Some(p),
-            }
-        }
-    }
-    writeln!(h, "\n// ===== The per-plan kernel's block code (mscclpp_executor::plan_kernel::plan_part) =====")?;
-    h.push_str(part.as_deref().unwrap_or_default());
     writeln!(h, "\n// ===== The lowered programs =====\n")?;
     writeln!(h, "// A memory-channel buffer's `base` (the peer buffer's mapped address at run time).")?;
     writeln!(h, "#define DUMP_REMOTE_MARK {REMOTE_MARK:#x}ull")?;
@@ -167,6 +145,7 @@ fn render() -> Result<String, Box<dyn std::error::Error>> {
     writeln!(h, "}}\n")?;
     let blank = fields(&DevOp::default());
     let mut table = Vec::new();
+    let mut part: Option<String> = None;
     for (bytes, blocks, threads) in CASES {
         let plan = generate::one_hop_allreduce(RANKS, false, blocks, threads)
             .ok_or_else(|| format!("no one-hop plan for {blocks}x{threads}"))?;
@@ -180,6 +159,14 @@ fn render() -> Result<String, Box<dyn std::error::Error>> {
                 local_mem: [0, 1, 2],
             };
             let low = lower::lower(&plan, rank, &layout, &bindings)?;
+            // The per-plan kernel's block code: one shape for every case and rank of the
+            // one-hop plan (checked), so one `PlanBlocks` serves them all.
+            let p = mscclpp_executor::plan_kernel::plan_part(&low.ops, &low.blocks);
+            match &part {
+                Some(q) if *q != p => return Err(format!("{} rank {rank}: another per-plan shape", plan.name).into()),
+                Some(_) => {}
+                None => part = Some(p),
+            }
             let img = low.device_image();
             let links = lower::channel_links(&plan, rank)?;
             let mem_chans = links.iter().filter(|l| l.channel_type == ChannelType::Memory).count();
@@ -226,6 +213,8 @@ fn render() -> Result<String, Box<dyn std::error::Error>> {
         }
         table.push((plan.name.clone(), bytes, blocks, threads, per_rank));
     }
+    writeln!(h, "\n// ===== The per-plan kernel's block code (mscclpp_executor::plan_kernel::plan_part) =====")?;
+    h.push_str(part.as_deref().unwrap_or_default());
     writeln!(h, "\n// One rank's program for one case, and the ExecArgs fields that are not run-time pointers.")?;
     writeln!(h, "struct DumpRank {{")?;
     writeln!(h, "  void (*fill_ops)(DevOp*);  // writes n_slots slots (block b's at b * ops_stride)")?;
