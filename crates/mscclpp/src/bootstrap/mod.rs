@@ -196,6 +196,17 @@ mod tests {
         sent_to: Vec<Mutex<BTreeSet<usize>>>,
     }
 
+    impl Mem {
+        /// A job of `n` ranks with empty mailboxes.
+        fn job(n: usize) -> Arc<Mem> {
+            Arc::new(Mem {
+                boxes: Mutex::new(HashMap::new()),
+                cond: Condvar::new(),
+                sent_to: (0..n).map(|_| Mutex::new(BTreeSet::new())).collect(),
+            })
+        }
+    }
+
     /// One rank of a [`Mem`] job, with only the required methods: the collectives are the
     /// trait's defaults.
     struct MemRank {
@@ -237,11 +248,7 @@ mod tests {
     #[test]
     fn default_collectives_use_the_tree() {
         for n in [1usize, 2, 3, 7, 10, 33] {
-            let job = Arc::new(Mem {
-                boxes: Mutex::new(HashMap::new()),
-                cond: Condvar::new(),
-                sent_to: (0..n).map(|_| Mutex::new(BTreeSet::new())).collect(),
-            });
+            let job = Mem::job(n);
             let hs: Vec<_> = (0..n)
                 .map(|rank| {
                     let bs = MemRank { rank, job: job.clone() };
@@ -275,11 +282,7 @@ mod tests {
     fn all_gather_ready_names_the_rank_that_cannot_go_on() {
         for fail in [None, Some(vec![2]), Some(vec![1, 3])] {
             let n = 4;
-            let job = Arc::new(Mem {
-                boxes: Mutex::new(HashMap::new()),
-                cond: Condvar::new(),
-                sent_to: (0..n).map(|_| Mutex::new(BTreeSet::new())).collect(),
-            });
+            let job = Mem::job(n);
             let hs: Vec<_> = (0..n)
                 .map(|rank| {
                     let bs = MemRank { rank, job: job.clone() };
