@@ -259,15 +259,9 @@ impl Collectives {
             let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
             Ok((layout, kernels, me))
         })();
-        let why = local.as_ref().err().map(ToString::to_string);
         // Which ranks share this GPU: kernels that wait on each other must all be resident.
-        let report = match (&local, &why) {
-            (Ok((_, _, me)), _) => Ok(me.as_bytes()),
-            (Err(_), w) => Err(w.as_deref().unwrap_or_default()),
-        };
-        let all = comm.bootstrap().all_gather_ready(report, "setting up the collectives");
-        let (layout, kernels, me) = local?;
-        let all = all?;
+        let ((layout, kernels, me), all) =
+            comm.all_gather_outcome(local, |(_, _, me)| me.as_bytes().to_vec(), "setting up the collectives")?;
         let my_host = me.split('/').next().unwrap_or_default();
         for (p, who) in all.iter().enumerate() {
             if String::from_utf8_lossy(who).split('/').next() != Some(my_host) {
@@ -288,16 +282,15 @@ impl Collectives {
             let per_sm = kernels.min_blocks_per_sm(512)?.max(1);
             select::residency_cap(sms, per_sm, on_gpu)
         })();
-        let why = cap.as_ref().err().map(ToString::to_string);
-        let bytes = cap.as_ref().map(|c| limits.max_blocks.min(*c).to_le_bytes()).unwrap_or_default();
-        let report = match &why {
-            None => Ok(&bytes[..]),
-            Some(w) => Err(w.as_str()),
-        };
         // Every rank plans with the same cap (the smallest), so their default plans agree.
-        let caps = comm.bootstrap().all_gather_ready(report, "agreeing on the collectives' block cap");
-        limits.max_blocks = limits.max_blocks.min(cap?);
-        for c in caps? {
+        let max_blocks = limits.max_blocks;
+        let (cap, caps) = comm.all_gather_outcome(
+            cap,
+            |c| max_blocks.min(*c).to_le_bytes().to_vec(),
+            "agreeing on the collectives' block cap",
+        )?;
+        limits.max_blocks = limits.max_blocks.min(cap);
+        for c in caps {
             let c: [u8; 4] = c.as_slice().try_into().map_err(|_| Error::remote("a peer sent a malformed block cap"))?;
             limits.max_blocks = limits.max_blocks.min(u32::from_le_bytes(c).max(1));
         }

@@ -392,17 +392,11 @@ impl PointToPoint {
         let slot_bytes = config.slot_bytes.max(16).div_ceil(16) * 16;
         let slots = config.slots.max(1);
         let me = mscclpp::gpu::pci_bus_id(dev).map(|id| format!("{:x}/{id}", mscclpp::host_hash()));
-        let why = me.as_ref().err().map(ToString::to_string);
-        let report = match (&me, &why) {
-            (Ok(me), _) => Ok(me.as_bytes()),
-            (Err(_), w) => Err(w.as_deref().unwrap_or_default()),
-        };
         // Every rank is here (done launching, its streams synchronized) before any loads a
         // module or allocates: either may wait for the whole GPU. A rank without its GPU fails
         // every rank here, named.
-        let all = comm.bootstrap().all_gather_ready(report, "lining up for the point-to-point path");
-        let me = me?;
-        let all = all?;
+        let (me, all) =
+            comm.all_gather_outcome(me, |me| me.as_bytes().to_vec(), "lining up for the point-to-point path")?;
         // A rank whose kernel does not load still takes part in the block-cap exchange below,
         // so that every rank fails there, named, instead of waiting for it.
         let kernels = kernels::load("point-to-point", "p2p.cu", dev, source, names);
@@ -423,15 +417,9 @@ impl PointToPoint {
             let cap = crate::select::residency_cap(sms, per_sm, on_gpu)?;
             Ok((k, (cap / channels_max).clamp(1, config.max_blocks_per_peer.clamp(1, u16::MAX as u32))))
         });
-        let why = mine.as_ref().err().map(ToString::to_string);
-        let bytes = mine.as_ref().map(|(_, b)| b.to_le_bytes()).unwrap_or_default();
-        let report = match &why {
-            None => Ok(&bytes[..]),
-            Some(w) => Err(w.as_str()),
-        };
-        let caps = comm.bootstrap().all_gather_ready(report, "setting up the point-to-point path");
-        let (kernels, mut bmax) = mine?;
-        for c in caps? {
+        let ((kernels, mut bmax), caps) =
+            comm.all_gather_outcome(mine, |(_, b)| b.to_le_bytes().to_vec(), "setting up the point-to-point path")?;
+        for c in caps {
             let c: [u8; 4] = c.as_slice().try_into().map_err(|_| Error::remote("a peer sent a malformed block cap"))?;
             bmax = bmax.min(u32::from_le_bytes(c).max(1));
         }

@@ -846,14 +846,9 @@ fn agree<T>(
     step: &str,
     mine: Result<(T, String), ExecError>,
 ) -> Result<(T, Vec<String>), ExecError> {
-    let why = mine.as_ref().err().map(ToString::to_string);
-    let report = match (&mine, &why) {
-        (Ok((_, text)), _) => Ok(text.as_bytes()),
-        (Err(_), w) => Err(w.as_deref().unwrap_or_default()),
-    };
-    let all = comm.bootstrap().all_gather_ready(report, &format!("plan {plan}: {step}"));
-    let (value, _) = mine?;
-    Ok((value, all?.into_iter().map(|b| String::from_utf8_lossy(&b).into_owned()).collect()))
+    let ((value, _), all) =
+        comm.all_gather_outcome(mine, |(_, text)| text.clone().into_bytes(), &format!("plan {plan}: {step}"))?;
+    Ok((value, all.into_iter().map(|b| String::from_utf8_lossy(&b).into_owned()).collect()))
 }
 
 /// The thread blocks that the ranks on GPU `me` run together, and the fewest blocks per SM any

@@ -168,6 +168,34 @@ impl Communicator {
     pub fn bootstrap(&self) -> &Arc<dyn Bootstrap> {
         &self.inner.bootstrap
     }
+
+    /// A setup step's outcome shared with every rank ([`Bootstrap::all_gather_ready`]): this
+    /// rank's `data(&value)`, or its error's text. This rank's own error comes back unchanged;
+    /// otherwise another rank's failure, naming it (an [`Error`] converted into `E`); otherwise
+    /// this rank's value and every rank's data, by rank. Every rank calls it, failed or not.
+    pub fn all_gather_outcome<T, E>(
+        &self,
+        mine: std::result::Result<T, E>,
+        data: impl FnOnce(&T) -> Vec<u8>,
+        step: &str,
+    ) -> std::result::Result<(T, Vec<Vec<u8>>), E>
+    where
+        E: From<Error> + std::fmt::Display,
+    {
+        let report = match &mine {
+            Ok(v) => Ok(data(v)),
+            Err(e) => Err(e.to_string()),
+        };
+        let all = self.bootstrap().all_gather_ready(
+            match &report {
+                Ok(d) => Ok(d.as_slice()),
+                Err(w) => Err(w.as_str()),
+            },
+            step,
+        );
+        let value = mine?;
+        Ok((value, all?))
+    }
     /// The context.
     pub fn context(&self) -> &Context {
         &self.inner.context

@@ -200,18 +200,15 @@ impl TwoLevel {
             let per_sm = kernels.min_blocks_per_sm(THREADS)?;
             Ok((topo, layout, kernels, me, sms, per_sm))
         })();
-        let why = local.as_ref().err().map(ToString::to_string);
         // Kernels of every rank sharing this GPU wait on each other: all must be resident. Every
         // rank tells its GPU and how many blocks that GPU holds at once, so that every rank
         // checks every GPU: ranks on a crowded GPU fail the others at once, named.
-        let text = local.as_ref().map(|(.., me, sms, per_sm)| format!("{me}|{}", sms * per_sm)).unwrap_or_default();
-        let report = match &why {
-            None => Ok(text.as_bytes()),
-            Some(w) => Err(w.as_str()),
-        };
-        let all = comm.bootstrap().all_gather_ready(report, "setting up the two-level collectives");
-        let (topo, layout, kernels, me, sms, per_sm) = local?;
-        let gpus = gpus_and_room(&all?);
+        let ((topo, layout, kernels, me, sms, per_sm), all) = comm.all_gather_outcome(
+            local,
+            |(.., me, sms, per_sm)| format!("{me}|{}", sms * per_sm).into_bytes(),
+            "setting up the two-level collectives",
+        )?;
+        let gpus = gpus_and_room(&all);
         let inter_t = config.inter.transport;
         let on_gpu = gpus.iter().filter(|(g, _)| *g == me).count().max(1) as u32;
         let fit = (sms * per_sm) / on_gpu;
