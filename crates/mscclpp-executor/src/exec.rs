@@ -585,8 +585,11 @@ impl Executor {
         // launched before: a peer's kernel still waiting for this rank would never finish. The
         // meeting point also tells every rank whether every other can run the plan: a rank that
         // cannot fails every rank at once, named, instead of leaving them to a bootstrap timeout.
-        let ((layout, links), _) =
-            agree(comm, &plan.name, "checking its sizes and buffers", local.map(|x| (x, String::new())))?;
+        let ((layout, links), _) = comm.all_gather_outcome(
+            local,
+            |_| Vec::new(),
+            &format!("plan {}: checking its sizes and buffers", plan.name),
+        )?;
         let gpu = &plan.gpus[rank];
         let flags: TransportFlags = [Transport::CudaIpc, self.config.port_transport].into_iter().collect();
         let scratch = DeviceBuffer::new(ctx, dev, layout.scratch_bytes.max(64) as usize, flags)?;
@@ -768,19 +771,21 @@ impl Executor {
                 .max_active_blocks_per_sm(threads, 0)?
                 .min(kernels.ll8.max_active_blocks_per_sm(threads, 0)?);
             let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
-            let text = format!("{me}|{}|{per_sm}", image.nblocks);
-            Ok(((low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm), text))
+            Ok(Prepared { low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm })
         })();
-        let ((low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm), all) =
-            agree(comm, &plan.name, "preparing its program", prepared)?;
+        let (Prepared { low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm }, all) =
+            comm.all_gather_outcome(
+                prepared,
+                |p| format!("{}|{}|{}", p.me, p.image.nblocks, p.per_sm).into_bytes(),
+                &format!("plan {}: preparing its program", plan.name),
+            )?;
         let (stride, nblocks_low) = (image.stride, image.nblocks);
         let (bar_off, sem_off, flags_off) = (image.barriers_off, image.sems_off, image.flags_off);
         let nblocks = nblocks_low as u32;
-        let all: Vec<Vec<u8>> = all.into_iter().map(String::into_bytes).collect();
         // Only the ranks on this GPU refuse a count of blocks that cannot all be resident, and the
         // proxy may fail to start on one rank only: the closing meeting carries either, so that
         // the ranks on other GPUs fail at once too, named, instead of waiting for them there.
-        let started = (|| -> Result<((), String), ExecError> {
+        let started = (|| -> Result<(), ExecError> {
             let (on_gpu, per_sm) = residency(&all, &me, per_sm);
             let fit = u64::from(mscclpp::gpu::sm_count(dev)?) * u64::from(per_sm);
             if on_gpu > fit {
@@ -792,10 +797,10 @@ impl Executor {
             if let Some(p) = proxy.as_mut() {
                 p.start()?;
             }
-            Ok(((), String::new()))
+            Ok(())
         })();
         // Nobody launches before every rank has its resources.
-        agree(comm, &plan.name, "starting", started)?;
+        comm.all_gather_outcome(started, |_| Vec::new(), &format!("plan {}: starting", plan.name))?;
         let args = ExecArgs {
             input: send,
             output: recv,
@@ -836,19 +841,20 @@ impl Executor {
     }
 }
 
-/// A meeting point of the build: every rank reports that it is ready (with `text` for the others)
-/// or why it cannot go on; all learn of every failure at once. This rank's own failure comes back
-/// as it was; another rank's names it (the first one, by rank). On success, this rank's value and
-/// every rank's text, by rank.
-fn agree<T>(
-    comm: &Communicator,
-    plan: &str,
-    step: &str,
-    mine: Result<(T, String), ExecError>,
-) -> Result<(T, Vec<String>), ExecError> {
-    let ((value, _), all) =
-        comm.all_gather_outcome(mine, |(_, text)| text.clone().into_bytes(), &format!("plan {plan}: {step}"))?;
-    Ok((value, all.into_iter().map(|b| String::from_utf8_lossy(&b).into_owned()).collect()))
+/// What a rank prepares between the build's first and second exchanges: its program, kernels
+/// and device buffers, and what the residency check needs (`me`: its GPU; `per_sm`: its
+/// kernels' blocks per SM).
+struct Prepared {
+    low: lower::Lowered,
+    kernels: Arc<Kernels>,
+    mem_handles: Option<DeviceBuffer>,
+    port_handles: Option<DeviceBuffer>,
+    image: lower::DeviceImage,
+    ops_buf: DeviceBuffer,
+    state: DeviceBuffer,
+    status: PinnedBuffer,
+    me: String,
+    per_sm: u32,
 }
 
 /// The thread blocks that the ranks on GPU `me` run together, and the fewest blocks per SM any
@@ -995,13 +1001,14 @@ mod tests {
         assert_eq!(builds.load(Ordering::Relaxed), 2);
     }
 
-    /// A build's meeting point: a rank that cannot go on fails every other rank at once, named,
-    /// with its reason; its own error comes back unchanged; with none failing, every rank's text
-    /// comes back in rank order.
+    /// A build's exchange (`Communicator::all_gather_outcome` with the executor's error): a rank
+    /// that cannot go on fails every other rank at once, named, with its reason; its own error
+    /// comes back unchanged; with none failing, every rank's data comes back in rank order.
     #[test]
-    fn agree_names_the_rank_that_cannot_go_on() {
+    fn a_build_exchange_names_the_rank_that_cannot_go_on() {
         use mscclpp::{Bootstrap, RootServer, TcpBootstrap};
-        let run = |fail: Option<usize>| -> Vec<Result<(usize, Vec<String>), ExecError>> {
+        type Outcome = Result<(usize, Vec<Vec<u8>>), ExecError>;
+        let run = |fail: Option<usize>| -> Vec<Outcome> {
             let n = 3;
             let (root, id) = RootServer::start(n, Duration::from_secs(30)).unwrap();
             let out = std::thread::scope(|s| {
@@ -1016,9 +1023,13 @@ mod tests {
                             let mine = if fail == Some(rank) {
                                 Err(LowerError::Size { send: 7, recv: 7, reason: "not whole chunks".into() }.into())
                             } else {
-                                Ok((rank * 10, format!("r{rank}")))
+                                Ok(rank * 10)
                             };
-                            let r = agree(&comm, "p", "checking its sizes", mine);
+                            let r = comm.all_gather_outcome(
+                                mine,
+                                |v: &usize| format!("r{}", v / 10).into_bytes(),
+                                "plan p: checking its sizes",
+                            );
                             bs.barrier().unwrap();
                             r
                         })
@@ -1031,7 +1042,7 @@ mod tests {
         };
         for (rank, r) in run(None).into_iter().enumerate() {
             let (v, texts) = r.unwrap();
-            assert_eq!((v, texts), (rank * 10, vec!["r0".to_string(), "r1".into(), "r2".into()]));
+            assert_eq!((v, texts), (rank * 10, vec![b"r0".to_vec(), b"r1".to_vec(), b"r2".to_vec()]));
         }
         let res = run(Some(1));
         match &res[1] {
