@@ -201,15 +201,25 @@ pub enum KernelKind {
 }
 
 impl KernelKind {
-    /// The choice `MSCCLPP_EXECUTOR_KERNEL` names (`interpreter`, `per-plan`); the default when
-    /// unset, and (with a warning) when it names neither.
+    /// The kind `name` names: `interpreter` or `per-plan` (any case, `_` for `-`).
+    pub fn from_name(name: &str) -> Option<KernelKind> {
+        match name.to_ascii_lowercase().replace('_', "-").as_str() {
+            "interpreter" => Some(KernelKind::Interpreter),
+            "per-plan" => Some(KernelKind::PerPlan),
+            _ => None,
+        }
+    }
+
+    /// The choice `MSCCLPP_EXECUTOR_KERNEL` names ([`from_name`](Self::from_name), or `plan`);
+    /// the default when unset or empty, and (with a warning) when it names neither.
     pub fn from_env() -> KernelKind {
         match std::env::var("MSCCLPP_EXECUTOR_KERNEL") {
             Err(_) => KernelKind::default(),
-            Ok(v) => match v.trim().to_ascii_lowercase().replace('_', "-").as_str() {
-                "interpreter" | "" => KernelKind::Interpreter,
-                "per-plan" | "plan" => KernelKind::PerPlan,
-                other => {
+            Ok(v) => match (KernelKind::from_name(v.trim()), v.trim()) {
+                (Some(k), _) => k,
+                (None, "") => KernelKind::default(),
+                (None, p) if p.eq_ignore_ascii_case("plan") => KernelKind::PerPlan,
+                (None, other) => {
                     tracing::warn!(
                         target: "mscclpp::executor",
                         "MSCCLPP_EXECUTOR_KERNEL={other:?} is neither \"interpreter\" nor \"per-plan\": using the interpreter"
@@ -972,6 +982,19 @@ fn plan_kernels(device: u32, source: &str) -> Result<Arc<Kernels>, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_kinds_are_named_in_any_case_with_either_separator() {
+        for (name, kind) in [
+            ("interpreter", Some(KernelKind::Interpreter)),
+            ("Per-Plan", Some(KernelKind::PerPlan)),
+            ("per_plan", Some(KernelKind::PerPlan)),
+            ("jit", None),
+            ("", None),
+        ] {
+            assert_eq!(KernelKind::from_name(name), kind, "{name:?}");
+        }
+    }
 
     #[test]
     fn once_map_builds_each_key_once_and_different_keys_in_parallel() {

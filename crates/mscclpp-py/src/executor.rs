@@ -283,13 +283,10 @@ impl Executor {
         };
         let mut cfg = ExecutorConfig::new(device).timeout(t).port_transport(transport);
         if let Some(k) = kernel {
-            cfg = cfg.kernel(match k.to_ascii_lowercase().replace('_', "-").as_str() {
-                "interpreter" => KernelKind::Interpreter,
-                "per-plan" => KernelKind::PerPlan,
-                _ => {
-                    return Err(invalid(py, format!("kernel {k:?}: use \"interpreter\" or \"per-plan\"")));
-                }
-            });
+            let Some(kind) = KernelKind::from_name(k) else {
+                return Err(invalid(py, format!("kernel {k:?}: use \"interpreter\" or \"per-plan\"")));
+            };
+            cfg = cfg.kernel(kind);
         }
         Ok(Executor {
             inner: Arc::new(mscclpp_executor::Executor::new(&c, cfg)),
