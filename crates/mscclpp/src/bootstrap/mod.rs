@@ -114,30 +114,15 @@ pub trait Bootstrap: Send + Sync {
     /// # Ok::<(), mscclpp::Error>(())
     /// ```
     fn all_gather_ready(&self, mine: std::result::Result<&[u8], &str>, step: &str) -> Result<Vec<Vec<u8>>> {
-        let mut msg = Vec::new();
-        match mine {
-            Ok(d) => {
-                msg.push(0u8);
-                msg.extend_from_slice(d);
-            }
-            Err(why) => {
-                msg.push(1u8);
-                msg.extend_from_slice(why.as_bytes());
-            }
-        }
-        let all = self.all_gather(&msg).map_err(|e| e.during(step.to_string()))?;
+        let all = self.all_gather(&readiness::encode(mine)).map_err(|e| e.during(step.to_string()))?;
         let mut out = Vec::with_capacity(all.len());
         for (r, m) in all.into_iter().enumerate() {
-            match m.split_first() {
-                Some((0, d)) => out.push(d.to_vec()),
-                Some((1, why)) => {
-                    return Err(Error::remote(format!(
-                        "rank {r} cannot go on ({step}): {}",
-                        String::from_utf8_lossy(why)
-                    ))
-                    .with_peer(r));
+            match readiness::decode(&m) {
+                Some(Ok(d)) => out.push(d.to_vec()),
+                Some(Err(why)) => {
+                    return Err(Error::remote(format!("rank {r} cannot go on ({step}): {why}")).with_peer(r));
                 }
-                _ => {
+                None => {
                     return Err(
                         Error::remote(format!("rank {r} sent a malformed readiness report ({step})")).with_peer(r)
                     );
@@ -176,6 +161,43 @@ pub trait Bootstrap: Send + Sync {
             |p| self.send(p, TAG_BARRIER, &[]),
             |ps| ps.iter().try_for_each(|&p| self.recv(p, TAG_BARRIER).map(drop)),
         )
+    }
+}
+
+/// The message of [`Bootstrap::all_gather_ready`]: a flag byte (0 ready, 1 cannot go on), then
+/// the data or the reason (UTF-8, read leniently).
+pub(crate) mod readiness {
+    use std::borrow::Cow;
+
+    pub(crate) fn encode(mine: std::result::Result<&[u8], &str>) -> Vec<u8> {
+        let (flag, body) = match mine {
+            Ok(d) => (0u8, d),
+            Err(why) => (1u8, why.as_bytes()),
+        };
+        let mut msg = Vec::with_capacity(1 + body.len());
+        msg.push(flag);
+        msg.extend_from_slice(body);
+        msg
+    }
+
+    /// `None` for a message that is neither (empty, or another flag).
+    pub(crate) fn decode(msg: &[u8]) -> Option<std::result::Result<&[u8], Cow<'_, str>>> {
+        match msg.split_first() {
+            Some((0, d)) => Some(Ok(d)),
+            Some((1, why)) => Some(Err(String::from_utf8_lossy(why))),
+            _ => None,
+        }
+    }
+
+    /// The fuzz check: decoding never panics, and what decodes (a reason: when it is UTF-8)
+    /// encodes back to the same bytes.
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn check(msg: &[u8]) {
+        match decode(msg) {
+            Some(Ok(d)) => assert_eq!(encode(Ok(d)), msg),
+            Some(Err(Cow::Borrowed(why))) => assert_eq!(encode(Err(why)), msg),
+            Some(Err(Cow::Owned(_))) | None => {}
+        }
     }
 }
 
