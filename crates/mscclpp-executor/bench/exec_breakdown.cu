@@ -177,6 +177,16 @@ __device__ __forceinline__ bool bk_failed(const ExecArgs& a) {
   return false;
 }
 
+// Polls the packet at `p` until it carries `flag` (its data in `y`); false, with this rank
+// marked failed, once the wait expires.
+__device__ __forceinline__ bool bk_poll(const ExecArgs& a, const char* p, u32 flag, uint2& y, BkWait& w) {
+  u32 spins = 0;
+  while (!bench_pkt_read(p, flag, y)) {
+    if (w.expired(spins)) return bk_failed(a);
+  }
+  return true;
+}
+
 // ppkt through a memory channel, one source and one destination, LL16.
 __device__ __forceinline__ void bk_put(const ExecArgs& a, const DevOp& op, u64 so, u32 flag) {
   const uint2* src = (const uint2*)(bk_buf(a, op.src[0].btype, so) + op.src[0].off);
@@ -193,13 +203,7 @@ __device__ __forceinline__ void bk_reduce(const ExecArgs& a, const DevOp& op, u6
   BkWait w;
   for (u64 j = threadIdx.x; j < n; j += blockDim.x) {
     uint2 y;
-    u32 spins = 0;
-    while (!bench_pkt_read(pk + 16 * j, flag, y)) {
-      if (w.expired(spins)) {
-        bk_failed(a);
-        return;
-      }
-    }
+    if (!bk_poll(a, pk + 16 * j, flag, y, w)) return;
     out[j] = bench_add_bf16x4(in[j], y);
   }
 }
@@ -246,13 +250,7 @@ __global__ void __launch_bounds__(1024, 1) k_ops(const __grid_constant__ ExecArg
       const uint2 x = src[j];
       bench_pkt_write(dst + 16 * j, x, flag);
       uint2 y;
-      u32 spins = 0;
-      while (!bench_pkt_read(pk + 16 * j, flag, y)) {
-        if (w.expired(spins)) {
-          bk_failed(a);
-          return;
-        }
-      }
+      if (!bk_poll(a, pk + 16 * j, flag, y, w)) return;
       out[j] = bench_add_bf16x4(x, y);
     }
   } else {
