@@ -198,6 +198,15 @@ pub struct Collectives {
     comm: Communicator,
 }
 
+/// What [`Collectives::new`] allocates before it connects.
+struct Buffers {
+    scratch: DeviceBuffer,
+    peers_table: DeviceBuffer,
+    state: DeviceBuffer,
+    expected: DeviceBuffer,
+    status: DeviceStatus,
+}
+
 /// The checks every call makes before it launches: the stream is on the collectives' GPU, and
 /// each `(pointer, bytes, name)` is device memory of that GPU, aligned to its elements, with
 /// `bytes` inside its allocation. Errors say `what()` the call was.
@@ -276,27 +285,39 @@ impl Collectives {
             all.iter().filter(|w| String::from_utf8_lossy(w).split('/').next() == Some(my_host)).count();
         let mut limits = config.limits;
         // Only the ranks on this GPU refuse too many ranks sharing it: the others learn of it at
-        // the cap exchange, named, instead of waiting for them there.
-        let cap = (|| -> Result<u32> {
+        // the cap exchange, named, instead of waiting for them there. The buffers are allocated
+        // before that exchange too, so a rank that runs out of memory fails every rank there.
+        let ctx = comm.context();
+        let cap = (|| -> Result<(u32, Buffers)> {
             let sms = mscclpp::gpu::sm_count(dev)?;
             let per_sm = kernels.min_blocks_per_sm(512)?.max(1);
-            select::residency_cap(sms, per_sm, on_gpu)
+            let cap = select::residency_cap(sms, per_sm, on_gpu)?;
+            let buffers = (|| -> Result<Buffers> {
+                Ok(Buffers {
+                    scratch: DeviceBuffer::new(ctx, dev, layout.total as usize, Transport::CudaIpc.into())?,
+                    peers_table: DeviceBuffer::new(ctx, dev, nranks * 8, TransportFlags::NONE)?,
+                    state: DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?,
+                    expected: DeviceBuffer::new(ctx, dev, nranks * MAX_BLOCKS as usize * 8, TransportFlags::NONE)?,
+                    status: DeviceStatus::new(ctx, dev)?,
+                })
+            })()
+            .map_err(|e| e.during("allocating the collectives' buffers"))?;
+            Ok((cap, buffers))
         })();
         // Every rank plans with the same cap (the smallest), so their default plans agree.
         let max_blocks = limits.max_blocks;
-        let (cap, caps) = comm.all_gather_outcome(
+        let ((cap, buffers), caps) = comm.all_gather_outcome(
             cap,
-            |c| max_blocks.min(*c).to_le_bytes().to_vec(),
+            |(c, _)| max_blocks.min(*c).to_le_bytes().to_vec(),
             "agreeing on the collectives' block cap",
         )?;
+        let Buffers { scratch, peers_table, state, expected, status } = buffers;
         limits.max_blocks = limits.max_blocks.min(cap);
         for c in caps {
             let c: [u8; 4] = c.as_slice().try_into().map_err(|_| Error::remote("a peer sent a malformed block cap"))?;
             limits.max_blocks = limits.max_blocks.min(u32::from_le_bytes(c).max(1));
         }
 
-        let ctx = comm.context();
-        let scratch = DeviceBuffer::new(ctx, dev, layout.total as usize, Transport::CudaIpc.into())?;
         let ep = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
         let tag = 0x00c0_11ec;
         let peers: Vec<usize> = (0..nranks).filter(|&p| p != rank).collect();
@@ -305,36 +326,41 @@ impl Collectives {
             comm.send_memory(scratch.memory(), p, tag)?;
             pending.push((p, comm.recv_memory(p, tag)?, comm.connect(&ep, p, tag)?));
         }
-        let mut sems = Vec::new();
-        for (p, mem, conn) in pending {
-            let mem = mem.wait().map_err(|e| e.during("receiving a peer's collective scratch").with_peer(p))?;
-            let conn = conn.wait().map_err(|e| e.during("connecting for collectives").with_peer(p))?;
-            sems.push((p, mem, comm.build_semaphore(&conn, p, tag)?));
-        }
-        let mut table = vec![0u64; nranks];
-        table[rank] = scratch.device_ptr();
-        let mut channels = Vec::new();
-        let mut peer_sems = Vec::new();
-        for (p, mem, sem) in sems {
-            let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem.wait()?)?);
-            let ch = MemoryChannel::new(sem.clone(), &mem, scratch.memory(), Some(scratch.memory()))?;
-            table[p] = ch.device_handle().dst;
-            channels.push(ch);
-            peer_sems.push((p, sem));
-        }
-        let peers_table = DeviceBuffer::new(ctx, dev, nranks * 8, TransportFlags::NONE)?;
+        // The pairwise part: its waits are bounded and name the peer; a rank that fails here
+        // (a peer that never answered, a mapping that failed) says so at the closing exchange,
+        // so that every rank fails at once, named, instead of waiting there for it.
+        let paired = (|| -> Result<_> {
+            let mut sems = Vec::new();
+            for (p, mem, conn) in pending {
+                let mem = mem.wait().map_err(|e| e.during("receiving a peer's collective scratch").with_peer(p))?;
+                let conn = conn.wait().map_err(|e| e.during("connecting for collectives").with_peer(p))?;
+                sems.push((p, mem, comm.build_semaphore(&conn, p, tag)?));
+            }
+            let mut table = vec![0u64; nranks];
+            table[rank] = scratch.device_ptr();
+            let mut channels = Vec::new();
+            let mut peer_sems = Vec::new();
+            for (p, mem, sem) in sems {
+                let sem = sem.wait().map_err(|e| e.during("building a peer's semaphore").with_peer(p))?;
+                let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem)?);
+                let ch = MemoryChannel::new(sem.clone(), &mem, scratch.memory(), Some(scratch.memory()))
+                    .map_err(|e| e.during("mapping a peer's collective scratch").with_peer(p))?;
+                table[p] = ch.device_handle().dst;
+                channels.push(ch);
+                peer_sems.push((p, sem));
+            }
+            let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
+            peers_table.write(0, &bytes)?;
+            state.write(0, &1u32.to_le_bytes())?; // the first LL flag
+            Ok((table, channels, peer_sems))
+        })();
+        // Nobody launches before every rank has its kernels loaded and its scratch mapped.
+        let ((table, channels, peer_sems), _) =
+            comm.all_gather_outcome(paired, |_| Vec::new(), "connecting the collectives' ranks")?;
         let mut inline_peers = [0u64; INLINE_PEERS];
         for (slot, addr) in inline_peers.iter_mut().zip(&table) {
             *slot = *addr;
         }
-        let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
-        peers_table.write(0, &bytes)?;
-        let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
-        state.write(0, &1u32.to_le_bytes())?; // the first LL flag
-        let expected = DeviceBuffer::new(ctx, dev, nranks * MAX_BLOCKS as usize * 8, TransportFlags::NONE)?;
-        let status = DeviceStatus::new(ctx, dev)?;
-        // Nobody launches before every rank has its kernels loaded and its scratch mapped.
-        comm.bootstrap().barrier()?;
         tracing::debug!(target: "mscclpp::collectives", rank, nranks, gpu = dev, on_gpu, max_blocks = limits.max_blocks, scratch = layout.total, "collectives ready");
         Ok(Collectives {
             rank,

@@ -425,8 +425,20 @@ impl PointToPoint {
         }
         let layout = P2pLayout::new(nranks, bmax, slots, slot_bytes);
         let ctx = comm.context();
-        let scratch = DeviceBuffer::new(ctx, dev, layout.total as usize, Transport::CudaIpc.into())?;
-        scratch.fill(0, layout.data_off as usize, 0)?;
+        // Allocated, then agreed: a rank out of memory fails every rank at once, named, instead
+        // of leaving them waiting for its scratch.
+        let state_len = (1 + 2 * nranks * bmax as usize) * 8;
+        let buffers = (|| -> Result<_> {
+            let scratch = DeviceBuffer::new(ctx, dev, layout.total as usize, Transport::CudaIpc.into())?;
+            scratch.fill(0, layout.data_off as usize, 0)?;
+            let peers_table = DeviceBuffer::new(ctx, dev, nranks * 8, TransportFlags::NONE)?;
+            let state = DeviceBuffer::new(ctx, dev, state_len, TransportFlags::NONE)?;
+            state.fill(0, state_len, 0)?;
+            Ok((scratch, peers_table, state, DeviceStatus::new(ctx, dev)?))
+        })()
+        .map_err(|e| e.during("allocating the point-to-point buffers"));
+        let ((scratch, peers_table, state, status), _) =
+            comm.all_gather_outcome(buffers, |_| Vec::new(), "allocating the point-to-point buffers")?;
         let ep = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
         let tag = 0x00b2_b0b2;
         let mut pending = Vec::new();
@@ -434,27 +446,28 @@ impl PointToPoint {
             comm.send_memory(scratch.memory(), p, tag)?;
             pending.push((p, comm.recv_memory(p, tag)?, comm.connect(&ep, p, tag)?));
         }
-        let mut table = vec![0u64; nranks];
-        table[rank] = scratch.device_ptr();
-        let mut channels = Vec::new();
-        for (p, mem, conn) in pending {
-            let mem = mem.wait().map_err(|e| e.during("receiving a peer's point-to-point scratch").with_peer(p))?;
-            let conn = conn.wait().map_err(|e| e.during("connecting for point-to-point").with_peer(p))?;
-            let sem = comm.build_semaphore(&conn, p, tag)?.wait().map_err(|e| e.with_peer(p))?;
-            let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem)?);
-            let ch = MemoryChannel::new(sem, &mem, scratch.memory(), Some(scratch.memory()))?;
-            table[p] = ch.device_handle().dst;
-            channels.push(ch);
-        }
-        let peers_table = DeviceBuffer::new(ctx, dev, nranks * 8, TransportFlags::NONE)?;
-        let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
-        peers_table.write(0, &bytes)?;
-        let state_len = (1 + 2 * nranks * bmax as usize) * 8;
-        let state = DeviceBuffer::new(ctx, dev, state_len, TransportFlags::NONE)?;
-        state.fill(0, state_len, 0)?;
-        let status = DeviceStatus::new(ctx, dev)?;
+        // The pairwise part: its waits are bounded and name the peer; a rank that fails here
+        // says so at the closing exchange, so that every rank fails at once, named.
+        let paired = (|| -> Result<_> {
+            let mut table = vec![0u64; nranks];
+            table[rank] = scratch.device_ptr();
+            let mut channels = Vec::new();
+            for (p, mem, conn) in pending {
+                let mem = mem.wait().map_err(|e| e.during("receiving a peer's point-to-point scratch").with_peer(p))?;
+                let conn = conn.wait().map_err(|e| e.during("connecting for point-to-point").with_peer(p))?;
+                let sem = comm.build_semaphore(&conn, p, tag)?.wait().map_err(|e| e.with_peer(p))?;
+                let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem)?);
+                let ch = MemoryChannel::new(sem, &mem, scratch.memory(), Some(scratch.memory()))
+                    .map_err(|e| e.during("mapping a peer's point-to-point scratch").with_peer(p))?;
+                table[p] = ch.device_handle().dst;
+                channels.push(ch);
+            }
+            let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
+            peers_table.write(0, &bytes)?;
+            Ok(channels)
+        })();
         // Nobody launches before every rank has mapped every scratch.
-        comm.bootstrap().barrier()?;
+        let (channels, _) = comm.all_gather_outcome(paired, |_| Vec::new(), "connecting the point-to-point ranks")?;
         tracing::debug!(target: "mscclpp::collectives", rank, nranks, gpu = dev, on_gpu, bmax, scratch = layout.total, "point-to-point ready");
         Ok(PointToPoint {
             rank,

@@ -460,3 +460,46 @@ fn zero_copy_all_reduce_on_registered_windows() {
         assert!(res.iter().all(|&w| w == 0), "{n} ranks: {res:?}");
     }
 }
+
+/// Builds `Collectives` on `n` rank threads with `config(rank)` and returns every rank's
+/// outcome (the error's text on failure), then passes a closing barrier.
+fn setups(n: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Result<(), (ErrorKind, String)>> {
+    let (root, id) = RootServer::start(n, Duration::from_secs(60)).unwrap();
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (id, config) = (id.clone(), &config);
+                s.spawn(move || {
+                    let bs = Arc::new(
+                        TcpBootstrap::config(rank, n).timeout(Duration::from_secs(60)).initialize(&id).unwrap(),
+                    );
+                    let comm = Communicator::new(bs.clone());
+                    let r = Collectives::new(&comm, config(rank)).map(drop).map_err(|e| (e.kind(), e.to_string()));
+                    bs.barrier().unwrap();
+                    r
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    drop(root);
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_rank_out_of_memory_fails_every_rank_at_setup_naming_it() {
+    // Rank 1 asks for a 2 TiB scratch: its allocation fails. The others must fail at the same
+    // exchange, naming rank 1, not wait for its scratch until the bootstrap timeout.
+    let out = setups(3, |rank| {
+        let c = Config::new(0).tune(false);
+        if rank == 1 { c.simple_bytes(1 << 40) } else { c }
+    });
+    println!("{out:?}");
+    let (kind, msg) = out[1].clone().unwrap_err();
+    assert_eq!(kind, ErrorKind::Cuda, "rank 1: {msg}");
+    for r in [0, 2] {
+        let (_, msg) = out[r].clone().unwrap_err();
+        assert!(msg.contains("rank 1 cannot go on (agreeing on the collectives' block cap)"), "rank {r}: {msg}");
+    }
+}

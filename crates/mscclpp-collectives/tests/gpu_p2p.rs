@@ -368,3 +368,36 @@ fn device_phases_keep_every_rank_host_work_apart_from_kernels() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_rank_out_of_memory_fails_every_rank_at_setup_naming_it() {
+    // Rank 2 asks for slots of 1 TiB: its scratch allocation fails. The others must fail at
+    // the same exchange, naming rank 2, not wait for its scratch until the bootstrap timeout.
+    let n = 3;
+    let (root, id) = RootServer::start(n, WAIT).unwrap();
+    let out: Vec<Result<(), (mscclpp::ErrorKind, String)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let id = id.clone();
+                s.spawn(move || {
+                    let bs = Arc::new(TcpBootstrap::config(rank, n).timeout(WAIT).initialize(&id).unwrap());
+                    let comm = Communicator::new(bs.clone());
+                    let config = if rank == 2 { small_slots().slot_bytes(1 << 40) } else { small_slots() };
+                    let r = PointToPoint::new(&comm, config).map(drop).map_err(|e| (e.kind(), e.to_string()));
+                    bs.barrier().unwrap();
+                    r
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    drop(root);
+    println!("{out:?}");
+    let (kind, msg) = out[2].clone().unwrap_err();
+    assert_eq!(kind, mscclpp::ErrorKind::Cuda, "rank 2: {msg}");
+    for r in [0, 1] {
+        let (_, msg) = out[r].clone().unwrap_err();
+        assert!(msg.contains("rank 2 cannot go on (allocating the point-to-point buffers)"), "rank {r}: {msg}");
+    }
+}

@@ -535,6 +535,10 @@ impl Executor {
     ) -> Result<Arc<Resources>, ExecError> {
         let key = Key { plan: plan.id, send, recv, send_size, recv_size };
         if let Some(r) = self.contexts.get(&key)? {
+            // Built before, so the plan's size was checked then; the rank is an argument.
+            if rank != self.comm.rank() {
+                return Err(wrong_rank(rank, self.comm.rank()).into());
+            }
             return Ok(r);
         }
         // The rank and the plan's size are checked in the build, at its first exchange: a rank
@@ -563,11 +567,7 @@ impl Executor {
         // What this rank can check alone: the sizes against the plan, the buffers, the channels.
         let local = (|| -> Result<(Layout, Vec<lower::ChannelLink>), ExecError> {
             if rank != comm.rank() {
-                return Err(Error::invalid_usage(format!(
-                    "execute: rank {rank} given, the communicator's rank is {}",
-                    comm.rank()
-                ))
-                .into());
+                return Err(wrong_rank(rank, comm.rank()).into());
             }
             if plan.gpus.len() != comm.size() {
                 return Err(Error::invalid_usage(format!(
@@ -602,12 +602,24 @@ impl Executor {
         )?;
         let gpu = &plan.gpus[rank];
         let flags: TransportFlags = [Transport::CudaIpc, self.config.port_transport].into_iter().collect();
-        let scratch = DeviceBuffer::new(ctx, dev, layout.scratch_bytes.max(64) as usize, flags)?;
-        // SAFETY: the caller promises both ranges stay allocated while this executor (which keeps
-        // the registrations) lives.
-        let send_mem = unsafe { ctx.register_device(send, send_size as usize, flags)? };
-        // SAFETY: as above.
-        let recv_mem = unsafe { ctx.register_device(recv, recv_size as usize, flags)? };
+        // Allocated and registered, then agreed: a rank out of memory (or whose buffers do not
+        // register) fails every rank at once, named, instead of leaving them waiting for its
+        // buffers in the pairwise part below.
+        let allocated = (|| -> Result<_, ExecError> {
+            let scratch = DeviceBuffer::new(ctx, dev, layout.scratch_bytes.max(64) as usize, flags)
+                .map_err(|e| e.during(format!("allocating the scratch of plan {}", plan.name)))?;
+            // SAFETY: the caller promises both ranges stay allocated while this executor (which
+            // keeps the registrations) lives.
+            let send_mem = unsafe { ctx.register_device(send, send_size as usize, flags)? };
+            // SAFETY: as above.
+            let recv_mem = unsafe { ctx.register_device(recv, recv_size as usize, flags)? };
+            Ok((scratch, send_mem, recv_mem))
+        })();
+        let ((scratch, send_mem, recv_mem), _) = comm.all_gather_outcome(
+            allocated,
+            |_| Vec::new(),
+            &format!("plan {}: allocating its scratch and registering its buffers", plan.name),
+        )?;
         let local_of = |t: BufferType| match t {
             BufferType::Input => &send_mem,
             BufferType::Output => &recv_mem,
@@ -640,105 +652,112 @@ impl Executor {
             comm.send_memory(scratch.memory(), p, tag(seq, 3, 0))?;
             warm_recvs.push((p, comm.recv_memory(p, tag(seq, 3, 0))?));
         }
-        let mut sems = Vec::new();
-        let mut warm = Vec::new();
-        for (l, tg, conn) in pending {
-            let conn = conn.wait().map_err(|e| e.during("connecting a plan's channel").with_peer(l.peer))?;
-            sems.push((l, comm.build_semaphore(&conn, l.peer, tg)?));
-            if l.channel_type == ChannelType::Port {
-                warm.push((l.peer, conn));
+        // The pairwise part: its waits are bounded and name the peer. A rank that fails in it
+        // (a peer that never answered, a mapping or the proxy that failed, a plan its lowering
+        // refuses) reports at the second exchange below with everything else it prepares.
+        let paired = (|| -> Result<_, ExecError> {
+            let mut sems = Vec::new();
+            let mut warm = Vec::new();
+            for (l, tg, conn) in pending {
+                let conn = conn.wait().map_err(|e| e.during("connecting a plan's channel").with_peer(l.peer))?;
+                sems.push((l, comm.build_semaphore(&conn, l.peer, tg)?));
+                if l.channel_type == ChannelType::Port {
+                    warm.push((l.peer, conn));
+                }
             }
-        }
-        // Warm-up (as the two-level collectives do): one small write over every port connection
-        // each way before any kernel runs, so that what a transport creates on first use
-        // (Ethernet: pinned staging buffers and a stream per direction and GPU) is not created
-        // while kernels spin waiting for this very data. It copies 16 zero bytes of the fresh
-        // (zeroed) scratch onto the peer's fresh scratch, which no kernel uses before the
-        // barrier at the end of this setup; the flush proves it arrived.
-        let mut warm_mem = Vec::new();
-        for (p, m) in warm_recvs {
-            warm_mem.push((p, m.wait().map_err(|e| e.during("receiving a port peer's scratch").with_peer(p))?));
-        }
-        for (p, conn) in &warm {
-            if let Some((_, m)) = warm_mem.iter().find(|(q, _)| q == p) {
-                conn.write(m, 0, scratch.memory(), 0, 16)
+            // Warm-up (as the two-level collectives do): one small write over every port connection
+            // each way before any kernel runs, so that what a transport creates on first use
+            // (Ethernet: pinned staging buffers and a stream per direction and GPU) is not created
+            // while kernels spin waiting for this very data. It copies 16 zero bytes of the fresh
+            // (zeroed) scratch onto the peer's fresh scratch, which no kernel uses before the
+            // barrier at the end of this setup; the flush proves it arrived.
+            let mut warm_mem = Vec::new();
+            for (p, m) in warm_recvs {
+                warm_mem.push((p, m.wait().map_err(|e| e.during("receiving a port peer's scratch").with_peer(p))?));
+            }
+            for (p, conn) in &warm {
+                if let Some((_, m)) = warm_mem.iter().find(|(q, _)| q == p) {
+                    conn.write(m, 0, scratch.memory(), 0, 16)
+                        .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
+                }
+            }
+            for (p, conn) in &warm {
+                conn.flush(self.config.timeout)
                     .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
             }
-        }
-        for (p, conn) in &warm {
-            conn.flush(self.config.timeout)
-                .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
-        }
-        let mut remote: Vec<(usize, BufferType, RegisteredMemory)> = Vec::new();
-        for (owner, t, m) in recvs {
-            let m = m.wait().map_err(|e| e.during("receiving a peer's buffer for a plan").with_peer(owner))?;
-            remote.push((owner, t, m));
-        }
-        let mut mem_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)> = Vec::new();
-        let mut mem_channels = Vec::new();
-        let mut port_sems = Vec::new();
-        for (l, s) in sems {
-            let s = s.wait().map_err(|e| e.during("building a plan's semaphore").with_peer(l.peer))?;
-            if l.channel_type == ChannelType::Memory {
-                let s = Arc::new(MemoryDevice2DeviceSemaphore::new(s)?);
-                mem_channels.push(BaseMemoryChannel::new(s.clone()));
-                mem_sems.push((l.peer, s));
-            } else {
-                port_sems.push((l.peer, Host2DeviceSemaphore::new(s)?));
+            let mut remote: Vec<(usize, BufferType, RegisteredMemory)> = Vec::new();
+            for (owner, t, m) in recvs {
+                let m = m.wait().map_err(|e| e.during("receiving a peer's buffer for a plan").with_peer(owner))?;
+                remote.push((owner, t, m));
             }
-        }
-        // Remote buffers: mapped (memory access) and registered with the proxy (port access).
-        let mut proxy =
-            if port_sems.is_empty() { None } else { Some(ProxyService::new(ctx, dev, ProxyConfig::default())?) };
-        let mut bindings = Bindings {
-            remote_base: vec![0; gpu.remote_buffers.len()],
-            remote_mem: vec![u32::MAX; gpu.remote_buffers.len()],
-            local_mem: [0, 1, 2],
-        };
-        if let Some(p) = proxy.as_mut() {
-            for (i, t) in [BufferType::Input, BufferType::Output, BufferType::Scratch].into_iter().enumerate() {
-                bindings.local_mem[i] = p.add_memory(local_of(t).clone())?.0;
+            let mut mem_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)> = Vec::new();
+            let mut mem_channels = Vec::new();
+            let mut port_sems = Vec::new();
+            for (l, s) in sems {
+                let s = s.wait().map_err(|e| e.during("building a plan's semaphore").with_peer(l.peer))?;
+                if l.channel_type == ChannelType::Memory {
+                    let s = Arc::new(MemoryDevice2DeviceSemaphore::new(s)?);
+                    mem_channels.push(BaseMemoryChannel::new(s.clone()));
+                    mem_sems.push((l.peer, s));
+                } else {
+                    port_sems.push((l.peer, Host2DeviceSemaphore::new(s)?));
+                }
             }
-        }
-        let mut mappings = Vec::new();
-        for (gi, rb) in gpu.remote_buffers.iter().enumerate() {
-            let Some((_, _, m)) = remote.iter().find(|(o, t, _)| *o == rb.rank && *t == rb.buffer_type) else {
-                continue;
+            // Remote buffers: mapped (memory access) and registered with the proxy (port access).
+            let mut proxy =
+                if port_sems.is_empty() { None } else { Some(ProxyService::new(ctx, dev, ProxyConfig::default())?) };
+            let mut bindings = Bindings {
+                remote_base: vec![0; gpu.remote_buffers.len()],
+                remote_mem: vec![u32::MAX; gpu.remote_buffers.len()],
+                local_mem: [0, 1, 2],
             };
-            if rb.access_channel_types.contains(&ChannelType::Memory) {
-                let Some((_, s)) = mem_sems.iter().find(|(p, _)| *p == rb.rank) else {
-                    return Err(LowerError::Invalid {
-                        path: format!("gpus[{rank}].remote_buffers[{gi}]"),
-                        reason: format!(
-                            "accessed through memory channels, but the rank has no memory channel to rank {}",
-                            rb.rank
-                        ),
-                    }
-                    .into());
+            if let Some(p) = proxy.as_mut() {
+                for (i, t) in [BufferType::Input, BufferType::Output, BufferType::Scratch].into_iter().enumerate() {
+                    bindings.local_mem[i] = p.add_memory(local_of(t).clone())?.0;
+                }
+            }
+            let mut mappings = Vec::new();
+            for (gi, rb) in gpu.remote_buffers.iter().enumerate() {
+                let Some((_, _, m)) = remote.iter().find(|(o, t, _)| *o == rb.rank && *t == rb.buffer_type) else {
+                    continue;
                 };
-                let ch = MemoryChannel::new(s.clone(), m, &send_mem, None)?;
-                bindings.remote_base[gi] = ch.device_handle().dst;
-                mappings.push(ch);
+                if rb.access_channel_types.contains(&ChannelType::Memory) {
+                    let Some((_, s)) = mem_sems.iter().find(|(p, _)| *p == rb.rank) else {
+                        return Err(LowerError::Invalid {
+                            path: format!("gpus[{rank}].remote_buffers[{gi}]"),
+                            reason: format!(
+                                "accessed through memory channels, but the rank has no memory channel to rank {}",
+                                rb.rank
+                            ),
+                        }
+                        .into());
+                    };
+                    let ch = MemoryChannel::new(s.clone(), m, &send_mem, None)?;
+                    bindings.remote_base[gi] = ch.device_handle().dst;
+                    mappings.push(ch);
+                }
+                if let (true, Some(p)) = (rb.access_channel_types.contains(&ChannelType::Port), proxy.as_mut()) {
+                    bindings.remote_mem[gi] = p.add_memory(m.clone())?.0;
+                }
             }
-            if let (true, Some(p)) = (rb.access_channel_types.contains(&ChannelType::Port), proxy.as_mut()) {
-                bindings.remote_mem[gi] = p.add_memory(m.clone())?.0;
+            let mut port_bytes = Vec::new();
+            if let Some(p) = proxy.as_mut() {
+                let scratch_id = MemoryId(bindings.local_mem[2]);
+                for (_, s) in port_sems {
+                    let id = p.add_semaphore(s)?;
+                    port_bytes.extend_from_slice(
+                        &p.port_channel(id, scratch_id, scratch_id)?.device_handle().base.to_bytes(),
+                    );
+                }
             }
-        }
-        let mut port_bytes = Vec::new();
-        if let Some(p) = proxy.as_mut() {
-            let scratch_id = MemoryId(bindings.local_mem[2]);
-            for (_, s) in port_sems {
-                let id = p.add_semaphore(s)?;
-                port_bytes
-                    .extend_from_slice(&p.port_channel(id, scratch_id, scratch_id)?.device_handle().base.to_bytes());
-            }
-        }
+            Ok(Paired { remote, mem_channels, proxy, bindings, mappings, port_bytes })
+        })();
         // Lowering, the kernel and the uploads may fail on one rank only: every rank reports at
         // the residency exchange below, so that a rank that cannot go on fails the others at once,
         // named, instead of leaving them at the closing barrier.
         let threads = plan.num_threads_per_block.clamp(32, 1024);
-        let prepared = (|| -> Result<_, ExecError> {
-            let low = lower::lower(plan, rank, &layout, &bindings)?;
+        let prepared = paired.and_then(|paired| {
+            let low = lower::lower(plan, rank, &layout, &paired.bindings)?;
             // The interpreter's kernels too (NVRTC, a module load): a rank without them says so
             // here rather than leaving the others at this exchange.
             let kernels = match self.config.kernel {
@@ -754,9 +773,9 @@ impl Executor {
                 b.write(0, bytes)?;
                 Ok(Some(b))
             };
-            let mem_bytes: Vec<u8> = mem_channels.iter().flat_map(|c| c.device_handle().to_bytes()).collect();
+            let mem_bytes: Vec<u8> = paired.mem_channels.iter().flat_map(|c| c.device_handle().to_bytes()).collect();
             let mem_handles = upload(&mem_bytes)?;
-            let port_handles = upload(&port_bytes)?;
+            let port_handles = upload(&paired.port_bytes)?;
             // Block b's operations at slots b * stride .. (padded with no-ops), each carrying the
             // block's count: the kernel copies its block's slots to shared memory in one step.
             let image = low.device_image();
@@ -781,14 +800,22 @@ impl Executor {
                 .max_active_blocks_per_sm(threads, 0)?
                 .min(kernels.ll8.max_active_blocks_per_sm(threads, 0)?);
             let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
-            Ok(Prepared { low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm })
-        })();
-        let (Prepared { low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm }, all) =
-            comm.all_gather_outcome(
-                prepared,
-                |p| format!("{}|{}|{}", p.me, p.image.nblocks, p.per_sm).into_bytes(),
-                &format!("plan {}: preparing its program", plan.name),
-            )?;
+            Ok((
+                paired,
+                Prepared { low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm },
+            ))
+        });
+        let (
+            (
+                Paired { remote, mem_channels, mut proxy, mappings, .. },
+                Prepared { low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm },
+            ),
+            all,
+        ) = comm.all_gather_outcome(
+            prepared,
+            |(_, p)| format!("{}|{}|{}", p.me, p.image.nblocks, p.per_sm).into_bytes(),
+            &format!("plan {}: preparing its program", plan.name),
+        )?;
         let (stride, nblocks_low) = (image.stride, image.nblocks);
         let (bar_off, sem_off, flags_off) = (image.barriers_off, image.sems_off, image.flags_off);
         let nblocks = nblocks_low as u32;
@@ -849,6 +876,22 @@ impl Executor {
             _scratch: scratch,
         })
     }
+}
+
+/// The refusal of a call whose `rank` is not the communicator's.
+fn wrong_rank(given: usize, mine: usize) -> Error {
+    Error::invalid_usage(format!("execute: rank {given} given, the communicator's rank is {mine}"))
+}
+
+/// What a rank's pairwise part of a build leaves: the peers' buffers, its channels, the proxy
+/// (not started), where the plan's buffers are bound and the port channels' device handles.
+struct Paired {
+    remote: Vec<(usize, BufferType, RegisteredMemory)>,
+    mem_channels: Vec<BaseMemoryChannel>,
+    proxy: Option<ProxyService>,
+    bindings: Bindings,
+    mappings: Vec<MemoryChannel>,
+    port_bytes: Vec<u8>,
 }
 
 /// What a rank prepares between the build's first and second exchanges: its program, kernels

@@ -198,14 +198,19 @@ impl TwoLevel {
             let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
             let sms = mscclpp::gpu::sm_count(dev)?;
             let per_sm = kernels.min_blocks_per_sm(THREADS)?;
-            Ok((topo, layout, kernels, me, sms, per_sm))
+            // Allocated before the exchange, so that a rank out of memory fails every rank there.
+            let flags = TransportFlags::from(Transport::CudaIpc) | TransportFlags::from(config.inter.transport);
+            let scratch = DeviceBuffer::new(comm.context(), dev, layout.total as usize, flags)
+                .map_err(|e| e.during("allocating the two-level scratch"))?;
+            scratch.fill(0, layout.total as usize, 0)?;
+            Ok((topo, layout, kernels, me, sms, per_sm, scratch))
         })();
         // Kernels of every rank sharing this GPU wait on each other: all must be resident. Every
         // rank tells its GPU and how many blocks that GPU holds at once, so that every rank
         // checks every GPU: ranks on a crowded GPU fail the others at once, named.
-        let ((topo, layout, kernels, me, sms, per_sm), all) = comm.all_gather_outcome(
+        let ((topo, layout, kernels, me, sms, per_sm, scratch), all) = comm.all_gather_outcome(
             local,
-            |(.., me, sms, per_sm)| format!("{me}|{}", sms * per_sm).into_bytes(),
+            |(.., me, sms, per_sm, _)| format!("{me}|{}", sms * per_sm).into_bytes(),
             "setting up the two-level collectives",
         )?;
         let gpus = gpus_and_room(&all);
@@ -227,9 +232,6 @@ impl TwoLevel {
         let blocks = config.max_blocks.clamp(1, fit);
 
         let ctx = comm.context();
-        let flags = TransportFlags::from(Transport::CudaIpc) | TransportFlags::from(inter_t);
-        let scratch = DeviceBuffer::new(ctx, dev, layout.total as usize, flags)?;
-        scratch.fill(0, layout.total as usize, 0)?;
 
         // Issue every send before waiting on anything.
         let node_peers = topo.node_peers(rank);
@@ -245,63 +247,70 @@ impl TwoLevel {
             comm.send_memory(scratch.memory(), p, TAG_INTER)?;
             inter.push((p, comm.recv_memory(p, TAG_INTER)?, comm.connect(&config.inter, p, TAG_INTER)?));
         }
-        let mut intra_sems = Vec::new();
-        for (p, mem, conn) in intra {
-            let mem = mem.wait().map_err(|e| e.during("receiving a node peer's two-level scratch").with_peer(p))?;
-            let conn = conn.wait().map_err(|e| e.during("connecting to a node peer (CUDA IPC)").with_peer(p))?;
-            intra_sems.push((p, mem, comm.build_semaphore(&conn, p, TAG_INTRA)?));
-        }
-        let mut inter_sems = Vec::new();
-        for (p, mem, conn) in inter {
-            let mem =
-                mem.wait().map_err(|e| e.during("receiving a cross-node peer's two-level scratch").with_peer(p))?;
-            let conn = conn
-                .wait()
-                .map_err(|e| e.during(format!("connecting to a cross-node peer ({inter_t})")).with_peer(p))?;
-            // Warm-up: one small write each way before any kernel runs, so that what a transport
-            // creates on first use (Ethernet: pinned staging buffers and a stream per direction)
-            // is not created while kernels spin waiting for this very data. The bytes land in
-            // the peer's AllReduce staging area, which every call overwrites before reading.
-            conn.write(&mem, layout.in_off, scratch.memory(), layout.in_off, 16)
-                .map_err(|e| e.during("warming up a cross-node connection").with_peer(p))?;
-            inter_sems.push((p, mem, comm.build_semaphore(&conn, p, TAG_INTER)?, conn));
-        }
-        for (p, _, _, conn) in &inter_sems {
-            conn.flush(config.timeout).map_err(|e| e.during("warming up a cross-node connection").with_peer(*p))?;
-        }
+        // The pairwise part: its waits are bounded and name the peer; a rank that fails here (a
+        // peer that never answered, a mapping or the proxy that failed) says so at the closing
+        // exchange, so that every rank fails at once, named, instead of waiting there for it.
+        let paired = (|| -> Result<_> {
+            let mut intra_sems = Vec::new();
+            for (p, mem, conn) in intra {
+                let mem = mem.wait().map_err(|e| e.during("receiving a node peer's two-level scratch").with_peer(p))?;
+                let conn = conn.wait().map_err(|e| e.during("connecting to a node peer (CUDA IPC)").with_peer(p))?;
+                intra_sems.push((p, mem, comm.build_semaphore(&conn, p, TAG_INTRA)?));
+            }
+            let mut inter_sems = Vec::new();
+            for (p, mem, conn) in inter {
+                let mem =
+                    mem.wait().map_err(|e| e.during("receiving a cross-node peer's two-level scratch").with_peer(p))?;
+                let conn = conn
+                    .wait()
+                    .map_err(|e| e.during(format!("connecting to a cross-node peer ({inter_t})")).with_peer(p))?;
+                // Warm-up: one small write each way before any kernel runs, so that what a transport
+                // creates on first use (Ethernet: pinned staging buffers and a stream per direction)
+                // is not created while kernels spin waiting for this very data. The bytes land in
+                // the peer's AllReduce staging area, which every call overwrites before reading.
+                conn.write(&mem, layout.in_off, scratch.memory(), layout.in_off, 16)
+                    .map_err(|e| e.during("warming up a cross-node connection").with_peer(p))?;
+                inter_sems.push((p, mem, comm.build_semaphore(&conn, p, TAG_INTER)?, conn));
+            }
+            for (p, _, _, conn) in &inter_sems {
+                conn.flush(config.timeout).map_err(|e| e.during("warming up a cross-node connection").with_peer(*p))?;
+            }
 
-        let (lr, mr) = (topo.ranks_per_node(), topo.nodes());
-        let mut table = vec![0u8; lr * MEM_HANDLE + mr * PORT_HANDLE];
-        let mut mem_channels = Vec::new();
-        for (p, mem, sem) in intra_sems {
-            let sem = sem.wait().map_err(|e| e.during("building a node peer's semaphore").with_peer(p))?;
-            let ch = MemoryChannel::new(MemoryDevice2DeviceSemaphore::new(sem)?, &mem, scratch.memory(), None)
-                .map_err(|e| e.during("mapping a node peer's scratch").with_peer(p))?;
-            let l = topo.local_of(p);
-            table[l * MEM_HANDLE..(l + 1) * MEM_HANDLE].copy_from_slice(&ch.device_handle().to_bytes());
-            mem_channels.push(ch);
-        }
-        let mut proxy = ProxyService::new(ctx, dev, config.proxy.clone())?;
-        let src = proxy.add_memory(scratch.memory().clone())?;
-        let mut port_channels = Vec::new();
-        for (p, mem, sem, _conn) in inter_sems {
-            let sem = sem.wait().map_err(|e| e.during("building a cross-node peer's semaphore").with_peer(p))?;
-            let sid = proxy.add_semaphore(Host2DeviceSemaphore::new(sem)?)?;
-            let dst = proxy.add_memory(mem)?;
-            let ch = proxy.port_channel(sid, dst, src)?;
-            let off = lr * MEM_HANDLE + topo.node_of(p) * PORT_HANDLE;
-            table[off..off + PORT_HANDLE].copy_from_slice(&ch.device_handle().to_bytes());
-            port_channels.push(ch);
-        }
-        proxy.start()?;
-        let handles = DeviceBuffer::new(ctx, dev, table.len().max(16), TransportFlags::NONE)?;
-        handles.write(0, &table)?;
-        let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
-        state.fill(0, STATE_BYTES, 0)?;
-        let status = DeviceStatus::new(ctx, dev)?;
+            let (lr, mr) = (topo.ranks_per_node(), topo.nodes());
+            let mut table = vec![0u8; lr * MEM_HANDLE + mr * PORT_HANDLE];
+            let mut mem_channels = Vec::new();
+            for (p, mem, sem) in intra_sems {
+                let sem = sem.wait().map_err(|e| e.during("building a node peer's semaphore").with_peer(p))?;
+                let ch = MemoryChannel::new(MemoryDevice2DeviceSemaphore::new(sem)?, &mem, scratch.memory(), None)
+                    .map_err(|e| e.during("mapping a node peer's scratch").with_peer(p))?;
+                let l = topo.local_of(p);
+                table[l * MEM_HANDLE..(l + 1) * MEM_HANDLE].copy_from_slice(&ch.device_handle().to_bytes());
+                mem_channels.push(ch);
+            }
+            let mut proxy = ProxyService::new(ctx, dev, config.proxy.clone())?;
+            let src = proxy.add_memory(scratch.memory().clone())?;
+            let mut port_channels = Vec::new();
+            for (p, mem, sem, _conn) in inter_sems {
+                let sem = sem.wait().map_err(|e| e.during("building a cross-node peer's semaphore").with_peer(p))?;
+                let sid = proxy.add_semaphore(Host2DeviceSemaphore::new(sem)?)?;
+                let dst = proxy.add_memory(mem)?;
+                let ch = proxy.port_channel(sid, dst, src)?;
+                let off = lr * MEM_HANDLE + topo.node_of(p) * PORT_HANDLE;
+                table[off..off + PORT_HANDLE].copy_from_slice(&ch.device_handle().to_bytes());
+                port_channels.push(ch);
+            }
+            proxy.start()?;
+            let handles = DeviceBuffer::new(ctx, dev, table.len().max(16), TransportFlags::NONE)?;
+            handles.write(0, &table)?;
+            let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
+            state.fill(0, STATE_BYTES, 0)?;
+            let status = DeviceStatus::new(ctx, dev)?;
+            Ok((proxy, handles, state, status, mem_channels, port_channels))
+        })();
         // Nobody launches before every rank has its kernels loaded and its peers mapped.
-        comm.bootstrap().barrier()?;
-        tracing::debug!(target: "mscclpp::collectives", rank, nranks, ranks_per_node = lr, nodes = mr, inter = %inter_t, blocks, scratch = layout.total, "two-level collectives ready");
+        let ((proxy, handles, state, status, mem_channels, port_channels), _) =
+            comm.all_gather_outcome(paired, |_| Vec::new(), "connecting the two-level collectives' ranks")?;
+        tracing::debug!(target: "mscclpp::collectives", rank, nranks, ranks_per_node = topo.ranks_per_node(), nodes = topo.nodes(), inter = %inter_t, blocks, scratch = layout.total, "two-level collectives ready");
         Ok(TwoLevel {
             proxy,
             rank,

@@ -145,18 +145,14 @@ class Executor:
             raise InvalidUsageError(f"plan must be an ExecutionPlan, not {type(plan).__name__}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise InvalidUsageError(f"rank must be an int >= 0, not {rank!r}")
-        if rank != self._comm_rank:
-            raise InvalidUsageError(f"execute: rank {rank} given, the communicator's rank is {self._comm_rank}")
-        if plan.world_size != self._comm_size:
-            raise InvalidUsageError(
-                f"plan {plan.name} is for {plan.world_size} ranks, the communicator has {self._comm_size}"
-            )
+        # The rank, the plan's world size and the buffers' GPU are checked by the native build,
+        # at its first meeting of the ranks: a rank that gets one wrong fails every rank's call
+        # there, named (a check here would fail this rank alone and leave the others waiting
+        # for it until the bootstrap timeout). What cannot be passed on at all (a wrong type)
+        # is refused here.
         ss, rs = _size(send_buff_size, "send_buff_size"), _size(recv_buff_size, "recv_buff_size")
-        sp, skeep, sdev = _buffer(send_buff, ss, "send_buff")
-        rp, rkeep, rdev = _buffer(recv_buff, rs, "recv_buff")
-        for d, what in ((sdev, "send_buff"), (rdev, "recv_buff")):
-            if d is not None and d != self.device:
-                raise InvalidUsageError(f"{what} is on cuda:{d}, the executor on cuda:{self.device}")
+        sp, skeep, _ = _buffer(send_buff, ss, "send_buff")
+        rp, rkeep, _ = _buffer(recv_buff, rs, "recv_buff")
         s = _stream_of(stream, None, self.device)
         self._native.execute(rank, sp, rp, ss, rs, _dtype_name(dtype), plan, s, _packet_name(packet_type))
         if skeep is not None or rkeep is not None:
