@@ -211,7 +211,8 @@ impl KernelKind {
     }
 
     /// The choice `MSCCLPP_EXECUTOR_KERNEL` names ([`from_name`](Self::from_name), or `plan`);
-    /// the default when unset or empty, and (with a warning) when it names neither.
+    /// the default when unset or empty, and (with a warning, once per process) when it names
+    /// neither.
     pub fn from_env() -> KernelKind {
         match std::env::var("MSCCLPP_EXECUTOR_KERNEL") {
             Err(_) => KernelKind::default(),
@@ -220,10 +221,14 @@ impl KernelKind {
                 (None, "") => KernelKind::default(),
                 (None, p) if p.eq_ignore_ascii_case("plan") => KernelKind::PerPlan,
                 (None, other) => {
-                    tracing::warn!(
-                        target: "mscclpp::executor",
-                        "MSCCLPP_EXECUTOR_KERNEL={other:?} is neither \"interpreter\" nor \"per-plan\": using the interpreter"
-                    );
+                    // Once per process: every executor (one per rank thread) reads it.
+                    static WARNED: std::sync::Once = std::sync::Once::new();
+                    WARNED.call_once(|| {
+                        tracing::warn!(
+                            target: "mscclpp::executor",
+                            "MSCCLPP_EXECUTOR_KERNEL={other:?} is neither \"interpreter\" nor \"per-plan\": using the interpreter"
+                        )
+                    });
                     KernelKind::Interpreter
                 }
             },

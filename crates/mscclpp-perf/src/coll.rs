@@ -84,6 +84,9 @@ pub struct Spec {
     pub timeout: Duration,
     /// `--plan FILE` without `--dry-run`: the plan every rank runs instead of the collectives.
     pub plan: Option<ExecutionPlan>,
+    /// The executor's kernel for `plan` (`MSCCLPP_EXECUTOR_KERNEL`, read once: a bad value warns
+    /// once).
+    pub exec_kernel: mscclpp_executor::KernelKind,
 }
 
 impl Spec {
@@ -151,6 +154,7 @@ impl Spec {
             op,
             algo,
             zero_copy,
+            exec_kernel: if plan.is_some() { mscclpp_executor::KernelKind::from_env() } else { Default::default() },
             plan,
             ranks: args.ranks,
             device: args.device,
@@ -767,7 +771,7 @@ impl Job {
                     p.name(),
                     if p.plan().inplace { "in place" } else { "out of place" },
                     if p.plan().inplace { "in place" } else { "out of place" },
-                    match mscclpp_executor::KernelKind::from_env() {
+                    match s.exec_kernel {
                         mscclpp_executor::KernelKind::PerPlan => "per-plan",
                         _ => "interpreter",
                     }
@@ -902,7 +906,10 @@ fn rank_main(
     } else {
         None
     };
-    let exec = s.plan.as_ref().map(|_| Executor::new(&comm, ExecutorConfig::new(s.device).timeout(s.timeout)));
+    let exec = s
+        .plan
+        .as_ref()
+        .map(|_| Executor::new(&comm, ExecutorConfig::new(s.device).timeout(s.timeout).kernel(s.exec_kernel)));
     let me = Rank { spec: s, rank, bs: bs.clone(), coll, exec, stream, a, b, start, stop, windows };
     // Setup time (the slowest rank's), tuning included: the bound is 5 s for 15 sizes.
     let setups = me.gather(&[setup_ms])?;
@@ -1089,6 +1096,7 @@ mod tests {
             check: true,
             timeout: Duration::from_secs(1),
             plan: None,
+            exec_kernel: Default::default(),
         }
     }
 
