@@ -2,8 +2,9 @@
 # Builds every GPU bundle (collectives + device suites, executor, NCCL library) and writes
 # gpu-bundle-coll/all.sh, which runs them in one device call within RUN_BUDGET seconds (default
 # 560): the 1 KiB breakdown (bench/allpair_real.cu, compiled by nvcc there), the collectives
-# bundle's run.sh, the executor's, the NCCL library's, and Ethernet p2p rows; PARTS picks them
-# (e.g. PARTS=exec for a call of its own).
+# bundle's run.sh, the executor's, the NCCL library's, Ethernet p2p rows, and `mscclpp-perf
+# device` (part "device", not in the default list); PARTS picks them (e.g. PARTS=exec for a
+# call of its own).
 # Device call: carry ["gpu-bundle-coll", "gpu-bundle-exec", "gpu-bundle-nccl"] (the NCCL bundle
 # holds nccl-ignored/libnccl.so.2.xz already; carrying both passes the 64 MiB limit),
 # command "bash gpu-bundle-coll/all.sh". MATURIN=path adds the Python wheel and its GPU tests.
@@ -49,6 +50,11 @@ for i in "${!parts[@]}"; do
       tar xJf gpu-bundle-exec/bin.tar.xz -C /tmp bin/mscclpp-perf 2>/dev/null
       for k in $(seq 14); do timeout 20 /tmp/bin/mscclpp-perf p2p -b 8 -e 8 | tail -1; done
       for k in $(seq 5); do timeout 30 /tmp/bin/mscclpp-perf p2p -b 64M -e 64M | tail -1; done ;;
+    device)
+      # mscclpp-perf device: FIFO, proxy throughput, PortChannel ping-pong and where a hop's
+      # time goes (instrumented proxies, issue 25 item 2), bandwidth, the proxy under load.
+      tar xJf gpu-bundle-exec/bin.tar.xz -C /tmp bin/mscclpp-perf 2>/dev/null
+      timeout "$share" /tmp/bin/mscclpp-perf device --timeout 20 2>&1 | tee "$L/perf-device.txt" | grep -v "^ *$" ;;
     *) echo "unknown part $part" ;;
   esac
 done

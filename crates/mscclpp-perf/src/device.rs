@@ -7,6 +7,8 @@
 //! * PortChannel ping-pong (putWithSignal + flush + wait, 4 B, CUDA IPC) next to the host-driven
 //!   write + update_and_sync + flush round trip, the host cost of the CUDA IPC calls, and the
 //!   ping-pong with one flush at the end;
+//! * where a PortChannel hop's time goes (`stages.rs`): the ping-pong through instrumented
+//!   proxies, one hop cut into push, pickup, copy issue, token issue, and landing + poll;
 //! * PortChannel putWithSignal bandwidth, 1 KiB .. `--max-bytes`, next to `cuMemcpyDtoDAsync`,
 //!   and plain puts at 64 MiB (what the signals cost);
 //! * the proxy under load (`proxyload.rs`): put / putWithSignal / signal triggers to 1, 4 and 8
@@ -145,6 +147,62 @@ extern "C" __global__ void put_bw(mscclpp::PortChannelDeviceHandle* ch, u64 size
   if (!ch->flush_for(timeout)) out[1] = 1;
   out[0] = now() - t0;
 }
+
+// Stage breakdown (stages.rs). clock_echo: n bounces of a counter through mapped host memory
+// (write i to d2h, wait for i in h2d); t[2i..] = (sent, answer seen) on %globaltimer; out[2] =
+// the smallest nonzero step of %globaltimer seen; out[1] = 1 if a wait timed out.
+extern "C" __global__ void clock_echo(u64* d2h, u64* h2d, int n, u64 timeout, u64* t, u64* out) {
+  u64 step = ~0ull, prev = now();
+  for (int i = 0; i < 2000; ++i) {
+    u64 x = now();
+    if (x != prev && x - prev < step) step = x - prev;
+    prev = x;
+  }
+  out[2] = step;
+  for (int i = 0; i < n; ++i) {
+    u64 a = now();
+    *(volatile u64*)d2h = (u64)i + 1;
+    while (*(volatile u64*)h2d < (u64)i + 1) {
+      if (now() - a > timeout) { out[1] = 1; return; }
+    }
+    u64 b = now();
+    t[2 * i] = a;
+    t[2 * i + 1] = b;
+  }
+}
+
+// The instrumented ping-pong: putWithSignal triggers (destination memory 0, source 1,
+// semaphore 0) for the stage proxy, and the Host2Device semaphore it signals. ping: t[3i..] =
+// (push called, push returned, wait returned); pong: (wait returned, push called, push
+// returned); out[0] = ping's elapsed ns, out[1] = 1 if a push or wait timed out.
+extern "C" __global__ void stage_ping(mscclpp::FifoDeviceHandle fifo, mscclpp::Host2DeviceSemaphoreDeviceHandle sem,
+                                      u64 size, int n, u64 timeout, u64* t, u64* out) {
+  mscclpp::ProxyTrigger tr(mscclpp::TriggerData | mscclpp::TriggerFlag, 0, 0, 1, 0, size, 0);
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) {
+    u64 a = now();
+    if (!fifo.push_for(tr, timeout)) { out[1] = 1; break; }
+    u64 b = now();
+    if (!sem.wait_for(timeout)) { out[1] = 1; break; }
+    u64 c = now();
+    t[3 * i] = a; t[3 * i + 1] = b; t[3 * i + 2] = c;
+  }
+  out[0] = now() - t0;
+}
+extern "C" __global__ void stage_pong(mscclpp::FifoDeviceHandle fifo, mscclpp::Host2DeviceSemaphoreDeviceHandle sem,
+                                      u64 size, int n, u64 timeout, u64* t, u64* out) {
+  mscclpp::ProxyTrigger tr(mscclpp::TriggerData | mscclpp::TriggerFlag, 0, 0, 1, 0, size, 0);
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) {
+    if (!sem.wait_for(timeout)) { out[1] = 1; break; }
+    u64 c = now();
+    u64 a = now();
+    if (!fifo.push_for(tr, timeout)) { out[1] = 1; break; }
+    u64 b = now();
+    t[3 * i] = c; t[3 * i + 1] = a; t[3 * i + 2] = b;
+  }
+  out[0] = now() - t0;
+}
 "#;
 
 struct Rank {
@@ -158,6 +216,8 @@ struct Rank {
     dev_sem: Option<Host2DeviceSemaphore>,
     /// For the throughput test's no-op triggers (taken by its proxy).
     plain: Option<Semaphore>,
+    /// For the stage breakdown (taken by its instrumented proxy; counts start at zero).
+    stage_sem: Option<Host2DeviceSemaphore>,
 }
 
 /// Two ranks of this process over CUDA IPC on `dev`, each with a `len`-byte buffer.
@@ -172,16 +232,17 @@ fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, Strin
         let pm = comm.recv_memory(peer, 1).map_err(e)?;
         let conn = pc.wait().map_err(e)?;
         let remote = pm.wait().map_err(e)?;
-        let sems = [2, 3, 4].map(|tag| comm.build_semaphore(&conn, peer, tag));
+        let sems = [2, 3, 4, 5].map(|tag| comm.build_semaphore(&conn, peer, tag));
         let mut got = Vec::new();
         for s in sems {
             got.push(s.map_err(e)?.wait().map_err(e)?);
         }
+        let stage_sem = Some(Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?);
         let plain = got.pop();
         let dev_sem = Some(Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?);
         let host_sem = Host2DeviceSemaphore::new(got.pop().ok_or("semaphore")?).map_err(e)?;
         bs.barrier().map_err(e)?;
-        Ok(Rank { comm, conn, local, remote, host_sem, dev_sem, plain })
+        Ok(Rank { comm, conn, local, remote, host_sem, dev_sem, plain, stage_sem })
     })
 }
 
@@ -416,6 +477,20 @@ pub fn run(args: &Args) -> Result<(), String> {
         pingpong_with(100, &pk2, &qk2)?;
         let us = pingpong_with(n, &pk2, &qk2)?;
         row(format!("PortChannel ping-pong without a flush per round (one at the end): {us:.2} us round trip"));
+        // Where a hop's time goes: the same ping-pong through instrumented proxies.
+        let kernels =
+            crate::stages::StageKernels { echo: &k("clock_echo")?, ping: &k("stage_ping")?, pong: &k("stage_pong")? };
+        let mut sems = Vec::new();
+        for r in ranks.iter_mut() {
+            sems.push(r.stage_sem.take().ok_or("semaphore")?);
+        }
+        let mut stage_ranks = Vec::new();
+        for ((r, src), sem) in ranks.iter().zip(&srcs).zip(sems) {
+            stage_ranks.push(crate::stages::StageRank { conn: &r.conn, remote: &r.remote, src: src.memory(), sem });
+        }
+        let stage_ranks: [crate::stages::StageRank<'_>; 2] =
+            stage_ranks.try_into().map_err(|_| "two ranks".to_string())?;
+        crate::stages::run(dev, ranks[0].comm.context(), &kernels, stage_ranks, us, timeout)?;
     }
     // 4. Bandwidth (rank 0 -> rank 1), next to cuMemcpyDtoDAsync between the same buffers.
     {

@@ -22,6 +22,7 @@ mod plan;
 mod procs;
 mod proxyload;
 mod report;
+mod stages;
 mod trace;
 
 use std::path::PathBuf;

@@ -499,7 +499,20 @@ mod tests {
                 crate::memchan::KERNELS,
                 &["sem_ping", "raw_pong", "copy_bw", "copy_bw_val", "copy_bw_round", "ll_ping", "ll8_pong"][..],
             ),
-            (crate::device::KERNELS, &["ping", "pong", "put_bw", "put_only_bw", "flood", "proxy_load"][..]),
+            (
+                crate::device::KERNELS,
+                &[
+                    "ping",
+                    "pong",
+                    "put_bw",
+                    "put_only_bw",
+                    "flood",
+                    "proxy_load",
+                    "clock_echo",
+                    "stage_ping",
+                    "stage_pong",
+                ][..],
+            ),
         ] {
             let ptx = compile(src, &opts).unwrap_or_else(|x| panic!("{x}"));
             assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
