@@ -51,6 +51,37 @@ extern "C" __global__ void fifo_latency(mscclpp::FifoDeviceHandle fifo, int n, u
   out[0] = now() - t0;
 }
 
+// Push diagnostics (issue 25 item 2; not for use: modes 1-3 each drop a guarantee): the
+// fifo_latency loop with the push cut down. mode 0: the header's push; 1: the trigger stored
+// relaxed at system scope (no fence: the proxy could see it before the kernel's earlier writes);
+// 2: a gpu-scope release fence, then that relaxed store; 3: the header's store, the position
+// counted by this one thread instead of the atomic on `head` (head is set at the end).
+extern "C" __global__ void fifo_push_variant(mscclpp::FifoDeviceHandle fifo, int n, int mode, u64* out) {
+  mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, 0);
+  u64 mine = *fifo.head, pos = 0;
+  u64 t0 = now();
+  for (int i = 0; i < n; ++i) {
+    if (mode == 0) {
+      pos = fifo.push(t);
+    } else {
+      pos = mode == 3 ? mine++ : mscclpp::detail::fetch_add_relaxed_gpu(fifo.head, 1);
+      if (pos >= (u64)fifo.size + *fifo.tailCache) fifo.sync(pos - fifo.size);
+      t.fields.reserved = ((pos >> fifo.sizeShift) & 1ull) ^ 1ull;
+      mscclpp::ProxyTrigger* slot = &fifo.triggers[pos & fifo.sizeMask];
+      if (mode == 3) {
+        mscclpp::detail::store_trigger_release_sys(slot, t.fst, t.snd);
+      } else {
+        if (mode == 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        asm volatile("st.global.relaxed.sys.v2.u64 [%0], {%1,%2};" ::"l"(slot), "l"(t.fst), "l"(t.snd) : "memory");
+      }
+    }
+    if ((i + 1) % fifo.size == 0) fifo.sync(pos);
+  }
+  fifo.sync(pos);
+  out[0] = now() - t0;
+  if (mode == 3) *fifo.head = mine;
+}
+
 // Every thread pushes per_thread no-op triggers (a flush of semaphore `sem`'s idle connection).
 extern "C" __global__ void flood(mscclpp::FifoDeviceHandle fifo, int per_thread, unsigned int sem) {
   mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, sem);
@@ -289,6 +320,20 @@ pub fn run(args: &Args) -> Result<(), String> {
                 ));
             }
         }
+        // What the push's parts cost (diagnostics; see the kernel): one thread, same loop.
+        let kv = k("fifo_push_variant")?;
+        let mut us = Vec::new();
+        for mode in 0..4i32 {
+            let (mut h, mut n, mut md, mut o) = (fifo.device_handle(), 100_000i32, mode, out.device_ptr());
+            launch(&kv, 1, 1, &stream, &mut args![h, n, md, o])?;
+            stream.synchronize(timeout).map_err(e)?;
+            us.push(out.read_u64(0).map_err(e)? as f64 / 1e3 / n as f64);
+        }
+        row(format!(
+            "fifo push->pop parts (diagnostics, us/trigger): the push {:.3}; trigger stored without a fence {:.3}; \
+             with a gpu-scope fence {:.3}; position without the atomic on head {:.3}",
+            us[0], us[1], us[2], us[3]
+        ));
         stop.store(true, Ordering::Relaxed);
         let _ = consumer.join();
     }
