@@ -488,6 +488,10 @@ pub fn run(args: &Args) -> Result<(), String> {
                 "host calls: CUDA IPC write 4 B {w:.2} us, update_and_sync {s:.2} us; with the other rank's connection busy: {wb:.2} / {sb:.2} us"
             ));
         }
+        // The driver calls those are made of, and the batched copy a proxy could use instead.
+        let costs = mscclpp::bench::driver_call_costs(&srcs[0], &ranks[1].local, 4, 16, 20, 100).map_err(e)?;
+        let list: Vec<String> = costs.iter().map(|(what, us)| format!("{what} {us:.2}")).collect();
+        row(format!("driver calls, host us per call (one stream, 100 back to back): {}", list.join("; ")));
     }
     for p in proxies.iter_mut() {
         p.start().map_err(e)?;

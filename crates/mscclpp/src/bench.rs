@@ -55,6 +55,65 @@ pub fn baseline_copy(
     Ok(t0.elapsed())
 }
 
+/// The host cost of the driver calls a CUDA IPC put and signal can be made of, in microseconds
+/// per call: each variant is issued `per_round` times back to back on one stream, `rounds`
+/// times, with an untimed synchronize between rounds (so the queue never fills). `src` and `dst`
+/// are device buffers of one GPU holding at least `bytes * batch` bytes. Returns `(what, us per
+/// call)`; for a batch of copies also per copy. The batched copy (`cuMemcpyBatchAsync`) is left
+/// out where the driver lacks it.
+pub fn driver_call_costs(
+    src: &DeviceBuffer,
+    dst: &DeviceBuffer,
+    bytes: usize,
+    batch: usize,
+    rounds: u32,
+    per_round: u32,
+) -> Result<Vec<(String, f64)>> {
+    let (s, d) = (src.region(), dst.region());
+    let batch = batch.max(1);
+    s.check(0, (bytes * batch) as u64)?;
+    d.check(0, (bytes * batch) as u64)?;
+    let stream = Stream::new(&s.dev)?;
+    let n = bytes as u64;
+    let time = |issue: &dyn Fn() -> Result<()>| -> Result<f64> {
+        issue()?;
+        stream.synchronize()?;
+        let mut total = Duration::ZERO;
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            for _ in 0..per_round {
+                issue()?;
+            }
+            total += t0.elapsed();
+            stream.synchronize()?;
+        }
+        Ok(total.as_secs_f64() * 1e6 / f64::from(rounds.max(1) * per_round.max(1)))
+    };
+    let batch_copy = |k: usize| -> Result<()> {
+        let mut dsts: Vec<u64> = (0..k as u64).map(|i| d.ptr + i * n).collect();
+        let mut srcs: Vec<u64> = (0..k as u64).map(|i| s.ptr + i * n).collect();
+        let mut sizes = vec![bytes; k];
+        stream.copy_batch(&mut dsts, &mut srcs, &mut sizes)
+    };
+    let token = || stream.write_value64(d.ptr, 1).map(drop);
+    let mut out = vec![
+        (format!("cuMemcpyDtoDAsync {bytes} B"), time(&|| stream.copy_dtod(d.ptr, s.ptr, n))?),
+        (format!("cuMemcpyAsync {bytes} B"), time(&|| stream.copy_unified(d.ptr, s.ptr, n))?),
+        ("cuStreamWriteValue64".to_string(), time(&token)?),
+        (
+            format!("cuMemcpyDtoDAsync {bytes} B + cuStreamWriteValue64 (a putWithSignal)"),
+            time(&|| stream.copy_dtod(d.ptr, s.ptr, n).and_then(|_| token()))?,
+        ),
+    ];
+    if cuda::has_batch_copy() {
+        out.push((format!("cuMemcpyBatchAsync, 1 copy of {bytes} B"), time(&|| batch_copy(1))?));
+        let per_call = time(&|| batch_copy(batch))?;
+        out.push((format!("cuMemcpyBatchAsync, {batch} copies of {bytes} B, per call"), per_call));
+        out.push((format!("cuMemcpyBatchAsync, {batch} copies of {bytes} B, per copy"), per_call / batch as f64));
+    }
+    Ok(out)
+}
+
 /// Times `iters` plain 8-byte host-to-device copies from pinned memory, each followed by a stream
 /// synchronize: the raw small-operation latency baseline. Returns the time per operation.
 pub fn baseline_h2d_8b(dst: &DeviceBuffer, warmup: u64, iters: u64) -> Result<Duration> {

@@ -87,6 +87,18 @@ pub(crate) fn init() -> Result<()> {
     r.clone().map_err(|(k, m)| Error::new(k, m))
 }
 
+/// Whether the driver has `cuMemcpyBatchAsync_v2` (CUDA 13.0 and later drivers).
+pub(crate) fn has_batch_copy() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        // SAFETY: `culib` loads the driver library (present, checked first) and `get` only looks
+        // the symbol up; nothing is called through it here.
+        unsafe {
+            sys::is_culib_present() && sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2").is_ok()
+        }
+    })
+}
+
 /// The number of CUDA devices.
 pub fn device_count() -> Result<usize> {
     init()?;
@@ -240,6 +252,54 @@ impl Stream {
         // outlive the copy (kept alive until flush/synchronize).
         unsafe { result::memcpy_dtod_async(dst, src, n as usize, self.raw) }
             .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))
+    }
+
+    /// Copies `n` bytes device to device with `cuMemcpyAsync` (unified addressing), asynchronously.
+    pub(crate) fn copy_unified(&self, dst: u64, src: u64, n: u64) -> Result<()> {
+        self.dev.bind()?;
+        // SAFETY: as copy_dtod.
+        check("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, self.raw) })
+    }
+
+    /// Copies `sizes[i]` bytes from `srcs[i]` to `dsts[i]` for every `i`, in one driver call
+    /// (`cuMemcpyBatchAsync`, CUDA 13): in stream order as a whole, in no order among
+    /// themselves. `NotAvailable` where the driver lacks it ([`has_batch_copy`]).
+    pub(crate) fn copy_batch(&self, dsts: &mut [u64], srcs: &mut [u64], sizes: &mut [usize]) -> Result<()> {
+        if dsts.len() != srcs.len() || dsts.len() != sizes.len() {
+            return Err(Error::invalid_usage("a batch copy needs as many sources and sizes as destinations"));
+        }
+        if dsts.is_empty() {
+            return Ok(());
+        }
+        if !has_batch_copy() {
+            return Err(Error::new(ErrorKind::NotAvailable, "this CUDA driver has no cuMemcpyBatchAsync_v2"));
+        }
+        self.dev.bind()?;
+        let none = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID, id: 0 };
+        let mut attrs = [sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: none,
+            dstLocHint: none,
+            flags: 0,
+        }];
+        let mut first = [0usize];
+        // SAFETY: the three arrays hold `dsts.len()` entries (checked above) and live through the
+        // call; one attribute applies to every copy (index 0); the ranges are checked ranges of
+        // live allocations that outlive the copies, as in copy_dtod; the symbol exists
+        // (has_batch_copy).
+        let r = unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                dsts.len(),
+                attrs.as_mut_ptr(),
+                first.as_mut_ptr(),
+                1,
+                self.raw,
+            )
+        };
+        check("cuMemcpyBatchAsync", r)
     }
 
     /// Copies `n` bytes from `src` on GPU `src_dev` to `dst` on GPU `dst_dev`, asynchronously
