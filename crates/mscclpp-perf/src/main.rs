@@ -98,6 +98,11 @@ pub struct Args {
     /// Largest message (bytes; K, M, G suffixes allowed).
     #[arg(short = 'e', long, default_value = "256M", value_parser = parse_size)]
     pub max_bytes: u64,
+    /// device: how long the proxy load rows' proxy lets owed signals wait for more triggers
+    /// while its FIFO keeps delivering (microseconds; `ProxyConfig::signal_coalesce`; 0, the
+    /// library's default, pays them after every batch).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_micros)]
+    pub signal_coalesce: f64,
     /// Multiplication factor between sizes (at least 2).
     #[arg(short = 'f', long, default_value_t = 2)]
     pub step_factor: u64,
@@ -245,7 +250,14 @@ fn check_output(flag: &str, path: &std::path::Path, ext: Option<&str>) -> Result
 }
 
 /// Parses `4096`, `64K`, `1M`, `1G` (powers of two).
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_micros(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(us) if us.is_finite() && (0.0..=1e6).contains(&us) => Ok(us),
+        _ => Err(format!("{v:?} is not a number of microseconds from 0 to 1000000")),
+    }
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
         Some('K') => (&t[..t.len() - 1], 1u64 << 10),

@@ -212,10 +212,11 @@ impl Rig<'_> {
 }
 
 /// The proxy rows over `t`.
-fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration) -> Result<(), String> {
+fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce: Duration) -> Result<(), String> {
     let mut rs = ranks(t, dev, timeout)?;
     let r0 = &mut rs[0];
-    let mut proxy = ProxyService::new(r0.comm.context(), dev, ProxyConfig::default()).map_err(e)?;
+    let config = ProxyConfig::default().signal_coalesce(coalesce);
+    let mut proxy = ProxyService::new(r0.comm.context(), dev, config).map_err(e)?;
     let mut table = LoadPeers { sem: [0; 8], dst: [0; 8], src: 0, npeers: 1, slots: SLOTS as u32, pad: 0 };
     for (p, s) in std::mem::take(&mut r0.proxy_sems).into_iter().enumerate() {
         table.sem[p] = proxy.add_semaphore(s).map_err(e)?.0;
@@ -270,10 +271,13 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration) -> Result
 }
 
 /// The proxy load rows, over CUDA IPC then Ethernet (see the module doc).
-pub fn run(dev: u32, kern: &Kernel, timeout: Duration) -> Result<(), String> {
-    row("proxy load: one FIFO + proxy on rank 0 serving 1/4/8 in-process peers; GPU producers (blocks x threads) \
-         push triggers; host direct = one host thread issuing the same calls"
-        .into());
-    rows_over(Transport::CudaIpc, dev, kern, timeout)?;
-    rows_over(Transport::Ethernet, dev, kern, timeout)
+pub fn run(dev: u32, kern: &Kernel, timeout: Duration, coalesce: Duration) -> Result<(), String> {
+    row(format!(
+        "proxy load: one FIFO + proxy on rank 0 serving 1/4/8 in-process peers; GPU producers (blocks x threads) \
+         push triggers; host direct = one host thread issuing the same calls; signals coalesced for up to {} us \
+         while the FIFO delivers (--signal-coalesce)",
+        coalesce.as_secs_f64() * 1e6
+    ));
+    rows_over(Transport::CudaIpc, dev, kern, timeout, coalesce)?;
+    rows_over(Transport::Ethernet, dev, kern, timeout, coalesce)
 }

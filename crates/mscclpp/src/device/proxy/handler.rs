@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::runner::{HandlerResult, ProxyHandler, TriggerContext};
 use super::service::ProxySemaphore;
@@ -95,6 +95,14 @@ pub(crate) struct ConnectionHandler {
     flushes_pending: bool,
     /// Semaphores with signals owed (`SemEntry::owed > 0`), in the order they were first owed.
     owing: Vec<usize>,
+    /// [`ProxyConfig::signal_coalesce`](super::ProxyConfig::signal_coalesce).
+    coalesce: Duration,
+    /// Triggers handled since the first of the signals owed now (with coalescing on).
+    since_pay: u64,
+    /// Triggers handled since the last `poll` (the batch before it).
+    last_batch: u64,
+    /// When the oldest signal still owed was owed (tracked only with coalescing on).
+    owed_since: Option<Instant>,
 }
 
 impl ConnectionHandler {
@@ -107,7 +115,29 @@ impl ConnectionHandler {
             max_queue: max_write_queue_size.map(|q| q.max(1) as u64),
             flushes_pending: false,
             owing: Vec::new(),
+            coalesce: Duration::ZERO,
+            since_pay: 0,
+            last_batch: 0,
+            owed_since: None,
         }
+    }
+
+    /// Lets owed signals wait up to `d` while the FIFO keeps delivering triggers.
+    pub(crate) fn coalesce(mut self, d: Duration) -> ConnectionHandler {
+        self.coalesce = d;
+        self
+    }
+
+    /// Whether the owed signals go out at this `poll`, after a batch of `batch` triggers: at once
+    /// without coalescing; with it, once the FIFO ran dry (a batch shorter than the runner's
+    /// longest; after a full batch that emptied it, at the next, empty, step),
+    /// [`COALESCE_MAX_TRIGGERS`](super::COALESCE_MAX_TRIGGERS) triggers passed, or the oldest
+    /// waited `coalesce`.
+    fn pay_now(&self, batch: u64) -> bool {
+        self.coalesce.is_zero()
+            || batch < super::runner::POP_BATCH
+            || self.since_pay >= super::COALESCE_MAX_TRIGGERS
+            || self.owed_since.is_none_or(|t| t.elapsed() >= self.coalesce)
     }
 
     pub(crate) fn memories(&self) -> usize {
@@ -165,6 +195,11 @@ impl ConnectionHandler {
                     let e = &mut self.sems[sem_id as usize];
                     if e.owed == 0 {
                         self.owing.push(sem_id as usize);
+                        if !self.coalesce.is_zero() && self.owed_since.is_none() {
+                            // The first signal owed since everything was paid: counting starts.
+                            self.owed_since = Some(Instant::now());
+                            self.since_pay = 0;
+                        }
                     }
                     e.owed += 1;
                 }
@@ -210,6 +245,10 @@ impl ConnectionHandler {
             let n = std::mem::take(&mut self.sems[id].owed);
             self.owing.remove(i);
             self.sems[id].sem.signal_by(n)?;
+        }
+        if self.owing.is_empty() {
+            self.since_pay = 0;
+            self.owed_since = None;
         }
         Ok(())
     }
@@ -315,12 +354,15 @@ impl ConnectionHandler {
 
 impl ProxyHandler for ConnectionHandler {
     fn handle(&mut self, trigger: ProxyTrigger, cx: &TriggerContext<'_>) -> Result<HandlerResult> {
+        self.since_pay += 1;
+        self.last_batch += 1;
         self.execute(decode(trigger)?, cx)?;
         Ok(HandlerResult::Continue)
     }
 
     fn poll(&mut self) -> Result<()> {
-        if !self.owing.is_empty() {
+        let batch = std::mem::take(&mut self.last_batch);
+        if !self.owing.is_empty() && self.pay_now(batch) {
             self.pay_signals(None)?;
         }
         if self.flushes_pending { self.progress_flushes() } else { Ok(()) }
@@ -454,6 +496,10 @@ mod tests {
     }
 
     fn rig(fifo_size: u32, max_queue: Option<usize>) -> Rig {
+        rig_coalescing(fifo_size, max_queue, Duration::ZERO)
+    }
+
+    fn rig_coalescing(fifo_size: u32, max_queue: Option<usize>, coalesce: Duration) -> Rig {
         let ctx = Context::new();
         let wire = Arc::new(Mutex::new(Wire::default()));
         let conn = Connection::from_inner(ConnInner {
@@ -471,7 +517,7 @@ mod tests {
         let sem = Semaphore::new(stub, peer_token.memory().clone());
         let alloc = Arc::new(HostAlloc::zeroed(4 * 8).unwrap());
         let words = Arc::new(FlushWords::new(Region::owned(alloc, 4 * 8)));
-        let mut h = ConnectionHandler::new(words.clone(), max_queue);
+        let mut h = ConnectionHandler::new(words.clone(), max_queue).coalesce(coalesce);
         assert_eq!(h.add_semaphore(sem.into()), (0, 0));
         for _ in 0..2 {
             h.add_memory(Buffer::new(&ctx, 1 << 16, flags).unwrap().memory().clone());
@@ -545,6 +591,67 @@ mod tests {
         assert_eq!(r.runner.step(), Step::Worked(2));
         assert_eq!(r.ops().last(), Some(&Op::Update { old: 3, new: 4 }));
         assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// With coalescing on, a full batch leaves its signals owed while the FIFO holds more
+    /// triggers; they go out as one token write once the FIFO runs dry.
+    #[test]
+    fn coalesced_signals_wait_until_the_fifo_runs_dry() {
+        let mut r = rig_coalescing(512, None, Duration::from_secs(3600));
+        let p = r.fifo().host_producer().unwrap();
+        for _ in 0..74 {
+            p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        }
+        assert_eq!(r.runner.step(), Step::Worked(64));
+        assert_eq!(r.runner.step(), Step::Worked(10));
+        assert_eq!(r.ops(), vec![], "the FIFO kept delivering: nothing paid yet");
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 74 }]);
+        // A lone signal goes out at the next step, as without coalescing.
+        r.run(ProxyTrigger::signal(0).unwrap());
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops().last(), Some(&Op::Update { old: 74, new: 75 }));
+        assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// Under continuous load, owed signals go out after at most COALESCE_MAX_TRIGGERS triggers
+    /// (plus one batch), whatever the time limit; and at once when the time limit has passed.
+    #[test]
+    fn coalescing_is_bounded_by_triggers_and_time() {
+        let mut r = rig_coalescing(512, None, Duration::from_secs(3600));
+        let p = r.fifo().host_producer().unwrap();
+        for _ in 0..512 {
+            p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        }
+        let mut steps = 0;
+        while r.ops().is_empty() {
+            assert_eq!(r.runner.step(), Step::Worked(64));
+            steps += 1;
+            assert!(steps <= 6, "still owed after {steps} full batches");
+        }
+        let first = r.ops()[0].clone();
+        let Op::Update { old: 0, new } = first else { panic!("{first:?}") };
+        assert!(
+            (super::super::COALESCE_MAX_TRIGGERS..512).contains(&new),
+            "paid {new} of 512 while the FIFO held more"
+        );
+        while r.runner.step() != Step::Idle {}
+        // The last batch was full and emptied the FIFO: the step after it finds it dry.
+        assert_eq!(r.ops().len(), 1);
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops().last(), Some(&Op::Update { old: new, new: 512 }));
+
+        // A limit already passed pays after every batch, as without coalescing.
+        let mut r = rig_coalescing(512, None, Duration::from_nanos(1));
+        let p = r.fifo().host_producer().unwrap();
+        for _ in 0..74 {
+            p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        }
+        assert_eq!(r.runner.step(), Step::Worked(64));
+        assert_eq!(r.runner.step(), Step::Worked(10));
+        assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 64 }]);
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 64 }, Op::Update { old: 64, new: 74 }]);
     }
 
     /// A flush is recorded with the connection's issued sequence number and published (as its

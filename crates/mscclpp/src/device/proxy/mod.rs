@@ -16,6 +16,12 @@
 //! (MSCCL++'s proxy writes the token for every signal). A lone signal goes out at the next
 //! step of the loop, nanoseconds later.
 //!
+//! Under load each batch still pays one token write per semaphore it signalled: with many
+//! semaphores (a signal to each of 8 peers) those writes, a driver call each, bound the rate.
+//! [`ProxyConfig::signal_coalesce`] lets owed signals wait across batches while the FIFO keeps
+//! delivering (until it runs dry, [`COALESCE_MAX_TRIGGERS`] triggers have passed, or the time
+//! given has): fewer token writes, more latency for a signal under load. Off by default.
+//!
 //! # Flushes
 //! Each connection has one `flushDonePos` word in mapped pinned host memory (shared by every
 //! channel on that connection, as in MSCCL++). A flush at FIFO position `p` is recorded as
@@ -76,6 +82,8 @@ mod service;
 pub use runner::{HandlerResult, Proxy, ProxyHandler, ProxyOptions, TriggerContext};
 pub use service::{ProxySemaphore, ProxyService};
 
+use std::time::Duration;
+
 use super::fifo::DEFAULT_FIFO_SIZE;
 
 const LOG: &str = "mscclpp::proxy";
@@ -114,11 +122,26 @@ pub struct ProxyConfig {
     /// Spin, then yield, then sleep (up to 50 us) while the FIFO stays empty, instead of
     /// spinning a core. Adds wake-up latency after idle periods; off by default.
     pub idle_backoff: bool,
+    /// How long owed signals may wait for more triggers while the FIFO keeps delivering them
+    /// (default zero: they are paid after every batch of popped triggers; see "Signals are
+    /// coalesced" above). Above zero, a full batch leaves them owed until the FIFO runs dry,
+    /// [`COALESCE_MAX_TRIGGERS`] triggers have been handled, or this long has passed since the
+    /// oldest was owed: fewer token writes when many semaphores are signalled under load, up to
+    /// this much more latency for a signal under load (none when the FIFO runs dry).
+    pub signal_coalesce: Duration,
 }
+
+/// The most triggers handled while signals stay owed under [`ProxyConfig::signal_coalesce`].
+pub const COALESCE_MAX_TRIGGERS: u64 = 256;
 
 impl Default for ProxyConfig {
     fn default() -> Self {
-        ProxyConfig { fifo_size: DEFAULT_FIFO_SIZE, max_write_queue_size: None, idle_backoff: false }
+        ProxyConfig {
+            fifo_size: DEFAULT_FIFO_SIZE,
+            max_write_queue_size: None,
+            idle_backoff: false,
+            signal_coalesce: Duration::ZERO,
+        }
     }
 }
 
@@ -136,6 +159,11 @@ impl ProxyConfig {
     /// Sets [`idle_backoff`](Self::idle_backoff).
     pub fn idle_backoff(mut self, on: bool) -> Self {
         self.idle_backoff = on;
+        self
+    }
+    /// Sets [`signal_coalesce`](Self::signal_coalesce).
+    pub fn signal_coalesce(mut self, d: Duration) -> Self {
+        self.signal_coalesce = d;
         self
     }
 }

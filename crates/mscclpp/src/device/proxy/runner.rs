@@ -24,7 +24,7 @@ use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 /// How often (in loop iterations) the proxy thread looks at its stop flag.
 const STOP_CHECK_PERIOD: u32 = 1000;
 /// Most triggers handled before the tail is published (at most the FIFO's size).
-const POP_BATCH: u64 = 64;
+pub(crate) const POP_BATCH: u64 = 64;
 /// While the FIFO stays empty: spin 50 us, then yield (never sleep: the proxy stays ready).
 const IDLE_SPIN: BackoffPolicy = BackoffPolicy {
     spin: Duration::from_micros(50),

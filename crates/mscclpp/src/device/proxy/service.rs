@@ -166,7 +166,9 @@ impl ProxyService {
         let words = Arc::new(FlushWords::new(flush_words));
         ProxyService {
             sh: Arc::new(LoopShared::new(Arc::new(fifo))),
-            handler: Some(ConnectionHandler::new(words.clone(), config.max_write_queue_size)),
+            handler: Some(
+                ConnectionHandler::new(words.clone(), config.max_write_queue_size).coalesce(config.signal_coalesce),
+            ),
             words,
             device,
             ctx: None,
