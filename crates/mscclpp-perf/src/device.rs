@@ -322,18 +322,24 @@ pub fn run(args: &Args) -> Result<(), String> {
         }
         // What the push's parts cost (diagnostics; see the kernel): one thread, same loop.
         let kv = k("fifo_push_variant")?;
-        let mut us = Vec::new();
-        for mode in 0..4i32 {
-            let (mut h, mut n, mut md, mut o) = (fifo.device_handle(), 100_000i32, mode, out.device_ptr());
-            launch(&kv, 1, 1, &stream, &mut args![h, n, md, o])?;
-            stream.synchronize(timeout).map_err(e)?;
-            us.push(out.read_u64(0).map_err(e)? as f64 / 1e3 / n as f64);
+        let variants = (|| -> Result<Vec<f64>, String> {
+            let mut us = Vec::new();
+            for mode in 0..4i32 {
+                let (mut h, mut n, mut md, mut o) = (fifo.device_handle(), 100_000i32, mode, out.device_ptr());
+                launch(&kv, 1, 1, &stream, &mut args![h, n, md, o])?;
+                stream.synchronize(timeout).map_err(e)?;
+                us.push(out.read_u64(0).map_err(e)? as f64 / 1e3 / n as f64);
+            }
+            Ok(us)
+        })();
+        match variants {
+            Ok(us) => row(format!(
+                "fifo push->pop parts (diagnostics, us/trigger): the push {:.3}; trigger stored without a fence {:.3}; \
+                 with a gpu-scope fence {:.3}; position without the atomic on head {:.3}",
+                us[0], us[1], us[2], us[3]
+            )),
+            Err(x) => row(format!("fifo push->pop parts: failed: {x}")),
         }
-        row(format!(
-            "fifo push->pop parts (diagnostics, us/trigger): the push {:.3}; trigger stored without a fence {:.3}; \
-             with a gpu-scope fence {:.3}; position without the atomic on head {:.3}",
-            us[0], us[1], us[2], us[3]
-        ));
         stop.store(true, Ordering::Relaxed);
         let _ = consumer.join();
     }
@@ -489,9 +495,13 @@ pub fn run(args: &Args) -> Result<(), String> {
             ));
         }
         // The driver calls those are made of, and the batched copy a proxy could use instead.
-        let costs = mscclpp::bench::driver_call_costs(&srcs[0], &ranks[1].local, 4, 16, 20, 100).map_err(e)?;
-        let list: Vec<String> = costs.iter().map(|(what, us)| format!("{what} {us:.2}")).collect();
-        row(format!("driver calls, host us per call (one stream, 100 back to back): {}", list.join("; ")));
+        match mscclpp::bench::driver_call_costs(&srcs[0], &ranks[1].local, 4, 16, 20, 100) {
+            Ok(costs) => {
+                let list: Vec<String> = costs.iter().map(|(what, us)| format!("{what} {us:.2}")).collect();
+                row(format!("driver calls, host us per call (one stream, 100 back to back): {}", list.join("; ")));
+            }
+            Err(x) => row(format!("driver calls: failed: {x}")),
+        }
     }
     for p in proxies.iter_mut() {
         p.start().map_err(e)?;
@@ -539,7 +549,10 @@ pub fn run(args: &Args) -> Result<(), String> {
         }
         let stage_ranks: [crate::stages::StageRank<'_>; 2] =
             stage_ranks.try_into().map_err(|_| "two ranks".to_string())?;
-        crate::stages::run(dev, ranks[0].comm.context(), &kernels, stage_ranks, us, timeout)?;
+        // A diagnostic: its failure is reported and the remaining rows still run.
+        if let Err(x) = crate::stages::run(dev, ranks[0].comm.context(), &kernels, stage_ranks, us, timeout) {
+            row(format!("PortChannel hop stages: failed: {x}"));
+        }
     }
     // 4. Bandwidth (rank 0 -> rank 1), next to cuMemcpyDtoDAsync between the same buffers.
     {
