@@ -9,10 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mscclpp::gpu::{DeviceBuffer, Stream, check_device_range};
-use mscclpp::{
-    Communicator, Device, EndpointConfig, Error, MemoryChannel, MemoryDevice2DeviceSemaphore, Result, Transport,
-    TransportFlags,
-};
+use mscclpp::{Communicator, Error, MemoryChannel, MemoryDevice2DeviceSemaphore, Result, Transport, TransportFlags};
 
 use crate::external::{self, CallShape, ExternalAlgorithm, ExternalId};
 use crate::kernels::{self, CollArgs, INLINE_PEERS, Kernels, STATE_BYTES};
@@ -309,7 +306,7 @@ impl Collectives {
         let ((cap, buffers), caps) = comm.all_gather_outcome(
             cap,
             |(c, _)| max_blocks.min(*c).to_le_bytes().to_vec(),
-            "agreeing on the collectives' block cap",
+            "agreeing on the collectives' block cap, buffers allocated",
         )?;
         let Buffers { scratch, peers_table, state, expected, status } = buffers;
         limits.max_blocks = limits.max_blocks.min(cap);
@@ -318,41 +315,15 @@ impl Collectives {
             limits.max_blocks = limits.max_blocks.min(u32::from_le_bytes(c).max(1));
         }
 
-        let ep = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
-        let tag = 0x00c0_11ec;
-        let peers: Vec<usize> = (0..nranks).filter(|&p| p != rank).collect();
-        let mut pending = Vec::new();
-        for &p in &peers {
-            comm.send_memory(scratch.memory(), p, tag)?;
-            pending.push((p, comm.recv_memory(p, tag)?, comm.connect(&ep, p, tag)?));
-        }
-        // The pairwise part: its waits are bounded and name the peer; a rank that fails here
-        // (a peer that never answered, a mapping that failed) says so at the closing exchange,
-        // so that every rank fails at once, named, instead of waiting there for it.
+        // The pairwise part (see `mesh`); a rank that fails in it (a peer that never answered, a
+        // mapping that failed) says so at the closing exchange, so that every rank fails at
+        // once, named, instead of waiting there for it.
         let paired = (|| -> Result<_> {
-            let mut sems = Vec::new();
-            for (p, mem, conn) in pending {
-                let mem = mem.wait().map_err(|e| e.during("receiving a peer's collective scratch").with_peer(p))?;
-                let conn = conn.wait().map_err(|e| e.during("connecting for collectives").with_peer(p))?;
-                sems.push((p, mem, comm.build_semaphore(&conn, p, tag)?));
-            }
-            let mut table = vec![0u64; nranks];
-            table[rank] = scratch.device_ptr();
-            let mut channels = Vec::new();
-            let mut peer_sems = Vec::new();
-            for (p, mem, sem) in sems {
-                let sem = sem.wait().map_err(|e| e.during("building a peer's semaphore").with_peer(p))?;
-                let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem)?);
-                let ch = MemoryChannel::new(sem.clone(), &mem, scratch.memory(), Some(scratch.memory()))
-                    .map_err(|e| e.during("mapping a peer's collective scratch").with_peer(p))?;
-                table[p] = ch.device_handle().dst;
-                channels.push(ch);
-                peer_sems.push((p, sem));
-            }
-            let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
+            let m = crate::mesh::mesh(comm, &scratch, dev, 0x00c0_11ec, "collectives")?;
+            let bytes: Vec<u8> = m.table.iter().flat_map(|p| p.to_le_bytes()).collect();
             peers_table.write(0, &bytes)?;
             state.write(0, &1u32.to_le_bytes())?; // the first LL flag
-            Ok((table, channels, peer_sems))
+            Ok((m.table, m.channels, m.sems))
         })();
         // Nobody launches before every rank has its kernels loaded and its scratch mapped.
         let ((table, channels, peer_sems), _) =

@@ -30,6 +30,7 @@ mod comm;
 pub mod external;
 pub mod hier;
 mod kernels;
+mod mesh;
 pub mod p2p;
 pub mod select;
 mod status;

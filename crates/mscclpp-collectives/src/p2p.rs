@@ -25,10 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mscclpp::gpu::{DeviceBuffer, Stream, check_device_range};
-use mscclpp::{
-    Communicator, Device, EndpointConfig, Error, MemoryChannel, MemoryDevice2DeviceSemaphore, Result, Transport,
-    TransportFlags,
-};
+use mscclpp::{Communicator, Error, MemoryChannel, Result, Transport, TransportFlags};
 
 use crate::kernels::{self, Kernels};
 use crate::status::{DeviceStatus, Reported};
@@ -382,7 +379,8 @@ impl PointToPoint {
     ///
     /// Each rank must have synchronized what it launched before (see [`PointToPoint`] on ranks
     /// sharing a GPU): the ranks line up (a bootstrap all-gather) before the first CUDA call here
-    /// that may wait for the GPU, and pass a barrier before returning.
+    /// that may wait for the GPU, and meet again (an exchange that also carries any rank's
+    /// failure, so that every rank fails at once, naming it) before returning.
     ///
     /// # Errors
     /// `NotAvailable` without CUDA or NVRTC; `InvalidUsage` when a peer is on another host or
@@ -437,34 +435,18 @@ impl PointToPoint {
             Ok((scratch, peers_table, state, DeviceStatus::new(ctx, dev)?))
         })()
         .map_err(|e| e.during("allocating the point-to-point buffers"));
-        let ((scratch, peers_table, state, status), _) =
-            comm.all_gather_outcome(buffers, |_| Vec::new(), "allocating the point-to-point buffers")?;
-        let ep = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
-        let tag = 0x00b2_b0b2;
-        let mut pending = Vec::new();
-        for p in (0..nranks).filter(|&p| p != rank) {
-            comm.send_memory(scratch.memory(), p, tag)?;
-            pending.push((p, comm.recv_memory(p, tag)?, comm.connect(&ep, p, tag)?));
-        }
-        // The pairwise part: its waits are bounded and name the peer; a rank that fails here
-        // says so at the closing exchange, so that every rank fails at once, named.
+        let ((scratch, peers_table, state, status), _) = comm.all_gather_outcome(
+            buffers,
+            |_| Vec::new(),
+            "checking that every rank has its point-to-point buffers",
+        )?;
+        // The pairwise part (see `mesh`); a rank that fails in it says so at the closing
+        // exchange, so that every rank fails at once, named.
         let paired = (|| -> Result<_> {
-            let mut table = vec![0u64; nranks];
-            table[rank] = scratch.device_ptr();
-            let mut channels = Vec::new();
-            for (p, mem, conn) in pending {
-                let mem = mem.wait().map_err(|e| e.during("receiving a peer's point-to-point scratch").with_peer(p))?;
-                let conn = conn.wait().map_err(|e| e.during("connecting for point-to-point").with_peer(p))?;
-                let sem = comm.build_semaphore(&conn, p, tag)?.wait().map_err(|e| e.with_peer(p))?;
-                let sem = Arc::new(MemoryDevice2DeviceSemaphore::new(sem)?);
-                let ch = MemoryChannel::new(sem, &mem, scratch.memory(), Some(scratch.memory()))
-                    .map_err(|e| e.during("mapping a peer's point-to-point scratch").with_peer(p))?;
-                table[p] = ch.device_handle().dst;
-                channels.push(ch);
-            }
-            let bytes: Vec<u8> = table.iter().flat_map(|p| p.to_le_bytes()).collect();
+            let m = crate::mesh::mesh(comm, &scratch, dev, 0x00b2_b0b2, "point-to-point")?;
+            let bytes: Vec<u8> = m.table.iter().flat_map(|p| p.to_le_bytes()).collect();
             peers_table.write(0, &bytes)?;
-            Ok(channels)
+            Ok(m.channels)
         })();
         // Nobody launches before every rank has mapped every scratch.
         let (channels, _) = comm.all_gather_outcome(paired, |_| Vec::new(), "connecting the point-to-point ranks")?;

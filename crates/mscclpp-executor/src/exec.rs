@@ -16,7 +16,7 @@ use mscclpp::device::compile::{CompileOptions, KernelModule, Ptx, compile};
 use mscclpp::device::proxy::{MemoryId, ProxyConfig, ProxyService};
 use mscclpp::gpu::{DeviceBuffer, Kernel, PinnedBuffer, Stream};
 use mscclpp::{
-    BaseMemoryChannel, Communicator, Device, EndpointConfig, Error, Host2DeviceSemaphore, MemoryChannel,
+    BaseMemoryChannel, Communicator, Device, EndpointConfig, Error, FirstError, Host2DeviceSemaphore, MemoryChannel,
     MemoryDevice2DeviceSemaphore, RegisteredMemory, Transport, TransportFlags,
 };
 
@@ -615,9 +615,11 @@ impl Executor {
                 .map_err(|e| e.during(format!("allocating the scratch of plan {}", plan.name)))?;
             // SAFETY: the caller promises both ranges stay allocated while this executor (which
             // keeps the registrations) lives.
-            let send_mem = unsafe { ctx.register_device(send, send_size as usize, flags)? };
+            let send_mem = unsafe { ctx.register_device(send, send_size as usize, flags) }
+                .map_err(|e| e.during("registering the send buffer"))?;
             // SAFETY: as above.
-            let recv_mem = unsafe { ctx.register_device(recv, recv_size as usize, flags)? };
+            let recv_mem = unsafe { ctx.register_device(recv, recv_size as usize, flags) }
+                .map_err(|e| e.during("registering the receive buffer"))?;
             Ok((scratch, send_mem, recv_mem))
         })();
         let ((scratch, send_mem, recv_mem), _) = comm.all_gather_outcome(
@@ -630,42 +632,58 @@ impl Executor {
             BufferType::Output => &recv_mem,
             BufferType::Scratch => scratch.memory(),
         };
-        // Connections, one per channel, tagged (type, pair) so each meets its partner.
-        let mut pending = Vec::new();
-        for l in &links {
-            let (what, transport) = match l.channel_type {
-                ChannelType::Port => (1, self.config.port_transport),
-                _ => (0, Transport::CudaIpc),
-            };
-            let ep = EndpointConfig::new(transport).device(Device::Gpu(dev));
-            pending.push((l, tag(seq, what, l.pair), comm.connect(&ep, l.peer, tag(seq, what, l.pair))?));
-        }
-        for (peer, t) in lower::buffer_sends(plan, rank) {
-            comm.send_memory(local_of(t), peer, tag(seq, 4 + t as u32, 0))?;
-        }
-        let mut recvs = Vec::new();
-        for (owner, t) in lower::buffer_recvs(plan, rank) {
-            recvs.push((owner, t, comm.recv_memory(owner, tag(seq, 4 + t as u32, 0))?));
-        }
-        // Port peers swap scratch buffers for the warm-up below (whatever else the plan sends).
-        let mut port_peers: Vec<usize> =
-            links.iter().filter(|l| l.channel_type == ChannelType::Port).map(|l| l.peer).collect();
-        port_peers.sort_unstable();
-        port_peers.dedup();
-        let mut warm_recvs = Vec::new();
-        for &p in &port_peers {
-            comm.send_memory(scratch.memory(), p, tag(seq, 3, 0))?;
-            warm_recvs.push((p, comm.recv_memory(p, tag(seq, 3, 0))?));
-        }
-        // The pairwise part: its waits are bounded and name the peer. A rank that fails in it
-        // (a peer that never answered, a mapping or the proxy that failed, a plan its lowering
-        // refuses) reports at the second exchange below with everything else it prepares.
+        // The pairwise part. Everything this rank owes a peer (its endpoints, its buffers, its
+        // semaphores, the warm-up writes) goes out before it waits for anything of that peer's,
+        // and a failure with one peer does not stop what it owes the others; its waits are
+        // bounded and name the peer. A rank that fails in it (a peer that never answered, a
+        // mapping or the proxy that failed, a plan its lowering refuses) reports at the second
+        // exchange below with everything else it prepares.
         let paired = (|| -> Result<_, ExecError> {
+            let mut first = FirstError::<Error>::default();
+            // Connections, one per channel, tagged (type, pair) so each meets its partner.
+            let mut pending = Vec::new();
+            for l in &links {
+                let (what, transport) = match l.channel_type {
+                    ChannelType::Port => (1, self.config.port_transport),
+                    _ => (0, Transport::CudaIpc),
+                };
+                let ep = EndpointConfig::new(transport).device(Device::Gpu(dev));
+                let tg = tag(seq, what, l.pair);
+                if let Some(c) = first.keep(comm.connect(&ep, l.peer, tg).map_err(|e| e.with_peer(l.peer))) {
+                    pending.push((l, tg, c));
+                }
+            }
+            for (peer, t) in lower::buffer_sends(plan, rank) {
+                first.keep(
+                    comm.send_memory(local_of(t), peer, tag(seq, 4 + t as u32, 0)).map_err(|e| e.with_peer(peer)),
+                );
+            }
+            let mut recvs = Vec::new();
+            for (owner, t) in lower::buffer_recvs(plan, rank) {
+                if let Some(m) = first.keep(comm.recv_memory(owner, tag(seq, 4 + t as u32, 0))) {
+                    recvs.push((owner, t, m));
+                }
+            }
+            // Port peers swap scratch buffers for the warm-up below (whatever else the plan sends).
+            let mut port_peers: Vec<usize> =
+                links.iter().filter(|l| l.channel_type == ChannelType::Port).map(|l| l.peer).collect();
+            port_peers.sort_unstable();
+            port_peers.dedup();
+            let mut warm_recvs = Vec::new();
+            for &p in &port_peers {
+                first.keep(comm.send_memory(scratch.memory(), p, tag(seq, 3, 0)).map_err(|e| e.with_peer(p)));
+                if let Some(m) = first.keep(comm.recv_memory(p, tag(seq, 3, 0))) {
+                    warm_recvs.push((p, m));
+                }
+            }
             let mut sems = Vec::new();
             let mut warm = Vec::new();
             for (l, tg, conn) in pending {
-                let conn = conn.wait().map_err(|e| e.during("connecting a plan's channel").with_peer(l.peer))?;
-                sems.push((l, comm.build_semaphore(&conn, l.peer, tg)?));
+                let waited = conn.wait().map_err(|e| e.during("connecting a plan's channel").with_peer(l.peer));
+                let Some(conn) = first.keep(waited) else { continue };
+                if let Some(s) = first.keep(comm.build_semaphore(&conn, l.peer, tg).map_err(|e| e.with_peer(l.peer))) {
+                    sems.push((l, s));
+                }
                 if l.channel_type == ChannelType::Port {
                     warm.push((l.peer, conn));
                 }
@@ -675,17 +693,23 @@ impl Executor {
             // (Ethernet: pinned staging buffers and a stream per direction and GPU) is not created
             // while kernels spin waiting for this very data. It copies 16 zero bytes of the fresh
             // (zeroed) scratch onto the peer's fresh scratch, which no kernel uses before the
-            // barrier at the end of this setup; the flush proves it arrived.
+            // exchange at the end of this setup; the flush proves it arrived.
             let mut warm_mem = Vec::new();
             for (p, m) in warm_recvs {
-                warm_mem.push((p, m.wait().map_err(|e| e.during("receiving a port peer's scratch").with_peer(p))?));
+                if let Some(m) =
+                    first.keep(m.wait().map_err(|e| e.during("receiving a port peer's scratch").with_peer(p)))
+                {
+                    warm_mem.push((p, m));
+                }
             }
             for (p, conn) in &warm {
                 if let Some((_, m)) = warm_mem.iter().find(|(q, _)| q == p) {
-                    conn.write(m, 0, scratch.memory(), 0, 16)
-                        .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
+                    let w = conn.write(m, 0, scratch.memory(), 0, 16);
+                    first.keep(w.map_err(|e| e.during("warming up a port channel's connection").with_peer(*p)));
                 }
             }
+            first.into_result()?;
+            // Nothing more is owed to anyone: the rest waits and maps.
             for (p, conn) in &warm {
                 conn.flush(self.config.timeout)
                     .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
@@ -701,11 +725,11 @@ impl Executor {
             for (l, s) in sems {
                 let s = s.wait().map_err(|e| e.during("building a plan's semaphore").with_peer(l.peer))?;
                 if l.channel_type == ChannelType::Memory {
-                    let s = Arc::new(MemoryDevice2DeviceSemaphore::new(s)?);
+                    let s = Arc::new(MemoryDevice2DeviceSemaphore::new(s).map_err(|e| e.with_peer(l.peer))?);
                     mem_channels.push(BaseMemoryChannel::new(s.clone()));
                     mem_sems.push((l.peer, s));
                 } else {
-                    port_sems.push((l.peer, Host2DeviceSemaphore::new(s)?));
+                    port_sems.push((l.peer, Host2DeviceSemaphore::new(s).map_err(|e| e.with_peer(l.peer))?));
                 }
             }
             // Remote buffers: mapped (memory access) and registered with the proxy (port access).
@@ -759,7 +783,7 @@ impl Executor {
         })();
         // Lowering, the kernel and the uploads may fail on one rank only: every rank reports at
         // the residency exchange below, so that a rank that cannot go on fails the others at once,
-        // named, instead of leaving them at the closing barrier.
+        // named, instead of leaving them at the closing exchange.
         let threads = plan.num_threads_per_block.clamp(32, 1024);
         let prepared = paired.and_then(|paired| {
             let low = lower::lower(plan, rank, &layout, &paired.bindings)?;
@@ -819,7 +843,7 @@ impl Executor {
         ) = comm.all_gather_outcome(
             prepared,
             |(_, p)| format!("{}|{}|{}", p.me, p.image.nblocks, p.per_sm).into_bytes(),
-            &format!("plan {}: preparing its program", plan.name),
+            &format!("plan {}: connecting its channels and preparing its program", plan.name),
         )?;
         let (stride, nblocks_low) = (image.stride, image.nblocks);
         let (bar_off, sem_off, flags_off) = (image.barriers_off, image.sems_off, image.flags_off);

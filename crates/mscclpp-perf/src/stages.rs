@@ -20,6 +20,11 @@
 //! thread bounce a counter through mapped host memory; the offset is the midpoint of the
 //! fastest bounces), so each of them is uncertain by up to half the fastest bounce (printed);
 //! their sum is not.
+//!
+//! The instrumented handler makes the built-in handler's connection calls for a
+//! `putWithSignal` in the same order, with one difference: it signals at once, inside the
+//! trigger's handling, where the built-in handler owes the signal until the batch ends (a
+//! nanosecond-scale step later for a lone trigger, as here).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -107,7 +112,8 @@ pub(crate) struct StageKernels<'a> {
 
 /// The host clock minus the GPU clock, and the uncertainty of that estimate (ns), from
 /// bounces `(gpu_sent, gpu_back, host_seen)`: the midpoint of the fastest tenth of the bounces
-/// (their median offset), uncertain by half the fastest bounce. `None` without bounces.
+/// (their median offset), uncertain by half the slowest of that tenth (plus a step of the
+/// GPU clock, printed beside it). `None` without bounces.
 pub(crate) fn clock_offset(bounces: &[(u64, u64, u64)]) -> Option<(i64, u64)> {
     let mut by_rtt: Vec<(u64, i64)> = bounces
         .iter()
@@ -121,7 +127,8 @@ pub(crate) fn clock_offset(bounces: &[(u64, u64, u64)]) -> Option<(i64, u64)> {
     let keep = (by_rtt.len() / 10).max(1);
     let mut offs: Vec<i64> = by_rtt[..keep].iter().map(|&(_, o)| o).collect();
     offs.sort_unstable();
-    Some((offs[offs.len() / 2], by_rtt[0].0.div_ceil(2)))
+    // The median's bounce may be any of those kept: bound it by the slowest of them.
+    Some((offs[offs.len() / 2], by_rtt[keep - 1].0.div_ceil(2)))
 }
 
 /// One hop's stages in ns (see the module documentation), from the pushing kernel's
@@ -129,11 +136,14 @@ pub(crate) fn clock_offset(bounces: &[(u64, u64, u64)]) -> Option<(i64, u64)> {
 /// `offset` = host clock - GPU clock. Negative spans (clock offset error) are kept: averages
 /// stay unbiased.
 pub(crate) fn hop(push: (u64, u64), host: HostStamps, seen: u64, offset: i64) -> [f64; 6] {
-    let to_gpu = |h: u64| h as f64 - offset as f64;
-    let (a, b) = (push.0 as f64, push.1 as f64);
-    let (got, written, signalled) = (to_gpu(host[0]), to_gpu(host[1]), to_gpu(host[2]));
-    let seen = seen as f64;
-    [b - a, got - b, written - got, signalled - written, seen - signalled, seen - a]
+    // In integers relative to the push's start: %globaltimer counts nanoseconds since the epoch
+    // (~1.7e18), where an f64 steps by 256 ns.
+    let a = push.0 as i64;
+    let gpu = |g: u64| (g as i64).wrapping_sub(a) as f64;
+    let host_at = |h: u64| (h as i64).wrapping_sub(offset).wrapping_sub(a) as f64;
+    let (b, got, written, signalled, seen) =
+        (gpu(push.1), host_at(host[0]), host_at(host[1]), host_at(host[2]), gpu(seen));
+    [b, got - b, written - got, signalled - written, seen - signalled, seen]
 }
 
 /// The names of [`hop`]'s stages, with the clocks they are read on.
@@ -197,7 +207,7 @@ pub(crate) fn run(
         host.push(ns());
         h2d.store(i, Ordering::Release);
     }
-    stream.synchronize(timeout).map_err(e)?;
+    stream.synchronize(timeout * 2).map_err(e)?;
     if out.read_u64(8).map_err(e)? != 0 {
         return Err("clock calibration: the kernel's wait timed out".into());
     }
@@ -252,8 +262,10 @@ pub(crate) fn run(
         );
         launch(kern, 1, 1, &streams[i], &mut args![f, s, sz, n, t, ts, o])?;
     }
+    // Longer than the kernels' own limit, so that a stuck wait reports from the kernel and
+    // nothing is freed under a running kernel.
     for s in &streams {
-        s.synchronize(timeout).map_err(e)?;
+        s.synchronize(timeout * 2).map_err(e)?;
     }
     let rtt = elapsed_ns(&outs[0], "stage ping")? / 1e3 / ROUNDS as f64;
     elapsed_ns(&outs[1], "stage pong")?;
@@ -335,6 +347,10 @@ mod tests {
         let h = hop((100, 350), [1400, 3400, 4400], 9100, 1000);
         assert_eq!(h, [250.0, 50.0, 2000.0, 1000.0, 5700.0, 9000.0]);
         assert_eq!(h[..5].iter().sum::<f64>(), h[5]);
+        // Real %globaltimer values (ns since the epoch) keep nanosecond resolution.
+        let t = 1_764_900_000_123_456_789u64;
+        let big = hop((t + 100, t + 350), [t + 1400, t + 3400, t + 4400], t + 9100, 1000);
+        assert_eq!(big, [250.0, 50.0, 2000.0, 1000.0, 5700.0, 9000.0]);
         let s = summarize(&[h, [1.0, 2.0, 3.0, 4.0, 5.0, 15.0], [7.0; 6]]);
         assert_eq!(s[0].1, 7.0, "median of 250, 1, 7");
         assert_eq!(s[5].0, (9000.0 + 15.0 + 7.0) / 3.0);

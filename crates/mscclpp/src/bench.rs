@@ -70,12 +70,16 @@ pub fn driver_call_costs(
     per_round: u32,
 ) -> Result<Vec<(String, f64)>> {
     let (s, d) = (src.region(), dst.region());
+    if s.dev.ordinal != d.dev.ordinal {
+        return Err(Error::invalid_usage("driver_call_costs: both buffers must be on one GPU"));
+    }
     let batch = batch.max(1);
     s.check(0, (bytes * batch) as u64)?;
     d.check(0, (bytes * batch) as u64)?;
     let stream = Stream::new(&s.dev)?;
     let n = bytes as u64;
-    let time = |issue: &dyn Fn() -> Result<()>| -> Result<f64> {
+    // `per_round` calls between synchronizations (so the queue never fills and blocks a call).
+    let time = |per_round: u32, issue: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
         issue()?;
         stream.synchronize()?;
         let mut total = Duration::ZERO;
@@ -89,25 +93,31 @@ pub fn driver_call_costs(
         }
         Ok(total.as_secs_f64() * 1e6 / f64::from(rounds.max(1) * per_round.max(1)))
     };
-    let batch_copy = |k: usize| -> Result<()> {
-        let mut dsts: Vec<u64> = (0..k as u64).map(|i| d.ptr + i * n).collect();
-        let mut srcs: Vec<u64> = (0..k as u64).map(|i| s.ptr + i * n).collect();
-        let mut sizes = vec![bytes; k];
-        stream.copy_batch(&mut dsts, &mut srcs, &mut sizes)
+    let token = || -> Result<()> {
+        match stream.write_value64(d.ptr, 1)? {
+            true => Ok(()),
+            false => Err(Error::new(crate::ErrorKind::NotAvailable, "cuStreamWriteValue64 is not supported here")),
+        }
     };
-    let token = || stream.write_value64(d.ptr, 1).map(drop);
     let mut out = vec![
-        (format!("cuMemcpyDtoDAsync {bytes} B"), time(&|| stream.copy_dtod(d.ptr, s.ptr, n))?),
-        (format!("cuMemcpyAsync {bytes} B"), time(&|| stream.copy_unified(d.ptr, s.ptr, n))?),
-        ("cuStreamWriteValue64".to_string(), time(&token)?),
+        (format!("cuMemcpyDtoDAsync {bytes} B"), time(per_round, &mut || stream.copy_dtod(d.ptr, s.ptr, n))?),
+        (format!("cuMemcpyAsync {bytes} B"), time(per_round, &mut || stream.copy_unified(d.ptr, s.ptr, n))?),
+        ("cuStreamWriteValue64".to_string(), time(per_round, &mut || token())?),
         (
             format!("cuMemcpyDtoDAsync {bytes} B + cuStreamWriteValue64 (a putWithSignal)"),
-            time(&|| stream.copy_dtod(d.ptr, s.ptr, n).and_then(|_| token()))?,
+            time(per_round, &mut || stream.copy_dtod(d.ptr, s.ptr, n).and_then(|_| token()))?,
         ),
     ];
     if cuda::has_batch_copy() {
-        out.push((format!("cuMemcpyBatchAsync, 1 copy of {bytes} B"), time(&|| batch_copy(1))?));
-        let per_call = time(&|| batch_copy(batch))?;
+        // The arrays are built once, outside the timing.
+        let mut dsts: Vec<u64> = (0..batch as u64).map(|i| d.ptr + i * n).collect();
+        let mut srcs: Vec<u64> = (0..batch as u64).map(|i| s.ptr + i * n).collect();
+        let mut sizes = vec![bytes; batch];
+        let one = time(per_round, &mut || stream.copy_batch(&mut dsts[..1], &mut srcs[..1], &mut sizes[..1]))?;
+        out.push((format!("cuMemcpyBatchAsync, 1 copy of {bytes} B"), one));
+        // As many copies per round as the single calls above, in fewer calls.
+        let calls = (per_round / batch as u32).max(1);
+        let per_call = time(calls, &mut || stream.copy_batch(&mut dsts, &mut srcs, &mut sizes))?;
         out.push((format!("cuMemcpyBatchAsync, {batch} copies of {bytes} B, per call"), per_call));
         out.push((format!("cuMemcpyBatchAsync, {batch} copies of {bytes} B, per copy"), per_call / batch as f64));
     }

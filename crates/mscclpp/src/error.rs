@@ -302,6 +302,55 @@ impl From<std::io::Error> for Error {
     }
 }
 
+/// The first error of a series of steps that should all be tried even when one fails: a
+/// collective setup's pairwise part sends what it owes every peer before it gives up on one, so
+/// that the others are not left waiting for its messages.
+///
+/// ```
+/// use mscclpp::{Error, FirstError};
+/// let mut first = FirstError::default();
+/// let got: Vec<u32> = [Ok(1), Err(Error::invalid_usage("two")), Ok(3), Err(Error::invalid_usage("four"))]
+///     .into_iter()
+///     .filter_map(|r| first.keep(r))
+///     .collect();
+/// assert_eq!(got, [1, 3]);
+/// assert!(first.into_result().unwrap_err().to_string().contains("two"));
+/// ```
+#[derive(Debug)]
+pub struct FirstError<E = Error> {
+    first: Option<E>,
+}
+
+impl<E> Default for FirstError<E> {
+    fn default() -> Self {
+        FirstError { first: None }
+    }
+}
+
+impl<E> FirstError<E> {
+    /// The value of `r`, or `None` after keeping its error (unless an earlier one is kept).
+    pub fn keep<T>(&mut self, r: std::result::Result<T, E>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.first.get_or_insert(e);
+                None
+            }
+        }
+    }
+    /// Whether an error was kept.
+    pub fn failed(&self) -> bool {
+        self.first.is_some()
+    }
+    /// `Err` with the first error kept, else `Ok`.
+    ///
+    /// # Errors
+    /// The first error given to [`keep`](Self::keep).
+    pub fn into_result(self) -> std::result::Result<(), E> {
+        self.first.map_or(Ok(()), Err)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -215,7 +215,7 @@ pub use conn::ethernet::INLINE_LIMIT as ETHERNET_INLINE_LIMIT;
 pub use conn::{Connection, Progress};
 pub use context::Context;
 pub use device::memory_channel::{BaseMemoryChannel, MemoryChannel};
-pub use error::{Error, ErrorContext, ErrorKind, Result};
+pub use error::{Error, ErrorContext, ErrorKind, FirstError, Result};
 pub use identity::{host_hash, process_hash, process_rank};
 #[cfg(feature = "logging")]
 pub use logging::init_logging;

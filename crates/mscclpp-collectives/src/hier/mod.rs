@@ -33,8 +33,8 @@ use std::time::Duration;
 use mscclpp::device::{ProxyConfig, ProxyService};
 use mscclpp::gpu::{DeviceBuffer, Stream};
 use mscclpp::{
-    Communicator, Device, EndpointConfig, Error, Host2DeviceSemaphore, MemoryChannel, MemoryDevice2DeviceSemaphore,
-    Result, Transport, TransportFlags,
+    Communicator, Device, EndpointConfig, Error, FirstError, Host2DeviceSemaphore, MemoryChannel,
+    MemoryDevice2DeviceSemaphore, Result, Transport, TransportFlags,
 };
 
 pub use schedule::{Layout, Topology};
@@ -198,19 +198,14 @@ impl TwoLevel {
             let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
             let sms = mscclpp::gpu::sm_count(dev)?;
             let per_sm = kernels.min_blocks_per_sm(THREADS)?;
-            // Allocated before the exchange, so that a rank out of memory fails every rank there.
-            let flags = TransportFlags::from(Transport::CudaIpc) | TransportFlags::from(config.inter.transport);
-            let scratch = DeviceBuffer::new(comm.context(), dev, layout.total as usize, flags)
-                .map_err(|e| e.during("allocating the two-level scratch"))?;
-            scratch.fill(0, layout.total as usize, 0)?;
-            Ok((topo, layout, kernels, me, sms, per_sm, scratch))
+            Ok((topo, layout, kernels, me, sms, per_sm))
         })();
         // Kernels of every rank sharing this GPU wait on each other: all must be resident. Every
         // rank tells its GPU and how many blocks that GPU holds at once, so that every rank
         // checks every GPU: ranks on a crowded GPU fail the others at once, named.
-        let ((topo, layout, kernels, me, sms, per_sm, scratch), all) = comm.all_gather_outcome(
+        let ((topo, layout, kernels, me, sms, per_sm), all) = comm.all_gather_outcome(
             local,
-            |(.., me, sms, per_sm, _)| format!("{me}|{}", sms * per_sm).into_bytes(),
+            |(.., me, sms, per_sm)| format!("{me}|{}", sms * per_sm).into_bytes(),
             "setting up the two-level collectives",
         )?;
         let gpus = gpus_and_room(&all);
@@ -232,56 +227,86 @@ impl TwoLevel {
         let blocks = config.max_blocks.clamp(1, fit);
 
         let ctx = comm.context();
+        let (lr, mr) = (topo.ranks_per_node(), topo.nodes());
+        let table_len = lr * MEM_HANDLE + mr * PORT_HANDLE;
+        // Allocated after every rank lined up (an allocation may wait for the whole GPU), then
+        // agreed: a rank out of memory fails every rank at once, named.
+        let buffers = (|| -> Result<_> {
+            let flags = TransportFlags::from(Transport::CudaIpc) | TransportFlags::from(inter_t);
+            let scratch = DeviceBuffer::new(ctx, dev, layout.total as usize, flags)?;
+            scratch.fill(0, layout.total as usize, 0)?;
+            let handles = DeviceBuffer::new(ctx, dev, table_len.max(16), TransportFlags::NONE)?;
+            let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
+            state.fill(0, STATE_BYTES, 0)?;
+            Ok((scratch, handles, state, DeviceStatus::new(ctx, dev)?))
+        })()
+        .map_err(|e| e.during("allocating the two-level buffers"));
+        let ((scratch, handles, state, status), _) =
+            comm.all_gather_outcome(buffers, |_| Vec::new(), "checking that every rank has its two-level buffers")?;
 
-        // Issue every send before waiting on anything.
-        let node_peers = topo.node_peers(rank);
-        let cross_peers = topo.cross_peers(rank);
-        let ipc = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
-        let mut intra = Vec::new();
-        for &p in &node_peers {
-            comm.send_memory(scratch.memory(), p, TAG_INTRA)?;
-            intra.push((p, comm.recv_memory(p, TAG_INTRA)?, comm.connect(&ipc, p, TAG_INTRA)?));
-        }
-        let mut inter = Vec::new();
-        for &p in &cross_peers {
-            comm.send_memory(scratch.memory(), p, TAG_INTER)?;
-            inter.push((p, comm.recv_memory(p, TAG_INTER)?, comm.connect(&config.inter, p, TAG_INTER)?));
-        }
-        // The pairwise part: its waits are bounded and name the peer; a rank that fails here (a
-        // peer that never answered, a mapping or the proxy that failed) says so at the closing
-        // exchange, so that every rank fails at once, named, instead of waiting there for it.
+        // The pairwise part: everything this rank owes a peer (its scratch, its endpoint, its
+        // semaphore, the warm-up write) goes out before it waits for anything of that peer's,
+        // and a failure with one peer does not stop what it owes the others. A rank that fails
+        // here (a peer that never answered, a mapping or the proxy that failed) says so at the
+        // closing exchange, so that every rank fails at once, named, instead of waiting there.
         let paired = (|| -> Result<_> {
-            let mut intra_sems = Vec::new();
-            for (p, mem, conn) in intra {
-                let mem = mem.wait().map_err(|e| e.during("receiving a node peer's two-level scratch").with_peer(p))?;
-                let conn = conn.wait().map_err(|e| e.during("connecting to a node peer (CUDA IPC)").with_peer(p))?;
-                intra_sems.push((p, mem, comm.build_semaphore(&conn, p, TAG_INTRA)?));
+            let mut first = FirstError::default();
+            let ipc = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
+            let mut pending = Vec::new();
+            for (peers, ep, tag) in
+                [(topo.node_peers(rank), &ipc, TAG_INTRA), (topo.cross_peers(rank), &config.inter, TAG_INTER)]
+            {
+                for p in peers {
+                    let sent = first.keep(comm.send_memory(scratch.memory(), p, tag).map_err(|e| e.with_peer(p)));
+                    let mem = first.keep(comm.recv_memory(p, tag).map_err(|e| e.with_peer(p)));
+                    let conn = first.keep(comm.connect(ep, p, tag).map_err(|e| e.with_peer(p)));
+                    if let (Some(()), Some(mem), Some(conn)) = (sent, mem, conn) {
+                        pending.push((p, tag, mem, conn));
+                    }
+                }
             }
-            let mut inter_sems = Vec::new();
-            for (p, mem, conn) in inter {
-                let mem =
-                    mem.wait().map_err(|e| e.during("receiving a cross-node peer's two-level scratch").with_peer(p))?;
-                let conn = conn
-                    .wait()
-                    .map_err(|e| e.during(format!("connecting to a cross-node peer ({inter_t})")).with_peer(p))?;
-                // Warm-up: one small write each way before any kernel runs, so that what a transport
-                // creates on first use (Ethernet: pinned staging buffers and a stream per direction)
-                // is not created while kernels spin waiting for this very data. The bytes land in
-                // the peer's AllReduce staging area, which every call overwrites before reading.
-                conn.write(&mem, layout.in_off, scratch.memory(), layout.in_off, 16)
-                    .map_err(|e| e.during("warming up a cross-node connection").with_peer(p))?;
-                inter_sems.push((p, mem, comm.build_semaphore(&conn, p, TAG_INTER)?, conn));
+            let (mut intra_sems, mut inter_sems) = (Vec::new(), Vec::new());
+            for (p, tag, mem, conn) in pending {
+                let what =
+                    if tag == TAG_INTRA { "a node peer".to_string() } else { format!("a cross-node peer ({inter_t})") };
+                let Some(conn) =
+                    first.keep(conn.wait().map_err(|e| e.during(format!("connecting to {what}")).with_peer(p)))
+                else {
+                    continue;
+                };
+                let sem = first.keep(comm.build_semaphore(&conn, p, tag).map_err(|e| e.with_peer(p)));
+                let mem = first.keep(
+                    mem.wait().map_err(|e| e.during(format!("receiving {what}'s two-level scratch")).with_peer(p)),
+                );
+                let (Some(sem), Some(mem)) = (sem, mem) else { continue };
+                if tag == TAG_INTRA {
+                    intra_sems.push((p, mem, sem));
+                    continue;
+                }
+                // Warm-up: one small write each way before any kernel runs, so that what a
+                // transport creates on first use (Ethernet: pinned staging buffers and a stream per
+                // direction) is not created while kernels spin waiting for this very data. The
+                // bytes land in the peer's AllReduce staging area, which every call overwrites
+                // before reading.
+                let warm = conn
+                    .write(&mem, layout.in_off, scratch.memory(), layout.in_off, 16)
+                    .map_err(|e| e.during("warming up a cross-node connection").with_peer(p));
+                if first.keep(warm).is_some() {
+                    inter_sems.push((p, mem, sem, conn));
+                }
             }
+            first.into_result()?;
+            // Nothing more is owed to anyone: the rest waits and maps.
             for (p, _, _, conn) in &inter_sems {
                 conn.flush(config.timeout).map_err(|e| e.during("warming up a cross-node connection").with_peer(*p))?;
             }
 
-            let (lr, mr) = (topo.ranks_per_node(), topo.nodes());
-            let mut table = vec![0u8; lr * MEM_HANDLE + mr * PORT_HANDLE];
+            let mut table = vec![0u8; table_len];
             let mut mem_channels = Vec::new();
             for (p, mem, sem) in intra_sems {
                 let sem = sem.wait().map_err(|e| e.during("building a node peer's semaphore").with_peer(p))?;
-                let ch = MemoryChannel::new(MemoryDevice2DeviceSemaphore::new(sem)?, &mem, scratch.memory(), None)
+                let sem = MemoryDevice2DeviceSemaphore::new(sem).map_err(|e| e.with_peer(p))?;
+                let ch = MemoryChannel::new(sem, &mem, scratch.memory(), None)
                     .map_err(|e| e.during("mapping a node peer's scratch").with_peer(p))?;
                 let l = topo.local_of(p);
                 table[l * MEM_HANDLE..(l + 1) * MEM_HANDLE].copy_from_slice(&ch.device_handle().to_bytes());
@@ -292,7 +317,7 @@ impl TwoLevel {
             let mut port_channels = Vec::new();
             for (p, mem, sem, _conn) in inter_sems {
                 let sem = sem.wait().map_err(|e| e.during("building a cross-node peer's semaphore").with_peer(p))?;
-                let sid = proxy.add_semaphore(Host2DeviceSemaphore::new(sem)?)?;
+                let sid = proxy.add_semaphore(Host2DeviceSemaphore::new(sem).map_err(|e| e.with_peer(p))?)?;
                 let dst = proxy.add_memory(mem)?;
                 let ch = proxy.port_channel(sid, dst, src)?;
                 let off = lr * MEM_HANDLE + topo.node_of(p) * PORT_HANDLE;
@@ -300,15 +325,11 @@ impl TwoLevel {
                 port_channels.push(ch);
             }
             proxy.start()?;
-            let handles = DeviceBuffer::new(ctx, dev, table.len().max(16), TransportFlags::NONE)?;
             handles.write(0, &table)?;
-            let state = DeviceBuffer::new(ctx, dev, STATE_BYTES, TransportFlags::NONE)?;
-            state.fill(0, STATE_BYTES, 0)?;
-            let status = DeviceStatus::new(ctx, dev)?;
-            Ok((proxy, handles, state, status, mem_channels, port_channels))
+            Ok((proxy, mem_channels, port_channels))
         })();
         // Nobody launches before every rank has its kernels loaded and its peers mapped.
-        let ((proxy, handles, state, status, mem_channels, port_channels), _) =
+        let ((proxy, mem_channels, port_channels), _) =
             comm.all_gather_outcome(paired, |_| Vec::new(), "connecting the two-level collectives' ranks")?;
         tracing::debug!(target: "mscclpp::collectives", rank, nranks, ranks_per_node = topo.ranks_per_node(), nodes = topo.nodes(), inter = %inter_t, blocks, scratch = layout.total, "two-level collectives ready");
         Ok(TwoLevel {

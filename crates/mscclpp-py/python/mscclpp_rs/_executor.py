@@ -116,7 +116,6 @@ class Executor:
         self._native = _native.Executor(
             comm, device=device, timeout=timeout, port_transport=port_transport, kernel=kernel
         )
-        self._comm_rank, self._comm_size = comm.rank, comm.size
         self._keep: dict[tuple, tuple] = {}
 
     @property
@@ -148,8 +147,8 @@ class Executor:
         # The rank, the plan's world size and the buffers' GPU are checked by the native build,
         # at its first meeting of the ranks: a rank that gets one wrong fails every rank's call
         # there, named (a check here would fail this rank alone and leave the others waiting
-        # for it until the bootstrap timeout). What cannot be passed on at all (a wrong type)
-        # is refused here.
+        # for it until the bootstrap timeout). What cannot be passed on at all (a wrong type, a
+        # tensor smaller than the size given) is still refused here, on this rank alone.
         ss, rs = _size(send_buff_size, "send_buff_size"), _size(recv_buff_size, "recv_buff_size")
         sp, skeep, _ = _buffer(send_buff, ss, "send_buff")
         rp, rkeep, _ = _buffer(recv_buff, rs, "recv_buff")

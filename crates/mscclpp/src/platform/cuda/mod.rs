@@ -263,7 +263,8 @@ impl Stream {
 
     /// Copies `sizes[i]` bytes from `srcs[i]` to `dsts[i]` for every `i`, in one driver call
     /// (`cuMemcpyBatchAsync`, CUDA 13): in stream order as a whole, in no order among
-    /// themselves. `NotAvailable` where the driver lacks it ([`has_batch_copy`]).
+    /// themselves. `NotAvailable` where the driver lacks it ([`has_batch_copy`]); the driver
+    /// refuses the legacy default stream (a `Cuda` error, `CUDA_ERROR_INVALID_VALUE`).
     pub(crate) fn copy_batch(&self, dsts: &mut [u64], srcs: &mut [u64], sizes: &mut [usize]) -> Result<()> {
         if dsts.len() != srcs.len() || dsts.len() != sizes.len() {
             return Err(Error::invalid_usage("a batch copy needs as many sources and sizes as destinations"));
