@@ -318,8 +318,9 @@ impl Collectives {
         // The pairwise part (see `mesh`); a rank that fails in it (a peer that never answered, a
         // mapping that failed) says so at the closing exchange, so that every rank fails at
         // once, named, instead of waiting there for it.
+        let mut hold = Vec::new();
         let paired = (|| -> Result<_> {
-            let m = crate::mesh::mesh(comm, &scratch, dev, 0x00c0_11ec, "collectives")?;
+            let m = crate::mesh::mesh(comm, &scratch, dev, 0x00c0_11ec, "collectives", &mut hold)?;
             let bytes: Vec<u8> = m.table.iter().flat_map(|p| p.to_le_bytes()).collect();
             peers_table.write(0, &bytes)?;
             state.write(0, &1u32.to_le_bytes())?; // the first LL flag

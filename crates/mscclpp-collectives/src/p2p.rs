@@ -442,8 +442,9 @@ impl PointToPoint {
         )?;
         // The pairwise part (see `mesh`); a rank that fails in it says so at the closing
         // exchange, so that every rank fails at once, named.
+        let mut hold = Vec::new();
         let paired = (|| -> Result<_> {
-            let m = crate::mesh::mesh(comm, &scratch, dev, 0x00b2_b0b2, "point-to-point")?;
+            let m = crate::mesh::mesh(comm, &scratch, dev, 0x00b2_b0b2, "point-to-point", &mut hold)?;
             let bytes: Vec<u8> = m.table.iter().flat_map(|p| p.to_le_bytes()).collect();
             peers_table.write(0, &bytes)?;
             Ok(m.channels)

@@ -632,12 +632,15 @@ impl Executor {
             BufferType::Output => &recv_mem,
             BufferType::Scratch => scratch.memory(),
         };
-        // The pairwise part. Everything this rank owes a peer (its endpoints, its buffers, its
-        // semaphores, the warm-up writes) goes out before it waits for anything of that peer's,
-        // and a failure with one peer does not stop what it owes the others; its waits are
-        // bounded and name the peer. A rank that fails in it (a peer that never answered, a
-        // mapping or the proxy that failed, a plan its lowering refuses) reports at the second
-        // exchange below with everything else it prepares.
+        // The pairwise part. What needs nothing from a peer (this rank's endpoints and buffers)
+        // goes out to every peer first, then an exchange (a rank that could not send them fails
+        // every rank there, named, before anyone waits for its messages), then the semaphores
+        // (each needs that peer's endpoint); a failure with one peer does not stop what is owed
+        // to the others, and every wait is bounded and names the peer. A rank that fails later
+        // (a peer that never answered, a mapping or the proxy that failed, a plan its lowering
+        // refuses) reports at the second exchange below with everything else it prepares, its
+        // connections kept open until the build ends (`hold`).
+        let mut hold = Vec::new();
         let paired = (|| -> Result<_, ExecError> {
             let mut first = FirstError::<Error>::default();
             // Connections, one per channel, tagged (type, pair) so each meets its partner.
@@ -660,7 +663,9 @@ impl Executor {
             }
             let mut recvs = Vec::new();
             for (owner, t) in lower::buffer_recvs(plan, rank) {
-                if let Some(m) = first.keep(comm.recv_memory(owner, tag(seq, 4 + t as u32, 0))) {
+                if let Some(m) =
+                    first.keep(comm.recv_memory(owner, tag(seq, 4 + t as u32, 0)).map_err(|e| e.with_peer(owner)))
+                {
                     recvs.push((owner, t, m));
                 }
             }
@@ -672,15 +677,22 @@ impl Executor {
             let mut warm_recvs = Vec::new();
             for &p in &port_peers {
                 first.keep(comm.send_memory(scratch.memory(), p, tag(seq, 3, 0)).map_err(|e| e.with_peer(p)));
-                if let Some(m) = first.keep(comm.recv_memory(p, tag(seq, 3, 0))) {
+                if let Some(m) = first.keep(comm.recv_memory(p, tag(seq, 3, 0)).map_err(|e| e.with_peer(p))) {
                     warm_recvs.push((p, m));
                 }
             }
+            comm.all_gather_outcome(
+                first.into_result(),
+                |_| Vec::new(),
+                &format!("plan {}: sending its endpoints and buffers", plan.name),
+            )?;
+            let mut first = FirstError::<Error>::default();
             let mut sems = Vec::new();
             let mut warm = Vec::new();
             for (l, tg, conn) in pending {
                 let waited = conn.wait().map_err(|e| e.during("connecting a plan's channel").with_peer(l.peer));
                 let Some(conn) = first.keep(waited) else { continue };
+                hold.push(conn.clone());
                 if let Some(s) = first.keep(comm.build_semaphore(&conn, l.peer, tg).map_err(|e| e.with_peer(l.peer))) {
                     sems.push((l, s));
                 }
@@ -688,6 +700,8 @@ impl Executor {
                     warm.push((l.peer, conn));
                 }
             }
+            first.into_result()?;
+            // Nothing more is owed to anyone: the rest writes, waits and maps.
             // Warm-up (as the two-level collectives do): one small write over every port connection
             // each way before any kernel runs, so that what a transport creates on first use
             // (Ethernet: pinned staging buffers and a stream per direction and GPU) is not created
@@ -696,20 +710,14 @@ impl Executor {
             // exchange at the end of this setup; the flush proves it arrived.
             let mut warm_mem = Vec::new();
             for (p, m) in warm_recvs {
-                if let Some(m) =
-                    first.keep(m.wait().map_err(|e| e.during("receiving a port peer's scratch").with_peer(p)))
-                {
-                    warm_mem.push((p, m));
-                }
+                warm_mem.push((p, m.wait().map_err(|e| e.with_peer(p))?));
             }
             for (p, conn) in &warm {
                 if let Some((_, m)) = warm_mem.iter().find(|(q, _)| q == p) {
-                    let w = conn.write(m, 0, scratch.memory(), 0, 16);
-                    first.keep(w.map_err(|e| e.during("warming up a port channel's connection").with_peer(*p)));
+                    conn.write(m, 0, scratch.memory(), 0, 16)
+                        .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;
                 }
             }
-            first.into_result()?;
-            // Nothing more is owed to anyone: the rest waits and maps.
             for (p, conn) in &warm {
                 conn.flush(self.config.timeout)
                     .map_err(|e| e.during("warming up a port channel's connection").with_peer(*p))?;

@@ -244,11 +244,13 @@ impl TwoLevel {
         let ((scratch, handles, state, status), _) =
             comm.all_gather_outcome(buffers, |_| Vec::new(), "checking that every rank has its two-level buffers")?;
 
-        // The pairwise part: everything this rank owes a peer (its scratch, its endpoint, its
-        // semaphore, the warm-up write) goes out before it waits for anything of that peer's,
-        // and a failure with one peer does not stop what it owes the others. A rank that fails
-        // here (a peer that never answered, a mapping or the proxy that failed) says so at the
-        // closing exchange, so that every rank fails at once, named, instead of waiting there.
+        // The pairwise part, in the order of `mesh`: this rank's scratch and endpoints to every
+        // peer, an exchange (a rank that could not send them fails every rank there, named), the
+        // semaphores (each needs that peer's endpoint), then the waits; a failure with one peer
+        // does not stop what is owed to the others. A rank that fails later (a peer that never
+        // answered, a mapping or the proxy that failed) says so at the closing exchange, with
+        // its connections kept open until then (`hold`), so that every rank fails at once, named.
+        let mut hold = Vec::new();
         let paired = (|| -> Result<_> {
             let mut first = FirstError::default();
             let ipc = EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev));
@@ -257,46 +259,53 @@ impl TwoLevel {
                 [(topo.node_peers(rank), &ipc, TAG_INTRA), (topo.cross_peers(rank), &config.inter, TAG_INTER)]
             {
                 for p in peers {
-                    let sent = first.keep(comm.send_memory(scratch.memory(), p, tag).map_err(|e| e.with_peer(p)));
+                    // Without our scratch the peer cannot finish with us: no endpoint either.
+                    if first.keep(comm.send_memory(scratch.memory(), p, tag).map_err(|e| e.with_peer(p))).is_none() {
+                        continue;
+                    }
                     let mem = first.keep(comm.recv_memory(p, tag).map_err(|e| e.with_peer(p)));
                     let conn = first.keep(comm.connect(ep, p, tag).map_err(|e| e.with_peer(p)));
-                    if let (Some(()), Some(mem), Some(conn)) = (sent, mem, conn) {
+                    if let (Some(mem), Some(conn)) = (mem, conn) {
                         pending.push((p, tag, mem, conn));
                     }
                 }
             }
-            let (mut intra_sems, mut inter_sems) = (Vec::new(), Vec::new());
+            comm.all_gather_outcome(
+                first.into_result(),
+                |_| Vec::new(),
+                "sending the two-level scratch and endpoints",
+            )?;
+            let mut first = FirstError::default();
+            let mut built = Vec::new();
             for (p, tag, mem, conn) in pending {
-                let what =
-                    if tag == TAG_INTRA { "a node peer".to_string() } else { format!("a cross-node peer ({inter_t})") };
-                let Some(conn) =
-                    first.keep(conn.wait().map_err(|e| e.during(format!("connecting to {what}")).with_peer(p)))
-                else {
-                    continue;
-                };
-                let sem = first.keep(comm.build_semaphore(&conn, p, tag).map_err(|e| e.with_peer(p)));
-                let mem = first.keep(
-                    mem.wait().map_err(|e| e.during(format!("receiving {what}'s two-level scratch")).with_peer(p)),
-                );
-                let (Some(sem), Some(mem)) = (sem, mem) else { continue };
+                let (what, t) =
+                    if tag == TAG_INTRA { ("a node peer", Transport::CudaIpc) } else { ("a cross-node peer", inter_t) };
+                let waited = conn.wait().map_err(|e| e.during(format!("connecting to {what} over {t}")).with_peer(p));
+                let Some(conn) = first.keep(waited) else { continue };
+                hold.push(conn.clone());
+                if let Some(sem) = first.keep(comm.build_semaphore(&conn, p, tag).map_err(|e| e.with_peer(p))) {
+                    built.push((p, tag, mem, conn, sem));
+                }
+            }
+            let (mut intra_sems, mut inter_sems) = (Vec::new(), Vec::new());
+            for (p, tag, mem, conn, sem) in built {
+                let Some(mem) = first.keep(mem.wait().map_err(|e| e.with_peer(p))) else { continue };
                 if tag == TAG_INTRA {
                     intra_sems.push((p, mem, sem));
-                    continue;
-                }
-                // Warm-up: one small write each way before any kernel runs, so that what a
-                // transport creates on first use (Ethernet: pinned staging buffers and a stream per
-                // direction) is not created while kernels spin waiting for this very data. The
-                // bytes land in the peer's AllReduce staging area, which every call overwrites
-                // before reading.
-                let warm = conn
-                    .write(&mem, layout.in_off, scratch.memory(), layout.in_off, 16)
-                    .map_err(|e| e.during("warming up a cross-node connection").with_peer(p));
-                if first.keep(warm).is_some() {
+                } else {
                     inter_sems.push((p, mem, sem, conn));
                 }
             }
             first.into_result()?;
-            // Nothing more is owed to anyone: the rest waits and maps.
+            // Nothing more is owed to anyone: the rest writes, waits and maps. Warm-up: one small
+            // write each way before any kernel runs, so that what a transport creates on first
+            // use (Ethernet: pinned staging buffers and a stream per direction) is not created
+            // while kernels spin waiting for this very data. The bytes land in the peer's
+            // AllReduce staging area, which every call overwrites before reading.
+            for (p, mem, _, conn) in &inter_sems {
+                conn.write(mem, layout.in_off, scratch.memory(), layout.in_off, 16)
+                    .map_err(|e| e.during("warming up a cross-node connection").with_peer(*p))?;
+            }
             for (p, _, _, conn) in &inter_sems {
                 conn.flush(config.timeout).map_err(|e| e.during("warming up a cross-node connection").with_peer(*p))?;
             }
