@@ -318,17 +318,24 @@ impl Executor {
     ) -> PyResult<()> {
         let (d, p) = (self::dtype(py, dtype)?, self::packet_type(py, packet_type)?);
         let (ex, pl) = (&self.inner, &plan.inner);
-        // The build first (a cache lookup once built): its checks of the rank, the plan's size
-        // and the buffers meet every rank, so a rank that gets one wrong fails all of them at
-        // once, named, even where this rank could not go on to the stream.
-        // SAFETY: on the first call for these buffers the executor checks with the driver that
-        // both ranges are device memory of this GPU; that they stay allocated while the executor
-        // lives and valid until the stream passes the call is the caller's promise (documented),
-        // as with every CUDA library taking raw pointers.
-        py.detach(|| unsafe { ex.prepare(rank, send, recv, send_size, recv_size, pl) }).py(py)?;
-        let s = self.stream(py, stream)?;
-        // SAFETY: as above.
-        py.detach(|| unsafe { ex.execute(rank, send, recv, send_size, recv_size, d, pl, &s, p) }).py(py)
+        let device = self.device;
+        // One detach: the build first (a cache lookup once built): its checks of the rank, the
+        // plan's size and the buffers meet every rank, so a rank that gets one wrong fails all
+        // of them at once, named, even where this rank could not go on to the stream.
+        py.detach(|| -> Result<(), ExecError> {
+            // SAFETY: on the first call for these buffers the executor checks with the driver
+            // that both ranges are device memory of this GPU; that they stay allocated while the
+            // executor lives and valid until the stream passes the call is the caller's promise
+            // (documented), as with every CUDA library taking raw pointers.
+            unsafe { ex.prepare(rank, send, recv, send_size, recv_size, pl) }?;
+            // SAFETY: `stream` is a stream the caller created on this GPU's primary context (the
+            // CUDA runtime's, as torch's is), or 0 for the legacy default stream; the wrapper does
+            // not own it and lives only for this call.
+            let s = unsafe { Stream::from_raw(device, stream) }?;
+            // SAFETY: as for `prepare` above.
+            unsafe { ex.execute(rank, send, recv, send_size, recv_size, d, pl, &s, p) }
+        })
+        .py(py)
     }
 
     /// Builds the resources of `plan` for these buffers (a collective call) without running it.
