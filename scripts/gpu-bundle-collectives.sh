@@ -38,7 +38,7 @@ cp target/release/mscclpp-perf "$out/bin/"
 (cd "$out" && tar cJf bin.tar.xz bin && rm -rf bin)
 if command -v "${MATURIN:-maturin}" >/dev/null; then
   "${MATURIN:-maturin}" build --release -m crates/mscclpp-py/Cargo.toml -o "$out/wheel" >/dev/null
-  cp crates/mscclpp-py/tests/test_collectives.py "$out/" 2>/dev/null || true
+  cp crates/mscclpp-py/tests/test_collectives.py crates/mscclpp-py/tests/test_executor.py "$out/" 2>/dev/null || true
 fi
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -80,7 +80,7 @@ step "perf allreduce 2 processes (MPS) eager" 60 "$P" ./bin/mscclpp-perf allredu
 step "perf allreduce 4 processes (MPS) graph" 40 "$P" ./bin/mscclpp-perf allreduce --procs --ranks 4 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
 echo quit | nvidia-cuda-mps-control 2>/dev/null
 if [ -d wheel ]; then
-  step "python" 90 "$T" bash -c 'python3 -m pip install -q --no-deps --target /tmp/pyc wheel/*.whl && PYTHONPATH=/tmp/pyc python3 -m pytest -q -x -p no:cacheprovider test_collectives.py'
+  step "python" 90 "$T" bash -c 'python3 -m pip install -q --no-deps --target /tmp/pyc wheel/*.whl && PYTHONPATH=/tmp/pyc python3 -m pytest -q -x -p no:cacheprovider test_collectives.py test_executor.py'
 fi
 step "device (FIFO, proxy, PortChannel)" 120 "$T" ./bin/device --ignored --test-threads=1 --nocapture
 step "memory_channel" 120 "$T" ./bin/memory_channel --ignored --test-threads=1 --nocapture
