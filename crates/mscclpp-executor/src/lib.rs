@@ -9,13 +9,14 @@
 //! names the JSON path of the offending field, such as
 //! `gpus[1].threadblocks[0].ops[3].src_buff[0].index`. No input makes it panic.
 //!
-//! [`Executor`] runs plans on the GPU: one interpreter kernel (compiled with NVRTC) executes
-//! every rank's operation list per thread block over memory channels (CUDA IPC mapped peer
-//! buffers, device semaphores) and port channels (through a proxy service), with every wait
-//! bounded; [`lower`] turns a plan, a rank and message sizes into that kernel's program (no GPU
-//! needed). [`KernelKind::PerPlan`] (or `MSCCLPP_EXECUTOR_KERNEL=per-plan`) runs the same
-//! program with a kernel generated from the plan's shape instead ([`plan_kernel`]): the same
-//! operation code, with each operation's kind, channel type and counts known to the compiler. Switch (NVLS) channels are refused with [`PlanError::SwitchChannel`]: they need
+//! [`Executor`] runs plans on the GPU: a kernel generated from each plan's shape
+//! ([`plan_kernel`], [`KernelKind::PerPlan`], the default; compiled with NVRTC) executes every
+//! rank's operation list per thread block over memory channels (CUDA IPC mapped peer buffers,
+//! device semaphores) and port channels (through a proxy service), with every wait bounded;
+//! [`lower`] turns a plan, a rank and message sizes into that kernel's program (no GPU needed).
+//! [`KernelKind::Interpreter`] (or `MSCCLPP_EXECUTOR_KERNEL=interpreter`) runs the same program
+//! with one interpreter kernel for every plan, which reads each operation's kind, channel type
+//! and counts at run time. Switch (NVLS) channels are refused with [`PlanError::SwitchChannel`]: they need
 //! NVLink multicast, which mscclpp-rs keeps off.
 //!
 //! [`sim`] interprets a plan on the CPU at chunk granularity: the reference the GPU executor's

@@ -617,7 +617,12 @@ pub fn run(args: &Args) -> Result<(), String> {
     drop(ranks);
     // 5. The proxy under load: puts, putWithSignal and signals to 1/4/8 peers from 1 to 132 x 256
     // producers, over CUDA IPC and Ethernet, beside one host thread issuing the same calls.
-    crate::proxyload::run(dev, &k("proxy_load")?, timeout, Duration::from_secs_f64(args.signal_coalesce / 1e6))
+    crate::proxyload::run(
+        dev,
+        &k("proxy_load")?,
+        timeout,
+        args.signal_coalesce.map(|us| Duration::from_secs_f64(us / 1e6)),
+    )
 }
 
 /// Polls the GPU token with 8-byte copies until it reaches `want`.

@@ -99,10 +99,10 @@ pub struct Args {
     #[arg(short = 'e', long, default_value = "256M", value_parser = parse_size)]
     pub max_bytes: u64,
     /// device: how long the proxy load rows' proxy lets owed signals wait for more triggers
-    /// while its FIFO keeps delivering (microseconds; `ProxyConfig::signal_coalesce`; 0, the
-    /// library's default, pays them after every batch).
-    #[arg(long, default_value_t = 0.0, value_parser = parse_micros)]
-    pub signal_coalesce: f64,
+    /// while its FIFO keeps delivering (microseconds; `ProxyConfig::signal_coalesce`, the
+    /// library's default when not given; 0 pays them after every batch).
+    #[arg(long, value_parser = parse_micros)]
+    pub signal_coalesce: Option<f64>,
     /// Multiplication factor between sizes (at least 2).
     #[arg(short = 'f', long, default_value_t = 2)]
     pub step_factor: u64,

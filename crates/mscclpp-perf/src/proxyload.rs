@@ -271,7 +271,8 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
 }
 
 /// The proxy load rows, over CUDA IPC then Ethernet (see the module doc).
-pub fn run(dev: u32, kern: &Kernel, timeout: Duration, coalesce: Duration) -> Result<(), String> {
+pub fn run(dev: u32, kern: &Kernel, timeout: Duration, coalesce: Option<Duration>) -> Result<(), String> {
+    let coalesce = coalesce.unwrap_or(ProxyConfig::default().signal_coalesce);
     row(format!(
         "proxy load: one FIFO + proxy on rank 0 serving 1/4/8 in-process peers; GPU producers (blocks x threads) \
          push triggers; host direct = one host thread issuing the same calls; signals coalesced for up to {} us \

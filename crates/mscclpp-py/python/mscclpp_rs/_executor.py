@@ -97,7 +97,7 @@ class Executor:
     ``port_transport`` carries the plan's port channels (``"cuda_ipc"`` or ``"ethernet"``);
     ``kernel`` runs plans with the interpreter (``"interpreter"``) or with a kernel generated per
     plan shape (``"per-plan"``, compiled in the first call of each shape); ``None`` follows
-    ``MSCCLPP_EXECUTOR_KERNEL`` (default: the interpreter).
+    ``MSCCLPP_EXECUTOR_KERNEL`` (default: per-plan).
     """
 
     def __init__(

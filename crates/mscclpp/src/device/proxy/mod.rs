@@ -20,7 +20,10 @@
 //! semaphores (a signal to each of 8 peers) those writes, a driver call each, bound the rate.
 //! [`ProxyConfig::signal_coalesce`] lets owed signals wait across batches while the FIFO keeps
 //! delivering (until it runs dry, [`COALESCE_MAX_TRIGGERS`] triggers have passed, or the time
-//! given has): fewer token writes, more latency for a signal under load. Off by default.
+//! given has): fewer token writes, more latency for a signal under load. On by default, 20 us:
+//! on the H200, signals to 8 CUDA IPC peers from 132 / 4224 / 33792 GPU producers went from
+//! 1.98 / 3.95 / 3.97 M/s to 15.5 / 7.8 / 7.8 M/s, puts and puts with signals unchanged, and a
+//! lone signal (the FIFO runs dry after it) is paid as before.
 //!
 //! # Flushes
 //! Each connection has one `flushDonePos` word in mapped pinned host memory (shared by every
@@ -123,13 +126,16 @@ pub struct ProxyConfig {
     /// spinning a core. Adds wake-up latency after idle periods; off by default.
     pub idle_backoff: bool,
     /// How long owed signals may wait for more triggers while the FIFO keeps delivering them
-    /// (default zero: they are paid after every batch of popped triggers; see "Signals are
+    /// (default [`DEFAULT_SIGNAL_COALESCE`]; zero pays them after every batch of popped triggers; see "Signals are
     /// coalesced" above). Above zero, a full batch leaves them owed until the FIFO runs dry,
     /// [`COALESCE_MAX_TRIGGERS`] triggers have been handled, or this long has passed since the
     /// oldest was owed: fewer token writes when many semaphores are signalled under load, up to
     /// this much more latency for a signal under load (none when the FIFO runs dry).
     pub signal_coalesce: Duration,
 }
+
+/// The default of [`ProxyConfig::signal_coalesce`].
+pub const DEFAULT_SIGNAL_COALESCE: Duration = Duration::from_micros(20);
 
 /// The most triggers handled while signals stay owed under [`ProxyConfig::signal_coalesce`].
 pub const COALESCE_MAX_TRIGGERS: u64 = 256;
@@ -140,7 +146,7 @@ impl Default for ProxyConfig {
             fifo_size: DEFAULT_FIFO_SIZE,
             max_write_queue_size: None,
             idle_backoff: false,
-            signal_coalesce: Duration::ZERO,
+            signal_coalesce: DEFAULT_SIGNAL_COALESCE,
         }
     }
 }
