@@ -1,5 +1,8 @@
-//! The real NCCL, loaded at run time (`dlopen`, local scope: its symbols never replace ours,
-//! and ours under `LD_PRELOAD` never replace its own), for what the native path does not serve.
+//! The real NCCL, loaded at run time, for what the native path does not serve: `dlopen` with
+//! `RTLD_LOCAL` (its symbols never replace ours) and `RTLD_DEEPBIND` (ours never replace its
+//! own: under `LD_PRELOAD` this library's `nccl*` functions come first in the global scope, and
+//! without deep binding the real NCCL's calls to its own exported functions would land here and
+//! fail; MSCCL++ loads its fallback the same way).
 
 use std::sync::OnceLock;
 
@@ -40,9 +43,14 @@ pub fn nccl_with(s: &Settings) -> Result<&'static Nccl, String> {
 /// # Errors
 /// Why it cannot be used: it does not load, is no NCCL, or is this library itself.
 pub fn load(path: &str) -> Result<Nccl, String> {
+    use libloading::os::unix::{RTLD_LOCAL, RTLD_NOW};
+    // glibc's RTLD_DEEPBIND (bits/dlfcn.h): the library's own symbols before the global scope.
+    const RTLD_DEEPBIND: std::ffi::c_int = 0x0008;
     // SAFETY: loading a shared library runs its initializers; NCCL's are benign (it is the
-    // library the user asked for). Local scope, so its symbols do not join the global namespace.
-    let lib = unsafe { libloading::Library::new(path) }
+    // library the user asked for). Local scope, so its symbols do not join the global namespace;
+    // deep binding, so its references to its own functions are not taken by ours.
+    let lib = unsafe { libloading::os::unix::Library::open(Some(path), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND) }
+        .map(libloading::Library::from)
         .map_err(|e| format!("loading the NCCL fallback {path:?} (MSCCLPP_NCCL_LIB_PATH) failed: {e}"))?;
     let n = Nccl { lib, path: path.to_string() };
     // Refuse our own library: forwarding to it would call ourselves forever.
