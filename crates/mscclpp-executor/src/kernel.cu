@@ -74,19 +74,28 @@ __device__ __forceinline__ u64 load_sys(const u64* p) {
 }
 __device__ __forceinline__ u32 vload(const u32* p) { return *(volatile const u32*)p; }
 
-// Records the first error of this rank (host-visible) and stops every wait of this rank.
-__device__ void fail(const Ctx& c, u64 kind, u32 peer) {
+// Records the first error of this rank (host-visible) and stops every wait of this rank. The
+// error word (word 0 of the status buffer) is written last; before it, word 2 the count a
+// semaphore wait saw and word 3 the count it needed (both 0 for other waits), word 4 the launch
+// the block was in (its LL flag: 1 for the first launch of these resources).
+__device__ void fail(const Ctx& c, u64 kind, u32 peer, u64 seen = 0, u64 need = 0) {
   ExecState* st = (ExecState*)c.a->state;
   atomicExch(&st->failed, 1u);
   if (atomicCAS(&st->reported, 0u, 1u) == 0u) {
-    store_sys((u64*)c.a->err, (1ull << 63) | (kind << 48) | ((u64)(peer & 0xffff) << 32) |
-                                  ((u64)(c.block & 0xffff) << 16) | (u64)(c.op & 0xffff));
+    u64* w = (u64*)c.a->err;
+    store_sys(w + 2, seen);
+    store_sys(w + 3, need);
+    store_sys(w + 4, c.flag);
+    __threadfence_system();
+    store_sys(w, (1ull << 63) | (kind << 48) | ((u64)(peer & 0xffff) << 32) | ((u64)(c.block & 0xffff) << 16) |
+                     (u64)(c.op & 0xffff));
   }
 }
 
 // Whether this thread should stop waiting: failed before, aborted by the host, or past its
 // deadline (+ `extra`).
-__device__ __forceinline__ bool must_stop_by(const Ctx& c, u32 peer, u32& spins, u64 extra) {
+__device__ __forceinline__ bool must_stop_by(const Ctx& c, u32 peer, u32& spins, u64 extra, u64 seen = 0,
+                                             u64 need = 0) {
   if ((++spins & 127) != 0) return false;
   if (vload(&((ExecState*)c.a->state)->failed)) return true;
   if ((spins & 0x3fff) == 0 && load_sys((const u64*)c.a->abort) != 0) {
@@ -96,7 +105,7 @@ __device__ __forceinline__ bool must_stop_by(const Ctx& c, u32 peer, u32& spins,
   const u64 now = detail::globaltimer();
   if (c.deadline == 0) c.deadline = now + c.a->timeout_ns;
   if (now > c.deadline + extra) {
-    fail(c, ERR_TIMEOUT, peer);
+    fail(c, ERR_TIMEOUT, peer, seen, need);
     return true;
   }
   return false;
@@ -247,8 +256,9 @@ __device__ void barrier(const Ctx& c, const O& op) {
 __device__ void wait_token(const Ctx& c, u64* inbound, u64* expected, u32 peer, bool relaxed) {
   u64 e = detail::fetch_add_relaxed_gpu(expected, 1) + 1;
   u32 spins = 0;
-  while ((relaxed ? detail::load_relaxed_sys(inbound) : detail::load_acquire_sys(inbound)) < e) {
-    if (must_stop(c, peer, spins)) {
+  u64 v;
+  while ((v = relaxed ? detail::load_relaxed_sys(inbound) : detail::load_acquire_sys(inbound)) < e) {
+    if (must_stop_by(c, peer, spins, 0, v, e)) {
       detail::fetch_add_relaxed_gpu(expected, (u64)-1);
       return;
     }
