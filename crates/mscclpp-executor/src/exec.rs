@@ -128,15 +128,15 @@ pub enum ExecError {
     /// A kernel of this rank reported a failed wait.
     #[error(
         "rank {rank}, plan {plan}: thread block {block}, operation {op}{}: {}",
-        launch.map(|n| format!(" (launch {n} of these buffers)")).unwrap_or_default(),
+        if *launch != 0 { format!(" (launch {launch} of these buffers)") } else { String::new() },
         match (kind, peer) {
             (DeviceFailureKind::Timeout, Some(p)) => match counts {
-                Some((seen, need)) => format!("waited for rank {p} past the {timeout:?} timeout: {seen} of its signals had arrived, this wait needed {need} ({})", if *need > seen + 1 {
+                (seen, need) if *need != 0 => format!("waited for rank {p} past the {timeout:?} timeout: {seen} of its signals had arrived, this wait needed {need} ({})", if *need > seen + 1 {
                     "a signal was lost, or this rank waited more often than it signals"
                 } else {
                     "it never arrived, is behind, or runs another plan"
                 }),
-                None => format!("waited for rank {p} past the {timeout:?} timeout (it never arrived, or runs another plan)"),
+                _ => format!("waited for rank {p} past the {timeout:?} timeout (it never arrived, or runs another plan)"),
             },
             (DeviceFailureKind::Timeout, None) => format!("a barrier or semaphore of this rank waited past the {timeout:?} timeout"),
             (DeviceFailureKind::Aborted, _) => "aborted by the host".to_string(),
@@ -160,10 +160,11 @@ pub enum ExecError {
         op: usize,
         /// The wait limit.
         timeout: Duration,
-        /// For a semaphore wait that timed out: the count it saw and the count it needed.
-        counts: Option<(u64, u64)>,
-        /// Which launch of these resources the block was in (1 for the first), when known.
-        launch: Option<u64>,
+        /// For a semaphore wait that timed out: the count it saw and the count it needed (both 0
+        /// for other failures).
+        counts: (u64, u64),
+        /// Which launch of these resources the block was in (1 for the first; 0 when unknown).
+        launch: u64,
     },
     /// Communication, CUDA or usage errors from the core crate.
     #[error(transparent)]
@@ -550,8 +551,8 @@ impl Executor {
             block: ((code >> 16) & 0xffff) as usize,
             op: (code & 0xffff) as usize,
             timeout: self.config.timeout,
-            counts: (need != 0).then_some((seen, need)),
-            launch: (launch != 0).then_some(launch),
+            counts: (seen, need),
+            launch,
         })
     }
 
@@ -1270,8 +1271,8 @@ mod tests {
             block: 2,
             op: 3,
             timeout: Duration::from_secs(2),
-            counts: None,
-            launch: None,
+            counts: (0, 0),
+            launch: 0,
         };
         assert_eq!(e.peer(), Some(1));
         let s = e.to_string();
@@ -1290,8 +1291,8 @@ mod tests {
                 block: 0,
                 op: 2,
                 timeout: Duration::from_secs(5),
-                counts: Some((seen, need)),
-                launch: Some(7),
+                counts: (seen, need),
+                launch: 7,
             }
             .to_string()
         };
