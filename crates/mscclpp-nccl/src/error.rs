@@ -114,9 +114,26 @@ pub fn last_error() -> String {
     unsafe { CStr::from_ptr(last_error_ptr()) }.to_string_lossy().into_owned()
 }
 
+/// Installs the log subscriber (`mscclpp::init_logging`: `MSCCLPP_LOG_LEVEL`, `MSCCLPP_LOG_FILE`
+/// and the rest) at the first call of any export. The library is what a C or Python program
+/// loads, so there is no Rust program around it to install one, and without it the routing lines
+/// (which operation ran natively, which went to the NCCL fallback) and every warning went
+/// nowhere. A bad setting is said once on stderr; the calls go on.
+fn logging_once() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Err(e) = mscclpp::init_logging() {
+            // Another subscriber in this library's copy of `tracing` is not possible from C;
+            // a bad variable is the user's to fix, and said where they look.
+            eprintln!("libmscclpp_nccl: logging is off: {e}");
+        }
+    });
+}
+
 /// Runs `f` for an export: its failure is recorded and returned as a code, a panic becomes
 /// `ncclInternalError` (never unwinding into C).
 pub fn guard(name: &str, f: impl FnOnce() -> Res) -> ncclResult_t {
+    logging_once();
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(())) => ncclSuccess,
         Ok(Err(e)) => record(&e),
