@@ -299,10 +299,15 @@ __device__ void signal(const Ctx& c, const O& op, bool relaxed) {
   if (t >= op.n_chan) return;
   if (op.ctype == CT_MEMORY) {
     u64* remote = mem_chan(c, op.chans[t])->semaphore_.remoteInboundToken;
+    // A rank that failed (a wait of any of its blocks timed out, or it was aborted) signals no
+    // more: its peers then stop at their next wait for it, named, instead of going on with data
+    // this rank never finished (port pushes check the same in `port_push`).
     if (relaxed) {
+      if (vload(&((ExecState*)c.a->state)->failed)) return;
       detail::red_add_relaxed_sys(remote, 1);
     } else {
       __threadfence_system();
+      if (vload(&((ExecState*)c.a->state)->failed)) return;
       detail::red_add_release_sys(remote, 1);
     }
   } else if (op.ctype == CT_PORT) {

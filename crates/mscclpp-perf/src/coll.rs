@@ -780,6 +780,9 @@ impl Job {
             },
             s.device
         ));
+        if let (false, Some(q)) = (procs, crate::queues::setting()) {
+            say(format!("# hardware queues: {q}"));
+        }
         for l in columns(s, nccl.is_some()) {
             say(l);
         }

@@ -284,6 +284,9 @@ pub fn run(args: &Args) -> Result<(), String> {
     let tns = timeout.as_nanos() as u64;
     let name = mscclpp::gpu::device_name(dev).unwrap_or_else(|_| format!("GPU{dev}"));
     row(format!("# mscclpp-perf device: one process, two ranks on {name} (GPU {dev}), two streams"));
+    if let Some(q) = crate::queues::setting() {
+        row(format!("# hardware queues: {q}"));
+    }
     let ptx = compile(KERNELS, &CompileOptions::default()).map_err(e)?;
     let m = KernelModule::load(dev, &ptx).map_err(e)?;
     let k = |n: &str| m.function(n).map_err(e);

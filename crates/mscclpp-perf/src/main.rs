@@ -21,6 +21,7 @@ mod p2p;
 mod plan;
 mod procs;
 mod proxyload;
+mod queues;
 mod report;
 mod stages;
 mod trace;
@@ -390,6 +391,11 @@ fn main() -> ExitCode {
     }
     // Before anything starts a thread (CUDA, the bootstrap, NCCL): the environment NCCL reads.
     let nccl_env_set = args.nccl.is_some() && coll::collective(args.test).is_some() && nccl::prepare_env();
+    // Ranks as threads of this process (collectives and device tests without --procs): their
+    // streams get hardware queues of their own (queues.rs says why).
+    if !args.procs && (coll::collective(args.test).is_some() || args.test == TestKind::Device) {
+        queues::prepare_env();
+    }
     if let Err(e) = check(&args) {
         eprintln!("mscclpp-perf: {e}");
         return ExitCode::from(2);
