@@ -122,6 +122,13 @@ pub fn last_error() -> String {
 fn logging_once() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
+        // The NCCL fallback's variables are this library's (the core library would call them
+        // MSCCL++ variables that have no effect here).
+        mscclpp::env::read_elsewhere(&[
+            crate::route::ENABLE_FALLBACK_VAR,
+            crate::route::LIB_PATH_VAR,
+            crate::route::FORCE_VAR,
+        ]);
         if let Err(e) = mscclpp::init_logging() {
             // Another subscriber in this library's copy of `tracing` is not possible from C;
             // a bad variable is the user's to fix, and said where they look.
@@ -133,8 +140,10 @@ fn logging_once() {
 /// Runs `f` for an export: its failure is recorded and returned as a code, a panic becomes
 /// `ncclInternalError` (never unwinding into C).
 pub fn guard(name: &str, f: impl FnOnce() -> Res) -> ncclResult_t {
-    logging_once();
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        logging_once();
+        f()
+    })) {
         Ok(Ok(())) => ncclSuccess,
         Ok(Err(e)) => record(&e),
         Err(p) => {

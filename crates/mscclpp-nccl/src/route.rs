@@ -99,6 +99,13 @@ impl fmt::Display for Op {
     }
 }
 
+/// Turns the NCCL fallback on (MSCCL++'s name).
+pub const ENABLE_FALLBACK_VAR: &str = "MSCCLPP_ENABLE_NCCL_FALLBACK";
+/// The real NCCL the fallback loads (MSCCL++'s name).
+pub const LIB_PATH_VAR: &str = "MSCCLPP_NCCL_LIB_PATH";
+/// Operations always sent to the fallback (MSCCL++'s name).
+pub const FORCE_VAR: &str = "MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION";
+
 /// The settings read from the environment.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Settings {
@@ -122,10 +129,9 @@ fn truthy(v: &str) -> bool {
 impl Settings {
     /// Reads the three variables through `get` (the environment, or a fake in tests).
     pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Settings {
-        let fallback_enabled = get("MSCCLPP_ENABLE_NCCL_FALLBACK").is_some_and(|v| truthy(&v));
-        let lib_path =
-            get("MSCCLPP_NCCL_LIB_PATH").filter(|v| !v.trim().is_empty()).unwrap_or_else(|| DEFAULT_LIB.to_string());
-        let (forced, unknown_forced) = parse_forced(&get("MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION").unwrap_or_default());
+        let fallback_enabled = get(ENABLE_FALLBACK_VAR).is_some_and(|v| truthy(&v));
+        let lib_path = get(LIB_PATH_VAR).filter(|v| !v.trim().is_empty()).unwrap_or_else(|| DEFAULT_LIB.to_string());
+        let (forced, unknown_forced) = parse_forced(&get(FORCE_VAR).unwrap_or_default());
         Settings { fallback_enabled, lib_path, forced, unknown_forced }
     }
     /// The process's settings.

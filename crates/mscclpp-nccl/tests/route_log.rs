@@ -49,8 +49,16 @@ fn routing_decisions_are_logged_once_each_without_a_rust_program_installing_a_su
         .args(["--nocapture", "--test-threads=1"])
         .env("ROUTE_LOG_CHILD", "1")
         .env("MSCCLPP_LOG_LEVEL", "INFO")
-        .env_remove("MSCCLPP_LOG_FILE")
+        // Read by this library (the fallback stays off): never called a variable with no effect.
+        .env("MSCCLPP_NCCL_LIB_PATH", "/nonexistent/libnccl.so.2")
+        // Not read anywhere here: named once in the warning.
+        .env("MSCCLPP_NPKIT_DUMP_DIR", "/tmp")
         .env_remove("MSCCLPP_ENABLE_NCCL_FALLBACK")
+        .env_remove("MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION")
+        .env_remove("MSCCLPP_LOG_FILE")
+        .env_remove("MSCCLPP_LOG_SUBSYS")
+        .env_remove("MSCCLPP_DEBUG")
+        .env_remove("MSCCLPP_DEBUG_SUBSYS")
         .env_remove("RUST_LOG")
         .output()
         .expect("running the child");
@@ -60,4 +68,7 @@ fn routing_decisions_are_logged_once_each_without_a_rust_program_installing_a_su
     // Once per (operation, type, route) in the process, however many ranks and calls.
     assert_eq!(lines("allreduce of ncclFloat32 -> refused"), 1, "{err}");
     assert_eq!(lines("allgather of ncclBfloat16 -> refused"), 1, "{err}");
+    let unread: Vec<&str> = err.lines().filter(|l| l.contains("they have no effect here")).collect();
+    assert_eq!(unread.len(), 1, "{err}");
+    assert!(unread[0].contains("MSCCLPP_NPKIT_DUMP_DIR") && !unread[0].contains("MSCCLPP_NCCL_LIB_PATH"), "{err}");
 }

@@ -21,9 +21,9 @@ static SETTING: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// Sets [`VAR`] to [`RANKS_AS_THREADS`] when it is not set. `main` calls it first thing for runs
 /// whose ranks are threads of this process, before any thread or CUDA context exists.
 pub fn prepare_env() {
-    let said = match std::env::var(VAR) {
-        Ok(v) => format!("{VAR}={v} (yours)"),
-        Err(_) => {
+    let said = match std::env::var_os(VAR) {
+        Some(v) => format!("{VAR}={} (yours)", v.to_string_lossy()),
+        None => {
             // SAFETY: called at the top of `main`, right after parsing the command line and
             // before anything (CUDA, the bootstrap, NCCL) has started a thread, so nothing reads
             // or writes the environment at the same time.

@@ -265,11 +265,12 @@ impl Env {
 
     /// The warning about [`Env::unread`], if any is set.
     pub(crate) fn unread_warning(&self) -> Option<String> {
-        if self.unread.is_empty() {
+        let elsewhere = crate::sync::lock(&READ_ELSEWHERE);
+        let unread: Vec<&String> = self.unread.iter().filter(|k| !elsewhere.contains(&k.as_str())).collect();
+        if unread.is_empty() {
             return None;
         }
-        let what: Vec<String> = self
-            .unread
+        let what: Vec<String> = unread
             .iter()
             .map(|k| {
                 let why = UNREAD_MSCCLPP_VARS.iter().find(|(n, _)| n == k).map_or("", |(_, w)| w);
@@ -293,6 +294,22 @@ pub(crate) fn env_quiet() -> Result<&'static Env> {
 
 /// Logs the warning about [`Env::unread`] once per process (`init_logging` calls it after
 /// installing its subscriber, so the warning is not lost when that is the first use).
+/// Names of [`UNREAD_MSCCLPP_VARS`] that a library built on this one reads (the NCCL-compatible
+/// library reads the NCCL fallback's): the warning leaves them out.
+static READ_ELSEWHERE: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+
+/// Says that a library built on this one (in this process) reads `names`, so the warning about
+/// MSCCL++ variables that have no effect leaves them out. Call it before the first use of the
+/// environment (the warning is given once).
+pub fn read_elsewhere(names: &[&'static str]) {
+    let mut v = crate::sync::lock(&READ_ELSEWHERE);
+    for n in names {
+        if !v.contains(n) {
+            v.push(n);
+        }
+    }
+}
+
 pub(crate) fn warn_unread_once(env: &Env) {
     static WARNED: std::sync::Once = std::sync::Once::new();
     if let Some(w) = env.unread_warning() {
