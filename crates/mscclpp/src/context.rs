@@ -38,6 +38,43 @@ struct IbDevices {
     opened: HashMap<String, Arc<crate::platform::verbs::dev::IbDevice>>,
 }
 
+/// The CUDA IPC streams of this process's contexts (one per context and GPU), while they live.
+static IPC_STREAMS: Mutex<Vec<(u32, std::sync::Weak<crate::platform::cuda::Stream>)>> = Mutex::new(Vec::new());
+
+/// Says once, when a second live context of this process starts CUDA IPC work on the same GPU
+/// (ranks as threads), that the driver's default of 8 hardware queues is too few for their
+/// streams unless `CUDA_DEVICE_MAX_CONNECTIONS` raises it: a rank's launch can then wait behind a
+/// peer's queued launches that wait for it, until a device wait times out (docs/design.md,
+/// "Hardware queues and ranks as threads").
+fn warn_if_queues_shared(gpu: u32, stream: &Arc<crate::platform::cuda::Stream>) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    let n = {
+        let mut v = lock(&IPC_STREAMS);
+        v.retain(|(_, w)| w.strong_count() > 0);
+        v.push((gpu, Arc::downgrade(stream)));
+        v.iter().filter(|(g, _)| *g == gpu).count()
+    };
+    if let Some(w) = shared_queue_warning(gpu, n, std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref()) {
+        WARNED.call_once(|| tracing::warn!(target: "mscclpp::gpu", "{w}"));
+    }
+}
+
+/// The warning of [`warn_if_queues_shared`] for `live` contexts on GPU `gpu` and the variable's
+/// value, or `None` when one context uses the GPU or the variable gives 32 queues (the most).
+fn shared_queue_warning(gpu: u32, live: usize, var: Option<&str>) -> Option<String> {
+    if live < 2 {
+        return None;
+    }
+    let queues = var.and_then(|v| v.trim().parse::<u32>().ok());
+    if queues.is_some_and(|q| q >= 32) {
+        return None;
+    }
+    Some(format!(
+        "{live} ranks of this process use GPU{gpu} (ranks as threads) with CUDA_DEVICE_MAX_CONNECTIONS={}: their streams share the GPU's hardware queues, so a rank's kernel can wait behind a peer's queued launches that wait for it (a device timeout follows); set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts",
+        queues.map_or_else(|| var.map_or("unset (8)".to_string(), |v| format!("{v:?}")), |q| q.to_string())
+    ))
+}
+
 impl ContextInner {
     pub(crate) fn next_region_id(&self) -> u64 {
         self.next_region.fetch_add(1, Ordering::Relaxed)
@@ -64,6 +101,7 @@ impl ContextInner {
         }
         let s = Arc::new(crate::platform::cuda::Stream::new(dev)?);
         v.push(s.clone());
+        warn_if_queues_shared(dev.ordinal, &s);
         Ok(s)
     }
 
@@ -298,6 +336,16 @@ fn now_nanos() -> u128 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ranks_as_threads_are_warned_about_shared_hardware_queues() {
+        assert_eq!(super::shared_queue_warning(0, 1, None), None);
+        assert_eq!(super::shared_queue_warning(0, 4, Some("32")), None);
+        let w = super::shared_queue_warning(1, 4, None).unwrap();
+        assert!(w.contains("4 ranks of this process use GPU1") && w.contains("unset (8)"), "{w}");
+        assert!(super::shared_queue_warning(0, 2, Some("8")).unwrap().contains("CUDA_DEVICE_MAX_CONNECTIONS=8"));
+        assert!(super::shared_queue_warning(0, 2, Some("lots")).unwrap().contains("\"lots\""));
+    }
+
     use super::*;
 
     #[test]
