@@ -84,8 +84,11 @@ for n in ${TORCHRUN_RANKS:-2 3 4}; do
   port=$((29500 + RANDOM % 1000))
   LD_PRELOAD=$so timeout "$(limit "${TORCHRUN_TIMEOUT:-75}")" torchrun --nproc-per-node="$n" --master-port="$port" "$b/torch_nccl.py" > "$log" 2>&1
   rc=$?
-  result "torchrun $n ranks ($(grep -c '^PASS' "$log") checks passed)" $rc "$log"
-  grep -E "mscclpp::nccl.*->" "$log" | sed -E 's/.*(rank=[0-9]+)/\1/' | sort -u | head -20 | sed 's/^/    route: /'
+  # The log must say which calls ran natively (the library logs each route once per process).
+  native=$(grep -c -- "-> native" "$log")
+  [ "$rc" = 0 ] && [ "$native" = 0 ] && rc=1
+  result "torchrun $n ranks ($(grep -c '^PASS' "$log") checks passed, $native native routes logged)" $rc "$log"
+  grep -E "mscclpp::nccl.*->" "$log" | sed -E 's/.*mscclpp::nccl: //' | sort -u | head -24 | sed 's/^/    route: /'
 done
 # 2b. The NCCL fallback with a real NCCL (>= 2.30, several ranks on one GPU): torchrun with every
 # operation forced to NCCL (MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION=all), the same checks against
@@ -111,7 +114,7 @@ elif [ -n "$real" ]; then
     # Every check passed and calls really went to the real NCCL.
     [ "$rc" = 0 ] && [ "$routed" -gt 0 ] || { [ "$rc" = 0 ] && rc=1; }
     result "torchrun $n ranks through the NCCL fallback ($(grep -c '^PASS' "$log") checks passed, $routed routes to NCCL)" $rc "$log"
-    grep -E "loaded the NCCL fallback|-> NCCL fallback" "$log" | sed -E 's/.*(rank=[0-9]+)/\1/' | sort -u | head -12 | sed 's/^/    route: /'
+    grep -E "loaded the NCCL fallback|-> NCCL fallback" "$log" | sed -E 's/.*mscclpp::nccl: //' | sort -u | head -12 | sed 's/^/    route: /'
   done
 else
   echo "SKIP the NCCL fallback: no real NCCL (bundle nccl-ignored/libnccl.so.2.xz, or FALLBACK_NCCL=path)"
