@@ -258,6 +258,7 @@ __global__ void __launch_bounds__(1024, 1) k_ops(const __grid_constant__ ExecArg
     c.a = &a;
     c.flag = flag;
     c.deadline = 0;
+    c.stopped = 0;
     c.block = blockIdx.x;
     c.op = 0xffff;
     c.scratch_off = so;

@@ -59,6 +59,10 @@ struct Ctx {
   // This thread's wait limit: 0 until a wait first spins long enough to look at the clock, then
   // that moment + timeout_ns (reading the clock at every launch's start costs latency).
   mutable u64 deadline;
+  // Nonzero once a wait of this thread stopped (its own timeout, the rank's failure, an abort):
+  // the thread then writes no more packets, so a peer never takes its unfinished data with a
+  // valid flag (a register: free on the fast path, unlike a load of ExecState.failed per op).
+  mutable u32 stopped;
   u32 flag;
   u32 block;
   u32 op;
@@ -97,15 +101,20 @@ __device__ void fail(const Ctx& c, u64 kind, u32 peer, u64 seen = 0, u64 need = 
 __device__ __forceinline__ bool must_stop_by(const Ctx& c, u32 peer, u32& spins, u64 extra, u64 seen = 0,
                                              u64 need = 0) {
   if ((++spins & 127) != 0) return false;
-  if (vload(&((ExecState*)c.a->state)->failed)) return true;
+  if (vload(&((ExecState*)c.a->state)->failed)) {
+    c.stopped = 1;
+    return true;
+  }
   if ((spins & 0x3fff) == 0 && load_sys((const u64*)c.a->abort) != 0) {
     fail(c, ERR_ABORTED, peer);
+    c.stopped = 1;
     return true;
   }
   const u64 now = detail::globaltimer();
   if (c.deadline == 0) c.deadline = now + c.a->timeout_ns;
   if (now > c.deadline + extra) {
     fail(c, ERR_TIMEOUT, peer, seen, need);
+    c.stopped = 1;
     return true;
   }
   return false;
@@ -302,6 +311,7 @@ __device__ void signal(const Ctx& c, const O& op, bool relaxed) {
     // A rank that failed (a wait of any of its blocks timed out, or it was aborted) signals no
     // more: its peers then stop at their next wait for it, named, instead of going on with data
     // this rank never finished (port pushes check the same in `port_push`).
+    if (c.stopped) return;
     if (relaxed) {
       if (vload(&((ExecState*)c.a->state)->failed)) return;
       detail::red_add_relaxed_sys(remote, 1);
@@ -454,6 +464,7 @@ __device__ void put_packets(const Ctx& c, const O& op) {
     const u32* src = (const u32*)addr(c, s, 0, 1);
     P* dst = (P*)addr(c, op.dst[i], 0, 2);
     const u64 n = s.size / (4 * PK::W);
+    if (c.stopped) return;
     for (u64 j = threadIdx.x; j < n; j += blockDim.x) PK::write(dst + j, src + j * PK::W, c.flag);
   }
 }
@@ -480,6 +491,7 @@ __device__ void read_put_packets(const Ctx& c, const O& op) {
               op.chan_peer[t < op.n_chan ? t : 0]);
     return;
   }
+  if (c.stopped) return;
   for (u64 j = threadIdx.x; j < n; j += blockDim.x) {
     u32 w[PK::W];
     if (!read_pkt<PK>(c, src + j, s.peer, w)) return;
@@ -513,6 +525,7 @@ __device__ void reduce_packets(const Ctx& c, const O& op, bool keep_copy) {
   u32* out = (u32*)addr(c, op.dst[0], 0, 1);
   const u64 n = op.src[0].size / (4 * PK::W);
   const u32 first_remote = keep_copy ? 2 : 1;
+  if (c.stopped) return;
   for (u64 j = threadIdx.x; j < n; j += blockDim.x) {
     u32 acc[PK::W];
     for (int k = 0; k < PK::W; k++) acc[k] = base[j * PK::W + k];
@@ -632,6 +645,7 @@ __device__ __forceinline__ bool begin_ctx(const ExecArgs& a, const Start& s, Ctx
   c.a = &a;
   c.flag = s.flag;
   c.deadline = 0;
+  c.stopped = 0;
   c.block = blockIdx.x;
   c.op = 0xffff;
   c.scratch_off = (a.scratch_half != 0 && (c.flag & 1u) == 0) ? a.scratch_half : 0;
