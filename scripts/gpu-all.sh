@@ -2,9 +2,10 @@
 # Builds every GPU bundle (collectives + device suites, executor, NCCL library) and writes
 # gpu-bundle-coll/all.sh, which runs them in one device call within RUN_BUDGET seconds (default
 # 560): the 1 KiB breakdown (bench/allpair_real.cu, compiled by nvcc there), the collectives
-# bundle's run.sh, the executor's, the NCCL library's, Ethernet p2p rows, and `mscclpp-perf
-# device` (part "device", not in the default list); PARTS picks them (e.g. PARTS=exec for a
-# call of its own).
+# bundle's run.sh, the executor's, the NCCL library's, Ethernet p2p rows; and, not in the
+# default list, `mscclpp-perf device` (part "device"), issue 28's two-node runs (part "twonode")
+# and the executor GPU tests in one process (part "exectests"). PARTS picks and orders them
+# (e.g. PARTS=exec for a call of its own).
 # Device call: carry ["gpu-bundle-coll", "gpu-bundle-exec", "gpu-bundle-nccl"] (the NCCL bundle
 # holds nccl-ignored/libnccl.so.2.xz already; carrying both passes the 64 MiB limit),
 # command "bash gpu-bundle-coll/all.sh". MATURIN=path adds the Python wheel and its GPU tests.
@@ -62,6 +63,16 @@ for i in "${!parts[@]}"; do
         timeout $((share - (SECONDS - t0))) /tmp/bin/mscclpp-perf device --timeout 20 --signal-coalesce 0 2>&1 \
           | tee "$L/perf-device-nocoalesce.txt" | grep -E "proxy load|signal" | grep -v "^ *$"
       fi ;;
+    twonode)
+      # Issue 28: the two-node plan with ranks as threads, RUNS times per setting (mscclpp-perf's
+      # own CUDA_DEVICE_MAX_CONNECTIONS=32, then the driver's 8 for comparison).
+      OUT=$L/twonode RUNS=${TWONODE_RUNS:-6} CAP=30 SETTINGS="${TWONODE_SETTINGS:-per-plan:default interpreter:default per-plan:8}" \
+        timeout "$share" bash scripts/gpu-two-node.sh 2>&1 | tee "$L/twonode.txt" ;;
+    exectests)
+      # Every executor GPU test once, per-plan kernel (the default), without run.sh's per-test caps.
+      tar xJf gpu-bundle-exec/bin.tar.xz -C gpu-bundle-exec 2>/dev/null
+      timeout "$share" gpu-bundle-exec/bin/exec-gpu --ignored --test-threads=1 > "$L/exec-tests.txt" 2>&1
+      echo "exec-gpu rc=$?"; grep -E "^test |test result" "$L/exec-tests.txt" | tail -40 ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -7,8 +7,9 @@
 //! waiting for this very rank. Nothing moves until a device wait times out. Ranks as threads
 //! give one context several rank streams plus each rank's connection stream, so with 4 ranks
 //! they outgrow 8 queues: on the H200 the two-node plan's `allreduce --plan ... --ranks 4`
-//! timed out in 3 of 6 runs with 8 queues and 3 of 3 with 2, and passed 3 of 3 with 32, each
-//! failure a rank whose first launch started only after its peers had timed out (issue #28).
+//! timed out in 3 of 6 runs with 8 queues and 3 of 3 with 2, and in 1 of 6 with 32 (sessions 13
+//! and 14); the failures with 8 were each a rank whose first launch started only after its peers
+//! had timed out (issue #28).
 //! Separate processes do not share queues this way (one context each).
 
 /// The variable the driver reads when the context is created.
