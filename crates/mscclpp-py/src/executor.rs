@@ -46,14 +46,15 @@ fn from_plan_error(py: Python<'_>, e: &PlanError) -> PyErr {
 
 /// The Python exception for an execution error: plan and lowering errors as `PlanError`;
 /// a kernel's failure by kind (a timeout as `MscclppTimeoutError`, an abort or a refused
-/// re-run as `AbortedError`, a failed proxy as `RemoteError`) with `peer`, `block` and `op`;
+/// re-run as `AbortedError`, a failed proxy as `RemoteError`) with `peer`, `block`, `op`,
+/// `launch`, `signals_seen` and `signals_needed`;
 /// core errors as everywhere else.
 pub(crate) fn exec_to_py(py: Python<'_>, e: &ExecError) -> PyErr {
     match e {
         ExecError::Plan(p) => from_plan_error(py, p),
         ExecError::Lower(l) => plan_error(py, e.to_string(), l.path(), None),
         ExecError::Mscclpp(m) => to_py(py, m),
-        ExecError::Device { kind, peer, block, op, .. } => {
+        ExecError::Device { kind, peer, block, op, counts, launch, .. } => {
             let (class, kname) = match kind {
                 DeviceFailureKind::Timeout => ("MscclppTimeoutError", "TIMEOUT"),
                 DeviceFailureKind::Proxy => ("RemoteError", "REMOTE"),
@@ -66,6 +67,11 @@ pub(crate) fn exec_to_py(py: Python<'_>, e: &ExecError) -> PyErr {
                 exc.setattr("peer", *peer)?;
                 exc.setattr("block", *block)?;
                 exc.setattr("op", *op)?;
+                // The launch of these resources the block was in, and for a semaphore wait the
+                // signals that had arrived and the count it needed (None when unknown).
+                exc.setattr("launch", (*launch != 0).then_some(*launch))?;
+                exc.setattr("signals_seen", (counts.1 != 0).then_some(counts.0))?;
+                exc.setattr("signals_needed", (counts.1 != 0).then_some(counts.1))?;
                 Ok(PyErr::from_value(exc))
             };
             build().unwrap_or_else(|_| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))

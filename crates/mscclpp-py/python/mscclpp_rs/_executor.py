@@ -170,7 +170,13 @@ class Executor:
             self._keep.setdefault((id(plan), sp, rp, ss, rs), (plan, skeep, rkeep))
 
     def check(self) -> None:
-        """Raises the error a kernel of this rank reported, if any (does not wait)."""
+        """Raises the error a kernel of this rank reported, if any (does not wait).
+
+        A kernel's error (``MscclppTimeoutError`` for a wait past the timeout) carries ``peer``
+        (the rank waited for), ``block`` and ``op`` (where in the plan), ``launch`` (which launch
+        on these buffers, 1 for the first) and, for a semaphore wait, ``signals_seen`` and
+        ``signals_needed`` (how far the peer got); each ``None`` when unknown.
+        """
         self._native.check()
 
     def synchronize(self, stream: Any = None, timeout: float = 30.0) -> None:
