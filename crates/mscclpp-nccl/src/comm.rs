@@ -713,7 +713,7 @@ pub fn split_group(ck: &[(c_int, c_int)], me: usize) -> Option<SplitGroup> {
 }
 
 /// Whether `MSCCLPP_NCCL_P2P` allows the device point-to-point path (`host` turns it off; every
-/// rank must agree, which [`build_device_p2p`] checks).
+/// rank must agree, which `build_device_p2p` checks).
 pub fn device_p2p_setting(v: Option<&str>) -> Result<(), String> {
     match v.map(|v| v.trim().to_ascii_lowercase()) {
         Some(v) if v == "host" || v == "0" || v == "off" => Err(format!("turned off (MSCCLPP_NCCL_P2P={v})")),
