@@ -361,23 +361,24 @@ struct Resources {
 }
 
 impl Resources {
-    /// The error word the kernels write (0 while none failed): one load from page-locked host
-    /// memory in this process's address space (a cached line while it stays 0; the GPU's write
-    /// invalidates it), with no CUDA call and no range check.
+    /// Word `i` of the 64-byte status buffer (kernel.cu `fail`): 0 the error word (0 while no
+    /// kernel failed), 1 the abort word, 2-4 the failed wait's counts and launch. One load from
+    /// page-locked host memory in this process's address space (a cached line while it stays
+    /// unchanged; the GPU's write invalidates it), with no CUDA call; 0 past the buffer, which
+    /// no caller reaches (i < 8).
+    fn status_word(&self, i: usize) -> u64 {
+        self.status.atomic_u64(8 * i).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+
+    /// The error word the kernels write (0 while none failed).
     fn error_word(&self) -> u64 {
-        // Offset 0 of a 64-byte buffer: always in range.
-        self.status.atomic_u64(0).map_or(0, |w| w.load(Ordering::Acquire))
+        self.status_word(0)
     }
 
-    /// Whether [`Executor::abort`] was called (the word at offset 8, read like the error word).
+    /// Whether [`Executor::abort`] was called.
     fn aborted(&self) -> bool {
-        self.status.atomic_u64(8).is_ok_and(|w| w.load(Ordering::Acquire) != 0)
+        self.status_word(1) != 0
     }
-}
-
-/// Word `i` of a status buffer (0 where out of range, which a 64-byte buffer never is for i < 8).
-fn self_word(status: &PinnedBuffer, i: usize) -> u64 {
-    status.atomic_u64(8 * i).map_or(0, |w| w.load(Ordering::Acquire))
 }
 
 /// Runs execution plans on this rank's GPU (MSCCL++'s `Executor`).
@@ -521,6 +522,8 @@ impl Executor {
 
     fn check_resources(&self, r: &Resources) -> Result<(), ExecError> {
         let mut code = r.error_word();
+        // Words 2-4 belong to a code a kernel wrote (written before it, kernel.cu `fail`).
+        let from_kernel = code != 0;
         if code == 0 {
             if !r.aborted() {
                 return Ok(());
@@ -536,9 +539,8 @@ impl Executor {
             _ => DeviceFailureKind::FailedBefore,
         };
         let peer = ((code >> 32) & 0xffff) as u32;
-        // Words 2-4, written by the kernel before the error word (kernel.cu `fail`).
-        let word = |i: usize| self_word(&r.status, i);
-        let (seen, need, launch) = if code == r.error_word() { (word(2), word(3), word(4)) } else { (0, 0, 0) };
+        let (seen, need, launch) =
+            if from_kernel { (r.status_word(2), r.status_word(3), r.status_word(4)) } else { (0, 0, 0) };
         Err(ExecError::Device {
             rank: self.comm.rank(),
             plan: r.plan_name.clone(),

@@ -310,8 +310,8 @@ __device__ void signal(const Ctx& c, const O& op, bool relaxed) {
     u64* remote = mem_chan(c, op.chans[t])->semaphore_.remoteInboundToken;
     // A rank that failed (a wait of any of its blocks timed out, or it was aborted) signals no
     // more: its peers then stop at their next wait for it, named, instead of going on with data
-    // this rank never finished (port pushes check the same in `port_push`).
-    if (c.stopped) return;
+    // this rank never finished (port pushes check the same in `port_push`). A thread with
+    // `c.stopped` set finds `failed` set too (both are set together).
     if (relaxed) {
       if (vload(&((ExecState*)c.a->state)->failed)) return;
       detail::red_add_relaxed_sys(remote, 1);
