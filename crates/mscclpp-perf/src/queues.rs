@@ -12,15 +12,13 @@
 //! had timed out (issue #28).
 //! Separate processes do not share queues this way (one context each).
 
-/// The variable the driver reads when the context is created.
-pub const VAR: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
-/// What this tool sets when the user has not: the most the driver allows.
-pub const RANKS_AS_THREADS: &str = "32";
+use mscclpp::gpu::{HW_QUEUES_MAX, HW_QUEUES_VAR as VAR};
 
 static SETTING: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
-/// Sets [`VAR`] to [`RANKS_AS_THREADS`] when it is not set. `main` calls it first thing for runs
-/// whose ranks are threads of this process, before any thread or CUDA context exists.
+/// Sets [`VAR`] to [`HW_QUEUES_MAX`] (the most the driver allows) when it is not set. `main`
+/// calls it first thing for runs whose ranks are threads of this process, before any thread or
+/// CUDA context exists.
 pub fn prepare_env() {
     let said = match std::env::var_os(VAR) {
         Some(v) => format!("{VAR}={} (yours)", v.to_string_lossy()),
@@ -28,9 +26,9 @@ pub fn prepare_env() {
             // SAFETY: called at the top of `main`, right after parsing the command line and
             // before anything (CUDA, the bootstrap, NCCL) has started a thread, so nothing reads
             // or writes the environment at the same time.
-            unsafe { std::env::set_var(VAR, RANKS_AS_THREADS) };
+            unsafe { std::env::set_var(VAR, HW_QUEUES_MAX.to_string()) };
             format!(
-                "{VAR}={RANKS_AS_THREADS} (set by mscclpp-perf: ranks as threads share one context, whose streams must not share hardware queues)"
+                "{VAR}={HW_QUEUES_MAX} (set by mscclpp-perf: ranks as threads share one context, whose streams must not share hardware queues)"
             )
         }
     };

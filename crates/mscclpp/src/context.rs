@@ -54,23 +54,24 @@ fn warn_if_queues_shared(gpu: u32, stream: &Arc<crate::platform::cuda::Stream>) 
         v.push((gpu, Arc::downgrade(stream)));
         v.iter().filter(|(g, _)| *g == gpu).count()
     };
-    if let Some(w) = shared_queue_warning(gpu, n, std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref()) {
+    if let Some(w) = shared_queue_warning(gpu, n, std::env::var(crate::platform::cuda::HW_QUEUES_VAR).ok().as_deref()) {
         WARNED.call_once(|| tracing::warn!(target: "mscclpp::gpu", "{w}"));
     }
 }
 
 /// The warning of [`warn_if_queues_shared`] for `live` contexts on GPU `gpu` and the variable's
-/// value, or `None` when one context uses the GPU or the variable gives 32 queues (the most).
+/// value, or `None` when one context uses the GPU or the variable gives the most queues.
 fn shared_queue_warning(gpu: u32, live: usize, var: Option<&str>) -> Option<String> {
+    use crate::platform::cuda::{HW_QUEUES_MAX, HW_QUEUES_VAR};
     if live < 2 {
         return None;
     }
     let queues = var.and_then(|v| v.trim().parse::<u32>().ok());
-    if queues.is_some_and(|q| q >= 32) {
+    if queues.is_some_and(|q| q >= HW_QUEUES_MAX) {
         return None;
     }
     Some(format!(
-        "{live} ranks of this process use GPU{gpu} (ranks as threads) with CUDA_DEVICE_MAX_CONNECTIONS={}: their streams share the GPU's hardware queues, so a rank's kernel can wait behind a peer's queued launches that wait for it (a device timeout follows); set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts",
+        "{live} ranks of this process use GPU{gpu} (ranks as threads) with {HW_QUEUES_VAR}={}: their streams share the GPU's hardware queues, so a rank's kernel can wait behind a peer's queued launches that wait for it (a device timeout follows); set {HW_QUEUES_VAR}={HW_QUEUES_MAX} before CUDA starts",
         queues.map_or_else(|| var.map_or("unset (8)".to_string(), |v| format!("{v:?}")), |q| q.to_string())
     ))
 }
@@ -336,17 +337,17 @@ fn now_nanos() -> u128 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn ranks_as_threads_are_warned_about_shared_hardware_queues() {
-        assert_eq!(super::shared_queue_warning(0, 1, None), None);
-        assert_eq!(super::shared_queue_warning(0, 4, Some("32")), None);
-        let w = super::shared_queue_warning(1, 4, None).unwrap();
+        assert_eq!(shared_queue_warning(0, 1, None), None);
+        assert_eq!(shared_queue_warning(0, 4, Some("32")), None);
+        let w = shared_queue_warning(1, 4, None).unwrap();
         assert!(w.contains("4 ranks of this process use GPU1") && w.contains("unset (8)"), "{w}");
-        assert!(super::shared_queue_warning(0, 2, Some("8")).unwrap().contains("CUDA_DEVICE_MAX_CONNECTIONS=8"));
-        assert!(super::shared_queue_warning(0, 2, Some("lots")).unwrap().contains("\"lots\""));
+        assert!(shared_queue_warning(0, 2, Some("8")).unwrap().contains("CUDA_DEVICE_MAX_CONNECTIONS=8"));
+        assert!(shared_queue_warning(0, 2, Some("lots")).unwrap().contains("\"lots\""));
     }
-
-    use super::*;
 
     #[test]
     #[allow(unsafe_code)]

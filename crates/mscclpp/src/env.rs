@@ -292,8 +292,6 @@ pub(crate) fn env_quiet() -> Result<&'static Env> {
         .map_err(Error::duplicate)
 }
 
-/// Logs the warning about [`Env::unread`] once per process (`init_logging` calls it after
-/// installing its subscriber, so the warning is not lost when that is the first use).
 /// Names of [`UNREAD_MSCCLPP_VARS`] that a library built on this one reads (the NCCL-compatible
 /// library reads the NCCL fallback's): the warning leaves them out.
 static READ_ELSEWHERE: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
@@ -310,6 +308,8 @@ pub fn read_elsewhere(names: &[&'static str]) {
     }
 }
 
+/// Logs the warning about [`Env::unread`] once per process (`init_logging` calls it after
+/// installing its subscriber, so the warning is not lost when that is the first use).
 pub(crate) fn warn_unread_once(env: &Env) {
     static WARNED: std::sync::Once = std::sync::Once::new();
     if let Some(w) = env.unread_warning() {

@@ -648,6 +648,17 @@ fn atomic_add_function(dev: &Arc<GpuDevice>) -> Result<&'static Func> {
     Ok(f)
 }
 
+/// The variable the CUDA driver reads, when a context is created, for how many hardware work
+/// queues the context's streams share (8 unless set). Ranks that are threads of one process
+/// share a context, and streams that share a queue start their work in order: a rank's launch
+/// can then wait behind a peer's queued launches that wait for it (docs/design.md, "Hardware
+/// queues and ranks as threads"). The library warns once when that setup meets fewer than
+/// [`HW_QUEUES_MAX`] queues; `mscclpp-perf` sets it to that for its ranks as threads.
+pub const HW_QUEUES_VAR: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
+
+/// The most hardware queues [`HW_QUEUES_VAR`] can ask for.
+pub const HW_QUEUES_MAX: u32 = 32;
+
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
