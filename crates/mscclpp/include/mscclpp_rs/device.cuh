@@ -50,8 +50,9 @@
 // host's `ProxyService::status()`/`stop()` say why). On error or stop the proxy first sets
 // `proxy_error`, then writes UINT64_MAX into every flushDonePos word, so a trapping `flush()`
 // returns instead of hanging. The time-limited PortChannel and FIFO calls check `proxy_error`
-// while they wait and return false as soon as it is nonzero; `flush_for` also returns false when
-// it sees UINT64_MAX (the flush was abandoned, not completed).
+// while they wait (every MSCCLPP_RS_ERROR_CHECK_PERIOD-th poll, 64 by default: the word is a PCIe
+// round trip away) and return false soon after it becomes nonzero; `flush_for` also returns
+// false when it sees UINT64_MAX (the flush was abandoned, not completed).
 //
 // Trigger encoding (16 bytes, MSCCL++'s bit fields; bit 63 of snd belongs to the FIFO):
 //   fst bits 0..31 size, 32..63 srcOffset;
@@ -150,6 +151,15 @@ union alignas(16) ProxyTrigger {
   }
 };
 
+// How many polls of a time-limited FIFO or PortChannel wait pass between two reads of the proxy's
+// error word. The word is in mapped host memory: each read is a PCIe round trip (about 1-2 us on
+// an H200), and the loop cannot look at the word it waits for again until the read returns, so
+// reading it at every poll delayed the wait's return by about half a round trip on average
+// (MSCCL++'s waits read no error word at all). A kernel may define it before the include.
+#ifndef MSCCLPP_RS_ERROR_CHECK_PERIOD
+#define MSCCLPP_RS_ERROR_CHECK_PERIOD 64u
+#endif
+
 #if defined(MSCCLPP_RS_DEVICE_COMPILE)
 namespace detail {
 
@@ -211,6 +221,9 @@ MSCCLPP_RS_DEVICE void spin_check(i64& spins, i64 max) {
 }
 /// Nanoseconds since `start` exceed `timeout_ns`.
 MSCCLPP_RS_DEVICE bool expired(u64 start, u64 timeout_ns) { return globaltimer() - start > timeout_ns; }
+/// Whether this poll of a time-limited wait also reads the proxy's error word (or another abort
+/// word in host memory): every `MSCCLPP_RS_ERROR_CHECK_PERIOD`-th poll (see its definition).
+MSCCLPP_RS_DEVICE bool error_check_due(u32& polls) { return ++polls % MSCCLPP_RS_ERROR_CHECK_PERIOD == 0; }
 
 }  // namespace detail
 #endif  // MSCCLPP_RS_DEVICE_COMPILE
@@ -267,6 +280,7 @@ struct FifoDeviceHandle {
   /// (`pos` may be null).
   MSCCLPP_RS_DEVICE bool push_for(ProxyTrigger trigger, u64 timeout_ns, u64* pos = nullptr) {
     u64 start = detail::globaltimer();
+    u32 polls = 0;
     // Relaxed: a guess for the compare-and-swap below, which checks it.
     u64 h = detail::load_relaxed_gpu(head);
     for (;;) {
@@ -277,7 +291,7 @@ struct FifoDeviceHandle {
         // Release: pairs with the ld.acquire.gpu of tailCache in other producers' `wait_popped`.
         detail::red_max_release_gpu(tailCache, t);
         if (h >= (u64)size + t) {
-          if (proxy_error() != 0 || detail::expired(start, timeout_ns)) {
+          if ((detail::error_check_due(polls) && proxy_error() != 0) || detail::expired(start, timeout_ns)) {
             return false;
           }
           h = detail::load_relaxed_gpu(head);
@@ -322,9 +336,10 @@ struct FifoDeviceHandle {
   MSCCLPP_RS_DEVICE bool sync_for(u64 pos, u64 timeout_ns) {
     u64 start = detail::globaltimer();
     u64 t;
+    u32 polls = 0;
     // Acquire: pairs with the proxy's release store of `tail` (Rust: `Fifo::pop`/`pop_to`).
     while (pos >= (t = detail::load_acquire_sys(tail))) {
-      if (proxy_error() != 0 || detail::expired(start, timeout_ns)) return false;
+      if ((detail::error_check_due(polls) && proxy_error() != 0) || detail::expired(start, timeout_ns)) return false;
     }
     // Release: pairs with the ld.acquire.gpu of tailCache in `wait_popped`.
     detail::red_max_release_gpu(tailCache, t);
@@ -455,20 +470,22 @@ MSCCLPP_RS_DEVICE void wait_inbound(const u64* inbound, u64* expected, i64 maxSp
   while ((Acquire ? load_acquire_sys(inbound) : load_relaxed_sys(inbound)) < e) spin_check(spins, maxSpinCount);
 }
 
-/// Time-limited wait. `abort_word` (may be null) is checked while waiting; nonzero ends the wait
-/// with false. On timeout the expected count is taken back, so a retry waits for the same signal.
-/// That give-back is exact for one waiter; with several threads waiting on one semaphore at
+/// Time-limited wait. `abort_word` (may be null) is checked while waiting (every
+/// `MSCCLPP_RS_ERROR_CHECK_PERIOD`-th poll); nonzero ends the wait with false. On timeout the
+/// expected count is taken back, so a retry waits for the same signal. That give-back is exact for one waiter; with several threads waiting on one semaphore at
 /// once, a timeout can let two of the others wait for the same count (one signal then releases
 /// both): after a timeout with concurrent waiters, treat the semaphore's count as lost.
 MSCCLPP_RS_DEVICE bool wait_inbound_for(u64* inbound, u64* expected, u64 timeout_ns, const u64* abort_word) {
   // Relaxed: takes the next count, as in `wait_inbound`.
   u64 e = fetch_add_relaxed_gpu(expected, 1) + 1;
   u64 start = globaltimer();
+  u32 polls = 0;
   // Acquire: pairs with the signal's release, as in `poll_inbound`.
   while (load_acquire_sys(inbound) < e) {
     // Acquire: pairs with the proxy's release store of its error word (Rust:
-    // `Fifo::set_proxy_error`).
-    if ((abort_word != nullptr && load_acquire_sys(abort_word) != 0) || expired(start, timeout_ns)) {
+    // `Fifo::set_proxy_error`). Read every MSCCLPP_RS_ERROR_CHECK_PERIOD-th poll only.
+    if ((abort_word != nullptr && error_check_due(polls) && load_acquire_sys(abort_word) != 0) ||
+        expired(start, timeout_ns)) {
       // Relaxed: gives the count back (see above for several waiters).
       fetch_add_relaxed_gpu(expected, (u64)-1);
       return false;
@@ -601,10 +618,13 @@ struct BasePortChannelDeviceHandle {
     u64 pos;
     if (!fifo_.push_for(ProxyTrigger(TriggerSync, 0, 0, 0, 0, 0, semaphoreId_), timeout_ns, &pos)) return false;
     u64 done;
+    u32 polls = 0;
     // Acquire: pairs with the proxy's release of flushDonePos (Rust: `FlushWords::publish`, a
     // fetch_max after it saw the connection complete; `release_all` on error or stop).
     while ((done = detail::load_acquire_sys(flushDonePos_)) <= pos) {
-      if (fifo_.proxy_error() != 0 || detail::expired(start, timeout_ns)) return false;
+      if ((detail::error_check_due(polls) && fifo_.proxy_error() != 0) || detail::expired(start, timeout_ns)) {
+        return false;
+      }
     }
     return done != ~0ull;
   }
