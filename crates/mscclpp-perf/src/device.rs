@@ -618,7 +618,12 @@ pub fn run(args: &Args) -> Result<(), String> {
         p.stop().map_err(e)?;
     }
     drop(ranks);
-    // 5. The proxy under load: puts, putWithSignal and signals to 1/4/8 peers from 1 to 132 x 256
+    // 5. Whether the proxy's writes escape a hardware queue they share with a waiting kernel,
+    // by stream priority (child processes with 1 and 32 queues; queues.rs).
+    for r in crate::queues::probe_rows(dev) {
+        row(r);
+    }
+    // 6. The proxy under load: puts, putWithSignal and signals to 1/4/8 peers from 1 to 132 x 256
     // producers, over CUDA IPC and Ethernet, beside one host thread issuing the same calls.
     crate::proxyload::run(
         dev,

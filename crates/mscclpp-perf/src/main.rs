@@ -201,6 +201,10 @@ pub struct Args {
     /// operations, channels, buffers); needs no GPU. Exits non-zero on an invalid plan.
     #[arg(long)]
     pub dry_run: bool,
+    /// Internal: run the hardware-queue probe in this process and print its lines (`device`
+    /// starts such children with `CUDA_DEVICE_MAX_CONNECTIONS` set; see queues.rs).
+    #[arg(long = "queue-probe", hide = true)]
+    pub queue_probe: bool,
 }
 
 impl Args {
@@ -388,6 +392,11 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         };
+    }
+    if args.queue_probe {
+        // A child of `device`'s hardware-queue rows, with its queue count already set.
+        queues::probe_child(args.device);
+        return ExitCode::SUCCESS;
     }
     // Before anything starts a thread (CUDA, the bootstrap, NCCL): the environment NCCL reads.
     let nccl_env_set = args.nccl.is_some() && coll::collective(args.test).is_some() && nccl::prepare_env();

@@ -39,3 +39,68 @@ pub fn prepare_env() {
 pub fn setting() -> Option<&'static str> {
     SETTING.get().map(String::as_str)
 }
+
+/// The hidden flag that makes `mscclpp-perf` a probe child (see [`probe_rows`]).
+pub const PROBE_FLAG: &str = "--queue-probe";
+/// The queue counts the probe runs under: one shared queue (Megatron-LM's setting), and the
+/// most the driver gives (the control).
+const PROBE_QUEUES: [u32; 2] = [1, HW_QUEUES_MAX];
+/// How long each probe's spinning kernel waits for the write before it reports "blocked".
+const PROBE_LIMIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// One line per probe of `mscclpp::bench::queue_probe` on GPU `device`, in this process (started
+/// with [`PROBE_FLAG`] and [`VAR`] set by [`probe_rows`]): every way the proxy writes (and a
+/// kernel) from a stream of default, greatest and least priority, behind a spinning kernel with a
+/// launch queued after it; then the default stream without the queued launch.
+pub fn probe_child(device: u32) {
+    use mscclpp::bench::{ProbeStream, ProbeWrite, queue_probe};
+    let var = std::env::var(VAR).unwrap_or_else(|_| "unset".to_string());
+    if let Err(e) = mscclpp::gpu::device_count() {
+        println!("hardware queues ({VAR}={var}): no probe: {e}");
+        return;
+    }
+    let mut cases = Vec::new();
+    for w in [ProbeWrite::Kernel, ProbeWrite::WriteValue, ProbeWrite::Copy] {
+        for s in [ProbeStream::Default, ProbeStream::Greatest, ProbeStream::Least] {
+            cases.push((w, s, true));
+        }
+        cases.push((w, ProbeStream::Default, false));
+    }
+    for (w, s, queued) in cases {
+        let behind = if queued { "behind a spinner with a launch queued after it" } else { "behind a spinner alone" };
+        let what = match queue_probe(device, w, s, queued, PROBE_LIMIT) {
+            Ok(p) if p.arrived => format!("arrived after {:.1} us", p.waited.as_secs_f64() * 1e6),
+            Ok(p) => format!("BLOCKED (not there after {:.0} ms)", p.waited.as_secs_f64() * 1e3),
+            Err(e) => format!("failed: {e}"),
+        };
+        println!("hardware queues ({VAR}={var}): {w} on a {s}, {behind}: {what}");
+    }
+}
+
+/// The probe's lines for each of [`PROBE_QUEUES`], each from a child process of this binary
+/// (the variable is read once, when CUDA starts in a process), or a line saying why not.
+pub fn probe_rows(device: u32) -> Vec<String> {
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => return vec![format!("hardware queues: cannot start the probe: {e}")],
+    };
+    let mut rows = Vec::new();
+    for q in PROBE_QUEUES {
+        let out = std::process::Command::new(&exe)
+            .args(["device", PROBE_FLAG, "--device", &device.to_string()])
+            .env(VAR, q.to_string())
+            .output();
+        match out {
+            Ok(o) if o.status.success() => {
+                rows.extend(String::from_utf8_lossy(&o.stdout).lines().map(str::to_string));
+            }
+            Ok(o) => rows.push(format!(
+                "hardware queues, {VAR}={q}: the probe failed ({}): {}",
+                o.status,
+                String::from_utf8_lossy(&o.stderr).trim()
+            )),
+            Err(e) => rows.push(format!("hardware queues ({VAR}={q}): cannot start the probe: {e}")),
+        }
+    }
+    rows
+}

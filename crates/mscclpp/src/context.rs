@@ -45,7 +45,9 @@ static IPC_STREAMS: Mutex<Vec<(u32, std::sync::Weak<crate::platform::cuda::Strea
 /// (ranks as threads), that the driver's default of 8 hardware queues is too few for their
 /// streams unless `CUDA_DEVICE_MAX_CONNECTIONS` raises it: a rank's launch can then wait behind a
 /// peer's queued launches that wait for it, until a device wait times out (docs/design.md,
-/// "Hardware queues and ranks as threads").
+/// "Hardware queues and ranks as threads"). With `CUDA_DEVICE_MAX_CONNECTIONS=1` (Megatron-LM's
+/// setting) it says so at the first context already: the connection stream then shares the one
+/// queue with the kernels that wait for its copies.
 fn warn_if_queues_shared(gpu: u32, stream: &Arc<crate::platform::cuda::Stream>) {
     static WARNED: std::sync::Once = std::sync::Once::new();
     let n = {
@@ -63,10 +65,15 @@ fn warn_if_queues_shared(gpu: u32, stream: &Arc<crate::platform::cuda::Stream>) 
 /// value, or `None` when one context uses the GPU or the variable gives the most queues.
 fn shared_queue_warning(gpu: u32, live: usize, var: Option<&str>) -> Option<String> {
     use crate::platform::cuda::{HW_QUEUES_MAX, HW_QUEUES_VAR};
+    let queues = var.and_then(|v| v.trim().parse::<u32>().ok());
+    if queues == Some(1) {
+        return Some(format!(
+            "{HW_QUEUES_VAR}=1: every stream of this process on GPU{gpu} shares one hardware queue, so a CUDA IPC copy or token write of the proxy can wait behind a launch queued after a kernel that waits for it (a device timeout follows); raise {HW_QUEUES_VAR}, or queue no launch behind a kernel that waits on a PortChannel over CUDA IPC"
+        ));
+    }
     if live < 2 {
         return None;
     }
-    let queues = var.and_then(|v| v.trim().parse::<u32>().ok());
     if queues.is_some_and(|q| q >= HW_QUEUES_MAX) {
         return None;
     }
@@ -347,6 +354,13 @@ mod tests {
         assert!(w.contains("4 ranks of this process use GPU1") && w.contains("unset (8)"), "{w}");
         assert!(shared_queue_warning(0, 2, Some("8")).unwrap().contains("CUDA_DEVICE_MAX_CONNECTIONS=8"));
         assert!(shared_queue_warning(0, 2, Some("lots")).unwrap().contains("\"lots\""));
+        // One queue: said for the first context already.
+        let one = shared_queue_warning(2, 1, Some(" 1")).unwrap();
+        assert!(
+            one.contains("CUDA_DEVICE_MAX_CONNECTIONS=1") && one.contains("GPU2 shares one hardware queue"),
+            "{one}"
+        );
+        assert_eq!(shared_queue_warning(0, 1, Some("2")), None);
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub(crate) mod graph;
 mod ipc;
 pub(crate) mod module;
 pub(crate) mod nvrtc;
+pub(crate) mod queue_probe;
 pub(crate) mod usermem;
 pub(crate) use dmabuf::reg_ib_mr;
 pub use ipc::ipc_mapped_count;
@@ -233,6 +234,25 @@ impl Stream {
         dev.bind()?;
         let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| cuda_err("cuStreamCreate", e))?;
+        Ok(Stream { raw, dev: dev.clone(), owned: true })
+    }
+
+    /// A non-blocking stream of the device's greatest (`greatest`) or least priority
+    /// (`cuStreamCreateWithPriority`, the range from `cuCtxGetStreamPriorityRange`).
+    pub(crate) fn with_priority(dev: &Arc<GpuDevice>, greatest: bool) -> Result<Stream> {
+        dev.bind()?;
+        let (mut least, mut most) = (0i32, 0i32);
+        // SAFETY: two out-pointers to live i32s; the context is bound.
+        check("cuCtxGetStreamPriorityRange", unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut most) })?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: one out-pointer to a live handle; flags and priority are plain values.
+        check("cuStreamCreateWithPriority", unsafe {
+            sys::cuStreamCreateWithPriority(
+                &mut raw,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                if greatest { most } else { least },
+            )
+        })?;
         Ok(Stream { raw, dev: dev.clone(), owned: true })
     }
 

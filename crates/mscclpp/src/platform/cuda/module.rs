@@ -123,7 +123,34 @@ impl Kernel {
         stream: &Stream,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        let stream = &stream.inner;
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.launch_with((grid, block), shared_mem, &stream.inner, args) }
+    }
+
+    /// [`launch`](Self::launch) on one of the library's own streams, without dynamic shared
+    /// memory (`dims` = (grid, block)).
+    ///
+    /// # Safety
+    /// As [`launch`](Self::launch).
+    pub(crate) unsafe fn launch_on(
+        &self,
+        dims: ((u32, u32, u32), (u32, u32, u32)),
+        stream: &RawStream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.launch_with(dims, 0, stream, args) }
+    }
+
+    /// # Safety
+    /// As [`launch`](Self::launch).
+    unsafe fn launch_with(
+        &self,
+        (grid, block): ((u32, u32, u32), (u32, u32, u32)),
+        shared_mem: u32,
+        stream: &RawStream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         if stream.dev.ordinal != self.module.dev.ordinal {
             return Err(Error::invalid_usage(format!(
                 "a kernel loaded on GPU{} cannot be launched on a stream of GPU{}",
@@ -132,7 +159,7 @@ impl Kernel {
         }
         self.module.dev.bind()?;
         // SAFETY: the function and stream are live handles of the bound context; the caller
-        // guarantees the arguments (see above).
+        // guarantees the arguments (see `launch`).
         unsafe { result::launch_kernel(self.raw, grid, block, shared_mem, stream.raw, args) }
             .map_err(|e| cuda_err(&format!("cuLaunchKernel({})", self.name), e))
     }

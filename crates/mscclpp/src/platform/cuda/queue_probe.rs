@@ -1,0 +1,259 @@
+//! Whether work on one stream can start while another stream of the same context has a kernel
+//! spinning and a launch queued behind it: the hardware-queue false dependency of
+//! `docs/design.md` ("Hardware queues and ranks as threads"), measured instead of assumed.
+//!
+//! The driver spreads a context's streams over `CUDA_DEVICE_MAX_CONNECTIONS` hardware queues
+//! (8 unless set). Work in one queue starts in order, so when the proxy's connection stream
+//! shares a queue with a stream whose kernel waits for the proxy's copy and has another launch
+//! queued behind it, the copy cannot start until that kernel gives up. Megatron-LM runs with
+//! `CUDA_DEVICE_MAX_CONNECTIONS=1`; whether a stream of another priority escapes the shared
+//! queue decides whether the library can make its own streams immune.
+//!
+//! [`queue_probe`] sets that scene up on purpose: a one-thread kernel spins on a device word
+//! (with its own time limit), a second launch waits behind it in its stream, and then a write of
+//! the word is issued on another stream, as a kernel, a `cuStreamWriteValue64` (how the proxy
+//! writes a token) or a `cuMemcpyDtoDAsync` (how it puts data). The spinner reports whether the
+//! write arrived and after how long. Run it in processes started with different values of the
+//! variable (it is read once, when CUDA starts): `mscclpp-perf device` does.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::time::Duration;
+
+use super::module::Module;
+use super::{GpuRegion, Stream, device};
+use crate::error::{Error, ErrorKind, Result};
+
+/// The probe's kernels (hand-written PTX: no NVRTC needed).
+///
+/// `mscclpp_probe_spin(flag, timeout_ns, out)`: one thread polls the 64-bit `flag` (volatile
+/// loads) until it is nonzero or `timeout_ns` passed on `%globaltimer`; `out[0]` = 1 (seen) or
+/// 2 (timed out), `out[1]` = nanoseconds waited. `mscclpp_probe_nop()`: nothing.
+/// `mscclpp_probe_set(flag)`: stores 1 into `flag`.
+pub(crate) const PROBE_PTX: &str = r#"//
+// mscclpp: hardware-queue probe kernels
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry mscclpp_probe_spin(
+	.param .u64 p_flag,
+	.param .u64 p_timeout,
+	.param .u64 p_out
+)
+{
+	.reg .pred 	%p<3>;
+	.reg .b64 	%rd<12>;
+
+	ld.param.u64 	%rd1, [p_flag];
+	ld.param.u64 	%rd2, [p_timeout];
+	ld.param.u64 	%rd3, [p_out];
+	cvta.to.global.u64 	%rd4, %rd1;
+	cvta.to.global.u64 	%rd5, %rd3;
+	mov.u64 	%rd6, %globaltimer;
+	mov.u64 	%rd10, 1;
+$L_poll:
+	ld.volatile.global.u64 	%rd7, [%rd4];
+	mov.u64 	%rd8, %globaltimer;
+	sub.u64 	%rd9, %rd8, %rd6;
+	setp.ne.s64 	%p1, %rd7, 0;
+	@%p1 bra 	$L_done;
+	setp.gt.u64 	%p2, %rd9, %rd2;
+	@!%p2 bra 	$L_poll;
+	mov.u64 	%rd10, 2;
+$L_done:
+	st.global.u64 	[%rd5], %rd10;
+	st.global.u64 	[%rd5+8], %rd9;
+	ret;
+}
+
+.visible .entry mscclpp_probe_nop()
+{
+	ret;
+}
+
+.visible .entry mscclpp_probe_set(
+	.param .u64 p_flag
+)
+{
+	.reg .b64 	%rd<4>;
+
+	ld.param.u64 	%rd1, [p_flag];
+	cvta.to.global.u64 	%rd2, %rd1;
+	mov.u64 	%rd3, 1;
+	st.volatile.global.u64 	[%rd2], %rd3;
+	ret;
+}
+"#;
+
+const SPIN: &str = "mscclpp_probe_spin";
+const NOP: &str = "mscclpp_probe_nop";
+const SET: &str = "mscclpp_probe_set";
+/// One block of one thread.
+const ONE: ((u32, u32, u32), (u32, u32, u32)) = ((1, 1, 1), (1, 1, 1));
+
+/// How the probe's word is written from the other stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeWrite {
+    /// A one-thread kernel stores it.
+    Kernel,
+    /// `cuStreamWriteValue64` (how the proxy writes a semaphore token over CUDA IPC).
+    WriteValue,
+    /// `cuMemcpyDtoDAsync` of 8 bytes (how the proxy puts data over CUDA IPC).
+    Copy,
+}
+
+impl std::fmt::Display for ProbeWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ProbeWrite::Kernel => "kernel",
+            ProbeWrite::WriteValue => "cuStreamWriteValue64",
+            ProbeWrite::Copy => "cuMemcpyDtoDAsync",
+        })
+    }
+}
+
+/// The writing stream of a probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeStream {
+    /// `cuStreamCreate` (default priority), as the library's connection streams are made.
+    Default,
+    /// `cuStreamCreateWithPriority` with the device's greatest priority.
+    Greatest,
+    /// `cuStreamCreateWithPriority` with the device's least priority (equal to the default on
+    /// current GPUs, whose default is the least).
+    Least,
+}
+
+impl std::fmt::Display for ProbeStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ProbeStream::Default => "default-priority stream",
+            ProbeStream::Greatest => "greatest-priority stream",
+            ProbeStream::Least => "least-priority stream",
+        })
+    }
+}
+
+/// What one probe saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueProbe {
+    /// The write reached the spinning kernel before its time limit.
+    pub arrived: bool,
+    /// How long the spinning kernel waited (until the write, or its limit).
+    pub waited: Duration,
+}
+
+/// Runs one probe on GPU `ordinal` (see the [module documentation](self)): the spinner waits up
+/// to `limit` for a write issued as `write` on a stream made as `stream`; with `queued`, a
+/// second launch waits behind the spinner in its stream (the case that blocks a shared queue).
+///
+/// # Errors
+/// `NotAvailable` without a driver or where stream memory operations are unsupported (for
+/// `WriteValue`); `Cuda` when a call fails; `Timeout` when the spinner has not finished 10 s after
+/// its own limit.
+pub fn queue_probe(
+    ordinal: u32,
+    write: ProbeWrite,
+    stream: ProbeStream,
+    queued: bool,
+    limit: Duration,
+) -> Result<QueueProbe> {
+    let dev = device(ordinal)?;
+    let module = Module::load(ordinal, PROBE_PTX, &[SPIN.to_string(), NOP.to_string(), SET.to_string()])?;
+    let kernel =
+        |name: &str| module.function(name).ok_or_else(|| Error::internal(format!("the probe module has no {name}")));
+    let (spin, nop, set) = (kernel(SPIN)?, kernel(NOP)?, kernel(SET)?);
+    // Word 0: the flag; word 1: the 1 a copy reads; words 2-3: the spinner's report.
+    let mem = GpuRegion::alloc(&dev, 32)?;
+    mem.write(8, &1u64.to_le_bytes())?;
+    let (flag, one, out) = (mem.ptr, mem.ptr + 8, mem.ptr + 16);
+    let waiter = Stream::new(&dev)?;
+    let writer = match stream {
+        ProbeStream::Default => Stream::new(&dev)?,
+        ProbeStream::Greatest => Stream::with_priority(&dev, true)?,
+        ProbeStream::Least => Stream::with_priority(&dev, false)?,
+    };
+    let limit_ns = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
+    let (mut f, mut t, mut o) = (flag, limit_ns, out);
+    // SAFETY: the spinner takes (u64 pointer, u64, u64 pointer); the pointers are words of `mem`,
+    // which lives until both streams are idle (waited for below, or leaked on timeout).
+    unsafe {
+        spin.launch_on(
+            ONE,
+            &waiter,
+            &mut [(&mut f as *mut u64).cast::<c_void>(), (&mut t as *mut u64).cast(), (&mut o as *mut u64).cast()],
+        )?;
+        if queued {
+            nop.launch_on(ONE, &waiter, &mut [])?;
+        }
+    }
+    // Give the spinner time to start before the write is issued (it would wait in order anyway).
+    std::thread::sleep(Duration::from_millis(5));
+    match write {
+        ProbeWrite::Kernel => {
+            let mut f = flag;
+            // SAFETY: `set` takes one u64 pointer, a word of `mem` (alive, as above).
+            unsafe { set.launch_on(ONE, &writer, &mut [(&mut f as *mut u64).cast::<c_void>()])? };
+        }
+        ProbeWrite::WriteValue => {
+            if !writer.write_value64(flag, 1)? {
+                return Err(Error::new(ErrorKind::NotAvailable, "cuStreamWriteValue64 is not supported on this GPU"));
+            }
+        }
+        ProbeWrite::Copy => writer.copy_dtod(flag, one, 8)?,
+    }
+    let bound = limit + Duration::from_secs(10);
+    if !waiter.wait_idle(bound)? || !writer.wait_idle(bound)? {
+        // The kernels may still use `mem`: leak it rather than free memory a kernel touches.
+        std::mem::forget(mem);
+        return Err(Error::new(
+            ErrorKind::Timeout,
+            format!("the queue probe's kernels had not finished {bound:?} after the probe started"),
+        ));
+    }
+    let mut report = [0u8; 16];
+    mem.read(16, &mut report)?;
+    let word = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&report[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(b)
+    };
+    match word(0) {
+        1 | 2 => Ok(QueueProbe { arrived: word(0) == 1, waited: Duration::from_nanos(word(1)) }),
+        other => Err(Error::internal(format!("the queue probe's spinner reported {other}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_ptx_declares_its_three_entries() {
+        for name in [SPIN, NOP, SET] {
+            assert_eq!(PROBE_PTX.matches(&format!(".entry {name}(")).count(), 1, "{name}");
+        }
+        assert_eq!(PROBE_PTX.matches('{').count(), PROBE_PTX.matches('}').count());
+        assert!(PROBE_PTX.is_ascii() && !PROBE_PTX.contains('\0'));
+    }
+
+    #[test]
+    fn probe_ptx_assembles_for_sm_90() {
+        match crate::device::compile::assemble(PROBE_PTX, "sm_90") {
+            Ok(report) => {
+                for name in [SPIN, NOP, SET] {
+                    assert!(report.contains(name), "ptxas compiled no {name}:\n{report}");
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::NotAvailable => eprintln!("skipped: {e}"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn names_read_as_rows() {
+        assert_eq!(ProbeWrite::WriteValue.to_string(), "cuStreamWriteValue64");
+        assert_eq!(ProbeStream::Greatest.to_string(), "greatest-priority stream");
+    }
+}
