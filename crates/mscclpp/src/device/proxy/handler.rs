@@ -101,6 +101,9 @@ pub(crate) struct ConnectionHandler {
     since_pay: u64,
     /// Triggers handled since the last `poll` (the batch before it).
     last_batch: u64,
+    /// The loop's longest batch for this handler's FIFO (`runner::pop_batch`): a shorter one
+    /// means the FIFO ran dry.
+    full_batch: u64,
     /// When the oldest signal still owed was owed (tracked only with coalescing on).
     owed_since: Option<Instant>,
 }
@@ -118,24 +121,27 @@ impl ConnectionHandler {
             coalesce: Duration::ZERO,
             since_pay: 0,
             last_batch: 0,
+            full_batch: super::runner::POP_BATCH,
             owed_since: None,
         }
     }
 
-    /// Lets owed signals wait up to `d` while the FIFO keeps delivering triggers.
-    pub(crate) fn coalesce(mut self, d: Duration) -> ConnectionHandler {
+    /// Lets owed signals wait up to `d` while the FIFO (of `fifo_size` slots) keeps delivering
+    /// triggers.
+    pub(crate) fn coalesce(mut self, d: Duration, fifo_size: u32) -> ConnectionHandler {
         self.coalesce = d;
+        self.full_batch = super::runner::pop_batch(fifo_size);
         self
     }
 
     /// Whether the owed signals go out at this `poll`, after a batch of `batch` triggers: at once
-    /// without coalescing; with it, once the FIFO ran dry (a batch shorter than the runner's
-    /// longest; after a full batch that emptied it, at the next, empty, step),
+    /// without coalescing; with it, once the FIFO ran dry (a batch shorter than the loop's
+    /// longest for this FIFO; after a full batch that emptied it, at the next, empty, step),
     /// [`COALESCE_MAX_TRIGGERS`](super::COALESCE_MAX_TRIGGERS) triggers passed, or the oldest
     /// waited `coalesce`.
     fn pay_now(&self, batch: u64) -> bool {
         self.coalesce.is_zero()
-            || batch < super::runner::POP_BATCH
+            || batch < self.full_batch
             || self.since_pay >= super::COALESCE_MAX_TRIGGERS
             || self.owed_since.is_none_or(|t| t.elapsed() >= self.coalesce)
     }
@@ -517,7 +523,7 @@ mod tests {
         let sem = Semaphore::new(stub, peer_token.memory().clone());
         let alloc = Arc::new(HostAlloc::zeroed(4 * 8).unwrap());
         let words = Arc::new(FlushWords::new(Region::owned(alloc, 4 * 8)));
-        let mut h = ConnectionHandler::new(words.clone(), max_queue).coalesce(coalesce);
+        let mut h = ConnectionHandler::new(words.clone(), max_queue).coalesce(coalesce, fifo_size);
         assert_eq!(h.add_semaphore(sem.into()), (0, 0));
         for _ in 0..2 {
             h.add_memory(Buffer::new(&ctx, 1 << 16, flags).unwrap().memory().clone());
@@ -612,6 +618,27 @@ mod tests {
         assert_eq!(r.runner.step(), Step::Idle);
         assert_eq!(r.ops().last(), Some(&Op::Update { old: 74, new: 75 }));
         assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// In a FIFO smaller than the loop's longest batch, a batch that fills the FIFO is a full
+    /// one: its signals stay owed while the producers refill it (they were paid after every
+    /// batch, as if the FIFO were always dry, when the rule compared with 64 whatever the size).
+    #[test]
+    fn a_small_fifo_full_batch_keeps_signals_owed() {
+        let mut r = rig_coalescing(16, None, Duration::from_secs(3600));
+        let p = r.fifo().host_producer().unwrap();
+        for _ in 0..16 {
+            p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        }
+        assert_eq!(r.runner.step(), Step::Worked(16));
+        let p = r.fifo().host_producer().unwrap();
+        for _ in 0..5 {
+            p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        }
+        assert_eq!(r.runner.step(), Step::Worked(5));
+        assert_eq!(r.ops(), vec![], "the FIFO kept delivering: nothing paid yet");
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 21 }]);
     }
 
     /// Under continuous load, owed signals go out after at most COALESCE_MAX_TRIGGERS triggers

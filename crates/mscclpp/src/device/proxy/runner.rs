@@ -25,6 +25,12 @@ use crate::sync::{Backoff, BackoffPolicy, Deadline, lock};
 const STOP_CHECK_PERIOD: u32 = 1000;
 /// Most triggers handled before the tail is published (at most the FIFO's size).
 pub(crate) const POP_BATCH: u64 = 64;
+
+/// The longest batch the loop pops from a FIFO of `fifo_size` slots: a batch shorter than this
+/// means the FIFO ran dry.
+pub(crate) fn pop_batch(fifo_size: u32) -> u64 {
+    u64::from(fifo_size).min(POP_BATCH)
+}
 /// While the FIFO stays empty: spin 50 us, then yield (never sleep: the proxy stays ready).
 const IDLE_SPIN: BackoffPolicy = BackoffPolicy {
     spin: Duration::from_micros(50),
@@ -255,7 +261,7 @@ impl<H: ProxyHandler> Runner<H> {
         // Pops are batched: the proxy reads ahead of `tail` and publishes it once per batch, so
         // producers waiting for slots see fewer, larger steps and the tail's cache line moves
         // between the CPU and the GPU's reads less often.
-        let batch = u64::from(sh.fifo.size()).min(POP_BATCH);
+        let batch = pop_batch(sh.fifo.size());
         let cursor = sh.fifo.tail();
         Runner { sh, handler, cursor, batch }
     }

@@ -167,7 +167,8 @@ impl ProxyService {
         ProxyService {
             sh: Arc::new(LoopShared::new(Arc::new(fifo))),
             handler: Some(
-                ConnectionHandler::new(words.clone(), config.max_write_queue_size).coalesce(config.signal_coalesce),
+                ConnectionHandler::new(words.clone(), config.max_write_queue_size)
+                    .coalesce(config.signal_coalesce, config.fifo_size),
             ),
             words,
             device,
