@@ -90,15 +90,23 @@ impl FifoMem {
         let dev = super::device(ordinal)?;
         let ring_len = ring_bytes(slots)?;
         let len = ring_len + CONTROL;
-        dev.bind()?;
-        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: a plain allocation, owned by `mapped` below and freed once in its Drop.
-        let p = unsafe { result::malloc_host(len, flags) }
-            .map_err(|e| cuda_err(&format!("cuMemHostAlloc(FIFO, {len} bytes, mapped)"), e))?
-            .cast::<u8>();
+        // On the GPU's NUMA node (the GPU writes triggers into it across PCIe; the proxy polls
+        // it), zeroed there; the address comes back as a number (raw pointers are not Send) and
+        // `mapped` owns it from then on.
+        let addr = super::near_gpu(&dev, || {
+            dev.bind()?;
+            let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+            // SAFETY: a plain allocation, owned by `mapped` below and freed once in its Drop.
+            let p = unsafe { result::malloc_host(len, flags) }
+                .map_err(|e| cuda_err(&format!("cuMemHostAlloc(FIFO, {len} bytes, mapped)"), e))?
+                .cast::<u8>();
+            // SAFETY: [p, p+len) was just allocated and nothing else refers to it yet.
+            unsafe { std::ptr::write_bytes(p, 0, len) };
+            Ok(p as usize)
+        })?;
+        let p = addr as *mut u8;
         let mapped = MappedHost { ptr: p, dev: dev.clone() };
-        // SAFETY: [p, p+len) was just allocated and nothing else refers to it yet.
-        unsafe { std::ptr::write_bytes(p, 0, len) };
+        dev.bind()?;
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: p is a live mapped allocation of the bound context; base is a valid out pointer.
         let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut base, p.cast(), 0) };

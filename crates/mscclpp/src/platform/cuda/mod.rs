@@ -205,6 +205,18 @@ pub fn numa_node(ordinal: u32) -> Option<u32> {
     pci_bus_id(ordinal).ok().and_then(|b| crate::platform::numa::pci_numa_node(&b))
 }
 
+/// Runs `f` where the host memory it allocates lands on GPU `dev`'s NUMA node: on a short-lived
+/// thread bound to that node's CPUs when the machine has several nodes and the GPU's is known,
+/// else on the calling thread. Pinned memory the GPU writes across PCIe (the FIFO's ring, the
+/// flush words) is then next to it. The caller's own CPU binding is left alone (MSCCL++ binds
+/// the calling thread itself, for good, when it makes a FIFO).
+pub(crate) fn near_gpu<T: Send>(dev: &GpuDevice, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    match numa_node(dev.ordinal) {
+        Some(node) if crate::platform::numa::node_count() > 1 => crate::platform::numa::run_on_node(node, f),
+        _ => f(),
+    }
+}
+
 /// The name of GPU `ordinal`.
 pub fn device_name(ordinal: u32) -> Result<String> {
     device(ordinal)?;
@@ -539,12 +551,18 @@ unsafe impl Sync for PinnedAlloc {}
 
 impl PinnedAlloc {
     /// Pinned memory and a [`Region`] over it (the region keeps the allocation alive).
+    /// Allocated on the GPU's NUMA node ([`near_gpu`]).
     pub(crate) fn region(dev: &Arc<GpuDevice>, len: usize) -> Result<Region> {
-        dev.bind()?;
-        // SAFETY: a plain allocation, freed once in Drop; portable so any context may use it.
-        let p = unsafe { result::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| cuda_err(&format!("cuMemHostAlloc({len} bytes)"), e))?;
-        let a = Arc::new(PinnedAlloc { ptr: p.cast(), len, dev: dev.clone() });
+        // The address travels back from the allocating thread as a number (raw pointers are not
+        // Send); the PinnedAlloc below owns it from then on.
+        let addr = near_gpu(dev, || {
+            dev.bind()?;
+            // SAFETY: a plain allocation, freed once in Drop; portable so any context may use it.
+            let p = unsafe { result::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+                .map_err(|e| cuda_err(&format!("cuMemHostAlloc({len} bytes)"), e))?;
+            Ok(p as usize)
+        })?;
+        let a = Arc::new(PinnedAlloc { ptr: addr as *mut u8, len, dev: dev.clone() });
         // SAFETY: [ptr, ptr+len) is valid for reads and writes until the PinnedAlloc is freed,
         // and the Region keeps it alive through the keeper.
         Ok(unsafe { Region::from_raw_kept(a.ptr, a.len, a) })
