@@ -18,6 +18,11 @@ use crate::platform::hostmem::HostAlloc;
 const CONTROL: usize = 128;
 /// Offset of `tailCache` from `head` in host-backed mode (separate cache lines).
 const CACHE_OFF: usize = 64;
+/// Offset of `tailCache` from `head` in device memory: a line (128 bytes on the GPU's L1 and L2)
+/// of its own. Every push does an atomic on `head` (performed in L2) and then a plain, L1-cached
+/// load of `tailCache`; with both words in one line (as before: 8 bytes apart) the load can miss
+/// L1 after each atomic on the line. MSCCL++ allocates the two separately.
+const DEVICE_CACHE_OFF: u64 = 128;
 
 /// Device addresses of the four FIFO areas (host addresses in host-backed mode).
 #[derive(Clone, Copy, Debug)]
@@ -111,9 +116,13 @@ impl FifoMem {
         // SAFETY: p is a live mapped allocation of the bound context; base is a valid out pointer.
         let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut base, p.cast(), 0) };
         r.result().map_err(|e| cuda_err("cuMemHostGetDevicePointer(FIFO)", e))?;
-        let devmem = DeviceAlloc::new(&dev, 16)?;
-        let addrs =
-            FifoAddrs { triggers: base, head: devmem.ptr, tail: base + ring_len as u64, tail_cache: devmem.ptr + 8 };
+        let devmem = DeviceAlloc::new(&dev, 2 * DEVICE_CACHE_OFF as usize)?;
+        let addrs = FifoAddrs {
+            triggers: base,
+            head: devmem.ptr,
+            tail: base + ring_len as u64,
+            tail_cache: devmem.ptr + DEVICE_CACHE_OFF,
+        };
         Ok(FifoMem {
             ring: p.cast::<AtomicU64>().cast_const(),
             slots,
