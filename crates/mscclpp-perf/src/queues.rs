@@ -69,8 +69,10 @@ pub fn probe_child(device: u32) {
     for (w, s, queued) in cases {
         let behind = if queued { "behind a spinner with a launch queued after it" } else { "behind a spinner alone" };
         let what = match queue_probe(device, w, s, queued, PROBE_LIMIT) {
-            Ok(p) if p.arrived => format!("arrived after {:.1} us", p.waited.as_secs_f64() * 1e6),
-            Ok(p) => format!("BLOCKED (not there after {:.0} ms)", p.waited.as_secs_f64() * 1e3),
+            Ok(p) if p.arrived => {
+                format!("arrived, {:.1} us after the write was issued", p.after_issue.as_secs_f64() * 1e6)
+            }
+            Ok(p) => format!("BLOCKED (the spinner gave up after {:.0} ms)", p.waited.as_secs_f64() * 1e3),
             Err(e) => format!("failed: {e}"),
         };
         println!("hardware queues ({VAR}={var}): {w} on a {s}, {behind}: {what}");
@@ -86,21 +88,82 @@ pub fn probe_rows(device: u32) -> Vec<String> {
     };
     let mut rows = Vec::new();
     for q in PROBE_QUEUES {
-        let out = std::process::Command::new(&exe)
-            .args(["device", PROBE_FLAG, "--device", &device.to_string()])
-            .env(VAR, q.to_string())
-            .output();
-        match out {
-            Ok(o) if o.status.success() => {
-                rows.extend(String::from_utf8_lossy(&o.stdout).lines().map(str::to_string));
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(["device", PROBE_FLAG, "--device", &device.to_string()]).env(VAR, q.to_string());
+        match run_child(cmd, CHILD_LIMIT) {
+            Ok((true, out, _)) => rows.extend(out.lines().map(str::to_string)),
+            Ok((false, out, err)) => {
+                rows.extend(out.lines().map(str::to_string));
+                rows.push(format!("hardware queues ({VAR}={q}): the probe failed: {}", err.trim()));
             }
-            Ok(o) => rows.push(format!(
-                "hardware queues, {VAR}={q}: the probe failed ({}): {}",
-                o.status,
-                String::from_utf8_lossy(&o.stderr).trim()
-            )),
-            Err(e) => rows.push(format!("hardware queues ({VAR}={q}): cannot start the probe: {e}")),
+            Err(e) => rows.push(format!("hardware queues ({VAR}={q}): {e}")),
         }
     }
     rows
+}
+
+/// How long one probe child may take (16 probes of at most ~0.2 s each, plus CUDA's start).
+const CHILD_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Runs a probe child: `(succeeded, stdout, stderr)`, or why it could not run (it is killed
+/// once it has run `limit`).
+fn run_child(mut cmd: std::process::Command, limit: std::time::Duration) -> Result<(bool, String, String), String> {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start the probe: {e}"))?;
+    // The pipes are drained on threads, so a chatty child never blocks on a full pipe.
+    fn drain<R: Read + Send + 'static>(r: Option<R>) -> std::thread::JoinHandle<String> {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_string(&mut s);
+            }
+            s
+        })
+    }
+    let (out, err) = (drain(child.stdout.take()), drain(child.stderr.take()));
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break Ok(st),
+            Ok(None) if t0.elapsed() > limit => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Err(format!("the probe was still running after {limit:?} and was killed"));
+            }
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(20)),
+            Err(e) => break Err(format!("waiting for the probe: {e}")),
+        }
+    };
+    let (out, err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
+    status.map(|st| (st.success(), out, err))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::time::Duration;
+
+    #[test]
+    fn a_child_reports_its_output_and_status() {
+        let mut c = Command::new("sh");
+        c.args(["-c", "echo row; echo why >&2; exit 3"]);
+        assert_eq!(run_child(c, Duration::from_secs(30)).unwrap(), (false, "row\n".into(), "why\n".into()));
+        let mut c = Command::new("sh");
+        c.args(["-c", "echo fine"]);
+        assert_eq!(run_child(c, Duration::from_secs(30)).unwrap(), (true, "fine\n".into(), String::new()));
+    }
+
+    #[test]
+    fn a_child_past_its_limit_is_killed() {
+        let mut c = Command::new("sleep");
+        c.arg("30");
+        let e = run_child(c, Duration::from_millis(100)).unwrap_err();
+        assert!(e.contains("killed"), "{e}");
+    }
 }

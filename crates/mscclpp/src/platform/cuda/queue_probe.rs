@@ -140,18 +140,30 @@ impl std::fmt::Display for ProbeStream {
 pub struct QueueProbe {
     /// The write reached the spinning kernel before its time limit.
     pub arrived: bool,
-    /// How long the spinning kernel waited (until the write, or its limit).
+    /// How long the spinning kernel waited in all (GPU clock): until the write arrived or its
+    /// limit passed; it includes the head start the spinner gets before the write is issued.
     pub waited: Duration,
+    /// From issuing the write to the waiting stream's completion (host clock, polled): how late
+    /// the write arrived, as an upper bound.
+    pub after_issue: Duration,
 }
+
+/// The longest limit [`queue_probe`] takes.
+pub const PROBE_MAX_LIMIT: Duration = Duration::from_secs(60);
+/// The spinner's head start before the write is issued.
+const HEAD_START: Duration = Duration::from_millis(5);
+/// How long past its limit the probe waits for its kernels before giving up on them.
+const SETTLE: Duration = Duration::from_secs(10);
 
 /// Runs one probe on GPU `ordinal` (see the [module documentation](self)): the spinner waits up
 /// to `limit` for a write issued as `write` on a stream made as `stream`; with `queued`, a
 /// second launch waits behind the spinner in its stream (the case that blocks a shared queue).
 ///
 /// # Errors
-/// `NotAvailable` without a driver or where stream memory operations are unsupported (for
-/// `WriteValue`); `Cuda` when a call fails; `Timeout` when the spinner has not finished 10 s after
-/// its own limit.
+/// `InvalidUsage` for a limit above [`PROBE_MAX_LIMIT`]; `NotAvailable` without a driver or
+/// where stream memory operations are unsupported (for `WriteValue`); `Cuda` when a call
+/// fails; `Timeout` when the kernels have not finished 10 s after the limit (their memory, module
+/// and streams are then left allocated rather than freed under them).
 pub fn queue_probe(
     ordinal: u32,
     write: ProbeWrite,
@@ -159,6 +171,11 @@ pub fn queue_probe(
     queued: bool,
     limit: Duration,
 ) -> Result<QueueProbe> {
+    if limit > PROBE_MAX_LIMIT {
+        return Err(Error::invalid_usage(format!(
+            "queue_probe: a limit of {limit:?} is above the {PROBE_MAX_LIMIT:?} it takes"
+        )));
+    }
     let dev = device(ordinal)?;
     let module = Module::load(ordinal, PROBE_PTX, &[SPIN.to_string(), NOP.to_string(), SET.to_string()])?;
     let kernel =
@@ -174,44 +191,73 @@ pub fn queue_probe(
         ProbeStream::Greatest => Stream::with_priority(&dev, true)?,
         ProbeStream::Least => Stream::with_priority(&dev, false)?,
     };
-    let limit_ns = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
-    let (mut f, mut t, mut o) = (flag, limit_ns, out);
-    // SAFETY: the spinner takes (u64 pointer, u64, u64 pointer); the pointers are words of `mem`,
-    // which lives until both streams are idle (waited for below, or leaked on timeout).
-    unsafe {
-        spin.launch_on(
-            ONE,
-            &waiter,
-            &mut [(&mut f as *mut u64).cast::<c_void>(), (&mut t as *mut u64).cast(), (&mut o as *mut u64).cast()],
-        )?;
-        if queued {
-            nop.launch_on(ONE, &waiter, &mut [])?;
+    if write == ProbeWrite::WriteValue {
+        // Before anything spins: whether the GPU takes stream memory operations at all (this
+        // writes the 0 the flag already holds).
+        if !writer.write_value64(flag, 0)? {
+            return Err(Error::new(ErrorKind::NotAvailable, "cuStreamWriteValue64 is not supported on this GPU"));
         }
+        writer.synchronize()?;
     }
-    // Give the spinner time to start before the write is issued (it would wait in order anyway).
-    std::thread::sleep(Duration::from_millis(5));
-    match write {
-        ProbeWrite::Kernel => {
-            let mut f = flag;
-            // SAFETY: `set` takes one u64 pointer, a word of `mem` (alive, as above).
-            unsafe { set.launch_on(ONE, &writer, &mut [(&mut f as *mut u64).cast::<c_void>()])? };
-        }
-        ProbeWrite::WriteValue => {
-            if !writer.write_value64(flag, 1)? {
-                return Err(Error::new(ErrorKind::NotAvailable, "cuStreamWriteValue64 is not supported on this GPU"));
+    let limit_ns = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
+    // From the spinner's launch on, nothing below is freed before both streams are idle: every
+    // outcome goes through the bounded wait after this block.
+    let issued = (|| -> Result<std::time::Instant> {
+        let (mut f, mut t, mut o) = (flag, limit_ns, out);
+        // SAFETY: the spinner takes (u64 pointer, u64, u64 pointer) and the nop nothing; the
+        // pointers are words of `mem`, which outlives both streams' work (the wait below, or
+        // leaked with the module and the streams when the kernels do not finish).
+        unsafe {
+            spin.launch_on(
+                ONE,
+                &waiter,
+                &mut [(&mut f as *mut u64).cast::<c_void>(), (&mut t as *mut u64).cast(), (&mut o as *mut u64).cast()],
+            )?;
+            if queued {
+                nop.launch_on(ONE, &waiter, &mut [])?;
             }
         }
-        ProbeWrite::Copy => writer.copy_dtod(flag, one, 8)?,
+        // The spinner starts before the write is issued (it would wait in order anyway).
+        std::thread::sleep(HEAD_START);
+        let at = std::time::Instant::now();
+        match write {
+            ProbeWrite::Kernel => {
+                let mut f = flag;
+                // SAFETY: `set` takes one u64 pointer, a word of `mem` (kept alive as above).
+                unsafe { set.launch_on(ONE, &writer, &mut [(&mut f as *mut u64).cast::<c_void>()])? };
+            }
+            ProbeWrite::WriteValue => {
+                if !writer.write_value64(flag, 1)? {
+                    return Err(Error::new(
+                        ErrorKind::NotAvailable,
+                        "cuStreamWriteValue64 is not supported on this GPU",
+                    ));
+                }
+            }
+            ProbeWrite::Copy => writer.copy_dtod(flag, one, 8)?,
+        }
+        Ok(at)
+    })();
+    let bound = limit + SETTLE;
+    let waiter_idle = waiter.wait_idle(bound);
+    let after_issue = issued.as_ref().map(std::time::Instant::elapsed).unwrap_or_default();
+    let idle = waiter_idle.and_then(|w| Ok(w && writer.wait_idle(bound)?));
+    if !matches!(idle, Ok(true)) {
+        // A kernel may still run: leave what it uses allocated rather than free it under it.
+        std::mem::forget((mem, module, spin, nop, set, waiter, writer));
+        let e = match idle {
+            Err(e) => e,
+            _ => Error::new(
+                ErrorKind::Timeout,
+                format!("the queue probe's kernels had not finished {bound:?} after the probe started"),
+            ),
+        };
+        return Err(match issued {
+            Err(first) => first.with_note(format!("then: {e}")),
+            Ok(_) => e,
+        });
     }
-    let bound = limit + Duration::from_secs(10);
-    if !waiter.wait_idle(bound)? || !writer.wait_idle(bound)? {
-        // The kernels may still use `mem`: leak it rather than free memory a kernel touches.
-        std::mem::forget(mem);
-        return Err(Error::new(
-            ErrorKind::Timeout,
-            format!("the queue probe's kernels had not finished {bound:?} after the probe started"),
-        ));
-    }
+    issued?;
     let mut report = [0u8; 16];
     mem.read(16, &mut report)?;
     let word = |i: usize| {
@@ -220,7 +266,7 @@ pub fn queue_probe(
         u64::from_le_bytes(b)
     };
     match word(0) {
-        1 | 2 => Ok(QueueProbe { arrived: word(0) == 1, waited: Duration::from_nanos(word(1)) }),
+        1 | 2 => Ok(QueueProbe { arrived: word(0) == 1, waited: Duration::from_nanos(word(1)), after_issue }),
         other => Err(Error::internal(format!("the queue probe's spinner reported {other}"))),
     }
 }
@@ -249,6 +295,12 @@ mod tests {
             Err(e) if e.kind() == ErrorKind::NotAvailable => eprintln!("skipped: {e}"),
             Err(e) => panic!("{e}"),
         }
+    }
+
+    #[test]
+    fn a_limit_past_the_maximum_is_refused_before_any_gpu_work() {
+        let e = queue_probe(0, ProbeWrite::Copy, ProbeStream::Default, true, Duration::MAX).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     }
 
     #[test]
