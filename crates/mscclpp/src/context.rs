@@ -62,7 +62,8 @@ fn warn_if_queues_shared(gpu: u32, stream: &Arc<crate::platform::cuda::Stream>) 
 }
 
 /// The warning of [`warn_if_queues_shared`] for `live` contexts on GPU `gpu` and the variable's
-/// value, or `None` when one context uses the GPU or the variable gives the most queues.
+/// value: always with one queue; otherwise `None` when one context uses the GPU or the variable
+/// gives the most queues.
 fn shared_queue_warning(gpu: u32, live: usize, var: Option<&str>) -> Option<String> {
     use crate::platform::cuda::{HW_QUEUES_MAX, HW_QUEUES_VAR};
     let queues = var.and_then(|v| v.trim().parse::<u32>().ok());

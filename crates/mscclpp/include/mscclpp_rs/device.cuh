@@ -49,7 +49,9 @@
 // word (tail[1]) is `proxy_error`: 0 while the proxy runs; nonzero once it failed or stopped (the
 // host's `ProxyService::status()`/`stop()` say why). On error or stop the proxy first sets
 // `proxy_error`, then writes UINT64_MAX into every flushDonePos word, so a trapping `flush()`
-// returns instead of hanging. The time-limited PortChannel and FIFO calls check `proxy_error`
+// returns instead of hanging; a `push` that finds the ring full once the proxy has stopped
+// popping traps as soon as `tail` stood still over MSCCLPP_RS_ERROR_CHECK_PERIOD reads with the
+// error word set, not at its spin limit (a negative spin count still waits). The time-limited PortChannel and FIFO calls check `proxy_error`
 // while they wait (every MSCCLPP_RS_ERROR_CHECK_PERIOD-th poll, 64 by default: the word is a PCIe
 // round trip away) and return false soon after it becomes nonzero; `flush_for` also returns
 // false when it sees UINT64_MAX (the flush was abandoned, not completed).
@@ -159,6 +161,7 @@ union alignas(16) ProxyTrigger {
 #ifndef MSCCLPP_RS_ERROR_CHECK_PERIOD
 #define MSCCLPP_RS_ERROR_CHECK_PERIOD 64u
 #endif
+static_assert(MSCCLPP_RS_ERROR_CHECK_PERIOD > 0u, "MSCCLPP_RS_ERROR_CHECK_PERIOD must be at least 1");
 
 #if defined(MSCCLPP_RS_DEVICE_COMPILE)
 namespace detail {
@@ -230,7 +233,8 @@ MSCCLPP_RS_DEVICE bool error_check_due(u32& polls) { return ++polls % MSCCLPP_RS
 
 // How `push` waits for a free slot (see `FifoDeviceHandle::wait_popped`); a kernel may define
 // them before the include. Only the waiter for `tailCache` polls the host's `tail` (the next
-// LEAD - 1 in line take over after LEAD_STAGGER_NS per place of stillness); the others sleep about NS_PER_SLOT ns per slot ahead of them, at most MAX_NS. Keep
+// LEAD - 1 in line take over after LEAD_STAGGER_NS per place of stillness); the others sleep
+// about NS_PER_SLOT ns per slot ahead of them, at most MAX_NS. Keep
 // NS_PER_SLOT below the time the proxy takes per pop, so that a waiter does not oversleep its
 // turn, and MAX_NS long when many producers wait (tens of thousands): with a short cap every
 // far-back waiter wakes often to read `tailCache`, and those loads of one line starve the pushes
@@ -276,8 +280,10 @@ struct FifoDeviceHandle {
 
   /// Time-limited push: reserves a slot only once it is free (compare-and-swap on head), so a
   /// timeout leaves the FIFO intact. False (nothing pushed) when the ring stays full for
-  /// `timeout_ns` or the proxy reports an error; otherwise true with the position in `*pos`
-  /// (`pos` may be null).
+  /// `timeout_ns`, or while it is full the proxy reports an error; otherwise true with the
+  /// position in `*pos` (`pos` may be null). The error word is read only while waiting for a
+  /// slot: a push into a free slot succeeds whatever the proxy's state, so `sync_for` or
+  /// `flush_for` is what tells whether the trigger was handled.
   MSCCLPP_RS_DEVICE bool push_for(ProxyTrigger trigger, u64 timeout_ns, u64* pos = nullptr) {
     u64 start = detail::globaltimer();
     u32 polls = 0;
@@ -380,6 +386,8 @@ struct FifoDeviceHandle {
     constexpr u64 kMaxSleep = MSCCLPP_RS_FIFO_WAIT_MAX_NS;
     constexpr u64 kLeadStaggerNs = MSCCLPP_RS_FIFO_WAIT_LEAD_STAGGER_NS;
     i64 spins = 0;
+    // Reads of `tail` in a row that found nothing new (see the stall check below).
+    u32 stalled = 0;
     // Acquire (both loads of tailCache): pairs with the red.release.gpu.max of the producer that
     // raised it, which had acquired `tail`: the proxy's pop happens before this slot's rewrite.
     u64 seen = detail::load_acquire_gpu(tailCache);
@@ -391,16 +399,23 @@ struct FifoDeviceHandle {
       if (t != seen) {
         seen = t;
         since = detail::globaltimer();
+        stalled = 0;
       }
       if (ahead == 0 || (ahead < kLead && detail::globaltimer() - since >= ahead * kLeadStaggerNs)) {
         // Acquire: pairs with the proxy's release store of `tail` (Rust: `Fifo::pop`/`pop_to`).
         u64 h = detail::load_acquire_sys(tail);
         if (h > t) {
+          stalled = 0;
           // Release: pairs with the ld.acquire.gpu loads of tailCache above, in other waiters.
           detail::red_max_release_gpu(tailCache, h);
           if (p < h) return;
           continue;
         }
+        // A proxy that stopped (or failed and then stopped) never pops again: rather than spin
+        // to the trap count (up to 1e6 rounds, each a PCIe read or a sleep of up to MAX_NS),
+        // trap as soon as the error word is set and `tail` has not moved over a whole check
+        // period. A negative count still waits (a later proxy on this FIFO may pop).
+        if (detail::error_check_due(stalled) && maxSpinCount >= 0 && proxy_error() != 0) __trap();
         // A stand-in found nothing new: it waits out its stagger again before the next read.
         if (ahead > 0) since = detail::globaltimer();
       }
@@ -472,9 +487,10 @@ MSCCLPP_RS_DEVICE void wait_inbound(const u64* inbound, u64* expected, i64 maxSp
 
 /// Time-limited wait. `abort_word` (may be null) is checked while waiting (every
 /// `MSCCLPP_RS_ERROR_CHECK_PERIOD`-th poll); nonzero ends the wait with false. On timeout the
-/// expected count is taken back, so a retry waits for the same signal. That give-back is exact for one waiter; with several threads waiting on one semaphore at
-/// once, a timeout can let two of the others wait for the same count (one signal then releases
-/// both): after a timeout with concurrent waiters, treat the semaphore's count as lost.
+/// expected count is taken back, so a retry waits for the same signal. That give-back is exact
+/// for one waiter; with several threads waiting on one semaphore at once, a timeout can let two
+/// of the others wait for the same count (one signal then releases both): after a timeout with
+/// concurrent waiters, treat the semaphore's count as lost.
 MSCCLPP_RS_DEVICE bool wait_inbound_for(u64* inbound, u64* expected, u64 timeout_ns, const u64* abort_word) {
   // Relaxed: takes the next count, as in `wait_inbound`.
   u64 e = fetch_add_relaxed_gpu(expected, 1) + 1;

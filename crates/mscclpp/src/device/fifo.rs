@@ -220,7 +220,9 @@ impl HostProducer<'_> {
 
     /// The device's `push_for`: reserves a position (compare-and-swap of head) only once its
     /// slot is free, so giving up leaves the FIFO intact. `Ok(None)` when the ring stays full
-    /// for `timeout` or the proxy error word is nonzero.
+    /// for `timeout`, or is full while the proxy error word is nonzero (the word is looked at
+    /// only while waiting for a slot: a push into a free slot succeeds whatever the proxy's
+    /// state, and `sync` or a flush tells whether it was handled).
     pub fn push_for(&self, t: ProxyTrigger, timeout: Duration) -> Result<Option<u64>> {
         let size = u64::from(self.fifo.size);
         let deadline = Deadline::after(timeout);
