@@ -36,6 +36,8 @@ pub struct Fifo {
     mem: FifoMem,
     size: u32,
     shift: u32,
+    /// A proxy serves this FIFO now (one consumer at a time).
+    served: std::sync::atomic::AtomicBool,
 }
 
 fn check_size(size: u32) -> Result<u32> {
@@ -59,7 +61,7 @@ impl Fifo {
     pub fn new(ctx: &crate::Context, device: u32, size: u32) -> Result<Fifo> {
         let _ = ctx;
         let shift = check_size(size)?;
-        Ok(Fifo { mem: FifoMem::gpu(device, size as usize)?, size, shift })
+        Ok(Fifo { mem: FifoMem::gpu(device, size as usize)?, size, shift, served: Default::default() })
     }
 
     /// A FIFO whose four areas are plain host memory, for [`HostProducer`]s (tests without a
@@ -70,7 +72,7 @@ impl Fifo {
     #[doc(hidden)]
     pub fn host_backed(size: u32) -> Result<Fifo> {
         let shift = check_size(size)?;
-        Ok(Fifo { mem: FifoMem::host(size as usize)?, size, shift })
+        Ok(Fifo { mem: FifoMem::host(size as usize)?, size, shift, served: Default::default() })
     }
 
     /// Slots in the ring.
@@ -147,6 +149,29 @@ impl Fifo {
         // `FifoDeviceHandle::proxy_error` (and the Acquire in `proxy_error` here): whoever sees
         // the code sees what the proxy wrote before it.
         self.mem.control()[1].store(code, Ordering::Release);
+    }
+
+    /// Makes a proxy this FIFO's consumer: refused while another serves it; a FIFO whose earlier
+    /// proxy stopped or failed has its error word put back to 0 (running), so kernels' waits
+    /// work again, and the new proxy goes on from the earlier one's `tail`.
+    pub(crate) fn claim(&self) -> Result<()> {
+        // Acquire: pairs with the Release store in `release_claim`: the earlier proxy's pops and
+        // error word happen before this one starts.
+        if self.served.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            return Err(Error::invalid_usage(
+                "a proxy already serves this FIFO: it takes one consumer at a time (stop that proxy first)",
+            ));
+        }
+        if self.proxy_error() != 0 {
+            self.set_proxy_error(0);
+        }
+        Ok(())
+    }
+
+    /// Ends a proxy's claim (see [`claim`](Self::claim)).
+    pub(crate) fn release_claim(&self) {
+        // Release: pairs with the Acquire in `claim`.
+        self.served.store(false, Ordering::Release);
     }
 
     /// The proxy's published state (see [`set_proxy_error`](Self::set_proxy_error)).

@@ -243,6 +243,8 @@ pub(crate) struct Runner<H> {
     /// The next FIFO position to handle (ahead of the FIFO's tail within a batch).
     cursor: u64,
     batch: u64,
+    /// The position whose trigger the handler is handling now (for a panic that cuts it short).
+    handling: Option<u64>,
 }
 
 /// What one [`Runner::step`] did.
@@ -263,7 +265,7 @@ impl<H: ProxyHandler> Runner<H> {
         // between the CPU and the GPU's reads less often.
         let batch = pop_batch(sh.fifo.size());
         let cursor = sh.fifo.tail();
-        Runner { sh, handler, cursor, batch }
+        Runner { sh, handler, cursor, batch, handling: None }
     }
 
     #[cfg(test)]
@@ -308,7 +310,10 @@ impl<H: ProxyHandler> Runner<H> {
             let pos = self.cursor;
             if !self.failed() {
                 let cx = TriggerContext { pos, fifo: &self.sh.fifo, stop: &self.sh.stop };
-                match self.handler.handle(t, &cx) {
+                self.handling = Some(pos);
+                let r = self.handler.handle(t, &cx);
+                self.handling = None;
+                match r {
                     Ok(HandlerResult::Continue) => {}
                     Ok(HandlerResult::Stop) => stop = true,
                     Err(e) => self.fail(at_position(e, pos)),
@@ -374,9 +379,15 @@ impl<H: ProxyHandler> Runner<H> {
         self.finish();
     }
 
-    /// [`run`](Self::run), with a panic of the handler turned into the proxy's error.
+    /// [`run`](Self::run), with a panic of the handler turned into the proxy's error. The loop
+    /// then goes on, failed: it pops triggers without handing them over until asked to stop, as
+    /// after an error, so producers never wait on a full FIFO. A second panic (the handler's
+    /// `release_waiters` or `close` while finishing) ends the thread; the error word is already
+    /// set by then.
     fn run_guarded(&mut self, idle_backoff: bool) {
-        if let Err(p) = catch_unwind(AssertUnwindSafe(|| self.run(idle_backoff))) {
+        let mut panicked = false;
+        loop {
+            let Err(p) = catch_unwind(AssertUnwindSafe(|| self.run(idle_backoff))) else { return };
             let what = p
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
@@ -389,6 +400,21 @@ impl<H: ProxyHandler> Runner<H> {
             self.sh.fail(e, || {
                 let _ = catch_unwind(AssertUnwindSafe(|| h.release_waiters()));
             });
+            // The batch the panic cut short: the triggers handled in it and the one whose
+            // handling panicked are popped (an error pops its trigger too), so that no later
+            // proxy on this FIFO hands them over again.
+            let upto = self.handling.take().map_or(self.cursor, |pos| pos + 1).max(self.cursor);
+            let before = self.sh.fifo.tail();
+            self.cursor = upto;
+            if upto > before {
+                self.sh.fifo.pop_to(upto);
+                // AcqRel: as in `step`.
+                self.sh.processed.fetch_add(upto - before, Ordering::AcqRel);
+            }
+            if panicked {
+                return;
+            }
+            panicked = true;
         }
     }
 }
@@ -415,9 +441,15 @@ impl std::fmt::Debug for Proxy {
 impl Proxy {
     /// Starts a thread that hands every trigger pushed into `fifo` to `handler`.
     ///
+    /// A FIFO has one proxy at a time. A FIFO whose earlier proxy stopped or failed can be
+    /// served again (pass the same `Arc<Fifo>`): its error word goes back to 0, so kernels'
+    /// time-limited waits work again, and the new proxy starts at the earlier one's `tail`
+    /// (triggers it left unpopped are handed over; those it handled, or whose handling failed
+    /// or panicked, are not).
+    ///
     /// # Errors
-    /// `System` when the thread cannot start; with `options.device`, CUDA errors making the
-    /// device's context current on it.
+    /// `InvalidUsage` while another proxy serves `fifo`; `System` when the thread cannot start;
+    /// with `options.device`, CUDA errors making the device's context current on it.
     pub fn start(fifo: impl Into<Arc<Fifo>>, handler: impl ProxyHandler, options: ProxyOptions) -> Result<Proxy> {
         Self::start_shared(Arc::new(LoopShared::new(fifo.into())), handler, options)
     }
@@ -427,6 +459,10 @@ impl Proxy {
         handler: impl ProxyHandler,
         options: ProxyOptions,
     ) -> Result<Proxy> {
+        sh.fifo.claim()?;
+        // Ends the claim when dropped: when the thread ends, whatever way, or with the closure
+        // if the thread cannot start.
+        let claim = Claim(sh.fifo.clone());
         let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
         let mut runner = Runner::new(sh.clone(), handler);
         let t = std::thread::Builder::new()
@@ -435,6 +471,7 @@ impl Proxy {
                 None => "mscclpp-proxy".to_string(),
             })
             .spawn(move || {
+                let _claim = claim;
                 let init = init_thread(options.device);
                 let ok = init.is_ok();
                 let _ = tx.send(init);
@@ -502,6 +539,15 @@ impl Drop for Proxy {
         if let Err(e) = self.stop() {
             debug!(target: LOG, "proxy dropped after an error: {e}");
         }
+    }
+}
+
+/// A proxy's claim on its FIFO ([`Fifo::claim`]), ended when dropped.
+struct Claim(Arc<Fifo>);
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.0.release_claim();
     }
 }
 
@@ -667,27 +713,71 @@ mod tests {
         assert!(r.sh.status().is_ok());
     }
 
-    /// A handler that panics fails the proxy (the thread survives to publish it) instead of
-    /// leaving kernels waiting; `stop` returns the panic as the error.
+    /// Counts what it is handed; panics on a trigger whose `fst` is 7.
+    struct Panics(Arc<AtomicU64>);
+    impl ProxyHandler for Panics {
+        fn handle(&mut self, t: ProxyTrigger, _: &TriggerContext<'_>) -> Result<HandlerResult> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            assert!(t.fst != 7, "seven is not allowed");
+            Ok(HandlerResult::Continue)
+        }
+    }
+
+    /// A handler that panics fails the proxy instead of leaving kernels waiting: the error word
+    /// is published, the loop goes on popping without handing over (many more triggers than
+    /// the FIFO holds go through), and `stop` returns the panic as the error.
     #[test]
     fn a_panicking_handler_is_the_proxy_error() {
-        struct Panics;
-        impl ProxyHandler for Panics {
-            fn handle(&mut self, t: ProxyTrigger, _: &TriggerContext<'_>) -> Result<HandlerResult> {
-                assert!(t.fst != 7, "seven is not allowed");
-                Ok(HandlerResult::Continue)
-            }
-        }
-        let mut p = Proxy::start(Fifo::host_backed(4).unwrap(), Panics, ProxyOptions::default()).unwrap();
+        let seen = Arc::new(AtomicU64::new(0));
+        let mut p = Proxy::start(Fifo::host_backed(4).unwrap(), Panics(seen.clone()), ProxyOptions::default()).unwrap();
         let producer = p.fifo().host_producer().unwrap();
         let t = Duration::from_secs(30);
         producer.push(trig(1), t).unwrap();
         producer.push(ProxyTrigger { fst: 7, snd: 0 }, t).unwrap();
-        // The thread ended: joining in stop() waits for it, with no race on timing.
+        let mut last = 0;
+        for i in 0..40 {
+            last = producer.push(trig(100 + i), t).unwrap();
+        }
+        producer.sync(last, t).unwrap();
+        assert_eq!(seen.load(Ordering::Relaxed), 2, "nothing handed over after the panic");
+        assert_eq!(p.fifo().proxy_error(), PROXY_FAILED);
+        assert!(p.is_running(), "the loop goes on after a panic, popping");
         let e = p.stop().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Internal, "{e}");
         assert!(e.to_string().contains("seven is not allowed"), "{e}");
         assert_eq!(p.fifo().proxy_error(), PROXY_FAILED);
+        assert_eq!(p.processed(), 42);
+    }
+
+    /// One proxy at a time per FIFO; after it stopped (here: failed on a panic) another serves
+    /// the same FIFO from where it left off: the error word is back to 0, the panicking trigger
+    /// and those before it are not handed over again, triggers pushed meanwhile are.
+    #[test]
+    fn a_fifo_is_served_by_one_proxy_at_a_time_and_again_after_it() {
+        let fifo = Arc::new(Fifo::host_backed(4).unwrap());
+        let first_seen = Arc::new(AtomicU64::new(0));
+        let mut first = Proxy::start(fifo.clone(), Panics(first_seen.clone()), ProxyOptions::default()).unwrap();
+        let e = Proxy::start(fifo.clone(), Panics(Arc::default()), ProxyOptions::default()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+        assert!(e.to_string().contains("already serves this FIFO"), "{e}");
+        let producer = fifo.host_producer().unwrap();
+        let t = Duration::from_secs(30);
+        producer.push(trig(1), t).unwrap();
+        let bad = producer.push(ProxyTrigger { fst: 7, snd: 0 }, t).unwrap();
+        producer.sync(bad, t).unwrap();
+        assert!(first.stop().is_err());
+        assert_eq!(fifo.proxy_error(), PROXY_FAILED);
+        // Pushed while no proxy runs (fits in the ring), handled by the next one.
+        producer.push(trig(2), t).unwrap();
+        let second_seen = Arc::new(AtomicU64::new(0));
+        let mut second = Proxy::start(fifo.clone(), Panics(second_seen.clone()), ProxyOptions::default()).unwrap();
+        assert_eq!(fifo.proxy_error(), 0, "a new proxy publishes that it runs");
+        let last = producer.push(trig(3), t).unwrap();
+        producer.sync(last, t).unwrap();
+        second.stop().unwrap();
+        assert_eq!(first_seen.load(Ordering::Relaxed), 2);
+        assert_eq!(second_seen.load(Ordering::Relaxed), 2, "only the triggers the first proxy never popped");
+        assert_eq!(fifo.proxy_error(), PROXY_STOPPED);
     }
 
     /// On a thread, with a producer far ahead of a small FIFO: every trigger is handled once, in
