@@ -240,6 +240,51 @@ pub(crate) fn check_call<const N: usize>(
     Ok(())
 }
 
+/// `count` elements of `dtype`, `times` over, in bytes; `InvalidUsage` where that passes what a
+/// `u64` holds (it wrapped before: a huge count could become a call of a few bytes).
+pub(crate) fn byte_len(count: usize, dtype: DataType, times: usize) -> Result<u64> {
+    (count as u64).checked_mul(dtype.size() as u64).and_then(|n| n.checked_mul(times as u64)).ok_or_else(|| {
+        Error::invalid_usage(format!(
+            "{count} elements of {dtype}{} are more bytes than a 64-bit size holds",
+            if times > 1 { format!(" x {times} ranks") } else { String::new() }
+        ))
+    })
+}
+
+/// What every rank's collectives must agree on, as text: kernels write into their peers'
+/// scratch with their own layout (a rank with larger packet halves would write past a peer's
+/// scratch), the selector's thresholds (or their plans differ) and whether they tune (a
+/// collective step).
+fn agreement(layout: &Layout, config: &Config) -> String {
+    format!(
+        "scratch layout {}/{}/{}/{} bytes (packet_bytes {}, simple_bytes {}), allpair_max {}, packet_max {}, tuning {}",
+        layout.pkt_off,
+        layout.pkt_half,
+        layout.simple_round,
+        layout.total,
+        config.packet_bytes,
+        config.simple_bytes,
+        config.limits.allpair_max,
+        config.limits.packet_max,
+        if config.tune { "on" } else { "off" }
+    )
+}
+
+/// Checks every rank's setup message (`place\nagreement`) against this rank's `mine`, naming
+/// the first rank that differs.
+fn check_agreement(mine: &str, all: &[String]) -> Result<()> {
+    for (p, who) in all.iter().enumerate() {
+        let theirs = who.split('\n').nth(1).unwrap_or_default();
+        if theirs != mine {
+            return Err(Error::invalid_usage(format!(
+                "rank {p} set up its collectives with {theirs:?}, this rank with {mine:?}: every rank must use the same Config sizes, limits and tuning setting"
+            ))
+            .with_peer(p));
+        }
+    }
+    Ok(())
+}
+
 const ERR_TIMEOUT: u64 = 1;
 const ERR_MISMATCH: u64 = 2;
 const ERR_ABORTED: u64 = 3;
@@ -265,21 +310,30 @@ impl Collectives {
             let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
             Ok((layout, kernels, me))
         })();
+        // What every rank must agree on: kernels write into their peers' scratch with their own
+        // layout (a rank with larger packet halves would write past a peer's scratch), the
+        // selector's thresholds (or their plans differ) and whether they tune (a collective
+        // step).
         // Which ranks share this GPU: kernels that wait on each other must all be resident.
-        let ((layout, kernels, me), all) =
-            comm.all_gather_outcome(local, |(_, _, me)| me.as_bytes().to_vec(), "setting up the collectives")?;
+        let ((layout, kernels, me), all) = comm.all_gather_outcome(
+            local,
+            |(layout, _, me)| format!("{me}\n{}", agreement(layout, &config)).into_bytes(),
+            "setting up the collectives",
+        )?;
+        let all: Vec<String> = all.iter().map(|w| String::from_utf8_lossy(w).into_owned()).collect();
+        check_agreement(&agreement(&layout, &config), &all)?;
+        let place = |w: &str| w.split('\n').next().unwrap_or_default().to_string();
         let my_host = me.split('/').next().unwrap_or_default();
         for (p, who) in all.iter().enumerate() {
-            if String::from_utf8_lossy(who).split('/').next() != Some(my_host) {
+            if place(who).split('/').next() != Some(my_host) {
                 return Err(Error::invalid_usage(format!(
                     "rank {p} is on another host: these collectives connect ranks over CUDA IPC within one host"
                 ))
                 .with_peer(p));
             }
         }
-        let on_gpu = all.iter().filter(|w| w.as_slice() == me.as_bytes()).count();
-        let ranks_per_node =
-            all.iter().filter(|w| String::from_utf8_lossy(w).split('/').next() == Some(my_host)).count();
+        let on_gpu = all.iter().filter(|w| place(w) == me).count();
+        let ranks_per_node = all.iter().filter(|w| place(w).split('/').next() == Some(my_host)).count();
         let mut limits = config.limits;
         // Only the ranks on this GPU refuse too many ranks sharing it: the others learn of it at
         // the cap exchange, named, instead of waiting for them there. The buffers are allocated
@@ -698,7 +752,7 @@ impl Collectives {
         stream: &Stream,
         opts: &CallOptions,
     ) -> Result<()> {
-        let n = count as u64 * dtype.size() as u64;
+        let n = byte_len(count, dtype, 1)?;
         // SAFETY: the caller's contract.
         unsafe { self.run(Collective::AllReduce, send, n, recv, n, n, dtype, Some(op), 0, stream, opts) }
     }
@@ -720,11 +774,9 @@ impl Collectives {
         stream: &Stream,
         opts: &CallOptions,
     ) -> Result<()> {
-        let n = send_count as u64 * dtype.size() as u64;
+        let (n, total) = (byte_len(send_count, dtype, 1)?, byte_len(send_count, dtype, self.nranks)?);
         // SAFETY: the caller's contract.
-        unsafe {
-            self.run(Collective::AllGather, send, n, recv, n * self.nranks as u64, n, dtype, None, 0, stream, opts)
-        }
+        unsafe { self.run(Collective::AllGather, send, n, recv, total, n, dtype, None, 0, stream, opts) }
     }
 
     /// ReduceScatter: every rank's `send` holds `size()` x `recv_count` elements; rank r gets
@@ -746,23 +798,9 @@ impl Collectives {
         stream: &Stream,
         opts: &CallOptions,
     ) -> Result<()> {
-        let n = recv_count as u64 * dtype.size() as u64;
+        let (n, total) = (byte_len(recv_count, dtype, 1)?, byte_len(recv_count, dtype, self.nranks)?);
         // SAFETY: the caller's contract.
-        unsafe {
-            self.run(
-                Collective::ReduceScatter,
-                send,
-                n * self.nranks as u64,
-                recv,
-                n,
-                n,
-                dtype,
-                Some(op),
-                0,
-                stream,
-                opts,
-            )
-        }
+        unsafe { self.run(Collective::ReduceScatter, send, total, recv, n, n, dtype, Some(op), 0, stream, opts) }
     }
 
     /// Broadcast of `count` elements from `root`'s `send` into every rank's `recv` (`send` is
@@ -784,7 +822,7 @@ impl Collectives {
         stream: &Stream,
         opts: &CallOptions,
     ) -> Result<()> {
-        let n = count as u64 * dtype.size() as u64;
+        let n = byte_len(count, dtype, 1)?;
         let send = if self.rank == root { send } else { recv };
         // SAFETY: the caller's contract.
         unsafe { self.run(Collective::Broadcast, send, n, recv, n, n, dtype, None, root, stream, opts) }
@@ -822,9 +860,9 @@ impl Collectives {
         stream: &Stream,
         opts: &CallOptions,
     ) -> Result<()> {
-        let n = count * dtype.size();
+        let n = byte_len(count, dtype, 1)?;
         for (b, name) in [(send, "send"), (recv, "receive")] {
-            if b.len() < n {
+            if (b.len() as u64) < n {
                 return Err(Error::invalid_usage(format!(
                     "the {name} buffer holds {} bytes, the call needs {n}",
                     b.len()
@@ -840,5 +878,53 @@ impl Collectives {
     /// Whether this rank's kernels reported an error or it was aborted.
     pub fn has_failed(&self) -> bool {
         self.status.failed() || self.check().is_err()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mscclpp::ErrorKind;
+
+    /// Ranks whose scratch layouts, thresholds or tuning settings differ are refused at setup,
+    /// naming the first such rank, before any kernel could write past a peer's scratch.
+    #[test]
+    fn setups_that_differ_between_ranks_are_refused_naming_the_rank() {
+        let config = Config { tune: false, ..Config::new(0) };
+        let layout = Layout::new(2, config.packet_bytes, config.simple_bytes).unwrap();
+        let mine = agreement(&layout, &config);
+        let msg = |c: &Config| {
+            let l = Layout::new(2, c.packet_bytes, c.simple_bytes).unwrap();
+            format!("1a2b/0000:17:00.0\n{}", agreement(&l, c))
+        };
+        let same = msg(&config);
+        check_agreement(&mine, &[same.clone(), same.clone()]).unwrap();
+        let bigger = Config { packet_bytes: config.packet_bytes * 2, ..config.clone() };
+        let tuned = Config { tune: true, ..config.clone() };
+        let limits = Config { limits: Limits { allpair_max: 1 << 10, ..config.limits }, ..config.clone() };
+        for other in [bigger, tuned, limits] {
+            let e = check_agreement(&mine, &[same.clone(), msg(&other)]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+            assert_eq!(e.peer(), Some(1), "{e}");
+            assert!(e.to_string().contains("rank 1 set up its collectives with"), "{e}");
+        }
+        // A message without the agreement part (a malformed peer) is refused too.
+        assert!(check_agreement(&mine, &["1a2b/0000:17:00.0".to_string()]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+
+    /// Byte counts are checked: a count whose bytes pass 64 bits is refused (it wrapped to a
+    /// small call before), not run on a fraction of the data.
+    #[test]
+    fn byte_counts_never_wrap() {
+        assert_eq!(byte_len(1024, DataType::F32, 1).unwrap(), 4096);
+        assert_eq!(byte_len(1024, DataType::Bf16, 8).unwrap(), 16384);
+        assert!(byte_len(1 << 62, DataType::F32, 1).unwrap_err().message().contains("64-bit"));
+        assert!(byte_len((1 << 61) + 64, DataType::F16, 4).is_err());
+        assert!(byte_len(usize::MAX, DataType::U32, 1).is_err());
     }
 }

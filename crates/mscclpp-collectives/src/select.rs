@@ -36,9 +36,14 @@ pub struct Layout {
     pub total: u64,
 }
 
-fn up(x: u64, a: u64) -> u64 {
-    x.div_ceil(a) * a
+/// `x` rounded up to a multiple of `a`; `None` past `u64::MAX`.
+fn up(x: u64, a: u64) -> Option<u64> {
+    x.div_ceil(a).checked_mul(a)
 }
+
+/// The largest scratch [`Layout::new`] lays out (1 TiB): sizes beyond are a mistake, not a
+/// request (and their arithmetic would overflow).
+pub const MAX_SCRATCH: u64 = 1 << 40;
 
 impl Layout {
     /// The layout for `nranks` ranks with packet halves of at least `packet_bytes` and `simple`
@@ -58,15 +63,28 @@ impl Layout {
                  bytes cannot serve {nranks} ranks (at least {unit} bytes each)"
             )));
         }
-        let inbox_off = 0;
-        let sig_off = up(inbox_off + r * MAX_BLOCKS as u64 * 8, 256);
-        let sig_pkt_off = up(sig_off + r * 8, 256);
-        let pkt_off = up(sig_pkt_off + 2 * r * 16, 4096);
-        let pkt_half = up(packet_bytes, 4096);
-        let simple_off = pkt_off + 2 * pkt_half;
-        let simple_round = simple_bytes / unit * unit;
-        let total = up(simple_off + 2 * simple_round, 4096);
-        Ok(Layout { nranks, inbox_off, sig_off, sig_pkt_off, pkt_off, pkt_half, simple_off, simple_round, total })
+        let too_big = || {
+            Error::invalid_usage(format!(
+                "scratch too large: packet halves of {packet_bytes} bytes and simple rounds of {simple_bytes} bytes \
+                 for {nranks} ranks pass the {MAX_SCRATCH}-byte limit"
+            ))
+        };
+        let layout = (|| {
+            let inbox_off = 0;
+            let sig_off = up(r.checked_mul(MAX_BLOCKS as u64 * 8)?, 256)?;
+            let sig_pkt_off = up(sig_off.checked_add(r.checked_mul(8)?)?, 256)?;
+            let pkt_off = up(sig_pkt_off.checked_add(r.checked_mul(32)?)?, 4096)?;
+            let pkt_half = up(packet_bytes, 4096)?;
+            let simple_off = pkt_off.checked_add(pkt_half.checked_mul(2)?)?;
+            let simple_round = simple_bytes / unit * unit;
+            let total = up(simple_off.checked_add(simple_round.checked_mul(2)?)?, 4096)?;
+            Some(Layout { nranks, inbox_off, sig_off, sig_pkt_off, pkt_off, pkt_half, simple_off, simple_round, total })
+        })()
+        .ok_or_else(too_big)?;
+        if layout.total > MAX_SCRATCH {
+            return Err(too_big());
+        }
+        Ok(layout)
     }
 
     /// Bytes of one packet half a packet algorithm needs for a call moving `nbytes` (the bytes
@@ -237,7 +255,7 @@ pub fn shape(coll: Collective, algo: Algorithm, nbytes: u64, layout: &Layout, ma
                 (Collective::AllGather | Collective::ReduceScatter, _) => (r - 1).max(1) * units,
                 _ => units,
             };
-            let threads = if work <= 256 { up(work, 32).max(64) } else { 512 };
+            let threads = if work <= 256 { (work.div_ceil(32) * 32).max(64) } else { 512 };
             (work.div_ceil(threads).clamp(1, cap.min(32)) as u32, threads as u32)
         }
     }
@@ -318,6 +336,13 @@ mod tests {
         }
         assert!(Layout::new(0, 1 << 20, 1 << 20).is_err());
         assert!(Layout::new(8, 1 << 20, 64).unwrap_err().message().contains("scratch too small"));
+        // Sizes whose arithmetic would wrap (packet halves of 2^63 bytes used to give a layout
+        // whose staging area overlapped the packets) or pass the limit are refused.
+        for (p, s) in [(1u64 << 63, 1 << 20), (u64::MAX, 1 << 20), (1 << 20, u64::MAX), (MAX_SCRATCH, 1 << 20)] {
+            let e = Layout::new(8, p, s).unwrap_err();
+            assert!(e.message().contains("scratch too large"), "{p} {s}: {e}");
+        }
+        assert!(Layout::new(8, MAX_SCRATCH / 4, MAX_SCRATCH / 8).is_ok());
     }
 
     #[test]

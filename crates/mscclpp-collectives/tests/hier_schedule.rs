@@ -252,6 +252,11 @@ fn layout_and_chunks() {
     }
     let big = Topology::new(64, 1).unwrap();
     assert!(Layout::new(&big, 1 << 30).unwrap_err().to_string().contains("4 GiB"));
+    // Rounds whose arithmetic would wrap to a small layout are refused too.
+    for round in [u64::MAX, u64::MAX / 2, 1 << 62] {
+        let e = Layout::new(&big, round).unwrap_err().to_string();
+        assert!(e.contains("4 GiB"), "{round}: {e}");
+    }
 }
 
 #[test]

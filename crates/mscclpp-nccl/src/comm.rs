@@ -449,6 +449,7 @@ impl Comm {
         let es = route::type_size(c.dt).unwrap_or(1);
         let err = |e: mscclpp::Error| Failure::from(e).during(&what());
         let bad = |m: String| Failure::usage(format!("{}: {m}", what()));
+        let bytes = c.count.checked_mul(es).ok_or_else(|| bad(format!("{} elements overflow a size", c.count)))?;
         match c.op {
             Op::AllReduce | Op::ReduceScatter | Op::Reduce => {
                 let dt = route::native_reduce_type(c.dt).map_err(bad)?;
@@ -465,15 +466,14 @@ impl Comm {
                     _ => {
                         // Reduce: an AllReduce into the root's receive buffer; the others reduce
                         // into a scratch they keep (their receive buffer may be NULL).
-                        let out =
-                            if c.peer as usize == self.rank { c.recv } else { self.reduce_scratch(c.count * es)? };
+                        let out = if c.peer as usize == self.rank { c.recv } else { self.reduce_scratch(bytes)? };
                         // SAFETY: as above; `out` is the root's buffer or our own scratch.
                         unsafe { coll.all_reduce(c.send, out, c.count, dt, op, &stream, &opts) }.map_err(err)
                     }
                 }
             }
             Op::AllGather | Op::Broadcast => {
-                let nbytes = c.count * es;
+                let nbytes = bytes;
                 let align = c.send | c.recv;
                 let (dt, n) =
                     words(nbytes, align).ok_or_else(|| bad(format!("{nbytes} bytes are not 2-byte words")))?;

@@ -380,3 +380,23 @@ impl Sem {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The hardware-queue probe's hand-written PTX assembles for sm_90 (with ptxas, found as
+    /// `mscclpp::device::compile` finds it; skipped without one). Here rather than next to the
+    /// PTX: the platform layer does not reach up to the device compiler.
+    #[test]
+    fn the_queue_probe_ptx_assembles_for_sm_90() {
+        use crate::platform::cuda::queue_probe::PROBE_PTX;
+        match crate::device::compile::assemble(PROBE_PTX, "sm_90") {
+            Ok(report) => {
+                for name in ["mscclpp_probe_spin", "mscclpp_probe_nop", "mscclpp_probe_set"] {
+                    assert!(report.contains(name), "ptxas compiled no {name}:\n{report}");
+                }
+            }
+            Err(e) if e.kind() == crate::ErrorKind::NotAvailable => eprintln!("skipped: {e}"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}

@@ -140,7 +140,7 @@ impl Collectives {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        let nbytes = count as u64 * dtype.size() as u64;
+        let nbytes = super::byte_len(count, dtype, 1)?;
         let what = || format!("zero-copy allreduce ({dtype} of {nbytes} bytes, rank {} of {})", self.rank, self.nranks);
         self.check().map_err(|e| e.during(what()))?;
         if nbytes == 0 {

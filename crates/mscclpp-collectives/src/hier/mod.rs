@@ -203,12 +203,34 @@ impl TwoLevel {
         // Kernels of every rank sharing this GPU wait on each other: all must be resident. Every
         // rank tells its GPU and how many blocks that GPU holds at once, so that every rank
         // checks every GPU: ranks on a crowded GPU fail the others at once, named.
+        // Every rank must also lay out its scratch and group its nodes the same way (kernels
+        // write into peers' scratch with their own layout): the first line of each message.
+        let agree = |layout: &Layout| {
+            format!(
+                "ranks_per_node {}, round_bytes {} (scratch {} bytes), inter-node transport {:?}",
+                config.ranks_per_node, config.round_bytes, layout.total, config.inter.transport
+            )
+        };
         let ((topo, layout, kernels, me, sms, per_sm), all) = comm.all_gather_outcome(
             local,
-            |(.., me, sms, per_sm)| format!("{me}|{}", sms * per_sm).into_bytes(),
+            |(_, layout, _, me, sms, per_sm)| format!("{}\n{me}|{}", agree(layout), sms * per_sm).into_bytes(),
             "setting up the two-level collectives",
         )?;
-        let gpus = gpus_and_room(&all);
+        let mine = agree(&layout);
+        let mut places = Vec::with_capacity(all.len());
+        for (p, w) in all.iter().enumerate() {
+            let w = String::from_utf8_lossy(w);
+            let (theirs, place) = w.split_once('\n').unwrap_or(("", &w));
+            if theirs != mine {
+                return Err(Error::invalid_usage(format!(
+                    "rank {p} set up its two-level collectives with {theirs:?}, this rank with {mine:?}: every rank \
+                     must use the same HierConfig sizes and transport"
+                ))
+                .with_peer(p));
+            }
+            places.push(place.as_bytes().to_vec());
+        }
+        let gpus = gpus_and_room(&places);
         let inter_t = config.inter.transport;
         let on_gpu = gpus.iter().filter(|(g, _)| *g == me).count().max(1) as u32;
         let fit = (sms * per_sm) / on_gpu;
@@ -547,7 +569,7 @@ impl TwoLevel {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        let n = count as u64 * dtype.size() as u64;
+        let n = crate::comm::byte_len(count, dtype, 1)?;
         // SAFETY: the caller's contract.
         unsafe { self.run(Collective::AllReduce, send, n, recv, n, n, dtype, Some(op), stream) }
     }
@@ -568,8 +590,8 @@ impl TwoLevel {
         dtype: DataType,
         stream: &Stream,
     ) -> Result<()> {
-        let n = send_count as u64 * dtype.size() as u64;
-        let total = n * self.topo.nranks() as u64;
+        let n = crate::comm::byte_len(send_count, dtype, 1)?;
+        let total = crate::comm::byte_len(send_count, dtype, self.topo.nranks())?;
         // SAFETY: the caller's contract.
         unsafe { self.run(Collective::AllGather, send, n, recv, total, n, dtype, None, stream) }
     }

@@ -156,14 +156,23 @@ impl Layout {
         }
         let l = topo.ranks_per_node() as u64;
         let m = topo.nodes() as u64;
-        let ar_round = round_bytes.div_ceil(16 * l) * 16 * l;
-        let slot = ar_round / l;
-        let ag_round = slot;
-        let in_off = 0;
-        let res_off = in_off + ar_round;
-        let x_off = res_off + slot;
-        let col_off = x_off + 2 * m * slot;
-        let total = col_off + 2 * m * ag_round;
+        // Checked: a huge round would otherwise wrap to a small layout that passes the limit.
+        let sizes = (|| {
+            let ar_round = round_bytes.div_ceil(16 * l).checked_mul(16 * l)?;
+            let slot = ar_round / l;
+            let res_off = ar_round;
+            let x_off = res_off.checked_add(slot)?;
+            let col_off = x_off.checked_add(m.checked_mul(2)?.checked_mul(slot)?)?;
+            let total = col_off.checked_add(m.checked_mul(2)?.checked_mul(slot)?)?;
+            Some((ar_round, slot, res_off, x_off, col_off, total))
+        })();
+        let Some((ar_round, slot, res_off, x_off, col_off, total)) = sizes else {
+            return Err(Error::invalid_usage(format!(
+                "a two-level round of {round_bytes} bytes is too large: its scratch would pass the 4 GiB that \
+                 PortChannel offsets address"
+            )));
+        };
+        let (ag_round, in_off) = (slot, 0);
         if total > u32::MAX as u64 {
             return Err(Error::invalid_usage(format!(
                 "a two-level scratch of {total} bytes (rounds of {ar_round} bytes, {m} nodes) exceeds the 4 GiB that \
