@@ -32,6 +32,24 @@ pub struct TuneTable {
 }
 
 impl TuneTable {
+    /// A digest of the chosen plans (sizes, algorithms, shapes), to tell whether two ranks hold
+    /// the same table (FNV-1a over their fields).
+    pub fn digest(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |x: u64| {
+            for b in x.to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for (n, p) in &self.entries {
+            eat(*n);
+            eat(p.algorithm as u64);
+            eat(u64::from(p.blocks));
+            eat(u64::from(p.threads));
+        }
+        h
+    }
+
     /// The tuned plan for a call of `nbytes`, if the table covers it.
     pub fn lookup(&self, nbytes: u64) -> Option<Plan> {
         self.entries.iter().find(|(b, _)| nbytes <= *b).map(|(_, p)| *p)
@@ -85,10 +103,13 @@ pub fn tune_all_reduce(coll: &Collectives, comm: &Communicator) -> Result<Arc<Tu
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<TuneTable>>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     let k = key(coll);
-    // Use the process cache only if every rank has it (ranks of other processes may not).
+    // Use the process cache only if every rank has the same table (ranks of other processes may
+    // have none, or one tuned with other peers: their plans would then differ, and every call
+    // of such a size would fail as a mismatch).
     let have = cache.lock().ok().and_then(|m| m.get(&k).cloned());
-    let votes = comm.bootstrap().all_gather(&[have.is_some() as u8])?;
-    if let Some(t) = have.filter(|_| votes.iter().all(|v| v.first() == Some(&1))) {
+    let vote = have.as_ref().map_or_else(|| vec![0u8], |t| [vec![1u8], t.digest().to_le_bytes().to_vec()].concat());
+    let votes = comm.bootstrap().all_gather(&vote)?;
+    if let Some(t) = have.filter(|_| votes.iter().all(|v| *v == vote)) {
         return Ok(t);
     }
     let start = Instant::now();
@@ -120,25 +141,31 @@ fn time_candidates(coll: &Collectives, comm: &Communicator) -> Result<Chosen> {
         let count = (nbytes / 2) as usize; // bf16, the type of inference AllReduce
         let cands = candidates(nbytes, coll.layout(), coll.limits().max_blocks);
         // Capture every candidate, then run them all back to back and synchronize once.
-        let mut runs = Vec::with_capacity(cands.len());
-        for plan in &cands {
-            let opts = CallOptions::algorithm(plan.algorithm).shape(plan.blocks, plan.threads);
-            stream.begin_capture()?;
-            let mut r = Ok(());
-            for _ in 0..CALLS_PER_GRAPH {
-                // buf outlives every launch of the graph (the stream is synchronized below).
-                r = coll.all_reduce_buffers_with(&buf, &buf, count, DataType::Bf16, ReduceOp::Sum, &stream, &opts);
-                if r.is_err() {
-                    break;
+        let captured = (|| -> Result<Vec<_>> {
+            let mut runs = Vec::with_capacity(cands.len());
+            for plan in &cands {
+                let opts = CallOptions::algorithm(plan.algorithm).shape(plan.blocks, plan.threads);
+                stream.begin_capture()?;
+                let mut r = Ok(());
+                for _ in 0..CALLS_PER_GRAPH {
+                    // buf outlives every launch of the graph (the stream is synchronized below).
+                    r = coll.all_reduce_buffers_with(&buf, &buf, count, DataType::Bf16, ReduceOp::Sum, &stream, &opts);
+                    if r.is_err() {
+                        break;
+                    }
                 }
+                let graph = stream.end_capture();
+                r?;
+                runs.push((graph?, TimingEvent::new(dev)?, TimingEvent::new(dev)?));
             }
-            let graph = stream.end_capture();
-            r?;
-            runs.push((graph?, TimingEvent::new(dev)?, TimingEvent::new(dev)?));
-        }
+            Ok(runs)
+        })();
         // No rank launches before every rank has instantiated its graphs: instantiation can
-        // wait for the GPU, which a peer's kernels spinning for this rank would never free.
-        comm.bootstrap().barrier()?;
+        // wait for the GPU, which a peer's kernels spinning for this rank would never free. A
+        // rank that could not capture fails every rank here, named, instead of leaving them
+        // waiting for it.
+        let (runs, _) =
+            comm.all_gather_outcome(captured, |_| Vec::new(), "tuning AllReduce: capturing the candidates")?;
         for (graph, e0, e1) in &runs {
             graph.launch(&stream)?; // warm-up; also absorbs the ranks' skew
             e0.record(&stream)?;
@@ -179,6 +206,25 @@ fn time_candidates(coll: &Collectives, comm: &Communicator) -> Result<Chosen> {
 mod tests {
     use super::*;
     use crate::select::Layout;
+
+    /// Tables that choose differently digest differently, so ranks whose process caches hold
+    /// different tables tune again instead of planning apart.
+    #[test]
+    fn table_digests_tell_tables_apart() {
+        let p = |algorithm, blocks, threads| Plan { algorithm, blocks, threads };
+        let t = |entries: Vec<(u64, Plan)>| TuneTable { micros: vec![1.0; entries.len()], entries };
+        let a = t(vec![(1024, p(Algorithm::AllPair, 1, 128)), (1 << 20, p(Algorithm::Packet, 8, 512))]);
+        let same = t(vec![(1024, p(Algorithm::AllPair, 1, 128)), (1 << 20, p(Algorithm::Packet, 8, 512))]);
+        assert_eq!(a.digest(), same.digest());
+        for other in [
+            t(vec![(1024, p(Algorithm::AllPair, 2, 128)), (1 << 20, p(Algorithm::Packet, 8, 512))]),
+            t(vec![(1024, p(Algorithm::AllPair, 1, 256)), (1 << 20, p(Algorithm::Packet, 8, 512))]),
+            t(vec![(1024, p(Algorithm::AllPair, 1, 128)), (1 << 20, p(Algorithm::Simple, 8, 512))]),
+            t(vec![(1024, p(Algorithm::AllPair, 1, 128))]),
+        ] {
+            assert_ne!(a.digest(), other.digest());
+        }
+    }
 
     #[test]
     fn candidates_are_the_same_list_for_the_same_inputs_and_all_serve() {

@@ -276,6 +276,32 @@ impl ExecutorConfig {
     }
 }
 
+/// Checks every rank's `(send_size, recv_size)` (16 bytes each, as the build's first exchange
+/// carries them) against this rank's, naming the first rank that differs.
+fn check_same_sizes(plan: &str, mine: (u64, u64), all: &[Vec<u8>]) -> Result<(), ExecError> {
+    for (p, b) in all.iter().enumerate() {
+        let word = |i: usize| b.get(i * 8..i * 8 + 8).and_then(|w| w.try_into().ok()).map(u64::from_le_bytes);
+        let theirs = match (word(0), word(1)) {
+            (Some(s), Some(r)) if b.len() == 16 => (s, r),
+            _ => {
+                return Err(Error::remote(format!("rank {p} sent malformed buffer sizes for plan {plan}"))
+                    .with_peer(p)
+                    .into());
+            }
+        };
+        if theirs != mine {
+            return Err(Error::invalid_usage(format!(
+                "plan {plan}: rank {p} runs it with {} send / {} receive bytes, this rank with {} / {}: every rank must \
+                 pass the same sizes",
+                theirs.0, theirs.1, mine.0, mine.1
+            ))
+            .with_peer(p)
+            .into());
+        }
+    }
+    Ok(())
+}
+
 /// What resources are cached under: the plan's identity (a number given when it was loaded,
 /// never its contents) and the buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -458,6 +484,12 @@ impl Executor {
     /// rank's earlier kernels finished, and must not be inside a stream capture. Later calls
     /// only launch (no allocation, copy or free).
     ///
+    /// Each rank looks its own buffers up, so every rank must reach its first call for new
+    /// buffers together: where addresses change on some ranks only (a caching allocator
+    /// handing out another block), one rank builds while another launches, and both fail at
+    /// their timeouts. Keep the buffers fixed (as MSCCL++'s users do), or call `prepare` on
+    /// every rank when they change. Every rank must pass the same sizes (checked at the build).
+    ///
     /// # Errors
     /// [`ExecError::Lower`] for sizes or a plan this rank cannot run; [`ExecError::Device`] for a
     /// failure an earlier launch reported; core errors for setup and the launch.
@@ -625,11 +657,14 @@ impl Executor {
         // launched before: a peer's kernel still waiting for this rank would never finish. The
         // meeting point also tells every rank whether every other can run the plan: a rank that
         // cannot fails every rank at once, named, instead of leaving them to a bootstrap timeout.
-        let ((layout, links), _) = comm.all_gather_outcome(
+        // Every rank must pass the same sizes: chunk offsets into a peer's buffers are computed
+        // from this rank's own, so a rank with larger buffers would write past a peer's.
+        let ((layout, links), sizes) = comm.all_gather_outcome(
             local,
-            |_| Vec::new(),
+            |_| [send_size.to_le_bytes(), recv_size.to_le_bytes()].concat(),
             &format!("plan {}: checking its sizes and buffers", plan.name),
         )?;
+        check_same_sizes(&plan.name, (send_size, recv_size), &sizes)?;
         let gpu = &plan.gpus[rank];
         let flags: TransportFlags = [Transport::CudaIpc, self.config.port_transport].into_iter().collect();
         // Allocated and registered, then agreed: a rank out of memory (or whose buffers do not
@@ -1087,6 +1122,21 @@ fn plan_kernels(device: u32, source: &str) -> Result<Arc<Kernels>, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ranks that pass different buffer sizes are refused at the build's first exchange,
+    /// naming the first such rank (chunk offsets into peers' buffers come from each rank's own
+    /// sizes); a malformed message is a remote error.
+    #[test]
+    fn sizes_that_differ_between_ranks_are_refused_naming_the_rank() {
+        let msg = |s: u64, r: u64| [s.to_le_bytes(), r.to_le_bytes()].concat();
+        check_same_sizes("p", (4096, 8192), &[msg(4096, 8192), msg(4096, 8192)]).unwrap();
+        let e = check_same_sizes("p", (4096, 8192), &[msg(4096, 8192), msg(8192, 8192)]).unwrap_err();
+        let ExecError::Mscclpp(e) = e else { panic!("{e}") };
+        assert_eq!((e.kind(), e.peer()), (mscclpp::ErrorKind::InvalidUsage, Some(1)), "{e}");
+        assert!(e.to_string().contains("rank 1 runs it with 8192 send / 8192 receive bytes"), "{e}");
+        let ExecError::Mscclpp(e) = check_same_sizes("p", (1, 1), &[vec![1, 2, 3]]).unwrap_err() else { panic!() };
+        assert_eq!(e.kind(), mscclpp::ErrorKind::Remote, "{e}");
+    }
 
     #[test]
     fn kernel_kinds_are_named_in_any_case_with_either_separator() {
