@@ -164,6 +164,8 @@ impl CallOptions {
 /// # Ok::<(), mscclpp::Error>(())
 /// ```
 pub struct Collectives {
+    /// This object's number in the process (a [`Window`] remembers the one it was made by).
+    id: u64,
     rank: usize,
     nranks: usize,
     device: u32,
@@ -290,6 +292,18 @@ const ERR_MISMATCH: u64 = 2;
 const ERR_ABORTED: u64 = 3;
 const ERR_FAILED_BEFORE: u64 = 4;
 
+/// Dropping asks every kernel of this rank still running (a call the caller did not wait for,
+/// or a peer that never came) to stop and fail, before the memory they use is freed: freeing
+/// device memory waits for the whole GPU, which a kernel waiting for a dead peer (with no time
+/// limit) would never leave.
+impl Drop for Collectives {
+    fn drop(&mut self) {
+        if let Err(e) = self.status.abort() {
+            tracing::debug!(target: "mscclpp::collectives", "collectives dropped, its abort request failed: {e}");
+        }
+    }
+}
+
 impl Collectives {
     /// Builds the collectives of `comm` on `config.device` (a collective call: every rank of
     /// `comm` calls it). Compiles the kernels the first time a process needs them (NVRTC), so
@@ -388,7 +402,9 @@ impl Collectives {
             *slot = *addr;
         }
         tracing::debug!(target: "mscclpp::collectives", rank, nranks, gpu = dev, on_gpu, max_blocks = limits.max_blocks, scratch = layout.total, "collectives ready");
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Collectives {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             rank,
             nranks,
             device: dev,
@@ -726,7 +742,7 @@ impl Collectives {
         let k = self.kernels.get(coll, plan.algorithm, dtype)?;
         // SAFETY: the caller guarantees input/output for the sizes checked above until the call
         // finishes on the stream; the scratch, tables, state and error words live as long as self,
-        // which the caller keeps while work is pending (dropping synchronizes nothing, see Drop).
+        // which the caller keeps while work is pending (dropping aborts what still runs, see Drop).
         unsafe { kernels::launch(k, plan.blocks, plan.threads, stream, &args) }.map_err(|e| e.during(what()))
     }
 

@@ -16,6 +16,8 @@ use crate::types::{Algorithm, Collective, DataType, ReduceOp};
 /// read once and written once per rank, no staging). Keep it (and the buffers) alive while
 /// calls that use it may run.
 pub struct Window {
+    /// The [`Collectives`] that registered it (its tables are sized for that one's ranks).
+    owner: u64,
     send: u64,
     recv: u64,
     len: u64,
@@ -56,71 +58,100 @@ impl Collectives {
     /// using it) lives.
     pub unsafe fn register_window(&self, send: u64, recv: u64, len: usize) -> Result<Window> {
         let what = |s: &str| format!("registering a zero-copy window ({s}, rank {})", self.rank);
-        for (ptr, name) in [(send, "send"), (recv, "receive")] {
-            let g = check_device_range(ptr, len as u64, name).map_err(|e| e.during(what(name)))?;
-            if g != self.device {
-                return Err(Error::invalid_usage(format!(
-                    "{}: the buffer is on GPU{g}, the collectives on GPU{}",
-                    what(name),
-                    self.device
-                )));
-            }
-        }
         let ctx = self.comm.context();
-        // SAFETY: the caller keeps both ranges allocated while the window lives.
-        let mine = unsafe {
-            [
-                ctx.register_device(send, len, Transport::CudaIpc.into()).map_err(|e| e.during(what("send")))?,
-                ctx.register_device(recv, len, Transport::CudaIpc.into()).map_err(|e| e.during(what("receive")))?,
-            ]
-        };
-        let tag = 0x00c0_11ed;
-        let mut pending = Vec::new();
-        for (p, _) in &self.peer_sems {
-            for m in &mine {
-                self.comm.send_memory(m, *p, tag)?;
+        // What this rank checks and registers alone, then agreed: a rank whose buffers do not
+        // pass fails every rank at once, named, instead of leaving them waiting for its buffers.
+        let local = (|| -> Result<_> {
+            for (ptr, name) in [(send, "send"), (recv, "receive")] {
+                let g = check_device_range(ptr, len as u64, name).map_err(|e| e.during(what(name)))?;
+                if g != self.device {
+                    return Err(Error::invalid_usage(format!(
+                        "{}: the buffer is on GPU{g}, the collectives on GPU{}",
+                        what(name),
+                        self.device
+                    )));
+                }
             }
-            pending.push((self.comm.recv_memory(*p, tag)?, self.comm.recv_memory(*p, tag)?));
-        }
-        let mut send_tab = vec![0u64; self.nranks];
-        let mut recv_tab = vec![0u64; self.nranks];
-        send_tab[self.rank] = send;
-        recv_tab[self.rank] = recv;
-        let mut keep = Vec::new();
-        for ((p, sem), (ps, pr)) in self.peer_sems.iter().zip(pending) {
-            let (ps, pr) = (ps.wait()?, pr.wait()?);
-            if ps.len() != len as u64 || pr.len() != len as u64 {
+            // SAFETY: the caller keeps both ranges allocated while the window lives.
+            Ok(unsafe {
+                [
+                    ctx.register_device(send, len, Transport::CudaIpc.into()).map_err(|e| e.during(what("send")))?,
+                    ctx.register_device(recv, len, Transport::CudaIpc.into()).map_err(|e| e.during(what("receive")))?,
+                ]
+            })
+        })();
+        let (mine, lens) = self.comm.all_gather_outcome(
+            local,
+            |_| (len as u64).to_le_bytes().to_vec(),
+            "registering a zero-copy window: checking every rank's buffers",
+        )?;
+        for (p, l) in lens.iter().enumerate() {
+            if l.as_slice() != (len as u64).to_le_bytes() {
+                let theirs = l.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
                 return Err(Error::invalid_usage(format!(
-                    "{}: rank {p} registered {} bytes, this rank {len}",
-                    what("sizes"),
-                    ps.len()
+                    "{}: rank {p} registers {theirs} bytes, this rank {len}",
+                    what("sizes")
                 ))
-                .with_peer(*p));
+                .with_peer(p));
             }
-            let cs = MemoryChannel::new(sem.clone(), &ps, &mine[0], None)
-                .map_err(|e| e.during(what("mapping")).with_peer(*p))?;
-            let cr = MemoryChannel::new(sem.clone(), &pr, &mine[1], None)
-                .map_err(|e| e.during(what("mapping")).with_peer(*p))?;
-            send_tab[*p] = cs.device_handle().dst;
-            recv_tab[*p] = cr.device_handle().dst;
-            keep.push(cs);
-            keep.push(cr);
         }
-        let table = |t: &[u64]| -> Result<DeviceBuffer> {
-            let b = DeviceBuffer::new(ctx, self.device, self.nranks * 8, TransportFlags::NONE)?;
-            b.write(0, &t.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>())?;
-            Ok(b)
-        };
-        let w = Window {
-            send,
-            recv,
-            len: len as u64,
-            send_table: table(&send_tab)?,
-            recv_table: table(&recv_tab)?,
-            _keep: keep,
-        };
+        // The pairwise part; a rank that fails in it says so at the closing exchange, so that
+        // every rank fails at once, named.
+        let tag = 0x00c0_11ed;
+        let paired = (|| -> Result<_> {
+            let mut pending = Vec::new();
+            for (p, _) in &self.peer_sems {
+                for m in &mine {
+                    self.comm.send_memory(m, *p, tag).map_err(|e| e.with_peer(*p))?;
+                }
+                pending.push((
+                    self.comm.recv_memory(*p, tag).map_err(|e| e.with_peer(*p))?,
+                    self.comm.recv_memory(*p, tag).map_err(|e| e.with_peer(*p))?,
+                ));
+            }
+            let mut send_tab = vec![0u64; self.nranks];
+            let mut recv_tab = vec![0u64; self.nranks];
+            send_tab[self.rank] = send;
+            recv_tab[self.rank] = recv;
+            let mut keep = Vec::new();
+            for ((p, sem), (ps, pr)) in self.peer_sems.iter().zip(pending) {
+                let (ps, pr) = (ps.wait().map_err(|e| e.with_peer(*p))?, pr.wait().map_err(|e| e.with_peer(*p))?);
+                for (m, name) in [(&ps, "send"), (&pr, "receive")] {
+                    if m.len() != len as u64 {
+                        return Err(Error::invalid_usage(format!(
+                            "{}: rank {p}'s {name} buffer has {} bytes, this rank's {len}",
+                            what("sizes"),
+                            m.len()
+                        ))
+                        .with_peer(*p));
+                    }
+                }
+                let cs = MemoryChannel::new(sem.clone(), &ps, &mine[0], None)
+                    .map_err(|e| e.during(what("mapping")).with_peer(*p))?;
+                let cr = MemoryChannel::new(sem.clone(), &pr, &mine[1], None)
+                    .map_err(|e| e.during(what("mapping")).with_peer(*p))?;
+                send_tab[*p] = cs.device_handle().dst;
+                recv_tab[*p] = cr.device_handle().dst;
+                keep.push(cs);
+                keep.push(cr);
+            }
+            let table = |t: &[u64]| -> Result<DeviceBuffer> {
+                let b = DeviceBuffer::new(ctx, self.device, self.nranks * 8, TransportFlags::NONE)?;
+                b.write(0, &t.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>())?;
+                Ok(b)
+            };
+            Ok(Window {
+                owner: self.id,
+                send,
+                recv,
+                len: len as u64,
+                send_table: table(&send_tab)?,
+                recv_table: table(&recv_tab)?,
+                _keep: keep,
+            })
+        })();
         // Nobody calls with the window before every rank has mapped every peer's buffers.
-        self.comm.bootstrap().barrier()?;
+        let (w, _) = self.comm.all_gather_outcome(paired, |_| Vec::new(), "registering a zero-copy window")?;
         Ok(w)
     }
 
@@ -146,8 +177,23 @@ impl Collectives {
         if nbytes == 0 {
             return Ok(());
         }
+        if w.owner != self.id {
+            return Err(Error::invalid_usage(format!(
+                "{}: the window was registered by another Collectives object (its tables fit that one's ranks)",
+                what()
+            )));
+        }
         if nbytes > w.len {
             return Err(Error::invalid_usage(format!("{}: the window holds {} bytes", what(), w.len)));
+        }
+        let es = dtype.size() as u64;
+        if !w.send.is_multiple_of(es) || !w.recv.is_multiple_of(es) {
+            return Err(Error::invalid_usage(format!(
+                "{}: the window's buffers ({:#x}, {:#x}) are not aligned to its {es}-byte elements",
+                what(),
+                w.send,
+                w.recv
+            )));
         }
         if stream.device() != self.device {
             return Err(Error::invalid_usage(format!("{}: the stream is on GPU{}", what(), stream.device())));

@@ -178,6 +178,18 @@ impl std::fmt::Debug for TwoLevel {
 const MEM_HANDLE: usize = 48;
 const PORT_HANDLE: usize = 96;
 
+/// Dropping asks every kernel of this rank still running (a call the caller did not wait for,
+/// or a peer that never came) to stop and fail, before the memory they use is freed: freeing
+/// device memory waits for the whole GPU, which a kernel waiting for a dead peer (with no time
+/// limit) would never leave.
+impl Drop for TwoLevel {
+    fn drop(&mut self) {
+        if let Err(e) = self.status.abort() {
+            tracing::debug!(target: "mscclpp::collectives", "two-level collectives dropped, its abort request failed: {e}");
+        }
+    }
+}
+
 impl TwoLevel {
     /// Builds the two-level collectives of `comm` (every rank calls it with the same
     /// `ranks_per_node`, round size and transport). Compiles the kernels the first time the
