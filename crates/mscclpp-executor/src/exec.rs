@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -434,13 +434,20 @@ pub struct Executor {
     comm: Communicator,
     config: ExecutorConfig,
     contexts: Cache<Resources>,
-    next_ctx: AtomicU32,
+    /// The next build's number (its connection tags come from it); held through a build, so
+    /// builds run one at a time, and advanced only by a build that succeeded: every rank's count
+    /// stays the same after a build that failed on some of them (say, one rank found its
+    /// buffers cached and never came), so a retry lines up again.
+    next_ctx: Mutex<u32>,
 }
 
 const TAG_BASE: u32 = 0x0e00_0000;
 
 fn tag(ctx: u32, what: u32, pair: usize) -> u32 {
-    TAG_BASE | ((ctx & 0xfff) << 12) | ((what & 0xf) << 8) | (pair as u32 & 0xff)
+    // 8 bits of build number (builds run one at a time and finish their exchanges, so a
+    // wrapped number never meets a message of its namesake), 4 of kind, 12 of pair
+    // (`lower::MAX_PAIRS` channels of one type to one peer at most).
+    TAG_BASE | ((ctx & 0xff) << 16) | ((what & 0xf) << 12) | (pair as u32 & 0xfff)
 }
 
 /// Dropping asks every kernel of this executor still running (a call the caller did not wait
@@ -459,7 +466,7 @@ impl Executor {
     /// An executor for `comm`'s rank on `config.device`. Compiles the interpreter kernel (NVRTC,
     /// once per process and architecture) when first needed.
     pub fn new(comm: &Communicator, config: ExecutorConfig) -> Executor {
-        Executor { comm: comm.clone(), config, contexts: Cache::new(), next_ctx: AtomicU32::new(0) }
+        Executor { comm: comm.clone(), config, contexts: Cache::new(), next_ctx: Mutex::new(0) }
     }
 
     /// This rank.
@@ -617,9 +624,15 @@ impl Executor {
         }
         // The rank and the plan's size are checked in the build, at its first exchange: a rank
         // that refuses them fails every rank there, named.
-        let seq = self.next_ctx.fetch_add(1, Ordering::Relaxed);
+        let mut next = self.next_ctx.lock().map_err(|_| Error::internal("the executor's build lock is poisoned"))?;
+        // Another thread of this rank may have built these while this one waited for the lock.
+        if let Some(r) = self.contexts.get(&key)? {
+            return Ok(r);
+        }
+        let seq = *next;
         // SAFETY: the caller's contract.
         let r = Arc::new(unsafe { self.build(seq, rank, send, recv, send_size, recv_size, &plan.plan) }?);
+        *next = next.wrapping_add(1);
         self.contexts.insert(key, r.clone())?;
         Ok(r)
     }
@@ -1267,11 +1280,12 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for ctx in 0..4 {
             for what in 0..7 {
-                for pair in 0..4 {
-                    assert!(seen.insert(tag(ctx, what, pair)));
+                for pair in [0, 1, 2, 255, 256, 257, crate::lower::MAX_PAIRS - 1] {
+                    assert!(seen.insert(tag(ctx, what, pair)), "{ctx} {what} {pair}");
                 }
             }
         }
+        assert!(tag(255, 15, crate::lower::MAX_PAIRS - 1) >> 24 == TAG_BASE >> 24, "fields stay below the base");
     }
 
     /// The host work of a cached `execute` before the driver call: the cache lookup (lock, hash,

@@ -225,6 +225,10 @@ pub struct ChannelLink {
     pub pair: usize,
 }
 
+/// The most channels of one type between two ranks (their connection tags carry the pair in 12
+/// bits; MSCCL++'s plans have one per thread block or fewer).
+pub const MAX_PAIRS: usize = 4096;
+
 /// The rank's channels in order (memory first, then port, each in `connected_to` order), each
 /// checked to have its partner on the peer (else setup would wait for a connection that never
 /// comes).
@@ -237,6 +241,12 @@ pub fn channel_links(plan: &Plan, rank: usize) -> Result<Vec<ChannelLink>, Lower
             let peer = gpu.channel_peer(t, index).unwrap_or(usize::MAX);
             let pair = *seen.get(&peer).unwrap_or(&0);
             seen.insert(peer, pair + 1);
+            if pair >= MAX_PAIRS {
+                return Err(invalid(
+                    format!("gpus[{rank}].channels"),
+                    format!("more than {MAX_PAIRS} {} channels to rank {peer}", t.name()),
+                ));
+            }
             let theirs = plan
                 .gpus
                 .get(peer)
