@@ -135,11 +135,16 @@ const TAG_INTER: u32 = 0x00c0_4a11;
 /// after [`HierConfig::timeout`], and [`check`](Self::check) names it; the object then refuses
 /// further calls.
 ///
+/// Unlike [`Collectives`](crate::Collectives), whose calls carry a signature every peer checks,
+/// two-level calls are not yet checked against each other: ranks that call with different
+/// counts, types or operations get wrong results (or a timeout), not a named mismatch. The setup
+/// is checked (ranks per node, round size, transport).
+///
 /// Calls are stream-ordered and keep their device state on the GPU (an exchange counter that
 /// picks the half of the exchange slots), so they are meant to be capturable in a CUDA graph (not
-/// tested yet). Drop it only
-/// after every call finished on every rank (synchronize, then a bootstrap barrier): dropping stops
-/// the proxy and frees the scratch peers map.
+/// tested yet). Drop it only after every call finished on every rank (synchronize, then a
+/// bootstrap barrier): dropping aborts this rank's kernels that still run, stops the proxy and
+/// frees the scratch peers map.
 pub struct TwoLevel {
     // The proxy first: dropping it stops the thread before the memories it uses go.
     proxy: ProxyService,
