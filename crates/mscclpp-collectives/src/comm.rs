@@ -292,18 +292,6 @@ const ERR_MISMATCH: u64 = 2;
 const ERR_ABORTED: u64 = 3;
 const ERR_FAILED_BEFORE: u64 = 4;
 
-/// Dropping asks every kernel of this rank still running (a call the caller did not wait for,
-/// or a peer that never came) to stop and fail, before the memory they use is freed: freeing
-/// device memory waits for the whole GPU, which a kernel waiting for a dead peer (with no time
-/// limit) would never leave.
-impl Drop for Collectives {
-    fn drop(&mut self) {
-        if let Err(e) = self.status.abort() {
-            tracing::debug!(target: "mscclpp::collectives", "collectives dropped, its abort request failed: {e}");
-        }
-    }
-}
-
 impl Collectives {
     /// Builds the collectives of `comm` on `config.device` (a collective call: every rank of
     /// `comm` calls it). Compiles the kernels the first time a process needs them (NVRTC), so
@@ -742,7 +730,7 @@ impl Collectives {
         let k = self.kernels.get(coll, plan.algorithm, dtype)?;
         // SAFETY: the caller guarantees input/output for the sizes checked above until the call
         // finishes on the stream; the scratch, tables, state and error words live as long as self,
-        // which the caller keeps while work is pending (dropping aborts what still runs, see Drop).
+        // which the caller keeps while work is pending (dropping frees them after the GPU is idle).
         unsafe { kernels::launch(k, plan.blocks, plan.threads, stream, &args) }.map_err(|e| e.during(what()))
     }
 

@@ -373,18 +373,6 @@ impl std::fmt::Debug for PointToPoint {
     }
 }
 
-/// Dropping asks every kernel of this rank still running (a call the caller did not wait for,
-/// or a peer that never came) to stop and fail, before the memory they use is freed: freeing
-/// device memory waits for the whole GPU, which a kernel waiting for a dead peer (with no time
-/// limit) would never leave.
-impl Drop for PointToPoint {
-    fn drop(&mut self) {
-        if let Err(e) = self.status.abort() {
-            tracing::debug!(target: "mscclpp::collectives", "point-to-point dropped, its abort request failed: {e}");
-        }
-    }
-}
-
 impl PointToPoint {
     /// Builds the point-to-point path of `comm` (a collective call of every rank): compiles the
     /// kernel once per process (NVRTC), allocates and maps the scratch.

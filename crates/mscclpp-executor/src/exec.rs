@@ -450,18 +450,6 @@ fn tag(ctx: u32, what: u32, pair: usize) -> u32 {
     TAG_BASE | ((ctx & 0xff) << 16) | ((what & 0xf) << 12) | (pair as u32 & 0xfff)
 }
 
-/// Dropping asks every kernel of this executor still running (a call the caller did not wait
-/// for, or a peer that never came) to stop and fail, before the memory they use is freed:
-/// freeing device memory waits for the whole GPU, which a kernel waiting for a dead peer would
-/// never leave.
-impl Drop for Executor {
-    fn drop(&mut self) {
-        if let Err(e) = self.abort() {
-            tracing::debug!(target: "mscclpp::executor", "executor dropped, its abort request failed: {e}");
-        }
-    }
-}
-
 impl Executor {
     /// An executor for `comm`'s rank on `config.device`. Compiles the interpreter kernel (NVRTC,
     /// once per process and architecture) when first needed.

@@ -143,8 +143,9 @@ const TAG_INTER: u32 = 0x00c0_4a11;
 /// Calls are stream-ordered and keep their device state on the GPU (an exchange counter that
 /// picks the half of the exchange slots), so they are meant to be capturable in a CUDA graph (not
 /// tested yet). Drop it only after every call finished on every rank (synchronize, then a
-/// bootstrap barrier): dropping aborts this rank's kernels that still run, stops the proxy and
-/// frees the scratch peers map.
+/// bootstrap barrier): dropping stops the proxy and frees the scratch peers map (freeing waits
+/// for kernels still running, each bounded by the timeout; [`abort`](Self::abort) ends them at
+/// once).
 pub struct TwoLevel {
     // The proxy first: dropping it stops the thread before the memories it uses go.
     proxy: ProxyService,
@@ -182,18 +183,6 @@ impl std::fmt::Debug for TwoLevel {
 /// Bytes of a MemoryChannel / PortChannel device handle.
 const MEM_HANDLE: usize = 48;
 const PORT_HANDLE: usize = 96;
-
-/// Dropping asks every kernel of this rank still running (a call the caller did not wait for,
-/// or a peer that never came) to stop and fail, before the memory they use is freed: freeing
-/// device memory waits for the whole GPU, which a kernel waiting for a dead peer (with no time
-/// limit) would never leave.
-impl Drop for TwoLevel {
-    fn drop(&mut self) {
-        if let Err(e) = self.status.abort() {
-            tracing::debug!(target: "mscclpp::collectives", "two-level collectives dropped, its abort request failed: {e}");
-        }
-    }
-}
 
 impl TwoLevel {
     /// Builds the two-level collectives of `comm` (every rank calls it with the same
