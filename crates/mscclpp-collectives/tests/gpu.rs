@@ -488,19 +488,34 @@ fn setups(n: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Result<(), (
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn a_rank_out_of_memory_fails_every_rank_at_setup_naming_it() {
-    // Rank 1 asks for a 2 TiB scratch: its allocation fails. The others must fail at the same
-    // exchange, naming rank 1, not wait for its scratch until the bootstrap timeout.
+fn a_scratch_too_large_for_the_gpu_fails_every_rank_at_setup() {
+    // Every rank asks for a 512 GiB scratch (a valid layout, more than the GPU holds): each
+    // allocation fails, and every rank returns that error at the agreed exchange instead of
+    // waiting for the others' scratch until the bootstrap timeout.
+    let out = setups(3, |_| Config::new(0).tune(false).simple_bytes(1 << 38));
+    println!("{out:?}");
+    for (r, o) in out.iter().enumerate() {
+        let (kind, msg) = o.clone().unwrap_err();
+        assert_eq!(kind, ErrorKind::Cuda, "rank {r}: {msg}");
+        assert!(msg.contains("allocating the collectives' buffers"), "rank {r}: {msg}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_rank_set_up_differently_is_refused_naming_it() {
+    // Rank 1's staging rounds differ: its kernels would address peers' scratch with another
+    // layout. Every rank refuses at setup, before anything is allocated, naming a rank that
+    // differs from it.
     let out = setups(3, |rank| {
         let c = Config::new(0).tune(false);
-        if rank == 1 { c.simple_bytes(1 << 40) } else { c }
+        if rank == 1 { c.simple_bytes(1 << 26) } else { c }
     });
     println!("{out:?}");
-    let (kind, msg) = out[1].clone().unwrap_err();
-    assert_eq!(kind, ErrorKind::Cuda, "rank 1: {msg}");
-    for r in [0, 2] {
-        let (_, msg) = out[r].clone().unwrap_err();
-        assert!(msg.contains("rank 1 cannot go on"), "rank {r}: {msg}");
-        assert!(msg.contains("allocating the collectives' buffers"), "rank {r}: {msg}");
+    for (r, o) in out.iter().enumerate() {
+        let (kind, msg) = o.clone().unwrap_err();
+        assert_eq!(kind, ErrorKind::InvalidUsage, "rank {r}: {msg}");
+        let named = if r == 1 { 0 } else { 1 };
+        assert!(msg.contains(&format!("rank {named} set up its collectives with")), "rank {r}: {msg}");
     }
 }

@@ -435,9 +435,10 @@ pub struct Executor {
     config: ExecutorConfig,
     contexts: Cache<Resources>,
     /// The next build's number (its connection tags come from it); held through a build, so
-    /// builds run one at a time, and advanced only by a build that succeeded: every rank's count
-    /// stays the same after a build that failed on some of them (say, one rank found its
-    /// buffers cached and never came), so a retry lines up again.
+    /// builds run one at a time, and advanced once every rank passed the build's first exchange
+    /// (which every rank passes or fails alike): a build that never got there on some ranks (say,
+    /// one rank found its buffers cached and never came) leaves every rank's number as it was,
+    /// and one that failed later leaves no message behind under the next number.
     next_ctx: Mutex<u32>,
 }
 
@@ -617,10 +618,8 @@ impl Executor {
         if let Some(r) = self.contexts.get(&key)? {
             return Ok(r);
         }
-        let seq = *next;
         // SAFETY: the caller's contract.
-        let r = Arc::new(unsafe { self.build(seq, rank, send, recv, send_size, recv_size, &plan.plan) }?);
-        *next = next.wrapping_add(1);
+        let r = Arc::new(unsafe { self.build(&mut next, rank, send, recv, send_size, recv_size, &plan.plan) }?);
         self.contexts.insert(key, r.clone())?;
         Ok(r)
     }
@@ -628,7 +627,7 @@ impl Executor {
     #[allow(clippy::too_many_arguments)]
     unsafe fn build(
         &self,
-        seq: u32,
+        next: &mut u32,
         rank: usize,
         send: u64,
         recv: u64,
@@ -678,6 +677,12 @@ impl Executor {
             &format!("plan {}: checking its sizes and buffers", plan.name),
         )?;
         check_same_sizes(&plan.name, (send_size, recv_size), &sizes)?;
+        // Every rank got this far or none did (the exchange above tells each the others'
+        // outcome) and no pairwise message is out yet: the build's number advances here, on
+        // every rank alike, whatever happens next. A retry after a later failure uses fresh
+        // tags, so it never meets a message left over from this attempt.
+        let seq = *next;
+        *next = next.wrapping_add(1);
         let gpu = &plan.gpus[rank];
         let flags: TransportFlags = [Transport::CudaIpc, self.config.port_transport].into_iter().collect();
         // Allocated and registered, then agreed: a rank out of memory (or whose buffers do not

@@ -212,9 +212,12 @@ impl TwoLevel {
         // Every rank must also lay out its scratch and group its nodes the same way (kernels
         // write into peers' scratch with their own layout): the first line of each message.
         let agree = |layout: &Layout| {
+            // The transport's kind only: ranks may use different IB devices (IB0 here, IB3 there).
+            let t = config.inter.transport;
+            let kind = if t.is_ib() { "InfiniBand".to_string() } else { format!("{t:?}") };
             format!(
-                "ranks_per_node {}, round_bytes {} (scratch {} bytes), inter-node transport {:?}",
-                config.ranks_per_node, config.round_bytes, layout.total, config.inter.transport
+                "ranks_per_node {}, round_bytes {} (scratch {} bytes), inter-node transport {kind}",
+                config.ranks_per_node, config.round_bytes, layout.total
             )
         };
         let ((topo, layout, kernels, me, sms, per_sm), all) = comm.all_gather_outcome(
@@ -230,7 +233,7 @@ impl TwoLevel {
             if theirs != mine {
                 return Err(Error::invalid_usage(format!(
                     "rank {p} set up its two-level collectives with {theirs:?}, this rank with {mine:?}: every rank \
-                     must use the same HierConfig sizes and transport"
+                     must use the same HierConfig sizes and transport kind"
                 ))
                 .with_peer(p));
             }

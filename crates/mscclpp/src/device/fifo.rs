@@ -151,9 +151,10 @@ impl Fifo {
         self.mem.control()[1].store(code, Ordering::Release);
     }
 
-    /// Makes a proxy this FIFO's consumer: refused while another serves it; a FIFO whose earlier
-    /// proxy stopped or failed has its error word put back to 0 (running), so kernels' waits
-    /// work again, and the new proxy goes on from the earlier one's `tail`.
+    /// Makes a proxy this FIFO's consumer: refused while another serves it. The new proxy goes
+    /// on from the earlier one's `tail`; once its thread runs, a FIFO whose earlier proxy stopped
+    /// or failed has its error word put back to 0 ([`set_proxy_error`](Self::set_proxy_error)),
+    /// so kernels' waits work again (not before: a proxy that fails to start leaves the word).
     pub(crate) fn claim(&self) -> Result<()> {
         // Acquire: pairs with the Release store in `release_claim`: the earlier proxy's pops and
         // error word happen before this one starts.
@@ -161,9 +162,6 @@ impl Fifo {
             return Err(Error::invalid_usage(
                 "a proxy already serves this FIFO: it takes one consumer at a time (stop that proxy first)",
             ));
-        }
-        if self.proxy_error() != 0 {
-            self.set_proxy_error(0);
         }
         Ok(())
     }

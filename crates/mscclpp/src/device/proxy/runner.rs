@@ -474,6 +474,10 @@ impl Proxy {
                 let _claim = claim;
                 let init = init_thread(options.device);
                 let ok = init.is_ok();
+                if ok && runner.sh.fifo.proxy_error() != 0 {
+                    // An earlier proxy of this FIFO stopped or failed: this one runs now.
+                    runner.sh.fifo.set_proxy_error(0);
+                }
                 let _ = tx.send(init);
                 if ok {
                     runner.run_guarded(options.idle_backoff);
