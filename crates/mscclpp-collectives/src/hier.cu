@@ -20,6 +20,7 @@ using namespace mscclpp;
 #define HERR_ABORTED 3ull
 #define HERR_FAILED_BEFORE 4ull
 #define HERR_GRID 5ull
+#define HERR_MISMATCH 6ull
 
 #define HOP_SUM 0
 #define HOP_PROD 1
@@ -134,6 +135,23 @@ __device__ bool node_barrier(const HierArgs& a) {
     }
   }
   return grid_sync(a);
+}
+
+// This call's signature into every node peer's slot for this rank, by the thread that signals
+// that peer in the next node barrier (its fence and signal order the store before it).
+__device__ __forceinline__ void send_sig(const HierArgs& a) {
+  const u32 t = threadIdx.x;
+  if (blockIdx.x == 0 && t < a.nlocal && t != a.local) hstore_sys((u64*)(scratch_of(a, t) + a.sig_off) + a.local, a.sig);
+}
+// After that barrier: every node peer's slot must hold this call's signature (read by the thread
+// that waited for that peer). A peer making another call fails both ranks, each naming the other,
+// at their next grid barrier, before anything reaches the output.
+__device__ __forceinline__ void check_sigs(const HierArgs& a) {
+  const u32 t = threadIdx.x;
+  if (blockIdx.x == 0 && t < a.nlocal && t != a.local &&
+      hload_sys((const u64*)((const char*)a.scratch + a.sig_off) + t) != a.sig) {
+    hfail(a, HERR_MISMATCH, a.node * a.nlocal + t);
+  }
 }
 
 // Inter-node exchange: puts `bytes` at scratch offset `off` into the same offset of every
@@ -289,12 +307,14 @@ __device__ void hier_allreduce(const HierArgs& a) {
   char* out = (char*)a.out;
   char* me = (char*)a.scratch;
   __shared__ const char* srcs[HMAX_GROUP];
+  send_sig(a);
   for (u64 base = 0; base < a.nbytes; base += R, ex++) {
     const u64 rb = a.nbytes - base < R ? a.nbytes - base : R;
     const u64 par = ex & 1;
     // Stage.
     grid_copy(me + a.in_off, in + base, rb);
     if (!node_barrier(a)) return hend(a, ex);
+    if (base == 0) check_sigs(a);
     // IntraReduceScatter: my chunk of every node peer's staging, in local order.
     u64 lo, hi;
     chunk_of(rb, L, l, lo, hi);
@@ -328,6 +348,7 @@ __device__ void hier_allgather(const HierArgs& a) {
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   char* me = (char*)a.scratch;
+  send_sig(a);
   for (u64 base = 0; base < sb; base += R, ex++) {
     const u64 len = sb - base < R ? sb - base : R;
     const u64 par = ex & 1;
@@ -336,6 +357,7 @@ __device__ void hier_allgather(const HierArgs& a) {
     grid_copy(me + cols + n * R, in + base, len);
     grid_copy(out + a.rank * sb + base, in + base, len);
     if (!node_barrier(a)) return hend(a, ex);
+    if (base == 0) check_sigs(a);
     // InterExchange.
     if (!inter_exchange(a, cols + n * R, len)) return hend(a, ex + 1);
     // IntraAllGather: the other nodes' slots of my column, then every slot of my peers' columns.

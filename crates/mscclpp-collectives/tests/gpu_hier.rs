@@ -365,6 +365,33 @@ fn a_missing_rank_times_out_naming_it() {
     assert!(t.elapsed() < Duration::from_secs(90), "took {:?}", t.elapsed());
 }
 
+/// Ranks 0 and 1 (node 0) make different calls (4096 and 2048 elements): each names the other as
+/// a node peer that made another call, within its first round, instead of reducing the wrong
+/// data; node 1's ranks, which agree, run the call or fail on their cross-node peer (the
+/// signatures are compared inside a node only, see TwoLevel's documentation).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn node_peers_making_different_calls_are_named() {
+    let res = ranks(
+        4,
+        1 << 16,
+        |_| config(2, Transport::CudaIpc).timeout(Duration::from_secs(2)),
+        |rank, two, stream, a, _| {
+            let count = if rank == 1 { 2048 } else { 4096 };
+            // SAFETY: a (64 KiB) holds 4096 f32 and outlives the synchronize.
+            unsafe { two.all_reduce(a.device_ptr(), a.device_ptr(), count, DataType::F32, ReduceOp::Sum, stream) }
+                .and_then(|_| two.synchronize(stream, T))
+                .map_err(|e| (e.kind(), e.peer(), e.to_string()))
+        },
+    );
+    println!("RESULT different calls: {res:?}");
+    for (rank, other) in [(0usize, 1usize), (1, 0)] {
+        let (kind, peer, msg) = res[rank].as_ref().unwrap_err();
+        assert_eq!((*kind, *peer), (ErrorKind::InvalidUsage, Some(other)), "rank {rank}: {msg}");
+        assert!(msg.contains("made another two-level call"), "rank {rank}: {msg}");
+    }
+}
+
 /// Groupings that do not divide the ranks are refused before anything is connected.
 #[test]
 #[ignore = "needs a CUDA GPU"]

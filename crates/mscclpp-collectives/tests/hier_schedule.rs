@@ -235,7 +235,8 @@ fn layout_and_chunks() {
     let lay = Layout::new(&topo, 1000).unwrap();
     assert_eq!(lay.ar_round % (16 * 4), 0);
     assert!(lay.ar_round >= 1000);
-    assert_eq!(lay.total, lay.col(&topo, 2, 0));
+    assert_eq!(lay.sig_off, lay.col(&topo, 2, 0));
+    assert_eq!(lay.total, lay.sig_off + 8 * schedule::MAX_LOCAL);
     assert_eq!(lay.col_off, lay.x(&topo, 2, 0));
     // Chunks cover the range in order, 16-byte aligned, possibly empty at the end.
     for len in [0u64, 2, 4, 30, 64, 100, 4099 * 2] {

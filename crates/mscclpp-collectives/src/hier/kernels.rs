@@ -39,10 +39,14 @@ pub(crate) struct HierArgs {
     pub(crate) res_off: u64,
     pub(crate) x_off: u64,
     pub(crate) col_off: u64,
+    /// The node peers' signature slots in the scratch (one word per local rank).
+    pub(crate) sig_off: u64,
+    /// This call's signature (collective, type, operation, bytes; never 0).
+    pub(crate) sig: u64,
 }
 
 /// The CUDA names of [`HierArgs`]' fields, in order.
-pub(crate) const ARG_FIELDS: [&str; 23] = [
+pub(crate) const ARG_FIELDS: [&str; 25] = [
     "in",
     "out",
     "nbytes",
@@ -66,6 +70,8 @@ pub(crate) const ARG_FIELDS: [&str; 23] = [
     "res_off",
     "x_off",
     "col_off",
+    "sig_off",
+    "sig",
 ];
 
 /// Bytes of the device state block (`HierState` in the CUDA source).
@@ -137,6 +143,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<HierArgs>(), ARG_FIELDS.len() * 8);
         assert_eq!(std::mem::offset_of!(HierArgs, input), 0);
         assert_eq!(std::mem::offset_of!(HierArgs, col_off), 22 * 8);
+        assert_eq!(std::mem::offset_of!(HierArgs, sig), 24 * 8);
         assert_eq!(std::mem::offset_of!(HierArgs, timeout_ns), 16 * 8);
         let src = source();
         let body = src.split("struct HierArgs {\n").nth(1).and_then(|s| s.split("};").next()).unwrap_or_default();

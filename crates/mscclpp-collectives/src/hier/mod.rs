@@ -119,6 +119,19 @@ const ERR_PROXY: u64 = 2;
 const ERR_ABORTED: u64 = 3;
 const ERR_FAILED_BEFORE: u64 = 4;
 const ERR_GRID: u64 = 5;
+const ERR_MISMATCH: u64 = 6;
+
+/// A two-level call's signature: what every node peer's call must match (collective, type,
+/// operation, bytes), as a nonzero word (FNV-1a; 0 is an empty slot).
+fn signature(coll: Collective, dtype: DataType, op: Option<ReduceOp>, nbytes: u64) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for x in [coll as u64, dtype as u64, op.map_or(u64::MAX, |o| o.code()), nbytes] {
+        for b in x.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h | 1
+}
 
 const THREADS: u32 = 512;
 const TAG_INTRA: u32 = 0x00c0_4a10;
@@ -135,10 +148,12 @@ const TAG_INTER: u32 = 0x00c0_4a11;
 /// after [`HierConfig::timeout`], and [`check`](Self::check) names it; the object then refuses
 /// further calls.
 ///
-/// Unlike [`Collectives`](crate::Collectives), whose calls carry a signature every peer checks,
-/// two-level calls are not yet checked against each other: ranks that call with different
-/// counts, types or operations get wrong results (or a timeout), not a named mismatch. The setup
-/// is checked (ranks per node, round size, transport).
+/// Each call carries a signature (collective, type, operation, bytes) that the ranks of a node
+/// compare in the call's first node barrier: node peers that make different calls fail, each
+/// naming the other (`InvalidUsage`), before anything reaches the output. Ranks of different
+/// nodes are not compared directly (that would cost a proxy copy per call): whole nodes that
+/// agree inside but differ from each other get wrong results or a timeout, not a named
+/// mismatch. The setup is checked across all ranks (ranks per node, round size, transport kind).
 ///
 /// Calls are stream-ordered and keep their device state on the GPU (an exchange counter that
 /// picks the half of the exchange slots), so they are meant to be capturable in a CUDA graph (not
@@ -468,6 +483,11 @@ impl TwoLevel {
             ERR_FAILED_BEFORE => Error::remote(format!(
                 "rank {r}: a two-level collective ran after an earlier one failed and did nothing"
             )),
+            ERR_MISMATCH => Error::invalid_usage(format!(
+                "rank {r}: node peer rank {peer} made another two-level call (collective, type, operation or count \
+                 differ); every rank must make the same calls in the same order"
+            ))
+            .with_peer(peer),
             ERR_GRID => Error::internal(format!(
                 "rank {r}: the blocks of a two-level kernel were not all resident (a grid barrier timed out)"
             )),
@@ -550,6 +570,8 @@ impl TwoLevel {
             res_off: l.res_off,
             x_off: l.x_off,
             col_off: l.col_off,
+            sig_off: l.sig_off,
+            sig: signature(coll, dtype, op, nbytes),
         };
         // SAFETY: the caller guarantees input/output for the sizes checked above until the call
         // finishes on the stream; scratch, handles, state and error words live as long as self.

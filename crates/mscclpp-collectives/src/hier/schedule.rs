@@ -139,9 +139,16 @@ pub struct Layout {
     pub x_off: u64,
     /// AllGather exchange slots `COL[parity][node]`, `ag_round` bytes each.
     pub col_off: u64,
+    /// Signature slots, one 8-byte word per local rank: each node peer writes its call's
+    /// signature into its word before the call's first node barrier.
+    pub sig_off: u64,
     /// Total scratch bytes.
     pub total: u64,
 }
+
+/// Local ranks a node may have (the two-level kernels' group limit, `HMAX_GROUP` in hier.cu):
+/// the signature area holds one word for each.
+pub const MAX_LOCAL: u64 = 64;
 
 impl Layout {
     /// The layout for `topo` with AllReduce rounds of about `round_bytes` (rounded up to a
@@ -163,10 +170,11 @@ impl Layout {
             let res_off = ar_round;
             let x_off = res_off.checked_add(slot)?;
             let col_off = x_off.checked_add(m.checked_mul(2)?.checked_mul(slot)?)?;
-            let total = col_off.checked_add(m.checked_mul(2)?.checked_mul(slot)?)?;
-            Some((ar_round, slot, res_off, x_off, col_off, total))
+            let sig_off = col_off.checked_add(m.checked_mul(2)?.checked_mul(slot)?)?;
+            let total = sig_off.checked_add(MAX_LOCAL * 8)?;
+            Some((ar_round, slot, res_off, x_off, col_off, sig_off, total))
         })();
-        let Some((ar_round, slot, res_off, x_off, col_off, total)) = sizes else {
+        let Some((ar_round, slot, res_off, x_off, col_off, sig_off, total)) = sizes else {
             return Err(Error::invalid_usage(format!(
                 "a two-level round of {round_bytes} bytes is too large: its scratch would pass the 4 GiB that \
                  PortChannel offsets address"
@@ -179,7 +187,7 @@ impl Layout {
                  PortChannel offsets address: use smaller rounds"
             )));
         }
-        Ok(Layout { ar_round, ag_round, in_off, res_off, x_off, col_off, total })
+        Ok(Layout { ar_round, ag_round, in_off, res_off, x_off, col_off, sig_off, total })
     }
     /// Bytes of one AllReduce exchange slot.
     pub fn x_slot(&self, topo: &Topology) -> u64 {
