@@ -139,11 +139,12 @@ impl Collectives {
 
     /// A borrowed wrapper of the caller's stream on this GPU.
     fn stream(&self, py: Python<'_>, raw: u64) -> PyResult<Stream> {
-        // SAFETY: `raw` is a stream the caller created on this GPU's primary context (the CUDA
-        // runtime's, as torch's and CuPy's are), or 0 for the legacy default stream; the wrapper
+        // SAFETY: `raw` is a stream the caller created (its context is checked to be this GPU's
+        // primary one, the CUDA runtime's, as torch's and CuPy's are), or 0 for the legacy
+        // default stream; the wrapper
         // does not own it and lives only for this call. A stale handle is the caller's error, as
         // with any CUDA API taking a stream.
-        unsafe { Stream::from_raw(self.inner.device(), raw) }.py(py)
+        unsafe { Stream::from_raw_checked(self.inner.device(), raw) }.py(py)
     }
 }
 

@@ -256,10 +256,10 @@ pub(crate) struct Executor {
 
 impl Executor {
     fn stream(&self, py: Python<'_>, raw: u64) -> PyResult<Stream> {
-        // SAFETY: `raw` is a stream the caller created on this GPU's primary context (the CUDA
-        // runtime's, as torch's is), or 0 for the legacy default stream; the wrapper does not own
-        // it and lives only for this call.
-        unsafe { Stream::from_raw(self.device, raw) }.map_err(|e| to_py(py, &e))
+        // SAFETY: `raw` is a stream the caller created (its context is checked to be this GPU's
+        // primary one, the CUDA runtime's, as torch's is), or 0 for the legacy default stream;
+        // the wrapper does not own it and lives only for this call.
+        unsafe { Stream::from_raw_checked(self.device, raw) }.map_err(|e| to_py(py, &e))
     }
 }
 
@@ -337,7 +337,7 @@ impl Executor {
             // SAFETY: `stream` is a stream the caller created on this GPU's primary context (the
             // CUDA runtime's, as torch's is), or 0 for the legacy default stream; the wrapper does
             // not own it and lives only for this call.
-            let s = unsafe { Stream::from_raw(device, stream) }?;
+            let s = unsafe { Stream::from_raw_checked(device, stream) }?;
             // SAFETY: as for `prepare` above.
             unsafe { ex.execute(rank, send, recv, send_size, recv_size, d, pl, &s, p) }
         })

@@ -169,6 +169,21 @@ impl GpuDevice {
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cuda_err("cuCtxSetCurrent", e))
     }
 
+    /// Whether `raw` (a caller's stream handle) belongs to this device's primary context; the
+    /// legacy and per-thread default streams (0, 1, 2) are taken as this device's (they follow
+    /// the calling thread's current context, which calls bind first).
+    pub(crate) fn owns_stream(&self, raw: u64) -> Result<bool> {
+        if raw <= 2 {
+            return Ok(true);
+        }
+        self.bind()?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local handle; the driver validates the stream handle and
+        // returns an error for one it does not know.
+        check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(raw as sys::CUstream, &mut ctx) })?;
+        Ok(ctx == self.ctx)
+    }
+
     /// Lets this device access `peer`'s memory (tolerates "already enabled").
     pub(crate) fn enable_peer_access(&self, peer: &GpuDevice) -> Result<()> {
         if peer.ordinal == self.ordinal {

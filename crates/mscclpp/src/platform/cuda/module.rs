@@ -251,6 +251,29 @@ impl Stream {
         Ok(Stream { inner: unsafe { RawStream::borrowed(&dev, raw) } })
     }
 
+    /// [`from_raw`](Self::from_raw), after asking the driver whether `raw` is a stream of GPU
+    /// `device`'s primary context (`cuStreamGetCtx`, a fraction of a microsecond): a stream of
+    /// another GPU (a framework's current stream on the wrong device) is refused with a clear
+    /// error instead of failing the launch later. For bindings (Python), where that mistake is
+    /// easy and the check's cost small next to the call's.
+    ///
+    /// # Errors
+    /// As `from_raw`; `InvalidUsage` for a stream of another GPU or context; `Cuda` for a handle
+    /// the driver does not know.
+    ///
+    /// # Safety
+    /// As `from_raw`, except that the stream may be of another GPU (it is then refused).
+    pub unsafe fn from_raw_checked(device: u32, raw: u64) -> Result<Stream> {
+        let dev = super::device(device)?;
+        if !dev.owns_stream(raw).map_err(|e| e.during(format!("checking stream {raw:#x}")))? {
+            return Err(Error::invalid_usage(format!(
+                "stream {raw:#x} belongs to another GPU or context than GPU{device}'s (make it current on GPU{device})"
+            )));
+        }
+        // SAFETY: the caller's contract, passed on (the stream is of this device's context).
+        Ok(Stream { inner: unsafe { RawStream::borrowed(&dev, raw) } })
+    }
+
     /// The driver's handle (`CUstream`, the same value as a runtime `cudaStream_t`), for FFI.
     pub fn as_raw(&self) -> u64 {
         self.inner.raw as u64
