@@ -98,6 +98,8 @@ pub struct CallOptions {
     /// Threads per block (32..=512, a multiple of 32).
     pub threads: Option<u32>,
     /// Reduce f16/bf16 in f32 and round once at the end (default: round after every step).
+    /// Built-in algorithms only: a registered external algorithm (an execution plan) reduces as
+    /// it was written.
     pub accumulate_f32: bool,
 }
 
