@@ -3,7 +3,9 @@
 # port channels over CUDA IPC through the proxy) RUNS times per setting, each under `timeout`,
 # and prints one line per run (PASS / FAIL with the ranks' errors). Settings: the executor
 # kernel and CUDA_DEVICE_MAX_CONNECTIONS ("default": left unset, so mscclpp-perf sets 32 for its
-# ranks as threads; 8 is the driver's own default).
+# ranks as threads; 8 is the driver's own default), and optionally ":greatest" for
+# MSCCLPP_CUDAIPC_STREAM_PRIORITY=greatest (the connection streams at the greatest priority:
+# do they escape queues shared with the ranks' kernels?), e.g. per-plan:8:greatest.
 # Needs gpu-bundle-exec (scripts/gpu-bundle-exec.sh). Device call: carry ["gpu-bundle-exec"],
 # command "bash scripts/gpu-two-node.sh" (RUNS, SETTINGS, CAP to change the defaults).
 set -u
@@ -12,16 +14,17 @@ tar xJf bin.tar.xz
 logs=${OUT:-/tmp/two-node}; mkdir -p "$logs"
 runs=${RUNS:-4}; cap=${CAP:-30}
 for setting in ${SETTINGS:-per-plan:default interpreter:default per-plan:8}; do
-  k=${setting%%:*}; q=${setting##*:}
+  IFS=: read -r k q prio <<< "$setting"
   for i in $(seq "$runs"); do
     env_q=(); [ "$q" = default ] || env_q=(CUDA_DEVICE_MAX_CONNECTIONS=$q)
+    [ -n "${prio:-}" ] && env_q+=(MSCCLPP_CUDAIPC_STREAM_PRIORITY=$prio)
     t0=$SECONDS
     env "${env_q[@]}" MSCCLPP_EXECUTOR_KERNEL=$k timeout "$cap" bin/mscclpp-perf allreduce \
       --plan bin/plans/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 5 \
       > "$logs/run.log" 2>&1
     rc=$?
     r=PASS; [ $rc = 0 ] || r="FAIL rc=$rc"; [ $rc = 124 ] && r="TIMEOUT (${cap}s)"
-    echo "$r kernel=$k queues=$q run $i ($((SECONDS - t0)) s)"
+    echo "$r kernel=$k queues=$q${prio:+ priority=$prio} run $i ($((SECONDS - t0)) s)"
     [ $rc = 0 ] || grep -E "rank [0-9]|^ +[0-9]+ " "$logs/run.log" | sed 's/^/    /' | tail -12
     cat "$logs/run.log" >> "$logs/all-runs.log"
   done

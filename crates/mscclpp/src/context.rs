@@ -108,7 +108,14 @@ impl ContextInner {
         if let Some(s) = v.iter().find(|s| s.dev.ordinal == dev.ordinal) {
             return Ok(s.clone());
         }
-        let s = Arc::new(crate::platform::cuda::Stream::new(dev)?);
+        // `MSCCLPP_CUDAIPC_STREAM_PRIORITY=greatest`: an experiment (see the hardware-queue probe
+        // of `mscclpp-perf device`) for programs whose streams share hardware queues.
+        let greatest = crate::env::env()?.cudaipc_greatest_priority == Some(true);
+        let s = Arc::new(if greatest {
+            crate::platform::cuda::Stream::with_priority(dev, true)?
+        } else {
+            crate::platform::cuda::Stream::new(dev)?
+        });
         v.push(s.clone());
         warn_if_queues_shared(dev.ordinal, &s);
         Ok(s)

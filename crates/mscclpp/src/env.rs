@@ -14,6 +14,7 @@
 //! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts; MSCCL++/NCCL's `INIT` means `BOOTSTRAP`, `P2P` means `CONN`; other names (`EXEC`, `NCCL`, `GRAPH`, ...) are ignored with a warning |
 //! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr; `%h`, `%p`, `%r` become host, pid, rank (`-` until the bootstrap sets it), `%%` a `%` |
 //! | `MSCCLPP_DEBUG`, `MSCCLPP_DEBUG_SUBSYS` | deprecated MSCCL++ names of `MSCCLPP_LOG_LEVEL`, `MSCCLPP_LOG_SUBSYS` (read with a warning when the new name is unset) |
+//! | `MSCCLPP_CUDAIPC_STREAM_PRIORITY` | `default` or `greatest`: the priority of the streams CUDA IPC connections (and so proxies) copy on; `greatest` is an experiment for programs whose streams share hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`), see `mscclpp-perf device`'s hardware-queue probe |
 //! | `MSCCLPP_NVRTC_PATH` | `libnvrtc.so*` or its directory, for [`crate::device::compile`] (read when NVRTC first loads) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
@@ -121,6 +122,9 @@ pub struct Env {
     pub log_subsys: Option<(bool, Vec<String>)>,
     /// `MSCCLPP_LOG_FILE` (a pattern: `%h`, `%p`, `%r` not yet expanded).
     pub log_file: Option<PathBuf>,
+    /// `MSCCLPP_CUDAIPC_STREAM_PRIORITY`: `Some(true)` for `greatest`, `Some(false)` for
+    /// `default`.
+    pub cudaipc_greatest_priority: Option<bool>,
     /// Warnings about the log settings (deprecated names, subsystems this library does not have),
     /// printed once by `init_logging`.
     pub log_warnings: Vec<String>,
@@ -227,6 +231,13 @@ impl Env {
             });
         }
         env.host_id = get("MSCCLPP_HOSTID");
+        if let Some(v) = get("MSCCLPP_CUDAIPC_STREAM_PRIORITY") {
+            env.cudaipc_greatest_priority = Some(match v.trim().to_ascii_lowercase().as_str() {
+                "greatest" | "high" => true,
+                "default" => false,
+                _ => return Err(bad("MSCCLPP_CUDAIPC_STREAM_PRIORITY", &v, "expected default or greatest")),
+            });
+        }
         let deprecated = |new: &str, old: &str, warnings: &mut Vec<String>| match (get(new), get(old)) {
             (Some(v), Some(_)) => {
                 warnings.push(format!("{old} is deprecated and ignored: {new} is set and wins"));
@@ -352,8 +363,10 @@ mod tests {
             ("MSCCLPP_SOCKET_FAMILY", "AF_INET6"),
             ("MSCCLPP_LOG_LEVEL", "info"),
             ("MSCCLPP_LOG_SUBSYS", "^net,ib"),
+            ("MSCCLPP_CUDAIPC_STREAM_PRIORITY", "Greatest"),
         ])
         .unwrap();
+        assert_eq!(e.cudaipc_greatest_priority, Some(true));
         assert_eq!(e.hca_devices.unwrap(), vec!["mlx5_0", "mlx5_1"]);
         assert_eq!(e.ib_gid_index, Some(3));
         assert_eq!(e.ibv_mode, Some(IbMode::HostNoAtomic));
@@ -373,6 +386,7 @@ mod tests {
             ("MSCCLPP_SOCKET_FAMILY", "AF_UNIX"),
             ("MSCCLPP_LOG_LEVEL", "LOUD"),
             ("MSCCLPP_HCA_DEVICES", "mlx5_0,,mlx5_1"),
+            ("MSCCLPP_CUDAIPC_STREAM_PRIORITY", "urgent"),
         ] {
             let err = parse(&[(k, v)]).unwrap_err();
             assert!(err.to_string().contains(k), "{err}");
