@@ -355,11 +355,13 @@ __device__ void hier_allgather(const HierArgs& a) {
     const u64 cols = a.col_off + par * M * R;
     // Stage.
     grid_copy(me + cols + n * R, in + base, len);
-    grid_copy(out + a.rank * sb + base, in + base, len);
     if (!node_barrier(a)) return hend(a, ex);
     if (base == 0) check_sigs(a);
     // InterExchange.
     if (!inter_exchange(a, cols + n * R, len)) return hend(a, ex + 1);
+    // My own segment (`hier::schedule` copies it in Stage; here it waits for the signature
+    // check, so that a mismatched call writes no output).
+    grid_copy(out + a.rank * sb + base, in + base, len);
     // IntraAllGather: the other nodes' slots of my column, then every slot of my peers' columns.
     for (u32 np = 0; np < M; np++) {
       if (np != n) grid_copy(out + (np * L + l) * sb + base, me + cols + np * R, len);

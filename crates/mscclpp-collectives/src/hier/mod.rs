@@ -152,8 +152,9 @@ const TAG_INTER: u32 = 0x00c0_4a11;
 /// compare in the call's first node barrier: node peers that make different calls fail, each
 /// naming the other (`InvalidUsage`), before anything reaches the output. Ranks of different
 /// nodes are not compared directly (that would cost a proxy copy per call): whole nodes that
-/// agree inside but differ from each other get wrong results or a timeout, not a named
-/// mismatch. The setup is checked across all ranks (ranks per node, round size, transport kind).
+/// agree inside but differ from each other (and every call with one rank per node) get wrong
+/// results or a timeout, not a named mismatch; a rank whose call has no bytes launches nothing,
+/// so its peers time out naming it. The setup is checked across all ranks (ranks per node, round size, transport kind).
 ///
 /// Calls are stream-ordered and keep their device state on the GPU (an exchange counter that
 /// picks the half of the exchange slots), so they are meant to be capturable in a CUDA graph (not

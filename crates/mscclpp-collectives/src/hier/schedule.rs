@@ -148,7 +148,7 @@ pub struct Layout {
 
 /// Local ranks a node may have (the two-level kernels' group limit, `HMAX_GROUP` in hier.cu):
 /// the signature area holds one word for each.
-pub const MAX_LOCAL: u64 = 64;
+pub const MAX_LOCAL: u64 = MAX_GROUP as u64;
 
 impl Layout {
     /// The layout for `topo` with AllReduce rounds of about `round_bytes` (rounded up to a
