@@ -51,10 +51,11 @@
 // `proxy_error`, then writes UINT64_MAX into every flushDonePos word, so a trapping `flush()`
 // returns instead of hanging; a `push` that finds the ring full once the proxy has stopped
 // popping traps as soon as `tail` stood still over MSCCLPP_RS_ERROR_CHECK_PERIOD reads with the
-// error word set, not at its spin limit (a negative spin count still waits). The time-limited PortChannel and FIFO calls check `proxy_error`
-// while they wait (every MSCCLPP_RS_ERROR_CHECK_PERIOD-th poll, 64 by default: the word is a PCIe
-// round trip away) and return false soon after it becomes nonzero; `flush_for` also returns
-// false when it sees UINT64_MAX (the flush was abandoned, not completed).
+// error word set, not at its spin limit (a negative spin count still waits). The time-limited
+// PortChannel and FIFO calls check `proxy_error` while they wait (every
+// MSCCLPP_RS_ERROR_CHECK_PERIOD-th poll, 64 by default: the word is a PCIe round trip away) and
+// return false soon after it becomes nonzero; `flush_for` also returns false when it sees
+// UINT64_MAX (the flush was abandoned, not completed).
 //
 // Trigger encoding (16 bytes, MSCCL++'s bit fields; bit 63 of snd belongs to the FIFO):
 //   fst bits 0..31 size, 32..63 srcOffset;
