@@ -175,14 +175,16 @@ struct Rig<'a> {
 }
 
 impl Rig<'_> {
-    /// Triggers per second through the proxy: launch until the proxy popped every trigger.
-    fn run(&self, op: Op, size: u64, peers: usize, blocks: u32, threads: u32, per: i32) -> Result<f64, String> {
+    /// Triggers per second through the proxy (launch until the proxy popped every trigger), and
+    /// the share of that time the proxy found its FIFO empty (waiting for the producers).
+    fn run(&self, op: Op, size: u64, peers: usize, blocks: u32, threads: u32, per: i32) -> Result<(f64, f64), String> {
         let total = (blocks * threads) as u64 * per as u64;
         let before = self.proxy.processed();
         let mut table = self.table;
         table.npeers = peers as u32;
         let (mut h, mut o, mut sz, mut p, mut ms) =
             (self.proxy.fifo().device_handle(), op.code(), size, per, MAX_SPINS);
+        let idle0 = self.proxy.idle_time();
         let t0 = Instant::now();
         launch(self.kern, blocks, threads, self.stream, &mut args![h, table, o, sz, p, ms])?;
         loop {
@@ -204,10 +206,11 @@ impl Rig<'_> {
             std::thread::sleep(Duration::from_micros(20));
         }
         let el = t0.elapsed().as_secs_f64();
+        let idle = self.proxy.idle_time().saturating_sub(idle0).as_secs_f64();
         self.stream.synchronize(self.timeout).map_err(|x| {
             format!("proxy load kernel: {x} (a trap means a push waited {MAX_SPINS} rounds for a free slot)")
         })?;
-        Ok(total as f64 / el)
+        Ok((total as f64 / el, (idle / el).min(1.0)))
     }
 }
 
@@ -251,14 +254,15 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
                     let producers = (blocks * threads) as u64;
                     let per = n.div_ceil(producers).max(1);
                     let per = i32::try_from(per).map_err(|_| "proxy load: too many triggers per thread".to_string())?;
-                    let rate = rig.run(op, size, peers, blocks, threads, per)?;
+                    let (rate, idle) = rig.run(op, size, peers, blocks, threads, per)?;
                     let goal = if op == Op::Signal { "goal >= 5 M/s" } else { "goal ratio >= 0.8" };
                     row(format!(
                         "proxy load, {what} -> {peers} peers, {producers:>5} producers: {:7.3} M triggers/s, host \
-                         direct {:7.3} M/s, ratio {:.2} ({} triggers; {goal})",
+                         direct {:7.3} M/s, ratio {:.2}, proxy idle {:.0}% ({} triggers; {goal})",
                         rate / 1e6,
                         base / 1e6,
                         rate / base,
+                        idle * 100.0,
                         producers * per as u64
                     ));
                 }

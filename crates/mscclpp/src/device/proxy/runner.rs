@@ -192,6 +192,12 @@ pub(crate) struct LoopShared {
     failed: AtomicBool,
     stop: AtomicBool,
     processed: AtomicU64,
+    /// Nanoseconds the loop found the FIFO empty, summed over its ended idle stretches: whether
+    /// a slow proxy waited for producers or they waited for it.
+    idle_ns: AtomicU64,
+    /// When the current idle stretch began (nanoseconds since `base`, plus one; 0 while busy).
+    idle_since: AtomicU64,
+    base: std::time::Instant,
 }
 
 impl LoopShared {
@@ -202,6 +208,9 @@ impl LoopShared {
             failed: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             processed: AtomicU64::new(0),
+            idle_ns: AtomicU64::new(0),
+            idle_since: AtomicU64::new(0),
+            base: std::time::Instant::now(),
         }
     }
 
@@ -209,6 +218,39 @@ impl LoopShared {
         match lock(&self.error).as_ref() {
             Some(e) => Err(e.duplicate()),
             None => Ok(()),
+        }
+    }
+
+    /// Time the loop has spent with the FIFO empty, the current idle stretch included (a
+    /// statistic: a stretch that ends while this reads may be left out of this one reading).
+    pub(crate) fn idle_time(&self) -> Duration {
+        // Acquire: pairs with the Release add in `idle_ends` (see there). The sum is read first,
+        // so a stretch ending in between is missed (counted short), never counted twice.
+        let ended = self.idle_ns.load(Ordering::Acquire);
+        // Relaxed: ordered after the load above.
+        let since = self.idle_since.load(Ordering::Relaxed);
+        let now = self.base.elapsed().as_nanos() as u64;
+        Duration::from_nanos(ended + if since > 0 { now.saturating_sub(since - 1) } else { 0 })
+    }
+
+    /// The loop found the FIFO empty: a stretch begins unless one is under way.
+    fn idle_begins(&self) {
+        // Relaxed: only the loop's thread writes these; readers take a statistic.
+        if self.idle_since.load(Ordering::Relaxed) == 0 {
+            self.idle_since.store(self.base.elapsed().as_nanos() as u64 + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// The loop found work (or ends): the current idle stretch, if any, ends.
+    fn idle_ends(&self) {
+        // Relaxed: only the loop's thread writes `idle_since`.
+        let since = self.idle_since.load(Ordering::Relaxed);
+        if since > 0 {
+            let now = self.base.elapsed().as_nanos() as u64;
+            // The stretch is closed first, then added (Release): a reader whose Acquire load of
+            // the sum sees it also sees the closed stretch, so nothing is counted twice.
+            self.idle_since.store(0, Ordering::Relaxed);
+            self.idle_ns.fetch_add(now.saturating_sub(since - 1), Ordering::Release);
         }
     }
 
@@ -338,6 +380,7 @@ impl<H: ProxyHandler> Runner<H> {
     /// word becomes [`PROXY_STOPPED`] unless it says failed, and the handler's waiters are
     /// released), then the handler closes.
     pub(crate) fn finish(&mut self) {
+        self.sh.idle_ends();
         if !self.failed()
             && let Err(e) = self.handler.drain()
         {
@@ -368,8 +411,18 @@ impl<H: ProxyHandler> Runner<H> {
                 }
             }
             match self.step() {
-                Step::Worked(_) => idle = None,
-                Step::Idle => idle.get_or_insert_with(|| Backoff::new(idle_policy)).snooze(&Deadline::never()),
+                Step::Worked(_) => {
+                    // The clock is read only at an idle stretch's two ends.
+                    if idle.take().is_some() {
+                        self.sh.idle_ends();
+                    }
+                }
+                Step::Idle => {
+                    if idle.is_none() {
+                        self.sh.idle_begins();
+                    }
+                    idle.get_or_insert_with(|| Backoff::new(idle_policy)).snooze(&Deadline::never())
+                }
                 Step::Stop => {
                     self.sh.stop.store(true, Ordering::Release);
                     break;
@@ -505,6 +558,13 @@ impl Proxy {
     /// Triggers popped so far (handled or, after an error, skipped).
     pub fn processed(&self) -> u64 {
         self.sh.processed()
+    }
+
+    /// How long the loop has found the FIFO empty, the current idle stretch included: beside
+    /// [`processed`](Self::processed), whether the proxy waited for producers (much idle time)
+    /// or they waited for it (little).
+    pub fn idle_time(&self) -> Duration {
+        self.sh.idle_time()
     }
 
     /// `Ok` while the proxy works; its first error otherwise (also after `stop`).
@@ -782,6 +842,36 @@ mod tests {
         assert_eq!(first_seen.load(Ordering::Relaxed), 2);
         assert_eq!(second_seen.load(Ordering::Relaxed), 2, "only the triggers the first proxy never popped");
         assert_eq!(fifo.proxy_error(), PROXY_STOPPED);
+    }
+
+    /// The loop adds up the time it finds the FIFO empty, the current stretch included: the
+    /// count grows while nothing is pushed (waited for as an event, not timed), stops growing
+    /// while the loop has work, and never goes back.
+    #[test]
+    fn idle_time_adds_up_the_empty_stretches() {
+        let mut p =
+            Proxy::start(Fifo::host_backed(4).unwrap(), Panics(Arc::default()), ProxyOptions::default()).unwrap();
+        let producer = p.fifo().host_producer().unwrap();
+        let t = Duration::from_secs(30);
+        let pos = producer.push(trig(1000), t).unwrap();
+        producer.sync(pos, t).unwrap();
+        let first = p.idle_time();
+        let deadline = std::time::Instant::now() + t;
+        while p.idle_time() <= first {
+            assert!(std::time::Instant::now() < deadline, "the idle time never grew with an empty FIFO");
+            std::thread::yield_now();
+        }
+        let mut last = p.idle_time();
+        for i in 0..100 {
+            let pos = producer.push(trig(1001 + i), t).unwrap();
+            producer.sync(pos, t).unwrap();
+            last = last.max(p.idle_time());
+        }
+        p.stop().unwrap();
+        // Stopped: the last stretch ended, the count is final and no reading exceeded it.
+        let end = p.idle_time();
+        assert!(end >= last, "a reading ({last:?}) passed the final count ({end:?})");
+        assert_eq!(p.idle_time(), end, "the count grew after the loop ended");
     }
 
     /// On a thread, with a producer far ahead of a small FIFO: every trigger is handled once, in

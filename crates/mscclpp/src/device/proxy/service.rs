@@ -288,6 +288,13 @@ impl ProxyService {
         self.sh.processed()
     }
 
+    /// How long the proxy thread has found the FIFO empty, summed up to the end of its last idle
+    /// stretch: beside [`processed`](Self::processed), whether it waited for the kernels'
+    /// triggers (much idle time) or they waited for it (little).
+    pub fn idle_time(&self) -> std::time::Duration {
+        self.sh.idle_time()
+    }
+
     /// Starts the proxy thread; the registries are frozen from here on.
     ///
     /// # Errors
