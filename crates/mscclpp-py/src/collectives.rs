@@ -109,8 +109,21 @@ fn options(
 /// raises the error naming it; after that the object refuses further calls.
 #[pyclass(frozen, module = "mscclpp_rs._native")]
 pub(crate) struct Collectives {
-    pub(crate) inner: Arc<mscclpp_collectives::Collectives>,
+    /// Dropped without the GIL (see `Drop`).
+    pub(crate) inner: std::mem::ManuallyDrop<Arc<mscclpp_collectives::Collectives>>,
     timeout: f64,
+}
+
+impl Drop for Collectives {
+    /// The last reference frees GPU memory, which waits for the GPU (a kernel still running ends
+    /// by its timeout): without the GIL, so that other Python threads (ranks as threads of this
+    /// process) can make the calls such a kernel waits for, instead of waiting behind this drop.
+    fn drop(&mut self) {
+        // SAFETY: `inner` is taken once, here, and never used again (the object is being
+        // destroyed; no method can run on it any more).
+        let inner = unsafe { std::mem::ManuallyDrop::take(&mut self.inner) };
+        Python::attach(|py| py.detach(move || drop(inner)));
+    }
 }
 
 impl Collectives {
@@ -170,7 +183,7 @@ impl Collectives {
         let c = comm.comm(py)?;
         let (cfg, timeout) = Self::config(py, device, timeout, tune, packet_bytes, simple_bytes)?;
         let inner = py.detach(|| mscclpp_collectives::Collectives::new(&c, cfg)).py(py)?;
-        Ok(Collectives { inner: Arc::new(inner), timeout })
+        Ok(Collectives { inner: std::mem::ManuallyDrop::new(Arc::new(inner)), timeout })
     }
 
     /// AllReduce of `count` elements of `dtype` from `send` into `recv` (equal for in place) on
@@ -431,7 +444,7 @@ impl Lazy {
         if let Some(c) = o.as_ref() {
             return Ok(c.clone_ref(py));
         }
-        let made = Py::new(py, Collectives { inner, timeout })?;
+        let made = Py::new(py, Collectives { inner: std::mem::ManuallyDrop::new(inner), timeout })?;
         *o = Some(made.clone_ref(py));
         Ok(made)
     }

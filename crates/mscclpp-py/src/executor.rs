@@ -249,9 +249,22 @@ fn packet_type(py: Python<'_>, s: &str) -> PyResult<PacketType> {
 /// not be inside a CUDA-graph capture; later ones only launch and can be captured.
 #[pyclass(frozen, module = "mscclpp_rs._native")]
 pub(crate) struct Executor {
-    inner: Arc<mscclpp_executor::Executor>,
+    /// Dropped without the GIL (see `Drop`).
+    inner: std::mem::ManuallyDrop<Arc<mscclpp_executor::Executor>>,
     device: u32,
     timeout: f64,
+}
+
+impl Drop for Executor {
+    /// The last reference frees GPU memory, which waits for the GPU (a kernel still running ends
+    /// by its timeout): without the GIL, so that other Python threads (ranks as threads of this
+    /// process) can make the calls such a kernel waits for, instead of waiting behind this drop.
+    fn drop(&mut self) {
+        // SAFETY: `inner` is taken once, here, and never used again (the object is being
+        // destroyed; no method can run on it any more).
+        let inner = unsafe { std::mem::ManuallyDrop::take(&mut self.inner) };
+        Python::attach(|py| py.detach(move || drop(inner)));
+    }
 }
 
 impl Executor {
@@ -295,7 +308,7 @@ impl Executor {
             cfg = cfg.kernel(kind);
         }
         Ok(Executor {
-            inner: Arc::new(mscclpp_executor::Executor::new(&c, cfg)),
+            inner: std::mem::ManuallyDrop::new(Arc::new(mscclpp_executor::Executor::new(&c, cfg))),
             device,
             timeout: crate::errors::to_seconds(t),
         })
