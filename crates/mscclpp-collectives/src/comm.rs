@@ -471,6 +471,11 @@ impl Collectives {
     /// [`CallOptions::algorithm`] forces a built-in algorithm; [`CallOptions::external`] runs it
     /// by name. Where several serve a call, the first registered wins.
     ///
+    /// Each rank decides by its own call, placement included: when a registered algorithm
+    /// serves only one placement (an in-place plan), the ranks of one call must all use that
+    /// placement or all the other, or some run the algorithm and some the built-in one and the
+    /// call times out (NCCL lets ranks differ in placement; MSCCL++'s plans do not either).
+    ///
     /// A collective call: every rank registers the same algorithms in the same order. The
     /// ranks exchange each algorithm's metadata over the bootstrap and compare it, so a rank
     /// that registers something else (or refuses it) makes the call fail on every rank, naming
