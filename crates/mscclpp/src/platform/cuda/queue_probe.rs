@@ -155,9 +155,11 @@ const HEAD_START: Duration = Duration::from_millis(5);
 /// How long past its limit the probe waits for its kernels before giving up on them.
 const SETTLE: Duration = Duration::from_secs(10);
 
-/// Runs one probe on GPU `ordinal` (see the [module documentation](self)): the spinner waits up
-/// to `limit` for a write issued as `write` on a stream made as `stream`; with `queued`, a
-/// second launch waits behind the spinner in its stream (the case that blocks a shared queue).
+/// Runs one probe on GPU `ordinal`: a one-thread kernel spins on a device word, with (`queued`)
+/// or without a second launch queued behind it in its stream (the case that blocks a shared
+/// hardware queue), and waits up to `limit` for the word, which is written as `write` on a
+/// stream made as `stream`. Run it in processes started with different
+/// `CUDA_DEVICE_MAX_CONNECTIONS` (read once, when CUDA starts): `mscclpp-perf device` does.
 ///
 /// # Errors
 /// `InvalidUsage` for a limit above [`PROBE_MAX_LIMIT`]; `NotAvailable` without a driver or
