@@ -274,19 +274,25 @@ fn agreement(layout: &Layout, config: &Config) -> String {
     )
 }
 
-/// Checks every rank's setup message (`place\nagreement`) against this rank's `mine`, naming
-/// the first rank that differs.
-fn check_agreement(mine: &str, all: &[String]) -> Result<()> {
-    for (p, who) in all.iter().enumerate() {
-        let theirs = who.split('\n').nth(1).unwrap_or_default();
+/// Checks every rank's setup message, `place\nagreement`, against this rank's agreement `mine`
+/// (naming the first rank that differs: "rank p set up its `object` with ..., every rank must
+/// use the same `settings`") and returns each rank's place, by rank. Shared by the setups of
+/// [`Collectives`] and the two-level collectives.
+pub(crate) fn agreed_places(all: &[Vec<u8>], mine: &str, object: &str, settings: &str) -> Result<Vec<String>> {
+    let mut places = Vec::with_capacity(all.len());
+    for (p, w) in all.iter().enumerate() {
+        let w = String::from_utf8_lossy(w);
+        let (place, theirs) = w.split_once('\n').unwrap_or((&w, ""));
         if theirs != mine {
             return Err(Error::invalid_usage(format!(
-                "rank {p} set up its collectives with {theirs:?}, this rank with {mine:?}: every rank must use the same Config sizes, limits and tuning setting"
+                "rank {p} set up its {object} with {theirs:?}, this rank with {mine:?}: every rank must use the same \
+                 {settings}"
             ))
             .with_peer(p));
         }
+        places.push(place.to_string());
     }
-    Ok(())
+    Ok(places)
 }
 
 const ERR_TIMEOUT: u64 = 1;
@@ -314,30 +320,30 @@ impl Collectives {
             let me = format!("{:x}/{}", mscclpp::host_hash(), mscclpp::gpu::pci_bus_id(dev)?);
             Ok((layout, kernels, me))
         })();
-        // What every rank must agree on: kernels write into their peers' scratch with their own
-        // layout (a rank with larger packet halves would write past a peer's scratch), the
-        // selector's thresholds (or their plans differ) and whether they tune (a collective
-        // step).
-        // Which ranks share this GPU: kernels that wait on each other must all be resident.
+        // Which ranks share this GPU: kernels that wait on each other must all be resident. The
+        // same exchange checks that every rank set up alike (see `agreement`).
         let ((layout, kernels, me), all) = comm.all_gather_outcome(
             local,
             |(layout, _, me)| format!("{me}\n{}", agreement(layout, &config)).into_bytes(),
             "setting up the collectives",
         )?;
-        let all: Vec<String> = all.iter().map(|w| String::from_utf8_lossy(w).into_owned()).collect();
-        check_agreement(&agreement(&layout, &config), &all)?;
-        let place = |w: &str| w.split('\n').next().unwrap_or_default().to_string();
+        let all = agreed_places(
+            &all,
+            &agreement(&layout, &config),
+            "collectives",
+            "Config sizes, limits and tuning setting",
+        )?;
         let my_host = me.split('/').next().unwrap_or_default();
         for (p, who) in all.iter().enumerate() {
-            if place(who).split('/').next() != Some(my_host) {
+            if who.split('/').next() != Some(my_host) {
                 return Err(Error::invalid_usage(format!(
                     "rank {p} is on another host: these collectives connect ranks over CUDA IPC within one host"
                 ))
                 .with_peer(p));
             }
         }
-        let on_gpu = all.iter().filter(|w| place(w) == me).count();
-        let ranks_per_node = all.iter().filter(|w| place(w).split('/').next() == Some(my_host)).count();
+        let on_gpu = all.iter().filter(|w| **w == me).count();
+        let ranks_per_node = all.iter().filter(|w| w.split('/').next() == Some(my_host)).count();
         let mut limits = config.limits;
         // Only the ranks on this GPU refuse too many ranks sharing it: the others learn of it at
         // the cap exchange, named, instead of waiting for them there. The buffers are allocated
@@ -906,27 +912,23 @@ mod tests {
         let mine = agreement(&layout, &config);
         let msg = |c: &Config| {
             let l = Layout::new(2, c.packet_bytes, c.simple_bytes).unwrap();
-            format!("1a2b/0000:17:00.0\n{}", agreement(&l, c))
+            format!("1a2b/0000:17:00.0\n{}", agreement(&l, c)).into_bytes()
         };
+        let check = |all: &[Vec<u8>]| agreed_places(all, &mine, "collectives", "Config sizes");
         let same = msg(&config);
-        check_agreement(&mine, &[same.clone(), same.clone()]).unwrap();
+        assert_eq!(check(&[same.clone(), same.clone()]).unwrap(), vec!["1a2b/0000:17:00.0"; 2]);
         let bigger = Config { packet_bytes: config.packet_bytes * 2, ..config.clone() };
         let tuned = Config { tune: true, ..config.clone() };
         let limits = Config { limits: Limits { allpair_max: 1 << 10, ..config.limits }, ..config.clone() };
         for other in [bigger, tuned, limits] {
-            let e = check_agreement(&mine, &[same.clone(), msg(&other)]).unwrap_err();
+            let e = check(&[same.clone(), msg(&other)]).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
             assert_eq!(e.peer(), Some(1), "{e}");
             assert!(e.to_string().contains("rank 1 set up its collectives with"), "{e}");
         }
         // A message without the agreement part (a malformed peer) is refused too.
-        assert!(check_agreement(&mine, &["1a2b/0000:17:00.0".to_string()]).is_err());
+        assert!(check(&[b"1a2b/0000:17:00.0".to_vec()]).is_err());
     }
-}
-
-#[cfg(test)]
-mod size_tests {
-    use super::*;
 
     /// Byte counts are checked: a count whose bytes pass 64 bits is refused (it wrapped to a
     /// small call before), not run on a fraction of the data.

@@ -279,6 +279,18 @@ pub fn residency_cap(sm_count: u32, per_sm: u32, ranks_on_gpu: usize) -> Result<
     Ok(cap.min(MAX_BLOCKS as u64) as u32)
 }
 
+/// FNV-1a over `words`, each as its 8 little-endian bytes: the digest behind the call
+/// signatures (here and the two-level ones) and the tuning table's.
+pub(crate) fn fnv1a_words(words: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in words {
+        for b in v.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// The call signature every rank sends its peers and compares with theirs: a call that differs
 /// between ranks (collective, algorithm, type, operation, size, shape, root) fails with an error
 /// naming the peer instead of reading garbage.
@@ -293,8 +305,7 @@ pub fn signature(
     root: usize,
 ) -> u64 {
     // FNV-1a over the fields, then a final mix so nearby calls differ in every bit.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for v in [
+    let mut h = fnv1a_words([
         coll.code(),
         plan.algorithm.code(),
         dtype.map_or(99, |d| d.code()),
@@ -304,12 +315,7 @@ pub fn signature(
         plan.blocks as u64,
         plan.threads as u64,
         root as u64,
-    ] {
-        for b in v.to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
+    ]);
     h ^= h >> 33;
     h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
     h ^= h >> 33;

@@ -35,19 +35,9 @@ impl TuneTable {
     /// A digest of the chosen plans (sizes, algorithms, shapes), to tell whether two ranks hold
     /// the same table (FNV-1a over their fields).
     pub fn digest(&self) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |x: u64| {
-            for b in x.to_le_bytes() {
-                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-            }
-        };
-        for (n, p) in &self.entries {
-            eat(*n);
-            eat(p.algorithm as u64);
-            eat(u64::from(p.blocks));
-            eat(u64::from(p.threads));
-        }
-        h
+        select::fnv1a_words(
+            self.entries.iter().flat_map(|(n, p)| [*n, p.algorithm.code(), u64::from(p.blocks), u64::from(p.threads)]),
+        )
     }
 
     /// The tuned plan for a call of `nbytes`, if the table covers it.

@@ -124,13 +124,7 @@ const ERR_MISMATCH: u64 = 6;
 /// A two-level call's signature: what every node peer's call must match (collective, type,
 /// operation, bytes), as a nonzero word (FNV-1a; 0 is an empty slot).
 fn signature(coll: Collective, dtype: DataType, op: Option<ReduceOp>, nbytes: u64) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for x in [coll as u64, dtype as u64, op.map_or(u64::MAX, |o| o.code()), nbytes] {
-        for b in x.to_le_bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h | 1
+    crate::select::fnv1a_words([coll.code(), dtype.code(), op.map_or(u64::MAX, |o| o.code()), nbytes]) | 1
 }
 
 const THREADS: u32 = 512;
@@ -154,7 +148,8 @@ const TAG_INTER: u32 = 0x00c0_4a11;
 /// nodes are not compared directly (that would cost a proxy copy per call): whole nodes that
 /// agree inside but differ from each other (and every call with one rank per node) get wrong
 /// results or a timeout, not a named mismatch; a rank whose call has no bytes launches nothing,
-/// so its peers time out naming it. The setup is checked across all ranks (ranks per node, round size, transport kind).
+/// so its peers time out naming it. The setup is checked across all ranks (ranks per node,
+/// round size, transport kind).
 ///
 /// Calls are stream-ordered and keep their device state on the GPU (an exchange counter that
 /// picks the half of the exchange slots), so they are meant to be capturable in a CUDA graph (not
@@ -226,7 +221,7 @@ impl TwoLevel {
         // rank tells its GPU and how many blocks that GPU holds at once, so that every rank
         // checks every GPU: ranks on a crowded GPU fail the others at once, named.
         // Every rank must also lay out its scratch and group its nodes the same way (kernels
-        // write into peers' scratch with their own layout): the first line of each message.
+        // write into peers' scratch with their own layout): the second line of each message.
         let agree = |layout: &Layout| {
             // The transport's kind only: ranks may use different IB devices (IB0 here, IB3 there).
             let t = config.inter.transport;
@@ -238,23 +233,15 @@ impl TwoLevel {
         };
         let ((topo, layout, kernels, me, sms, per_sm), all) = comm.all_gather_outcome(
             local,
-            |(_, layout, _, me, sms, per_sm)| format!("{}\n{me}|{}", agree(layout), sms * per_sm).into_bytes(),
+            |(_, layout, _, me, sms, per_sm)| format!("{me}|{}\n{}", sms * per_sm, agree(layout)).into_bytes(),
             "setting up the two-level collectives",
         )?;
-        let mine = agree(&layout);
-        let mut places = Vec::with_capacity(all.len());
-        for (p, w) in all.iter().enumerate() {
-            let w = String::from_utf8_lossy(w);
-            let (theirs, place) = w.split_once('\n').unwrap_or(("", &w));
-            if theirs != mine {
-                return Err(Error::invalid_usage(format!(
-                    "rank {p} set up its two-level collectives with {theirs:?}, this rank with {mine:?}: every rank \
-                     must use the same HierConfig sizes and transport kind"
-                ))
-                .with_peer(p));
-            }
-            places.push(place.as_bytes().to_vec());
-        }
+        let places = crate::comm::agreed_places(
+            &all,
+            &agree(&layout),
+            "two-level collectives",
+            "HierConfig sizes and transport kind",
+        )?;
         let gpus = gpus_and_room(&places);
         let inter_t = config.inter.transport;
         let on_gpu = gpus.iter().filter(|(g, _)| *g == me).count().max(1) as u32;
@@ -645,14 +632,11 @@ pub fn kernel_source() -> String {
 
 /// Every rank's GPU and how many two-level blocks it holds at once, by rank, from each rank's
 /// `"{gpu}|{blocks}"` (a rank that sent no count holds none).
-fn gpus_and_room(all: &[Vec<u8>]) -> Vec<(String, u64)> {
+fn gpus_and_room(all: &[String]) -> Vec<(String, u64)> {
     all.iter()
-        .map(|w| {
-            let w = String::from_utf8_lossy(w);
-            match w.rsplit_once('|') {
-                Some((g, room)) => (g.to_string(), room.parse().unwrap_or(0)),
-                None => (w.into_owned(), 0),
-            }
+        .map(|w| match w.rsplit_once('|') {
+            Some((g, room)) => (g.to_string(), room.parse().unwrap_or(0)),
+            None => (w.clone(), 0),
         })
         .collect()
 }
@@ -677,7 +661,7 @@ mod tests {
     /// Every rank finds the first rank whose GPU is crowded, its own GPU or another.
     #[test]
     fn a_crowded_gpu_is_found_by_every_rank() {
-        let all = |v: &[&str]| v.iter().map(|s| s.as_bytes().to_vec()).collect::<Vec<_>>();
+        let all = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let g = gpus_and_room(&all(&["h/0|4", "h/1|2", "h/1|2", "h/0|4"]));
         assert_eq!(g[1], ("h/1".to_string(), 2));
         assert_eq!(first_crowded(&g), None);
