@@ -289,11 +289,7 @@ pub fn run(args: &Args) -> Result<(), String> {
     }
     // Where the FIFO's pinned ring lives relative to the GPU (the library allocates it on the
     // GPU's node): a ring across the socket link makes every push's system-scope fence slower.
-    let nodes = std::fs::read_dir("/sys/devices/system/node").map_or(0, |d| {
-        d.filter_map(Result::ok)
-            .filter(|e| e.file_name().to_string_lossy().strip_prefix("node").is_some_and(|n| n.parse::<u32>().is_ok()))
-            .count()
-    });
+    let nodes = mscclpp::numa_node_count();
     let gpu_node = mscclpp::gpu::numa_node(dev).map_or_else(|| "unknown".to_string(), |n| n.to_string());
     row(format!("# NUMA: {nodes} node(s); GPU {dev} on node {gpu_node}"));
     let ptx = compile(KERNELS, &CompileOptions::default()).map_err(e)?;

@@ -220,7 +220,7 @@ pub use identity::{host_hash, process_hash, process_rank};
 #[cfg(feature = "logging")]
 pub use logging::init_logging;
 pub use memory::{IbMrInfo, RegisteredMemory};
-pub use platform::numa::{bind_thread_to_node, pci_numa_node};
+pub use platform::numa::{bind_thread_to_node, numa_node_count, pci_numa_node};
 pub use semaphore::MemoryDevice2DeviceSemaphore;
 pub use semaphore::{
     Host2DeviceSemaphore, Host2DeviceSemaphoreDeviceHandle, Host2HostSemaphore, Semaphore, SemaphoreStub,

@@ -52,7 +52,7 @@ fn bind_thread_to_cpus(cpus: &[usize]) -> Result<()> {
 
 /// How many NUMA nodes the system lists (`/sys/devices/system/node/nodeN`); 0 when it does not
 /// say.
-pub(crate) fn node_count() -> usize {
+pub fn numa_node_count() -> usize {
     std::fs::read_dir("/sys/devices/system/node").map_or(0, |d| {
         d.filter_map(|e| e.ok())
             .filter(|e| {
@@ -134,7 +134,7 @@ mod tests {
         let e = run_on_node(0, || -> Result<()> { Err(Error::internal("from f")) }).unwrap_err();
         assert!(e.to_string().contains("from f") && e.to_string().contains("NUMA node 0"), "{e}");
         if std::path::Path::new("/sys/devices/system/node/node0").exists() {
-            assert!(node_count() >= 1);
+            assert!(numa_node_count() >= 1);
         }
     }
 }

@@ -227,7 +227,7 @@ pub fn numa_node(ordinal: u32) -> Option<u32> {
 /// the calling thread itself, for good, when it makes a FIFO).
 pub(crate) fn near_gpu<T: Send>(dev: &GpuDevice, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
     match numa_node(dev.ordinal) {
-        Some(node) if crate::platform::numa::node_count() > 1 => crate::platform::numa::run_on_node(node, || {
+        Some(node) if crate::platform::numa::numa_node_count() > 1 => crate::platform::numa::run_on_node(node, || {
             // A new thread starts in CUDA's global capture mode, where an allocation while any
             // other thread captures a graph (PyTorch's default mode) would invalidate that capture;
             // relaxed mode, as the proxy thread that may call this uses, leaves it alone.
