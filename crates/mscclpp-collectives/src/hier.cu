@@ -12,6 +12,11 @@
 //
 // Only block 0 waits for peers (one thread per peer); all blocks meet at grid barriers around
 // those waits, so all blocks of a launch must be resident at once (the host caps the grid).
+//
+// Each call's signature (`a.sig`) is compared with every node peer's at the call's first node
+// barrier (send_sig / check_sigs) and with every cross peer's in the call's first inter-node
+// exchange, where it rides after the data of the put (inter_exchange); a peer that made another
+// call fails both ranks with HERR_MISMATCH naming the other, before the output is written.
 
 using namespace mscclpp;
 
@@ -154,9 +159,38 @@ __device__ __forceinline__ void check_sigs(const HierArgs& a) {
   }
 }
 
-// Inter-node exchange: puts `bytes` at scratch offset `off` into the same offset of every
-// cross peer (n', local) with a signal, then waits (bounded) for each cross peer's signal.
-__device__ bool inter_exchange(const HierArgs& a, u64 off, u64 bytes) {
+__device__ __forceinline__ u64 halign8(u64 x) { return (x + 7) / 8 * 8; }
+
+// Inter-node exchange of the slots at scratch offset `slots` (node n' at `slots + n' * stride`):
+// puts `bytes` of this rank's slot (node `a.node`) into the same offset of every cross peer
+// (n', local) with a signal, then waits (bounded) for each cross peer's signal.
+//
+// With `sig` (a call's first round) the put also carries the call's signature: block 0's thread
+// 0 writes it into this rank's slot at halign8(bytes), after the chunk (which the grid wrote
+// before inter_exchange; the grid barrier below orders both before the pushes), and the put covers
+// halign8(bytes) + 8 bytes (also for an empty chunk: then it is the signature alone). The proxy
+// copies the bytes and then signals, so once the peer's signal is polled (an acquire) the word at
+// halign8(bytes) of the slot that peer wrote is its signature, if it made this call: the same
+// call gives the peer (n', local) the same chunk length. A peer that made another call put its
+// word elsewhere (or data over this place), so the word read here is not this call's signature
+// (see the clearing below): both ranks fail, each naming the other, and the closing grid barrier
+// stops the grid before anything reaches the output. The room after each slot's data
+// (`hier::schedule::SIG_ROOM`) holds any peer's put: every rank agreed on the layout at setup.
+//
+// The checked word is cleared (it is this rank's scratch), so that a signature left by an
+// earlier call never passes for this one. Race-free: the peer writes that slot of this rank
+// (this parity, its node) again only in the exchange after next (the one in between uses the
+// other parity's slots), and it issues that put only after its wait for this rank's signal of the
+// next exchange returned; this rank pushes that signal only after this exchange's closing grid
+// barrier, which follows the clear (the same thread's stores, fenced before the push). Words of
+// a call that was never checked (a failed call) stay, but a rank that failed refuses every
+// later call.
+__device__ bool inter_exchange(const HierArgs& a, u64 slots, u64 stride, u64 bytes, bool sig) {
+  const u64 off = slots + a.node * stride, at = halign8(bytes);
+  const u64 put = sig ? at + 8 : bytes;
+  if (sig && a.nnodes > 1 && blockIdx.x == 0 && threadIdx.x == 0) {
+    hstore_sys((u64*)((char*)a.scratch + off + at), a.sig);
+  }
   if (!grid_sync(a)) return false;
   if (blockIdx.x == 0 && a.nnodes > 1) {
     const u32 t = threadIdx.x;
@@ -164,20 +198,30 @@ __device__ bool inter_exchange(const HierArgs& a, u64 off, u64 bytes) {
       PortChannelDeviceHandle* ch = port_ch(a, t);
       const u32 peer = (u32)(t * a.nlocal + a.local);
       __threadfence_system();
-      const ProxyTrigger trig = bytes > 0
-          ? ProxyTrigger(TriggerData | TriggerFlag, ch->dst_, off, ch->src_, off, bytes, ch->semaphoreId_)
+      const ProxyTrigger trig = put > 0
+          ? ProxyTrigger(TriggerData | TriggerFlag, ch->dst_, off, ch->src_, off, put, ch->semaphoreId_)
           : ProxyTrigger(TriggerFlag, 0, 0, 0, 0, 0, ch->semaphoreId_);
       if (!ch->fifo_.push_for(trig, a.timeout_ns)) {
         hfail(a, ch->fifo_.proxy_error() != 0 ? HERR_PROXY : HERR_TIMEOUT, peer);
       } else {
         const u64 start = detail::globaltimer();
         u32 spins = 0;
+        bool arrived = true;
         while (!ch->poll()) {
           if ((spins & 4095) == 4095 && ch->fifo_.proxy_error() != 0) {
             hfail(a, HERR_PROXY, peer);
+            arrived = false;
             break;
           }
-          if (hmust_stop(a, start, peer, spins)) break;
+          if (hmust_stop(a, start, peer, spins)) {
+            arrived = false;
+            break;
+          }
+        }
+        if (arrived && sig) {
+          u64* word = (u64*)((char*)a.scratch + slots + t * stride + at);
+          if (hload_sys(word) != a.sig) hfail(a, HERR_MISMATCH, peer);
+          hstore_sys(word, 0);
         }
       }
     }
@@ -302,7 +346,7 @@ __device__ void hier_allreduce(const HierArgs& a) {
   u64 ex;
   if (!hbegin(a, ex)) return;
   const u32 L = (u32)a.nlocal, M = (u32)a.nnodes, l = (u32)a.local, n = (u32)a.node;
-  const u64 R = a.ar_round, slot = R / L;
+  const u64 R = a.ar_round, S = a.x_stride;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   char* me = (char*)a.scratch;
@@ -318,14 +362,14 @@ __device__ void hier_allreduce(const HierArgs& a) {
     // IntraReduceScatter: my chunk of every node peer's staging, in local order.
     u64 lo, hi;
     chunk_of(rb, L, l, lo, hi);
-    const u64 my_x = a.x_off + (par * M + n) * slot;
+    const u64 xs = a.x_off + par * M * S;  // X[par][0]; X[par][n'] is S bytes further per node
     if (threadIdx.x < L) srcs[threadIdx.x] = scratch_of(a, threadIdx.x) + a.in_off + lo;
     __syncthreads();
-    grid_reduce<D>(me + my_x, nullptr, srcs, L, hi - lo, (int)a.op, 0);
-    // InterExchange.
-    if (!inter_exchange(a, my_x, hi - lo)) return hend(a, ex + 1);
+    grid_reduce<D>(me + xs + n * S, nullptr, srcs, L, hi - lo, (int)a.op, 0);
+    // InterExchange (with the cross peers' signatures in the first round).
+    if (!inter_exchange(a, xs, S, hi - lo, base == 0)) return hend(a, ex + 1);
     // InterReduce, in node order, into RES and my chunk of the output.
-    if (threadIdx.x < M) srcs[threadIdx.x] = me + a.x_off + (par * M + threadIdx.x) * slot;
+    if (threadIdx.x < M) srcs[threadIdx.x] = me + xs + threadIdx.x * S;
     __syncthreads();
     grid_reduce<D>(me + a.res_off, out + base + lo, srcs, M, hi - lo, (int)a.op, a.op == HOP_AVG ? (u32)a.nranks : 0u);
     if (!node_barrier(a)) return hend(a, ex + 1);
@@ -344,7 +388,7 @@ __device__ void hier_allgather(const HierArgs& a) {
   u64 ex;
   if (!hbegin(a, ex)) return;
   const u32 L = (u32)a.nlocal, M = (u32)a.nnodes, l = (u32)a.local, n = (u32)a.node;
-  const u64 R = a.ag_round, sb = a.nbytes;
+  const u64 R = a.ag_round, S = a.col_stride, sb = a.nbytes;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   char* me = (char*)a.scratch;
@@ -352,25 +396,25 @@ __device__ void hier_allgather(const HierArgs& a) {
   for (u64 base = 0; base < sb; base += R, ex++) {
     const u64 len = sb - base < R ? sb - base : R;
     const u64 par = ex & 1;
-    const u64 cols = a.col_off + par * M * R;
+    const u64 cols = a.col_off + par * M * S;  // COL[par][0]; COL[par][n'] is S bytes further per node
     // Stage.
-    grid_copy(me + cols + n * R, in + base, len);
+    grid_copy(me + cols + n * S, in + base, len);
     if (!node_barrier(a)) return hend(a, ex);
     if (base == 0) check_sigs(a);
-    // InterExchange.
-    if (!inter_exchange(a, cols + n * R, len)) return hend(a, ex + 1);
+    // InterExchange (with the cross peers' signatures in the first round).
+    if (!inter_exchange(a, cols, S, len, base == 0)) return hend(a, ex + 1);
     // My own segment (`hier::schedule` copies it in Stage; here it waits for the signature
-    // check, so that a mismatched call writes no output).
+    // checks, node and cross-node, so that a mismatched call writes no output).
     grid_copy(out + a.rank * sb + base, in + base, len);
     // IntraAllGather: the other nodes' slots of my column, then every slot of my peers' columns.
     for (u32 np = 0; np < M; np++) {
-      if (np != n) grid_copy(out + (np * L + l) * sb + base, me + cols + np * R, len);
+      if (np != n) grid_copy(out + (np * L + l) * sb + base, me + cols + np * S, len);
     }
     if (!node_barrier(a)) return hend(a, ex + 1);
     for (u32 j = 1; j < L; j++) {
       const u32 lp = (l + j) % L;
       const char* peer = scratch_of(a, lp);
-      for (u32 np = 0; np < M; np++) grid_copy(out + (np * L + lp) * sb + base, peer + cols + np * R, len);
+      for (u32 np = 0; np < M; np++) grid_copy(out + (np * L + lp) * sb + base, peer + cols + np * S, len);
     }
   }
   hend(a, ex);

@@ -367,8 +367,8 @@ fn a_missing_rank_times_out_naming_it() {
 
 /// Ranks 0 and 1 (node 0) make different calls (4096 and 2048 elements): each names the other as
 /// a node peer that made another call, within its first round, instead of reducing the wrong
-/// data; node 1's ranks, which agree, run the call or fail on their cross-node peer (the
-/// signatures are compared inside a node only, see TwoLevel's documentation).
+/// data (the node comparison comes before the inter-node exchange, so neither puts anything to
+/// node 1); node 1's ranks, which agree, then time out on their cross-node peer.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn node_peers_making_different_calls_are_named() {
@@ -389,6 +389,73 @@ fn node_peers_making_different_calls_are_named() {
         let (kind, peer, msg) = res[rank].as_ref().unwrap_err();
         assert_eq!((*kind, *peer), (ErrorKind::InvalidUsage, Some(other)), "rank {rank}: {msg}");
         assert!(msg.contains("made another two-level call"), "rank {rank}: {msg}");
+    }
+}
+
+/// What a call returned on one rank: Ok, or the error's kind, peer and message.
+type Outcome = Result<(), (ErrorKind, Option<usize>, String)>;
+
+/// Runs one failing call per rank on 4 ranks as 2 nodes of 2 (CUDA IPC between nodes, 2 s
+/// timeout): `count(rank)` elements of f32, an AllReduce or an AllGather (`a` in, `b` out).
+fn different_calls(all_gather: bool, count: impl Fn(usize) -> usize + Sync) -> Vec<Outcome> {
+    ranks(
+        4,
+        1 << 16,
+        |_| config(2, Transport::CudaIpc).timeout(Duration::from_secs(2)),
+        |rank, two, stream, a, b| {
+            let count = count(rank);
+            // SAFETY: a and b (64 KiB each) hold the 4096 f32 of an AllReduce, and the 1024 f32
+            // per rank of an AllGather's input and the 4 x 1024 of its output; they outlive the
+            // synchronize.
+            unsafe {
+                if all_gather {
+                    two.all_gather(a.device_ptr(), b.device_ptr(), count, DataType::F32, stream)
+                } else {
+                    two.all_reduce(a.device_ptr(), a.device_ptr(), count, DataType::F32, ReduceOp::Sum, stream)
+                }
+            }
+            .and_then(|_| two.synchronize(stream, T))
+            .map_err(|e| (e.kind(), e.peer(), e.to_string()))
+        },
+    )
+}
+
+/// Asserts that `rank` failed with `InvalidUsage` naming `other` as a peer (`how`: "node peer"
+/// or "cross-node peer") that made another call.
+fn assert_named(res: &[Outcome], rank: usize, other: usize, how: &str) {
+    let (kind, peer, msg) = res[rank].as_ref().expect_err("a mismatched call must fail");
+    assert_eq!((*kind, *peer), (ErrorKind::InvalidUsage, Some(other)), "rank {rank}: {msg}");
+    assert!(msg.contains(&format!("{how} rank {other} made another two-level call")), "rank {rank}: {msg}");
+}
+
+/// Both ranks of node 1 (ranks 2 and 3) make another call than node 0 (2048 elements instead
+/// of 4096, AllReduce, then AllGather with 512 instead of 1024): each node agrees inside, so
+/// only the cross-node comparison (the signature at the end of the first exchange's put) sees
+/// it, and every rank names its cross-node peer (0 <-> 2, 1 <-> 3) before writing its output.
+/// Then only rank 2 makes another call: its node peer (rank 3) names it first, at the node
+/// barrier before the exchange, and rank 2 names rank 3; neither puts anything to node 0, whose
+/// ranks fail waiting for them.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cross_node_peers_making_different_calls_are_named() {
+    let cross = [(0usize, 2usize), (1, 3), (2, 0), (3, 1)];
+    let res = different_calls(false, |rank| if rank >= 2 { 2048 } else { 4096 });
+    println!("RESULT nodes making different AllReduce calls: {res:?}");
+    for (rank, other) in cross {
+        assert_named(&res, rank, other, "cross-node peer");
+    }
+    let res = different_calls(true, |rank| if rank >= 2 { 512 } else { 1024 });
+    println!("RESULT nodes making different AllGather calls: {res:?}");
+    for (rank, other) in cross {
+        assert_named(&res, rank, other, "cross-node peer");
+    }
+    let res = different_calls(false, |rank| if rank == 2 { 2048 } else { 4096 });
+    println!("RESULT one rank making another AllReduce call: {res:?}");
+    assert_named(&res, 2, 3, "node peer");
+    assert_named(&res, 3, 2, "node peer");
+    for (rank, other) in [(0usize, 2usize), (1, 3)] {
+        let (_, peer, msg) = res[rank].as_ref().expect_err("a rank whose cross-node peer stopped must fail");
+        assert_eq!(*peer, Some(other), "rank {rank}: {msg}");
     }
 }
 

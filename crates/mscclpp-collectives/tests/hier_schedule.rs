@@ -260,6 +260,56 @@ fn layout_and_chunks() {
     }
 }
 
+/// Every exchange slot leaves room for the signature after a chunk that fills it, the areas of
+/// the scratch do not overlap, every slot is 16-byte aligned, and the total covers them all.
+#[test]
+fn layout_slots_leave_room_for_the_signature() {
+    for (n, l) in GROUPINGS.iter().copied().chain([(64, 1), (64, 64), (128, 2)]) {
+        let topo = Topology::new(n, l).unwrap();
+        for round in [1u64, 16, 1000, 4096, 65536, 1 << 22] {
+            let lay = Layout::new(&topo, round).unwrap();
+            let (m, slot) = (topo.nodes(), lay.x_slot(&topo));
+            assert_eq!(lay.ag_round, slot);
+            assert_eq!(lay.x_stride, slot + schedule::SIG_ROOM, "{n}x{l} round {round}");
+            assert_eq!(lay.col_stride, lay.ag_round + schedule::SIG_ROOM, "{n}x{l} round {round}");
+            // The largest put (a full chunk, then its signature) stays inside the stride.
+            for bytes in [0, 1, 2, 8, 15, 16, slot.saturating_sub(2), slot] {
+                assert!(schedule::exchange_put_bytes(0, bytes) <= lay.x_stride, "{bytes} of {slot}");
+                assert!(schedule::sig_at(bytes) >= bytes && schedule::sig_at(bytes).is_multiple_of(8));
+            }
+            assert_eq!(schedule::exchange_put_bytes(0, 0), 8);
+            assert_eq!(schedule::exchange_put_bytes(0, 30), 40);
+            assert_eq!(schedule::exchange_put_bytes(1, 30), 30);
+            // Every area, as (start, end): IN, RES, each X and COL slot's stride, the signatures.
+            let mut areas = vec![(lay.in_off, lay.in_off + lay.ar_round), (lay.res_off, lay.res_off + slot)];
+            for p in 0..2 {
+                for node in 0..m {
+                    areas.push((lay.x(&topo, p, node), lay.x(&topo, p, node) + lay.x_stride));
+                    areas.push((lay.col(&topo, p, node), lay.col(&topo, p, node) + lay.col_stride));
+                    assert!(lay.x(&topo, p, node).is_multiple_of(16) && lay.col(&topo, p, node).is_multiple_of(16));
+                }
+            }
+            areas.push((lay.sig_off, lay.sig_off + 8 * schedule::MAX_LOCAL));
+            areas.sort();
+            for w in areas.windows(2) {
+                assert!(w[0].1 <= w[1].0, "{n}x{l} round {round}: {:?} overlaps {:?}", w[0], w[1]);
+            }
+            assert_eq!(areas.last().map(|a| a.1), Some(lay.total), "{n}x{l} round {round}");
+            let used: u64 = areas.iter().map(|a| a.1 - a.0).sum();
+            assert_eq!(used, lay.total, "{n}x{l} round {round}: gaps in the scratch");
+            assert_eq!(lay.total, lay.ar_round + slot + 4 * m as u64 * (slot + 16) + 8 * schedule::MAX_LOCAL);
+        }
+    }
+    // The slots' room counts against the 4 GiB limit: 64 nodes of 1, rounds of r bytes take
+    // 2 r + 256 (r + 16) + 512 bytes; the largest round that fits would fit 16 bytes larger
+    // without the room.
+    let topo = Topology::new(64, 1).unwrap();
+    let r = (u32::MAX as u64 - 256 * 16 - 8 * schedule::MAX_LOCAL) / 258 / 16 * 16;
+    assert_eq!(Layout::new(&topo, r).unwrap().total, 258 * r + 256 * 16 + 512);
+    assert!(258 * (r + 16) + 512 <= u32::MAX as u64);
+    assert!(Layout::new(&topo, r + 16).unwrap_err().to_string().contains("4 GiB"));
+}
+
 #[test]
 fn the_simulator_catches_broken_schedules() {
     let topo = Topology::new(4, 2).unwrap();

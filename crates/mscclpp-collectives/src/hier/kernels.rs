@@ -38,7 +38,11 @@ pub(crate) struct HierArgs {
     pub(crate) in_off: u64,
     pub(crate) res_off: u64,
     pub(crate) x_off: u64,
+    /// Bytes from one AllReduce exchange slot to the next (data and signature room).
+    pub(crate) x_stride: u64,
     pub(crate) col_off: u64,
+    /// Bytes from one AllGather exchange slot to the next (data and signature room).
+    pub(crate) col_stride: u64,
     /// The node peers' signature slots in the scratch (one word per local rank).
     pub(crate) sig_off: u64,
     /// This call's signature (collective, type, operation, bytes; never 0).
@@ -46,7 +50,7 @@ pub(crate) struct HierArgs {
 }
 
 /// The CUDA names of [`HierArgs`]' fields, in order.
-pub(crate) const ARG_FIELDS: [&str; 25] = [
+pub(crate) const ARG_FIELDS: [&str; 27] = [
     "in",
     "out",
     "nbytes",
@@ -69,7 +73,9 @@ pub(crate) const ARG_FIELDS: [&str; 25] = [
     "in_off",
     "res_off",
     "x_off",
+    "x_stride",
     "col_off",
+    "col_stride",
     "sig_off",
     "sig",
 ];
@@ -141,10 +147,40 @@ mod tests {
     #[test]
     fn generated_struct_matches_the_rust_layout() {
         assert_eq!(std::mem::size_of::<HierArgs>(), ARG_FIELDS.len() * 8);
-        assert_eq!(std::mem::offset_of!(HierArgs, input), 0);
-        assert_eq!(std::mem::offset_of!(HierArgs, col_off), 22 * 8);
-        assert_eq!(std::mem::offset_of!(HierArgs, sig), 24 * 8);
-        assert_eq!(std::mem::offset_of!(HierArgs, timeout_ns), 16 * 8);
+        // Field by field, in ARG_FIELDS order: the CUDA struct is generated from that list.
+        let offsets = [
+            std::mem::offset_of!(HierArgs, input),
+            std::mem::offset_of!(HierArgs, output),
+            std::mem::offset_of!(HierArgs, nbytes),
+            std::mem::offset_of!(HierArgs, op),
+            std::mem::offset_of!(HierArgs, rank),
+            std::mem::offset_of!(HierArgs, nranks),
+            std::mem::offset_of!(HierArgs, local),
+            std::mem::offset_of!(HierArgs, nlocal),
+            std::mem::offset_of!(HierArgs, node),
+            std::mem::offset_of!(HierArgs, nnodes),
+            std::mem::offset_of!(HierArgs, mem),
+            std::mem::offset_of!(HierArgs, port),
+            std::mem::offset_of!(HierArgs, scratch),
+            std::mem::offset_of!(HierArgs, state),
+            std::mem::offset_of!(HierArgs, err),
+            std::mem::offset_of!(HierArgs, abort),
+            std::mem::offset_of!(HierArgs, timeout_ns),
+            std::mem::offset_of!(HierArgs, ar_round),
+            std::mem::offset_of!(HierArgs, ag_round),
+            std::mem::offset_of!(HierArgs, in_off),
+            std::mem::offset_of!(HierArgs, res_off),
+            std::mem::offset_of!(HierArgs, x_off),
+            std::mem::offset_of!(HierArgs, x_stride),
+            std::mem::offset_of!(HierArgs, col_off),
+            std::mem::offset_of!(HierArgs, col_stride),
+            std::mem::offset_of!(HierArgs, sig_off),
+            std::mem::offset_of!(HierArgs, sig),
+        ];
+        assert_eq!(offsets.len(), ARG_FIELDS.len());
+        for (i, (off, name)) in offsets.iter().zip(ARG_FIELDS).enumerate() {
+            assert_eq!(*off, i * 8, "HierArgs field {i} ({name})");
+        }
         let src = source();
         let body = src.split("struct HierArgs {\n").nth(1).and_then(|s| s.split("};").next()).unwrap_or_default();
         let fields: Vec<&str> = body.lines().map(str::trim).filter(|l| !l.is_empty()).collect();

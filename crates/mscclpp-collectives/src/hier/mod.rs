@@ -121,8 +121,9 @@ const ERR_FAILED_BEFORE: u64 = 4;
 const ERR_GRID: u64 = 5;
 const ERR_MISMATCH: u64 = 6;
 
-/// A two-level call's signature: what every node peer's call must match (collective, type,
-/// operation, bytes), as a nonzero word (FNV-1a; 0 is an empty slot).
+/// A two-level call's signature: what every node peer's and cross-node peer's call must match
+/// (collective, type, operation, bytes), as a nonzero word (FNV-1a; 0 is an empty or cleared
+/// slot).
 fn signature(coll: Collective, dtype: DataType, op: Option<ReduceOp>, nbytes: u64) -> u64 {
     crate::select::fnv1a_words([coll.code(), dtype.code(), op.map_or(u64::MAX, |o| o.code()), nbytes]) | 1
 }
@@ -142,14 +143,17 @@ const TAG_INTER: u32 = 0x00c0_4a11;
 /// after [`HierConfig::timeout`], and [`check`](Self::check) names it; the object then refuses
 /// further calls.
 ///
-/// Each call carries a signature (collective, type, operation, bytes) that the ranks of a node
-/// compare in the call's first node barrier: node peers that make different calls fail, each
-/// naming the other (`InvalidUsage`), before anything reaches the output. Ranks of different
-/// nodes are not compared directly (that would cost a proxy copy per call): whole nodes that
-/// agree inside but differ from each other (and every call with one rank per node) get wrong
-/// results or a timeout, not a named mismatch; a rank whose call has no bytes launches nothing,
-/// so its peers time out naming it. The setup is checked across all ranks (ranks per node,
-/// round size, transport kind).
+/// Each call carries a signature (collective, type, operation, bytes) that every rank compares
+/// with those of the ranks it exchanges with, before anything reaches the output: the ranks of a
+/// node in the call's first node barrier, and each rank with its cross-node peers (the same
+/// local rank on every other node) in the call's first inter-node exchange, where the signature
+/// rides at the end of the data the exchange puts anyway (no extra proxy copy). A peer that made
+/// another call fails both ranks, each naming the other (`InvalidUsage`); the other ranks then
+/// fail too (naming a rank that stopped, or the mismatch they saw). Whole nodes that agree
+/// inside but differ from each other, and every call with one rank per node, are named through
+/// the cross-node comparison. A rank whose call has no bytes launches nothing, so its peers time
+/// out naming it. The setup is checked across all ranks (ranks per node, round size, transport
+/// kind).
 ///
 /// Calls are stream-ordered and keep their device state on the GPU (an exchange counter that
 /// picks the half of the exchange slots), so they are meant to be capturable in a CUDA graph (not
@@ -471,11 +475,14 @@ impl TwoLevel {
             ERR_FAILED_BEFORE => Error::remote(format!(
                 "rank {r}: a two-level collective ran after an earlier one failed and did nothing"
             )),
-            ERR_MISMATCH => Error::invalid_usage(format!(
-                "rank {r}: node peer rank {peer} made another two-level call (collective, type, operation or count \
-                 differ); every rank must make the same calls in the same order"
-            ))
-            .with_peer(peer),
+            ERR_MISMATCH => {
+                let how = if self.topo.node_of(peer) == self.topo.node_of(r) { "node peer" } else { "cross-node peer" };
+                Error::invalid_usage(format!(
+                    "rank {r}: {how} rank {peer} made another two-level call (collective, type, operation or count \
+                     differ); every rank must make the same calls in the same order"
+                ))
+                .with_peer(peer)
+            }
             ERR_GRID => Error::internal(format!(
                 "rank {r}: the blocks of a two-level kernel were not all resident (a grid barrier timed out)"
             )),
@@ -557,7 +564,9 @@ impl TwoLevel {
             in_off: l.in_off,
             res_off: l.res_off,
             x_off: l.x_off,
+            x_stride: l.x_stride,
             col_off: l.col_off,
+            col_stride: l.col_stride,
             sig_off: l.sig_off,
             sig: signature(coll, dtype, op, nbytes),
         };

@@ -13,7 +13,8 @@
 //! 2. `IntraReduceScatter`: local rank `l` reduces chunk `l` of every node peer's `IN` (in local
 //!    rank order) into its exchange slot `X[parity][n]` (node `n`'s partial sum).
 //! 3. `InterExchange`: rank `(n, l)` puts `X[parity][n]` into the same slot of every rank
-//!    `(n', l)` of the other nodes (all-pairs, PortChannel through the proxy).
+//!    `(n', l)` of the other nodes (all-pairs, PortChannel through the proxy). In a call's first
+//!    round the put also carries the call's signature ([`exchange_put_bytes`]).
 //! 4. `InterReduce`: each rank reduces `X[parity][0..M]` in node order into `RES` and into its
 //!    output's chunk `l`: every rank of the column gets the same bits (same order).
 //! 5. `IntraAllGather`: each rank copies chunk `l'` from node peer `l'`'s `RES` into its output.
@@ -21,13 +22,24 @@
 //! **AllGather**, per round of at most [`Layout::ag_round`] bytes of each rank's segment:
 //! 1. `Stage`: each rank copies the round of its input into its slot `COL[parity][n]` and into
 //!    its own segment of the output.
-//! 2. `InterExchange`: rank `(n, l)` puts its slot into the same slot of every `(n', l)`: each
-//!    rank now holds column `l` (the segments of ranks `n' * L + l`).
+//! 2. `InterExchange`: rank `(n, l)` puts its slot into the same slot of every `(n', l)` (with
+//!    the call's signature in its first round, as for AllReduce): each rank now holds column `l`
+//!    (the segments of ranks `n' * L + l`).
 //! 3. `IntraAllGather`: each rank copies the other columns' slots of its own `COL` and every
 //!    slot of every node peer's `COL` into the output.
 //!
 //! Exchange slots alternate between two halves (`parity` = round number mod 2, continued across
 //! calls on the GPU) so that a peer one round ahead never overwrites a slot still being read.
+//!
+//! **Signatures across nodes.** In the first round of every call, the put of `InterExchange`
+//! is [`exchange_put_bytes`] long: the data, padding up to [`sig_at`]`(bytes)`, and the call's
+//! 8-byte signature, which the sender writes into its own slot just before the put. The
+//! receiver, once the peer's signal arrived, compares the word at the same place of the slot
+//! that peer wrote with its own call's signature and clears it: a cross peer that made another
+//! call is named there, before any output is written (node peers compare theirs at the call's
+//! first node barrier). Each slot is therefore [`SIG_ROOM`] bytes longer than the data it
+//! holds ([`Layout::x_stride`], [`Layout::col_stride`]). The steps here carry those bytes too
+//! (the simulator copies whatever the sender's slot holds there).
 
 use std::fmt;
 use std::ops::Range;
@@ -125,6 +137,11 @@ pub fn chunk(len: u64, parts: usize, i: usize) -> Range<u64> {
 }
 
 /// Where things live in each rank's scratch (byte offsets), and the round sizes.
+///
+/// The exchange slots are [`SIG_ROOM`] bytes longer than the data they hold: a call's first
+/// round puts the call's signature after its chunk ([`sig_at`], [`exchange_put_bytes`]), and a
+/// chunk may fill its slot. Every rank agrees on the layout at setup, so a peer that makes
+/// another call still puts at most a slot's data and signature into each slot's stride.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
     /// Bytes of the buffer one AllReduce round covers (a multiple of `16 * L`).
@@ -135,10 +152,16 @@ pub struct Layout {
     pub in_off: u64,
     /// AllReduce result of this rank's chunk (`ar_round / L` bytes).
     pub res_off: u64,
-    /// AllReduce exchange slots `X[parity][node]`, `ar_round / L` bytes each.
+    /// AllReduce exchange slots `X[parity][node]`, [`x_stride`](Self::x_stride) bytes apart,
+    /// each holding up to `ar_round / L` bytes of data ([`x_slot`](Self::x_slot)).
     pub x_off: u64,
-    /// AllGather exchange slots `COL[parity][node]`, `ag_round` bytes each.
+    /// Bytes from one AllReduce exchange slot to the next: `ar_round / L + SIG_ROOM`.
+    pub x_stride: u64,
+    /// AllGather exchange slots `COL[parity][node]`, [`col_stride`](Self::col_stride) bytes
+    /// apart, each holding up to `ag_round` bytes of data.
     pub col_off: u64,
+    /// Bytes from one AllGather exchange slot to the next: `ag_round + SIG_ROOM`.
+    pub col_stride: u64,
     /// Signature slots, one 8-byte word per local rank: each node peer writes its call's
     /// signature into its word before the call's first node barrier.
     pub sig_off: u64,
@@ -149,6 +172,23 @@ pub struct Layout {
 /// Local ranks a node may have (the two-level kernels' group limit, `HMAX_GROUP` in hier.cu):
 /// the signature area holds one word for each.
 pub const MAX_LOCAL: u64 = MAX_GROUP as u64;
+
+/// Bytes each exchange slot has beyond its data: room for the signature word after a chunk
+/// that fills the slot (8 bytes), keeping every slot 16-byte aligned.
+pub const SIG_ROOM: u64 = 16;
+
+/// Where, in an exchange slot holding `bytes` of data, a call's first round puts the call's
+/// signature: `bytes` rounded up to a multiple of 8.
+pub fn sig_at(bytes: u64) -> u64 {
+    bytes.div_ceil(8) * 8
+}
+
+/// Bytes `InterExchange` puts for a slot of `bytes` data in `round`: the data alone, or in a
+/// call's first round (round 0) the data, its padding and the 8-byte signature
+/// (`sig_at(bytes) + 8`, also when `bytes` is 0).
+pub fn exchange_put_bytes(round: u32, bytes: u64) -> u64 {
+    if round == 0 { sig_at(bytes) + 8 } else { bytes }
+}
 
 impl Layout {
     /// The layout for `topo` with AllReduce rounds of about `round_bytes` (rounded up to a
@@ -167,14 +207,15 @@ impl Layout {
         let sizes = (|| {
             let ar_round = round_bytes.div_ceil(16 * l).checked_mul(16 * l)?;
             let slot = ar_round / l;
+            let stride = slot.checked_add(SIG_ROOM)?;
             let res_off = ar_round;
             let x_off = res_off.checked_add(slot)?;
-            let col_off = x_off.checked_add(m.checked_mul(2)?.checked_mul(slot)?)?;
-            let sig_off = col_off.checked_add(m.checked_mul(2)?.checked_mul(slot)?)?;
+            let col_off = x_off.checked_add(m.checked_mul(2)?.checked_mul(stride)?)?;
+            let sig_off = col_off.checked_add(m.checked_mul(2)?.checked_mul(stride)?)?;
             let total = sig_off.checked_add(MAX_LOCAL * 8)?;
-            Some((ar_round, slot, res_off, x_off, col_off, sig_off, total))
+            Some((ar_round, slot, stride, res_off, x_off, col_off, sig_off, total))
         })();
-        let Some((ar_round, slot, res_off, x_off, col_off, sig_off, total)) = sizes else {
+        let Some((ar_round, slot, stride, res_off, x_off, col_off, sig_off, total)) = sizes else {
             return Err(Error::invalid_usage(format!(
                 "a two-level round of {round_bytes} bytes is too large: its scratch would pass the 4 GiB that \
                  PortChannel offsets address"
@@ -187,19 +228,31 @@ impl Layout {
                  PortChannel offsets address: use smaller rounds"
             )));
         }
-        Ok(Layout { ar_round, ag_round, in_off, res_off, x_off, col_off, sig_off, total })
+        Ok(Layout {
+            ar_round,
+            ag_round,
+            in_off,
+            res_off,
+            x_off,
+            x_stride: stride,
+            col_off,
+            col_stride: stride,
+            sig_off,
+            total,
+        })
     }
-    /// Bytes of one AllReduce exchange slot.
+    /// Bytes of data one AllReduce exchange slot holds (its stride is
+    /// [`x_stride`](Self::x_stride)).
     pub fn x_slot(&self, topo: &Topology) -> u64 {
         self.ar_round / topo.ranks_per_node() as u64
     }
     /// Offset of AllReduce exchange slot `X[parity][node]`.
     pub fn x(&self, topo: &Topology, parity: u64, node: usize) -> u64 {
-        self.x_off + (parity * topo.nodes() as u64 + node as u64) * self.x_slot(topo)
+        self.x_off + (parity * topo.nodes() as u64 + node as u64) * self.x_stride
     }
     /// Offset of AllGather exchange slot `COL[parity][node]`.
     pub fn col(&self, topo: &Topology, parity: u64, node: usize) -> u64 {
-        self.col_off + (parity * topo.nodes() as u64 + node as u64) * self.ag_round
+        self.col_off + (parity * topo.nodes() as u64 + node as u64) * self.col_stride
     }
 }
 
@@ -427,7 +480,7 @@ fn all_reduce_steps(topo: &Topology, lay: &Layout, rank: usize, nbytes: u64) -> 
                     r,
                     Scratch,
                     slot,
-                    c.end - c.start,
+                    exchange_put_bytes(k, c.end - c.start),
                     Op::Copy,
                 ));
             }
@@ -514,7 +567,7 @@ fn all_gather_steps(topo: &Topology, lay: &Layout, rank: usize, nbytes: u64) -> 
                     r,
                     Scratch,
                     slot,
-                    len,
+                    exchange_put_bytes(k, len),
                     Op::Copy,
                 ));
             }
