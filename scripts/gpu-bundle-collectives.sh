@@ -74,6 +74,9 @@ step "unit tests, away from the source tree" 60 "$T" ./bin/unit-tests --test-thr
 for t in $(./bin/gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
   step "collectives $t" 150 "$T" ./bin/gpu --ignored --exact --nocapture --test-threads=1 "$t"
 done
+for t in $(./bin/gpu_hier --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
+  step "hier $t" 60 "$T" ./bin/gpu_hier --ignored --exact --nocapture --test-threads=1 "$t"
+done
 nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started" >> "$T"
 step "processes (MPS)" 60 "$T" ./bin/gpu_procs --ignored --test-threads=1 --nocapture
 # The speed goal's harness: 2 processes under MPS, bf16, graph and eager, NCCL in the same run.
@@ -89,7 +92,6 @@ step "memory_channel" 120 "$T" ./bin/memory_channel --ignored --test-threads=1 -
 step "timeouts (GPU)" 40 "$T" ./bin/timeouts --ignored --test-threads=1 --nocapture
 step "perf allreduce 2 ranks graph" 70 "$P" ./bin/mscclpp-perf allreduce -b 1K -e 256M -d bf16 -n 20 --graph $nccl --timeout 30 --json "$logs/ar-graph.json"
 step "perf allreduce 2 ranks eager" 70 "$P" ./bin/mscclpp-perf allreduce -b 1K -e 256M -d bf16 -n 20 --check $nccl --timeout 30 --json "$logs/ar-eager.json"
-step "hier (two-level)" 90 "$T" ./bin/gpu_hier --ignored --test-threads=1 --nocapture
 step "perf allreduce 8 ranks graph" 40 "$P" ./bin/mscclpp-perf allreduce --ranks 8 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
 step "perf allreduce 4 ranks graph" 40 "$P" ./bin/mscclpp-perf allreduce --ranks 4 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
 step "perf allreduce zero-copy graph" 40 "$P" ./bin/mscclpp-perf allreduce --algo zerocopy -b 1M -e 256M -f 4 -d bf16 -n 20 --graph --timeout 30
