@@ -122,10 +122,12 @@ const ERR_GRID: u64 = 5;
 const ERR_MISMATCH: u64 = 6;
 
 /// A two-level call's signature: what every node peer's and cross-node peer's call must match
-/// (collective, type, operation, bytes), as a nonzero word (FNV-1a; 0 is an empty or cleared
-/// slot).
-fn signature(coll: Collective, dtype: DataType, op: Option<ReduceOp>, nbytes: u64) -> u64 {
-    crate::select::fnv1a_words([coll.code(), dtype.code(), op.map_or(u64::MAX, |o| o.code()), nbytes]) | 1
+/// (collective, type, operation, bytes, and the call's number on this object), as a nonzero
+/// word (FNV-1a; 0 is an empty or cleared slot). The number (every call counts, those of no
+/// bytes too, which launch nothing) keeps a word or a semaphore token left by a call that a peer
+/// never launched from passing for a later call of the same shape.
+fn signature(coll: Collective, dtype: DataType, op: Option<ReduceOp>, nbytes: u64, call: u64) -> u64 {
+    crate::select::fnv1a_words([coll.code(), dtype.code(), op.map_or(u64::MAX, |o| o.code()), nbytes, call]) | 1
 }
 
 const THREADS: u32 = 512;
@@ -178,6 +180,8 @@ pub struct TwoLevel {
     status: DeviceStatus,
     _mem_channels: Vec<MemoryChannel>,
     _port_channels: Vec<mscclpp::device::PortChannel>,
+    /// Calls made so far (part of each call's signature).
+    calls: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for TwoLevel {
@@ -394,6 +398,7 @@ impl TwoLevel {
             status,
             _mem_channels: mem_channels,
             _port_channels: port_channels,
+            calls: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -525,6 +530,9 @@ impl TwoLevel {
         let what =
             || format!("two-level {coll} ({dtype}, {nbytes} bytes, rank {} of {})", self.rank, self.topo.nranks());
         self.check().map_err(|e| e.during(what()))?;
+        // Every call counts, one of no bytes or one refused below too: the ranks' numbers stay
+        // equal while they make the same calls.
+        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if nbytes == 0 {
             return Ok(());
         }
@@ -568,7 +576,7 @@ impl TwoLevel {
             col_off: l.col_off,
             col_stride: l.col_stride,
             sig_off: l.sig_off,
-            sig: signature(coll, dtype, op, nbytes),
+            sig: signature(coll, dtype, op, nbytes, call),
         };
         // SAFETY: the caller guarantees input/output for the sizes checked above until the call
         // finishes on the stream; scratch, handles, state and error words live as long as self.
