@@ -147,39 +147,45 @@ mod tests {
     #[test]
     fn generated_struct_matches_the_rust_layout() {
         assert_eq!(std::mem::size_of::<HierArgs>(), ARG_FIELDS.len() * 8);
-        // Field by field, in ARG_FIELDS order: the CUDA struct is generated from that list.
+        // Field by field: each Rust field (by name) at its place in ARG_FIELDS, from which the
+        // CUDA struct is generated.
+        macro_rules! at {
+            ($cuda:literal, $field:ident) => {
+                ($cuda, std::mem::offset_of!(HierArgs, $field))
+            };
+        }
         let offsets = [
-            std::mem::offset_of!(HierArgs, input),
-            std::mem::offset_of!(HierArgs, output),
-            std::mem::offset_of!(HierArgs, nbytes),
-            std::mem::offset_of!(HierArgs, op),
-            std::mem::offset_of!(HierArgs, rank),
-            std::mem::offset_of!(HierArgs, nranks),
-            std::mem::offset_of!(HierArgs, local),
-            std::mem::offset_of!(HierArgs, nlocal),
-            std::mem::offset_of!(HierArgs, node),
-            std::mem::offset_of!(HierArgs, nnodes),
-            std::mem::offset_of!(HierArgs, mem),
-            std::mem::offset_of!(HierArgs, port),
-            std::mem::offset_of!(HierArgs, scratch),
-            std::mem::offset_of!(HierArgs, state),
-            std::mem::offset_of!(HierArgs, err),
-            std::mem::offset_of!(HierArgs, abort),
-            std::mem::offset_of!(HierArgs, timeout_ns),
-            std::mem::offset_of!(HierArgs, ar_round),
-            std::mem::offset_of!(HierArgs, ag_round),
-            std::mem::offset_of!(HierArgs, in_off),
-            std::mem::offset_of!(HierArgs, res_off),
-            std::mem::offset_of!(HierArgs, x_off),
-            std::mem::offset_of!(HierArgs, x_stride),
-            std::mem::offset_of!(HierArgs, col_off),
-            std::mem::offset_of!(HierArgs, col_stride),
-            std::mem::offset_of!(HierArgs, sig_off),
-            std::mem::offset_of!(HierArgs, sig),
+            at!("in", input),
+            at!("out", output),
+            at!("nbytes", nbytes),
+            at!("op", op),
+            at!("rank", rank),
+            at!("nranks", nranks),
+            at!("local", local),
+            at!("nlocal", nlocal),
+            at!("node", node),
+            at!("nnodes", nnodes),
+            at!("mem", mem),
+            at!("port", port),
+            at!("scratch", scratch),
+            at!("state", state),
+            at!("err", err),
+            at!("abort", abort),
+            at!("timeout_ns", timeout_ns),
+            at!("ar_round", ar_round),
+            at!("ag_round", ag_round),
+            at!("in_off", in_off),
+            at!("res_off", res_off),
+            at!("x_off", x_off),
+            at!("x_stride", x_stride),
+            at!("col_off", col_off),
+            at!("col_stride", col_stride),
+            at!("sig_off", sig_off),
+            at!("sig", sig),
         ];
         assert_eq!(offsets.len(), ARG_FIELDS.len());
-        for (i, (off, name)) in offsets.iter().zip(ARG_FIELDS).enumerate() {
-            assert_eq!(*off, i * 8, "HierArgs field {i} ({name})");
+        for (i, ((cuda, off), name)) in offsets.iter().zip(ARG_FIELDS).enumerate() {
+            assert_eq!((*cuda, *off), (name, i * 8), "HierArgs field {i}");
         }
         let src = source();
         let body = src.split("struct HierArgs {\n").nth(1).and_then(|s| s.split("};").next()).unwrap_or_default();
