@@ -18,6 +18,10 @@ fn ranks<T: Send>(
     config: impl Fn(usize) -> Config + Sync,
     f: impl Fn(usize, &Collectives, &Stream) -> T + Sync,
 ) -> Vec<T> {
+    // SAFETY: ranks are threads of this process and need their own hardware queues (see
+    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
+    // they start a thread, so nothing else touches the environment now.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, Duration::from_secs(60)).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -464,6 +468,10 @@ fn zero_copy_all_reduce_on_registered_windows() {
 /// Builds `Collectives` on `n` rank threads with `config(rank)` and returns every rank's
 /// outcome (the error's text on failure), then passes a closing barrier.
 fn setups(n: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Result<(), (ErrorKind, String)>> {
+    // SAFETY: ranks are threads of this process and need their own hardware queues (see
+    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
+    // they start a thread, so nothing else touches the environment now.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, Duration::from_secs(60)).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)

@@ -27,6 +27,10 @@ fn ranks<R: Send>(
     config: impl Fn(usize) -> HierConfig + Sync,
     f: impl Fn(usize, &TwoLevel, &Stream, &DeviceBuffer, &DeviceBuffer) -> R + Sync,
 ) -> Vec<R> {
+    // SAFETY: ranks are threads of this process and need their own hardware queues (see
+    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
+    // they start a thread, so nothing else touches the environment now.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, T).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)

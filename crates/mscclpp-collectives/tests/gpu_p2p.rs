@@ -71,6 +71,10 @@ fn ranks<B, T: Send>(
     setup: impl Fn(usize, &Communicator) -> B + Sync,
     body: impl Fn(usize, &Communicator, &PointToPoint, &Stream, &B) -> T + Sync,
 ) -> Vec<T> {
+    // SAFETY: ranks are threads of this process and need their own hardware queues (see
+    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
+    // they start a thread, so nothing else touches the environment now.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, WAIT).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -375,6 +379,10 @@ fn a_rank_out_of_memory_fails_every_rank_at_setup_naming_it() {
     // Rank 2 asks for slots of 1 TiB: its scratch allocation fails. The others must fail at
     // the same exchange, naming rank 2, not wait for its scratch until the bootstrap timeout.
     let n = 3;
+    // SAFETY: ranks are threads of this process and need their own hardware queues (see
+    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
+    // they start a thread, so nothing else touches the environment now.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, WAIT).unwrap();
     let out: Vec<Result<(), (mscclpp::ErrorKind, String)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)

@@ -70,6 +70,10 @@ const BOOTSTRAP_WAIT: Duration = Duration::from_secs(70);
 
 /// Runs `f(rank, comm)` on `n` rank threads with one bootstrap each.
 fn ranks<T: Send>(n: usize, f: impl Fn(usize, &Communicator) -> T + Sync) -> Vec<T> {
+    // SAFETY: ranks are threads of this process and need their own hardware queues (see
+    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
+    // they start a thread, so nothing else touches the environment now.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, BOOTSTRAP_WAIT).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)

@@ -64,6 +64,10 @@ fn rank_main(rank: usize, n: usize, id: &mscclpp::UniqueId, protocol: Protocol) 
 
 fn run(protocol: Protocol) {
     let n = 2;
+    // SAFETY: ranks are threads of this process and need their own hardware queues (see
+    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
+    // they start a thread, so nothing else touches the environment now.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, Duration::from_secs(70)).unwrap();
     let results = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -102,6 +106,10 @@ fn registered_allpair_plan_serves_all_reduce_simple() {
 #[ignore = "needs a CUDA GPU"]
 fn mismatched_registration_fails_on_every_rank() {
     let n = 2;
+    // SAFETY: ranks are threads of this process and need their own hardware queues (see
+    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
+    // they start a thread, so nothing else touches the environment now.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, Duration::from_secs(70)).unwrap();
     let errs = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)

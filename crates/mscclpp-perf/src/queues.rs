@@ -20,17 +20,14 @@ static SETTING: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// calls it first thing for runs whose ranks are threads of this process, before any thread or
 /// CUDA context exists.
 pub fn prepare_env() {
-    let said = match std::env::var_os(VAR) {
-        Some(v) => format!("{VAR}={} (yours)", v.to_string_lossy()),
-        None => {
-            // SAFETY: called at the top of `main`, right after parsing the command line and
-            // before anything (CUDA, the bootstrap, NCCL) has started a thread, so nothing reads
-            // or writes the environment at the same time.
-            unsafe { std::env::set_var(VAR, HW_QUEUES_MAX.to_string()) };
-            format!(
-                "{VAR}={HW_QUEUES_MAX} (set by mscclpp-perf: ranks as threads share one context, whose streams must not share hardware queues)"
-            )
-        }
+    // SAFETY: called at the top of `main`, right after parsing the command line and before
+    // anything (CUDA, the bootstrap, NCCL) has started a thread, so nothing reads or writes the
+    // environment at the same time.
+    let said = match unsafe { mscclpp::gpu::use_all_hw_queues() } {
+        (v, false) => format!("{VAR}={v} (yours)"),
+        (v, true) => format!(
+            "{VAR}={v} (set by mscclpp-perf: ranks as threads share one context, whose streams must not share hardware queues)"
+        ),
     };
     let _ = SETTING.set(said);
 }

@@ -79,7 +79,7 @@ fn shared_queue_warning(gpu: u32, live: usize, var: Option<&str>) -> Option<Stri
         return None;
     }
     Some(format!(
-        "{live} ranks of this process use GPU{gpu} (ranks as threads) with {HW_QUEUES_VAR}={}: their streams share the GPU's hardware queues, so a rank's kernel can wait behind a peer's queued launches that wait for it (a device timeout follows); set {HW_QUEUES_VAR}={HW_QUEUES_MAX} before CUDA starts",
+        "{live} ranks of this process use GPU{gpu} (ranks as threads) with {HW_QUEUES_VAR}={}: their streams share the GPU's hardware queues, so a rank's kernel can wait behind a peer's queued launches that wait for it (a device timeout follows); set {HW_QUEUES_VAR}={HW_QUEUES_MAX} before CUDA starts (mscclpp::gpu::use_all_hw_queues)",
         queues.map_or_else(|| var.map_or("unset (8)".to_string(), |v| format!("{v:?}")), |q| q.to_string())
     ))
 }

@@ -14,7 +14,7 @@
 //! | `MSCCLPP_LOG_SUBSYS` | comma list of `ENV,GPU,NET,CONN,IB,BOOTSTRAP,PROXY,ALL`; `^` inverts; MSCCL++/NCCL's `INIT` means `BOOTSTRAP`, `P2P` means `CONN`; other names (`EXEC`, `NCCL`, `GRAPH`, ...) are ignored with a warning |
 //! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr; `%h`, `%p`, `%r` become host, pid, rank (`-` until the bootstrap sets it), `%%` a `%` |
 //! | `MSCCLPP_DEBUG`, `MSCCLPP_DEBUG_SUBSYS` | deprecated MSCCL++ names of `MSCCLPP_LOG_LEVEL`, `MSCCLPP_LOG_SUBSYS` (read with a warning when the new name is unset) |
-//! | `MSCCLPP_CUDAIPC_STREAM_PRIORITY` | `default` or `greatest`: the priority of the streams CUDA IPC connections (and so proxies) copy on; `greatest` is an experiment for programs whose streams share hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`), see `mscclpp-perf device`'s hardware-queue probe |
+//! | `MSCCLPP_CUDAIPC_STREAM_PRIORITY` | `default` or `greatest`: the priority of the streams CUDA IPC connections (and so proxies) copy on; `greatest` was an experiment for programs whose streams share hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`): `mscclpp-perf device`'s hardware-queue probe found that it does not escape a shared queue (session 16, H100) |
 //! | `MSCCLPP_NVRTC_PATH` | `libnvrtc.so*` or its directory, for [`crate::device::compile`] (read when NVRTC first loads) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.

@@ -718,6 +718,33 @@ pub const HW_QUEUES_VAR: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
 /// The most hardware queues [`HW_QUEUES_VAR`] can ask for.
 pub const HW_QUEUES_MAX: u32 = 32;
 
+/// For a program whose ranks are threads of one process: sets [`HW_QUEUES_VAR`] to
+/// [`HW_QUEUES_MAX`] unless it is set already, so that the context's streams (several ranks'
+/// streams and their connection streams) do not share hardware queues. Returns the value in
+/// force and whether this call set it. It must run before CUDA starts in this process (the driver
+/// reads the variable once, when it creates a context); later it changes nothing.
+///
+/// # Safety
+/// It writes the environment: no other thread may read or write the environment while it runs
+/// (call it at the top of `main`, before starting threads or CUDA; in a test binary, from every
+/// test before anything else, under a `std::sync::Once`).
+///
+/// ```no_run
+/// // SAFETY: the first thing main does, before any thread exists.
+/// let (queues, set_here) = unsafe { mscclpp::gpu::use_all_hw_queues() };
+/// println!("{} = {queues} ({})", mscclpp::gpu::HW_QUEUES_VAR, if set_here { "set here" } else { "yours" });
+/// ```
+pub unsafe fn use_all_hw_queues() -> (String, bool) {
+    match std::env::var_os(HW_QUEUES_VAR) {
+        Some(v) => (v.to_string_lossy().into_owned(), false),
+        None => {
+            // SAFETY: the caller guarantees that no other thread touches the environment now.
+            unsafe { std::env::set_var(HW_QUEUES_VAR, HW_QUEUES_MAX.to_string()) };
+            (HW_QUEUES_MAX.to_string(), true)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
