@@ -891,7 +891,10 @@ fn rank_main(
     let comm = Communicator::new(bs.clone());
     let x = |x: mscclpp::Error| format!("rank {rank}: {x}");
     let t0 = std::time::Instant::now();
+    let step = |what: String| crate::watch::set(rank, what);
+    step("setup: Collectives::new (connections, tuning)".into());
     let coll = Collectives::new(&comm, Config::new(s.device).timeout(s.timeout)).map_err(x)?;
+    step("setup: buffers, events, executor".into());
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     let stream = Stream::new(s.device).map_err(x)?;
     let a = DeviceBuffer::new(comm.context(), s.device, cap, TransportFlags::NONE).map_err(x)?;
@@ -932,6 +935,7 @@ fn rank_main(
     // NCCL: every rank calls ncclCommInitRank at once (it returns when all have).
     let mut comm_nccl: Option<Comm<'_>> = None;
     if let Some((lib, id)) = nccl_ref {
+        step("setup: NCCL communicator".into());
         me.gather(&[1.0])?; // every rank got here: none will be missing from the init
         // Binds GPU `device`'s primary context on this thread (NCCL uses the current one).
         let _bind = TimingEvent::new(s.device).map_err(x)?;
@@ -954,6 +958,7 @@ fn rank_main(
     let mut records = Vec::new();
     let mut wrong_total = 0u64;
     for sz in list {
+        step(format!("{} B: planning", sz.bytes));
         let mut mine = [f64::NAN; FIELDS];
         // The plan is the same on every rank; a size no algorithm can serve (an --algo
         // whose scratch is too small) is skipped on all of them.
@@ -989,7 +994,10 @@ fn rank_main(
             if !s.runs(place) {
                 continue;
             }
+            let where_ = if place == Place::In { "in place" } else { "out of place" };
+            let at = |what: &str| step(format!("{} B {where_}: {what}", sz.bytes));
             if let (Some(ex), Some(p)) = (&me.exec, &s.plan) {
+                at("executor build (connections, kernel)");
                 // The plan's resources for these buffers (collective), before anything is timed.
                 // A build allocates and copies synchronously (either may wait for the whole
                 // GPU): every rank has synchronized its stream by now (the last timed run and
@@ -1000,6 +1008,7 @@ fn rank_main(
                 unsafe { ex.prepare(rank, send, recv, sz.in_bytes, sz.out_bytes, p) }
                     .map_err(|e| format!("rank {rank}: {e}"))?;
             }
+            at("our warmup and timed runs");
             mine[t] = me.measure(&|| me.ours(sz, place), &|| me.sync_ours())?;
             if let Some(c) = &comm_nccl {
                 let (send, recv) = me.ptrs(sz, place);
@@ -1010,21 +1019,25 @@ fn rank_main(
                     unsafe { c.call(s.coll, send, recv, sz.count, s.dtype, s.op, raw) }
                         .map_err(|m| format!("rank {rank}: {m}"))
                 };
+                at("NCCL's warmup and timed runs");
                 mine[tn] = me.measure(&call, &|| me.sync_nccl())?;
             }
             if s.check {
+                at("check against the reference");
                 let n = me.check(sz, place)?;
                 mine[w] = n as f64;
             }
         }
         // Rank 0's copy baseline creates streams and copies: only once every rank's kernels of
         // this size are done (each rank synchronized its stream).
+        step(format!("{} B: barrier, then rank 0's copy baseline", sz.bytes));
         me.barrier()?;
         if rank == 0 {
             let d =
                 mscclpp::bench::baseline_copy(&[(&me.a, &me.b)], sz.bytes as usize, s.warmup, s.iters).map_err(x)?;
             mine[COPY] = d.as_secs_f64() * 1e6 / s.iters as f64;
         }
+        step(format!("{} B: gathering the row", sz.bytes));
         let all = me.gather(&mine)?;
         if rank != 0 {
             continue;
@@ -1068,6 +1081,7 @@ fn rank_main(
             partial.write_json(p).map_err(|m| format!("rank 0: {m}"))?;
         }
     }
+    step("closing barrier".into());
     me.barrier()?;
     if let Some(c) = comm_nccl {
         // Every rank is done and its stream synchronized.

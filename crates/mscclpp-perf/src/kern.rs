@@ -80,6 +80,8 @@ pub(crate) fn local_ranks<T: Send>(
     let (root, id) = mscclpp::RootServer::start(n, timeout).map_err(e)?;
     let setup = &setup;
     let ranks = std::thread::scope(|sc| {
+        // Says where every rank is when none moves on for a while (crate::watch).
+        let watch = crate::watch::Watch::start(sc, n, crate::watch::limit_for(timeout));
         let hs: Vec<_> = (0..n)
             .map(|rank| {
                 let id = id.clone();
@@ -100,6 +102,7 @@ pub(crate) fn local_ranks<T: Send>(
                 Err(_) => errs.push("a rank thread panicked".to_string()),
             }
         }
+        drop(watch);
         if errs.is_empty() { Ok(ok) } else { Err(errs.join("\n  ")) }
     })?;
     drop(root);

@@ -25,6 +25,7 @@ mod queues;
 mod report;
 mod stages;
 mod trace;
+mod watch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
