@@ -86,8 +86,21 @@ pub(crate) fn local_ranks<T: Send>(
             .map(|rank| {
                 let id = id.clone();
                 sc.spawn(move || -> Result<T, String> {
-                    let bs = mscclpp::TcpBootstrap::config(rank, n).timeout(timeout).initialize(&id).map_err(e)?;
-                    setup(rank, std::sync::Arc::new(bs))
+                    // What the watcher shows once this thread is done (a panic unwinds through it).
+                    struct Done(usize, &'static str);
+                    impl Drop for Done {
+                        fn drop(&mut self) {
+                            crate::watch::set(self.0, self.1);
+                        }
+                    }
+                    let mut done = Done(rank, "panicked");
+                    let r = mscclpp::TcpBootstrap::config(rank, n)
+                        .timeout(timeout)
+                        .initialize(&id)
+                        .map_err(e)
+                        .and_then(|bs| setup(rank, std::sync::Arc::new(bs)));
+                    done.1 = if r.is_ok() { "returned" } else { "returned an error (printed at the end)" };
+                    r
                 })
             })
             .collect();

@@ -32,7 +32,10 @@ pub(crate) fn limit_for(timeout: Duration) -> Duration {
 
 /// The report for `steps` at `now`: one line per rank with its step and the time in it.
 fn report(steps: &[(String, Instant)], now: Instant, stalled: Duration) -> String {
-    let mut s = format!("mscclpp-perf: no rank has moved on for {:.0} s; where the ranks are:", stalled.as_secs_f64());
+    let mut s = format!(
+        "mscclpp-perf: no rank has moved on for {:.0} s (a stall, or a long step); where the ranks are:",
+        stalled.as_secs_f64()
+    );
     for (rank, (what, since)) in steps.iter().enumerate() {
         s.push_str(&format!(
             "\n  rank {rank}: {what} (for {:.1} s)",
@@ -60,13 +63,17 @@ impl Watch {
             while !done.load(Ordering::Acquire) {
                 std::thread::sleep(Duration::from_millis(200));
                 let now = Instant::now();
-                let s = steps();
-                let Some(last) = s.iter().map(|(_, t)| *t).max() else { break };
-                let stalled = now.saturating_duration_since(last);
-                // Once per limit of stall (the clock restarts when any rank moves on).
-                let due = stalled >= limit && said_at.is_none_or(|t| t < last || now.duration_since(t) >= limit);
-                if due {
-                    eprintln!("{}", report(&s, now, stalled));
+                let text = {
+                    let s = steps();
+                    let Some(last) = s.iter().map(|(_, t)| *t).max() else { break };
+                    let stalled = now.saturating_duration_since(last);
+                    // Once per limit of stall (the clock restarts when any rank moves on).
+                    let due = stalled >= limit && said_at.is_none_or(|t| t < last || now.duration_since(t) >= limit);
+                    due.then(|| report(&s, now, stalled))
+                };
+                // Printed without the lock: a blocked stderr must not stop the ranks' `set`.
+                if let Some(text) = text {
+                    eprintln!("{text}");
                     said_at = Some(now);
                 }
             }
@@ -91,7 +98,7 @@ mod tests {
         let t0 = Instant::now();
         let steps = vec![("timed runs, 64 KiB in place".to_string(), t0), ("executor build, 64 KiB".to_string(), t0)];
         let r = report(&steps, t0 + Duration::from_millis(15_250), Duration::from_secs(15));
-        assert!(r.starts_with("mscclpp-perf: no rank has moved on for 15 s"), "{r}");
+        assert!(r.starts_with("mscclpp-perf: no rank has moved on for 15 s (a stall, or a long step)"), "{r}");
         assert!(r.contains("\n  rank 0: timed runs, 64 KiB in place (for 15.2 s)"), "{r}");
         assert!(r.contains("\n  rank 1: executor build, 64 KiB (for 15.2 s)"), "{r}");
     }
