@@ -184,8 +184,9 @@ __device__ __forceinline__ u64 halign8(u64 x) { return (x + 7) / 8 * 8; }
 // next exchange returned; this rank pushes that signal only after this exchange's closing grid
 // barrier, which follows the clear (the same thread's stores, fenced before the push). Words of
 // a call that was never checked stay: a rank that failed refuses every later call, and one that
-// launched nothing for that call (no bytes) numbers its calls like its peers (the signature
-// holds the call's number), so a stale word never equals a later call's signature.
+// launched nothing for that call (no bytes, or refused arguments) numbers its calls like its
+// peers (the signature holds the call's number), so a stale word never equals a later call's
+// signature.
 __device__ bool inter_exchange(const HierArgs& a, u64 slots, u64 stride, u64 bytes, bool sig) {
   const u64 off = slots + a.node * stride, at = halign8(bytes);
   const u64 put = sig ? at + 8 : bytes;

@@ -45,7 +45,7 @@ pub(crate) struct HierArgs {
     pub(crate) col_stride: u64,
     /// The node peers' signature slots in the scratch (one word per local rank).
     pub(crate) sig_off: u64,
-    /// This call's signature (collective, type, operation, bytes; never 0).
+    /// This call's signature (collective, type, operation, bytes, call number; never 0).
     pub(crate) sig: u64,
 }
 

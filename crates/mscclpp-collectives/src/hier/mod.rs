@@ -145,7 +145,8 @@ const TAG_INTER: u32 = 0x00c0_4a11;
 /// after [`HierConfig::timeout`], and [`check`](Self::check) names it; the object then refuses
 /// further calls.
 ///
-/// Each call carries a signature (collective, type, operation, bytes) that every rank compares
+/// Each call carries a signature (collective, type, operation, bytes, and the call's number on
+/// this object) that every rank compares
 /// with those of the ranks it exchanges with, before anything reaches the output: the ranks of a
 /// node in the call's first node barrier, and each rank with its cross-node peers (the same
 /// local rank on every other node) in the call's first inter-node exchange, where the signature
@@ -156,6 +157,13 @@ const TAG_INTER: u32 = 0x00c0_4a11;
 /// the cross-node comparison. A rank whose call has no bytes launches nothing, so its peers time
 /// out naming it. The setup is checked across all ranks (ranks per node, round size, transport
 /// kind).
+///
+/// The call number counts every call made on this object after its checks of the object's own
+/// state, those with no bytes and those refused for their arguments included, in the order the
+/// host makes them: a rank that retries a refused call, or skips one, is a call ahead or behind
+/// its peers from then on and every later call fails as a mismatch (the object should be
+/// rebuilt). A call captured in a CUDA graph keeps the number it had at capture for every
+/// replay; every rank must capture the same calls.
 ///
 /// Calls are stream-ordered and keep their device state on the GPU (an exchange counter that
 /// picks the half of the exchange slots), so they are meant to be capturable in a CUDA graph (not
@@ -483,8 +491,9 @@ impl TwoLevel {
             ERR_MISMATCH => {
                 let how = if self.topo.node_of(peer) == self.topo.node_of(r) { "node peer" } else { "cross-node peer" };
                 Error::invalid_usage(format!(
-                    "rank {r}: {how} rank {peer} made another two-level call (collective, type, operation or count \
-                     differ); every rank must make the same calls in the same order"
+                    "rank {r}: {how} rank {peer} made another two-level call (collective, type, operation, count or \
+                     call number differ: a call refused, skipped or failed on one rank shifts the numbering); every \
+                     rank must make the same calls in the same order"
                 ))
                 .with_peer(peer)
             }
