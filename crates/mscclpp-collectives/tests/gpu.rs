@@ -19,8 +19,9 @@ fn ranks<T: Send>(
     f: impl Fn(usize, &Collectives, &Stream) -> T + Sync,
 ) -> Vec<T> {
     // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
-    // they start a thread, so nothing else touches the environment now.
+    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
+    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
+    // CUDA call of the first test, so nothing else reads or writes the environment then.
     let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, Duration::from_secs(60)).unwrap();
     let out = std::thread::scope(|s| {
@@ -469,8 +470,9 @@ fn zero_copy_all_reduce_on_registered_windows() {
 /// outcome (the error's text on failure), then passes a closing barrier.
 fn setups(n: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Result<(), (ErrorKind, String)>> {
     // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
-    // they start a thread, so nothing else touches the environment now.
+    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
+    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
+    // CUDA call of the first test, so nothing else reads or writes the environment then.
     let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, Duration::from_secs(60)).unwrap();
     let out = std::thread::scope(|s| {

@@ -28,8 +28,9 @@ fn ranks<R: Send>(
     f: impl Fn(usize, &TwoLevel, &Stream, &DeviceBuffer, &DeviceBuffer) -> R + Sync,
 ) -> Vec<R> {
     // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
-    // they start a thread, so nothing else touches the environment now.
+    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
+    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
+    // CUDA call of the first test, so nothing else reads or writes the environment then.
     let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, T).unwrap();
     let out = std::thread::scope(|s| {

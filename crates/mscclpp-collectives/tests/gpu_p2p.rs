@@ -72,8 +72,9 @@ fn ranks<B, T: Send>(
     body: impl Fn(usize, &Communicator, &PointToPoint, &Stream, &B) -> T + Sync,
 ) -> Vec<T> {
     // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
-    // they start a thread, so nothing else touches the environment now.
+    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
+    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
+    // CUDA call of the first test, so nothing else reads or writes the environment then.
     let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, WAIT).unwrap();
     let out = std::thread::scope(|s| {
@@ -380,8 +381,9 @@ fn a_rank_out_of_memory_fails_every_rank_at_setup_naming_it() {
     // the same exchange, naming rank 2, not wait for its scratch until the bootstrap timeout.
     let n = 3;
     // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
-    // they start a thread, so nothing else touches the environment now.
+    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
+    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
+    // CUDA call of the first test, so nothing else reads or writes the environment then.
     let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, WAIT).unwrap();
     let out: Vec<Result<(), (mscclpp::ErrorKind, String)>> = std::thread::scope(|s| {

@@ -71,8 +71,9 @@ const BOOTSTRAP_WAIT: Duration = Duration::from_secs(70);
 /// Runs `f(rank, comm)` on `n` rank threads with one bootstrap each.
 fn ranks<T: Send>(n: usize, f: impl Fn(usize, &Communicator) -> T + Sync) -> Vec<T> {
     // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
-    // they start a thread, so nothing else touches the environment now.
+    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
+    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
+    // CUDA call of the first test, so nothing else reads or writes the environment then.
     let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, BOOTSTRAP_WAIT).unwrap();
     let out = std::thread::scope(|s| {

@@ -65,8 +65,9 @@ fn rank_main(rank: usize, n: usize, id: &mscclpp::UniqueId, protocol: Protocol) 
 fn run(protocol: Protocol) {
     let n = 2;
     // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
-    // they start a thread, so nothing else touches the environment now.
+    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
+    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
+    // CUDA call of the first test, so nothing else reads or writes the environment then.
     let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, Duration::from_secs(70)).unwrap();
     let results = std::thread::scope(|s| {
@@ -107,8 +108,9 @@ fn registered_allpair_plan_serves_all_reduce_simple() {
 fn mismatched_registration_fails_on_every_rank() {
     let n = 2;
     // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues); the GPU tests run one at a time (--test-threads=1) and set it before
-    // they start a thread, so nothing else touches the environment now.
+    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
+    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
+    // CUDA call of the first test, so nothing else reads or writes the environment then.
     let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
     let (root, id) = RootServer::start(n, Duration::from_secs(70)).unwrap();
     let errs = std::thread::scope(|s| {
