@@ -8,7 +8,9 @@
 #   - run.sh: every step under one deadline (RUN_BUDGET seconds, default 560), most important
 #     first, logs and JSON under $OUT.
 # NCCL for the comparison columns: nccl-ignored/libnccl.so.2.xz made by shared/tools/nccl-sm90.py
-# (carry it too). Device call: carry ["gpu-bundle-coll", "nccl-ignored"], command
+# (carry it too, or gpu-bundle-nccl, which holds a copy: run.sh looks in both; before session 16
+# it looked only in nccl-ignored/, so calls that carried the NCCL bundle ran without the NCCL
+# column). Device call: carry ["gpu-bundle-coll", "nccl-ignored"], command
 # "bash gpu-bundle-coll/run.sh".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -65,9 +67,12 @@ step() {
   echo "$r $name ($((SECONDS - t0))s)" | tee -a "$sum"
 }
 nccl=""
-if [ -f ../nccl-ignored/libnccl.so.2.xz ]; then
-  python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('../nccl-ignored/libnccl.so.2.xz'), open('/tmp/libnccl.so.2','wb'))" && nccl="--nccl /tmp/libnccl.so.2"
-fi
+# NCCL for the comparison columns: nccl-ignored/ (carried alone) or the NCCL bundle's copy.
+for xz in ../nccl-ignored/libnccl.so.2.xz ../gpu-bundle-nccl/nccl/libnccl.so.2.xz; do
+  [ -f "$xz" ] || continue
+  python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('$xz'), open('/tmp/libnccl.so.2','wb'))" && nccl="--nccl /tmp/libnccl.so.2"
+  break
+done
 T="$logs/tests.log"; P="$logs/perf.txt"
 step "unit tests, away from the source tree" 60 "$T" ./bin/unit-tests --test-threads=1
 # The collectives' GPU tests, each in its own process (a fault in one must not poison the next).
