@@ -8,7 +8,7 @@
 //! to stderr when no rank has moved on for the stall limit, and again at each further limit.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Each rank's step and when it began (index = rank); empty while no ranks are watched.
@@ -45,9 +45,16 @@ fn report(steps: &[(String, Instant)], now: Instant, stalled: Duration) -> Strin
     s
 }
 
+/// Whether to print now: the ranks have not moved on for `limit` (since `last`), and nothing was
+/// said yet, or the last report came before a rank moved on, or one limit ago.
+fn due(stalled: Duration, limit: Duration, said_at: Option<Instant>, last: Instant, now: Instant) -> bool {
+    stalled >= limit && said_at.is_none_or(|t| t < last || now.saturating_duration_since(t) >= limit)
+}
+
 /// Watches `n` ranks while it lives (one watch at a time per process).
 pub(crate) struct Watch {
-    done: &'static AtomicBool,
+    done: Arc<AtomicBool>,
+    thread: std::thread::Thread,
 }
 
 impl Watch {
@@ -55,21 +62,27 @@ impl Watch {
     /// `limit`.
     pub(crate) fn start<'s>(scope: &'s std::thread::Scope<'s, '_>, n: usize, limit: Duration) -> Watch {
         let now = Instant::now();
-        *steps() = (0..n).map(|_| ("starting".to_string(), now)).collect();
-        // One flag per watch, leaked (a few bytes per local run) so the thread needs no borrow.
-        let done: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
-        scope.spawn(move || {
+        {
+            let mut s = steps();
+            debug_assert!(s.is_empty(), "one watch at a time");
+            *s = (0..n).map(|_| ("starting".to_string(), now)).collect();
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = done.clone();
+        let handle = scope.spawn(move || {
             let mut said_at: Option<Instant> = None;
-            while !done.load(Ordering::Acquire) {
-                std::thread::sleep(Duration::from_millis(200));
+            while !flag.load(Ordering::Acquire) {
+                // Woken at once by the drop (unpark), else every 200 ms.
+                std::thread::park_timeout(Duration::from_millis(200));
+                if flag.load(Ordering::Acquire) {
+                    break;
+                }
                 let now = Instant::now();
                 let text = {
                     let s = steps();
                     let Some(last) = s.iter().map(|(_, t)| *t).max() else { break };
                     let stalled = now.saturating_duration_since(last);
-                    // Once per limit of stall (the clock restarts when any rank moves on).
-                    let due = stalled >= limit && said_at.is_none_or(|t| t < last || now.duration_since(t) >= limit);
-                    due.then(|| report(&s, now, stalled))
+                    due(stalled, limit, said_at, last, now).then(|| report(&s, now, stalled))
                 };
                 // Printed without the lock: a blocked stderr must not stop the ranks' `set`.
                 if let Some(text) = text {
@@ -78,13 +91,14 @@ impl Watch {
                 }
             }
         });
-        Watch { done }
+        Watch { done, thread: handle.thread().clone() }
     }
 }
 
 impl Drop for Watch {
     fn drop(&mut self) {
         self.done.store(true, Ordering::Release);
+        self.thread.unpark();
         steps().clear();
     }
 }
@@ -101,6 +115,22 @@ mod tests {
         assert!(r.starts_with("mscclpp-perf: no rank has moved on for 15 s (a stall, or a long step)"), "{r}");
         assert!(r.contains("\n  rank 0: timed runs, 64 KiB in place (for 15.2 s)"), "{r}");
         assert!(r.contains("\n  rank 1: executor build, 64 KiB (for 15.2 s)"), "{r}");
+    }
+
+    #[test]
+    fn a_stall_is_reported_once_per_limit() {
+        let (t0, lim) = (Instant::now(), Duration::from_secs(15));
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        // Moving: nothing to say.
+        assert!(!due(Duration::from_secs(14), lim, None, t0, at(14)));
+        // Stalled a limit: said once...
+        assert!(due(lim, lim, None, t0, at(15)));
+        // ...not again within the next limit...
+        assert!(!due(Duration::from_secs(20), lim, Some(at(15)), t0, at(20)));
+        // ...then again after it.
+        assert!(due(Duration::from_secs(30), lim, Some(at(15)), t0, at(30)));
+        // A rank moved on after the report (at 16) and the ranks stalled a limit since: said.
+        assert!(due(lim, lim, Some(at(15)), at(16), at(31)));
     }
 
     #[test]
