@@ -767,12 +767,23 @@ impl Executor {
             let mut first = FirstError::<Error>::default();
             let mut sems = Vec::new();
             let mut warm = Vec::new();
+            // Peers a wait already failed with: their other channels are not waited for (each
+            // wait would cost the full timeout again; a plan has several channels per peer), the
+            // build fails with the first error anyway.
+            let mut failed_peers = Vec::new();
             for (l, tg, conn) in pending {
+                if failed_peers.contains(&l.peer) {
+                    continue;
+                }
                 let waited = conn.wait().map_err(|e| e.during("connecting a plan's channel").with_peer(l.peer));
-                let Some(conn) = first.keep(waited) else { continue };
+                let Some(conn) = first.keep(waited) else {
+                    failed_peers.push(l.peer);
+                    continue;
+                };
                 hold.push(conn.clone());
-                if let Some(s) = first.keep(comm.build_semaphore(&conn, l.peer, tg).map_err(|e| e.with_peer(l.peer))) {
-                    sems.push((l, s));
+                match first.keep(comm.build_semaphore(&conn, l.peer, tg).map_err(|e| e.with_peer(l.peer))) {
+                    Some(s) => sems.push((l, s)),
+                    None => failed_peers.push(l.peer),
                 }
                 if l.channel_type == ChannelType::Port {
                     warm.push((l.peer, conn));
