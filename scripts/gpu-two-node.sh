@@ -25,7 +25,7 @@ for setting in ${SETTINGS:-per-plan:default interpreter:default per-plan:8}; do
     rc=$?
     r=PASS; [ $rc = 0 ] || r="FAIL rc=$rc"; [ $rc = 124 ] && r="TIMEOUT (${cap}s)"
     echo "$r kernel=$k queues=$q${prio:+ priority=$prio} run $i ($((SECONDS - t0)) s)"
-    [ $rc = 0 ] || grep -E "rank [0-9]|^ +[0-9]+ " "$logs/run.log" | sed 's/^/    /' | tail -12
+    [ $rc = 0 ] || grep -E "rank [0-9]|^ +[0-9]+ |no rank has moved on" "$logs/run.log" | sed "s/^/    /" | tail -24
     cat "$logs/run.log" >> "$logs/all-runs.log"
   done
 done
