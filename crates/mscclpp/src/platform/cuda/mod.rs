@@ -726,8 +726,8 @@ pub const HW_QUEUES_MAX: u32 = 32;
 ///
 /// # Safety
 /// It writes the environment: no other thread may read or write the environment while it runs
-/// (call it at the top of `main`, before starting threads or CUDA; in a test binary, from every
-/// test before anything else, under a `std::sync::Once`).
+/// (call it at the top of `main`, before starting threads or CUDA; in a test binary, first thing
+/// in every test, the tests run one at a time: only the first call writes).
 ///
 /// ```no_run
 /// // SAFETY: the first thing main does, before any thread exists.
