@@ -893,7 +893,11 @@ fn rank_main(
     let t0 = std::time::Instant::now();
     let step = |what: String| crate::watch::set(rank, what);
     step("setup: Collectives::new (connections, tuning)".into());
-    let coll = Collectives::new(&comm, Config::new(s.device).timeout(s.timeout)).map_err(x)?;
+    // A plan run times the executor: the built-in algorithms' setup-time tuning would only
+    // cost time (and run kernels that have nothing to do with the plan).
+    let config = Config::new(s.device).timeout(s.timeout);
+    let config = if s.plan.is_some() { config.tune(false) } else { config };
+    let coll = Collectives::new(&comm, config).map_err(x)?;
     step("setup: buffers, events, executor".into());
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     let stream = Stream::new(s.device).map_err(x)?;
