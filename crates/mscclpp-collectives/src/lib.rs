@@ -48,3 +48,28 @@ pub use types::{Algorithm, Collective, DataType, ReduceOp};
 pub fn kernel_source() -> String {
     kernels::source()
 }
+
+/// For the `collectives_setup` fuzz target: the setup messages peers send (`place\nagreement`,
+/// a place of the two-level setup ending in `|blocks`), cut from arbitrary bytes at 0xff, never
+/// make the setup checks panic; they are accepted exactly when every message's agreement equals
+/// the first one's, and then each rank's place and GPU come back in rank order.
+#[doc(hidden)]
+pub fn fuzz_check(data: &[u8]) {
+    let msgs: Vec<Vec<u8>> = data.split(|&b| b == 0xff).map(<[u8]>::to_vec).collect();
+    let text = |m: &[u8]| String::from_utf8_lossy(m).into_owned();
+    let agreement = |m: &[u8]| text(m).split_once('\n').map(|(_, a)| a.to_string()).unwrap_or_default();
+    let mine = msgs.first().map(|m| agreement(m)).unwrap_or_default();
+    let alike = msgs.iter().all(|m| agreement(m) == mine);
+    match comm::agreed_places(&msgs, &mine, "fuzz", "settings") {
+        Ok(places) => {
+            assert!(alike, "a differing agreement was accepted");
+            assert_eq!(places.len(), msgs.len());
+            assert!(places.iter().all(|p| !p.contains('\n')), "a place kept the agreement's line");
+            assert_eq!(hier::gpus_and_room(&places).len(), places.len());
+        }
+        Err(e) => {
+            assert!(!alike, "agreeing messages were refused: {e}");
+            assert!(e.peer().is_some_and(|p| p < msgs.len()), "a refusal named no peer: {e}");
+        }
+    }
+}

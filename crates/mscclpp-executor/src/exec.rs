@@ -278,7 +278,7 @@ impl ExecutorConfig {
 
 /// Checks every rank's `(send_size, recv_size)` (16 bytes each, as the build's first exchange
 /// carries them) against this rank's, naming the first rank that differs.
-fn check_same_sizes(plan: &str, mine: (u64, u64), all: &[Vec<u8>]) -> Result<(), ExecError> {
+pub(crate) fn check_same_sizes(plan: &str, mine: (u64, u64), all: &[Vec<u8>]) -> Result<(), ExecError> {
     for (p, b) in all.iter().enumerate() {
         let word = |i: usize| b.get(i * 8..i * 8 + 8).and_then(|w| w.try_into().ok()).map(u64::from_le_bytes);
         let theirs = match (word(0), word(1)) {

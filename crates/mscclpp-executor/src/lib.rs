@@ -123,6 +123,9 @@ impl Plan {
 
 /// For the `executor_plan` fuzz target: parsing arbitrary bytes never panics, a plan that loads
 /// writes JSON that loads back to the same plan, and summarizing and interpreting it never panic.
+/// The same bytes, cut into 16-byte peer messages, go through the build's buffer-size check
+/// (what peers send at a build's first exchange): it accepts exactly the messages that carry
+/// this rank's sizes.
 #[doc(hidden)]
 pub fn fuzz_check(data: &[u8]) {
     if let Ok(plan) = Plan::from_json_slice(data) {
@@ -131,4 +134,13 @@ pub fn fuzz_check(data: &[u8]) {
         let _ = plan.summary().to_string();
         let _ = sim::simulate(&plan, &[]);
     }
+    let msgs: Vec<Vec<u8>> = data.chunks(16).map(<[u8]>::to_vec).collect();
+    let mine = msgs.first().filter(|m| m.len() == 16).map_or((0, 0), |m| {
+        let w = |i: usize| m[i * 8..i * 8 + 8].try_into().map_or(0, u64::from_le_bytes);
+        (w(0), w(1))
+    });
+    let ok = exec::check_same_sizes("fuzz", mine, &msgs).is_ok();
+    let mut same = mine.0.to_le_bytes().to_vec();
+    same.extend_from_slice(&mine.1.to_le_bytes());
+    assert_eq!(ok, msgs.iter().all(|m| *m == same), "the size check disagrees with the messages");
 }

@@ -15,4 +15,8 @@ fn executor_plan_has_a_fuzz_target() {
     mscclpp_executor::fuzz_check(&[0xff; 64]);
     let plan = mscclpp_executor::generate::all(3).remove(0);
     mscclpp_executor::fuzz_check(plan.to_json().as_bytes());
+    // Peer size messages: all alike, one differing, one cut short.
+    mscclpp_executor::fuzz_check(&[[7u8; 16], [7u8; 16]].concat());
+    mscclpp_executor::fuzz_check(&[[7u8; 16], [8u8; 16]].concat());
+    mscclpp_executor::fuzz_check(&[7u8; 20]);
 }

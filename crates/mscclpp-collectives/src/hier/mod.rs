@@ -658,7 +658,7 @@ pub fn kernel_source() -> String {
 
 /// Every rank's GPU and how many two-level blocks it holds at once, by rank, from each rank's
 /// `"{gpu}|{blocks}"` (a rank that sent no count holds none).
-fn gpus_and_room(all: &[String]) -> Vec<(String, u64)> {
+pub(crate) fn gpus_and_room(all: &[String]) -> Vec<(String, u64)> {
     all.iter()
         .map(|w| match w.rsplit_once('|') {
             Some((g, room)) => (g.to_string(), room.parse().unwrap_or(0)),
