@@ -47,8 +47,9 @@ fn report(steps: &[(String, Instant)], now: Instant, stalled: Duration) -> Strin
 
 /// Whether to print now: the ranks have not moved on for `limit` (since `last`), and nothing was
 /// said yet, or the last report came before a rank moved on, or one limit ago.
-fn due(stalled: Duration, limit: Duration, said_at: Option<Instant>, last: Instant, now: Instant) -> bool {
-    stalled >= limit && said_at.is_none_or(|t| t < last || now.saturating_duration_since(t) >= limit)
+fn due(limit: Duration, said_at: Option<Instant>, last: Instant, now: Instant) -> bool {
+    now.saturating_duration_since(last) >= limit
+        && said_at.is_none_or(|t| t < last || now.saturating_duration_since(t) >= limit)
 }
 
 /// Watches `n` ranks while it lives (one watch at a time per process).
@@ -81,8 +82,7 @@ impl Watch {
                 let text = {
                     let s = steps();
                     let Some(last) = s.iter().map(|(_, t)| *t).max() else { break };
-                    let stalled = now.saturating_duration_since(last);
-                    due(stalled, limit, said_at, last, now).then(|| report(&s, now, stalled))
+                    due(limit, said_at, last, now).then(|| report(&s, now, now.saturating_duration_since(last)))
                 };
                 // Printed without the lock: a blocked stderr must not stop the ranks' `set`.
                 if let Some(text) = text {
@@ -122,15 +122,15 @@ mod tests {
         let (t0, lim) = (Instant::now(), Duration::from_secs(15));
         let at = |s: u64| t0 + Duration::from_secs(s);
         // Moving: nothing to say.
-        assert!(!due(Duration::from_secs(14), lim, None, t0, at(14)));
+        assert!(!due(lim, None, t0, at(14)));
         // Stalled a limit: said once...
-        assert!(due(lim, lim, None, t0, at(15)));
+        assert!(due(lim, None, t0, at(15)));
         // ...not again within the next limit...
-        assert!(!due(Duration::from_secs(20), lim, Some(at(15)), t0, at(20)));
+        assert!(!due(lim, Some(at(15)), t0, at(20)));
         // ...then again after it.
-        assert!(due(Duration::from_secs(30), lim, Some(at(15)), t0, at(30)));
+        assert!(due(lim, Some(at(15)), t0, at(30)));
         // A rank moved on after the report (at 16) and the ranks stalled a limit since: said.
-        assert!(due(lim, lim, Some(at(15)), at(16), at(31)));
+        assert!(due(lim, Some(at(15)), at(16), at(31)));
     }
 
     #[test]
