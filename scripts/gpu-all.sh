@@ -56,9 +56,11 @@ for i in "${!parts[@]}"; do
       # time goes (instrumented proxies, issue 25 item 2), bandwidth, the proxy under load.
       tar xJf gpu-bundle-exec/bin.tar.xz -C /tmp bin/mscclpp-perf 2>/dev/null
       t0=$SECONDS
-      timeout "$share" /tmp/bin/mscclpp-perf device --timeout 20 2>&1 | tee "$L/perf-device.txt" | grep -v "^ *$"
+      # DEVICE_PARTS (mscclpp-perf's --parts, e.g. "fifo,channels") picks parts; default all.
+      timeout "$share" /tmp/bin/mscclpp-perf device --timeout 20 ${DEVICE_PARTS:+--parts "$DEVICE_PARTS"} 2>&1 \
+        | tee "$L/perf-device.txt" | grep -v "^ *$"
       # Again with signals paid after every batch (ProxyConfig::signal_coalesce 0), budget allowing.
-      if [ $((share - (SECONDS - t0))) -gt $((SECONDS - t0 + 10)) ]; then
+      if [ -z "${DEVICE_PARTS:-}" ] && [ $((share - (SECONDS - t0))) -gt $((SECONDS - t0 + 10)) ]; then
         echo "-- with --signal-coalesce 0"
         timeout $((share - (SECONDS - t0))) /tmp/bin/mscclpp-perf device --timeout 20 --signal-coalesce 0 2>&1 \
           | tee "$L/perf-device-nocoalesce.txt" | grep -E "proxy load|signal" | grep -v "^ *$"

@@ -28,8 +28,8 @@ use mscclpp::{
     Transport,
 };
 
-use crate::Args;
 use crate::kern::{args, clear, e, elapsed_ns, human, launch, row, two_local_ranks};
+use crate::{Args, DevicePart};
 
 /// The FIFO, proxy and PortChannel kernels (`procs.rs` loads them too). Every wait is bounded:
 /// the ping-pong kernels take `timeout` (ns) and set `out[1]` when a wait or flush timed out.
@@ -281,7 +281,6 @@ fn two_ranks(dev: u32, len: usize, timeout: Duration) -> Result<Vec<Rank>, Strin
 pub fn run(args: &Args) -> Result<(), String> {
     let dev = args.device;
     let timeout = args.timeout();
-    let tns = timeout.as_nanos() as u64;
     let name = mscclpp::gpu::device_name(dev).unwrap_or_else(|_| format!("GPU{dev}"));
     row(format!("# mscclpp-perf device: one process, two ranks on {name} (GPU {dev}), two streams"));
     if let Some(q) = crate::queues::setting() {
@@ -295,9 +294,10 @@ pub fn run(args: &Args) -> Result<(), String> {
     let ptx = compile(KERNELS, &CompileOptions::default()).map_err(e)?;
     let m = KernelModule::load(dev, &ptx).map_err(e)?;
     let k = |n: &str| m.function(n).map_err(e);
+    let want = |p: DevicePart| args.parts.as_ref().is_none_or(|ps| ps.contains(&p));
 
     // 1. FIFO push -> host pop latency, one GPU thread.
-    {
+    if want(DevicePart::Fifo) {
         let ctx = mscclpp::Context::new();
         let fifo = Arc::new(Fifo::new(&ctx, dev, 512).map_err(e)?);
         let out = DeviceBuffer::new(&ctx, dev, 8, mscclpp::TransportFlags::NONE).map_err(e)?;
@@ -352,6 +352,45 @@ pub fn run(args: &Args) -> Result<(), String> {
         let _ = consumer.join();
     }
 
+    if want(DevicePart::Channels) {
+        channel_rows(args, dev, timeout, &k)?;
+    }
+    // 5. Whether the proxy's writes escape a hardware queue they share with a waiting kernel,
+    // by stream priority (child processes with 1 and 32 queues; queues.rs).
+    if want(DevicePart::Queues) {
+        for r in crate::queues::probe_rows(dev) {
+            row(r);
+        }
+    }
+    // 6. The proxy under load: puts, putWithSignal and signals to 1/4/8 peers from 1 to 132 x 256
+    // producers, over CUDA IPC and Ethernet, beside one host thread issuing the same calls.
+    let transports: Vec<Transport> =
+        [(DevicePart::LoadIpc, Transport::CudaIpc), (DevicePart::LoadEth, Transport::Ethernet)]
+            .into_iter()
+            .filter(|(p, _)| want(*p))
+            .map(|(_, t)| t)
+            .collect();
+    if transports.is_empty() {
+        return Ok(());
+    }
+    crate::proxyload::run(
+        dev,
+        &k("proxy_load")?,
+        timeout,
+        args.signal_coalesce.map(|us| Duration::from_secs_f64(us / 1e6)),
+        &transports,
+    )
+}
+
+/// Sections 2 to 4: proxy throughput with no-op triggers, the PortChannel ping-pong and where
+/// a hop's time goes, bandwidth; two ranks of this process over CUDA IPC.
+fn channel_rows(
+    args: &Args,
+    dev: u32,
+    timeout: Duration,
+    k: &dyn Fn(&str) -> Result<Kernel, String>,
+) -> Result<(), String> {
+    let tns = timeout.as_nanos() as u64;
     // Two ranks for the rest.
     let max = args.max_bytes.clamp(1 << 10, 1 << 30) as usize;
     let mut ranks = two_ranks(dev, max, timeout)?;
@@ -623,19 +662,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         p.stop().map_err(e)?;
     }
     drop(ranks);
-    // 5. Whether the proxy's writes escape a hardware queue they share with a waiting kernel,
-    // by stream priority (child processes with 1 and 32 queues; queues.rs).
-    for r in crate::queues::probe_rows(dev) {
-        row(r);
-    }
-    // 6. The proxy under load: puts, putWithSignal and signals to 1/4/8 peers from 1 to 132 x 256
-    // producers, over CUDA IPC and Ethernet, beside one host thread issuing the same calls.
-    crate::proxyload::run(
-        dev,
-        &k("proxy_load")?,
-        timeout,
-        args.signal_coalesce.map(|us| Duration::from_secs_f64(us / 1e6)),
-    )
+    Ok(())
 }
 
 /// Polls the GPU token with 8-byte copies until it reaches `want`.

@@ -59,6 +59,21 @@ pub enum TestKind {
     Reducescatter,
 }
 
+/// A part of the `device` test (`--parts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DevicePart {
+    /// FIFO push -> host pop latency.
+    Fifo,
+    /// No-op proxy throughput, PortChannel ping-pong and its stages, bandwidth, MemoryChannel.
+    Channels,
+    /// Whether the proxy's writes escape a hardware queue shared with a waiting kernel.
+    Queues,
+    /// The proxy under load over CUDA IPC.
+    LoadIpc,
+    /// The proxy under load over Ethernet.
+    LoadEth,
+}
+
 impl TestKind {
     /// The name on the command line.
     pub fn name(&self) -> &'static str {
@@ -105,6 +120,12 @@ pub struct Args {
     /// library's default when not given; 0 pays them after every batch).
     #[arg(long, value_parser = parse_micros)]
     pub signal_coalesce: Option<f64>,
+    /// device: which parts to run (comma-separated; default all): `fifo` (push -> pop),
+    /// `channels` (no-op proxy throughput, PortChannel ping-pong and its stages, bandwidth,
+    /// MemoryChannel), `queues` (the hardware-queue probe), `load-ipc` and `load-eth` (the proxy
+    /// under load over CUDA IPC, over Ethernet).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub parts: Option<Vec<DevicePart>>,
     /// Multiplication factor between sizes (at least 2).
     #[arg(short = 'f', long, default_value_t = 2)]
     pub step_factor: u64,
@@ -352,6 +373,9 @@ fn check(args: &Args) -> Result<(), String> {
             "--procs applies to the device test and the collectives (allreduce, allgather, reducescatter)".into()
         );
     }
+    if args.parts.is_some() && (args.test != TestKind::Device || args.procs) {
+        return Err("--parts applies to the one-process device test".into());
+    }
     if args.test == TestKind::Bootstrap {
         if args.scale.contains(&0) {
             return Err("--scale sizes must be at least 1".into());
@@ -421,7 +445,8 @@ fn main() -> ExitCode {
         TestKind::Device => {
             // The MemoryChannel rows run even when the proxy rows failed.
             let proxy = device::run(&args);
-            proxy.and(memchan::run(&args))
+            let memchan = args.parts.as_ref().is_none_or(|ps| ps.contains(&DevicePart::Channels));
+            if memchan { proxy.and(memchan::run(&args)) } else { proxy }
         }
     };
     match res {

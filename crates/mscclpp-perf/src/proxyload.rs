@@ -11,9 +11,11 @@
 //! Every push's wait is bounded (`MAX_SPINS` rounds, then the kernel traps) and so is every host
 //! wait (`--timeout`).
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use mscclpp::device::compile::Kernel;
+use mscclpp::device::fifo::Fifo;
 use mscclpp::device::proxy::{ProxyConfig, ProxyService};
 use mscclpp::gpu::Stream;
 use mscclpp::{
@@ -143,13 +145,49 @@ fn offset(op: Op, i: u64, peers: usize, size: u64) -> u64 {
     if op == Op::Signal { 0 } else { ((i / peers as u64) % SLOTS) * size }
 }
 
+/// The order in which the host baseline visits the peers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// Call `i` goes to peer `i mod peers`, as one GPU producer pushes.
+    RoundRobin,
+    /// A fixed pseudo-random peer per call, as many producers' pushes interleave in the FIFO.
+    Shuffled,
+}
+
+/// Peer of call `i` in `order`.
+fn peer_of(order: Order, i: u64, peers: usize) -> usize {
+    match order {
+        Order::RoundRobin => (i % peers as u64) as usize,
+        Order::Shuffled => {
+            // splitmix64 of i: deterministic, well spread.
+            let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % peers as u64) as usize
+        }
+    }
+}
+
 /// One host thread issuing the same connection calls directly: calls per second (the final
 /// flush, outside the timing, is bounded by `timeout`).
 fn direct(r: &LoadRank, op: Op, size: u64, peers: usize, n: u64, timeout: Duration) -> Result<f64, String> {
+    direct_in(r, op, size, peers, n, timeout, Order::RoundRobin)
+}
+
+/// [`direct`] visiting the peers in `order`.
+fn direct_in(
+    r: &LoadRank,
+    op: Op,
+    size: u64,
+    peers: usize,
+    n: u64,
+    timeout: Duration,
+    order: Order,
+) -> Result<f64, String> {
     let src = r.local.memory();
     let t0 = Instant::now();
     for i in 0..n {
-        let p = (i % peers as u64) as usize;
+        let p = peer_of(order, i, peers);
         let off = offset(op, i, peers, size);
         if op != Op::Signal {
             r.conns[p].write(&r.remotes[p], off, src, off, size).map_err(e)?;
@@ -172,9 +210,65 @@ struct Rig<'a> {
     stream: &'a Stream,
     table: LoadPeers,
     timeout: Duration,
+    /// A second FIFO, emptied by a host thread that discards what it pops, and its stream: the
+    /// GPU load of the producers without the proxy's work ([`Rig::direct_loaded`]).
+    aux: &'a Fifo,
+    aux_stream: &'a Stream,
 }
 
+/// Producers of the load beside the loaded host baseline (one thread per block, as the rows
+/// whose ratio is lowest).
+const LOAD_BLOCKS: u32 = 132;
+/// Pops per second assumed when sizing that load so it outlasts the baseline.
+const LOAD_RATE: f64 = 20e6;
+
 impl Rig<'_> {
+    /// [`direct`] while 132 GPU producers push into [`Rig::aux`], which a host thread empties
+    /// (discarding the triggers): the GPU, PCIe and the pinned ring busy as in a proxy row, but
+    /// no proxy work. Calls per second, and whether the load lasted the whole baseline. `est_s`:
+    /// the unloaded baseline's time for `n` calls.
+    fn direct_loaded(
+        &self,
+        r: &LoadRank,
+        op: Op,
+        size: u64,
+        peers: usize,
+        n: u64,
+        est_s: f64,
+    ) -> Result<(f64, bool), String> {
+        let per = ((LOAD_RATE * est_s * 1.5) / f64::from(LOAD_BLOCKS)).ceil().clamp(1.0, 1e6) as i32;
+        let total = u64::from(LOAD_BLOCKS) * per as u64;
+        let stop = AtomicBool::new(false);
+        let popped = AtomicU64::new(0);
+        std::thread::scope(|sc| {
+            let popper = sc.spawn(|| {
+                while !stop.load(Ordering::Acquire) {
+                    if self.aux.poll().is_some() {
+                        self.aux.pop();
+                        popped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+            let (mut h, mut table, mut o, mut sz, mut p, mut ms) =
+                (self.aux.device_handle(), self.table, op.code(), size, per, MAX_SPINS);
+            table.npeers = peers as u32;
+            let res =
+                launch(self.kern, LOAD_BLOCKS, 1, self.aux_stream, &mut args![h, table, o, sz, p, ms]).and_then(|()| {
+                    // Let the producers fill the ring before the baseline starts.
+                    std::thread::sleep(Duration::from_millis(2));
+                    direct(r, op, size, peers, n, self.timeout)
+                });
+            let lasted = popped.load(Ordering::Relaxed) < total;
+            // The popper keeps emptying the ring until the kernel ends (its pushes are bounded).
+            let synced = self.aux_stream.synchronize(self.timeout).map_err(e);
+            stop.store(true, Ordering::Release);
+            let _ = popper.join();
+            let rate = res?;
+            synced?;
+            Ok((rate, lasted))
+        })
+    }
+
     /// Triggers per second through the proxy (launch until the proxy popped every trigger), and
     /// the share of that time the proxy found its FIFO empty (waiting for the producers).
     fn run(&self, op: Op, size: u64, peers: usize, blocks: u32, threads: u32, per: i32) -> Result<(f64, f64), String> {
@@ -228,7 +322,9 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
     table.src = proxy.add_memory(r0.local.memory().clone()).map_err(e)?.0;
     proxy.start().map_err(e)?;
     let stream = Stream::new(dev).map_err(e)?;
-    let rig = Rig { kern, proxy: &proxy, stream: &stream, table, timeout };
+    let aux = Fifo::new(r0.comm.context(), dev, 512).map_err(e)?;
+    let aux_stream = Stream::new(dev).map_err(e)?;
+    let rig = Rig { kern, proxy: &proxy, stream: &stream, table, timeout, aux: &aux, aux_stream: &aux_stream };
     let r0 = &rs[0];
     let groups = [
         (Op::Put, 8u64),
@@ -266,6 +362,22 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
                         producers * per as u64
                     ));
                 }
+                // Over Ethernet the puts' rates fall short of the baseline with many producers:
+                // the same baseline in the order many producers interleave, and under their GPU
+                // load, say whether the order or the load costs (rather than the proxy's work).
+                if t == Transport::Ethernet && op != Op::Signal {
+                    let shuffled = direct_in(r0, op, size, peers, n, timeout, Order::Shuffled)?;
+                    let (loaded, lasted) = rig.direct_loaded(r0, op, size, peers, n, n as f64 / base)?;
+                    row(format!(
+                        "proxy load, {what} -> {peers} peers, host direct in shuffled peer order {:7.3} M/s \
+                         (ratio {:.2}), under {LOAD_BLOCKS} GPU producers' load {:7.3} M/s (ratio {:.2}{})",
+                        shuffled / 1e6,
+                        shuffled / base,
+                        loaded / 1e6,
+                        loaded / base,
+                        if lasted { "" } else { "; the load ended before the baseline" }
+                    ));
+                }
             }
         }
         Ok(())
@@ -274,8 +386,14 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
     res.and(stopped)
 }
 
-/// The proxy load rows, over CUDA IPC then Ethernet (see the module doc).
-pub fn run(dev: u32, kern: &Kernel, timeout: Duration, coalesce: Option<Duration>) -> Result<(), String> {
+/// The proxy load rows over each of `transports` (see the module doc).
+pub fn run(
+    dev: u32,
+    kern: &Kernel,
+    timeout: Duration,
+    coalesce: Option<Duration>,
+    transports: &[Transport],
+) -> Result<(), String> {
     let coalesce = coalesce.unwrap_or(ProxyConfig::default().signal_coalesce);
     row(format!(
         "proxy load: one FIFO + proxy on rank 0 serving 1/4/8 in-process peers; GPU producers (blocks x threads) \
@@ -283,6 +401,8 @@ pub fn run(dev: u32, kern: &Kernel, timeout: Duration, coalesce: Option<Duration
          while the FIFO delivers (--signal-coalesce)",
         coalesce.as_secs_f64() * 1e6
     ));
-    rows_over(Transport::CudaIpc, dev, kern, timeout, coalesce)?;
-    rows_over(Transport::Ethernet, dev, kern, timeout, coalesce)
+    for &t in transports {
+        rows_over(t, dev, kern, timeout, coalesce)?;
+    }
+    Ok(())
 }

@@ -81,8 +81,10 @@ fn three_ranks_ring_with_rounds() {
 #[test]
 fn bad_arguments_fail_before_the_run() {
     let dir = tmp("x");
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["-n", "0"], "at least 1"),
+        (&["--parts", "fifo"], "--parts applies to the one-process device test"),
+        (&["device", "--parts", "fifo,nope"], "invalid value 'nope'"),
         (&["--rounds", "0"], "at least 1"),
         (&["-f", "1"], "at least 2"),
         (&["--plot", "out.png"], "*.svg"),
