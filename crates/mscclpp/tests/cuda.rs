@@ -281,6 +281,112 @@ fn ethernet_with_gpu_memory() {
     spawn_ranks("ethernet_with_gpu_memory", 2, &[]).assert_success();
 }
 
+/// Ethernet with many small writes in flight, GPU and host sources and destinations mixed,
+/// overlapping, with a few large ones (the staging pipeline) among them: the sender gathers
+/// small GPU payloads (one wait for many copies) and the receiver queues their copies to the GPU
+/// and waits only before something must see them landed. After each phase rank 0 signals
+/// without a flush, alternately a host token and a GPU token, and rank 1, having seen it,
+/// finds both destinations equal to the writes applied in order.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
+    const CAP: usize = 8 << 20;
+    const PHASES: u64 = 6;
+    const PER_PHASE: u64 = 600;
+    if let Some(r) = Rank::from_env() {
+        let dev = gpu_for(r.rank);
+        let cfg = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1").device(Device::Gpu(dev));
+        let p = pair(&r, cfg, CAP);
+        let peer = 1 - r.rank;
+        let host = Buffer::new(p.comm.context(), CAP, Transport::Ethernet.into()).unwrap();
+        host.write(0, &vec![0u8; CAP]).unwrap();
+        p.comm.send_memory(host.memory(), peer, 3).unwrap();
+        let remote_host = p.comm.recv_memory(peer, 3).unwrap().wait().unwrap();
+        // A word in host memory that rank 0 adds to after each even phase (a token into host
+        // memory on the same connection).
+        let flag = Buffer::new(p.comm.context(), 8, Transport::Ethernet.into()).unwrap();
+        flag.write(0, &[0u8; 8]).unwrap();
+        p.comm.send_memory(flag.memory(), peer, 4).unwrap();
+        let remote_flag = p.comm.recv_memory(peer, 4).unwrap().wait().unwrap();
+        let (gdata, hdata) = (pattern(1, CAP), pattern(2, CAP));
+        let gsrc = DeviceBuffer::new(p.comm.context(), dev, CAP, Transport::Ethernet.into()).unwrap();
+        let hsrc = Buffer::new(p.comm.context(), CAP, Transport::Ethernet.into()).unwrap();
+        gsrc.write(0, &gdata).unwrap();
+        hsrc.write(0, &hdata).unwrap();
+        p.bs.barrier().unwrap();
+        // The model: both destinations as the writes leave them, in order.
+        let (mut gimg, mut himg) = (vec![0u8; CAP], vec![0u8; CAP]);
+        let mut x = 0x5eed_u64;
+        let mut next = move || {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let sizes = [1usize, 3, 8, 17, 100, 1000, 4096, 65537, (1 << 20) + 1, (2 << 20) + 7];
+        for phase in 0..PHASES {
+            for _ in 0..PER_PHASE {
+                let v = next();
+                // Mostly small; one in 50 through the pipeline.
+                let len = if v % 50 == 0 { sizes[8 + (v / 50 % 2) as usize] } else { sizes[(v / 7 % 8) as usize] };
+                let (from_gpu, to_gpu) = ((v >> 20) & 1 == 0, (v >> 21) & 1 == 0);
+                let src_off = (next() as usize) % (CAP - len);
+                let dst_off = (next() as usize) % (CAP - len);
+                let data = if from_gpu { &gdata } else { &hdata };
+                let img = if to_gpu { &mut gimg } else { &mut himg };
+                img[dst_off..dst_off + len].copy_from_slice(&data[src_off..src_off + len]);
+                if r.rank == 0 {
+                    let src = if from_gpu { gsrc.memory() } else { hsrc.memory() };
+                    let dst = if to_gpu { &p.remote } else { &remote_host };
+                    p.conn.write(dst, dst_off as u64, src, src_off as u64, len as u64).unwrap();
+                }
+            }
+            let host_token = phase % 2 == 0;
+            if r.rank == 0 {
+                if host_token { p.conn.atomic_add(&remote_flag, 0, 1).unwrap() } else { p.sem.signal().unwrap() }
+            } else {
+                if host_token {
+                    let want = phase / 2 + 1;
+                    let t0 = Instant::now();
+                    let word = || {
+                        let mut b = [0u8; 8];
+                        flag.read(0, &mut b).unwrap();
+                        u64::from_le_bytes(b)
+                    };
+                    while word() < want {
+                        assert!(t0.elapsed() < T, "the host token of phase {phase} never came");
+                        std::thread::yield_now();
+                    }
+                } else {
+                    p.sem.wait(T).unwrap()
+                }
+                let (mut g, mut h) = (vec![0u8; CAP], vec![0u8; CAP]);
+                p.local.read(0, &mut g).unwrap();
+                host.read(0, &mut h).unwrap();
+                let first_diff = |a: &[u8], b: &[u8]| a.iter().zip(b).position(|(x, y)| x != y);
+                assert_eq!(
+                    first_diff(&g, &gimg),
+                    None,
+                    "GPU destination after phase {phase} (host token: {host_token})"
+                );
+                assert_eq!(
+                    first_diff(&h, &himg),
+                    None,
+                    "host destination after phase {phase} (host token: {host_token})"
+                );
+            }
+            p.bs.barrier().unwrap();
+        }
+        if r.rank == 0 {
+            p.conn.flush(T).unwrap();
+        }
+        p.bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("ethernet_small_gpu_writes_land_in_order_before_the_signal", 2, &[]).assert_success();
+}
+
 /// Host2DeviceSemaphore signalled over CUDA IPC and over Ethernet: the GPU token counts the
 /// signals and the handle points at it.
 #[test]

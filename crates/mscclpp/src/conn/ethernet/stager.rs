@@ -10,10 +10,23 @@ use std::time::Duration;
 use super::recv::RxSocket;
 use crate::error::{Error, ErrorKind, Result};
 use crate::platform::cuda::GpuRegion;
-use crate::platform::hostmem::{Region, send_vectored};
+use crate::platform::hostmem::{IoPart, Region, send_vectored};
 
 /// Bytes per staging chunk.
 const STAGE_CHUNK: usize = 4 << 20;
+
+/// Payloads up to this size are gathered: several share one pinned buffer and one wait for the
+/// GPU (the sender copies a batch's small writes to the host, waits once, sends them in one
+/// `sendmsg`; the receiver queues their copies to the GPU and waits only before something must
+/// see them landed). Larger ones go through the chunk pipeline.
+pub(super) const GATHER_MAX: u64 = 1 << 20;
+
+/// Gathered payloads start at multiples of this in a pinned buffer.
+const GATHER_ALIGN: usize = 64;
+
+/// How long dropping a stager waits for its copies; a buffer whose copy is still running then
+/// is leaked rather than freed under the copy engine.
+const DROP_WAIT: Duration = Duration::from_secs(5);
 
 /// A staging failure: the socket's (the connection's end) or the GPU's.
 pub(crate) enum StageError {
@@ -40,6 +53,10 @@ pub(crate) struct Stager {
     stages: [Region; 2],
     /// Whether `events[k]` was recorded since stage `k` was last waited for.
     pending: [bool; 2],
+    /// Where the next gathered payload goes: the buffer, and the bytes of it already taken.
+    /// Copies from or into a buffer are waited for before it is taken again from the start.
+    cur: usize,
+    fill: usize,
 }
 
 pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -> Result<&'a mut Stager> {
@@ -56,6 +73,8 @@ pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -
                     crate::platform::cuda::PinnedAlloc::region(dev, STAGE_CHUNK)?,
                 ],
                 pending: [false; 2],
+                cur: 0,
+                fill: 0,
             }))
         }
     }
@@ -64,7 +83,78 @@ pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -
 /// Long enough for any one chunk's copy; a stuck GPU fails the connection instead of hanging it.
 const STAGE_WAIT: Duration = Duration::from_secs(60);
 
+impl Drop for Stager {
+    fn drop(&mut self) {
+        for k in 0..2 {
+            if self.pending[k] && !matches!(self.events[k].wait(DROP_WAIT), Ok(true)) {
+                // A copy may still read or write this buffer: keep it allocated for good.
+                std::mem::forget(self.stages[k].clone());
+            }
+        }
+    }
+}
+
 impl Stager {
+    /// Waits for every copy queued so far; the gathered buffers start empty again.
+    pub(super) fn settle(&mut self) -> Result<()> {
+        self.wait(0)?;
+        self.wait(1)?;
+        self.cur = 0;
+        self.fill = 0;
+        Ok(())
+    }
+
+    /// Room for `n` gathered bytes (`n <= STAGE_CHUNK`): their offset in buffer `self.cur`.
+    /// Moves to the other buffer (after its copies) when this one is full.
+    fn take(&mut self, n: usize) -> Result<usize> {
+        let at = self.fill.next_multiple_of(GATHER_ALIGN);
+        if at + n <= STAGE_CHUNK {
+            self.fill = at + n;
+            return Ok(at);
+        }
+        let k = 1 - self.cur;
+        self.wait(k)?;
+        self.cur = k;
+        self.fill = n;
+        Ok(0)
+    }
+
+    /// Sender side: queues the copy of a small GPU payload (`len <= GATHER_MAX`) into the
+    /// gather buffer and returns where it will be (buffer, offset). Every gathered payload is
+    /// read only after [`gathered`](Self::gathered) waited for the copies, and the buffer is
+    /// not taken again before that (the caller sends what was gathered first: see
+    /// [`room_for`](Self::room_for)).
+    pub(super) fn gather(&mut self, src: &GpuRegion, off: u64, len: u64) -> Result<(usize, usize)> {
+        src.check(off, len)?;
+        if len == 0 {
+            return Ok((self.cur, 0));
+        }
+        let n = len as usize;
+        let at = self.take(n)?;
+        let k = self.cur;
+        self.stream.copy_dtoh(self.stages[k].as_mut_ptr().wrapping_add(at), src.ptr + off, n)?;
+        self.stream.record(&self.events[k])?;
+        self.pending[k] = true;
+        Ok((k, at))
+    }
+
+    /// Whether `len` more gathered bytes fit in the current buffer (else the caller sends
+    /// what it gathered, then [`settle`](Self::settle)s, before gathering more).
+    pub(super) fn room_for(&self, len: u64) -> bool {
+        self.fill.next_multiple_of(GATHER_ALIGN) as u64 + len <= STAGE_CHUNK as u64
+    }
+
+    /// Waits for the gathered copies; then `part(k, at, len)` reads them.
+    pub(super) fn gathered(&mut self) -> Result<()> {
+        self.wait(0)?;
+        self.wait(1)
+    }
+
+    /// The gathered bytes at (`k`, `at`).
+    pub(super) fn part(&self, k: usize, at: usize, len: u64) -> Result<IoPart<'_>> {
+        self.stages[k].part(at as u64, len)
+    }
+
     pub(super) fn wait(&mut self, k: usize) -> Result<()> {
         if self.pending[k] {
             if !self.events[k].wait(STAGE_WAIT)? {
@@ -88,6 +178,7 @@ impl Stager {
         len: u64,
     ) -> std::result::Result<(), StageError> {
         src.check(off, len)?;
+        self.settle()?;
         let chunks = len.div_ceil(STAGE_CHUNK as u64) as usize;
         let size = |i: usize| (len - (i * STAGE_CHUNK) as u64).min(STAGE_CHUNK as u64) as usize;
         let issue = |st: &mut Stager, i: usize| -> Result<()> {
@@ -111,8 +202,11 @@ impl Stager {
         Ok(())
     }
 
-    /// Receives `len` bytes into GPU memory at `off`: the socket fills one pinned buffer while
-    /// the other is copied to the GPU. Returns once the data is in GPU memory.
+    /// Receives `len` bytes into GPU memory at `off`. A small payload (up to [`GATHER_MAX`])
+    /// is read into the gather buffer and its copy queued: it has landed once
+    /// [`settle`](Self::settle) or [`token`](Self::token) returns. A larger one goes through
+    /// the chunk pipeline (the socket fills one pinned buffer while the other is copied to the
+    /// GPU) and has landed when this returns.
     pub(super) fn recv(
         &mut self,
         rd: &mut BufReader<RxSocket>,
@@ -121,6 +215,27 @@ impl Stager {
         len: u64,
     ) -> std::result::Result<(), StageError> {
         dst.check(off, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        if len <= GATHER_MAX {
+            // Queued behind the earlier ones; waited for by `settle` (before an acknowledgement
+            // or anything else that must see it landed) or when its buffer is taken again.
+            let n = len as usize;
+            let at = self.take(n)?;
+            let k = self.cur;
+            let b = rd.buffer().len().min(n);
+            self.stages[k].write(at as u64, &rd.buffer()[..b])?;
+            rd.consume(b);
+            if b < n {
+                self.stages[k].recv_exact((at + b) as u64, (n - b) as u64, &rd.get_ref().sock)?;
+            }
+            self.stream.copy_htod(dst.ptr + off, self.stages[k].as_mut_ptr().wrapping_add(at), n)?;
+            self.stream.record(&self.events[k])?;
+            self.pending[k] = true;
+            return Ok(());
+        }
+        self.settle()?;
         let mut done = 0u64;
         let mut i = 0usize;
         while done < len {
@@ -139,12 +254,12 @@ impl Stager {
             done += n as u64;
             i += 1;
         }
-        self.wait(0)?;
-        self.wait(1)?;
+        self.settle()?;
         Ok(())
     }
 
-    /// Sets or adds to a GPU word in stream order and waits for it.
+    /// Sets or adds to a GPU word in stream order (after every copy queued on this stager) and
+    /// waits for it, and so for those copies too.
     pub(super) fn token(&mut self, dst: &GpuRegion, off: u64, value: u64, add: bool) -> Result<()> {
         dst.check(off, 8)?;
         let addr = dst.ptr + off;
@@ -152,7 +267,7 @@ impl Stager {
             self.stream.atomic_add(addr, value)?;
         } else if !self.stream.write_value64(addr, value)? {
             // No stream memory operations on this device: copy from a pinned slot, then wait.
-            self.wait(0)?;
+            self.settle()?;
             self.stages[0].write(0, &value.to_le_bytes())?;
             self.stream.copy_htod(addr, self.stages[0].as_mut_ptr(), 8)?;
         }
@@ -164,6 +279,10 @@ impl Stager {
                 format!("a GPU token update did not finish in {STAGE_WAIT:?} (is the GPU full of waiting kernels?)"),
             ));
         }
+        // The stream is idle: every copy before the token has landed.
+        self.pending = [false; 2];
+        self.cur = 0;
+        self.fill = 0;
         Ok(())
     }
 }
