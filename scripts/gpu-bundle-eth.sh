@@ -17,11 +17,14 @@ test_binary mscclpp cuda "$out/bin/cuda"
 cargo build --release -p mscclpp-perf
 cp target/release/mscclpp-perf "$out/bin/"
 if [ -n "${PERF_BEFORE:-}" ]; then cp "$PERF_BEFORE" "$out/bin/mscclpp-perf-before"; fi
+# Compressed: the device tool carries at most 64 MiB with the whole working tree.
+tar cJf "$out/bin.tar.xz" -C "$out" bin && rm -rf "$out/bin"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # The Ethernet GPU tests, then the Ethernet proxy load rows (this build, then the one before if
 # bundled). Logs under $OUT.
 cd "$(dirname "$0")"
+tar xJf bin.tar.xz
 L=${OUT:-/tmp/out-eth}; mkdir -p "$L"
 budget=${RUN_BUDGET:-300}
 for t in ethernet_with_gpu_memory ethernet_small_gpu_writes_land_in_order_before_the_signal \
