@@ -282,11 +282,13 @@ fn ethernet_with_gpu_memory() {
 }
 
 /// Ethernet with many small writes in flight, GPU and host sources and destinations mixed,
-/// overlapping, with a few large ones (the staging pipeline) among them: the sender gathers
-/// small GPU payloads (one wait for many copies) and the receiver queues their copies to the GPU
-/// and waits only before something must see them landed. After each phase rank 0 signals
-/// without a flush, alternately a host token and a GPU token, and rank 1, having seen it,
-/// finds both destinations equal to the writes applied in order.
+/// overlapping, with a few large ones (the staging pipeline) among them, then a burst into GPU
+/// memory only (1 MiB, empty and small writes, more than a gather buffer holds): the sender
+/// gathers small GPU payloads (one wait for many copies) and the receiver queues their copies to
+/// the GPU and waits only before something must see them landed. After each phase rank 0
+/// signals without a flush, alternately a token into host memory and a GPU semaphore, and rank
+/// 1, having seen it, finds the burst's last writes landed (read one by one, latest first) and
+/// both destinations equal to the writes applied in order.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
@@ -342,6 +344,27 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
                     p.conn.write(dst, dst_off as u64, src, src_off as u64, len as u64).unwrap();
                 }
             }
+            // Then a burst into GPU memory only, the kind a missing wait would leave in flight
+            // when the token lands: 1 MiB writes (the largest gathered; 8 of them overflow the
+            // sender's gather buffer), empty writes, and 5 MiB of small ones (the receiver's
+            // gather buffers fill and switch).
+            let mut burst = Vec::new();
+            for i in 0..360u64 {
+                let v = next();
+                let len = match i {
+                    0..8 => 1 << 20,
+                    8..10 => 0,
+                    _ if v % 3 == 0 => 1 + (v % 100) as usize,
+                    _ => 16 << 10,
+                };
+                let src_off = (next() as usize) % (CAP - len);
+                let dst_off = (next() as usize) % (CAP - len);
+                gimg[dst_off..dst_off + len].copy_from_slice(&gdata[src_off..src_off + len]);
+                burst.push((dst_off, len));
+                if r.rank == 0 {
+                    p.conn.write(&p.remote, dst_off as u64, gsrc.memory(), src_off as u64, len as u64).unwrap();
+                }
+            }
             let host_token = phase % 2 == 0;
             if r.rank == 0 {
                 if host_token { p.conn.atomic_add(&remote_flag, 0, 1).unwrap() } else { p.sem.signal().unwrap() }
@@ -360,6 +383,16 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
                     }
                 } else {
                     p.sem.wait(T).unwrap()
+                }
+                // The last writes first, each read on its own (a copy still queued would be
+                // caught before it lands), then everything.
+                for &(off, len) in burst.iter().rev().take(64) {
+                    let mut got = vec![0u8; len];
+                    p.local.read(off, &mut got).unwrap();
+                    assert!(
+                        got[..] == gimg[off..off + len],
+                        "phase {phase} (host token: {host_token}): a {len}-byte write at {off} had not landed"
+                    );
                 }
                 let (mut g, mut h) = (vec![0u8; CAP], vec![0u8; CAP]);
                 p.local.read(0, &mut g).unwrap();

@@ -57,6 +57,9 @@ pub(crate) struct Stager {
     /// Copies from or into a buffer are waited for before it is taken again from the start.
     cur: usize,
     fill: usize,
+    /// A copy was queued whose end can no longer be waited for (recording its event failed, or
+    /// the stream did not drain): the buffers are kept allocated when the stager goes.
+    untracked: bool,
 }
 
 pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -> Result<&'a mut Stager> {
@@ -75,6 +78,7 @@ pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -
                 pending: [false; 2],
                 cur: 0,
                 fill: 0,
+                untracked: false,
             }))
         }
     }
@@ -86,7 +90,7 @@ const STAGE_WAIT: Duration = Duration::from_secs(60);
 impl Drop for Stager {
     fn drop(&mut self) {
         for k in 0..2 {
-            if self.pending[k] && !matches!(self.events[k].wait(DROP_WAIT), Ok(true)) {
+            if self.untracked || (self.pending[k] && !matches!(self.events[k].wait(DROP_WAIT), Ok(true))) {
                 // A copy may still read or write this buffer: keep it allocated for good.
                 std::mem::forget(self.stages[k].clone());
             }
@@ -95,6 +99,16 @@ impl Drop for Stager {
 }
 
 impl Stager {
+    /// Marks the end of the copies just queued from or into buffer `k` (its event).
+    fn recorded(&mut self, k: usize) -> Result<()> {
+        if let Err(e) = self.stream.record(&self.events[k]) {
+            self.untracked = true;
+            return Err(e);
+        }
+        self.pending[k] = true;
+        Ok(())
+    }
+
     /// Waits for every copy queued so far; the gathered buffers start empty again.
     pub(super) fn settle(&mut self) -> Result<()> {
         self.wait(0)?;
@@ -133,8 +147,7 @@ impl Stager {
         let at = self.take(n)?;
         let k = self.cur;
         self.stream.copy_dtoh(self.stages[k].as_mut_ptr().wrapping_add(at), src.ptr + off, n)?;
-        self.stream.record(&self.events[k])?;
-        self.pending[k] = true;
+        self.recorded(k)?;
         Ok((k, at))
     }
 
@@ -185,8 +198,7 @@ impl Stager {
             let k = i % 2;
             st.wait(k)?;
             st.stream.copy_dtoh(st.stages[k].as_mut_ptr(), src.ptr + off + (i * STAGE_CHUNK) as u64, size(i))?;
-            st.stream.record(&st.events[k])?;
-            st.pending[k] = true;
+            st.recorded(k)?;
             Ok(())
         };
         if chunks > 0 {
@@ -231,8 +243,7 @@ impl Stager {
                 self.stages[k].recv_exact((at + b) as u64, (n - b) as u64, &rd.get_ref().sock)?;
             }
             self.stream.copy_htod(dst.ptr + off, self.stages[k].as_mut_ptr().wrapping_add(at), n)?;
-            self.stream.record(&self.events[k])?;
-            self.pending[k] = true;
+            self.recorded(k)?;
             return Ok(());
         }
         self.settle()?;
@@ -249,8 +260,7 @@ impl Stager {
                 self.stages[k].recv_exact(b as u64, (n - b) as u64, &rd.get_ref().sock)?;
             }
             self.stream.copy_htod(dst.ptr + off + done, self.stages[k].as_mut_ptr(), n)?;
-            self.stream.record(&self.events[k])?;
-            self.pending[k] = true;
+            self.recorded(k)?;
             done += n as u64;
             i += 1;
         }
@@ -273,7 +283,12 @@ impl Stager {
         }
         // Bounded: the atomic is a one-thread kernel, which a GPU filled by kernels spinning for
         // this very token cannot schedule (notes 1.7); fail the connection then, never hang.
-        if !self.stream.wait_idle(STAGE_WAIT)? {
+        let idle = self.stream.wait_idle(STAGE_WAIT);
+        if !matches!(idle, Ok(true)) {
+            // The pinned slot of the fallback copy may still be read.
+            self.untracked = true;
+        }
+        if !idle? {
             return Err(Error::new(
                 ErrorKind::Timeout,
                 format!("a GPU token update did not finish in {STAGE_WAIT:?} (is the GPU full of waiting kernels?)"),
