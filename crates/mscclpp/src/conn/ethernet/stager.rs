@@ -51,8 +51,11 @@ pub(crate) struct Stager {
     stream: crate::platform::cuda::Stream,
     events: [crate::platform::cuda::Event; 2],
     stages: [Region; 2],
-    /// Whether `events[k]` was recorded since stage `k` was last waited for.
+    /// Whether copies from or into buffer `k` were queued since it was last waited for.
     pending: [bool; 2],
+    /// Whether `events[k]` was recorded after the last of those copies (gathered copies record
+    /// it only when it is waited for: one driver call per wait, not per copy).
+    marked: [bool; 2],
     /// Where the next gathered payload goes: the buffer, and the bytes of it already taken.
     /// Copies from or into a buffer are waited for before it is taken again from the start.
     cur: usize,
@@ -76,6 +79,7 @@ pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -
                     crate::platform::cuda::PinnedAlloc::region(dev, STAGE_CHUNK)?,
                 ],
                 pending: [false; 2],
+                marked: [false; 2],
                 cur: 0,
                 fill: 0,
                 untracked: false,
@@ -90,7 +94,11 @@ const STAGE_WAIT: Duration = Duration::from_secs(60);
 impl Drop for Stager {
     fn drop(&mut self) {
         for k in 0..2 {
-            if self.untracked || (self.pending[k] && !matches!(self.events[k].wait(DROP_WAIT), Ok(true))) {
+            let done = |st: &mut Stager| {
+                !st.pending[k]
+                    || ((st.marked[k] || st.mark(k).is_ok()) && matches!(st.events[k].wait(DROP_WAIT), Ok(true)))
+            };
+            if self.untracked || !done(self) {
                 // A copy may still read or write this buffer: keep it allocated for good.
                 std::mem::forget(self.stages[k].clone());
             }
@@ -99,13 +107,28 @@ impl Drop for Stager {
 }
 
 impl Stager {
-    /// Marks the end of the copies just queued from or into buffer `k` (its event).
+    /// Marks the end of the copies just queued from or into buffer `k` (its event), so that a
+    /// later wait covers them and nothing queued after (the pipeline's overlap).
     fn recorded(&mut self, k: usize) -> Result<()> {
+        self.pending[k] = true;
+        self.mark(k)
+    }
+
+    /// Notes a copy just queued from or into buffer `k`; its event is recorded when `k` is
+    /// waited for (and then covers everything queued on the stream by then).
+    fn queued(&mut self, k: usize) {
+        self.pending[k] = true;
+        self.marked[k] = false;
+    }
+
+    /// Records `events[k]` after everything queued so far.
+    fn mark(&mut self, k: usize) -> Result<()> {
         if let Err(e) = self.stream.record(&self.events[k]) {
+            // The copies already queued can no longer be waited for.
             self.untracked = true;
             return Err(e);
         }
-        self.pending[k] = true;
+        self.marked[k] = true;
         Ok(())
     }
 
@@ -147,7 +170,7 @@ impl Stager {
         let at = self.take(n)?;
         let k = self.cur;
         self.stream.copy_dtoh(self.stages[k].as_mut_ptr().wrapping_add(at), src.ptr + off, n)?;
-        self.recorded(k)?;
+        self.queued(k);
         Ok((k, at))
     }
 
@@ -170,6 +193,9 @@ impl Stager {
 
     pub(super) fn wait(&mut self, k: usize) -> Result<()> {
         if self.pending[k] {
+            if !self.marked[k] {
+                self.mark(k)?;
+            }
             if !self.events[k].wait(STAGE_WAIT)? {
                 return Err(Error::new(
                     ErrorKind::Timeout,
@@ -243,7 +269,7 @@ impl Stager {
                 self.stages[k].recv_exact((at + b) as u64, (n - b) as u64, &rd.get_ref().sock)?;
             }
             self.stream.copy_htod(dst.ptr + off, self.stages[k].as_mut_ptr().wrapping_add(at), n)?;
-            self.recorded(k)?;
+            self.queued(k);
             return Ok(());
         }
         self.settle()?;
