@@ -283,7 +283,8 @@ fn ethernet_with_gpu_memory() {
 
 /// Ethernet with many small writes in flight, GPU and host sources and destinations mixed,
 /// overlapping, with a few large ones (the staging pipeline) among them, then a burst into GPU
-/// memory only (1 MiB, empty and small writes, more than a gather buffer holds): the sender
+/// memory only (1 MiB, empty and small writes, more than a gather buffer holds, contiguous runs
+/// that one copy serves): the sender
 /// gathers small GPU payloads (one wait for many copies) and the receiver queues their copies to
 /// the GPU and waits only before something must see them landed. After each phase rank 0
 /// signals without a flush, alternately a token into host memory and a GPU semaphore, and rank
@@ -363,6 +364,21 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
                 burst.push((dst_off, len));
                 if r.rank == 0 {
                     p.conn.write(&p.remote, dst_off as u64, gsrc.memory(), src_off as u64, len as u64).unwrap();
+                }
+            }
+            // Contiguous runs (one copy for many writes on either side): both sides
+            // contiguous, only the source, only the destination; 64 writes of 1-4 KiB each.
+            for (src_step, dst_step) in [(true, true), (true, false), (false, true)] {
+                let (mut src_off, mut dst_off) = ((next() as usize) % (CAP / 2), (next() as usize) % (CAP / 2));
+                for _ in 0..64 {
+                    let len = 1024 + (next() % 3072) as usize;
+                    gimg[dst_off..dst_off + len].copy_from_slice(&gdata[src_off..src_off + len]);
+                    burst.push((dst_off, len));
+                    if r.rank == 0 {
+                        p.conn.write(&p.remote, dst_off as u64, gsrc.memory(), src_off as u64, len as u64).unwrap();
+                    }
+                    src_off += if src_step { len } else { len + 4096 };
+                    dst_off += if dst_step { len } else { len + 4096 };
                 }
             }
             let host_token = phase % 2 == 0;

@@ -76,7 +76,8 @@
 //! other. Small ones are gathered, because each copy's round trip to the GPU (a few
 //! microseconds of driver calls and waiting) cost more than sending the bytes: the sender copies
 //! every small GPU payload of a batch to consecutive places of one buffer, waits for the GPU
-//! once, and sends the batch in one `sendmsg`; the receiver queues the copies of the small
+//! once, and sends the batch in one `sendmsg` (payloads that continue each other in GPU memory
+//! share one copy); the receiver queues the copies of the small
 //! payloads it reads to the GPU without waiting, and waits for them only before something that
 //! must find them landed: an acknowledgement (so a peer's `flush` covers them), a token into host
 //! memory or another GPU (a token into the same GPU follows them on the same stream and is waited

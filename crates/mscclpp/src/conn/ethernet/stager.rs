@@ -60,9 +60,26 @@ pub(crate) struct Stager {
     /// Copies from or into a buffer are waited for before it is taken again from the start.
     cur: usize,
     fill: usize,
+    /// The gathered copy not issued yet (see [`Run`]).
+    run: Option<Run>,
     /// A copy was queued whose end can no longer be waited for (recording its event failed, or
     /// the stream did not drain): the buffers are kept allocated when the stager goes.
     untracked: bool,
+}
+
+/// A gathered copy not issued yet: a payload that continues it both on the GPU and in the
+/// buffer extends it, so contiguous small writes cost one copy. It is issued before anything
+/// waits for the buffer's copies, before a token, and when a payload does not continue it.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    /// Buffer and offset in it.
+    k: usize,
+    at: usize,
+    /// GPU address and length.
+    gpu: u64,
+    len: usize,
+    /// Host to GPU (receiving) or GPU to host (sending).
+    to_gpu: bool,
 }
 
 pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -> Result<&'a mut Stager> {
@@ -82,6 +99,7 @@ pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -
                 marked: [false; 2],
                 cur: 0,
                 fill: 0,
+                run: None,
                 untracked: false,
             }))
         }
@@ -93,6 +111,8 @@ const STAGE_WAIT: Duration = Duration::from_secs(60);
 
 impl Drop for Stager {
     fn drop(&mut self) {
+        // A run not issued has no copy in flight.
+        self.run = None;
         for k in 0..2 {
             let done = |st: &mut Stager| {
                 !st.pending[k]
@@ -141,6 +161,52 @@ impl Stager {
         Ok(())
     }
 
+    /// Issues the open run's copy, if any.
+    fn flush_run(&mut self) -> Result<()> {
+        let Some(r) = self.run.take() else { return Ok(()) };
+        let host = self.stages[r.k].as_mut_ptr().wrapping_add(r.at);
+        if r.to_gpu {
+            self.stream.copy_htod(r.gpu, host, r.len)?;
+        } else {
+            self.stream.copy_dtoh(host, r.gpu, r.len)?;
+        }
+        self.queued(r.k);
+        Ok(())
+    }
+
+    /// Places `n` gathered bytes (`0 < n <= GATHER_MAX`) that go to or come from GPU address
+    /// `gpu`: (buffer, offset). Extends the open run when they continue it on the GPU and in the
+    /// buffer; else issues that run and opens another.
+    fn place(&mut self, gpu: u64, n: usize, to_gpu: bool) -> Result<(usize, usize)> {
+        if let Some(r) = self.run.as_mut()
+            && r.to_gpu == to_gpu
+            && r.k == self.cur
+            && r.gpu.checked_add(r.len as u64) == Some(gpu)
+            && r.at + r.len == self.fill
+            && self.fill + n <= STAGE_CHUNK
+        {
+            let at = self.fill;
+            r.len += n;
+            self.fill += n;
+            return Ok((self.cur, at));
+        }
+        self.flush_run()?;
+        let at = self.take(n)?;
+        self.run = Some(Run { k: self.cur, at, gpu, len: n, to_gpu });
+        Ok((self.cur, at))
+    }
+
+    /// Takes back the `n` bytes [`place`](Self::place) placed last (a payload that did not
+    /// arrive whole).
+    fn unplace(&mut self, n: usize) {
+        if let Some(r) = self.run.as_mut() {
+            r.len = r.len.saturating_sub(n);
+            if r.len == 0 {
+                self.run = None;
+            }
+        }
+    }
+
     /// Room for `n` gathered bytes (`n <= STAGE_CHUNK`): their offset in buffer `self.cur`.
     /// Moves to the other buffer (after its copies) when this one is full.
     fn take(&mut self, n: usize) -> Result<usize> {
@@ -166,12 +232,7 @@ impl Stager {
         if len == 0 {
             return Ok((self.cur, 0));
         }
-        let n = len as usize;
-        let at = self.take(n)?;
-        let k = self.cur;
-        self.stream.copy_dtoh(self.stages[k].as_mut_ptr().wrapping_add(at), src.ptr + off, n)?;
-        self.queued(k);
-        Ok((k, at))
+        self.place(src.ptr + off, len as usize, false)
     }
 
     /// Whether `len` more gathered bytes fit in the current buffer (else the caller sends
@@ -192,6 +253,7 @@ impl Stager {
     }
 
     pub(super) fn wait(&mut self, k: usize) -> Result<()> {
+        self.flush_run()?;
         if self.pending[k] {
             if !self.marked[k] {
                 self.mark(k)?;
@@ -260,17 +322,20 @@ impl Stager {
             // Queued behind the earlier ones; waited for by `settle` (before an acknowledgement
             // or anything else that must see it landed) or when its buffer is taken again.
             let n = len as usize;
-            let at = self.take(n)?;
-            let k = self.cur;
+            let (k, at) = self.place(dst.ptr + off, n, true)?;
             let b = rd.buffer().len().min(n);
-            self.stages[k].write(at as u64, &rd.buffer()[..b])?;
+            let mut read = self.stages[k].write(at as u64, &rd.buffer()[..b]).map_err(StageError::from);
             rd.consume(b);
-            if b < n {
-                self.stages[k].recv_exact((at + b) as u64, (n - b) as u64, &rd.get_ref().sock)?;
+            if read.is_ok() && b < n {
+                read = self.stages[k]
+                    .recv_exact((at + b) as u64, (n - b) as u64, &rd.get_ref().sock)
+                    .map_err(StageError::from);
             }
-            self.stream.copy_htod(dst.ptr + off, self.stages[k].as_mut_ptr().wrapping_add(at), n)?;
-            self.queued(k);
-            return Ok(());
+            if read.is_err() {
+                // Not all of it arrived: it must never be copied to the GPU.
+                self.unplace(n);
+            }
+            return read;
         }
         self.settle()?;
         let mut done = 0u64;
@@ -298,6 +363,8 @@ impl Stager {
     /// waits for it, and so for those copies too.
     pub(super) fn token(&mut self, dst: &GpuRegion, off: u64, value: u64, add: bool) -> Result<()> {
         dst.check(off, 8)?;
+        // The token goes after every copy before it on the stream.
+        self.flush_run()?;
         let addr = dst.ptr + off;
         if add {
             self.stream.atomic_add(addr, value)?;
