@@ -347,7 +347,7 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
             }
             // Then a burst into GPU memory only, the kind a missing wait would leave in flight
             // when the token lands: 1 MiB writes (the largest gathered; 8 of them overflow the
-            // sender's gather buffer), empty writes, and 5 MiB of small ones (the receiver's
+            // sender's gather buffer), empty writes, and 3.5 MiB of small ones (the receiver's
             // gather buffers fill and switch).
             let mut burst = Vec::new();
             for i in 0..360u64 {

@@ -75,9 +75,11 @@ struct Run {
     /// Buffer and offset in it.
     k: usize,
     at: usize,
-    /// GPU address and length.
+    /// GPU address and length, and the region it lies in (a run never crosses from one
+    /// allocation into a neighbour that happens to follow it).
     gpu: u64,
     len: usize,
+    region: (u64, usize),
     /// Host to GPU (receiving) or GPU to host (sending).
     to_gpu: bool,
 }
@@ -144,8 +146,10 @@ impl Stager {
     /// Records `events[k]` after everything queued so far.
     fn mark(&mut self, k: usize) -> Result<()> {
         if let Err(e) = self.stream.record(&self.events[k]) {
-            // The copies already queued can no longer be waited for.
+            // The copies already queued can no longer be waited for (and the event's earlier
+            // record must not pass for theirs).
             self.untracked = true;
+            self.marked[k] = false;
             return Err(e);
         }
         self.marked[k] = true;
@@ -177,9 +181,12 @@ impl Stager {
     /// Places `n` gathered bytes (`0 < n <= GATHER_MAX`) that go to or come from GPU address
     /// `gpu`: (buffer, offset). Extends the open run when they continue it on the GPU and in the
     /// buffer; else issues that run and opens another.
-    fn place(&mut self, gpu: u64, n: usize, to_gpu: bool) -> Result<(usize, usize)> {
+    fn place(&mut self, g: &GpuRegion, off: u64, n: usize, to_gpu: bool) -> Result<(usize, usize)> {
+        let gpu = g.ptr + off;
+        let region = (g.ptr, g.len);
         if let Some(r) = self.run.as_mut()
             && r.to_gpu == to_gpu
+            && r.region == region
             && r.k == self.cur
             && r.gpu.checked_add(r.len as u64) == Some(gpu)
             && r.at + r.len == self.fill
@@ -192,7 +199,7 @@ impl Stager {
         }
         self.flush_run()?;
         let at = self.take(n)?;
-        self.run = Some(Run { k: self.cur, at, gpu, len: n, to_gpu });
+        self.run = Some(Run { k: self.cur, at, gpu, len: n, region, to_gpu });
         Ok((self.cur, at))
     }
 
@@ -215,7 +222,13 @@ impl Stager {
             self.fill = at + n;
             return Ok(at);
         }
-        let k = 1 - self.cur;
+        // This buffer's copies end here (so that coming back to it waits for them alone, not
+        // for what is queued on the other one by then).
+        let here = self.cur;
+        if self.pending[here] && !self.marked[here] {
+            self.mark(here)?;
+        }
+        let k = 1 - here;
         self.wait(k)?;
         self.cur = k;
         self.fill = n;
@@ -232,7 +245,7 @@ impl Stager {
         if len == 0 {
             return Ok((self.cur, 0));
         }
-        self.place(src.ptr + off, len as usize, false)
+        self.place(src, off, len as usize, false)
     }
 
     /// Whether `len` more gathered bytes fit in the current buffer (else the caller sends
@@ -322,7 +335,7 @@ impl Stager {
             // Queued behind the earlier ones; waited for by `settle` (before an acknowledgement
             // or anything else that must see it landed) or when its buffer is taken again.
             let n = len as usize;
-            let (k, at) = self.place(dst.ptr + off, n, true)?;
+            let (k, at) = self.place(dst, off, n, true)?;
             let b = rd.buffer().len().min(n);
             let mut read = self.stages[k].write(at as u64, &rd.buffer()[..b]).map_err(StageError::from);
             rd.consume(b);
