@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds gpu-bundle-eth/ (git-ignored): the Ethernet transport with GPU memory on the GPU
 # machine (issue 25 item 1): the library's `cuda` GPU tests (Ethernet with GPU memory, small
-# GPU writes gathered and landing before the signal) and mscclpp-perf for the Ethernet proxy
-# load rows. PERF_BEFORE=PATH adds a second mscclpp-perf (e.g. one built before a change) whose
+# GPU writes landing in order before the signal) and mscclpp-perf for the Ethernet proxy load
+# rows. Built on branch `eth-gather` (gathered staging) with PERF_BEFORE pointing at a main
+# build's mscclpp-perf, one call compares the two. PERF_BEFORE=PATH adds a second mscclpp-perf (e.g. one built before a change) whose
 # rows run in the same call, for a same-machine comparison.
 #
 #   scripts/gpu-bundle-eth.sh

@@ -283,13 +283,12 @@ fn ethernet_with_gpu_memory() {
 
 /// Ethernet with many small writes in flight, GPU and host sources and destinations mixed,
 /// overlapping, with a few large ones (the staging pipeline) among them, then a burst into GPU
-/// memory only (1 MiB, empty and small writes, more than a gather buffer holds, contiguous runs
-/// that one copy serves): the sender
-/// gathers small GPU payloads (one wait for many copies) and the receiver queues their copies to
-/// the GPU and waits only before something must see them landed. After each phase rank 0
-/// signals without a flush, alternately a token into host memory and a GPU semaphore, and rank
-/// 1, having seen it, finds the burst's last writes landed (read one by one, latest first) and
-/// both destinations equal to the writes applied in order.
+/// memory only (1 MiB, empty and small writes, more than a 4 MiB staging buffer holds,
+/// contiguous runs): the cases a receiver that queues copies to the GPU and waits for them late
+/// (branch `eth-gather`) must get right. After each phase rank 0 signals without a flush,
+/// alternately a token into host memory and a GPU semaphore, and rank 1, having seen it, finds
+/// the burst's last writes landed (read one by one, latest first) and both destinations equal to
+/// the writes applied in order.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
