@@ -366,17 +366,22 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
                 // the same baseline in the order many producers interleave, and under their GPU
                 // load, say whether the order or the load costs (rather than the proxy's work).
                 if t == Transport::Ethernet && op != Op::Signal {
-                    let shuffled = direct_in(r0, op, size, peers, n, timeout, Order::Shuffled)?;
-                    let (loaded, lasted) = rig.direct_loaded(r0, op, size, peers, n, n as f64 / base)?;
-                    row(format!(
-                        "proxy load, {what} -> {peers} peers, host direct in shuffled peer order {:7.3} M/s \
-                         (ratio {:.2}), under {LOAD_BLOCKS} GPU producers' load {:7.3} M/s (ratio {:.2}{})",
-                        shuffled / 1e6,
-                        shuffled / base,
-                        loaded / 1e6,
-                        loaded / base,
-                        if lasted { "" } else { "; the load ended before the baseline" }
-                    ));
+                    // A diagnostic: its failure is printed and the rows go on.
+                    let diag = direct_in(r0, op, size, peers, n, timeout, Order::Shuffled).and_then(|shuffled| {
+                        rig.direct_loaded(r0, op, size, peers, n, n as f64 / base).map(|l| (shuffled, l))
+                    });
+                    row(match diag {
+                        Ok((shuffled, (loaded, lasted))) => format!(
+                            "proxy load, {what} -> {peers} peers, host direct in shuffled peer order {:7.3} M/s \
+                             (ratio {:.2}), under {LOAD_BLOCKS} GPU producers' load {:7.3} M/s (ratio {:.2}{})",
+                            shuffled / 1e6,
+                            shuffled / base,
+                            loaded / 1e6,
+                            loaded / base,
+                            if lasted { "" } else { "; the load ended before the baseline" }
+                        ),
+                        Err(x) => format!("proxy load, {what} -> {peers} peers, host direct diagnostics failed: {x}"),
+                    });
                 }
             }
         }
