@@ -318,20 +318,14 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
         p.bs.barrier().unwrap();
         // The model: both destinations as the writes leave them, in order.
         let (mut gimg, mut himg) = (vec![0u8; CAP], vec![0u8; CAP]);
-        let mut x = 0x5eed_u64;
-        let mut next = move || {
-            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        };
+        let mut next = common::splitmix(0x5eed);
         let sizes = [1usize, 3, 8, 17, 100, 1000, 4096, 65537, (1 << 20) + 1, (2 << 20) + 7];
         for phase in 0..PHASES {
             for _ in 0..PER_PHASE {
                 let v = next();
                 // Mostly small; one in 50 through the pipeline.
-                let len = if v % 50 == 0 { sizes[8 + (v / 50 % 2) as usize] } else { sizes[(v / 7 % 8) as usize] };
+                let len =
+                    if v.is_multiple_of(50) { sizes[8 + (v / 50 % 2) as usize] } else { sizes[(v / 7 % 8) as usize] };
                 let (from_gpu, to_gpu) = ((v >> 20) & 1 == 0, (v >> 21) & 1 == 0);
                 let src_off = (next() as usize) % (CAP - len);
                 let dst_off = (next() as usize) % (CAP - len);
@@ -354,7 +348,7 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
                 let len = match i {
                     0..8 => 1 << 20,
                     8..10 => 0,
-                    _ if v % 3 == 0 => 1 + (v % 100) as usize,
+                    _ if v.is_multiple_of(3) => 1 + (v % 100) as usize,
                     _ => 16 << 10,
                 };
                 let src_off = (next() as usize) % (CAP - len);

@@ -38,15 +38,7 @@ const TRIGGER_CASES: &[(u64, u32, u64, u32, u64, u64, u32)] = &[
 /// The fixed cases plus 256 pseudo-random ones over the whole range of every argument (wider than
 /// the fields, so masking is compared too).
 fn trigger_cases() -> Vec<(u64, u32, u64, u32, u64, u64, u32)> {
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut next = move || {
-        // splitmix64
-        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = x;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut next = common::splitmix(0x9e37_79b9_7f4a_7c15);
     let mut v = TRIGGER_CASES.to_vec();
     for _ in 0..256 {
         let w = [next(), next(), next(), next()];

@@ -242,6 +242,18 @@ pub fn spawn_ranks(name: &str, size: usize, env: &[(&str, String)]) -> Job {
     spawn_some(name, size, &all, Duration::from_secs(60), env, Duration::from_secs(240))
 }
 
+/// A splitmix64 stream starting after `seed`: deterministic, well-spread 64-bit values.
+pub fn splitmix(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed;
+    move || {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
 /// A deterministic byte pattern for (seed, index).
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
