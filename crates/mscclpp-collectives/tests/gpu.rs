@@ -18,11 +18,7 @@ fn ranks<T: Send>(
     config: impl Fn(usize) -> Config + Sync,
     f: impl Fn(usize, &Collectives, &Stream) -> T + Sync,
 ) -> Vec<T> {
-    // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
-    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
-    // CUDA call of the first test, so nothing else reads or writes the environment then.
-    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
+    all_hw_queues();
     let (root, id) = RootServer::start(n, Duration::from_secs(60)).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -469,11 +465,7 @@ fn zero_copy_all_reduce_on_registered_windows() {
 /// Builds `Collectives` on `n` rank threads with `config(rank)` and returns every rank's
 /// outcome (the error's text on failure), then passes a closing barrier.
 fn setups(n: usize, config: impl Fn(usize) -> Config + Sync) -> Vec<Result<(), (ErrorKind, String)>> {
-    // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
-    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
-    // CUDA call of the first test, so nothing else reads or writes the environment then.
-    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
+    all_hw_queues();
     let (root, id) = RootServer::start(n, Duration::from_secs(60)).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -528,4 +520,13 @@ fn a_rank_set_up_differently_is_refused_naming_it() {
         let named = if r == 1 { 0 } else { 1 };
         assert!(msg.contains(&format!("rank {named} set up its collectives with")), "rank {r}: {msg}");
     }
+}
+
+/// Gives this process's rank threads their own hardware queues (`use_all_hw_queues`); every
+/// test calls it before its first thread or CUDA call.
+fn all_hw_queues() {
+    // SAFETY: only the first call in the process writes; the GPU tests run one at a time
+    // (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and CUDA
+    // call of the first test, so nothing else reads or writes the environment then.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
 }

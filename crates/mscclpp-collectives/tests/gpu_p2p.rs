@@ -71,11 +71,7 @@ fn ranks<B, T: Send>(
     setup: impl Fn(usize, &Communicator) -> B + Sync,
     body: impl Fn(usize, &Communicator, &PointToPoint, &Stream, &B) -> T + Sync,
 ) -> Vec<T> {
-    // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
-    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
-    // CUDA call of the first test, so nothing else reads or writes the environment then.
-    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
+    all_hw_queues();
     let (root, id) = RootServer::start(n, WAIT).unwrap();
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -380,11 +376,7 @@ fn a_rank_out_of_memory_fails_every_rank_at_setup_naming_it() {
     // Rank 2 asks for slots of 1 TiB: its scratch allocation fails. The others must fail at
     // the same exchange, naming rank 2, not wait for its scratch until the bootstrap timeout.
     let n = 3;
-    // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
-    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
-    // CUDA call of the first test, so nothing else reads or writes the environment then.
-    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
+    all_hw_queues();
     let (root, id) = RootServer::start(n, WAIT).unwrap();
     let out: Vec<Result<(), (mscclpp::ErrorKind, String)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -411,4 +403,13 @@ fn a_rank_out_of_memory_fails_every_rank_at_setup_naming_it() {
         assert!(msg.contains("rank 2 cannot go on"), "rank {r}: {msg}");
         assert!(msg.contains("allocating the point-to-point buffers"), "rank {r}: {msg}");
     }
+}
+
+/// Gives this process's rank threads their own hardware queues (`use_all_hw_queues`); every
+/// test calls it before its first thread or CUDA call.
+fn all_hw_queues() {
+    // SAFETY: only the first call in the process writes; the GPU tests run one at a time
+    // (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and CUDA
+    // call of the first test, so nothing else reads or writes the environment then.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
 }

@@ -64,11 +64,7 @@ fn rank_main(rank: usize, n: usize, id: &mscclpp::UniqueId, protocol: Protocol) 
 
 fn run(protocol: Protocol) {
     let n = 2;
-    // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
-    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
-    // CUDA call of the first test, so nothing else reads or writes the environment then.
-    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
+    all_hw_queues();
     let (root, id) = RootServer::start(n, Duration::from_secs(70)).unwrap();
     let results = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -107,11 +103,7 @@ fn registered_allpair_plan_serves_all_reduce_simple() {
 #[ignore = "needs a CUDA GPU"]
 fn mismatched_registration_fails_on_every_rank() {
     let n = 2;
-    // SAFETY: ranks are threads of this process and need their own hardware queues (see
-    // use_all_hw_queues). Only the first call in the process writes; the GPU tests run one at a
-    // time (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and
-    // CUDA call of the first test, so nothing else reads or writes the environment then.
-    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
+    all_hw_queues();
     let (root, id) = RootServer::start(n, Duration::from_secs(70)).unwrap();
     let errs = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
@@ -140,4 +132,13 @@ fn mismatched_registration_fails_on_every_rank() {
         assert!(e.message().contains("different algorithms"), "{e}");
         assert_eq!(e.peer(), Some(1));
     }
+}
+
+/// Gives this process's rank threads their own hardware queues (`use_all_hw_queues`); every
+/// test calls it before its first thread or CUDA call.
+fn all_hw_queues() {
+    // SAFETY: only the first call in the process writes; the GPU tests run one at a time
+    // (--test-threads=1, as the GPU bundle runs them) and this precedes every thread and CUDA
+    // call of the first test, so nothing else reads or writes the environment then.
+    let _ = unsafe { mscclpp::gpu::use_all_hw_queues() };
 }
