@@ -70,6 +70,19 @@
 //! grace (up to one 1 ms tick later while that thread lingers); larger writes go through the
 //! sender thread at once, so `write` never blocks on a big transfer.
 //!
+//! # GPU memory
+//! Payloads in GPU memory pass through two pinned host buffers per GPU (`stager`). Large ones
+//! (over 1 MiB) go in 4 MiB chunks, the copy of one chunk overlapping the socket's work on the
+//! other. Small ones are gathered, because each copy's round trip to the GPU (a few
+//! microseconds of driver calls and waiting) cost more than sending the bytes: the sender copies
+//! every small GPU payload of a batch to consecutive places of one buffer, waits for the GPU
+//! once, and sends the batch in one `sendmsg` (payloads that continue each other in GPU memory
+//! share one copy); the receiver queues the copies of the small
+//! payloads it reads to the GPU without waiting, and waits for them only before something that
+//! must find them landed: an acknowledgement (so a peer's `flush` covers them), a token into host
+//! memory or another GPU (a token into the same GPU follows them on the same stream and is waited
+//! for), a write into host memory, and the closing record.
+//!
 //! # Small operations (where the time went, and what was done)
 //! Profiled on a 2-core VM (`strace -f -c`, `perf record`, `mscclpp-perf -b 8 -e 8`): per
 //! write+signal the caller used to wake the sender thread (a futex wake, a context switch and a

@@ -221,7 +221,8 @@ impl RxState {
                 Some(RxEvent::Write { region, offset, len }) => {
                     rd.consume(used);
                     let r = match &region.mem {
-                        Mem::Host(_) => Ok(()),
+                        // Earlier writes to GPU memory land before this one's bytes do.
+                        Mem::Host(_) => settle(&mut self.stagers, None).map_err(StageError::from),
                         // GPU memory: staged through pinned buffers, the whole payload at once.
                         Mem::Gpu(g) => stager_for(&mut self.stagers, g)
                             .map_err(StageError::from)
@@ -233,7 +234,15 @@ impl RxState {
                 }
                 Some(RxEvent::Token { region, offset, value, add }) => {
                     rd.consume(used);
-                    let r = match &region.mem {
+                    // Every write before the token has landed before the token does: queued
+                    // copies to other GPUs are waited for here, those to this token's GPU are
+                    // ahead of it on the same stream (and `token` waits for that stream).
+                    let except = match &region.mem {
+                        Mem::Gpu(g) => Some(g.dev.ordinal),
+                        Mem::Host(_) => None,
+                    };
+                    let settled = settle(&mut self.stagers, except).map_err(StageError::from);
+                    let r = settled.and_then(|()| match &region.mem {
                         Mem::Host(reg) => reg
                             .atomic_u64(offset)
                             .map(|w| {
@@ -247,7 +256,7 @@ impl RxState {
                         Mem::Gpu(g) => stager_for(&mut self.stagers, g)
                             .and_then(|st| st.token(g, offset, value, add))
                             .map_err(StageError::from),
-                    };
+                    });
                     if r.is_ok() {
                         self.ctx.notify_tokens();
                         // A token usually ends what the peer sent: with nothing buffered and no
@@ -262,6 +271,13 @@ impl RxState {
                 }
                 Some(RxEvent::Ack(seq)) => {
                     rd.consume(used);
+                    // An acknowledgement says every write up to `seq` landed.
+                    if let Err(e) = settle(&mut self.stagers, None) {
+                        report(StageError::Mscclpp(e));
+                        self.applied_all = false;
+                        self.done = true;
+                        break;
+                    }
                     if let Err(e) = send_record(&self.rec, &Record::Ack(seq)) {
                         if !sh.stop.load(Ordering::Acquire) {
                             sh.fail(Error::remote(format!("acknowledging to {} failed: {e}", sh.peer_desc)));
@@ -293,6 +309,17 @@ impl RxState {
         }
         progressed
     }
+}
+
+/// Waits for the copies queued on every stager (but the one of GPU `except`): the writes
+/// received so far have landed.
+fn settle(stagers: &mut HashMap<u32, Stager>, except: Option<u32>) -> crate::error::Result<()> {
+    for (dev, st) in stagers.iter_mut() {
+        if Some(*dev) != except {
+            st.settle()?;
+        }
+    }
+    Ok(())
 }
 
 /// Takes the peer's sockets, then applies its frames as the receiver core directs, waiting for
@@ -472,6 +499,12 @@ pub(super) fn receive(
     let mut g = lock(&sh.rx);
     let Some(rx) = g.as_mut() else { return };
     while !rx.done && rx.drain(sh, Drainer::Thread) {}
+    // What the closing record acknowledges has landed (a GPU that cannot finish the copies
+    // leaves it unsent: the peer's flush then fails instead of trusting writes that never landed).
+    if let Err(e) = settle(&mut rx.stagers, None) {
+        debug!(target: LOG, "closing the connection to {}: {e}", sh.peer_desc);
+        rx.applied_all = false;
+    }
     if rx.applied_all {
         let s = &rx.rec;
         let _ = s.set_write_timeout(Some(LAST_ACK_WAIT));

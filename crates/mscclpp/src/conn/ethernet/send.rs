@@ -2,6 +2,7 @@
 //! them in batches (from the calling thread when it can, from the sender thread otherwise), and
 //! reading the peer's acknowledgements and refusals.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -10,12 +11,12 @@ use std::time::{Duration, Instant};
 
 use super::connection::{Shared, State};
 use super::core::{Batch, Op, QueueFull};
-use super::stager::{StageError, stager_for};
+use super::stager::{GATHER_MAX, StageError, Stager, stager_for};
 use super::wire::{self, Lane, Record};
 use super::{COALESCE_GRACE, INLINE_LIMIT, TX_LINGER, TX_TICK};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{LocalRegion, Mem};
-use crate::platform::hostmem::{IoPart, send_all, send_vectored};
+use crate::platform::hostmem::{IoPart, Region, send_all, send_vectored};
 use crate::sync::{Deadline, lock};
 use crate::wire::WireForm;
 
@@ -217,30 +218,109 @@ impl Shared {
         }
         let headers: Vec<[u8; wire::HEADER]> = batch.frames.iter().map(|(h, _)| h.encode()).collect();
         let tail = batch.tail.map(|h| h.encode());
-        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(2 * batch.frames.len() + 1);
+        // What goes out, in order: host payloads straight from their regions, small GPU payloads
+        // from the gather buffer of their GPU's stager (copied there as they come, waited for
+        // once before the pieces go out), large GPU payloads through the stager's pipeline.
+        let mut pieces: Vec<Piece<'_>> = Vec::with_capacity(2 * batch.frames.len() + 1);
+        // The stagers (taken once the batch has GPU payloads), and the GPU whose gather buffer
+        // holds payloads in `pieces`.
+        let mut stagers = None;
+        let mut gathering: Option<u32> = None;
+        let stage_err = |e: StageError| match e {
+            StageError::Io(e) => io_err(e),
+            StageError::Mscclpp(e) => e,
+        };
         for ((_, op), h) in batch.frames.iter().zip(&headers) {
-            parts.push(h[..].into());
-            if let Op::Write { src, src_off, len, .. } = op {
-                match &src.mem {
-                    Mem::Host(r) => parts.push(r.part(*src_off, *len)?),
-                    Mem::Gpu(g) => {
-                        send_vectored(out, &parts).map_err(io_err)?;
-                        parts.clear();
-                        let mut stagers = lock(&self.stagers);
-                        let st = stager_for(&mut stagers, g)?;
-                        st.send(out, g, *src_off, *len).map_err(|e| match e {
-                            StageError::Io(e) => io_err(e),
-                            StageError::Mscclpp(e) => e,
-                        })?;
-                    }
+            let Op::Write { src, src_off, len, .. } = op else {
+                pieces.push(Piece::Bytes(&h[..]));
+                continue;
+            };
+            let g = match &src.mem {
+                Mem::Host(r) => {
+                    pieces.push(Piece::Bytes(&h[..]));
+                    pieces.push(Piece::Host(r, *src_off, *len));
+                    continue;
                 }
+                Mem::Gpu(g) => g,
+            };
+            let map = stagers.get_or_insert_with(|| lock(&self.stagers));
+            if *len > GATHER_MAX {
+                // Everything before it and its header go out, then its payload through the
+                // pipeline (which takes both buffers).
+                pieces.push(Piece::Bytes(&h[..]));
+                send_pieces(out, &pieces, map, gathering.take()).map_err(stage_err)?;
+                pieces.clear();
+                stager_for(map, g)?.send(out, g, *src_off, *len).map_err(stage_err)?;
+                continue;
             }
+            let dev = g.dev.ordinal;
+            if gathering.is_some_and(|d| d != dev) || !stager_for(map, g)?.room_for(*len) {
+                // What was gathered goes out first (one GPU's at a time, as much as a buffer
+                // holds).
+                send_pieces(out, &pieces, map, gathering.take()).map_err(stage_err)?;
+                pieces.clear();
+            }
+            let (k, at) = stager_for(map, g)?.gather(g, *src_off, *len)?;
+            pieces.push(Piece::Bytes(&h[..]));
+            pieces.push(Piece::Staged(k, at, *len));
+            gathering = Some(dev);
         }
         if let Some(t) = &tail {
-            parts.push(t[..].into());
+            pieces.push(Piece::Bytes(&t[..]));
         }
-        send_vectored(out, &parts).map_err(io_err)
+        match stagers.as_mut() {
+            Some(map) => send_pieces(out, &pieces, map, gathering).map_err(stage_err),
+            None => send_pieces(out, &pieces, &mut HashMap::new(), None).map_err(stage_err),
+        }
     }
+}
+
+/// One piece of a batch on the wire: a header (or the tail), a host payload (region, offset,
+/// length), or a gathered GPU payload (buffer, offset, length in the gathering stager).
+enum Piece<'b> {
+    Bytes(&'b [u8]),
+    Host(&'b Region, u64, u64),
+    Staged(usize, usize, u64),
+}
+
+/// Sends `pieces` in one `sendmsg`, after waiting for the copies of the payloads gathered on
+/// GPU `gathering`'s stager (whose buffers are free again afterwards).
+fn send_pieces(
+    out: &TcpStream,
+    pieces: &[Piece<'_>],
+    stagers: &mut HashMap<u32, Stager>,
+    gathering: Option<u32>,
+) -> std::result::Result<(), StageError> {
+    if pieces.is_empty() {
+        return Ok(());
+    }
+    let st = match gathering {
+        Some(dev) => {
+            let st = stagers
+                .get_mut(&dev)
+                .ok_or_else(|| Error::internal(format!("no stager for GPU {dev} holding gathered payloads")))?;
+            st.gathered()?;
+            Some(&*st)
+        }
+        None => None,
+    };
+    let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        parts.push(match *p {
+            Piece::Bytes(b) => b.into(),
+            Piece::Host(r, off, len) => r.part(off, len)?,
+            Piece::Staged(k, at, len) => {
+                st.ok_or_else(|| Error::internal("a gathered payload without its stager"))?.part(k, at, len)?
+            }
+        });
+    }
+    send_vectored(out, &parts)?;
+    if let Some(dev) = gathering
+        && let Some(st) = stagers.get_mut(&dev)
+    {
+        st.settle()?;
+    }
+    Ok(())
 }
 
 impl Shared {
