@@ -19,13 +19,20 @@ for setting in ${SETTINGS:-per-plan:default interpreter:default per-plan:8}; do
     env_q=(); [ "$q" = default ] || env_q=(CUDA_DEVICE_MAX_CONNECTIONS=$q)
     [ -n "${prio:-}" ] && env_q+=(MSCCLPP_CUDAIPC_STREAM_PRIORITY=$prio)
     t0=$SECONDS
-    env "${env_q[@]}" MSCCLPP_EXECUTOR_KERNEL=$k timeout "$cap" bin/mscclpp-perf allreduce \
+    # The GPU subsystem's debug lines number every stream the process makes (and who made
+    # it): with the stream-mapping rows of `mscclpp-perf device --parts queues`, they tell
+    # which streams could share a hardware queue in a run that stalled.
+    env "${env_q[@]}" MSCCLPP_LOG_LEVEL=DEBUG MSCCLPP_LOG_SUBSYS=GPU MSCCLPP_EXECUTOR_KERNEL=$k timeout "$cap" bin/mscclpp-perf allreduce \
       --plan bin/plans/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 5 \
       > "$logs/run.log" 2>&1
     rc=$?
     r=PASS; [ $rc = 0 ] || r="FAIL rc=$rc"; [ $rc = 124 ] && r="TIMEOUT (${cap}s)"
     echo "$r kernel=$k queues=$q${prio:+ priority=$prio} run $i ($((SECONDS - t0)) s)"
-    [ $rc = 0 ] || grep -E "rank [0-9]|^ +[0-9]+ |no rank has moved on" "$logs/run.log" | sed "s/^/    /" | tail -24
+    [ $rc = 0 ] || grep -E "rank [0-9]|^ +[0-9]+ |no rank has moved on" "$logs/run.log" | grep -v "stream [0-9]* of this process" | sed "s/^/    /" | tail -24
+    # The streams made, in order (every failing run, and the first run of each setting).
+    if [ $rc != 0 ] || [ "$i" = 1 ]; then
+      grep -oE "stream [0-9]+ of this process made on GPU[0-9]+ by [^ ]+" "$logs/run.log" | sed "s/ of this process made on GPU[0-9]* by/:/" | tr '\n' ';' | sed "s/^/    streams: /"; echo
+    fi
     cat "$logs/run.log" >> "$logs/all-runs.log"
   done
 done

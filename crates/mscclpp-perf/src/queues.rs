@@ -74,6 +74,39 @@ pub fn probe_child(device: u32) {
         };
         println!("hardware queues ({VAR}={var}): {w} on a {s}, {behind}: {what}");
     }
+    if var.parse::<u32>().is_ok_and(|q| q > 1) {
+        for keep in [true, false] {
+            println!("{}", map_row(&var, keep, mscclpp::bench::queue_map_probe(device, MAP_STREAMS, keep, MAP_LIMIT)));
+        }
+    }
+}
+
+/// Streams made after the waiting one in the stream-mapping probe: past the 32 queues.
+const MAP_STREAMS: usize = 40;
+/// How long each mapping probe's spinner waits.
+const MAP_LIMIT: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The stream-mapping probe's line: which of the streams made after a waiting one share its
+/// hardware queue (issue #28: does the driver assign queues round-robin in creation order, and
+/// does a destroyed stream's queue come back?).
+fn map_row(var: &str, keep: bool, r: mscclpp::Result<Vec<bool>>) -> String {
+    let how = if keep { "kept alive" } else { "each destroyed before the next is made" };
+    let what = match r {
+        Ok(b) => {
+            let hit: Vec<String> =
+                b.iter().enumerate().filter(|(_, x)| **x).map(|(i, _)| (i + 1).to_string()).collect();
+            if hit.is_empty() {
+                format!("none of {} shared its queue", b.len())
+            } else {
+                format!("blocked (sharing its queue): stream {} of {}", hit.join(", "), b.len())
+            }
+        }
+        Err(e) => format!("failed: {e}"),
+    };
+    format!(
+        "hardware queues ({VAR}={var}): stream mapping, streams made one after another after a waiting stream ({how}), \
+         a cuStreamWriteValue64 from each behind the waiting stream's spinner and queued launch: {what}"
+    )
 }
 
 /// The probe's lines for each of [`PROBE_QUEUES`], each from a child process of this binary
@@ -99,7 +132,8 @@ pub fn probe_rows(device: u32) -> Vec<String> {
     rows
 }
 
-/// How long one probe child may take (16 probes of at most ~0.2 s each, plus CUDA's start).
+/// How long one probe child may take (16 probes of at most ~0.2 s each, 80 mapping probes of at
+/// most ~0.06 s each, plus CUDA's start).
 const CHILD_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Runs a probe child: `(succeeded, stdout, stderr)`, or why it could not run (it is killed
@@ -154,6 +188,14 @@ mod tests {
         let mut c = Command::new("sh");
         c.args(["-c", "echo fine"]);
         assert_eq!(run_child(c, Duration::from_secs(30)).unwrap(), (true, "fine\n".into(), String::new()));
+    }
+
+    #[test]
+    fn the_mapping_row_names_the_blocked_streams_from_one() {
+        let r = map_row("32", true, Ok(vec![false, true, false, true]));
+        assert!(r.contains("kept alive") && r.ends_with("stream 2, 4 of 4"), "{r}");
+        let r = map_row("32", false, Ok(vec![false; 3]));
+        assert!(r.contains("each destroyed") && r.ends_with("none of 3 shared its queue"), "{r}");
     }
 
     #[test]

@@ -263,15 +263,18 @@ unsafe impl Send for Stream {}
 unsafe impl Sync for Stream {}
 
 impl Stream {
+    #[track_caller]
     pub(crate) fn new(dev: &Arc<GpuDevice>) -> Result<Stream> {
         dev.bind()?;
         let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| cuda_err("cuStreamCreate", e))?;
+        created(dev, std::panic::Location::caller());
         Ok(Stream { raw, dev: dev.clone(), owned: true })
     }
 
     /// A non-blocking stream of the device's greatest (`greatest`) or least priority
     /// (`cuStreamCreateWithPriority`, the range from `cuCtxGetStreamPriorityRange`).
+    #[track_caller]
     pub(crate) fn with_priority(dev: &Arc<GpuDevice>, greatest: bool) -> Result<Stream> {
         dev.bind()?;
         let (mut least, mut most) = (0i32, 0i32);
@@ -286,6 +289,7 @@ impl Stream {
                 if greatest { most } else { least },
             )
         })?;
+        created(dev, std::panic::Location::caller());
         Ok(Stream { raw, dev: dev.clone(), owned: true })
     }
 
@@ -516,6 +520,15 @@ impl Drop for Event {
 
 // ---------------------------------------------------------------------------------------------
 // Memory
+
+/// Counts the streams this process made (through this module), and logs each at debug level
+/// with its number and maker: the driver spreads a context's streams over its hardware queues in
+/// the order they are made, so the numbers tell which of them may share a queue (issue #28).
+fn created(dev: &GpuDevice, at: &std::panic::Location<'_>) {
+    static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    tracing::debug!(target: LOG, "stream {n} of this process made on GPU{} by {}:{}", dev.ordinal, at.file(), at.line());
+}
 
 /// Device memory from `cuMemAlloc` (exportable through CUDA IPC, unlike pool memory).
 pub(crate) struct DeviceAlloc {

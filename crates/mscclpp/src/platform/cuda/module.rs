@@ -231,6 +231,7 @@ impl Stream {
     /// # Errors
     /// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU; `Cuda` when the
     /// driver refuses.
+    #[track_caller]
     pub fn new(device: u32) -> Result<Stream> {
         Ok(Stream { inner: RawStream::new(&super::device(device)?)? })
     }

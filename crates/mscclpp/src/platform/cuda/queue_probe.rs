@@ -173,103 +173,191 @@ pub fn queue_probe(
     queued: bool,
     limit: Duration,
 ) -> Result<QueueProbe> {
+    check_limit(limit)?;
+    let kit = Kit::new(ordinal)?;
+    let waiter = Stream::new(&kit.dev)?;
+    let writer = match stream {
+        ProbeStream::Default => Stream::new(&kit.dev)?,
+        ProbeStream::Greatest => Stream::with_priority(&kit.dev, true)?,
+        ProbeStream::Least => Stream::with_priority(&kit.dev, false)?,
+    };
+    match kit.probe(&waiter, &writer, write, queued, limit) {
+        Ok(p) => Ok(p),
+        Err((e, false)) => Err(e),
+        Err((e, true)) => {
+            // A kernel may still run: leave what it uses allocated rather than free it under it.
+            std::mem::forget((kit, waiter, writer));
+            Err(e)
+        }
+    }
+}
+
+/// Which streams share the waiting stream's hardware queue: a waiting stream is made, then
+/// `count` more one after another, and a `cuStreamWriteValue64` from each (how the proxy writes
+/// a token) is probed behind a spinner on the waiting stream with a launch queued after it.
+/// Entry `i` of the result is true when stream `i` (0 = the first made after the waiting one)
+/// was blocked. With `keep`, every stream stays alive until the end; without, each is destroyed
+/// after its probe, before the next is made (whether the driver hands a freed queue out again).
+/// Run it in a process started with the `CUDA_DEVICE_MAX_CONNECTIONS` to map; streams made
+/// earlier in the process do not matter (only the order from the waiting stream on).
+///
+/// # Errors
+/// As [`queue_probe`] (`NotAvailable` where stream memory operations are unsupported).
+pub fn queue_map_probe(ordinal: u32, count: usize, keep: bool, limit: Duration) -> Result<Vec<bool>> {
+    check_limit(limit)?;
+    let kit = Kit::new(ordinal)?;
+    let waiter = Stream::new(&kit.dev)?;
+    let mut kept = Vec::new();
+    let mut blocked = Vec::with_capacity(count);
+    for _ in 0..count {
+        let writer = Stream::new(&kit.dev)?;
+        match kit.probe(&waiter, &writer, ProbeWrite::WriteValue, true, limit) {
+            Ok(p) => blocked.push(!p.arrived),
+            Err((e, false)) => return Err(e),
+            Err((e, true)) => {
+                std::mem::forget((kit, waiter, writer, kept));
+                return Err(e);
+            }
+        }
+        if keep {
+            kept.push(writer);
+        }
+    }
+    Ok(blocked)
+}
+
+fn check_limit(limit: Duration) -> Result<()> {
     if limit > PROBE_MAX_LIMIT {
         return Err(Error::invalid_usage(format!(
             "queue_probe: a limit of {limit:?} is above the {PROBE_MAX_LIMIT:?} it takes"
         )));
     }
-    let dev = device(ordinal)?;
-    let module = Module::load(ordinal, PROBE_PTX, &[SPIN.to_string(), NOP.to_string(), SET.to_string()])?;
-    let kernel =
-        |name: &str| module.function(name).ok_or_else(|| Error::internal(format!("the probe module has no {name}")));
-    let (spin, nop, set) = (kernel(SPIN)?, kernel(NOP)?, kernel(SET)?);
-    // Word 0: the flag; word 1: the 1 a copy reads; words 2-3: the spinner's report.
-    let mem = GpuRegion::alloc(&dev, 32)?;
-    mem.write(8, &1u64.to_le_bytes())?;
-    let (flag, one, out) = (mem.ptr, mem.ptr + 8, mem.ptr + 16);
-    let waiter = Stream::new(&dev)?;
-    let writer = match stream {
-        ProbeStream::Default => Stream::new(&dev)?,
-        ProbeStream::Greatest => Stream::with_priority(&dev, true)?,
-        ProbeStream::Least => Stream::with_priority(&dev, false)?,
-    };
-    if write == ProbeWrite::WriteValue {
-        // Before anything spins: whether the GPU takes stream memory operations at all (this
-        // writes the 0 the flag already holds).
-        if !writer.write_value64(flag, 0)? {
-            return Err(Error::new(ErrorKind::NotAvailable, "cuStreamWriteValue64 is not supported on this GPU"));
-        }
-        writer.synchronize()?;
+    Ok(())
+}
+
+/// The probe's kernels and device words: word 0 the flag, word 1 the 1 a copy reads, words 2-3
+/// the spinner's report.
+struct Kit {
+    dev: std::sync::Arc<super::GpuDevice>,
+    mem: GpuRegion,
+    spin: super::module::Kernel,
+    nop: super::module::Kernel,
+    set: super::module::Kernel,
+    _module: std::sync::Arc<Module>,
+}
+
+impl Kit {
+    fn new(ordinal: u32) -> Result<Kit> {
+        let dev = device(ordinal)?;
+        let module = Module::load(ordinal, PROBE_PTX, &[SPIN.to_string(), NOP.to_string(), SET.to_string()])?;
+        let kernel = |name: &str| {
+            module.function(name).ok_or_else(|| Error::internal(format!("the probe module has no {name}")))
+        };
+        let (spin, nop, set) = (kernel(SPIN)?, kernel(NOP)?, kernel(SET)?);
+        let mem = GpuRegion::alloc(&dev, 32)?;
+        mem.write(8, &1u64.to_le_bytes())?;
+        Ok(Kit { dev, mem, spin, nop, set, _module: module })
     }
-    let limit_ns = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
-    // From the spinner's launch on, nothing below is freed before both streams are idle: every
-    // outcome goes through the bounded wait after this block.
-    let issued = (|| -> Result<std::time::Instant> {
-        let (mut f, mut t, mut o) = (flag, limit_ns, out);
-        // SAFETY: the spinner takes (u64 pointer, u64, u64 pointer) and the nop nothing; the
-        // pointers are words of `mem`, which outlives both streams' work (the wait below, or
-        // leaked with the module and the streams when the kernels do not finish).
-        unsafe {
-            spin.launch_on(
-                ONE,
-                &waiter,
-                &mut [(&mut f as *mut u64).cast::<c_void>(), (&mut t as *mut u64).cast(), (&mut o as *mut u64).cast()],
-            )?;
-            if queued {
-                nop.launch_on(ONE, &waiter, &mut [])?;
+
+    /// One probe on these streams (the flag is cleared first). `Err((e, true))` when the
+    /// kernels may still run: the caller must then leak the kit and both streams.
+    fn probe(
+        &self,
+        waiter: &Stream,
+        writer: &Stream,
+        write: ProbeWrite,
+        queued: bool,
+        limit: Duration,
+    ) -> std::result::Result<QueueProbe, (Error, bool)> {
+        let (flag, one, out) = (self.mem.ptr, self.mem.ptr + 8, self.mem.ptr + 16);
+        // Both streams are idle here (a probe returns only once they are): plain writes.
+        self.mem.write(0, &0u64.to_le_bytes()).map_err(|e| (e, false))?;
+        self.mem.write(16, &[0u8; 16]).map_err(|e| (e, false))?;
+        if write == ProbeWrite::WriteValue {
+            // Before anything spins: whether the GPU takes stream memory operations at all (this
+            // writes the 0 the flag already holds).
+            let unsupported =
+                || Error::new(ErrorKind::NotAvailable, "cuStreamWriteValue64 is not supported on this GPU");
+            if !writer.write_value64(flag, 0).map_err(|e| (e, false))? {
+                return Err((unsupported(), false));
             }
+            writer.synchronize().map_err(|e| (e, false))?;
         }
-        // The spinner starts before the write is issued (it would wait in order anyway).
-        std::thread::sleep(HEAD_START);
-        let at = std::time::Instant::now();
-        match write {
-            ProbeWrite::Kernel => {
-                let mut f = flag;
-                // SAFETY: `set` takes one u64 pointer, a word of `mem` (kept alive as above).
-                unsafe { set.launch_on(ONE, &writer, &mut [(&mut f as *mut u64).cast::<c_void>()])? };
-            }
-            ProbeWrite::WriteValue => {
-                if !writer.write_value64(flag, 1)? {
-                    return Err(Error::new(
-                        ErrorKind::NotAvailable,
-                        "cuStreamWriteValue64 is not supported on this GPU",
-                    ));
+        let limit_ns = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
+        // From the spinner's launch on, nothing is freed before both streams are idle: every
+        // outcome goes through the bounded wait after this block.
+        let issued = (|| -> Result<std::time::Instant> {
+            let (mut f, mut t, mut o) = (flag, limit_ns, out);
+            // SAFETY: the spinner takes (u64 pointer, u64, u64 pointer) and the nop nothing; the
+            // pointers are words of `mem`, which outlives both streams' work (the wait below, or
+            // leaked with the kit and the streams when the kernels do not finish).
+            unsafe {
+                self.spin.launch_on(
+                    ONE,
+                    waiter,
+                    &mut [
+                        (&mut f as *mut u64).cast::<c_void>(),
+                        (&mut t as *mut u64).cast(),
+                        (&mut o as *mut u64).cast(),
+                    ],
+                )?;
+                if queued {
+                    self.nop.launch_on(ONE, waiter, &mut [])?;
                 }
             }
-            ProbeWrite::Copy => writer.copy_dtod(flag, one, 8)?,
+            // The spinner starts before the write is issued (it would wait in order anyway).
+            std::thread::sleep(HEAD_START);
+            let at = std::time::Instant::now();
+            match write {
+                ProbeWrite::Kernel => {
+                    let mut f = flag;
+                    // SAFETY: `set` takes one u64 pointer, a word of `mem` (kept alive as above).
+                    unsafe { self.set.launch_on(ONE, writer, &mut [(&mut f as *mut u64).cast::<c_void>()])? };
+                }
+                ProbeWrite::WriteValue => {
+                    if !writer.write_value64(flag, 1)? {
+                        return Err(Error::new(
+                            ErrorKind::NotAvailable,
+                            "cuStreamWriteValue64 is not supported on this GPU",
+                        ));
+                    }
+                }
+                ProbeWrite::Copy => writer.copy_dtod(flag, one, 8)?,
+            }
+            Ok(at)
+        })();
+        let bound = limit + SETTLE;
+        let waiter_idle = waiter.wait_idle(bound);
+        let after_issue = issued.as_ref().map(std::time::Instant::elapsed).unwrap_or_default();
+        let idle = waiter_idle.and_then(|w| Ok(w && writer.wait_idle(bound)?));
+        if !matches!(idle, Ok(true)) {
+            let e = match idle {
+                Err(e) => e,
+                _ => Error::new(
+                    ErrorKind::Timeout,
+                    format!("the queue probe's kernels had not finished {bound:?} after the probe started"),
+                ),
+            };
+            return Err((
+                match issued {
+                    Err(first) => first.with_note(format!("then: {e}")),
+                    Ok(_) => e,
+                },
+                true,
+            ));
         }
-        Ok(at)
-    })();
-    let bound = limit + SETTLE;
-    let waiter_idle = waiter.wait_idle(bound);
-    let after_issue = issued.as_ref().map(std::time::Instant::elapsed).unwrap_or_default();
-    let idle = waiter_idle.and_then(|w| Ok(w && writer.wait_idle(bound)?));
-    if !matches!(idle, Ok(true)) {
-        // A kernel may still run: leave what it uses allocated rather than free it under it.
-        std::mem::forget((mem, module, spin, nop, set, waiter, writer));
-        let e = match idle {
-            Err(e) => e,
-            _ => Error::new(
-                ErrorKind::Timeout,
-                format!("the queue probe's kernels had not finished {bound:?} after the probe started"),
-            ),
+        issued.map_err(|e| (e, false))?;
+        let mut report = [0u8; 16];
+        self.mem.read(16, &mut report).map_err(|e| (e, false))?;
+        let word = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&report[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(b)
         };
-        return Err(match issued {
-            Err(first) => first.with_note(format!("then: {e}")),
-            Ok(_) => e,
-        });
-    }
-    issued?;
-    let mut report = [0u8; 16];
-    mem.read(16, &mut report)?;
-    let word = |i: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&report[i * 8..i * 8 + 8]);
-        u64::from_le_bytes(b)
-    };
-    match word(0) {
-        1 | 2 => Ok(QueueProbe { arrived: word(0) == 1, waited: Duration::from_nanos(word(1)), after_issue }),
-        other => Err(Error::internal(format!("the queue probe's spinner reported {other}"))),
+        match word(0) {
+            1 | 2 => Ok(QueueProbe { arrived: word(0) == 1, waited: Duration::from_nanos(word(1)), after_issue }),
+            other => Err((Error::internal(format!("the queue probe's spinner reported {other}")), false)),
+        }
     }
 }
 
@@ -289,6 +377,12 @@ mod tests {
     #[test]
     fn a_limit_past_the_maximum_is_refused_before_any_gpu_work() {
         let e = queue_probe(0, ProbeWrite::Copy, ProbeStream::Default, true, Duration::MAX).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+    }
+
+    #[test]
+    fn a_map_limit_past_the_maximum_is_refused_before_any_gpu_work() {
+        let e = queue_map_probe(0, 4, true, Duration::MAX).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     }
 
