@@ -260,9 +260,9 @@ impl Shared {
                 send_pieces(out, &pieces, map, gathering.take()).map_err(stage_err)?;
                 pieces.clear();
             }
-            let (k, at) = stager_for(map, g)?.gather(g, *src_off, *len)?;
+            let pick = stager_for(map, g)?.gather(g, *src_off, *len)?;
             pieces.push(Piece::Bytes(&h[..]));
-            pieces.push(Piece::Staged(k, at, *len));
+            pieces.push(Piece::Staged(pick));
             gathering = Some(dev);
         }
         if let Some(t) = &tail {
@@ -276,11 +276,11 @@ impl Shared {
 }
 
 /// One piece of a batch on the wire: a header (or the tail), a host payload (region, offset,
-/// length), or a gathered GPU payload (buffer, offset, length in the gathering stager).
+/// length), or a gathered GPU payload (its number in the gathering stager).
 enum Piece<'b> {
     Bytes(&'b [u8]),
     Host(&'b Region, u64, u64),
-    Staged(usize, usize, u64),
+    Staged(usize),
 }
 
 /// Sends `pieces` in one `sendmsg`, after waiting for the copies of the payloads gathered on
@@ -309,8 +309,8 @@ fn send_pieces(
         parts.push(match *p {
             Piece::Bytes(b) => b.into(),
             Piece::Host(r, off, len) => r.part(off, len)?,
-            Piece::Staged(k, at, len) => {
-                st.ok_or_else(|| Error::internal("a gathered payload without its stager"))?.part(k, at, len)?
+            Piece::Staged(pick) => {
+                st.ok_or_else(|| Error::internal("a gathered payload without its stager"))?.part(pick)?
             }
         });
     }
