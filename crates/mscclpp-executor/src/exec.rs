@@ -127,7 +127,7 @@ pub enum ExecError {
     Lower(#[from] LowerError),
     /// A kernel of this rank reported a failed wait.
     #[error(
-        "rank {rank}, plan {plan}: thread block {block}, operation {op}{}: {}",
+        "rank {rank}, plan {plan}: thread block {block}, operation {op}{}: {}{}",
         if *launch != 0 { format!(" (launch {launch} of these buffers)") } else { String::new() },
         match (kind, peer) {
             (DeviceFailureKind::Timeout, Some(p)) => match counts {
@@ -139,6 +139,10 @@ pub enum ExecError {
             (DeviceFailureKind::Proxy, Some(p)) => format!("the proxy serving the port channel to rank {p} failed or stopped"),
             (DeviceFailureKind::Proxy, None) => "the proxy failed or stopped".to_string(),
             (DeviceFailureKind::FailedBefore, _) => "an earlier execution of this plan failed; it refuses to run".to_string(),
+        },
+        match proxy {
+            Some(n) => format!("; this rank's proxy had handled {n} triggers of its kernels"),
+            None => String::new(),
         }
     )]
     Device {
@@ -161,6 +165,9 @@ pub enum ExecError {
         counts: (u64, u64),
         /// Which launch of these resources the block was in (1 for the first; 0 when unknown).
         launch: u64,
+        /// For a plan with port channels: how many triggers this rank's proxy had handled when
+        /// the failure was read (beside the peer's counts: did a signal leave the proxy?).
+        proxy: Option<u64>,
     },
     /// Communication, CUDA or usage errors from the core crate.
     #[error(transparent)]
@@ -368,7 +375,7 @@ fn launch_args(cached: &ExecArgs, dtype: DataType) -> ExecArgs {
 /// The resources of one (plan, buffers): built once, reused by every execution.
 struct Resources {
     // Dropped first: the proxy stops before the memories it moves go.
-    _proxy: Option<ProxyService>,
+    proxy: Option<ProxyService>,
     plan_name: String,
     kernels: Arc<Kernels>,
     args: ExecArgs,
@@ -591,6 +598,7 @@ impl Executor {
             timeout: self.config.timeout,
             counts: (seen, need),
             launch,
+            proxy: r.proxy.as_ref().map(ProxyService::processed),
         })
     }
 
@@ -984,7 +992,7 @@ impl Executor {
         };
         tracing::debug!(target: "mscclpp::executor", rank, plan = %plan.name, blocks = nblocks, ops = low.ops.len(), scratch = layout.scratch_bytes, "plan resources ready");
         Ok(Resources {
-            _proxy: proxy,
+            proxy,
             plan_name: plan.name.clone(),
             kernels,
             args,
@@ -1351,6 +1359,7 @@ mod tests {
             timeout: Duration::from_secs(2),
             counts: (0, 0),
             launch: 0,
+            proxy: None,
         };
         assert_eq!(e.peer(), Some(1));
         let s = e.to_string();
@@ -1371,6 +1380,7 @@ mod tests {
                 timeout: Duration::from_secs(5),
                 counts: (seen, need),
                 launch: 7,
+                proxy: Some(41),
             }
             .to_string()
         };
@@ -1378,5 +1388,6 @@ mod tests {
         assert!(behind.contains("operation 2 (launch 7 of these buffers)"), "{behind}");
         assert!(behind.contains("13 of its signals had arrived, this wait needed 14"), "{behind}");
         assert!(behind.contains("is behind"), "{behind}");
+        assert!(behind.ends_with("; this rank's proxy had handled 41 triggers of its kernels"), "{behind}");
     }
 }

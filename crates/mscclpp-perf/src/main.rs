@@ -434,6 +434,17 @@ fn main() -> ExitCode {
         eprintln!("mscclpp-perf: {e}");
         return ExitCode::from(2);
     }
+    // Ranks as threads of this process (and the bootstrap test): the library's logging from
+    // `MSCCLPP_LOG_*` here (processes set theirs up in `launch`).
+    let in_process = match args.test {
+        TestKind::P2p => false,
+        TestKind::Device | TestKind::Allreduce | TestKind::Allgather | TestKind::Reducescatter => !args.procs,
+        TestKind::Bootstrap => true,
+    };
+    if in_process && let Err(e) = mscclpp::init_logging() {
+        eprintln!("mscclpp-perf: logging: {e}");
+        return ExitCode::from(2);
+    }
     let res = match args.test {
         TestKind::P2p => launch::run(&args, p2p::run),
         TestKind::Device if args.procs => launch::run(&args, procs::run_rank),
