@@ -155,9 +155,9 @@ pub enum ExecError {
         /// The rank waited for, when one is known.
         peer: Option<usize>,
         /// The thread block.
-        block: usize,
+        block: u32,
         /// The operation's index in the block's list (pipeline bodies counted).
-        op: usize,
+        op: u32,
         /// The wait limit.
         timeout: Duration,
         /// For a semaphore wait that timed out: the count it saw and the count it needed (both 0
@@ -593,8 +593,8 @@ impl Executor {
             plan: r.plan_name.clone(),
             kind,
             peer: (peer != NO_PEER).then_some(peer as usize),
-            block: ((code >> 16) & 0xffff) as usize,
-            op: (code & 0xffff) as usize,
+            block: ((code >> 16) & 0xffff) as u32,
+            op: (code & 0xffff) as u32,
             timeout: self.config.timeout,
             counts: (seen, need),
             launch,
