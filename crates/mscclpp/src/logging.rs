@@ -214,6 +214,9 @@ pub fn init_logging() -> Result<()> {
     };
     let format = Prefixed { inner: tracing_subscriber::fmt::format().with_thread_names(true).with_ansi(ansi), host };
     tracing_subscriber::fmt()
+        // The builder's own ceiling is INFO: lift it, so that `filter` alone decides (DEBUG and
+        // TRACE were silently dropped before).
+        .with_max_level(tracing::level_filters::LevelFilter::TRACE)
         .with_ansi(ansi)
         .with_writer(writer)
         .event_format(format)

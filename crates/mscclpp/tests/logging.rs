@@ -17,6 +17,9 @@ fn child_body() {
     let _bs = TcpBootstrap::initialize(0, 1, &id).unwrap();
     tracing::warn!(target: "mscclpp::net", "net event after bootstrap");
     tracing::warn!(target: "mscclpp::conn", "conn event after bootstrap");
+    tracing::info!(target: "mscclpp::gpu", "gpu info event");
+    tracing::debug!(target: "mscclpp::gpu", "gpu debug event");
+    tracing::trace!(target: "mscclpp::gpu", "gpu trace event");
 }
 
 /// Runs test `name` as a child with `env` (and no inherited log settings); returns its output
@@ -112,4 +115,29 @@ fn log_file_pattern_gives_one_file_per_process_and_rank() {
         assert!(!after.contains('\x1b'), "{after}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every level of `MSCCLPP_LOG_LEVEL` reaches its events: DEBUG and TRACE too (the fmt
+/// subscriber's own INFO ceiling once hid them whatever the variable said).
+#[test]
+fn debug_and_trace_levels_show_their_events() {
+    if std::env::var(CHILD).is_ok() {
+        return child_body();
+    }
+    let name = "debug_and_trace_levels_show_their_events";
+    for (level, shown, hidden) in [
+        ("WARN", &[][..], &["gpu info event", "gpu debug event", "gpu trace event"][..]),
+        ("INFO", &["gpu info event"][..], &["gpu debug event", "gpu trace event"][..]),
+        ("DEBUG", &["gpu info event", "gpu debug event"][..], &["gpu trace event"][..]),
+        ("TRACE", &["gpu info event", "gpu debug event", "gpu trace event"][..], &[][..]),
+    ] {
+        let (out, _) = child(name, &[("MSCCLPP_LOG_LEVEL", level.into()), ("MSCCLPP_LOG_SUBSYS", "GPU".into())]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        for s in shown {
+            assert!(err.contains(s), "{level}: no {s:?} in:\n{err}");
+        }
+        for s in hidden {
+            assert!(!err.contains(s), "{level}: {s:?} in:\n{err}");
+        }
+    }
 }
