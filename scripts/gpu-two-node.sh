@@ -29,9 +29,14 @@ for setting in ${SETTINGS:-per-plan:default interpreter:default per-plan:8}; do
     r=PASS; [ $rc = 0 ] || r="FAIL rc=$rc"; [ $rc = 124 ] && r="TIMEOUT (${cap}s)"
     echo "$r kernel=$k queues=$q${prio:+ priority=$prio} run $i ($((SECONDS - t0)) s)"
     [ $rc = 0 ] || grep -E "rank [0-9]|^ +[0-9]+ |no rank has moved on" "$logs/run.log" | grep -v "stream [0-9]* of this process" | sed "s/^/    /" | tail -24
-    # The streams made, in order (every failing run, and the first run of each setting).
+    # The streams made, in order (every failing run, and the first run of each setting); for a
+    # failing run also the calls that serialize the context's streams made after the first
+    # rank began launching, with their times and threads.
     if [ $rc != 0 ] || [ "$i" = 1 ]; then
       grep -oE "stream [0-9]+ of this process made on GPU[0-9]+ by [^ ]+" "$logs/run.log" | sed "s/ of this process made on GPU[0-9]* by/:/" | tr '\n' ';' | sed "s/^/    streams: /"; echo
+    fi
+    if [ $rc != 0 ]; then
+      awk '/warmup launches begin/ {on=1} on && /serializes|warmup launches/' "$logs/run.log" | cut -c1-220 | head -20 | sed "s/^/    after the first launch: /"
     fi
     cat "$logs/run.log" >> "$logs/all-runs.log"
   done

@@ -517,11 +517,15 @@ impl Rank<'_> {
         let ev = |x: mscclpp::Error| format!("rank {}: {x}", self.rank);
         self.barrier()?;
         if !s.graph {
+            // In the GPU subsystem's debug log (beside the library's calls that serialize the
+            // context's streams): when this rank's launches began and ended.
+            tracing::debug!(target: "mscclpp::gpu", "rank {}: warmup launches begin", self.rank);
             // The warmup calls also line the ranks up on the GPU: the start event fires when
             // the last of them (which waits for every rank) is done.
             for _ in 0..s.warmup {
                 enqueue()?;
             }
+            tracing::debug!(target: "mscclpp::gpu", "rank {}: warmup launches issued", self.rank);
             let mut runs = Vec::with_capacity(TIMED_RUNS);
             for _ in 0..TIMED_RUNS {
                 self.start.record(&self.stream).map_err(ev)?;
