@@ -307,6 +307,19 @@ impl RxState {
                 self.done = true;
             }
         }
+        // The input ran dry (or a token ended it): copies of small writes still waiting are
+        // queued to their GPUs now, not waited for, so a write nothing follows (packets a
+        // kernel polls for) lands too.
+        if !self.done {
+            for st in self.stagers.values_mut() {
+                if let Err(e) = st.issue() {
+                    self.applied_all = false;
+                    report(StageError::Mscclpp(e));
+                    self.done = true;
+                    break;
+                }
+            }
+        }
         progressed
     }
 }

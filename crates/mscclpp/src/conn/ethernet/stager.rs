@@ -138,8 +138,8 @@ const GATHER_GAP: u64 = 64 << 10;
 const LAND_MAX: usize = 4096;
 const LAND_BYTES: usize = 256 << 10;
 /// Room kept free at the end of each buffer for packing the waiting payloads (at most
-/// `LAND_BYTES` plus one payload, plus alignment): received payloads use the rest.
-const LAND_ROOM: usize = LAND_BYTES + GATHER_MAX as usize + GATHER_ALIGN;
+/// `LAND_BYTES` plus one payload, packed without gaps): received payloads use the rest.
+const LAND_ROOM: usize = LAND_BYTES + GATHER_MAX as usize;
 
 /// A payload to send (see [`Stager::gather`]): its GPU bytes, and where [`Stager::gathered`]
 /// copied them in the current buffer.
@@ -419,15 +419,19 @@ impl<E: Engine> Stager<E> {
             if in_place {
                 self.eng.copy_htod(first.gpu, self.stages[first.k].as_mut_ptr().wrapping_add(first.at), total)?;
                 self.queued(first.k);
-            } else {
-                // Packed at the end of the current buffer (`take` keeps `LAND_ROOM` free).
-                let k = self.cur;
-                let at = self.fill.next_multiple_of(GATHER_ALIGN);
-                if at + total > STAGE_CHUNK {
-                    return Err(Error::internal(format!(
-                        "no room to pack {total} received bytes at {at} of the staging buffer"
-                    )));
+            } else if self.fill + total > STAGE_CHUNK {
+                // No room to pack them (`take` keeps `LAND_ROOM` free, which holds every waiting
+                // payload: not reached, but never an error): one copy each, from where they are.
+                for &q in &order[i..j] {
+                    let e = v[q];
+                    self.eng.copy_htod(e.gpu, self.stages[e.k].as_mut_ptr().wrapping_add(e.at), e.len)?;
+                    self.queued(e.k);
                 }
+            } else {
+                // Packed at the end of the current buffer, right after what it holds (unaligned:
+                // the room kept is exactly the bytes that may wait).
+                let k = self.cur;
+                let at = self.fill;
                 let mut o = at;
                 let mut bytes = Vec::new();
                 for &q in &order[i..j] {
@@ -444,6 +448,13 @@ impl<E: Engine> Stager<E> {
             i = j;
         }
         Ok(())
+    }
+
+    /// Issues the copies of the received payloads still waiting, without waiting for them: the
+    /// receiver calls it whenever its input runs dry, so a write that nothing follows (packets
+    /// a kernel polls for, with no signal after them) still lands.
+    pub(super) fn issue(&mut self) -> Result<()> {
+        self.land()
     }
 
     pub(super) fn wait(&mut self, k: usize) -> Result<()> {
@@ -1034,5 +1045,109 @@ mod tests {
         }
         let n = copies(&st);
         assert!(n * 8 < received, "{n} copies for {received} payloads");
+    }
+
+    /// Receives `n` bytes for GPU offset `off` into the model too.
+    fn put(st: &mut Stager<Lazy>, model: &mut [u8], off: usize, n: usize, seed: u64) -> bool {
+        let data = bytes(seed, n);
+        model[off..off + n].copy_from_slice(&data);
+        let region = (BASE, GPU_LEN - 4096);
+        st.recv_small(region, off as u64, n, |stage, at| stage.write(at, &data).map_err(StageError::from)).is_ok()
+    }
+
+    fn landed_as(st: &Stager<Lazy>, model: &[u8]) -> bool {
+        st.eng.gpu.borrow()[..GPU_LEN - 4096] == model[..GPU_LEN - 4096]
+    }
+
+    /// Packed groups whose sizes are not multiples of the alignment, right at the room's limit,
+    /// still fit (each group aligned, they did not: a legal sequence failed the connection).
+    #[test]
+    fn packing_at_the_limit_fits_odd_sized_groups() {
+        let mut st = stager();
+        let mut model = vec![0u8; GPU_LEN];
+        assert!(put(&mut st, &mut model, 16 << 20, 1 << 20, 1));
+        assert!(put(&mut st, &mut model, 18 << 20, 523968, 2));
+        let y = 8usize << 20;
+        assert!(put(&mut st, &mut model, y + (1 << 20), 262137, 3));
+        for (off, seed) in [(101, 4), (100, 5), (301, 6), (300, 7)] {
+            assert!(put(&mut st, &mut model, off, 1, seed));
+        }
+        assert!(put(&mut st, &mut model, y, 1 << 20, 8), "a legal payload refused");
+        st.settle().unwrap();
+        assert!(landed_as(&st, &model));
+    }
+
+    /// The largest group that may wait (a payload just under the byte limit, then one of
+    /// `GATHER_MAX` before it on the GPU) is packed with the buffer filled to its limit.
+    #[test]
+    fn the_largest_packed_group_fits() {
+        let mut st = stager();
+        let mut model = vec![0u8; GPU_LEN];
+        let limit = STAGE_CHUNK - LAND_ROOM;
+        let y = 8usize << 20;
+        assert!(put(&mut st, &mut model, 16 << 20, 1 << 20, 1));
+        let rest = limit - (1 << 20) - (LAND_BYTES - 1).next_multiple_of(GATHER_ALIGN) - (1 << 20);
+        assert!(put(&mut st, &mut model, 18 << 20, rest, 2));
+        assert!(put(&mut st, &mut model, y + (1 << 20), LAND_BYTES - 1, 3));
+        assert!(put(&mut st, &mut model, y, 1 << 20, 4));
+        st.settle().unwrap();
+        assert!(landed_as(&st, &model));
+    }
+
+    /// A one-byte overlap keeps arrival order (the later write wins its byte).
+    #[test]
+    fn a_one_byte_overlap_keeps_arrival_order() {
+        let mut st = stager();
+        let mut model = vec![0u8; GPU_LEN];
+        assert!(put(&mut st, &mut model, 4096 + 7, 8, 1));
+        assert!(put(&mut st, &mut model, 4096, 8, 2));
+        st.settle().unwrap();
+        assert!(landed_as(&st, &model));
+    }
+
+    /// A contiguous run arriving last-first, larger than the room kept for packing: the byte
+    /// and count limits land it in parts, every byte right.
+    #[test]
+    fn a_reversed_run_larger_than_the_packing_room_lands() {
+        let mut st = stager();
+        let mut model = vec![0u8; GPU_LEN];
+        for i in 0..44u64 {
+            let off = (8 << 20) - (i as usize + 1) * (64 << 10);
+            assert!(put(&mut st, &mut model, off, 64 << 10, i), "payload {i}");
+        }
+        st.settle().unwrap();
+        assert!(landed_as(&st, &model));
+    }
+
+    /// Gathering payloads of an odd size, each its own region, until the buffer is full.
+    #[test]
+    fn gathering_odd_sizes_until_the_buffer_is_full() {
+        let mut st = stager();
+        let src = bytes(5, GPU_LEN);
+        st.eng.gpu.borrow_mut().copy_from_slice(&src);
+        let mut pieces = Vec::new();
+        let mut off = 0u64;
+        while st.room_for(65) {
+            pieces.push((st.gather_in((BASE + off, 65), 0, 65).unwrap(), off as usize));
+            off += 65;
+        }
+        st.gathered().unwrap();
+        for (p, g) in pieces {
+            assert_eq!(read_pick(&st, p), src[g..g + 65]);
+        }
+    }
+
+    /// A lone small write is queued to the GPU by `issue` (the receiver's call when its input
+    /// runs dry), with nothing after it.
+    #[test]
+    fn issue_queues_a_lone_small_write() {
+        let mut st = stager();
+        let mut model = vec![0u8; GPU_LEN];
+        assert!(put(&mut st, &mut model, 0, 8, 1));
+        assert_eq!(copies(&st), 0);
+        st.issue().unwrap();
+        assert_eq!(copies(&st), 1);
+        st.eng.wait_idle(Duration::ZERO).unwrap();
+        assert!(landed_as(&st, &model));
     }
 }
