@@ -29,7 +29,7 @@ tar xJf bin.tar.xz
 L=${OUT:-/tmp/out-eth}; mkdir -p "$L"
 budget=${RUN_BUDGET:-300}
 for t in ethernet_with_gpu_memory ethernet_small_gpu_writes_land_in_order_before_the_signal \
-         host_to_device_semaphore_over_ipc_and_ethernet; do
+         ethernet_small_gpu_writes_with_nothing_after_them_land host_to_device_semaphore_over_ipc_and_ethernet; do
   timeout 120 ./bin/cuda --ignored --exact --test-threads=1 "$t" > "$L/$t.log" 2>&1
   echo "test $t: rc=$? $(grep -E '^test result' "$L/$t.log")"
   grep -E "panicked|assert|Error" "$L/$t.log" | head -5

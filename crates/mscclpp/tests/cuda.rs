@@ -429,6 +429,58 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
     spawn_ranks("ethernet_small_gpu_writes_land_in_order_before_the_signal", 2, &[]).assert_success();
 }
 
+/// Ethernet with GPU memory: small writes that nothing follows (no token, no flush: packets a
+/// kernel would poll for) still land. Rank 0 writes 8 bytes at a time, each into a fresh place,
+/// and rank 1 polls its GPU memory until each has arrived (bounded); then a few scattered ones at
+/// once, the same way.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ethernet_small_gpu_writes_with_nothing_after_them_land() {
+    const CAP: usize = 1 << 20;
+    if let Some(r) = Rank::from_env() {
+        let dev = gpu_for(r.rank);
+        let cfg = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1").device(Device::Gpu(dev));
+        let p = pair(&r, cfg, CAP);
+        let data = pattern(7, CAP);
+        let src = DeviceBuffer::new(p.comm.context(), dev, CAP, Transport::Ethernet.into()).unwrap();
+        src.write(0, &data).unwrap();
+        p.bs.barrier().unwrap();
+        // Rounds of 1, 2, 3 and 17 writes of 8 bytes at scattered offsets (none overlapping).
+        let mut next = common::splitmix(0x10e);
+        for (round, count) in [1usize, 2, 3, 17].into_iter().enumerate() {
+            let offs: Vec<usize> = (0..count).map(|_| (next() as usize % (CAP / 64)) * 64).collect();
+            if r.rank == 0 {
+                for &o in &offs {
+                    p.conn.write(&p.remote, o as u64, src.memory(), o as u64, 8).unwrap();
+                }
+            } else {
+                for &o in &offs {
+                    let t0 = Instant::now();
+                    let mut got = [0u8; 8];
+                    loop {
+                        p.local.read(o, &mut got).unwrap();
+                        if got[..] == data[o..o + 8] {
+                            break;
+                        }
+                        assert!(
+                            t0.elapsed() < T,
+                            "round {round}: the 8-byte write at {o} never landed (nothing followed it)"
+                        );
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                }
+            }
+            p.bs.barrier().unwrap();
+        }
+        if r.rank == 0 {
+            p.conn.flush(T).unwrap();
+        }
+        p.bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("ethernet_small_gpu_writes_with_nothing_after_them_land", 2, &[]).assert_success();
+}
+
 /// Host2DeviceSemaphore signalled over CUDA IPC and over Ethernet: the GPU token counts the
 /// signals and the handle points at it.
 #[test]
