@@ -47,6 +47,7 @@ struct MappedHost {
 impl Drop for MappedHost {
     fn drop(&mut self) {
         if self.dev.bind().is_ok() {
+            super::serializing(|| "cuMemFreeHost (FIFO)".into(), self.dev.ordinal, None);
             // SAFETY: ptr came from cuMemHostAlloc and is freed once; FifoMem (its only owner)
             // hands out borrows tied to itself, so none is left.
             if let Err(e) = unsafe { result::free_host(self.ptr.cast()) } {
@@ -100,6 +101,7 @@ impl FifoMem {
         // `mapped` owns it from then on.
         let addr = super::near_gpu(&dev, || {
             dev.bind()?;
+            super::serializing(|| format!("cuMemHostAlloc(FIFO, {len})"), dev.ordinal, None);
             let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
             // SAFETY: a plain allocation, owned by `mapped` below and freed once in its Drop.
             let p = unsafe { result::malloc_host(len, flags) }

@@ -521,20 +521,24 @@ impl Drop for Event {
 // ---------------------------------------------------------------------------------------------
 // Memory
 
-/// Counts the streams this process made (through this module), and logs each at debug level
-/// with its number and maker: the driver spreads a context's streams over its hardware queues in
-/// the order they are made, so the numbers tell which of them may share a queue (issue #28).
 /// Logs (debug level) a call from CUDA's implicit-synchronization list (device or pinned
 /// allocation or free, a synchronous copy or memset, a module load): work submitted after it
 /// does not run beside kernels submitted before it, so one issued while ranks' kernels spin
-/// for each other stalls them until a wait times out (issue #28's two-node runs).
-pub(crate) fn serializing(what: &str, ordinal: u32, at: Option<&std::panic::Location<'_>>) {
+/// for each other stalls them until a wait times out (issue #28's two-node runs). `what` is
+/// only built when the line is logged.
+pub(crate) fn serializing(what: impl FnOnce() -> String, ordinal: u32, at: Option<&std::panic::Location<'_>>) {
+    if !tracing::enabled!(target: LOG, tracing::Level::DEBUG) {
+        return;
+    }
+    let what = what();
     match at {
         Some(at) => tracing::debug!(target: LOG, "{what} on GPU{ordinal} by {}:{} (serializes)", at.file(), at.line()),
         None => tracing::debug!(target: LOG, "{what} on GPU{ordinal} (serializes)"),
     }
 }
 
+/// Counts the streams this process made (through this module), and logs each at debug level
+/// with its number and maker (which streams existed, and who made them, when a run stalls).
 fn created(dev: &GpuDevice, at: &std::panic::Location<'_>) {
     static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
@@ -551,7 +555,7 @@ impl DeviceAlloc {
     #[track_caller]
     pub(crate) fn new(dev: &Arc<GpuDevice>, len: usize) -> Result<DeviceAlloc> {
         dev.bind()?;
-        serializing(&format!("cuMemAlloc({len}) + cuMemsetD8"), dev.ordinal, Some(std::panic::Location::caller()));
+        serializing(|| format!("cuMemAlloc({len}) + cuMemsetD8"), dev.ordinal, Some(std::panic::Location::caller()));
         // SAFETY: a plain allocation; freed once in Drop.
         let ptr = unsafe { result::malloc_sync(len.max(1)) }
             .map_err(|e| cuda_err(&format!("cuMemAlloc({len} bytes on GPU{})", dev.ordinal), e))?;
@@ -566,7 +570,7 @@ impl DeviceAlloc {
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
         if self.dev.bind().is_ok() {
-            serializing("cuMemFree", self.dev.ordinal, None);
+            serializing(|| "cuMemFree".into(), self.dev.ordinal, None);
             // SAFETY: ptr came from cuMemAlloc and is freed once; every user of it holds an Arc
             // of this allocation, so none is left.
             if let Err(e) = unsafe { result::free_sync(self.ptr) } {
@@ -602,7 +606,7 @@ impl PinnedAlloc {
     /// Allocated on the GPU's NUMA node ([`near_gpu`]).
     #[track_caller]
     pub(crate) fn region(dev: &Arc<GpuDevice>, len: usize) -> Result<Region> {
-        serializing(&format!("cuMemHostAlloc({len})"), dev.ordinal, Some(std::panic::Location::caller()));
+        serializing(|| format!("cuMemHostAlloc({len})"), dev.ordinal, Some(std::panic::Location::caller()));
         // The address travels back from the allocating thread as a number (raw pointers are not
         // Send); the PinnedAlloc below owns it from then on.
         let addr = near_gpu(dev, || {
@@ -622,7 +626,7 @@ impl PinnedAlloc {
 impl Drop for PinnedAlloc {
     fn drop(&mut self) {
         if self.dev.bind().is_ok() {
-            serializing("cuMemFreeHost", self.dev.ordinal, None);
+            serializing(|| "cuMemFreeHost".into(), self.dev.ordinal, None);
             // SAFETY: ptr came from cuMemHostAlloc; freed once, after its last Region is gone.
             let _ = unsafe { result::free_host(self.ptr.cast()) };
         }
@@ -681,7 +685,7 @@ impl GpuRegion {
     #[track_caller]
     pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
         self.check(offset, src.len() as u64)?;
-        serializing("cuMemcpyHtoD", self.dev.ordinal, Some(std::panic::Location::caller()));
+        serializing(|| "cuMemcpyHtoD".into(), self.dev.ordinal, Some(std::panic::Location::caller()));
         self.dev.bind()?;
         // SAFETY: the range is checked against the live allocation.
         unsafe { result::memcpy_htod_sync(self.ptr + offset, src) }.map_err(|e| cuda_err("cuMemcpyHtoD", e))?;
@@ -695,7 +699,7 @@ impl GpuRegion {
     #[track_caller]
     pub(crate) fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len() as u64)?;
-        serializing("cuMemcpyDtoH", self.dev.ordinal, Some(std::panic::Location::caller()));
+        serializing(|| "cuMemcpyDtoH".into(), self.dev.ordinal, Some(std::panic::Location::caller()));
         self.dev.bind()?;
         // SAFETY: the range is checked against the live allocation.
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset) }.map_err(|e| cuda_err("cuMemcpyDtoH", e))
@@ -705,7 +709,7 @@ impl GpuRegion {
     #[track_caller]
     pub(crate) fn fill(&self, offset: u64, n: u64, byte: u8) -> Result<()> {
         self.check(offset, n)?;
-        serializing("cuMemsetD8", self.dev.ordinal, Some(std::panic::Location::caller()));
+        serializing(|| "cuMemsetD8".into(), self.dev.ordinal, Some(std::panic::Location::caller()));
         self.dev.bind()?;
         // SAFETY: the range is checked against the live allocation.
         unsafe { result::memset_d8_sync(self.ptr + offset, byte, n as usize) }

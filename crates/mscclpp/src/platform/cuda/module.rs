@@ -38,7 +38,7 @@ impl Module {
         let dev = super::device(ordinal)?;
         dev.bind()?;
         let image = CString::new(ptx).map_err(|_| Error::invalid_usage("PTX contains a NUL byte"))?;
-        super::serializing("cuModuleLoadData", ordinal, None);
+        super::serializing(|| "cuModuleLoadData".into(), ordinal, None);
         // SAFETY: image is a NUL-terminated PTX text alive for the call (the driver copies it).
         let raw = unsafe { result::module::load_data(image.as_ptr().cast()) }
             .map_err(|e| cuda_err(&format!("cuModuleLoadData (GPU{ordinal})"), e))?;
