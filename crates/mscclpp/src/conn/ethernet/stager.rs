@@ -667,9 +667,44 @@ mod tests {
         queue: RefCell<Vec<Op>>,
         done: RefCell<usize>,
         marks: RefCell<[usize; 2]>,
+        /// `Some(state)`: after each queued operation, run a random prefix of what is queued
+        /// (a GPU may start a copy at once: one queued before its bytes were written is caught).
+        early: RefCell<Option<u64>>,
+        /// Whether `write_value64` works (else the stager's token falls back to a copy).
+        memops: bool,
+    }
+
+    std::thread_local! {
+        /// How `stager()` makes its engine: (random early runs with this seed, stream memory
+        /// operations).
+        static MODE: std::cell::Cell<(Option<u64>, bool)> = const { std::cell::Cell::new((None, true)) };
+    }
+
+    /// Runs `f` with engines made as `mode` says.
+    fn with_mode(early: Option<u64>, memops: bool, f: impl FnOnce()) {
+        MODE.with(|m| m.set((early, memops)));
+        f();
+        MODE.with(|m| m.set((None, true)));
     }
 
     impl Lazy {
+        /// In early mode, runs a random prefix of the queue (in order, as a GPU would).
+        fn progress(&self) {
+            let upto = {
+                let mut e = self.early.borrow_mut();
+                let Some(st) = e.as_mut() else { return };
+                *st ^= *st << 13;
+                *st ^= *st >> 7;
+                *st ^= *st << 17;
+                let (done, len) = (*self.done.borrow(), self.queue.borrow().len());
+                if *st % 3 != 0 {
+                    return;
+                }
+                done + (*st >> 8) as usize % (len - done + 1)
+            };
+            self.run_to(upto);
+        }
+
         /// The buffer holding host range [ptr, ptr + n), and the offset in it.
         fn host(&self, ptr: usize, n: usize) -> (&Region, u64) {
             self.stages
@@ -710,10 +745,12 @@ mod tests {
     impl Engine for Lazy {
         fn copy_htod(&self, dst: u64, src: *const u8, n: usize) -> Result<()> {
             self.queue.borrow_mut().push(Op::HtoD { dst, src: src as usize, n });
+            self.progress();
             Ok(())
         }
         fn copy_dtoh(&self, dst: *mut u8, src: u64, n: usize) -> Result<()> {
             self.queue.borrow_mut().push(Op::DtoH { dst: dst as usize, src, n });
+            self.progress();
             Ok(())
         }
         fn record(&self, k: usize) -> Result<()> {
@@ -727,10 +764,15 @@ mod tests {
         }
         fn atomic_add(&self, addr: u64, value: u64) -> Result<()> {
             self.queue.borrow_mut().push(Op::Word { addr, value, add: true });
+            self.progress();
             Ok(())
         }
         fn write_value64(&self, addr: u64, value: u64) -> Result<bool> {
+            if !self.memops {
+                return Ok(false);
+            }
             self.queue.borrow_mut().push(Op::Word { addr, value, add: false });
+            self.progress();
             Ok(true)
         }
         fn wait_idle(&self, _: Duration) -> Result<bool> {
@@ -749,8 +791,29 @@ mod tests {
             queue: RefCell::new(Vec::new()),
             done: RefCell::new(0),
             marks: RefCell::new([0; 2]),
+            early: RefCell::new(MODE.with(|m| m.get().0)),
+            memops: MODE.with(|m| m.get().1),
         };
         Stager::with(eng, stages)
+    }
+
+    /// The receiving and gathering tests again with an engine that may run any queued copy at
+    /// once (several seeds), and once more without stream memory operations (tokens by copy).
+    #[test]
+    fn the_tests_hold_when_copies_run_early_or_tokens_are_copies() {
+        let all = || {
+            received_payloads_land_in_order_by_each_settle_and_token();
+            interleaved_payloads_to_distinct_slots_land_with_few_copies();
+            a_rewritten_ring_of_slots_lands_in_order_with_few_copies();
+            packing_at_the_limit_fits_odd_sized_groups();
+            a_reversed_run_larger_than_the_packing_room_lands();
+            gathered_payloads_read_back_exactly();
+            interleaved_payloads_gather_with_few_copies();
+        };
+        for seed in [1u64, 0x9e37_79b9, 0xdead_beef] {
+            with_mode(Some(seed), true, all);
+        }
+        with_mode(None, false, all);
     }
 
     struct Rng(u64);
@@ -836,7 +899,9 @@ mod tests {
                     assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "after settle at payload {i}");
                 }
                 1 => {
-                    st.token_at(token, 1, true).unwrap();
+                    // Alternately an add and a store (which, without stream memory operations,
+                    // is a copy from the first buffer's first word).
+                    st.token_at(token, 1, i % 2 == 0).unwrap();
                     assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "after token at payload {i}");
                 }
                 _ => {}
@@ -1039,7 +1104,7 @@ mod tests {
             if round % 2 == 0 {
                 st.settle().unwrap();
             } else {
-                st.token_at(token, 1, true).unwrap();
+                st.token_at(token, round, false).unwrap();
             }
             assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "round {round}");
         }
