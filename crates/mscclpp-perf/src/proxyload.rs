@@ -298,8 +298,23 @@ impl Rig<'_> {
 
     /// Triggers per second through the proxy (launch until the proxy popped every trigger), and
     /// the share of that time the proxy found its FIFO empty (waiting for the producers).
-    fn run(&self, op: Op, size: u64, peers: usize, blocks: u32, threads: u32, per: i32) -> Result<(f64, f64), String> {
+    ///
+    /// Also the share of the polls (every ~0.2 ms) that found one of `conns` with its write queue
+    /// at least 90% full (`max_write_queue_size`): how often the proxy may have been waiting for
+    /// a connection rather than working.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        op: Op,
+        size: u64,
+        peers: usize,
+        blocks: u32,
+        threads: u32,
+        per: i32,
+        conns: &[Connection],
+    ) -> Result<(f64, f64, f64), String> {
         let total = (blocks * threads) as u64 * per as u64;
+        let (mut polls, mut full, mut round) = (0u64, 0u64, 0u64);
         let before = self.proxy.processed();
         let mut table = self.table;
         table.npeers = peers as u32;
@@ -324,6 +339,14 @@ impl Rig<'_> {
                     self.timeout
                 ));
             }
+            // Every tenth round (the connections' state is behind locks the proxy takes too).
+            if round % 10 == 0 {
+                polls += 1;
+                if conns.iter().any(|c| c.outstanding() * 10 >= c.max_write_queue_size() as u64 * 9) {
+                    full += 1;
+                }
+            }
+            round += 1;
             std::thread::sleep(Duration::from_micros(20));
         }
         let el = t0.elapsed().as_secs_f64();
@@ -331,7 +354,7 @@ impl Rig<'_> {
         self.stream.synchronize(self.timeout).map_err(|x| {
             format!("proxy load kernel: {x} (a trap means a push waited {MAX_SPINS} rounds for a free slot)")
         })?;
-        Ok((total as f64 / el, (idle / el).min(1.0)))
+        Ok((total as f64 / el, (idle / el).min(1.0), full as f64 / polls.max(1) as f64))
     }
 }
 
@@ -377,15 +400,17 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
                     let producers = (blocks * threads) as u64;
                     let per = n.div_ceil(producers).max(1);
                     let per = i32::try_from(per).map_err(|_| "proxy load: too many triggers per thread".to_string())?;
-                    let (rate, idle) = rig.run(op, size, peers, blocks, threads, per)?;
+                    let (rate, idle, full) = rig.run(op, size, peers, blocks, threads, per, &r0.conns[..peers])?;
                     let goal = if op == Op::Signal { "goal >= 5 M/s" } else { "goal ratio >= 0.8" };
                     row(format!(
                         "proxy load, {what} -> {peers} peers, {producers:>5} producers: {:7.3} M triggers/s, host \
-                         direct {:7.3} M/s, ratio {:.2}, proxy idle {:.0}% ({} triggers; {goal})",
+                         direct {:7.3} M/s, ratio {:.2}, proxy idle {:.0}%, a write queue >= 90% full in {:.0}% \
+                         of polls ({} triggers; {goal})",
                         rate / 1e6,
                         base / 1e6,
                         rate / base,
                         idle * 100.0,
+                        full * 100.0,
                         producers * per as u64
                     ));
                 }
