@@ -104,7 +104,8 @@ impl Engine for Cuda {
 /// payloads (gaps up to [`GATHER_GAP`] read along) with one call; the receiver packs payloads
 /// that are contiguous on the GPU next to each other in pinned memory (a host copy) and writes
 /// each such group with one call, sorting only within epochs of payloads none of which
-/// overlaps another (a later write to the same bytes lands later).
+/// overlaps another (a later write to the same bytes lands later; one rewriting exactly the
+/// bytes of an earlier one in its epoch replaces it).
 pub(crate) struct Stager<E: Engine = Cuda> {
     eng: E,
     stages: [Region; 2],
@@ -379,20 +380,29 @@ impl<E: Engine> Stager<E> {
         }
         let v = std::mem::take(&mut self.landing);
         self.landing_bytes = 0;
-        // The epoch's GPU ranges, start -> end: disjoint, so the one starting last before a new
-        // range's end is the only one that can overlap it.
-        let mut seen: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
-        let mut from = 0;
+        // The epoch's live payloads: GPU start -> (end, index in `v`). Their ranges are
+        // disjoint, so the one starting last before a new range's end is the only one that can
+        // overlap it. A payload rewriting exactly the range of one in the epoch replaces it (the
+        // earlier bytes would be overwritten before anything can be told they landed: no token
+        // comes between); any other overlap ends the epoch.
+        let mut seen: std::collections::BTreeMap<u64, (u64, usize)> = std::collections::BTreeMap::new();
+        let mut live: Vec<Landing> = Vec::new();
         for (i, e) in v.iter().enumerate() {
             let (a, b) = (e.gpu, e.gpu + e.len as u64);
-            if seen.range(..b).next_back().is_some_and(|(_, &end)| end > a) {
-                self.land_epoch(&v[from..i])?;
-                seen.clear();
-                from = i;
+            match seen.range(..b).next_back() {
+                Some((&start, &(end, _))) if start == a && end == b => {}
+                Some((_, &(end, _))) if end > a => {
+                    live.extend(seen.values().map(|&(_, j)| v[j]));
+                    self.land_epoch(&live)?;
+                    live.clear();
+                    seen.clear();
+                }
+                _ => {}
             }
-            seen.insert(a, b);
+            seen.insert(a, (b, i));
         }
-        self.land_epoch(&v[from..])
+        live.extend(seen.values().map(|&(_, j)| v[j]));
+        self.land_epoch(&live)
     }
 
     /// Issues the copies of `v`, payloads none of which overlaps another.
@@ -805,6 +815,7 @@ mod tests {
             received_payloads_land_in_order_by_each_settle_and_token();
             interleaved_payloads_to_distinct_slots_land_with_few_copies();
             a_rewritten_ring_of_slots_lands_in_order_with_few_copies();
+            drifting_producers_rewriting_a_ring_land_with_few_copies();
             packing_at_the_limit_fits_odd_sized_groups();
             a_reversed_run_larger_than_the_packing_room_lands();
             gathered_payloads_read_back_exactly();
@@ -1110,6 +1121,39 @@ mod tests {
         }
         let n = copies(&st);
         assert!(n * 8 < received, "{n} copies for {received} payloads");
+    }
+
+    /// Receiving as 132 single-thread producers push into a ring of 256 slots, each producer at
+    /// its own pace (a random one pushes next): slots are rewritten within one batch, exactly;
+    /// the last write of each wins, and the batch still lands with few copies.
+    #[test]
+    fn drifting_producers_rewriting_a_ring_land_with_few_copies() {
+        let mut st = stager();
+        let region = (BASE, GPU_LEN - 4096);
+        let token = BASE + (GPU_LEN - 64) as u64;
+        let mut model = vec![0u8; GPU_LEN];
+        let mut rng = Rng(0xd71f7);
+        let (producers, slots, size) = (132usize, 256usize, 8usize);
+        let mut k = vec![0usize; producers];
+        let mut received = 0usize;
+        for round in 0..20u64 {
+            for _ in 0..2000 {
+                let p = rng.next() as usize % producers;
+                let i = k[p] * producers + p;
+                k[p] += 1;
+                let off = (i % slots) * size;
+                let data = bytes(round << 32 | i as u64, size);
+                let r = st
+                    .recv_small(region, off as u64, size, |stage, at| stage.write(at, &data).map_err(StageError::from));
+                assert!(r.is_ok());
+                model[off..off + size].copy_from_slice(&data);
+                received += 1;
+            }
+            st.token_at(token, 1, true).unwrap();
+            assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "round {round}");
+        }
+        let n = copies(&st);
+        assert!(n * 40 < received, "{n} copies for {received} payloads");
     }
 
     /// Receives `n` bytes for GPU offset `off` into the model too.
