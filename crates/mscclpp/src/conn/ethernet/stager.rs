@@ -682,6 +682,10 @@ mod tests {
         early: RefCell<Option<u64>>,
         /// Whether `write_value64` works (else the stager's token falls back to a copy).
         memops: bool,
+        /// A stuck GPU: waits run nothing and report a timeout.
+        stuck: std::cell::Cell<bool>,
+        /// Recording an event fails.
+        record_fails: std::cell::Cell<bool>,
     }
 
     std::thread_local! {
@@ -764,10 +768,16 @@ mod tests {
             Ok(())
         }
         fn record(&self, k: usize) -> Result<()> {
+            if self.record_fails.get() {
+                return Err(Error::internal("cuEventRecord failed (injected)"));
+            }
             self.marks.borrow_mut()[k] = self.queue.borrow().len();
             Ok(())
         }
         fn wait(&self, k: usize, _: Duration) -> Result<bool> {
+            if self.stuck.get() {
+                return Ok(false);
+            }
             let m = self.marks.borrow()[k];
             self.run_to(m);
             Ok(true)
@@ -786,6 +796,9 @@ mod tests {
             Ok(true)
         }
         fn wait_idle(&self, _: Duration) -> Result<bool> {
+            if self.stuck.get() {
+                return Ok(false);
+            }
             let n = self.queue.borrow().len();
             self.run_to(n);
             Ok(true)
@@ -793,8 +806,14 @@ mod tests {
     }
 
     fn stager() -> Stager<Lazy> {
-        let buf = || Region::owned(Arc::new(HostAlloc::zeroed(STAGE_CHUNK).unwrap()), STAGE_CHUNK);
-        let stages = [buf(), buf()];
+        stager_keeping().0
+    }
+
+    /// A stager, and its two buffers' allocations (to see whether dropping it freed them).
+    fn stager_keeping() -> (Stager<Lazy>, [Arc<HostAlloc>; 2]) {
+        let allocs =
+            [Arc::new(HostAlloc::zeroed(STAGE_CHUNK).unwrap()), Arc::new(HostAlloc::zeroed(STAGE_CHUNK).unwrap())];
+        let stages = [Region::owned(allocs[0].clone(), STAGE_CHUNK), Region::owned(allocs[1].clone(), STAGE_CHUNK)];
         let eng = Lazy {
             gpu: RefCell::new(vec![0; GPU_LEN]),
             stages: [stages[0].clone(), stages[1].clone()],
@@ -803,8 +822,54 @@ mod tests {
             marks: RefCell::new([0; 2]),
             early: RefCell::new(MODE.with(|m| m.get().0)),
             memops: MODE.with(|m| m.get().1),
+            stuck: std::cell::Cell::new(false),
+            record_fails: std::cell::Cell::new(false),
         };
-        Stager::with(eng, stages)
+        (Stager::with(eng, stages), allocs)
+    }
+
+    /// Whether each buffer's allocation is still held by something other than the test (a
+    /// leaked region) once the stager is gone.
+    fn kept(allocs: &[Arc<HostAlloc>; 2]) -> [bool; 2] {
+        [Arc::strong_count(&allocs[0]) > 1, Arc::strong_count(&allocs[1]) > 1]
+    }
+
+    /// Dropping a stager whose copy is still running keeps that copy's buffer allocated (never
+    /// freed under the copy engine); once the copies ran, both buffers are freed.
+    #[test]
+    fn dropping_with_a_copy_still_running_keeps_its_buffer() {
+        for stuck in [true, false] {
+            let (mut st, allocs) = stager_keeping();
+            let mut model = vec![0u8; GPU_LEN];
+            assert!(put(&mut st, &mut model, 64, 8, 1));
+            st.issue().unwrap();
+            st.eng.stuck.set(stuck);
+            drop(st);
+            assert_eq!(kept(&allocs), [stuck, false], "stuck: {stuck}");
+        }
+    }
+
+    /// A copy that does not finish is a timeout that leaves its buffer pending (not reused),
+    /// and a failed event record leaves both buffers kept when the stager goes.
+    #[test]
+    fn a_stuck_copy_times_out_and_a_failed_record_keeps_the_buffers() {
+        let (mut st, allocs) = stager_keeping();
+        let mut model = vec![0u8; GPU_LEN];
+        assert!(put(&mut st, &mut model, 64, 8, 1));
+        st.eng.stuck.set(true);
+        let e = st.settle().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(st.pending[0], "a copy that did not finish left its buffer free");
+        drop(st);
+        assert_eq!(kept(&allocs), [true, false]);
+
+        let (mut st, allocs) = stager_keeping();
+        assert!(put(&mut st, &mut model, 64, 8, 2));
+        st.eng.record_fails.set(true);
+        assert!(st.settle().is_err());
+        assert!(st.untracked);
+        drop(st);
+        assert_eq!(kept(&allocs), [true, true]);
     }
 
     /// The receiving and gathering tests again with an engine that may run any queued copy at
