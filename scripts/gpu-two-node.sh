@@ -7,9 +7,10 @@
 # MSCCLPP_CUDAIPC_STREAM_PRIORITY=greatest (the connection streams at the greatest priority:
 # do they escape queues shared with the ranks' kernels?), e.g. per-plan:8:greatest.
 # Needs gpu-bundle-exec (scripts/gpu-bundle-exec.sh). Device call: carry ["gpu-bundle-exec"],
-# command "bash scripts/gpu-two-node.sh" (RUNS, SETTINGS, CAP to change the defaults).
+# command "bash scripts/gpu-two-node.sh" (RUNS, SETTINGS, CAP to change the defaults; BUNDLE
+# names another bundle folder built the same way, e.g. from a branch: gpu-bundle-exec-warmup).
 set -u
-cd "$(dirname "$0")/../gpu-bundle-exec"
+cd "$(dirname "$0")/../${BUNDLE:-gpu-bundle-exec}"
 tar xJf bin.tar.xz
 logs=${OUT:-/tmp/two-node}; mkdir -p "$logs"
 runs=${RUNS:-4}; cap=${CAP:-30}
