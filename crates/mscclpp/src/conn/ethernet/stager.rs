@@ -380,9 +380,9 @@ impl<E: Engine> Stager<E> {
         }
         let v = std::mem::take(&mut self.landing);
         self.landing_bytes = 0;
-        // The epoch's live payloads: GPU start -> (end, index in `v`). Their ranges are
-        // disjoint, so the one starting last before a new range's end is the only one that can
-        // overlap it. A payload rewriting exactly the range of one in the epoch replaces it (the
+        // The epoch's live payloads: GPU start -> (end, index in `v`), in address order (as
+        // `land_epoch` takes them). Their ranges are disjoint, so the one starting last before a
+        // new range's end is the only one that can overlap it. A payload rewriting exactly the range of one in the epoch replaces it (the
         // earlier bytes would be overwritten before anything can be told they landed: no token
         // comes between); any other overlap ends the epoch.
         let mut seen: std::collections::BTreeMap<u64, (u64, usize)> = std::collections::BTreeMap::new();
@@ -405,19 +405,18 @@ impl<E: Engine> Stager<E> {
         self.land_epoch(&live)
     }
 
-    /// Issues the copies of `v`, payloads none of which overlaps another.
+    /// Issues the copies of `v`, payloads none of which overlaps another, sorted by GPU address
+    /// (as `land` collects them).
     fn land_epoch(&mut self, v: &[Landing]) -> Result<()> {
-        let mut order: Vec<usize> = (0..v.len()).collect();
-        order.sort_by_key(|&i| v[i].gpu);
         let mut i = 0;
-        while i < order.len() {
-            let first = v[order[i]];
+        while i < v.len() {
+            let first = v[i];
             let mut end = first.gpu + first.len as u64;
             // Whether the group also lies contiguous in one buffer, in this order.
             let mut in_place = true;
             let mut j = i + 1;
-            while j < order.len() {
-                let (prev, e) = (v[order[j - 1]], v[order[j]]);
+            while j < v.len() {
+                let (prev, e) = (v[j - 1], v[j]);
                 if e.region != first.region || e.gpu != end {
                     break;
                 }
@@ -425,6 +424,7 @@ impl<E: Engine> Stager<E> {
                 end += e.len as u64;
                 j += 1;
             }
+            let group = &v[i..j];
             let total = (end - first.gpu) as usize;
             if in_place {
                 self.eng.copy_htod(first.gpu, self.stages[first.k].as_mut_ptr().wrapping_add(first.at), total)?;
@@ -432,8 +432,7 @@ impl<E: Engine> Stager<E> {
             } else if self.fill + total > STAGE_CHUNK {
                 // No room to pack them (`take` keeps `LAND_ROOM` free, which holds every waiting
                 // payload: not reached, but never an error): one copy each, from where they are.
-                for &q in &order[i..j] {
-                    let e = v[q];
+                for e in group {
                     self.eng.copy_htod(e.gpu, self.stages[e.k].as_mut_ptr().wrapping_add(e.at), e.len)?;
                     self.queued(e.k);
                 }
@@ -444,8 +443,7 @@ impl<E: Engine> Stager<E> {
                 let at = self.fill;
                 let mut o = at;
                 let mut bytes = Vec::new();
-                for &q in &order[i..j] {
-                    let e = v[q];
+                for e in group {
                     bytes.resize(e.len, 0);
                     self.stages[e.k].read(e.at as u64, &mut bytes)?;
                     self.stages[k].write(o as u64, &bytes)?;
@@ -915,6 +913,17 @@ mod tests {
         got
     }
 
+    /// No copy from the GPU read across `boundary` (the start of the second of two regions
+    /// back to back): a gathered cluster never runs from one allocation into the next.
+    fn no_copy_crosses(st: &Stager<Lazy>, boundary: u64) {
+        for op in st.eng.queue.borrow().iter() {
+            if let Op::DtoH { src, n, .. } = *op {
+                let (a, b) = (src, src + n as u64 - 1);
+                assert_eq!(a < boundary, b < boundary, "a copy from {a:#x} to {b:#x} crossed regions");
+            }
+        }
+    }
+
     /// Copies the engine was asked for so far.
     fn copies(st: &Stager<Lazy>) -> usize {
         st.eng.queue.borrow().iter().filter(|o| !matches!(o, Op::Word { .. })).count()
@@ -1045,13 +1054,7 @@ mod tests {
             copies < copies_before,
             "contiguous payloads never shared a copy ({copies} copies for {copies_before})"
         );
-        // No copy crossed from one region into the other.
-        for op in st.eng.queue.borrow().iter() {
-            if let Op::DtoH { src, n, .. } = *op {
-                let (a, b) = (src, src + n as u64 - 1);
-                assert_eq!(a < regions[1].0, b < regions[1].0, "a copy from {a:#x} to {b:#x} crossed regions");
-            }
-        }
+        no_copy_crosses(&st, regions[1].0);
     }
 
     /// Receiving as many producers interleave: payloads to distinct slots arrive in a shuffled
@@ -1078,11 +1081,10 @@ mod tests {
             }
             for (j, slot) in slots.into_iter().enumerate() {
                 let off = base + slot * size;
-                let data = bytes(round * 1000 + j as u64, size);
-                let r = st
-                    .recv_small(region, off as u64, size, |stage, at| stage.write(at, &data).map_err(StageError::from));
-                assert!(r.is_ok(), "round {round}: payload {j} refused");
-                model[off..off + size].copy_from_slice(&data);
+                assert!(
+                    put(&mut st, &mut model, off, size, round * 1000 + j as u64),
+                    "round {round}: payload {j} refused"
+                );
                 received += 1;
             }
             if round % 2 == 0 {
@@ -1090,7 +1092,7 @@ mod tests {
             } else {
                 st.token_at(token, 1, true).unwrap();
             }
-            assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "round {round}");
+            assert!(landed_as(&st, &model), "round {round}");
         }
         let n = copies(&st);
         assert!(n * 10 < received, "{n} copies for {received} payloads: the interleaved ones were not grouped");
@@ -1139,12 +1141,7 @@ mod tests {
         }
         let n = copies(&st);
         assert!(n * 20 < gathered, "{n} copies for {gathered} payloads");
-        for op in st.eng.queue.borrow().iter() {
-            if let Op::DtoH { src, n, .. } = *op {
-                let (a, b) = (src, src + n as u64 - 1);
-                assert_eq!(a < regions[1].0, b < regions[1].0, "a copy from {a:#x} to {b:#x} crossed regions");
-            }
-        }
+        no_copy_crosses(&st, regions[1].0);
     }
 
     /// Receiving a ring of slots rewritten over and over (as `mscclpp-perf`'s proxy rows do:
@@ -1153,7 +1150,6 @@ mod tests {
     #[test]
     fn a_rewritten_ring_of_slots_lands_in_order_with_few_copies() {
         let mut st = stager();
-        let region = (BASE, GPU_LEN - 4096);
         let token = BASE + (GPU_LEN - 64) as u64;
         let mut model = vec![0u8; GPU_LEN];
         let mut rng = Rng(0x7a11);
@@ -1170,11 +1166,7 @@ mod tests {
             }
             for i in order {
                 let off = ((i % slots) as usize) * size;
-                let data = bytes(i, size);
-                let r = st
-                    .recv_small(region, off as u64, size, |stage, at| stage.write(at, &data).map_err(StageError::from));
-                assert!(r.is_ok(), "trigger {i} refused");
-                model[off..off + size].copy_from_slice(&data);
+                assert!(put(&mut st, &mut model, off, size, i), "trigger {i} refused");
                 received += 1;
             }
             if round % 2 == 0 {
@@ -1182,7 +1174,7 @@ mod tests {
             } else {
                 st.token_at(token, round, false).unwrap();
             }
-            assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "round {round}");
+            assert!(landed_as(&st, &model), "round {round}");
         }
         let n = copies(&st);
         assert!(n * 8 < received, "{n} copies for {received} payloads");
@@ -1194,7 +1186,6 @@ mod tests {
     #[test]
     fn drifting_producers_rewriting_a_ring_land_with_few_copies() {
         let mut st = stager();
-        let region = (BASE, GPU_LEN - 4096);
         let token = BASE + (GPU_LEN - 64) as u64;
         let mut model = vec![0u8; GPU_LEN];
         let mut rng = Rng(0xd71f7);
@@ -1207,15 +1198,11 @@ mod tests {
                 let i = k[p] * producers + p;
                 k[p] += 1;
                 let off = (i % slots) * size;
-                let data = bytes(round << 32 | i as u64, size);
-                let r = st
-                    .recv_small(region, off as u64, size, |stage, at| stage.write(at, &data).map_err(StageError::from));
-                assert!(r.is_ok());
-                model[off..off + size].copy_from_slice(&data);
+                assert!(put(&mut st, &mut model, off, size, round << 32 | i as u64));
                 received += 1;
             }
             st.token_at(token, 1, true).unwrap();
-            assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "round {round}");
+            assert!(landed_as(&st, &model), "round {round}");
         }
         let n = copies(&st);
         assert!(n * 40 < received, "{n} copies for {received} payloads");
