@@ -152,23 +152,28 @@ enum Order {
     RoundRobin,
     /// A fixed pseudo-random peer per call, as many producers' pushes interleave in the FIFO.
     Shuffled,
-    /// The calls themselves (peer and slot) permuted within each window of this many, as that
-    /// many single-thread producers' pushes interleave in the FIFO: consecutive calls to one
-    /// peer no longer write contiguous slots.
-    Interleaved(u64),
+    /// The calls themselves (peer and slot) permuted within each window of `w`, as that many
+    /// single-thread producers' pushes interleave in the FIFO: consecutive calls to one peer no
+    /// longer write contiguous slots. Made by [`Order::interleaved`].
+    Interleaved { w: u64, a: u64 },
+}
+
+impl Order {
+    /// [`Order::Interleaved`] over windows of `w`, with its multiplier (x -> (a x + 1) mod w is
+    /// a bijection when a and w are coprime) found once, not per call.
+    fn interleaved(w: u64) -> Order {
+        let mut a = 0x9e37_79b9_u64 % w.max(1);
+        while w > 0 && (a < 2 || gcd(a, w) != 1) {
+            a += 1;
+        }
+        Order::Interleaved { w, a }
+    }
 }
 
 /// Call `j` of `n` in `order`: the index whose peer and slot it takes.
 fn call_of(order: Order, j: u64, n: u64) -> u64 {
     match order {
-        Order::Interleaved(w) if w > 1 && (j / w + 1) * w <= n => {
-            // x -> (a x + 1) mod w is a bijection when a and w are coprime.
-            let mut a = 0x9e37_79b9_u64 % w;
-            while a < 2 || gcd(a, w) != 1 {
-                a += 1;
-            }
-            (j / w) * w + (a * (j % w) + 1) % w
-        }
+        Order::Interleaved { w, a } if w > 1 && (j / w + 1) * w <= n => (j / w) * w + (a * (j % w) + 1) % w,
         _ => j,
     }
 }
@@ -180,7 +185,7 @@ fn gcd(a: u64, b: u64) -> u64 {
 /// Peer of call `i` in `order`.
 fn peer_of(order: Order, i: u64, peers: usize) -> usize {
     match order {
-        Order::RoundRobin | Order::Interleaved(_) => (i % peers as u64) as usize,
+        Order::RoundRobin | Order::Interleaved { .. } => (i % peers as u64) as usize,
         Order::Shuffled => {
             // splitmix64 of i: deterministic, well spread.
             let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -419,7 +424,7 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
                 // load, say whether the order or the load costs (rather than the proxy's work).
                 if t == Transport::Ethernet && op != Op::Signal {
                     // A diagnostic: its failure is printed and the rows go on.
-                    let inter = Order::Interleaved(u64::from(LOAD_BLOCKS));
+                    let inter = Order::interleaved(u64::from(LOAD_BLOCKS));
                     let diag = direct_in(r0, op, size, peers, n, timeout, Order::Shuffled).and_then(|shuffled| {
                         let interleaved = direct_in(r0, op, size, peers, n, timeout, inter)?;
                         rig.direct_loaded(r0, op, size, peers, n, n as f64 / base).map(|l| (shuffled, interleaved, l))
@@ -476,7 +481,7 @@ mod tests {
     #[test]
     fn interleaved_calls_are_a_permutation_within_each_window() {
         for (w, n) in [(132u64, 132 * 7 + 50), (8, 64), (2, 9), (1, 5)] {
-            let order = Order::Interleaved(w);
+            let order = Order::interleaved(w);
             let calls: Vec<u64> = (0..n).map(|j| call_of(order, j, n)).collect();
             let mut sorted = calls.clone();
             sorted.sort_unstable();

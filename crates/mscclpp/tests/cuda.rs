@@ -18,6 +18,11 @@ fn ipc_cfg(dev: u32) -> EndpointConfig {
     EndpointConfig::new(Transport::CudaIpc).device(Device::Gpu(dev))
 }
 
+/// Ethernet over 127.0.0.1 with GPU `dev`'s memory.
+fn eth_gpu_cfg(dev: u32) -> EndpointConfig {
+    EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1").device(Device::Gpu(dev))
+}
+
 /// The shared connection suite (`common/suite.rs`) on CUDA IPC: two (four) processes, GPU
 /// buffers on GPU `rank % device_count`, Host2DeviceSemaphores.
 mod contract {
@@ -224,10 +229,7 @@ fn same_process_cuda_ipc_uses_the_pointer() {
 fn ethernet_with_gpu_memory() {
     const CAP: usize = (64 << 20) + 4096;
     if let Some(r) = Rank::from_env() {
-        let cfg = EndpointConfig::new(Transport::Ethernet)
-            .ethernet_interface("127.0.0.1")
-            .device(Device::Gpu(gpu_for(r.rank)));
-        let p = pair(&r, cfg, CAP);
+        let p = pair(&r, eth_gpu_cfg(gpu_for(r.rank)), CAP);
         let peer = 1 - r.rank;
         let host = Buffer::new(p.comm.context(), CAP, Transport::Ethernet.into()).unwrap();
         p.comm.send_memory(host.memory(), peer, 3).unwrap();
@@ -297,8 +299,7 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
     const PER_PHASE: u64 = 600;
     if let Some(r) = Rank::from_env() {
         let dev = gpu_for(r.rank);
-        let cfg = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1").device(Device::Gpu(dev));
-        let p = pair(&r, cfg, CAP);
+        let p = pair(&r, eth_gpu_cfg(dev), CAP);
         let peer = 1 - r.rank;
         let host = Buffer::new(p.comm.context(), CAP, Transport::Ethernet.into()).unwrap();
         host.write(0, &vec![0u8; CAP]).unwrap();
@@ -439,8 +440,7 @@ fn ethernet_small_gpu_writes_with_nothing_after_them_land() {
     const CAP: usize = 1 << 20;
     if let Some(r) = Rank::from_env() {
         let dev = gpu_for(r.rank);
-        let cfg = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1").device(Device::Gpu(dev));
-        let p = pair(&r, cfg, CAP);
+        let p = pair(&r, eth_gpu_cfg(dev), CAP);
         let data = pattern(7, CAP);
         let src = DeviceBuffer::new(p.comm.context(), dev, CAP, Transport::Ethernet.into()).unwrap();
         src.write(0, &data).unwrap();
@@ -488,12 +488,7 @@ fn ethernet_small_gpu_writes_with_nothing_after_them_land() {
 fn host_to_device_semaphore_over_ipc_and_ethernet() {
     if let Some(r) = Rank::from_env() {
         let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
-        for cfg in [
-            ipc_cfg(gpu_for(r.rank)),
-            EndpointConfig::new(Transport::Ethernet)
-                .ethernet_interface("127.0.0.1")
-                .device(Device::Gpu(gpu_for(r.rank))),
-        ] {
+        for cfg in [ipc_cfg(gpu_for(r.rank)), eth_gpu_cfg(gpu_for(r.rank))] {
             let t = cfg.transport;
             let p = common::gpu::pair(bs.clone(), r.rank, cfg, 4096);
             if r.rank == 0 {

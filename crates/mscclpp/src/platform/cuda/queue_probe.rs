@@ -235,15 +235,14 @@ fn check_limit(limit: Duration) -> Result<()> {
     Ok(())
 }
 
-/// The probe's kernels and device words: word 0 the flag, word 1 the 1 a copy reads, words 2-3
-/// the spinner's report.
+/// The probe's kernels (each keeps the module loaded) and device words: word 0 the flag, word 1
+/// the 1 a copy reads, words 2-3 the spinner's report.
 struct Kit {
     dev: std::sync::Arc<super::GpuDevice>,
     mem: GpuRegion,
     spin: super::module::Kernel,
     nop: super::module::Kernel,
     set: super::module::Kernel,
-    _module: std::sync::Arc<Module>,
 }
 
 impl Kit {
@@ -256,7 +255,7 @@ impl Kit {
         let (spin, nop, set) = (kernel(SPIN)?, kernel(NOP)?, kernel(SET)?);
         let mem = GpuRegion::alloc(&dev, 32)?;
         mem.write(8, &1u64.to_le_bytes())?;
-        Ok(Kit { dev, mem, spin, nop, set, _module: module })
+        Ok(Kit { dev, mem, spin, nop, set })
     }
 
     /// One probe on these streams (the flag is cleared first). `Err((e, true))` when the
