@@ -8,7 +8,8 @@
 # do they escape queues shared with the ranks' kernels?), e.g. per-plan:8:greatest.
 # Needs gpu-bundle-exec (scripts/gpu-bundle-exec.sh). Device call: carry ["gpu-bundle-exec"],
 # command "bash scripts/gpu-two-node.sh" (RUNS, SETTINGS, CAP to change the defaults; BUNDLE
-# names another bundle folder built the same way, e.g. from a branch: gpu-bundle-exec-warmup).
+# names another bundle folder built the same way, e.g. from a branch: gpu-bundle-exec-warmup;
+# PERF_ARGS adds mscclpp-perf arguments, e.g. "--procs" (start the MPS daemon first) or "-w 1").
 set -u
 cd "$(dirname "$0")/../${BUNDLE:-gpu-bundle-exec}"
 tar xJf bin.tar.xz
@@ -24,12 +25,14 @@ for setting in ${SETTINGS:-per-plan:default interpreter:default per-plan:8}; do
     # it): with the stream-mapping rows of `mscclpp-perf device --parts queues`, they tell
     # which streams could share a hardware queue in a run that stalled.
     env "${env_q[@]}" MSCCLPP_LOG_LEVEL=DEBUG MSCCLPP_LOG_SUBSYS=GPU MSCCLPP_EXECUTOR_KERNEL=$k timeout "$cap" bin/mscclpp-perf allreduce \
-      --plan bin/plans/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 5 \
+      --plan bin/plans/two_node_allreduce_4_simple_ip.json --ranks 4 -b 64K -e 4M -d i32 --check --timeout 5 ${PERF_ARGS:-} \
       > "$logs/run.log" 2>&1
     rc=$?
     r=PASS; [ $rc = 0 ] || r="FAIL rc=$rc"; [ $rc = 124 ] && r="TIMEOUT (${cap}s)"
     echo "$r kernel=$k queues=$q${prio:+ priority=$prio} run $i ($((SECONDS - t0)) s)"
-    [ $rc = 0 ] || grep -E "rank [0-9]|^ +[0-9]+ |no rank has moved on" "$logs/run.log" | grep -v "stream [0-9]* of this process" | sed "s/^/    /" | tail -24
+    [ $rc = 0 ] || grep -E "rank [0-9]|^ +[0-9]+ |no rank has moved on" "$logs/run.log" | grep -v "stream [0-9]* of this process\|diagnostics:" | sed "s/^/    /" | tail -24
+    # Each rank's semaphore words and launches (Executor::diagnostics), for a failing run.
+    [ $rc = 0 ] || grep "diagnostics:" "$logs/run.log" | sed "s/^mscclpp-perf: diagnostics: /    diag: /" | cut -c1-900
     # The streams made, in order (every failing run, and the first run of each setting); for a
     # failing run also the calls that serialize the context's streams made after the first
     # rank began launching, with their times and threads.

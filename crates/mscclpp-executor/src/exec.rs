@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use mscclpp::device::compile::{CompileOptions, KernelModule, Ptx, compile};
 use mscclpp::device::proxy::{MemoryId, ProxyConfig, ProxyService};
+use mscclpp::device::{Host2DeviceSemaphoreDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle};
 use mscclpp::gpu::{DeviceBuffer, Kernel, PinnedBuffer, Stream};
 use mscclpp::{
     BaseMemoryChannel, Communicator, Device, EndpointConfig, Error, FirstError, Host2DeviceSemaphore, MemoryChannel,
@@ -391,11 +392,26 @@ struct Resources {
     _remote: Vec<RegisteredMemory>,
     _local: Vec<RegisteredMemory>,
     _scratch: DeviceBuffer,
+    /// The channels' semaphore words, for [`Executor::diagnostics`].
+    diag: Diag,
+    /// Launches issued on these resources.
+    launches: AtomicU64,
+}
+
+/// Where a rank's channel semaphores live (device addresses), by peer: what
+/// [`Executor::diagnostics`] reads after a failed wait.
+struct Diag {
+    /// Memory channels: (peer, the semaphore's device handle).
+    mem: Vec<(usize, MemoryDevice2DeviceSemaphoreDeviceHandle)>,
+    /// Port channels: (peer, the semaphore's device handle, the address of the peer's token
+    /// that this rank's proxy signals, as the peer registered it).
+    port: Vec<(usize, Host2DeviceSemaphoreDeviceHandle, u64)>,
 }
 
 impl Resources {
     /// Word `i` of the 64-byte status buffer (kernel.cu `fail`): 0 the error word (0 while no
-    /// kernel failed), 1 the abort word, 2-4 the failed wait's counts and launch. One load from
+    /// kernel failed), 1 the abort word, 2-4 the failed wait's counts and launch, 5 the last
+    /// launch whose block 0 started (kernel.cu `begin`). One load from
     /// page-locked host memory in this process's address space (a cached line while it stays
     /// unchanged; the GPU's write invalidates it), with no CUDA call; 0 past the buffer, which
     /// no caller reaches (i < 8).
@@ -540,7 +556,60 @@ impl Executor {
         // it); every pointer in it is owned by `res` (kept in the cache for the executor's life)
         // or is the caller's buffer, valid until the stream passes this launch.
         unsafe { k.launch((res.nblocks, 1, 1), (res.threads, 1, 1), 0, stream, &mut params) }?;
+        res.launches.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Diagnostics after a failed call, a line per cached (plan, buffers): launches issued and
+    /// the last one whose block 0 started (the kernel's flag, 1 for the first), the proxy's
+    /// handled triggers, and for every channel the semaphore words by peer: this rank's inbound
+    /// token and expected count, and the address of the peer's token it signals (a peer whose
+    /// own inbound address differs was given another token). Reads device memory with
+    /// synchronous copies: call it once the rank's kernels have finished or failed. Not API.
+    #[doc(hidden)]
+    pub fn diagnostics(&self) -> Vec<String> {
+        let dev = self.config.device;
+        // SAFETY: every address below is a word of a semaphore this rank's resources hold (its
+        // own tokens and counts, in this process's context), kept alive by the cached `r`.
+        let peek = |a: u64| match unsafe { mscclpp::bench::peek_device_u64(dev, a) } {
+            Ok(v) => v.to_string(),
+            Err(e) => format!("? ({e})"),
+        };
+        let all = match self.contexts.all() {
+            Ok(a) => a,
+            Err(e) => return vec![format!("rank {}: no diagnostics: {e}", self.comm.rank())],
+        };
+        all.iter()
+            .map(|r| {
+                let mut line = format!(
+                    "rank {} plan {}: launches issued {}, block 0 of launch {} started last (0: none), error word {:#x}, proxy handled {}",
+                    self.comm.rank(),
+                    r.plan_name,
+                    r.launches.load(Ordering::Relaxed),
+                    r.status_word(5),
+                    r.error_word(),
+                    r.proxy.as_ref().map_or_else(|| "-".to_string(), |p| p.processed().to_string()),
+                );
+                for (peer, h) in &r.diag.mem {
+                    line += &format!(
+                        "; memory channel with rank {peer}: inbound {:#x} = {}, expected = {}, signals into {:#x}",
+                        h.inbound_token,
+                        peek(h.inbound_token),
+                        peek(h.expected_inbound_token),
+                        h.remote_inbound_token
+                    );
+                }
+                for (peer, h, remote) in &r.diag.port {
+                    line += &format!(
+                        "; port channel with rank {peer}: inbound {:#x} = {}, expected = {}, proxy signals into {remote:#x}",
+                        h.inbound_token,
+                        peek(h.inbound_token),
+                        peek(h.expected_inbound_token)
+                    );
+                }
+                line
+            })
+            .collect()
     }
 
     /// The error a kernel of this rank reported for any cached plan, if any (reads page-locked
@@ -825,12 +894,14 @@ impl Executor {
                 remote.push((owner, t, m));
             }
             let mut mem_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)> = Vec::new();
+            let mut diag = Diag { mem: Vec::new(), port: Vec::new() };
             let mut mem_channels = Vec::new();
             let mut port_sems = Vec::new();
             for (l, s) in sems {
                 let s = s.wait().map_err(|e| e.during("building a plan's semaphore").with_peer(l.peer))?;
                 if l.channel_type == ChannelType::Memory {
                     let s = Arc::new(MemoryDevice2DeviceSemaphore::new(s).map_err(|e| e.with_peer(l.peer))?);
+                    diag.mem.push((l.peer, s.device_handle()));
                     mem_channels.push(BaseMemoryChannel::new(s.clone()));
                     mem_sems.push((l.peer, s));
                 } else {
@@ -877,14 +948,15 @@ impl Executor {
             let mut port_bytes = Vec::new();
             if let Some(p) = proxy.as_mut() {
                 let scratch_id = MemoryId(bindings.local_mem[2]);
-                for (_, s) in port_sems {
+                for (peer, s) in port_sems {
+                    diag.port.push((peer, s.device_handle(), s.semaphore().remote_memory().addr()));
                     let id = p.add_semaphore(s)?;
                     port_bytes.extend_from_slice(
                         &p.port_channel(id, scratch_id, scratch_id)?.device_handle().base.to_bytes(),
                     );
                 }
             }
-            Ok(Paired { remote, mem_channels, proxy, bindings, mappings, port_bytes })
+            Ok(Paired { remote, mem_channels, proxy, bindings, mappings, port_bytes, diag })
         })();
         // Lowering, the kernel and the uploads may fail on one rank only: every rank reports at
         // the residency exchange below, so that a rank that cannot go on fails the others at once,
@@ -941,7 +1013,7 @@ impl Executor {
         });
         let (
             (
-                Paired { remote, mem_channels, mut proxy, mappings, .. },
+                Paired { remote, mem_channels, mut proxy, mappings, diag, .. },
                 Prepared { low, kernels, mem_handles, port_handles, image, ops_buf, state, status, me, per_sm },
             ),
             all,
@@ -1008,6 +1080,8 @@ impl Executor {
             _remote: remote.into_iter().map(|(_, _, m)| m).collect(),
             _local: vec![send_mem, recv_mem],
             _scratch: scratch,
+            diag,
+            launches: AtomicU64::new(0),
         })
     }
 }
@@ -1026,6 +1100,7 @@ struct Paired {
     bindings: Bindings,
     mappings: Vec<MemoryChannel>,
     port_bytes: Vec<u8>,
+    diag: Diag,
 }
 
 /// What a rank prepares between the build's first and second exchanges: its program, kernels

@@ -634,6 +634,10 @@ struct Start {
 __device__ __forceinline__ void begin(const ExecArgs& a, Start& s) {
   if (threadIdx.x == 0) {
     s.flag = vload((const u32*)a.flags + blockIdx.x);
+    // Word 5 of the status buffer: the flag of the last launch whose block 0 started, for
+    // `Executor::diagnostics` (a launch that never started is told from one that waits). A
+    // posted store to host memory: nothing waits for it.
+    if (blockIdx.x == 0) store_sys((u64*)a.err + 5, s.flag);
     // The abort word lives in page-locked host memory: reading it here would put a PCIe round
     // trip (about a microsecond) at the start of every launch. Waits read it as they spin, and
     // the host refuses launches once it is set.
