@@ -38,6 +38,7 @@ use mscclpp_collectives::{Algorithm, CallOptions, Collective, Collectives, Confi
 use mscclpp_executor::{ExecutionPlan, Executor, ExecutorConfig, PacketType};
 
 use crate::kern::{local_ranks, row};
+use crate::lockstep::Lockstep;
 use crate::nccl::{Comm, MULTI_RANK_ENV, Nccl, UniqueId};
 use crate::{Args, TestKind};
 
@@ -384,6 +385,10 @@ struct Rank<'a> {
     /// With `--algo zerocopy`: the (a -> b) and (a -> a) windows (dropped before `a` and `b`).
     windows: Option<(Window, Window)>,
     stream: Stream,
+    /// Ranks as threads: every call and graph launch is issued in rounds (lockstep.rs says why).
+    lockstep: Option<&'a Lockstep>,
+    /// This rank's lockstep rounds so far.
+    rounds: std::cell::Cell<u64>,
     /// Input (and in-place output) and out-of-place output, each as large as the largest size.
     a: DeviceBuffer,
     b: DeviceBuffer,
@@ -394,6 +399,16 @@ struct Rank<'a> {
 impl Rank<'_> {
     fn barrier(&self) -> Result<(), String> {
         self.bs.barrier().map_err(|x| format!("rank {}: {x}", self.rank))
+    }
+
+    /// Waits until every rank thread has issued as many calls as this one (no-op for processes),
+    /// so that none queues its next launch before a peer queued the one they share.
+    fn in_step(&self) -> Result<(), String> {
+        let Some(ls) = self.lockstep else { return Ok(()) };
+        let mut r = self.rounds.get();
+        let res = ls.wait(self.rank, &mut r);
+        self.rounds.set(r);
+        res
     }
 
     /// Every rank's `mine` (f64s), in rank order.
@@ -478,9 +493,14 @@ impl Rank<'_> {
     /// by `--timeout`) and the error names that peer.
     fn sync_ours(&self) -> Result<(), String> {
         if let Some(ex) = &self.exec {
-            return ex
-                .synchronize(&self.stream, self.spec.timeout.saturating_mul(2))
-                .map_err(|x| format!("rank {}: {x}", self.rank));
+            return ex.synchronize(&self.stream, self.spec.timeout.saturating_mul(2)).map_err(|x| {
+                // Where each channel's semaphore stands (issue 28's stalls: a launch that never
+                // started, or signals that went elsewhere), printed with the failure.
+                for line in ex.diagnostics() {
+                    eprintln!("mscclpp-perf: diagnostics: {line}");
+                }
+                format!("rank {}: {x}", self.rank)
+            });
         }
         self.coll
             .synchronize(&self.stream, self.spec.timeout.saturating_mul(2))
@@ -523,6 +543,7 @@ impl Rank<'_> {
             // The warmup calls also line the ranks up on the GPU: the start event fires when
             // the last of them (which waits for every rank) is done.
             for _ in 0..s.warmup {
+                self.in_step()?;
                 enqueue()?;
             }
             tracing::debug!(target: "mscclpp::gpu", "rank {}: warmup launches issued", self.rank);
@@ -530,6 +551,7 @@ impl Rank<'_> {
             for _ in 0..TIMED_RUNS {
                 self.start.record(&self.stream).map_err(ev)?;
                 for _ in 0..s.iters {
+                    self.in_step()?;
                     enqueue()?;
                 }
                 self.stop.record(&self.stream).map_err(ev)?;
@@ -543,6 +565,7 @@ impl Rank<'_> {
             // capture forbids some CUDA calls on the other threads meanwhile, and the others
             // wait in the bootstrap barrier (sockets only).
             for _ in 0..s.warmup.max(1) {
+                self.in_step()?;
                 enqueue()?;
             }
             sync()?;
@@ -567,10 +590,12 @@ impl Rank<'_> {
             self.barrier()?;
             let graph = graph.ok_or_else(|| format!("rank {}: no graph was captured", self.rank))?;
             // An untimed launch first (uploads the graph; lines the ranks up on the GPU).
+            self.in_step()?;
             graph.launch(&self.stream).map_err(ev)?;
             let mut runs = Vec::with_capacity(TIMED_RUNS);
             for _ in 0..TIMED_RUNS {
                 self.start.record(&self.stream).map_err(ev)?;
+                self.in_step()?;
                 graph.launch(&self.stream).map_err(ev)?;
                 self.stop.record(&self.stream).map_err(ev)?;
                 sync()?;
@@ -678,6 +703,8 @@ struct Job {
     json: Option<PathBuf>,
     plot: Option<PathBuf>,
     nccl: Option<Nccl>,
+    /// Ranks as threads: the lockstep their calls are issued in (`None` for processes).
+    lockstep: Option<Lockstep>,
 }
 
 impl Job {
@@ -791,7 +818,8 @@ impl Job {
             say(l);
         }
 
-        Ok(Job { spec, list, cap, report, json: args.json.clone(), plot: args.plot.clone(), nccl })
+        let lockstep = (!procs && ranks > 1).then(|| Lockstep::new(ranks, spec.timeout));
+        Ok(Job { spec, list, cap, report, json: args.json.clone(), plot: args.plot.clone(), nccl, lockstep })
     }
 
     /// The rows are done: the JSON and the plot (rank 0), and the verdict of `--check`.
@@ -834,7 +862,15 @@ pub fn run(args: &Args, env_set_here: bool) -> Result<(), String> {
         },
     };
     let j = &job;
-    let results = local_ranks(j.spec.ranks, j.spec.timeout, |rank, bs| rank_main(j, rank, bs, id))?;
+    let results = local_ranks(j.spec.ranks, j.spec.timeout, |rank, bs| {
+        let r = rank_main(j, rank, bs, id);
+        // A rank that stops releases the others from the lockstep at once (they would wait out
+        // the timeout there otherwise).
+        if let (Err(_), Some(l)) = (&r, &j.lockstep) {
+            l.break_off();
+        }
+        r
+    })?;
     let (records, wrong, has_nccl) = results.into_iter().next().unwrap_or_default();
     job.finish(records, wrong, has_nccl)
 }
@@ -924,7 +960,21 @@ fn rank_main(
         .plan
         .as_ref()
         .map(|_| Executor::new(&comm, ExecutorConfig::new(s.device).timeout(s.timeout).kernel(s.exec_kernel)));
-    let me = Rank { spec: s, rank, bs: bs.clone(), coll, exec, stream, a, b, start, stop, windows };
+    let me = Rank {
+        spec: s,
+        rank,
+        bs: bs.clone(),
+        coll,
+        exec,
+        stream,
+        lockstep: job.lockstep.as_ref(),
+        rounds: Default::default(),
+        a,
+        b,
+        start,
+        stop,
+        windows,
+    };
     // Setup time (the slowest rank's), tuning included: the issue's bound is 5 s for 15 sizes.
     let setups = me.gather(&[setup_ms])?;
     if rank == 0 {

@@ -15,6 +15,7 @@ mod coll;
 mod device;
 mod kern;
 mod launch;
+mod lockstep;
 mod memchan;
 mod nccl;
 mod p2p;
