@@ -430,8 +430,11 @@ fn a_missing_rank_is_named_within_the_timeout() {
         });
         let _ = stream.synchronize(Duration::from_secs(30));
         comm.bootstrap().barrier().unwrap();
+        // Both ranks' kernels are done (rank 0's failed, rank 1 launched none).
+        let diag = ex.diagnostics();
+        comm.bootstrap().barrier().unwrap();
         std::mem::forget(bufs);
-        (r, again.map(|a| a.is_err()))
+        (r, again.map(|a| a.is_err()), diag)
     });
     let (r, elapsed) = out[0].0.as_ref().map(|(r, t)| (r, *t)).unwrap();
     match r {
@@ -443,6 +446,26 @@ fn a_missing_rank_is_named_within_the_timeout() {
     }
     assert!(elapsed < timeout + Duration::from_secs(3), "reported after {elapsed:?}");
     assert_eq!(out[0].1, Some(true), "a later call after the failure must be refused");
+    // The diagnostics tell a launch that ran from one that never did, and pair the channels:
+    // the token each rank signals is the one its peer waits on.
+    let (d0, d1) = (&out[0].2, &out[1].2);
+    println!("diagnostics:\n{}\n{}", d0.join("\n"), d1.join("\n"));
+    assert_eq!((d0.len(), d1.len()), (1, 1), "one cached plan per rank");
+    assert!(d0[0].contains("launches issued 1, block 0 of launch 1 started last"), "{}", d0[0]);
+    assert!(d1[0].contains("launches issued 0, block 0 of launch 0 started last"), "{}", d1[0]);
+    let field = |line: &str, peer: usize, key: &str| -> String {
+        let at = line.find(&format!("memory channel with rank {peer}: ")).unwrap_or_else(|| panic!("{line}"));
+        let rest = &line[at..];
+        let k = rest.find(key).unwrap_or_else(|| panic!("{key} in {rest}")) + key.len();
+        rest[k..].split([' ', ',', ';']).next().unwrap().to_string()
+    };
+    assert_eq!(field(&d0[0], 1, "signals into "), field(&d1[0], 0, "inbound "));
+    assert_eq!(field(&d1[0], 0, "signals into "), field(&d0[0], 1, "inbound "));
+    assert!(
+        d0[0].contains(&format!("inbound {} = 0,", field(&d0[0], 1, "inbound "))),
+        "rank 1 never signalled: {}",
+        d0[0]
+    );
 }
 
 /// Host cost of `execute` with cached resources (the launch included), 2 ranks, beside the raw
@@ -450,7 +473,9 @@ fn a_missing_rank_is_named_within_the_timeout() {
 /// 120-byte argument (the size of the interpreter's). Bursts of 16 and of 256 calls, the stream
 /// drained between bursts; only the calls are timed and the median burst reported. If the
 /// 256-call bursts cost more per call than the 16-call ones, the launch queue filled and the
-/// loop timed the GPU rather than the host.
+/// loop timed the GPU rather than the host. Then the same calls with the ranks in turns, each
+/// timed alone (the cost a process with one rank pays, without the other thread's launches
+/// contending for the context), the median of 256.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn host_cost_per_execute_with_cached_resources() {
@@ -468,34 +493,38 @@ fn host_cost_per_execute_with_cached_resources() {
         fill(&bufs, rank);
         // SAFETY: the buffers are forgotten (never freed) below.
         unsafe { ex.prepare(rank, bufs.send, bufs.recv, bufs.send_size, bufs.recv_size, &plan) }.unwrap();
+        let one = |raw: bool| {
+            if raw {
+                let mut a = [0u64; 15];
+                let mut params = [a.as_mut_ptr().cast::<std::ffi::c_void>()];
+                // SAFETY: the kernel takes one 120-byte struct by value; `a` outlives the call.
+                unsafe { empty.launch((1, 1, 1), (32, 1, 1), 0, &stream, &mut params) }.unwrap();
+            } else {
+                // SAFETY: as above.
+                unsafe {
+                    ex.execute(
+                        rank,
+                        bufs.send,
+                        bufs.recv,
+                        bufs.send_size,
+                        bufs.recv_size,
+                        DataType::Int32,
+                        &plan,
+                        &stream,
+                        PacketType::LL16,
+                    )
+                }
+                .unwrap();
+            }
+        };
+        // Both ranks' threads launching at once (they contend for the context's launch path).
         let timed = |n: u32, raw: bool| {
             let mut per_burst = Vec::new();
             for _ in 0..8 {
                 comm.bootstrap().barrier().unwrap();
                 let t = Instant::now();
                 for _ in 0..n {
-                    if raw {
-                        let mut a = [0u64; 15];
-                        let mut params = [a.as_mut_ptr().cast::<std::ffi::c_void>()];
-                        // SAFETY: the kernel takes one 120-byte struct by value; `a` outlives the call.
-                        unsafe { empty.launch((1, 1, 1), (32, 1, 1), 0, &stream, &mut params) }.unwrap();
-                    } else {
-                        // SAFETY: as above.
-                        unsafe {
-                            ex.execute(
-                                rank,
-                                bufs.send,
-                                bufs.recv,
-                                bufs.send_size,
-                                bufs.recv_size,
-                                DataType::Int32,
-                                &plan,
-                                &stream,
-                                PacketType::LL16,
-                            )
-                        }
-                        .unwrap();
-                    }
+                    one(raw);
                 }
                 per_burst.push(t.elapsed() / n);
                 ex.synchronize(&stream, Duration::from_secs(60)).unwrap();
@@ -503,15 +532,42 @@ fn host_cost_per_execute_with_cached_resources() {
             per_burst.sort();
             per_burst[per_burst.len() / 2]
         };
-        let row = [timed(16, true), timed(16, false), timed(256, true), timed(256, false)];
+        // The ranks in turns, each call timed alone while the other rank waits at a barrier (a
+        // process with one rank, as users run): call k of both ranks is issued before either
+        // issues call k + 1, as ranks that are threads must (see mscclpp-perf's lockstep.rs).
+        let turns = |n: u32, raw: bool| {
+            let mut each = Vec::new();
+            for _ in 0..n {
+                for r in 0..2 {
+                    comm.bootstrap().barrier().unwrap();
+                    if r == rank {
+                        let t = Instant::now();
+                        one(raw);
+                        each.push(t.elapsed());
+                    }
+                }
+            }
+            comm.bootstrap().barrier().unwrap();
+            ex.synchronize(&stream, Duration::from_secs(60)).unwrap();
+            each.sort();
+            each[each.len() / 2]
+        };
+        let row = [
+            timed(16, true),
+            timed(16, false),
+            timed(256, true),
+            timed(256, false),
+            turns(256, true),
+            turns(256, false),
+        ];
         comm.bootstrap().barrier().unwrap();
         std::mem::forget(bufs);
         row
     });
     for (rank, c) in costs.iter().enumerate() {
         println!(
-            "RESULT host cost per call, rank {rank}: bursts of 16: empty launch {:?}, execute {:?}; bursts of 256: empty launch {:?}, execute {:?}",
-            c[0], c[1], c[2], c[3]
+            "RESULT host cost per call, rank {rank}: bursts of 16: empty launch {:?}, execute {:?}; bursts of 256: empty launch {:?}, execute {:?}; alone (ranks in turns, median of 256): empty launch {:?}, execute {:?}",
+            c[0], c[1], c[2], c[3], c[4], c[5]
         );
     }
 }
