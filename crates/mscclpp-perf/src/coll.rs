@@ -387,8 +387,8 @@ struct Rank<'a> {
     stream: Stream,
     /// Ranks as threads: every call and graph launch is issued in rounds (lockstep.rs says why).
     lockstep: Option<&'a Lockstep>,
-    /// This rank's calls issued in turns so far.
-    calls: std::cell::Cell<u64>,
+    /// This rank's lockstep rounds so far.
+    rounds: std::cell::Cell<u64>,
     /// Input (and in-place output) and out-of-place output, each as large as the largest size.
     a: DeviceBuffer,
     b: DeviceBuffer,
@@ -401,13 +401,13 @@ impl Rank<'_> {
         self.bs.barrier().map_err(|x| format!("rank {}: {x}", self.rank))
     }
 
-    /// Issues `call` in this rank's turn (ranks as threads; at once for processes), so that no
-    /// rank queues its next launch before every peer queued the one they share.
-    fn in_turn(&self, call: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
-        let Some(ls) = self.lockstep else { return call() };
-        let mut n = self.calls.get();
-        let res = ls.turn(self.rank, &mut n, call);
-        self.calls.set(n);
+    /// Waits until every rank thread has issued as many calls as this one (no-op for processes),
+    /// so that none queues its next launch before a peer queued the one they share.
+    fn in_step(&self) -> Result<(), String> {
+        let Some(ls) = self.lockstep else { return Ok(()) };
+        let mut r = self.rounds.get();
+        let res = ls.wait(self.rank, &mut r);
+        self.rounds.set(r);
         res
     }
 
@@ -543,14 +543,16 @@ impl Rank<'_> {
             // The warmup calls also line the ranks up on the GPU: the start event fires when
             // the last of them (which waits for every rank) is done.
             for _ in 0..s.warmup {
-                self.in_turn(enqueue)?;
+                self.in_step()?;
+                enqueue()?;
             }
             tracing::debug!(target: "mscclpp::gpu", "rank {}: warmup launches issued", self.rank);
             let mut runs = Vec::with_capacity(TIMED_RUNS);
             for _ in 0..TIMED_RUNS {
                 self.start.record(&self.stream).map_err(ev)?;
                 for _ in 0..s.iters {
-                    self.in_turn(enqueue)?;
+                    self.in_step()?;
+                    enqueue()?;
                 }
                 self.stop.record(&self.stream).map_err(ev)?;
                 sync()?;
@@ -563,7 +565,8 @@ impl Rank<'_> {
             // capture forbids some CUDA calls on the other threads meanwhile, and the others
             // wait in the bootstrap barrier (sockets only).
             for _ in 0..s.warmup.max(1) {
-                self.in_turn(enqueue)?;
+                self.in_step()?;
+                enqueue()?;
             }
             sync()?;
             let mut graph = None;
@@ -587,11 +590,13 @@ impl Rank<'_> {
             self.barrier()?;
             let graph = graph.ok_or_else(|| format!("rank {}: no graph was captured", self.rank))?;
             // An untimed launch first (uploads the graph; lines the ranks up on the GPU).
-            self.in_turn(|| graph.launch(&self.stream).map_err(ev))?;
+            self.in_step()?;
+            graph.launch(&self.stream).map_err(ev)?;
             let mut runs = Vec::with_capacity(TIMED_RUNS);
             for _ in 0..TIMED_RUNS {
                 self.start.record(&self.stream).map_err(ev)?;
-                self.in_turn(|| graph.launch(&self.stream).map_err(ev))?;
+                self.in_step()?;
+                graph.launch(&self.stream).map_err(ev)?;
                 self.stop.record(&self.stream).map_err(ev)?;
                 sync()?;
                 runs.push(self.stop.elapsed_ms_since(&self.start).map_err(ev)?);
@@ -963,7 +968,7 @@ fn rank_main(
         exec,
         stream,
         lockstep: job.lockstep.as_ref(),
-        calls: Default::default(),
+        rounds: Default::default(),
         a,
         b,
         start,

@@ -11,79 +11,64 @@
 //! timed out, its signals then arriving late; with one launch in flight per rank, or with ranks
 //! as processes, no run stalled.
 //!
-//! The harness therefore issues every call (and every graph launch) in turns: rank 0's call k,
-//! rank 1's call k, ..., then call k+1 of each. No rank queues call k+1 before every rank has
-//! queued call k, so in any shared queue all calls k come before any call k+1, and the calls k
-//! complete together (one call of slack is the most that is safe: with two, a rank's call k+1
-//! can sit ahead of a peer's call k). A turn costs a thread an atomic add and a short spin, while
-//! the GPU still runs the calls queued ahead; processes (`--procs`) have a
+//! The harness therefore issues every call (and every graph launch) in rounds: no rank queues
+//! call k+1 before every rank has queued call k. Then in any shared queue all calls k come before
+//! any call k+1, and the calls k complete together. A round costs the threads an atomic add and
+//! a short spin, while the GPU still runs the calls queued ahead. Processes (`--procs`) have a
 //! context each and need no lockstep.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Turns for the rank threads of one process: call k of rank r is issued after call k of ranks
-/// 0..r and before call k of ranks r+1.., and every call k before any call k+1. Each turn is
-/// bounded by a timeout, and the turns end at once when a rank leaves with an error.
-///
-/// Turns in a fixed order rather than a barrier per round: released together, the threads would
-/// contend for the driver's launch path at the same instant (4 ranks: 9-11 us per eager call
-/// became 16-19 us with a barrier per round on an H100), while in turns each launch finds it free.
+/// A reusable barrier for the rank threads of one process, round by round; bounded by a timeout
+/// and broken at once when a rank leaves with an error.
 #[derive(Debug)]
 pub struct Lockstep {
     ranks: u64,
     timeout: Duration,
-    /// Calls issued so far, over all ranks: rank r's call k (from 0) goes when it is k*ranks + r.
-    issued: AtomicU64,
+    /// Arrivals over all rounds: round r is complete when it reaches r * ranks.
+    arrived: AtomicU64,
     /// Set by a rank that stopped issuing (an error): the others stop waiting.
     broken: AtomicBool,
 }
 
 impl Lockstep {
-    /// Turns for `ranks` threads; a turn that does not come within `timeout` fails.
+    /// A lockstep for `ranks` threads; a round that does not complete within `timeout` fails.
     pub fn new(ranks: usize, timeout: Duration) -> Lockstep {
-        Lockstep { ranks: ranks as u64, timeout, issued: AtomicU64::new(0), broken: AtomicBool::new(false) }
+        Lockstep { ranks: ranks as u64, timeout, arrived: AtomicU64::new(0), broken: AtomicBool::new(false) }
     }
 
-    /// Issues this rank's next call (`issue`) in its turn; `calls` counts this rank's calls so
-    /// far (every rank makes the same number). A rank whose `issue` fails ends the turns for
-    /// every rank.
+    /// Waits until every rank has reached its round `*round + 1` (then `*round` is that round).
+    /// Every rank calls it the same number of times.
     ///
     /// # Errors
-    /// `issue`'s error; or, without issuing, when a rank broke off or the turn did not come
-    /// within the timeout (the message names the call and whose turn it was).
-    pub fn turn(&self, rank: usize, calls: &mut u64, issue: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
-        let mine = *calls * self.ranks + rank as u64;
-        let mut now = 0;
-        let came = mscclpp::bench::wait_until(self.timeout, || {
-            // Acquire: pairs with the Release add below (the previous turn's launch was issued).
-            now = self.issued.load(Ordering::Acquire);
-            now == mine || self.broken.load(Ordering::Acquire)
+    /// When a rank broke the lockstep or the round did not complete within the timeout (the
+    /// message names the round and how many ranks had arrived).
+    pub fn wait(&self, rank: usize, round: &mut u64) -> Result<(), String> {
+        *round += 1;
+        let target = *round * self.ranks;
+        // AcqRel: the rounds order nothing but the launches' host calls; Acquire/Release keep
+        // the count's history simple to reason about at no measurable cost.
+        self.arrived.fetch_add(1, Ordering::AcqRel);
+        let mut arrived = 0;
+        let done = mscclpp::bench::wait_until(self.timeout, || {
+            arrived = self.arrived.load(Ordering::Acquire);
+            arrived >= target || self.broken.load(Ordering::Acquire)
         });
         if self.broken.load(Ordering::Acquire) {
             return Err(format!("rank {rank}: another rank stopped issuing its calls (its error is reported too)"));
         }
-        if !came {
+        if !done {
+            let here = arrived.saturating_sub(target - self.ranks);
             return Err(format!(
-                "rank {rank}: call {}: rank {} did not issue its call {} within {:?}",
-                *calls + 1,
-                now % self.ranks,
-                now / self.ranks + 1,
-                self.timeout
+                "rank {rank}: launch round {round}: {here} of {} ranks issued their call within {:?}",
+                self.ranks, self.timeout
             ));
         }
-        let r = issue();
-        if r.is_err() {
-            self.break_off();
-            return r;
-        }
-        *calls += 1;
-        // Release: the next rank's turn comes after this launch was issued.
-        self.issued.fetch_add(1, Ordering::Release);
         Ok(())
     }
 
-    /// Ends the turns: every waiting and later `turn` fails. For a rank that stops issuing.
+    /// Releases every waiting and later `wait` with an error: this rank stops issuing calls.
     pub fn break_off(&self) {
         self.broken.store(true, Ordering::Release);
     }
@@ -92,73 +77,67 @@ impl Lockstep {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
+    use std::sync::atomic::AtomicUsize;
 
     #[test]
-    fn calls_are_issued_in_turns_rank_by_rank_and_round_by_round() {
+    fn no_rank_starts_round_k_plus_1_before_every_rank_finished_round_k() {
         const RANKS: usize = 4;
-        const CALLS: u64 = 300;
+        const ROUNDS: u64 = 200;
         let ls = Lockstep::new(RANKS, Duration::from_secs(30));
-        let log = Mutex::new(Vec::new());
+        // Each rank records, after each wait, the round it is in; a rank that ran ahead would
+        // see a peer's counter more than one round behind.
+        let progress: Vec<AtomicU64> = (0..RANKS).map(|_| AtomicU64::new(0)).collect();
+        let violations = AtomicUsize::new(0);
         std::thread::scope(|s| {
             for rank in 0..RANKS {
-                let (ls, log) = (&ls, &log);
+                let (ls, progress, violations) = (&ls, &progress, &violations);
                 s.spawn(move || {
-                    let mut calls = 0;
-                    for k in 0..CALLS {
-                        ls.turn(rank, &mut calls, || {
-                            log.lock().unwrap().push((k, rank));
-                            Ok(())
-                        })
-                        .unwrap();
+                    let mut round = 0;
+                    for _ in 0..ROUNDS {
+                        ls.wait(rank, &mut round).unwrap();
+                        for p in progress {
+                            if p.load(Ordering::Acquire) + 1 < round {
+                                violations.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        progress[rank].store(round, Ordering::Release);
                     }
-                    assert_eq!(calls, CALLS);
+                    assert_eq!(round, ROUNDS);
                 });
             }
         });
-        let log = log.into_inner().unwrap();
-        let want: Vec<_> = (0..CALLS).flat_map(|k| (0..RANKS).map(move |r| (k, r))).collect();
-        assert_eq!(log, want);
+        assert_eq!(violations.load(Ordering::Relaxed), 0);
     }
 
     #[test]
-    fn a_failed_call_releases_the_others_with_an_error() {
+    fn a_rank_that_breaks_off_releases_the_others_with_an_error() {
         let ls = Lockstep::new(3, Duration::from_secs(60));
         let t0 = std::time::Instant::now();
         let errs: Vec<String> = std::thread::scope(|s| {
-            // Ranks 1 and 2 wait for rank 0's first call, which fails.
-            let waiters: Vec<_> = (1..3)
+            let waiters: Vec<_> = (0..2)
                 .map(|rank| {
                     let ls = &ls;
-                    s.spawn(move || ls.turn(rank, &mut 0, || Ok(())).unwrap_err())
+                    s.spawn(move || ls.wait(rank, &mut 0).unwrap_err())
                 })
                 .collect();
             std::thread::sleep(Duration::from_millis(50));
-            let e = ls.turn(0, &mut 0, || Err("launch failed".to_string())).unwrap_err();
-            assert_eq!(e, "launch failed");
+            ls.break_off();
             waiters.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        assert!(t0.elapsed() < Duration::from_secs(30), "released by the failure, not the timeout");
+        assert!(t0.elapsed() < Duration::from_secs(30), "released by the break, not the timeout");
         for e in &errs {
             assert!(e.contains("another rank stopped issuing"), "{e}");
         }
-        let mut issued = false;
-        assert!(
-            ls.turn(0, &mut 1, || {
-                issued = true;
-                Ok(())
-            })
-            .is_err()
-        );
-        assert!(!issued, "nothing is issued once the turns ended");
+        // Later rounds fail at once too.
+        assert!(ls.wait(2, &mut 5).is_err());
     }
 
     #[test]
-    fn a_missing_rank_times_out_naming_whose_turn_it_was() {
+    fn a_missing_rank_times_out_naming_the_round_and_the_count() {
         let ls = Lockstep::new(3, Duration::from_millis(100));
-        let mut calls = 0;
-        let e = ls.turn(1, &mut calls, || Ok(())).unwrap_err();
-        assert_eq!(calls, 0, "no call issued");
-        assert!(e.contains("rank 1: call 1: rank 0 did not issue its call 1"), "{e}");
+        let mut round = 0;
+        let e = ls.wait(1, &mut round).unwrap_err();
+        assert_eq!(round, 1);
+        assert!(e.contains("rank 1: launch round 1: 1 of 3 ranks issued their call"), "{e}");
     }
 }
