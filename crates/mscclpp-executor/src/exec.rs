@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use mscclpp::device::Host2DeviceSemaphoreDeviceHandle;
 use mscclpp::device::compile::{CompileOptions, KernelModule, Ptx, compile};
 use mscclpp::device::proxy::{MemoryId, ProxyConfig, ProxyService};
-use mscclpp::device::{Host2DeviceSemaphoreDeviceHandle, MemoryDevice2DeviceSemaphoreDeviceHandle};
 use mscclpp::gpu::{DeviceBuffer, Kernel, PinnedBuffer, Stream};
 use mscclpp::{
     BaseMemoryChannel, Communicator, Device, EndpointConfig, Error, FirstError, Host2DeviceSemaphore, MemoryChannel,
@@ -398,14 +398,26 @@ struct Resources {
     launches: AtomicU64,
 }
 
-/// Where a rank's channel semaphores live (device addresses), by peer: what
+/// A rank's channel semaphores by peer, and the sizes of the call: what
 /// [`Executor::diagnostics`] reads after a failed wait.
 struct Diag {
-    /// Memory channels: (peer, the semaphore's device handle).
-    mem: Vec<(usize, MemoryDevice2DeviceSemaphoreDeviceHandle)>,
-    /// Port channels: (peer, the semaphore's device handle, the address of the peer's token
-    /// that this rank's proxy signals, as the peer registered it).
-    port: Vec<(usize, Host2DeviceSemaphoreDeviceHandle, u64)>,
+    /// The send and receive sizes these resources were built for.
+    sizes: (u64, u64),
+    /// Memory channels: (peer, the semaphore).
+    mem: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)>,
+    /// Port channels (their semaphores belong to the proxy): (peer, the device handle, the
+    /// inbound token's and expected count's buffers, the address of the peer's token that this
+    /// rank's proxy signals, as the peer registered it).
+    port: Vec<PortDiag>,
+}
+
+/// One port channel's semaphore words; see [`Diag`].
+struct PortDiag {
+    peer: usize,
+    handle: Host2DeviceSemaphoreDeviceHandle,
+    token: DeviceBuffer,
+    expected: DeviceBuffer,
+    remote: u64,
 }
 
 impl Resources {
@@ -560,21 +572,22 @@ impl Executor {
         Ok(())
     }
 
-    /// Diagnostics after a failed call, a line per cached (plan, buffers): launches issued and
-    /// the last one whose block 0 started (the kernel's flag, 1 for the first), the proxy's
+    /// Diagnostics after a failed call, a line per cached (plan, buffers): the sizes, launches
+    /// issued (calls of `execute`; calls captured in a CUDA graph count once, replays not) and
+    /// the last launch whose block 0 started (the kernel's flag: 1 for the first, counting
+    /// launches that found the rank failed and returned at once), the error word, the proxy's
     /// handled triggers, and for every channel the semaphore words by peer: this rank's inbound
-    /// token and expected count, and the address of the peer's token it signals (a peer whose
-    /// own inbound address differs was given another token). Reads device memory with
-    /// synchronous copies: call it once the rank's kernels have finished or failed. Not API.
+    /// token (address and value) and expected count, and the address of the peer's token it
+    /// signals. With ranks as threads of one process, that address is the peer's own inbound
+    /// address (a different one means it was given another token); across processes the
+    /// addresses differ (each process maps the peer's memory at its own address).
+    ///
+    /// Reads device memory with synchronous copies: call it once the rank's kernels have ended
+    /// (a read can wait for a kernel of this rank that still runs until its own timeout). Not
+    /// API.
     #[doc(hidden)]
     pub fn diagnostics(&self) -> Vec<String> {
-        let dev = self.config.device;
-        // SAFETY: every address below is a word of a semaphore this rank's resources hold (its
-        // own tokens and counts, in this process's context), kept alive by the cached `r`.
-        let peek = |a: u64| match unsafe { mscclpp::bench::peek_device_u64(dev, a) } {
-            Ok(v) => v.to_string(),
-            Err(e) => format!("? ({e})"),
-        };
+        let show = |r: Result<u64, Error>| r.map_or_else(|e| format!("? ({e})"), |v| v.to_string());
         let all = match self.contexts.all() {
             Ok(a) => a,
             Err(e) => return vec![format!("rank {}: no diagnostics: {e}", self.comm.rank())],
@@ -582,29 +595,34 @@ impl Executor {
         all.iter()
             .map(|r| {
                 let mut line = format!(
-                    "rank {} plan {}: launches issued {}, block 0 of launch {} started last (0: none), error word {:#x}, proxy handled {}",
+                    "rank {} plan {} ({} B in, {} B out): launches issued {}, block 0 of launch {} started last (0: none), error word {:#x}, proxy handled {}",
                     self.comm.rank(),
                     r.plan_name,
+                    r.diag.sizes.0,
+                    r.diag.sizes.1,
                     r.launches.load(Ordering::Relaxed),
                     r.status_word(5),
                     r.error_word(),
                     r.proxy.as_ref().map_or_else(|| "-".to_string(), |p| p.processed().to_string()),
                 );
-                for (peer, h) in &r.diag.mem {
+                for (peer, sem) in &r.diag.mem {
+                    let h = sem.device_handle();
                     line += &format!(
                         "; memory channel with rank {peer}: inbound {:#x} = {}, expected = {}, signals into {:#x}",
                         h.inbound_token,
-                        peek(h.inbound_token),
-                        peek(h.expected_inbound_token),
+                        show(sem.inbound_token()),
+                        show(sem.expected_inbound_token()),
                         h.remote_inbound_token
                     );
                 }
-                for (peer, h, remote) in &r.diag.port {
+                for p in &r.diag.port {
                     line += &format!(
-                        "; port channel with rank {peer}: inbound {:#x} = {}, expected = {}, proxy signals into {remote:#x}",
-                        h.inbound_token,
-                        peek(h.inbound_token),
-                        peek(h.expected_inbound_token)
+                        "; port channel with rank {}: inbound {:#x} = {}, expected = {}, proxy signals into {:#x}",
+                        p.peer,
+                        p.handle.inbound_token,
+                        show(p.token.read_u64(0)),
+                        show(p.expected.read_u64(0)),
+                        p.remote
                     );
                 }
                 line
@@ -894,14 +912,14 @@ impl Executor {
                 remote.push((owner, t, m));
             }
             let mut mem_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)> = Vec::new();
-            let mut diag = Diag { mem: Vec::new(), port: Vec::new() };
+            let mut diag = Diag { sizes: (send_size, recv_size), mem: Vec::new(), port: Vec::new() };
             let mut mem_channels = Vec::new();
             let mut port_sems = Vec::new();
             for (l, s) in sems {
                 let s = s.wait().map_err(|e| e.during("building a plan's semaphore").with_peer(l.peer))?;
                 if l.channel_type == ChannelType::Memory {
                     let s = Arc::new(MemoryDevice2DeviceSemaphore::new(s).map_err(|e| e.with_peer(l.peer))?);
-                    diag.mem.push((l.peer, s.device_handle()));
+                    diag.mem.push((l.peer, s.clone()));
                     mem_channels.push(BaseMemoryChannel::new(s.clone()));
                     mem_sems.push((l.peer, s));
                 } else {
@@ -949,7 +967,14 @@ impl Executor {
             if let Some(p) = proxy.as_mut() {
                 let scratch_id = MemoryId(bindings.local_mem[2]);
                 for (peer, s) in port_sems {
-                    diag.port.push((peer, s.device_handle(), s.semaphore().remote_memory().addr()));
+                    let (token, expected) = s.word_buffers();
+                    diag.port.push(PortDiag {
+                        peer,
+                        handle: s.device_handle(),
+                        token,
+                        expected,
+                        remote: s.semaphore().remote_memory().addr(),
+                    });
                     let id = p.add_semaphore(s)?;
                     port_bytes.extend_from_slice(
                         &p.port_channel(id, scratch_id, scratch_id)?.device_handle().base.to_bytes(),

@@ -644,7 +644,13 @@ __device__ __forceinline__ void begin(const ExecArgs& a, Start& s) {
     s.stop = vload(&((ExecState*)a.state)->failed) != 0 ? 1u : 0u;
   }
 }
-// False (reported) when this rank failed before: the launch does nothing.
+// Each block advances its own flag for the next launch (which starts after this one ends: no
+// fence, no shared counter to wait on). Every block runs every launch, so the flags stay equal.
+// Past 2^32 launches it skips 0 (the value of zeroed memory) and keeps the parity alternating.
+__device__ __forceinline__ void finish(const ExecArgs& a, const Ctx& c) {
+  if (threadIdx.x == 0) *((u32*)a.flags + blockIdx.x) = c.flag + 1 == 0 ? 2u : c.flag + 1;
+}
+// False (reported) when this rank failed before: the launch does nothing but advance its flag.
 __device__ __forceinline__ bool begin_ctx(const ExecArgs& a, const Start& s, Ctx& c) {
   c.a = &a;
   c.flag = s.flag;
@@ -658,15 +664,11 @@ __device__ __forceinline__ bool begin_ctx(const ExecArgs& a, const Start& s, Ctx
   c.buf[2] = (char*)a.scratch + c.scratch_off;
   if (s.stop) {
     if (threadIdx.x == 0) fail(c, ERR_FAILED_BEFORE, NO_PEER);
+    // The flag still advances, so that status word 5 counts this launch as started.
+    finish(a, c);
     return false;
   }
   return true;
-}
-// Each block advances its own flag for the next launch (which starts after this one ends: no
-// fence, no shared counter to wait on). Every block runs every launch, so the flags stay equal.
-// Past 2^32 launches it skips 0 (the value of zeroed memory) and keeps the parity alternating.
-__device__ __forceinline__ void finish(const ExecArgs& a, const Ctx& c) {
-  if (threadIdx.x == 0) *((u32*)a.flags + blockIdx.x) = c.flag + 1 == 0 ? 2u : c.flag + 1;
 }
 
 // A block's operations are copied to shared memory at its start when they fit (one step for

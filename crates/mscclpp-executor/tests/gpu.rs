@@ -500,7 +500,8 @@ fn host_cost_per_execute_with_cached_resources() {
                 // SAFETY: the kernel takes one 120-byte struct by value; `a` outlives the call.
                 unsafe { empty.launch((1, 1, 1), (32, 1, 1), 0, &stream, &mut params) }.unwrap();
             } else {
-                // SAFETY: as above.
+                // SAFETY: the buffers are forgotten (never freed) below, so they outlive every
+                // launch.
                 unsafe {
                     ex.execute(
                         rank,

@@ -862,15 +862,7 @@ pub fn run(args: &Args, env_set_here: bool) -> Result<(), String> {
         },
     };
     let j = &job;
-    let results = local_ranks(j.spec.ranks, j.spec.timeout, |rank, bs| {
-        let r = rank_main(j, rank, bs, id);
-        // A rank that stops releases the others from the lockstep at once (they would wait out
-        // the timeout there otherwise).
-        if let (Err(_), Some(l)) = (&r, &j.lockstep) {
-            l.break_off();
-        }
-        r
-    })?;
+    let results = local_ranks(j.spec.ranks, j.spec.timeout, |rank, bs| rank_main(j, rank, bs, id))?;
     let (records, wrong, has_nccl) = results.into_iter().next().unwrap_or_default();
     job.finish(records, wrong, has_nccl)
 }
@@ -975,6 +967,19 @@ fn rank_main(
         stop,
         windows,
     };
+    // When this rank stops (an error, a panic, or the end), the lockstep ends for every rank: a
+    // rank that failed releases the others before `me` drops (its proxy and memory go, which
+    // can wait for the peers' kernels until their device timeout). On success every rank is
+    // past its last round by then (each size ends with a gather of every rank).
+    struct EndTurns<'a>(Option<&'a Lockstep>);
+    impl Drop for EndTurns<'_> {
+        fn drop(&mut self) {
+            if let Some(l) = self.0 {
+                l.break_off();
+            }
+        }
+    }
+    let _end_turns = EndTurns(job.lockstep.as_ref());
     // Setup time (the slowest rank's), tuning included: the bound is 5 s for 15 sizes.
     let setups = me.gather(&[setup_ms])?;
     if rank == 0 {

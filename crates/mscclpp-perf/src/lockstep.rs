@@ -16,7 +16,7 @@
 //! any call k+1, and the calls k complete together (one call of slack is the most that is safe).
 //! A round costs the threads an atomic add and a short spin while the GPU runs the calls queued
 //! ahead; it shows only where the launches are the time (eager calls at small sizes: 4 ranks
-//! 9-11 -> 16-19 us per call on an H100; strict turns, one launch after another, cost more).
+//! 9-11 -> 16-20 us per call on an H100; strict turns, one launch after another, cost more).
 //! Processes (`--procs`) have a
 //! context each and need no lockstep.
 
@@ -64,7 +64,7 @@ impl Lockstep {
         if !done {
             let here = arrived.saturating_sub(target - self.ranks);
             return Err(format!(
-                "rank {rank}: launch round {round}: {here} of {} ranks issued their call within {:?}",
+                "rank {rank}: launch round {round}: {here} of {} ranks were ready to issue their call {round} within {:?}",
                 self.ranks, self.timeout
             ));
         }
@@ -141,6 +141,6 @@ mod tests {
         let mut round = 0;
         let e = ls.wait(1, &mut round).unwrap_err();
         assert_eq!(round, 1);
-        assert!(e.contains("rank 1: launch round 1: 1 of 3 ranks issued their call"), "{e}");
+        assert!(e.contains("rank 1: launch round 1: 1 of 3 ranks were ready to issue their call 1"), "{e}");
     }
 }

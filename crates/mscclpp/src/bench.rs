@@ -8,11 +8,11 @@ use crate::buffer::{Buffer, DeviceBuffer};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::memory::RegisteredMemory;
+pub use crate::platform::cuda::ipc_mapped_count;
 pub use crate::platform::cuda::queue_probe::{
     PROBE_MAX_LIMIT, ProbeStream, ProbeWrite, QueueProbe, queue_map_probe, queue_probe,
 };
 use crate::platform::cuda::{self, GpuDevice, PinnedAlloc, Stream};
-pub use crate::platform::cuda::{ipc_mapped_count, peek_device_u64};
 use crate::platform::pidfd::PidFd;
 // Through the crate's re-exports: where these types live inside the crate may change.
 use crate::sync::{BackoffPolicy, Deadline, poll_until};

@@ -420,6 +420,19 @@ impl Host2DeviceSemaphore {
         self.token.read_u64(0)
     }
 
+    /// The signals kernels have consumed so far (the expected count), read by the host.
+    pub fn expected_inbound_token(&self) -> Result<u64> {
+        self.expected.read_u64(0)
+    }
+
+    /// The inbound token's and the expected count's buffers (shared, not copied): they outlive
+    /// the semaphore while held, so a tool can still read them once a proxy has taken the
+    /// semaphore. For diagnostics (`mscclpp_executor::Executor::diagnostics`); not API.
+    #[doc(hidden)]
+    pub fn word_buffers(&self) -> (DeviceBuffer, DeviceBuffer) {
+        (self.token.clone(), self.expected.clone())
+    }
+
     /// The last token value sent to the peer (signals sent so far, from this semaphore's
     /// start): where a proxy that takes the semaphore over continues counting.
     pub fn outbound_token(&self) -> u64 {

@@ -524,8 +524,9 @@ impl Drop for Event {
 /// Logs (debug level) a call from CUDA's implicit-synchronization list (device or pinned
 /// allocation or free, a synchronous copy or memset, a module load): work submitted after it
 /// does not run beside kernels submitted before it, so one issued while ranks' kernels spin
-/// for each other stalls them until a wait times out (issue #28's two-node runs). `what` is
-/// only built when the line is logged.
+/// for each other stalls them until a wait times out (suspected for issue #28's two-node runs,
+/// whose stall turned out to be queued launches; see docs/design.md). `what` is only built
+/// when the line is logged.
 pub(crate) fn serializing(what: impl FnOnce() -> String, ordinal: u32, at: Option<&std::panic::Location<'_>>) {
     if !tracing::enabled!(target: LOG, tracing::Level::DEBUG) {
         return;
@@ -631,28 +632,6 @@ impl Drop for PinnedAlloc {
             let _ = unsafe { result::free_host(self.ptr.cast()) };
         }
     }
-}
-
-/// Reads the 8-byte word at device address `addr` on GPU `device` with a synchronous copy: for
-/// diagnostics after a failed wait (a semaphore's token, an expected count), where the words of
-/// several ranks of this process are compared. Not for hot paths. Public through
-/// `mscclpp::bench`.
-///
-/// # Errors
-/// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU; `Cuda` when the copy
-/// fails (an address the driver does not know).
-///
-/// # Safety
-/// `addr` is an 8-byte word of live device memory usable in GPU `device`'s context in this
-/// process (its own allocation, or a peer's mapped here).
-pub unsafe fn peek_device_u64(device: u32, addr: u64) -> Result<u64> {
-    let dev = self::device(device)?;
-    dev.bind()?;
-    serializing(|| "cuMemcpyDtoH (diagnostics)".into(), dev.ordinal, Some(std::panic::Location::caller()));
-    let mut b = [0u8; 8];
-    // SAFETY: the caller's contract: [addr, addr+8) is live device memory of this context.
-    unsafe { result::memcpy_dtoh_sync(&mut b, addr) }.map_err(|e| cuda_err("cuMemcpyDtoH (diagnostics)", e))?;
-    Ok(u64::from_le_bytes(b))
 }
 
 /// Waits for the legacy default stream (where the synchronous copy and memset calls run) on the
