@@ -139,6 +139,13 @@ impl CallOptions {
 /// Scratch: [`scratch_bytes`](Self::scratch_bytes) of GPU memory per rank (about 2 x
 /// `packet_bytes` + 2 x `simple_bytes`, 80 MiB by default).
 ///
+/// Ranks as threads of one process on one GPU (as in the example) share a CUDA context: set
+/// `CUDA_DEVICE_MAX_CONNECTIONS=32` before CUDA starts
+/// ([`mscclpp::gpu::use_all_hw_queues`]), and let no rank thread queue its next call (or graph
+/// launch) before every rank has queued the current one; a rank that runs two calls ahead can
+/// leave a peer's launch queued behind its own until a device timeout (docs/design.md,
+/// "Hardware queues and ranks as threads"). Ranks as processes need neither.
+///
 /// ```no_run
 /// use std::sync::Arc;
 /// use std::time::Duration;

@@ -465,6 +465,13 @@ impl Resources {
 /// bounded by [`ExecutorConfig::timeout`]; a failed wait makes [`check`](Self::check) and the
 /// next call return [`ExecError::Device`] naming the rank waited for, and that plan's resources
 /// refuse further runs.
+///
+/// Ranks as threads of one process on one GPU share a CUDA context: set
+/// `CUDA_DEVICE_MAX_CONNECTIONS=32` before CUDA starts (`mscclpp::gpu::use_all_hw_queues`), and
+/// let no rank thread queue its next `execute` (or graph launch) before every rank has queued
+/// the current one, as `mscclpp-perf` does; a rank that runs two calls ahead can leave a peer's
+/// launch queued behind its own until the device timeout (docs/design.md, "Hardware queues and
+/// ranks as threads"). Ranks as processes need neither.
 pub struct Executor {
     comm: Communicator,
     config: ExecutorConfig,
