@@ -814,6 +814,9 @@ impl Job {
         if let (false, Some(q)) = (procs, crate::queues::setting()) {
             say(format!("# hardware queues: {q}"));
         }
+        if !procs && ranks > 1 {
+            say("# ranks as threads: each call and graph launch is issued in lockstep rounds (no rank queues its next before every rank queued the current one; eager times at small sizes include it)".to_string());
+        }
         for l in columns(s, nccl.is_some()) {
             say(l);
         }
