@@ -132,6 +132,17 @@ impl Region {
         Ok(())
     }
 
+    /// Copies `n` bytes of `src` at `src_offset` into the region at `offset` (the two ranges may
+    /// be in the same allocation, even overlap).
+    pub(crate) fn copy_from(&self, offset: u64, src: &Region, src_offset: u64, n: usize) -> Result<()> {
+        self.check(offset, n as u64)?;
+        src.check(src_offset, n as u64)?;
+        // SAFETY: both ranges are inside their regions (checked), each valid while its region
+        // lives (type invariant); `copy` allows the ranges to overlap.
+        unsafe { std::ptr::copy(src.ptr(src_offset), self.ptr(offset), n) };
+        Ok(())
+    }
+
     /// Sets `n` bytes at `offset` to `byte`.
     pub(crate) fn fill(&self, offset: u64, n: u64, byte: u8) -> Result<()> {
         self.check(offset, n)?;
@@ -307,6 +318,25 @@ pub(crate) fn send_vectored(stream: &TcpStream, parts: &[IoPart<'_>]) -> std::io
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering;
+
+    #[test]
+    fn copy_from_another_region_or_an_overlapping_range_of_the_same() {
+        let region = |n: usize| Region::owned(Arc::new(HostAlloc::zeroed(n).unwrap()), n);
+        let (a, b) = (region(64), region(64));
+        let pat: Vec<u8> = (0..64).map(|i| i as u8 + 1).collect();
+        a.write(0, &pat).unwrap();
+        b.copy_from(10, &a, 3, 20).unwrap();
+        let mut got = vec![0u8; 64];
+        b.read(0, &mut got).unwrap();
+        assert_eq!(&got[10..30], &pat[3..23]);
+        assert!(got[..10].iter().chain(&got[30..]).all(|&x| x == 0), "bytes outside the copy changed");
+        // Overlapping, within one region: as memmove.
+        a.copy_from(8, &a.clone(), 0, 32).unwrap();
+        a.read(0, &mut got).unwrap();
+        assert_eq!(&got[8..40], &pat[0..32]);
+        assert!(b.copy_from(50, &a, 0, 20).is_err(), "past the destination's end");
+        assert!(b.copy_from(0, &a, 50, 20).is_err(), "past the source's end");
+    }
 
     #[test]
     fn vectored_send_of_slices_and_regions() {

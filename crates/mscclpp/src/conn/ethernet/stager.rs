@@ -445,11 +445,8 @@ impl<E: Engine> Stager<E> {
                 let k = self.cur;
                 let at = self.fill;
                 let mut o = at;
-                let mut bytes = Vec::new();
                 for e in group {
-                    bytes.resize(e.len, 0);
-                    self.stages[e.k].read(e.at as u64, &mut bytes)?;
-                    self.stages[k].write(o as u64, &bytes)?;
+                    self.stages[k].copy_from(o as u64, &self.stages[e.k], e.at as u64, e.len)?;
                     o += e.len;
                 }
                 self.fill = o;
@@ -1188,54 +1185,44 @@ mod tests {
     /// the last write of each wins, and the batch still lands with few copies.
     #[test]
     fn drifting_producers_rewriting_a_ring_land_with_few_copies() {
+        let (n, received) = land_drifting_producers(8, 20);
+        assert!(n * 40 < received, "{n} copies for {received} payloads");
+    }
+
+    /// The same with larger payloads (the proxy rows' 512 B and 4 KiB): a landing epoch holds
+    /// enough of them (`LAND_BYTES`) that most slots of the ring are in it, so the copies stay
+    /// far fewer than the payloads.
+    #[test]
+    fn drifting_producers_with_larger_payloads_land_with_few_copies() {
+        for (size, most) in [(512usize, 100usize), (4096, 8000)] {
+            let (n, received) = land_drifting_producers(size, 10);
+            assert!(n <= most, "{size} B: {n} copies for {received} payloads");
+        }
+    }
+
+    /// `rounds` batches of 2000 payloads of `size` bytes from 132 producers at random paces
+    /// into a ring of 256 slots, each batch ended by a token and checked landed exactly:
+    /// (copies, payloads).
+    fn land_drifting_producers(size: usize, rounds: u64) -> (usize, usize) {
         let mut st = stager();
         let token = BASE + (GPU_LEN - 64) as u64;
         let mut model = vec![0u8; GPU_LEN];
         let mut rng = Rng(0xd71f7);
-        let (producers, slots, size) = (132usize, 256usize, 8usize);
+        let (producers, slots) = (132usize, 256usize);
         let mut k = vec![0usize; producers];
         let mut received = 0usize;
-        for round in 0..20u64 {
+        for round in 0..rounds {
             for _ in 0..2000 {
                 let p = rng.next() as usize % producers;
                 let i = k[p] * producers + p;
                 k[p] += 1;
-                let off = (i % slots) * size;
-                assert!(put(&mut st, &mut model, off, size, round << 32 | i as u64));
+                assert!(put(&mut st, &mut model, (i % slots) * size, size, round << 32 | i as u64));
                 received += 1;
             }
             st.token_at(token, 1, true).unwrap();
-            assert!(landed_as(&st, &model), "round {round}");
+            assert!(landed_as(&st, &model), "{size} B, round {round}");
         }
-        let n = copies(&st);
-        assert!(n * 40 < received, "{n} copies for {received} payloads");
-    }
-
-    /// The drifting producers of the test above with larger payloads (the proxy rows' 512 B
-    /// and 4 KiB): a landing epoch holds enough of them (`LAND_BYTES`) that most slots of the
-    /// ring are in it, so the copies stay far fewer than the payloads.
-    #[test]
-    fn drifting_producers_with_larger_payloads_land_with_few_copies() {
-        for (size, most) in [(512usize, 100usize), (4096, 8000)] {
-            let mut st = stager();
-            let token = BASE + (GPU_LEN - 64) as u64;
-            let mut model = vec![0u8; GPU_LEN];
-            let mut rng = Rng(0xd71f7);
-            let (producers, slots) = (132usize, 256usize);
-            let mut k = vec![0usize; producers];
-            for round in 0..10u64 {
-                for _ in 0..2000 {
-                    let p = rng.next() as usize % producers;
-                    let i = k[p] * producers + p;
-                    k[p] += 1;
-                    assert!(put(&mut st, &mut model, (i % slots) * size, size, round << 32 | i as u64));
-                }
-                st.token_at(token, 1, true).unwrap();
-                assert!(landed_as(&st, &model), "{size} B, round {round}");
-            }
-            let n = copies(&st);
-            assert!(n <= most, "{size} B: {n} copies for 20000 payloads");
-        }
+        (copies(&st), received)
     }
 
     /// Receives `n` bytes for GPU offset `off` into the model too.
