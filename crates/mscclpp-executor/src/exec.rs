@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use mscclpp::device::Host2DeviceSemaphoreDeviceHandle;
 use mscclpp::device::compile::{CompileOptions, KernelModule, Ptx, compile};
 use mscclpp::device::proxy::{MemoryId, ProxyConfig, ProxyService};
 use mscclpp::gpu::{DeviceBuffer, Kernel, PinnedBuffer, Stream};
@@ -405,18 +404,18 @@ struct Diag {
     sizes: (u64, u64),
     /// Memory channels: (peer, the semaphore).
     mem: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)>,
-    /// Port channels (their semaphores belong to the proxy): (peer, the device handle, the
-    /// inbound token's and expected count's buffers, the address of the peer's token that this
-    /// rank's proxy signals, as the peer registered it).
+    /// Port channels (their semaphores belong to the proxy).
     port: Vec<PortDiag>,
 }
 
 /// One port channel's semaphore words; see [`Diag`].
 struct PortDiag {
     peer: usize,
-    handle: Host2DeviceSemaphoreDeviceHandle,
+    /// The inbound token's and the expected count's buffers.
     token: DeviceBuffer,
     expected: DeviceBuffer,
+    /// The address of the peer's token that this rank's proxy signals, as the peer registered
+    /// it.
     remote: u64,
 }
 
@@ -626,7 +625,7 @@ impl Executor {
                     line += &format!(
                         "; port channel with rank {}: inbound {:#x} = {}, expected = {}, proxy signals into {:#x}",
                         p.peer,
-                        p.handle.inbound_token,
+                        p.token.device_ptr(),
                         show(p.token.read_u64(0)),
                         show(p.expected.read_u64(0)),
                         p.remote
@@ -919,14 +918,12 @@ impl Executor {
                 remote.push((owner, t, m));
             }
             let mut mem_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)> = Vec::new();
-            let mut diag = Diag { sizes: (send_size, recv_size), mem: Vec::new(), port: Vec::new() };
             let mut mem_channels = Vec::new();
             let mut port_sems = Vec::new();
             for (l, s) in sems {
                 let s = s.wait().map_err(|e| e.during("building a plan's semaphore").with_peer(l.peer))?;
                 if l.channel_type == ChannelType::Memory {
                     let s = Arc::new(MemoryDevice2DeviceSemaphore::new(s).map_err(|e| e.with_peer(l.peer))?);
-                    diag.mem.push((l.peer, s.clone()));
                     mem_channels.push(BaseMemoryChannel::new(s.clone()));
                     mem_sems.push((l.peer, s));
                 } else {
@@ -971,17 +968,12 @@ impl Executor {
                 }
             }
             let mut port_bytes = Vec::new();
+            let mut diag = Diag { sizes: (send_size, recv_size), mem: mem_sems, port: Vec::new() };
             if let Some(p) = proxy.as_mut() {
                 let scratch_id = MemoryId(bindings.local_mem[2]);
                 for (peer, s) in port_sems {
                     let (token, expected) = s.word_buffers();
-                    diag.port.push(PortDiag {
-                        peer,
-                        handle: s.device_handle(),
-                        token,
-                        expected,
-                        remote: s.semaphore().remote_memory().addr(),
-                    });
+                    diag.port.push(PortDiag { peer, token, expected, remote: s.semaphore().remote_memory().addr() });
                     let id = p.add_semaphore(s)?;
                     port_bytes.extend_from_slice(
                         &p.port_channel(id, scratch_id, scratch_id)?.device_handle().base.to_bytes(),

@@ -113,6 +113,24 @@ struct Bufs {
     recv_size: u64,
 }
 
+/// One `execute` of `plan` by `rank` on `bufs`, i32 data (every test's call).
+///
+/// # Safety
+/// As [`Executor::execute`]: the buffers stay valid until the call's work on `stream` ends.
+unsafe fn execute_i32(
+    ex: &Executor,
+    rank: usize,
+    bufs: &Bufs,
+    plan: &ExecutionPlan,
+    stream: &Stream,
+    packet: PacketType,
+) -> Result<(), ExecError> {
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        ex.execute(rank, bufs.send, bufs.recv, bufs.send_size, bufs.recv_size, DataType::Int32, plan, stream, packet)
+    }
+}
+
 fn buffers(comm: &Communicator, plan: &Plan, rank: usize, chunk: usize) -> Bufs {
     let g = &plan.gpus[rank];
     let cb = (chunk * 4) as u64;
@@ -181,20 +199,8 @@ fn run_plans(
                     fill(&bufs, rank);
                     comm.bootstrap().barrier().unwrap();
                     // SAFETY: the buffers live until after the stream is synchronized below.
-                    let r = unsafe {
-                        ex.execute(
-                            rank,
-                            bufs.send,
-                            bufs.recv,
-                            bufs.send_size,
-                            bufs.recv_size,
-                            DataType::Int32,
-                            p,
-                            &stream,
-                            packet,
-                        )
-                    }
-                    .and_then(|_| ex.synchronize(&stream, Duration::from_secs(60)));
+                    let r = unsafe { execute_i32(&ex, rank, &bufs, p, &stream, packet) }
+                        .and_then(|_| ex.synchronize(&stream, Duration::from_secs(60)));
                     comm.bootstrap().barrier().unwrap();
                     if let Err(e) = r {
                         eprintln!(
@@ -330,19 +336,7 @@ fn graph_capture_and_replays_match_the_reference() {
             unsafe { ex.prepare(rank, bufs.send, bufs.recv, bufs.send_size, bufs.recv_size, p) }.unwrap();
             stream.begin_capture().unwrap();
             // SAFETY: as above.
-            let r = unsafe {
-                ex.execute(
-                    rank,
-                    bufs.send,
-                    bufs.recv,
-                    bufs.send_size,
-                    bufs.recv_size,
-                    DataType::Int32,
-                    p,
-                    &stream,
-                    PacketType::LL16,
-                )
-            };
+            let r = unsafe { execute_i32(&ex, rank, &bufs, p, &stream, PacketType::LL16) };
             let graph = stream.end_capture().unwrap();
             r.unwrap();
             let want = reference(p.plan(), rank, 4096, &|q, e| value(q, e));
@@ -394,20 +388,7 @@ fn a_missing_rank_is_named_within_the_timeout() {
         let r = if rank == 0 {
             let t = Instant::now();
             // SAFETY: as above.
-            unsafe {
-                ex.execute(
-                    rank,
-                    bufs.send,
-                    bufs.recv,
-                    bufs.send_size,
-                    bufs.recv_size,
-                    DataType::Int32,
-                    &plan,
-                    &stream,
-                    PacketType::LL16,
-                )
-            }
-            .unwrap();
+            unsafe { execute_i32(&ex, rank, &bufs, &plan, &stream, PacketType::LL16) }.unwrap();
             let r = ex.synchronize(&stream, Duration::from_secs(30));
             Some((r, t.elapsed()))
         } else {
@@ -415,19 +396,7 @@ fn a_missing_rank_is_named_within_the_timeout() {
         };
         // The failure is sticky: the next call is refused at once with the same report.
         // SAFETY: as above.
-        let again = (rank == 0).then(|| unsafe {
-            ex.execute(
-                rank,
-                bufs.send,
-                bufs.recv,
-                bufs.send_size,
-                bufs.recv_size,
-                DataType::Int32,
-                &plan,
-                &stream,
-                PacketType::LL16,
-            )
-        });
+        let again = (rank == 0).then(|| unsafe { execute_i32(&ex, rank, &bufs, &plan, &stream, PacketType::LL16) });
         let _ = stream.synchronize(Duration::from_secs(30));
         comm.bootstrap().barrier().unwrap();
         // Both ranks' kernels are done (rank 0's failed, rank 1 launched none).
@@ -502,20 +471,7 @@ fn host_cost_per_execute_with_cached_resources() {
             } else {
                 // SAFETY: the buffers are forgotten (never freed) below, so they outlive every
                 // launch.
-                unsafe {
-                    ex.execute(
-                        rank,
-                        bufs.send,
-                        bufs.recv,
-                        bufs.send_size,
-                        bufs.recv_size,
-                        DataType::Int32,
-                        &plan,
-                        &stream,
-                        PacketType::LL16,
-                    )
-                }
-                .unwrap();
+                unsafe { execute_i32(&ex, rank, &bufs, &plan, &stream, PacketType::LL16) }.unwrap();
             }
         };
         // Both ranks' threads launching at once (they contend for the context's launch path).
