@@ -604,11 +604,40 @@ __device__ __forceinline__ constexpr bool packets_then_packets(u32 kind, u32 cty
           nkind == OP_upkt || (nkind == OP_rppkt && nctype != CT_PORT));
 }
 
+// A fixed number of values of one operation field (channels, semaphores, buffers), held in
+// registers: indexed with a constant the compiler folds it to the value, indexed at run time (a
+// thread's own channel) a chain of selects picks it (an array indexed at run time would sit in
+// local memory).
+template <typename T, u32 N>
+struct Fixed {
+  T v[N];
+  __device__ __forceinline__ T operator[](u32 i) const {
+    T r = v[0];
+#pragma unroll
+    for (u32 k = 1; k < N; k++) r = i == k ? v[k] : r;
+    return r;
+  }
+  __device__ __forceinline__ void load(const T* from) {
+#pragma unroll
+    for (u32 k = 0; k < N; k++) v[k] = from[k];
+  }
+};
+template <typename T>
+struct Fixed<T, 0> {
+  __device__ __forceinline__ T operator[](u32) const { return T{}; }
+  __device__ __forceinline__ void load(const T*) {}
+};
+
 // An operation whose shape (kind, channel type, counts, reduction) is fixed when the kernel is
 // compiled: a per-plan kernel runs the same operation code as the interpreter on it, and the
 // compiler folds the dispatch, the branches on the shape and the loops over channels and
 // buffers away. Its data (buffers, channel and semaphore indexes) comes from the operation's
-// DevOp slot, as in the interpreter.
+// DevOp slot, as in the interpreter: `FixedOp` reads each field where the operation uses it,
+// `HeldOp` copies them all into registers when it is constructed. The generated code constructs
+// a block's first operations as HeldOps before the launch's flag barrier, so their loads overlap
+// the flag's instead of following it (a dependent round trip the built-in kernels, whose
+// addresses are kernel arguments, do not have); later operations, as FixedOps, cost no
+// registers before they run.
 template <u32 KIND, u32 CTYPE, u32 NCHAN, u32 NSRC, u32 NDST, u32 ROP, u32 NSEMS>
 struct FixedOp {
   static constexpr u32 kind = KIND, ctype = CTYPE, n_chan = NCHAN, n_src = NSRC, n_dst = NDST, reduce_op = ROP,
@@ -623,6 +652,49 @@ struct FixedOp {
   __device__ __forceinline__ explicit FixedOp(const DevOp& d)
       : chans(d.chans), chan_peer(d.chan_peer), sems(d.sems), src(d.src), dst(d.dst), barrier_id(d.barrier_id),
         n_blocks(d.n_blocks) {}
+};
+
+// A fixed number of values of one operation field (channels, semaphores, buffers) in registers:
+// indexed with a constant the compiler folds it to the value; indexed at run time (a thread's own
+// channel) a chain of selects picks it (an array indexed at run time would sit in local memory).
+template <typename T, u32 N>
+struct Held {
+  T v[N];
+  __device__ __forceinline__ T operator[](u32 i) const {
+    T r = v[0];
+#pragma unroll
+    for (u32 k = 1; k < N; k++) r = i == k ? v[k] : r;
+    return r;
+  }
+  __device__ __forceinline__ void load(const T* from) {
+#pragma unroll
+    for (u32 k = 0; k < N; k++) v[k] = from[k];
+  }
+};
+template <typename T>
+struct Held<T, 0> {
+  __device__ __forceinline__ T operator[](u32) const { return T{}; }
+  __device__ __forceinline__ void load(const T*) {}
+};
+
+template <u32 KIND, u32 CTYPE, u32 NCHAN, u32 NSRC, u32 NDST, u32 ROP, u32 NSEMS>
+struct HeldOp {
+  static constexpr u32 kind = KIND, ctype = CTYPE, n_chan = NCHAN, n_src = NSRC, n_dst = NDST, reduce_op = ROP,
+                       n_sems = NSEMS;
+  Held<u32, NCHAN> chans;
+  Held<u32, NCHAN> chan_peer;
+  Held<u32, NSEMS> sems;
+  Held<DevBuf, NSRC> src;
+  Held<DevBuf, NDST> dst;
+  u32 barrier_id;
+  u32 n_blocks;
+  __device__ __forceinline__ explicit HeldOp(const DevOp& d) : barrier_id(d.barrier_id), n_blocks(d.n_blocks) {
+    chans.load(d.chans);
+    chan_peer.load(d.chan_peer);
+    sems.load(d.sems);
+    src.load(d.src);
+    dst.load(d.dst);
+  }
 };
 
 // The start of every launch (both kernels): thread 0 reads the block's LL flag and whether this
@@ -719,18 +791,16 @@ __device__ void run(const ExecArgs& a) {
   finish(a, c);
 }
 
-// A per-plan kernel: `Blocks::run<PK>(c, ops)` (generated from the lowered plan, see
-// `device::plan_source`) runs block b's operations as FixedOps, in the interpreter's order with
-// its barriers; their data is read from the same DevOp slots, in global memory (each thread
-// loads only the fields its operations use, all at once, instead of copying whole slots).
+// A per-plan kernel: `Blocks::run<PK>(a, ops)` (generated from the lowered plan, see
+// src/plan_kernel.rs) runs block b's operations as FixedOps, in the interpreter's order with its
+// barriers; their data is read from the same DevOp slots in global memory. The generated code
+// constructs the block's first operations (their fields loaded into registers), then calls
+// `plan_start` (the flag, the failed word, the barrier), runs the operations and `finish`.
 //
-// With `kPrefetch`, the block's slots are prefetched into L1 (a line per thread) before the flag
-// barrier: the operations' first loads of their fields then hit L1 instead of waiting for L2
-// after the barrier, a dependent round trip the built-in kernels do not have (their addresses
-// are kernel arguments).
+// With `kPrefetch`, the block's slots are prefetched into L1 (a line per thread) first, for the
+// operations constructed after the barrier.
 template <typename PK, typename Blocks, bool kPrefetch = true>
 __device__ void run_plan(const ExecArgs& a) {
-  __shared__ Start s;
   const DevOp* ops = (const DevOp*)a.ops + (u64)blockIdx.x * a.ops_stride;
   if (kPrefetch) {
     const u64 lines = (a.ops_stride * sizeof(DevOp) + 127) / 128;
@@ -738,12 +808,16 @@ __device__ void run_plan(const ExecArgs& a) {
       asm volatile("prefetch.global.L1 [%0];" ::"l"((const char*)ops + i * 128));
     }
   }
+  Blocks::template run<PK>(a, ops);
+}
+
+// The start of a per-plan kernel's block, once its first operations are loaded: as the
+// interpreter's (`begin`, a barrier, `begin_ctx`); false when the rank failed before.
+__device__ __forceinline__ bool plan_start(const ExecArgs& a, Ctx& c) {
+  __shared__ Start s;
   begin(a, s);
   __syncthreads();
-  Ctx c;
-  if (!begin_ctx(a, s, c)) return;
-  Blocks::template run<PK>(c, ops);
-  finish(a, c);
+  return begin_ctx(a, s, c);
 }
 
 #ifndef MSCCLPP_EXEC_PLAN_KERNEL

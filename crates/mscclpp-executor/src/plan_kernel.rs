@@ -35,10 +35,12 @@ fn kind_name(kind: u32) -> String {
     }
 }
 
-/// The `FixedOp` type of `op`.
-fn fixed(op: &DevOp) -> String {
+/// The `FixedOp` type of `op` (its fields read where they are used), or with `held` its
+/// `HeldOp` type (its fields loaded into registers when it is constructed).
+fn fixed(op: &DevOp, held: bool) -> String {
     format!(
-        "FixedOp<{}, {}u, {}u, {}u, {}u, {}u, {}u>",
+        "{}<{}, {}u, {}u, {}u, {}u, {}u, {}u>",
+        if held { "HeldOp" } else { "FixedOp" },
         kind_name(op.kind),
         op.ctype,
         op.n_chan,
@@ -49,29 +51,79 @@ fn fixed(op: &DevOp) -> String {
     )
 }
 
+/// How many buffers (sources and destinations) the operations a block constructs before its
+/// flag barrier (as `HeldOp`s) may hold together: their fields live in registers from the start
+/// (8 spilled in the two-node LL plan under the 64 registers of 1024-thread blocks), so a block
+/// loads its first operations early and the rest (as `FixedOp`s) where they run.
+const PRELOAD_BUFFERS: u32 = 6;
+
+/// The slots of `ops` constructed before the flag barrier: the first operations, in order, while
+/// their buffers fit [`PRELOAD_BUFFERS`] (a pipeline's header and body count as one).
+fn preloaded(ops: &[DevOp]) -> usize {
+    let pipeline = device::op_code(OpKind::Pipeline);
+    let (mut i, mut held) = (0, 0);
+    while i < ops.len() {
+        let n = if ops[i].kind == pipeline { 1 + ops[i].n_body as usize } else { 1 };
+        let bufs: u32 = ops.iter().skip(i).take(n).map(|o| o.n_src + o.n_dst).sum();
+        if i > 0 && held + bufs > PRELOAD_BUFFERS {
+            break;
+        }
+        held += bufs;
+        i += n;
+    }
+    i.min(ops.len())
+}
+
+/// The declaration of slot `i`'s operation (`o{i}`), or of a pipeline header's iteration count
+/// and unit size.
+fn declare(s: &mut String, ops: &[DevOp], i: usize, indent: &str, held: bool) {
+    let op = &ops[i];
+    if op.kind == device::op_code(OpKind::Pipeline) {
+        let _ = writeln!(s, "{indent}const u32 n_iter{i} = ops[{i}].n_iter;");
+        let _ = writeln!(s, "{indent}const u64 unit{i} = ops[{i}].unit_size;");
+    } else {
+        let _ = writeln!(s, "{indent}const {} o{i}(ops[{i}]);", fixed(op, held));
+    }
+}
+
 /// The statements that run one block's operations (`ops[i]` is the block's slot `i`), in the
-/// order and with the barriers of the interpreter's loop (`run` in `kernel.cu`).
+/// order and with the barriers of the interpreter's loop (`run` in `kernel.cu`): the first
+/// operations constructed (their fields loaded) before `plan_start`, the others just before
+/// they run (a pipeline's before its loop), then `finish`.
 fn block_body(ops: &[DevOp]) -> String {
     let pipeline = device::op_code(OpKind::Pipeline);
+    let early = preloaded(ops);
     let mut s = String::new();
+    for i in 0..early {
+        declare(&mut s, ops, i, "    ", true);
+    }
+    s.push_str("    Ctx c;\n    if (!plan_start(a, c)) return;\n");
     let mut i = 0;
     while i < ops.len() {
         let op = &ops[i];
         if op.kind == pipeline {
+            let body = (i + 1..=i + op.n_body as usize).filter(|&j| j < ops.len());
+            for j in std::iter::once(i).chain(body.clone()) {
+                if j >= early {
+                    declare(&mut s, ops, j, "    ", false);
+                }
+            }
             // Iterations and unit size come from the slot (they depend on the message size).
-            let _ = writeln!(s, "    for (u32 it = 0; it < ops[{i}].n_iter; it++) {{");
-            let _ = writeln!(s, "      const u64 unit = ops[{i}].unit_size, po = (u64)it * unit;");
-            for j in 1..=op.n_body as usize {
-                let Some(body) = ops.get(i + j) else { break };
-                let _ = writeln!(s, "      c.op = {};", i + j);
-                let _ = writeln!(s, "      exec_fixed<PK>(c, {}(ops[{}]), po, unit);", fixed(body), i + j);
+            let _ = writeln!(s, "    for (u32 it = 0; it < n_iter{i}; it++) {{");
+            let _ = writeln!(s, "      const u64 unit = unit{i}, po = (u64)it * unit;");
+            for j in body {
+                let _ = writeln!(s, "      c.op = {j};");
+                let _ = writeln!(s, "      exec_fixed<PK>(c, o{j}, po, unit);");
                 s.push_str("      __syncthreads();\n");
             }
             s.push_str("    }\n");
             i += 1 + op.n_body as usize;
         } else {
+            if i >= early {
+                declare(&mut s, ops, i, "    ", false);
+            }
             let _ = writeln!(s, "    c.op = {i};");
-            let _ = writeln!(s, "    exec_fixed<PK>(c, {}(ops[{i}]), 0, ~0ull);", fixed(op));
+            let _ = writeln!(s, "    exec_fixed<PK>(c, o{i}, 0, ~0ull);");
             i += 1;
             if let Some(next) = ops.get(i) {
                 let _ = writeln!(
@@ -85,6 +137,7 @@ fn block_body(ops: &[DevOp]) -> String {
             }
         }
     }
+    s.push_str("    finish(a, c);\n");
     s
 }
 
@@ -106,7 +159,7 @@ pub fn plan_part(ops: &[DevOp], blocks: &[u32]) -> String {
     }
     let mut s = String::from("\n// Generated from one rank's lowered plan (mscclpp_executor::plan_kernel).\n");
     s.push_str("struct PlanBlocks {\n  template <typename PK>\n");
-    s.push_str("  __device__ static __forceinline__ void run(Ctx& c, const DevOp* ops) {\n");
+    s.push_str("  __device__ static __forceinline__ void run(const ExecArgs& a, const DevOp* ops) {\n");
     if let [(body, _)] = groups.as_slice() {
         // Every block runs the same code.
         s.push_str(body);
@@ -120,7 +173,8 @@ pub fn plan_part(ops: &[DevOp], blocks: &[u32]) -> String {
             s.push_str(body);
             s.push_str("    break;\n  }\n");
         }
-        s.push_str("  default: break;\n  }\n");
+        // Every block has a case; a block past them (none is launched) still keeps its flag.
+        s.push_str("  default: {\n    Ctx c;\n    if (plan_start(a, c)) finish(a, c);\n  }\n  }\n");
     }
     s.push_str("  }\n};\n\n");
     for (name, pk) in [(KERNEL_LL16, "PL16"), (KERNEL_LL8, "PL8")] {
@@ -162,8 +216,12 @@ mod tests {
         // and between them the rule that lets packets follow packets without a barrier.
         assert!(!part.contains("switch"), "{part}");
         assert_eq!(part.matches("exec_fixed<PK>").count(), 2, "{part}");
-        assert!(part.contains("FixedOp<OP_ppkt, 1u, 0u, 1u, 1u, 0u, 0u>(ops[0])"), "{part}");
-        assert!(part.contains("FixedOp<OP_repkt, 0u, 0u, 2u, 1u, 0u, 0u>(ops[1])"), "{part}");
+        // Both operations are loaded before the flag barrier (2 + 3 buffers fit the budget).
+        let loads = part.find("HeldOp<OP_ppkt, 1u, 0u, 1u, 1u, 0u, 0u> o0(ops[0]);").expect("o0");
+        let repkt = part.find("HeldOp<OP_repkt, 0u, 0u, 2u, 1u, 0u, 0u> o1(ops[1]);").expect("o1");
+        let start = part.find("if (!plan_start(a, c)) return;").expect("plan_start");
+        assert!(loads < start && repkt < start, "{part}");
+        assert!(part.contains("finish(a, c);"), "{part}");
         assert!(part.contains("if (!packets_then_packets(OP_ppkt, 1u, OP_repkt, 0u)) __syncthreads();"), "{part}");
         assert!(part.contains(KERNEL_LL16) && part.contains(KERNEL_LL8));
     }
@@ -203,11 +261,39 @@ mod tests {
             DevOp { kind: sig, ctype: 1, n_chan: 1, ..DevOp::default() },
         ];
         let body = block_body(&ops);
-        let want = "    for (u32 it = 0; it < ops[0].n_iter; it++) {\n      const u64 unit = ops[0].unit_size, po = \
-                    (u64)it * unit;\n      c.op = 1;\n      exec_fixed<PK>(c, FixedOp<OP_put, 1u, 0u, 1u, 1u, 0u, \
-                    0u>(ops[1]), po, unit);\n      __syncthreads();\n      c.op = 2;\n      exec_fixed<PK>(c, \
-                    FixedOp<OP_signal, 1u, 1u, 0u, 0u, 0u, 0u>(ops[2]), po, unit);\n      __syncthreads();\n    }\n    \
-                    c.op = 3;\n    exec_fixed<PK>(c, FixedOp<OP_signal, 1u, 1u, 0u, 0u, 0u, 0u>(ops[3]), 0, ~0ull);\n";
+        let want = "    const u32 n_iter0 = ops[0].n_iter;\n    const u64 unit0 = ops[0].unit_size;\n    const \
+                    HeldOp<OP_put, 1u, 0u, 1u, 1u, 0u, 0u> o1(ops[1]);\n    const HeldOp<OP_signal, 1u, 1u, 0u, 0u, 0u, \
+                    0u> o2(ops[2]);\n    const HeldOp<OP_signal, 1u, 1u, 0u, 0u, 0u, 0u> o3(ops[3]);\n    Ctx c;\n    \
+                    if (!plan_start(a, c)) return;\n    for (u32 it = 0; it < n_iter0; it++) {\n      const u64 unit = \
+                    unit0, po = (u64)it * unit;\n      c.op = 1;\n      exec_fixed<PK>(c, o1, po, unit);\n      \
+                    __syncthreads();\n      c.op = 2;\n      exec_fixed<PK>(c, o2, po, unit);\n      __syncthreads();\n    \
+                    }\n    c.op = 3;\n    exec_fixed<PK>(c, o3, 0, ~0ull);\n    finish(a, c);\n";
         assert_eq!(body, want);
+    }
+
+    #[test]
+    fn operations_past_the_preload_budget_are_loaded_where_they_run() {
+        let re = device::op_code(OpKind::Reduce);
+        let sig = device::op_code(OpKind::Signal);
+        // 3 buffers each: the first two fit PRELOAD_BUFFERS (6), the third and fourth load after
+        // the flag barrier (as FixedOps), each just before it runs; a signal holds no buffer but
+        // comes after.
+        let r = DevOp { kind: re, n_src: 2, n_dst: 1, ..DevOp::default() };
+        let ops = vec![r, r, r, DevOp { kind: sig, ctype: 1, n_chan: 1, ..DevOp::default() }, r];
+        assert_eq!(preloaded(&ops), 2);
+        let body = block_body(&ops);
+        let at = |what: &str| body.find(what).unwrap_or_else(|| panic!("no {what} in\n{body}"));
+        let start = at("plan_start");
+        assert!(
+            at("HeldOp<OP_re, 0u, 0u, 2u, 1u, 0u, 0u> o0(ops[0]);") < start
+                && at("HeldOp<OP_re, 0u, 0u, 2u, 1u, 0u, 0u> o1(ops[1]);") < start
+        );
+        assert!(at("FixedOp<OP_re, 0u, 0u, 2u, 1u, 0u, 0u> o2(ops[2]);") > start);
+        assert!(start < at(" o2(ops[2]);") && at(" o2(ops[2]);") < at("exec_fixed<PK>(c, o2,"));
+        assert!(at("exec_fixed<PK>(c, o3,") < at(" o4(ops[4]);") && at(" o4(ops[4]);") < at("exec_fixed<PK>(c, o4,"));
+        // A first operation over the budget is still loaded early (something must be).
+        let big = DevOp { kind: re, n_src: 8, n_dst: 8, ..DevOp::default() };
+        assert_eq!(preloaded(&[big, r]), 1);
+        assert_eq!(preloaded(&[]), 0);
     }
 }
