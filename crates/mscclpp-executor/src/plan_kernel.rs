@@ -74,11 +74,28 @@ fn preloaded(ops: &[DevOp]) -> usize {
     i.min(ops.len())
 }
 
+/// Which slots are pipeline headers as the interpreter walks them: a pipeline inside another's
+/// body is an operation of that body (which does nothing), not a header.
+fn headers(ops: &[DevOp]) -> Vec<bool> {
+    let pipeline = device::op_code(OpKind::Pipeline);
+    let mut h = vec![false; ops.len()];
+    let mut i = 0;
+    while i < ops.len() {
+        if ops[i].kind == pipeline {
+            h[i] = true;
+            i += 1 + ops[i].n_body as usize;
+        } else {
+            i += 1;
+        }
+    }
+    h
+}
+
 /// The declaration of slot `i`'s operation (`o{i}`), or of a pipeline header's iteration count
 /// and unit size.
-fn declare(s: &mut String, ops: &[DevOp], i: usize, indent: &str, held: bool) {
-    let op = &ops[i];
-    if op.kind == device::op_code(OpKind::Pipeline) {
+fn declare(s: &mut String, ops: &[DevOp], i: usize, header: bool, held: bool) {
+    let (op, indent) = (&ops[i], "    ");
+    if header {
         let _ = writeln!(s, "{indent}const u32 n_iter{i} = ops[{i}].n_iter;");
         let _ = writeln!(s, "{indent}const u64 unit{i} = ops[{i}].unit_size;");
     } else {
@@ -93,9 +110,10 @@ fn declare(s: &mut String, ops: &[DevOp], i: usize, indent: &str, held: bool) {
 fn block_body(ops: &[DevOp]) -> String {
     let pipeline = device::op_code(OpKind::Pipeline);
     let early = preloaded(ops);
+    let header = headers(ops);
     let mut s = String::new();
-    for i in 0..early {
-        declare(&mut s, ops, i, "    ", true);
+    for (i, &h) in header.iter().enumerate().take(early) {
+        declare(&mut s, ops, i, h, true);
     }
     s.push_str("    Ctx c;\n    if (!plan_start(a, c)) return;\n");
     let mut i = 0;
@@ -105,7 +123,7 @@ fn block_body(ops: &[DevOp]) -> String {
             let body = (i + 1..=i + op.n_body as usize).filter(|&j| j < ops.len());
             for j in std::iter::once(i).chain(body.clone()) {
                 if j >= early {
-                    declare(&mut s, ops, j, "    ", false);
+                    declare(&mut s, ops, j, header[j], false);
                 }
             }
             // Iterations and unit size come from the slot (they depend on the message size).
@@ -120,7 +138,7 @@ fn block_body(ops: &[DevOp]) -> String {
             i += 1 + op.n_body as usize;
         } else {
             if i >= early {
-                declare(&mut s, ops, i, "    ", false);
+                declare(&mut s, ops, i, header[i], false);
             }
             let _ = writeln!(s, "    c.op = {i};");
             let _ = writeln!(s, "    exec_fixed<PK>(c, o{i}, 0, ~0ull);");

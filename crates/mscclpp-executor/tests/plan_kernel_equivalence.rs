@@ -156,9 +156,14 @@ static Dim blockIdx;
 struct Ctx { u32 op; };
 struct PL16 {};
 struct DevOp;
+struct ExecArgs {};
 static void __syncthreads();
+// The launch's start and end: no calls to record (the generated code brackets every block with
+// them; `starts` and `finishes` count them).
+static int starts, finishes;
+static bool plan_start(const ExecArgs&, Ctx&) { starts++; return true; }
+static void finish(const ExecArgs&, const Ctx&) { finishes++; }
 template <typename PK> void exec_op(const Ctx& c, const DevOp& op, u64 po, u64 unit);
-template <typename PK, typename O> void exec_fixed(const Ctx& c, const O& op, u64 po, u64 unit);
 "#;
 
 const HARNESS_RECORDERS: &str = r#"
@@ -173,33 +178,86 @@ static long slot_of(const void* p, size_t field) {
   if (d % (long)sizeof(DevOp) != 0) broken = 1;
   return d / (long)sizeof(DevOp);
 }
+// A slot's array fields (channels, peers, semaphores, buffers) hold `slot << 8 | salt`, written
+// by `mark` before a case runs: a HeldOp (values copied from its slot) names its slot by them,
+// and each value must sit where its salt says (a field copied from the wrong place is caught).
+static void mark(DevOp* s, u32 n) {
+  for (u32 i = 0; i < n; i++) {
+    const u64 b = (u64)i << 8;
+    for (u32 k = 0; k < sizeof(s[i].chans) / sizeof(u32); k++) {
+      s[i].chans[k] = (u32)(b | k);
+      s[i].chan_peer[k] = (u32)(b | (16 + k));
+    }
+    for (u32 k = 0; k < sizeof(s[i].sems) / sizeof(u32); k++) s[i].sems[k] = (u32)(b | (32 + k));
+    for (u32 k = 0; k < sizeof(s[i].src) / sizeof(DevBuf); k++) {
+      s[i].src[k] = DevBuf{b | (48 + k), b | (64 + k), b | (80 + k), (u32)(b | (96 + k)), (u32)(b | (112 + k)),
+                           (u32)(b | (128 + k)), (u32)(b | (144 + k))};
+      s[i].dst[k] = DevBuf{b | (160 + k), b | (176 + k), b | (192 + k), (u32)(b | (208 + k)), (u32)(b | (224 + k)),
+                           (u32)(b | (240 + k)), (u32)(b | (8 + k))};
+    }
+  }
+}
+// An operation with no array field: its slot is not told by its data (-2 on every side).
+static bool no_arrays(u32 n_chan, u32 n_src, u32 n_dst, u32 n_sems) { return !n_chan && !n_src && !n_dst && !n_sems; }
+static void take(long& s, u64 v, u64 salt) {
+  if ((v & 0xff) != salt) broken = 1;
+  const long t = (long)(v >> 8);
+  if (s == -2) s = t;
+  else if (s != t) broken = 1;
+}
 template <typename PK>
 void exec_op(const Ctx& c, const DevOp& op, u64 po, u64 unit) {
-  events.push_back(Ev(0, c.op, op.kind, op.ctype, op.n_chan, op.n_src, op.n_dst, op.reduce_op, op.n_sems,
-                      slot_of(&op, 0), op.barrier_id, op.n_blocks, po, unit));
+  const long s = no_arrays(op.n_chan, op.n_src, op.n_dst, op.n_sems) ? -2 : slot_of(&op, 0);
+  events.push_back(Ev(0, c.op, op.kind, op.ctype, op.n_chan, op.n_src, op.n_dst, op.reduce_op, op.n_sems, s,
+                      op.barrier_id, op.n_blocks, po, unit));
 }
-template <typename PK, typename O>
-void exec_fixed(const Ctx& c, const O& op, u64 po, u64 unit) {
+template <typename PK, u32 K, u32 C, u32 NC, u32 NS, u32 ND, u32 R, u32 NM>
+void exec_fixed(const Ctx& c, const FixedOp<K, C, NC, NS, ND, R, NM>& op, u64 po, u64 unit) {
   long s = slot_of(op.src, offsetof(DevOp, src));
   if (slot_of(op.dst, offsetof(DevOp, dst)) != s || slot_of(op.chans, offsetof(DevOp, chans)) != s ||
       slot_of(op.chan_peer, offsetof(DevOp, chan_peer)) != s || slot_of(op.sems, offsetof(DevOp, sems)) != s)
     broken = 1;
-  events.push_back(Ev(0, c.op, O::kind, O::ctype, O::n_chan, O::n_src, O::n_dst, O::reduce_op, O::n_sems, s,
-                      op.barrier_id, op.n_blocks, po, unit));
+  if (no_arrays(NC, NS, ND, NM)) s = -2;
+  events.push_back(Ev(0, c.op, K, C, NC, NS, ND, R, NM, s, op.barrier_id, op.n_blocks, po, unit));
 }
-static int check(const char* what, const DevOp* s, u32 nb, u32 st, void (*run)(Ctx&, const DevOp*)) {
+template <typename PK, u32 K, u32 C, u32 NC, u32 NS, u32 ND, u32 R, u32 NM>
+void exec_fixed(const Ctx& c, const HeldOp<K, C, NC, NS, ND, R, NM>& op, u64 po, u64 unit) {
+  long s = -2;
+  for (u32 k = 0; k < NC; k++) {
+    take(s, op.chans[k], k);
+    take(s, op.chan_peer[k], 16 + k);
+  }
+  for (u32 k = 0; k < NM; k++) take(s, op.sems[k], 32 + k);
+  for (u32 k = 0; k < NS; k++) {
+    const DevBuf b = op.src[k];
+    take(s, b.base, 48 + k), take(s, b.off, 64 + k), take(s, b.size, 80 + k), take(s, b.kind, 96 + k);
+    take(s, b.btype, 112 + k), take(s, b.mem_id, 128 + k), take(s, b.peer, 144 + k);
+  }
+  for (u32 k = 0; k < ND; k++) {
+    const DevBuf b = op.dst[k];
+    take(s, b.base, 160 + k), take(s, b.off, 176 + k), take(s, b.size, 192 + k), take(s, b.kind, 208 + k);
+    take(s, b.btype, 224 + k), take(s, b.mem_id, 240 + k), take(s, b.peer, 8 + k);
+  }
+  events.push_back(Ev(0, c.op, K, C, NC, NS, ND, R, NM, s, op.barrier_id, op.n_blocks, po, unit));
+}
+static int check(const char* what, DevOp* s, u32 nb, u32 st, void (*run)(const ExecArgs&, const DevOp*)) {
   int bad = 0;
   slots = s;
+  mark(s, nb * st);
   for (u32 b = 0; b < nb; b++) {
     blockIdx.x = b;
     Ctx c{0xffff};
     events.clear();
     interp<PL16>(c, s + (u64)b * st);
     std::vector<Ev> want = events;
-    Ctx c2{0xffff};
     events.clear();
     broken = 0;
-    run(c2, s + (u64)b * st);
+    starts = finishes = 0;
+    run(ExecArgs{}, s + (u64)b * st);
+    if (starts != 1 || finishes != 1) {
+      printf("%s: block %u: %d starts and %d finishes (want one each)\n", what, b, starts, finishes);
+      bad = 1;
+    }
     if (events != want || broken) {
       printf("%s: block %u: the per-plan code differs from the interpreter (%zu events, the interpreter %zu)\n",
              what, b, events.size(), want.size());
@@ -229,8 +287,8 @@ fn per_plan_block_code_runs_the_interpreters_calls_and_barriers() {
     cpp.push_str(cut(&src, "struct DevBuf {", "struct ExecArgs {"));
     cpp.push_str(cut(KERNEL, "__device__ __forceinline__ constexpr bool packets_then_packets", "\n}\n"));
     cpp.push_str("\n}\n");
-    cpp.push_str(cut(KERNEL, "template <u32 KIND, u32 CTYPE", "\n};\n"));
-    cpp.push_str("\n};\n");
+    // FixedOp, Held and HeldOp.
+    cpp.push_str(cut(KERNEL, "template <u32 KIND, u32 CTYPE", "// The start of every launch"));
     let lp = cut(KERNEL, "  const u32 count = ops[0].block_ops;", "\n}\n");
     let _ = write!(cpp, "template <typename PK>\nvoid interp(Ctx& c, const DevOp* ops) {{\n{lp}\n}}\n");
     cpp.push_str(HARNESS_RECORDERS);
