@@ -107,6 +107,11 @@ perf_run builtin-allpair-2-graph allreduce --algo allpair --ranks 2 -b 1K -e 1M 
 for split in 1x128 4x256 32x512 1x256 2x256 8x512 16x512; do
   MSCCLPP_EXECUTOR_KERNEL=per-plan perf_run onehop-2-$split-graph@per-plan allreduce --plan $P/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
 done
+# The per-plan kernel of session 19 (no operation held in registers before the flag barrier,
+# MSCCLPP_EXECUTOR_HELD_BUFFERS=0) on the splits that were best, for the same-run comparison.
+for split in 4x256 2x256 32x512; do
+  MSCCLPP_EXECUTOR_HELD_BUFFERS=0 MSCCLPP_EXECUTOR_KERNEL=per-plan perf_run onehop-2-$split-graph@per-plan-held0 allreduce --plan $P/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
+done
 for split in 1x128 4x256 32x512; do
   MSCCLPP_EXECUTOR_KERNEL=interpreter perf_run onehop-2-$split-graph@interpreter allreduce --plan $P/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
 done

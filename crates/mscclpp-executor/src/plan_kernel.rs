@@ -52,20 +52,42 @@ fn fixed(op: &DevOp, held: bool) -> String {
 }
 
 /// How many buffers (sources and destinations) the operations a block constructs before its
-/// flag barrier (as `HeldOp`s) may hold together: their fields live in registers from the start
-/// (8 spilled in the two-node LL plan under the 64 registers of 1024-thread blocks), so a block
-/// loads its first operations early and the rest (as `FixedOp`s) where they run.
-const PRELOAD_BUFFERS: u32 = 6;
+/// flag barrier (as `HeldOp`s) may hold together, by default: their fields live in registers
+/// from the start (8 spilled in the two-node LL plan under the 64 registers of 1024-thread
+/// blocks), so a block loads its first operations early and the rest (as `FixedOp`s) where they
+/// run. `MSCCLPP_EXECUTOR_HELD_BUFFERS` overrides it (0: every operation a `FixedOp`, the kernel
+/// of session 19), for comparing the two in one run.
+pub const HELD_BUFFERS: u32 = 6;
+
+/// The held-buffer budget: `MSCCLPP_EXECUTOR_HELD_BUFFERS` when set to a number (read once per
+/// process; anything else warns once and keeps [`HELD_BUFFERS`]).
+pub fn held_buffers() -> u32 {
+    static HELD: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *HELD.get_or_init(|| match std::env::var("MSCCLPP_EXECUTOR_HELD_BUFFERS") {
+        Err(_) => HELD_BUFFERS,
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!(
+                target: "mscclpp::executor",
+                "MSCCLPP_EXECUTOR_HELD_BUFFERS={v:?} is not a number: using {HELD_BUFFERS}"
+            );
+            HELD_BUFFERS
+        }),
+    })
+}
 
 /// The slots of `ops` constructed before the flag barrier: the first operations, in order, while
-/// their buffers fit [`PRELOAD_BUFFERS`] (a pipeline's header and body count as one).
-fn preloaded(ops: &[DevOp]) -> usize {
+/// their buffers fit `budget` (a pipeline's header and body count as one; with a budget, the
+/// first operation always, whatever it holds; with 0, none).
+fn preloaded(ops: &[DevOp], budget: u32) -> usize {
     let pipeline = device::op_code(OpKind::Pipeline);
+    if budget == 0 {
+        return 0;
+    }
     let (mut i, mut held) = (0, 0);
     while i < ops.len() {
         let n = if ops[i].kind == pipeline { 1 + ops[i].n_body as usize } else { 1 };
         let bufs: u32 = ops.iter().skip(i).take(n).map(|o| o.n_src + o.n_dst).sum();
-        if i > 0 && held + bufs > PRELOAD_BUFFERS {
+        if i > 0 && held + bufs > budget {
             break;
         }
         held += bufs;
@@ -107,9 +129,9 @@ fn declare(s: &mut String, ops: &[DevOp], i: usize, header: bool, held: bool) {
 /// order and with the barriers of the interpreter's loop (`run` in `kernel.cu`): the first
 /// operations constructed (their fields loaded) before `plan_start`, the others just before
 /// they run (a pipeline's before its loop), then `finish`.
-fn block_body(ops: &[DevOp]) -> String {
+fn block_body(ops: &[DevOp], budget: u32) -> String {
     let pipeline = device::op_code(OpKind::Pipeline);
-    let early = preloaded(ops);
+    let early = preloaded(ops, budget);
     let header = headers(ops);
     let mut s = String::new();
     for (i, &h) in header.iter().enumerate().take(early) {
@@ -161,15 +183,21 @@ fn block_body(ops: &[DevOp]) -> String {
 
 /// The per-plan part of the source: `PlanBlocks::run` for `ops` and `blocks` as
 /// [`crate::lower::Lowered`] holds them (block `b`'s operations are `ops[blocks[2b] ..][..
-/// blocks[2b + 1]]`), and the two entries.
+/// blocks[2b + 1]]`), and the two entries; each block's first operations held in registers
+/// within [`held_buffers`].
 pub fn plan_part(ops: &[DevOp], blocks: &[u32]) -> String {
+    plan_part_held(ops, blocks, held_buffers())
+}
+
+/// [`plan_part`] with the held-buffer budget `held` (0: no operation held).
+pub fn plan_part_held(ops: &[DevOp], blocks: &[u32], held: u32) -> String {
     // Blocks grouped by their code, in order of first appearance.
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for (b, pair) in blocks.chunks(2).enumerate() {
         let (first, count) = (pair[0] as usize, pair.get(1).copied().unwrap_or(0) as usize);
         // The slots `Lowered::device_image` fills for the block.
         let slots: Vec<DevOp> = ops.iter().skip(first).take(count).copied().collect();
-        let body = block_body(&slots);
+        let body = block_body(&slots, held);
         match groups.iter_mut().find(|(g, _)| *g == body) {
             Some((_, ids)) => ids.push(b),
             None => groups.push((body, vec![b])),
@@ -229,7 +257,7 @@ mod tests {
     fn identical_blocks_share_one_path_and_keep_the_interpreters_barriers() {
         let plan = generate::one_hop_allreduce(2, false, 4, 256).unwrap();
         let low = lowered(&plan, 0);
-        let part = plan_part(&low.ops, &low.blocks);
+        let part = plan_part_held(&low.ops, &low.blocks, HELD_BUFFERS);
         // Four blocks, one shape (put packets, then reduce packets): no switch, two operations,
         // and between them the rule that lets packets follow packets without a barrier.
         assert!(!part.contains("switch"), "{part}");
@@ -250,7 +278,7 @@ mod tests {
         let plan = generate::plan(Algorithm::HierarchicalAllReduce, 4, Protocol::Simple, true).unwrap();
         for rank in 0..4 {
             let low = lowered(&plan, rank);
-            let part = plan_part(&low.ops, &low.blocks);
+            let part = plan_part_held(&low.ops, &low.blocks, HELD_BUFFERS);
             let nblocks = low.blocks.len() / 2;
             // Every block has a case when the shapes differ; the operation count matches the
             // lowering (pipeline headers are loops, not calls).
@@ -278,7 +306,7 @@ mod tests {
             DevOp { kind: sig, ctype: 1, n_chan: 1, ..DevOp::default() },
             DevOp { kind: sig, ctype: 1, n_chan: 1, ..DevOp::default() },
         ];
-        let body = block_body(&ops);
+        let body = block_body(&ops, HELD_BUFFERS);
         let want = "    const u32 n_iter0 = ops[0].n_iter;\n    const u64 unit0 = ops[0].unit_size;\n    const \
                     HeldOp<OP_put, 1u, 0u, 1u, 1u, 0u, 0u> o1(ops[1]);\n    const HeldOp<OP_signal, 1u, 1u, 0u, 0u, 0u, \
                     0u> o2(ops[2]);\n    const HeldOp<OP_signal, 1u, 1u, 0u, 0u, 0u, 0u> o3(ops[3]);\n    Ctx c;\n    \
@@ -298,8 +326,8 @@ mod tests {
         // comes after.
         let r = DevOp { kind: re, n_src: 2, n_dst: 1, ..DevOp::default() };
         let ops = vec![r, r, r, DevOp { kind: sig, ctype: 1, n_chan: 1, ..DevOp::default() }, r];
-        assert_eq!(preloaded(&ops), 2);
-        let body = block_body(&ops);
+        assert_eq!(preloaded(&ops, HELD_BUFFERS), 2);
+        let body = block_body(&ops, HELD_BUFFERS);
         let at = |what: &str| body.find(what).unwrap_or_else(|| panic!("no {what} in\n{body}"));
         let start = at("plan_start");
         assert!(
@@ -311,7 +339,12 @@ mod tests {
         assert!(at("exec_fixed<PK>(c, o3,") < at(" o4(ops[4]);") && at(" o4(ops[4]);") < at("exec_fixed<PK>(c, o4,"));
         // A first operation over the budget is still loaded early (something must be).
         let big = DevOp { kind: re, n_src: 8, n_dst: 8, ..DevOp::default() };
-        assert_eq!(preloaded(&[big, r]), 1);
-        assert_eq!(preloaded(&[]), 0);
+        assert_eq!(preloaded(&[big, r], HELD_BUFFERS), 1);
+        assert_eq!(preloaded(&[], HELD_BUFFERS), 0);
+        // Budget 0: nothing held, every operation a FixedOp constructed where it runs.
+        assert_eq!(preloaded(&ops, 0), 0);
+        let none = block_body(&ops, 0);
+        assert!(!none.contains("HeldOp") && none.matches("FixedOp").count() == ops.len(), "{none}");
+        assert!(none.find("plan_start").unwrap_or(usize::MAX) < none.find("FixedOp").unwrap_or(0), "{none}");
     }
 }

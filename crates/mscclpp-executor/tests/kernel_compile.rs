@@ -91,6 +91,14 @@ fn per_plan_kernels_compile_for_every_generated_plan() {
         let src = mscclpp_executor::plan_kernel::source(&ops, &[0, ops.len() as u32, 0, 2]);
         sources.entry(src).or_insert_with(|| "a pipeline block and a block of its first operations".into());
     }
+    // The one-hop plan with no operation held (`MSCCLPP_EXECUTOR_HELD_BUFFERS=0`: FixedOps only).
+    if let Some(plan) = generate::one_hop_allreduce(2, false, 4, 256) {
+        let low = lower_unbound(&plan, 0, 4096).unwrap_or_else(|e| panic!("{}: {e}", plan.name));
+        let mut src = String::from("#define MSCCLPP_EXEC_PLAN_KERNEL 1\n");
+        src.push_str(&mscclpp_executor::device::source());
+        src.push_str(&mscclpp_executor::plan_kernel::plan_part_held(&low.ops, &low.blocks, 0));
+        sources.entry(src).or_insert_with(|| format!("{} rank 0, no operation held", plan.name));
+    }
     println!("{} plans, {} distinct per-plan kernels", plans.len(), sources.len());
     let opts = CompileOptions::default().arch("compute_90").name("executor_plan.cu");
     for (src, what) in &sources {

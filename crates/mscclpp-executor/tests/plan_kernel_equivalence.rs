@@ -108,8 +108,9 @@ fn random_program(r: &mut Rng) -> Lowered {
     Lowered { ops, blocks, semaphores: vec![] }
 }
 
-/// One case: its device image and generated block code, in namespace `c{i}`.
-fn case(i: usize, low: &Lowered) -> String {
+/// One case: its device image and generated block code (with the held-buffer budget `held`), in
+/// namespace `c{i}`.
+fn case(i: usize, low: &Lowered, held: u32) -> String {
     let img = low.device_image();
     let mut s = format!("namespace c{i} {{\nstatic const u32 NB = {}, ST = {};\n", img.nblocks, img.stride);
     s.push_str("static DevOp SLOTS[] = {\n");
@@ -133,7 +134,7 @@ fn case(i: usize, low: &Lowered) -> String {
         );
     }
     s.push_str("};\n");
-    let part = mscclpp_executor::plan_kernel::plan_part(&low.ops, &low.blocks);
+    let part = mscclpp_executor::plan_kernel::plan_part_held(&low.ops, &low.blocks, held);
     s.push_str(part.split("extern \"C\"").next().unwrap_or_default());
     s.push_str("}\n");
     s
@@ -295,11 +296,14 @@ fn per_plan_block_code_runs_the_interpreters_calls_and_barriers() {
 
     let mut names = Vec::new();
     let mut seen = std::collections::HashSet::new();
+    // Every case with no operation held (FixedOps only), the default budget, and all held.
     let mut add = |cpp: &mut String, low: &Lowered, name: String| {
-        let body = case(0, low);
-        if seen.insert(body) {
-            cpp.push_str(&case(names.len(), low));
-            names.push(name);
+        for held in [0, mscclpp_executor::plan_kernel::HELD_BUFFERS, 64] {
+            let body = case(0, low, held);
+            if seen.insert(body) {
+                cpp.push_str(&case(names.len(), low, held));
+                names.push(format!("{name} (held {held})"));
+            }
         }
     };
     let mut plans = Vec::new();
