@@ -138,7 +138,8 @@ pub struct ExecArgs {
     pub mem_chans: u64,
     /// `BasePortChannelDeviceHandle[]` by rank-level port channel index.
     pub port_chans: u64,
-    /// `ExecState`: flag, failed, finished blocks.
+    /// `ExecState` (kernel.cu): an unused word, whether this rank failed, the flag of the last
+    /// launch whose block 0 started, whether the error word was written.
     pub state: u64,
     /// `u32[MAX_DEVICE_SYNCERS]` barrier counters.
     pub barriers: u64,

@@ -383,7 +383,8 @@ struct Resources {
     threads: u32,
     status: PinnedBuffer,
     _ops: DeviceBuffer,
-    _state: DeviceBuffer,
+    /// `ExecState`, barrier counters, semaphores, per-block flags.
+    state: DeviceBuffer,
     _mem_handles: Option<DeviceBuffer>,
     _port_handles: Option<DeviceBuffer>,
     _mem_channels: Vec<BaseMemoryChannel>,
@@ -421,8 +422,7 @@ struct PortDiag {
 
 impl Resources {
     /// Word `i` of the 64-byte status buffer (kernel.cu `fail`): 0 the error word (0 while no
-    /// kernel failed), 1 the abort word, 2-4 the failed wait's counts and launch, 5 the last
-    /// launch whose block 0 started (kernel.cu `begin`). One load from
+    /// kernel failed), 1 the abort word, 2-4 the failed wait's counts and launch. One load from
     /// page-locked host memory in this process's address space (a cached line while it stays
     /// unchanged; the GPU's write invalidates it), with no CUDA call; 0 past the buffer, which
     /// no caller reaches (i < 8).
@@ -438,6 +438,14 @@ impl Resources {
     /// Whether [`Executor::abort`] was called.
     fn aborted(&self) -> bool {
         self.status_word(1) != 0
+    }
+
+    /// The flag of the last launch whose block 0 started (`ExecState.started`, written by
+    /// kernel.cu `begin`; 0 before the first): a synchronous read of device memory, for
+    /// [`Executor::diagnostics`].
+    fn started(&self) -> Result<u64, Error> {
+        // ExecState's third u32 (bytes 8..12); the fourth (`reported`) is masked off.
+        Ok(self.state.read_u64(8)? & 0xffff_ffff)
     }
 }
 
@@ -607,7 +615,7 @@ impl Executor {
                     r.diag.sizes.0,
                     r.diag.sizes.1,
                     r.launches.load(Ordering::Relaxed),
-                    r.status_word(5),
+                    show(r.started()),
                     r.error_word(),
                     r.proxy.as_ref().map_or_else(|| "-".to_string(), |p| p.processed().to_string()),
                 );
@@ -1096,7 +1104,7 @@ impl Executor {
             threads,
             status,
             _ops: ops_buf,
-            _state: state,
+            state,
             _mem_handles: mem_handles,
             _port_handles: port_handles,
             _mem_channels: mem_channels,

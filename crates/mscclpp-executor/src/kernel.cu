@@ -48,7 +48,7 @@
 struct ExecState {
   u32 unused0;   // was the shared LL flag (now per block: ExecArgs.flags)
   u32 failed;    // nonzero once any wait of this rank failed
-  u32 unused2;   // was the count of finished blocks
+  u32 started;   // the LL flag of the last launch whose block 0 started (Executor::diagnostics)
   u32 reported;  // the error word was written
 };
 
@@ -706,10 +706,11 @@ struct Start {
 __device__ __forceinline__ void begin(const ExecArgs& a, Start& s) {
   if (threadIdx.x == 0) {
     s.flag = vload((const u32*)a.flags + blockIdx.x);
-    // Word 5 of the status buffer: the flag of the last launch whose block 0 started, for
-    // `Executor::diagnostics` (a launch that never started is told from one that waits). A
-    // posted store to host memory: nothing waits for it.
-    if (blockIdx.x == 0) store_sys((u64*)a.err + 5, s.flag);
+    // The flag of the last launch whose block 0 started, for `Executor::diagnostics` (a launch
+    // that never started is told from one that waits): in device memory, where a plain store
+    // costs the launch nothing (session 19 stored it into page-locked host memory, a write
+    // across PCIe at every launch that the kernel's end may have to drain).
+    if (blockIdx.x == 0) *(volatile u32*)&((ExecState*)a.state)->started = s.flag;
     // The abort word lives in page-locked host memory: reading it here would put a PCIe round
     // trip (about a microsecond) at the start of every launch. Waits read it as they spin, and
     // the host refuses launches once it is set.
@@ -736,7 +737,7 @@ __device__ __forceinline__ bool begin_ctx(const ExecArgs& a, const Start& s, Ctx
   c.buf[2] = (char*)a.scratch + c.scratch_off;
   if (s.stop) {
     if (threadIdx.x == 0) fail(c, ERR_FAILED_BEFORE, NO_PEER);
-    // The flag still advances, so that status word 5 counts this launch as started.
+    // The flag still advances, so that ExecState.started counts this launch as started.
     finish(a, c);
     return false;
   }
