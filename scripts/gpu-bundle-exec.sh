@@ -11,6 +11,8 @@
 # The GPU machine needs no Rust toolchain and no network (the kernel is compiled there by NVRTC
 # from the driver's libnvrtc, as for the collectives).
 # Both executor kernels run: the interpreter and the per-plan kernel (MSCCLPP_EXECUTOR_KERNEL).
+# PERF_BEFORE=PATH adds a mscclpp-perf built at an earlier commit, whose one-hop plan rows run
+# in the same call (e.g. a build of 25e5c59, session 19's kernels, against this one).
 # Device call: carry ["gpu-bundle-exec"], command "bash gpu-bundle-exec/run.sh" (RUN_BUDGET,
 # default 560 s).
 set -euo pipefail
@@ -22,6 +24,7 @@ test_binary mscclpp-executor gpu "$out/bin/exec-gpu"
 test_binary mscclpp-executor selector_gpu "$out/bin/selector-gpu"
 cargo build --release -q -p mscclpp-perf
 cp target/release/mscclpp-perf "$out/bin/"
+if [ -n "${PERF_BEFORE:-}" ]; then cp "$PERF_BEFORE" "$out/bin/mscclpp-perf-before"; fi
 cargo run --release -q -p mscclpp-executor --example write_plans -- "$out/bin/plans" >/dev/null
 (cd "$out" && tar cJf bin.tar.xz bin && rm -rf bin)
 # The breakdown bench and what it includes, at their paths relative to each other.
@@ -90,7 +93,7 @@ perf_run() {
   name=$1; shift; l=$((budget - SECONDS - 5)); [ "$l" -lt 45 ] || l=45
   if [ "$l" -le 5 ]; then echo "SKIPPED (deadline) perf $name" | tee -a "$sum"; return; fi
   log="$logs/perf-$name.log"; t0=$SECONDS
-  timeout "$l" ./bin/mscclpp-perf "$@" > "$log" 2>&1
+  timeout "$l" "${PERF_BIN:-./bin/mscclpp-perf}" "$@" > "$log" 2>&1
   rc=$?; r=PASS; [ "$rc" = 0 ] || r="FAIL rc=$rc"; [ "$rc" = 124 ] && r="TIMEOUT after ${l}s"
   echo "$r perf $name ($((SECONDS - t0))s)" | tee -a "$sum"
   if [ "$r" != PASS ]; then { echo "=== perf $name: $r"; tail -40 "$log"; } >> "$fails"; else grep -E "^ *[0-9]+ " "$log" >> "$sum"; fi
@@ -112,6 +115,12 @@ done
 for split in 4x256 2x256 32x512; do
   MSCCLPP_EXECUTOR_HELD_BUFFERS=0 MSCCLPP_EXECUTOR_KERNEL=per-plan perf_run onehop-2-$split-graph@per-plan-held0 allreduce --plan $P/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
 done
+# The earlier build's per-plan kernel (PERF_BEFORE), same splits.
+if [ -x bin/mscclpp-perf-before ]; then
+  for split in 4x256 2x256 32x512; do
+    PERF_BIN=./bin/mscclpp-perf-before MSCCLPP_EXECUTOR_KERNEL=per-plan perf_run onehop-2-$split-graph@per-plan-before allreduce --plan $P/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
+  done
+fi
 for split in 1x128 4x256 32x512; do
   MSCCLPP_EXECUTOR_KERNEL=interpreter perf_run onehop-2-$split-graph@interpreter allreduce --plan $P/onehop_allreduce_2_ll_${split}_oop.json --ranks 2 -b 1K -e 1M -d bf16 --graph --timeout 20
 done
