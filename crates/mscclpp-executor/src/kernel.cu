@@ -604,30 +604,6 @@ __device__ __forceinline__ constexpr bool packets_then_packets(u32 kind, u32 cty
           nkind == OP_upkt || (nkind == OP_rppkt && nctype != CT_PORT));
 }
 
-// A fixed number of values of one operation field (channels, semaphores, buffers), held in
-// registers: indexed with a constant the compiler folds it to the value, indexed at run time (a
-// thread's own channel) a chain of selects picks it (an array indexed at run time would sit in
-// local memory).
-template <typename T, u32 N>
-struct Fixed {
-  T v[N];
-  __device__ __forceinline__ T operator[](u32 i) const {
-    T r = v[0];
-#pragma unroll
-    for (u32 k = 1; k < N; k++) r = i == k ? v[k] : r;
-    return r;
-  }
-  __device__ __forceinline__ void load(const T* from) {
-#pragma unroll
-    for (u32 k = 0; k < N; k++) v[k] = from[k];
-  }
-};
-template <typename T>
-struct Fixed<T, 0> {
-  __device__ __forceinline__ T operator[](u32) const { return T{}; }
-  __device__ __forceinline__ void load(const T*) {}
-};
-
 // An operation whose shape (kind, channel type, counts, reduction) is fixed when the kernel is
 // compiled: a per-plan kernel runs the same operation code as the interpreter on it, and the
 // compiler folds the dispatch, the branches on the shape and the loops over channels and
@@ -639,9 +615,12 @@ struct Fixed<T, 0> {
 // addresses are kernel arguments, do not have); later operations, as FixedOps, cost no
 // registers before they run.
 template <u32 KIND, u32 CTYPE, u32 NCHAN, u32 NSRC, u32 NDST, u32 ROP, u32 NSEMS>
-struct FixedOp {
+struct OpShape {
   static constexpr u32 kind = KIND, ctype = CTYPE, n_chan = NCHAN, n_src = NSRC, n_dst = NDST, reduce_op = ROP,
                        n_sems = NSEMS;
+};
+template <u32 KIND, u32 CTYPE, u32 NCHAN, u32 NSRC, u32 NDST, u32 ROP, u32 NSEMS>
+struct FixedOp : OpShape<KIND, CTYPE, NCHAN, NSRC, NDST, ROP, NSEMS> {
   const u32* chans;
   const u32* chan_peer;
   const u32* sems;
@@ -678,9 +657,7 @@ struct Held<T, 0> {
 };
 
 template <u32 KIND, u32 CTYPE, u32 NCHAN, u32 NSRC, u32 NDST, u32 ROP, u32 NSEMS>
-struct HeldOp {
-  static constexpr u32 kind = KIND, ctype = CTYPE, n_chan = NCHAN, n_src = NSRC, n_dst = NDST, reduce_op = ROP,
-                       n_sems = NSEMS;
+struct HeldOp : OpShape<KIND, CTYPE, NCHAN, NSRC, NDST, ROP, NSEMS> {
   Held<u32, NCHAN> chans;
   Held<u32, NCHAN> chan_peer;
   Held<u32, NSEMS> sems;
