@@ -40,7 +40,7 @@
 //   interp-param   a candidate fix: the interpreter's run loop (same exec_op) with the ops in
 //                  the kernel parameters (__grid_constant__) instead of global memory
 //   per-plan-nopf  the executor's per-plan kernel (KernelKind::PerPlan: the same operation
-//                  code on FixedOp views, shape compiled in, same ExecArgs) without its prefetch
+//                  code on HeldOp/FixedOp views, shape compiled in, same ExecArgs) without its prefetch
 //                  of the op slots
 //   per-plan       the per-plan kernel as the executor builds it (mscclpp_exec_plan_ll16)
 //

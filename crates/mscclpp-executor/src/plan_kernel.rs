@@ -6,13 +6,16 @@
 //! data access, a jump table per operation, and loops over channels and buffers whose bounds the
 //! compiler does not know. A per-plan kernel (`mscclpp_exec_plan_ll16` / `_ll8`) is generated
 //! from one rank's lowered operations: block `b` calls the same operation functions of
-//! `kernel.cu` on a `FixedOp<kind, channel type, channels, sources, destinations, reduction,
-//! semaphores>` view of each of its slots, in the interpreter's order, with the interpreter's
-//! barriers (the same `packets_then_packets` rule, evaluated by the compiler). Only the shape is
-//! compiled in: addresses, offsets, sizes, channel and semaphore indexes, pipeline iteration
-//! counts are still read from the same `DevOp` slots, so one compiled kernel serves every message
-//! size and buffer set with the same shape, and the host fills the slots exactly as for the
-//! interpreter. Blocks with the same sequence of shapes share one code path.
+//! `kernel.cu` on each of its slots seen as an operation of fixed shape (kind, channel type,
+//! channels, sources, destinations, reduction, semaphores), in the interpreter's order, with the
+//! interpreter's barriers (the same `packets_then_packets` rule, evaluated by the compiler). Only
+//! the shape is compiled in: addresses, offsets, sizes, channel and semaphore indexes, pipeline
+//! iteration counts are still read from the same `DevOp` slots, so one compiled kernel serves
+//! every message size and buffer set with the same shape, and the host fills the slots exactly as
+//! for the interpreter. Blocks with the same sequence of shapes share one code path. A block's
+//! first operations, within [`held_buffers`], are `HeldOp`s: their fields loaded into registers
+//! before the launch's flag barrier, overlapping the flag's load; the others are `FixedOp` views
+//! whose fields are read where the operation runs.
 //!
 //! The source depends on the plan's shape only; compiled PTX is cached by source text (see
 //! `exec.rs`).
@@ -52,10 +55,10 @@ fn fixed(op: &DevOp, held: bool) -> String {
 }
 
 /// How many buffers (sources and destinations) the operations a block constructs before its
-/// flag barrier (as `HeldOp`s) may hold together, by default: their fields live in registers
-/// from the start (8 spilled in the two-node LL plan under the 64 registers of 1024-thread
-/// blocks), so a block loads its first operations early and the rest (as `FixedOp`s) where they
-/// run. `MSCCLPP_EXECUTOR_HELD_BUFFERS` overrides it (0: every operation a `FixedOp`, the kernel
+/// flag barrier (as `HeldOp`s) may hold together ([`held_cost`]), by default: their fields live
+/// in registers from the start (8 spilled in the two-node LL plan under the 64 registers of
+/// 1024-thread blocks), so a block loads its first operations early and the rest (as `FixedOp`s)
+/// where they run. `MSCCLPP_EXECUTOR_HELD_BUFFERS` overrides it (0: every operation a `FixedOp`, the kernel
 /// of session 19), for comparing the two in one run.
 pub const HELD_BUFFERS: u32 = 6;
 
@@ -75,9 +78,17 @@ pub fn held_buffers() -> u32 {
     })
 }
 
+/// What holding `op` costs against the budget, in buffers: its sources and destinations, and
+/// an eighth of its channel, peer and semaphore indexes (one register each, where a held buffer
+/// takes up to ten).
+fn held_cost(op: &DevOp) -> u32 {
+    op.n_src + op.n_dst + (2 * op.n_chan + op.n_sems).div_ceil(8)
+}
+
 /// The slots of `ops` constructed before the flag barrier: the first operations, in order, while
-/// their buffers fit `budget` (a pipeline's header and body count as one; with a budget, the
-/// first operation always, whatever it holds; with 0, none).
+/// their cost ([`held_cost`]) fits `budget`; a pipeline's header and body count as one group
+/// (its registers stay live through every iteration), so a first pipeline over the budget holds
+/// nothing. Budget 0 holds nothing at all (not even operations that cost nothing).
 fn preloaded(ops: &[DevOp], budget: u32) -> usize {
     let pipeline = device::op_code(OpKind::Pipeline);
     if budget == 0 {
@@ -86,11 +97,11 @@ fn preloaded(ops: &[DevOp], budget: u32) -> usize {
     let (mut i, mut held) = (0, 0);
     while i < ops.len() {
         let n = if ops[i].kind == pipeline { 1 + ops[i].n_body as usize } else { 1 };
-        let bufs: u32 = ops.iter().skip(i).take(n).map(|o| o.n_src + o.n_dst).sum();
-        if i > 0 && held + bufs > budget {
+        let cost: u32 = ops.iter().skip(i).take(n).map(held_cost).sum();
+        if held + cost > budget {
             break;
         }
-        held += bufs;
+        held += cost;
         i += n;
     }
     i.min(ops.len())
@@ -236,9 +247,14 @@ pub fn plan_part_held(ops: &[DevOp], blocks: &[u32], held: u32) -> String {
 /// The whole source of the per-plan kernel of one rank's lowered operations: the interpreter's
 /// source without its entries, then [`plan_part`].
 pub fn source(ops: &[DevOp], blocks: &[u32]) -> String {
+    source_held(ops, blocks, held_buffers())
+}
+
+/// [`source`] with the held-buffer budget `held`.
+pub fn source_held(ops: &[DevOp], blocks: &[u32], held: u32) -> String {
     let mut s = String::from("#define MSCCLPP_EXEC_PLAN_KERNEL 1\n");
     s.push_str(&device::source());
-    s.push_str(&plan_part(ops, blocks));
+    s.push_str(&plan_part_held(ops, blocks, held));
     s
 }
 
@@ -321,7 +337,7 @@ mod tests {
     fn operations_past_the_preload_budget_are_loaded_where_they_run() {
         let re = device::op_code(OpKind::Reduce);
         let sig = device::op_code(OpKind::Signal);
-        // 3 buffers each: the first two fit PRELOAD_BUFFERS (6), the third and fourth load after
+        // 3 buffers each: the first two fit HELD_BUFFERS (6), the third and fourth load after
         // the flag barrier (as FixedOps), each just before it runs; a signal holds no buffer but
         // comes after.
         let r = DevOp { kind: re, n_src: 2, n_dst: 1, ..DevOp::default() };
@@ -337,9 +353,19 @@ mod tests {
         assert!(at("FixedOp<OP_re, 0u, 0u, 2u, 1u, 0u, 0u> o2(ops[2]);") > start);
         assert!(start < at(" o2(ops[2]);") && at(" o2(ops[2]);") < at("exec_fixed<PK>(c, o2,"));
         assert!(at("exec_fixed<PK>(c, o3,") < at(" o4(ops[4]);") && at(" o4(ops[4]);") < at("exec_fixed<PK>(c, o4,"));
-        // A first operation over the budget is still loaded early (something must be).
+        // A first operation over the budget is not held, nor anything after it.
         let big = DevOp { kind: re, n_src: 8, n_dst: 8, ..DevOp::default() };
-        assert_eq!(preloaded(&[big, r], HELD_BUFFERS), 1);
+        assert_eq!(preloaded(&[big, r], HELD_BUFFERS), 0);
+        // Neither is a first pipeline whose body is over it (its registers would stay live
+        // through every iteration); one that fits is held whole, header and body.
+        let pipeline = device::op_code(OpKind::Pipeline);
+        let head = |n_body| DevOp { kind: pipeline, n_body, n_iter: 4, unit_size: 64, ..DevOp::default() };
+        assert_eq!(preloaded(&[head(3), r, r, r, r], HELD_BUFFERS), 0);
+        assert_eq!(preloaded(&[head(2), r, r, r], HELD_BUFFERS), 3);
+        // Channels and semaphores count, an eighth of a buffer each index (two per channel).
+        let chans = DevOp { kind: sig, ctype: 1, n_chan: 8, ..DevOp::default() };
+        assert_eq!(held_cost(&chans), 2);
+        assert_eq!(preloaded(&[r, chans, r], HELD_BUFFERS), 2);
         assert_eq!(preloaded(&[], HELD_BUFFERS), 0);
         // Budget 0: nothing held, every operation a FixedOp constructed where it runs.
         assert_eq!(preloaded(&ops, 0), 0);

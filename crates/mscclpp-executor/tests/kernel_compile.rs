@@ -51,6 +51,8 @@ fn per_plan_kernels_compile_for_every_generated_plan() {
     use mscclpp::device::compile::{CompileOptions, assemble, compile, nvrtc_info, ptxas_path};
     use mscclpp_executor::generate;
     use mscclpp_executor::lower::lower_unbound;
+    // The default budget, whatever MSCCLPP_EXECUTOR_HELD_BUFFERS says in this environment.
+    use mscclpp_executor::plan_kernel::{HELD_BUFFERS, source_held as source};
     let test = "per_plan_kernels_compile_for_every_generated_plan";
     if let Err(e) = nvrtc_info() {
         return skip(test, e.message());
@@ -64,7 +66,7 @@ fn per_plan_kernels_compile_for_every_generated_plan() {
     for plan in &plans {
         for rank in 0..plan.gpus.len() {
             let low = lower_unbound(plan, rank, 4096).unwrap_or_else(|e| panic!("{}: {e}", plan.name));
-            let src = mscclpp_executor::plan_kernel::source(&low.ops, &low.blocks);
+            let src = source(&low.ops, &low.blocks, HELD_BUFFERS);
             sources.entry(src).or_insert_with(|| format!("{} rank {rank}", plan.name));
         }
     }
@@ -88,15 +90,20 @@ fn per_plan_kernels_compile_for_every_generated_plan() {
             op(OpKind::Wait, 1, 1, 0, 0),
             op(OpKind::PutWithSignalAndFlush, 2, 1, 1, 1),
         ];
-        let src = mscclpp_executor::plan_kernel::source(&ops, &[0, ops.len() as u32, 0, 2]);
+        let src = source(&ops, &[0, ops.len() as u32, 0, 2], HELD_BUFFERS);
         sources.entry(src).or_insert_with(|| "a pipeline block and a block of its first operations".into());
+        // A block that starts with a pipeline whose body holds more than the budget (such a
+        // pipeline held whole spilled: 68-424 bytes for 3-6 reductions of 5 buffers).
+        let mut big = vec![DevOp { n_body: 6, n_iter: 4, unit_size: 1024, ..op(OpKind::Pipeline, 0, 0, 0, 0) }];
+        big.extend((0..6).map(|_| op(OpKind::Reduce, 0, 0, 3, 2)));
+        big.push(op(OpKind::Signal, 1, 1, 0, 0));
+        let src = source(&big, &[0, big.len() as u32], HELD_BUFFERS);
+        sources.entry(src).or_insert_with(|| "a block starting with a pipeline over the held budget".into());
     }
     // The one-hop plan with no operation held (`MSCCLPP_EXECUTOR_HELD_BUFFERS=0`: FixedOps only).
     if let Some(plan) = generate::one_hop_allreduce(2, false, 4, 256) {
         let low = lower_unbound(&plan, 0, 4096).unwrap_or_else(|e| panic!("{}: {e}", plan.name));
-        let mut src = String::from("#define MSCCLPP_EXEC_PLAN_KERNEL 1\n");
-        src.push_str(&mscclpp_executor::device::source());
-        src.push_str(&mscclpp_executor::plan_kernel::plan_part_held(&low.ops, &low.blocks, 0));
+        let src = source(&low.ops, &low.blocks, 0);
         sources.entry(src).or_insert_with(|| format!("{} rank 0, no operation held", plan.name));
     }
     println!("{} plans, {} distinct per-plan kernels", plans.len(), sources.len());
