@@ -4,8 +4,9 @@
 # 560): the 1 KiB breakdown (bench/allpair_real.cu, compiled by nvcc there), the collectives
 # bundle's run.sh, the executor's, the NCCL library's, Ethernet p2p rows; and, not in the
 # default list, `mscclpp-perf device` (part "device"), issue 28's two-node runs (part "twonode")
-# and the executor GPU tests in one process (part "exectests"). PARTS picks and orders them
-# (e.g. PARTS=exec for a call of its own).
+# and the executor GPU tests in one process (part "exectests"), and the Ethernet bundle's run.sh
+# (part "eth", when gpu-bundle-eth/ is carried too). PARTS picks and orders them (e.g.
+# PARTS=exec for a call of its own).
 # Device call: carry ["gpu-bundle-coll", "gpu-bundle-exec", "gpu-bundle-nccl"] (the NCCL bundle
 # holds nccl-ignored/libnccl.so.2.xz already; carrying both passes the 64 MiB limit),
 # command "bash gpu-bundle-coll/all.sh". MATURIN=path adds the Python wheel and its GPU tests.
@@ -43,6 +44,11 @@ for i in "${!parts[@]}"; do
       OUT=$L/coll RUN_BUDGET=$share bash gpu-bundle-coll/run.sh 2>&1 | tail -45 ;;
     exec)
       OUT=$L/exec RUN_BUDGET=$share bash gpu-bundle-exec/run.sh 2>&1 | tail -80 ;;
+    eth)
+      # The Ethernet-with-GPU-memory tests and proxy-load rows (scripts/gpu-bundle-eth.sh builds
+      # gpu-bundle-eth/, optionally with an earlier build's rows: PERF_BEFORE); carry it too.
+      if [ -x gpu-bundle-eth/run.sh ]; then OUT=$L/eth RUN_BUDGET=$share bash gpu-bundle-eth/run.sh 2>&1 | tail -60
+      else echo "eth: no gpu-bundle-eth/ (build it with scripts/gpu-bundle-eth.sh and carry it)"; fi ;;
     nccl)
       OUT=$L/nccl RUN_BUDGET=$share TORCHRUN_RANKS="${TORCHRUN_RANKS:-2 4}" bash scripts/gpu-nccl.sh 2>&1 | tail -50 ;;
     p2p)
