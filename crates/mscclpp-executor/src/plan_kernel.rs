@@ -55,11 +55,12 @@ fn fixed(op: &DevOp, held: bool) -> String {
 }
 
 /// How many buffers (sources and destinations) the operations a block constructs before its
-/// flag barrier (as `HeldOp`s) may hold together ([`held_cost`]), by default: their fields live
-/// in registers from the start (8 spilled in the two-node LL plan under the 64 registers of
-/// 1024-thread blocks), so a block loads its first operations early and the rest (as
-/// `FixedOp`s) where they run. `MSCCLPP_EXECUTOR_HELD_BUFFERS` overrides it (0: every operation
-/// a `FixedOp`, the kernel of session 19), for comparing the two in one run.
+/// flag barrier (as `HeldOp`s) may hold together (a channel, peer or semaphore index counting an
+/// eighth of a buffer), by default: their fields live in registers from the start (8 spilled in
+/// the two-node LL plan under the 64 registers of 1024-thread blocks), so a block loads its
+/// first operations early and the rest (as `FixedOp`s) where they run.
+/// `MSCCLPP_EXECUTOR_HELD_BUFFERS` overrides it (0: every operation a `FixedOp`, the kernel of
+/// session 19), for comparing the two in one run.
 pub const HELD_BUFFERS: u32 = 6;
 
 /// The held-buffer budget: `MSCCLPP_EXECUTOR_HELD_BUFFERS` when set to a number (read once per
