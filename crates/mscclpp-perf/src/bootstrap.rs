@@ -1,7 +1,7 @@
 //! `mscclpp-perf bootstrap`: how the bootstrap scales with the number of ranks.
 //!
 //! For each job size in `--scale` (default 16, 64, 256, 512) the launcher starts that many
-//! local processes with a [`RootServer`]; each rank times `initialize` and `all_gather` of 8 B
+//! local processes with a `RootServer`; each rank times `initialize` and `all_gather` of 8 B
 //! and 1 MiB, and prints one line the launcher collects. A row is printed as each job finishes.
 //!
 //! * `init` is from the moment the last rank called `initialize` to the moment the last rank

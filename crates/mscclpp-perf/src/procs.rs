@@ -87,7 +87,7 @@ struct Me {
     warmup: u64,
     iters: Option<u64>,
     stream: Stream,
-    /// Kernel result: out[0] elapsed ns, out[1] a wait timed out.
+    /// Kernel result: `out[0]` elapsed ns, `out[1]` a wait timed out.
     out: DeviceBuffer,
 }
 
