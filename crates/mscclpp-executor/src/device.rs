@@ -1,5 +1,5 @@
-//! The interpreter kernel's ABI: the `#[repr(C)]` structs the host fills ([`DevBuf`],
-//! [`DevOp`], [`ExecArgs`]) and the CUDA source, whose definitions of the same structs are
+//! The interpreter kernel's ABI: the `#[repr(C)]` structs the host fills or reads ([`DevBuf`],
+//! [`DevOp`], [`ExecState`], [`ExecArgs`]) and the CUDA source, whose definitions of the same structs are
 //! generated here from the Rust field lists, each field's offset checked by a `static_assert`
 //! against Rust's `offset_of!` (so NVRTC refuses a source whose layout drifted).
 //!
@@ -117,6 +117,21 @@ impl Default for DevOp {
     }
 }
 
+/// A rank's state words in device memory (`ExecArgs::state`, at the start of the state buffer),
+/// which the kernels read and write and the host reads for its reports.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecState {
+    /// Unused (was the shared LL flag, now per block: `ExecArgs::flags`); set to 1 at the start.
+    pub unused0: u32,
+    /// Nonzero once any wait of this rank failed.
+    pub failed: u32,
+    /// The LL flag of the last launch whose block 0 started ([`crate::Executor::diagnostics`]).
+    pub started: u32,
+    /// Nonzero once the error word was written.
+    pub reported: u32,
+}
+
 /// The kernel's argument block (passed by value): every field a `u64`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -138,8 +153,7 @@ pub struct ExecArgs {
     pub mem_chans: u64,
     /// `BasePortChannelDeviceHandle[]` by rank-level port channel index.
     pub port_chans: u64,
-    /// `ExecState` (kernel.cu): an unused word, whether this rank failed, the flag of the last
-    /// launch whose block 0 started, whether the error word was written.
+    /// [`ExecState`].
     pub state: u64,
     /// `u32[MAX_DEVICE_SYNCERS]` barrier counters.
     pub barriers: u64,
@@ -193,6 +207,15 @@ fn devop_fields() -> Vec<Field> {
         ("u32", "sems", MAX_DEVICE_SEMAPHORES, offset_of!(DevOp, sems)),
         ("DevBuf", "src", MAX_BUFFERS_PER_OPERATION, offset_of!(DevOp, src)),
         ("DevBuf", "dst", MAX_BUFFERS_PER_OPERATION, offset_of!(DevOp, dst)),
+    ]
+}
+
+fn state_fields() -> Vec<Field> {
+    vec![
+        ("u32", "unused0", 0, offset_of!(ExecState, unused0)),
+        ("u32", "failed", 0, offset_of!(ExecState, failed)),
+        ("u32", "started", 0, offset_of!(ExecState, started)),
+        ("u32", "reported", 0, offset_of!(ExecState, reported)),
     ]
 }
 
@@ -270,6 +293,7 @@ pub fn source() -> String {
     s.push('\n');
     emit_struct(&mut s, "DevBuf", size_of::<DevBuf>(), &devbuf_fields());
     emit_struct(&mut s, "DevOp", size_of::<DevOp>(), &devop_fields());
+    emit_struct(&mut s, "ExecState", size_of::<ExecState>(), &state_fields());
     emit_struct(&mut s, "ExecArgs", size_of::<ExecArgs>(), &args_fields());
     s.push_str(KERNEL);
     s
@@ -282,6 +306,7 @@ pub fn layout_problems() -> Vec<String> {
     for (name, size, fields) in [
         ("DevBuf", size_of::<DevBuf>(), devbuf_fields()),
         ("DevOp", size_of::<DevOp>(), devop_fields()),
+        ("ExecState", size_of::<ExecState>(), state_fields()),
         ("ExecArgs", size_of::<ExecArgs>(), args_fields()),
     ] {
         let mut at = 0;
@@ -349,6 +374,7 @@ mod tests {
         for (name, size, fields) in [
             ("DevBuf", size_of::<DevBuf>(), devbuf_fields()),
             ("DevOp", size_of::<DevOp>(), devop_fields()),
+            ("ExecState", size_of::<ExecState>(), state_fields()),
             ("ExecArgs", size_of::<ExecArgs>(), args_fields()),
         ] {
             let body = src.split(&format!("struct {name} {{\n")).nth(1).and_then(|b| b.split("};").next()).unwrap();

@@ -444,8 +444,9 @@ impl Resources {
     /// kernel.cu `begin`; 0 before the first): a synchronous read of device memory, for
     /// [`Executor::diagnostics`].
     fn started(&self) -> Result<u64, Error> {
-        // ExecState's third u32 (bytes 8..12); the fourth (`reported`) is masked off.
-        Ok(self.state.read_u64(8)? & 0xffff_ffff)
+        let mut w = [0u8; 4];
+        self.state.read(std::mem::offset_of!(crate::device::ExecState, started), &mut w)?;
+        Ok(u32::from_le_bytes(w).into())
     }
 }
 

@@ -195,8 +195,8 @@ impl Lowered {
                 slot.block_ops = count as u32;
             }
         }
-        // ExecState (16 bytes: its first word 1), barrier counters, semaphores, flags (each 1).
-        let barriers_off = 16usize;
+        // ExecState (its first word 1), barrier counters, semaphores, flags (each 1).
+        let barriers_off = size_of::<ExecState>();
         let sems_off = barriers_off + 4 * MAX_DEVICE_SYNCERS as usize;
         let flags_off = sems_off + 4 * self.semaphores.len();
         let mut state = vec![0u8; flags_off + 4 * nblocks.max(1)];
