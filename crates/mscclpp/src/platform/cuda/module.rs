@@ -125,7 +125,36 @@ impl Kernel {
         args: &mut [*mut c_void],
     ) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.launch_with((grid, block), shared_mem, &stream.inner, args) }
+        unsafe { self.launch_with((grid, block), shared_mem, &stream.inner, args, false) }
+    }
+
+    /// [`launch`](Self::launch) as a programmatic dependent launch (compute capability 9.0 and
+    /// later): the kernel may start while the kernel before it on `stream` is still running,
+    /// once every block of that one has executed `griddepcontrol.launch_dependents` (or exited),
+    /// and it must itself execute `griddepcontrol.wait` before it touches anything its
+    /// predecessor wrote or reads (that instruction returns when the predecessor has finished
+    /// and its memory operations are visible). What it saves is the gap between two kernels.
+    /// Captured into a CUDA graph, the dependency stays programmatic.
+    ///
+    /// Both kernels' blocks can be resident at once: kernels that wait on other ranks' kernels
+    /// sharing the GPU must leave room for that.
+    ///
+    /// # Errors
+    /// As [`launch`](Self::launch); `Cuda` on a GPU older than compute capability 9.0.
+    ///
+    /// # Safety
+    /// As [`launch`](Self::launch), and the kernel executes `griddepcontrol.wait` before any
+    /// access that depends on earlier work of the stream.
+    pub unsafe fn launch_programmatic(
+        &self,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem: u32,
+        stream: &Stream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.launch_with((grid, block), shared_mem, &stream.inner, args, true) }
     }
 
     /// [`launch`](Self::launch) on one of the library's own streams, without dynamic shared
@@ -140,7 +169,7 @@ impl Kernel {
         args: &mut [*mut c_void],
     ) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.launch_with(dims, 0, stream, args) }
+        unsafe { self.launch_with(dims, 0, stream, args, false) }
     }
 
     /// # Safety
@@ -151,6 +180,7 @@ impl Kernel {
         shared_mem: u32,
         stream: &RawStream,
         args: &mut [*mut c_void],
+        programmatic: bool,
     ) -> Result<()> {
         if stream.dev.ordinal != self.module.dev.ordinal {
             return Err(Error::invalid_usage(format!(
@@ -159,6 +189,30 @@ impl Kernel {
             )));
         }
         self.module.dev.bind()?;
+        if programmatic {
+            // SAFETY: an all-zero launch attribute is a valid value of the C union (its `pad`
+            // member covers it), then one member is set.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block.0,
+                blockDimY: block.1,
+                blockDimZ: block.2,
+                sharedMemBytes: shared_mem,
+                hStream: stream.raw,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: config and attr are locals that outlive the call; the function and stream
+            // are live handles of the bound context; the caller guarantees the arguments and
+            // that the kernel waits (griddepcontrol.wait) before it depends on earlier work.
+            let r = unsafe { sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut()) };
+            return super::check("cuLaunchKernelEx", r).map_err(|e| e.during(format!("launching {}", self.name)));
+        }
         // SAFETY: the function and stream are live handles of the bound context; the caller
         // guarantees the arguments (see `launch`).
         unsafe { result::launch_kernel(self.raw, grid, block, shared_mem, stream.raw, args) }
@@ -200,7 +254,10 @@ pub fn sm_count(ordinal: u32) -> Result<u32> {
 }
 
 /// The compute capability `(major, minor)` of GPU `ordinal`.
-pub(crate) fn compute_capability(ordinal: u32) -> Result<(i32, i32)> {
+///
+/// # Errors
+/// `NotAvailable` without a CUDA driver; `InvalidUsage` for a missing GPU.
+pub fn compute_capability(ordinal: u32) -> Result<(i32, i32)> {
     let dev = super::device(ordinal)?;
     let raw = result::device::get(ordinal as i32).map_err(|e| cuda_err("cuDeviceGet", e))?;
     dev.bind()?;
