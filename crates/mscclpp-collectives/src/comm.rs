@@ -40,13 +40,25 @@ pub struct Config {
     /// Time AllReduce plans per power-of-two size at setup (see [`crate::tune`]); default on,
     /// off with `MSCCLPP_COLLECTIVES_TUNE=0`.
     pub tune: bool,
+    /// Launch the kernels as programmatic dependent launches where the GPU supports them
+    /// (compute capability 9.0 and later): a call's kernel is scheduled while the kernel before
+    /// it on the stream finishes, and waits on the GPU for it, which saves the gap between the
+    /// two (back-to-back calls, or a call after a kernel that allows it). Used only for launches
+    /// small enough that two of every rank sharing the GPU fit at once. Default off, on with
+    /// `MSCCLPP_COLLECTIVES_PDL=1`.
+    pub programmatic_launch: bool,
 }
+
+/// Whether [`Config::programmatic_launch`] is on by default (`MSCCLPP_COLLECTIVES_PDL` unset).
+const PDL_DEFAULT: bool = false;
 
 impl Config {
     /// The defaults for GPU `device`.
     pub fn new(device: u32) -> Config {
         let tune = std::env::var("MSCCLPP_COLLECTIVES_TUNE")
             .map_or(true, |v| !matches!(v.trim(), "0" | "false" | "no" | "off"));
+        let programmatic_launch = std::env::var("MSCCLPP_COLLECTIVES_PDL")
+            .map_or(PDL_DEFAULT, |v| !matches!(v.trim(), "0" | "false" | "no" | "off"));
         Config {
             device,
             timeout: Duration::from_secs(30),
@@ -54,7 +66,13 @@ impl Config {
             simple_bytes: 32 << 20,
             limits: Limits::default(),
             tune,
+            programmatic_launch,
         }
+    }
+    /// Turns programmatic dependent launches on or off (see [`Config::programmatic_launch`]).
+    pub fn programmatic_launch(mut self, yes: bool) -> Config {
+        self.programmatic_launch = yes;
+        self
     }
     /// Turns setup-time tuning on or off.
     pub fn tune(mut self, yes: bool) -> Config {
@@ -199,6 +217,10 @@ pub struct Collectives {
     peer_sems: Vec<(usize, Arc<MemoryDevice2DeviceSemaphore>)>,
     /// Ranks on this rank's host.
     ranks_per_node: usize,
+    /// Launches of at most this many blocks are programmatic dependent launches (half the
+    /// blocks of this GPU's residency cap, so that a rank's next kernel, scheduled early, never
+    /// takes the room a peer's current one needs); 0: none are.
+    programmatic_blocks: u32,
     /// Registered external algorithms, in registration order (the same on every rank).
     external: std::sync::RwLock<Vec<Arc<dyn ExternalAlgorithm>>>,
     /// Whether `external` is non-empty (read without the lock on every call).
@@ -380,6 +402,8 @@ impl Collectives {
             "agreeing on the collectives' block cap, buffers allocated",
         )?;
         let Buffers { scratch, peers_table, state, expected, status } = buffers;
+        let programmatic_blocks = mscclpp::gpu::compute_capability(dev)
+            .map_or(0, |(major, _)| select::programmatic_blocks(major, config.programmatic_launch, cap));
         limits.max_blocks = limits.max_blocks.min(cap);
         for c in caps {
             let c: [u8; 4] = c.as_slice().try_into().map_err(|_| Error::remote("a peer sent a malformed block cap"))?;
@@ -426,6 +450,7 @@ impl Collectives {
             _channels: channels,
             peer_sems,
             ranks_per_node,
+            programmatic_blocks,
             external: std::sync::RwLock::new(Vec::new()),
             has_external: std::sync::atomic::AtomicBool::new(false),
             comm: comm.clone(),
@@ -748,10 +773,12 @@ impl Collectives {
             ..self.base_args()
         };
         let k = self.kernels.get(coll, plan.algorithm, dtype)?;
+        let programmatic = plan.blocks <= self.programmatic_blocks;
         // SAFETY: the caller guarantees input/output for the sizes checked above until the call
         // finishes on the stream; the scratch, tables, state and error words live as long as self,
         // which the caller keeps while work is pending (dropping frees them after the GPU is idle).
-        unsafe { kernels::launch(k, plan.blocks, plan.threads, stream, &args) }.map_err(|e| e.during(what()))
+        unsafe { kernels::launch(k, plan.blocks, plan.threads, stream, &args, programmatic) }
+            .map_err(|e| e.during(what()))
     }
 
     /// AllReduce of `count` elements of `dtype` from `send` into `recv` (equal for in place) on

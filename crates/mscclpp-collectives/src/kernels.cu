@@ -898,9 +898,25 @@ __device__ void broadcast_simple(const CollArgs& a) {
 // ---------------------------------------------------------------------------------------------
 // Entry points: one per (collective, algorithm, element type); the reduction op and f32
 // accumulation are arguments.
+//
+// Every entry starts with `pdl_enter`: on sm_90 and later it lets the next kernel of the stream
+// be scheduled now (launch_dependents: only a kernel launched as a programmatic dependent
+// launch starts early, any other still waits for this one to finish) and waits until the
+// kernel before this one has finished and its writes are visible (wait: a no-op unless this
+// kernel was itself launched programmatically). The host launches programmatically only when
+// two launches of every rank sharing the GPU fit at once (comm.rs, `programmatic`).
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
-#define TYPED(coll, algo, D, name) \
-  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { coll##_##algo<D>(a); }
+#define TYPED(coll, algo, D, name)                                                                            \
+  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { \
+    pdl_enter();                                                                                              \
+    coll##_##algo<D>(a);                                                                                      \
+  }
 #define ALL_TYPES(coll, algo)   \
   TYPED(coll, algo, F32, f32)   \
   TYPED(coll, algo, F16, f16)   \
@@ -915,7 +931,19 @@ ALL_TYPES(allreduce, zerocopy)
 ALL_TYPES(reducescatter, packet)
 ALL_TYPES(reducescatter, simple)
 
-extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(const __grid_constant__ CollArgs a) { allgather_packet(a); }
-extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(const __grid_constant__ CollArgs a) { allgather_simple(a); }
-extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(const __grid_constant__ CollArgs a) { broadcast_packet(a); }
-extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(const __grid_constant__ CollArgs a) { broadcast_simple(a); }
+extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(const __grid_constant__ CollArgs a) {
+  pdl_enter();
+  allgather_packet(a);
+}
+extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(const __grid_constant__ CollArgs a) {
+  pdl_enter();
+  allgather_simple(a);
+}
+extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(const __grid_constant__ CollArgs a) {
+  pdl_enter();
+  broadcast_packet(a);
+}
+extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(const __grid_constant__ CollArgs a) {
+  pdl_enter();
+  broadcast_simple(a);
+}

@@ -266,7 +266,8 @@ pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
     load("collective", "collectives.cu", device, source, all_kernel_names)
 }
 
-/// Launches `kernel` with `args`.
+/// Launches `kernel` with `args`; `programmatic`: as a programmatic dependent launch (every
+/// entry of collectives.cu waits for its predecessor first, `pdl_enter`).
 ///
 /// # Safety
 /// Every pointer in `args` is valid for what the kernel does with it (the input readable and the
@@ -278,13 +279,22 @@ pub(crate) unsafe fn launch(
     threads: u32,
     stream: &Stream,
     args: &CollArgs,
+    programmatic: bool,
 ) -> Result<()> {
     let mut a = *args;
     let mut params = [(&mut a as *mut CollArgs).cast::<c_void>()];
+    let (grid, block) = ((blocks, 1, 1), (threads, 1, 1));
     // SAFETY: the kernel takes one CollArgs by value (the CUDA struct is generated from the same
-    // field list, checked by a test); `a` lives until cuLaunchKernel returns (it copies it); the
-    // caller guarantees the pointers inside.
-    unsafe { kernel.launch((blocks, 1, 1), (threads, 1, 1), 0, stream, &mut params) }
+    // field list, checked by a test); `a` lives until the launch call returns (the driver copies
+    // it); the caller guarantees the pointers inside. Every kernel of this module starts with
+    // griddepcontrol.wait (pdl_enter), which a programmatic launch requires.
+    unsafe {
+        if programmatic {
+            kernel.launch_programmatic(grid, block, 0, stream, &mut params)
+        } else {
+            kernel.launch(grid, block, 0, stream, &mut params)
+        }
+    }
 }
 
 #[cfg(test)]
