@@ -132,6 +132,41 @@ extern "C" __global__ void lib0_rot(const __grid_constant__ CollArgs a, const __
   if (threadIdx.x == 0) st->flag = flag + 1;
 }
 
+// Programmatic dependent launch (sm_90): the kernel lets the next kernel of its stream start
+// (launch_dependents) and waits for the one before it to finish and flush (wait) before touching
+// anything it wrote (the state word, scratch, the output). Launched with the
+// programmatic-stream-serialization attribute, a kernel's launch and block scheduling overlap
+// its predecessor's tail; without the attribute the two instructions are no-ops.
+extern "C" __global__ void __launch_bounds__(512) real_pdl(const __grid_constant__ CollArgs a) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  allreduce_allpair<BF16>(a);
+}
+// The same with the trigger after the work (the next kernel starts only as this one ends).
+extern "C" __global__ void __launch_bounds__(512) real_pdl_late(const __grid_constant__ CollArgs a) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  allreduce_allpair<BF16>(a);
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+extern "C" __global__ void empty_plain(const __grid_constant__ CollArgs a) {}
+extern "C" __global__ void empty_pdl(const __grid_constant__ CollArgs a) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+static void launch_ex(void (*k)(CollArgs), bool pdl, unsigned blocks, unsigned threads, cudaStream_t st, CollArgs& a) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = st;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = pdl ? 1 : 0;
+  CK(cudaLaunchKernelEx(&cfg, k, a));
+}
+
 typedef void (*CollKern)(CollArgs);
 
 int main(int argc, char** argv) {
@@ -206,6 +241,21 @@ int main(int argc, char** argv) {
     const float us =
         graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { lib0_rot<<<blocks, threads, 0, st>>>(a[r], rot[r]); });
     printf("%-22s %8.2f us/call\n", "L0 host addresses", us);
+  }
+  {
+    // Programmatic dependent launch: the empty kernel and the library's kernel, plain and PDL.
+    struct P {
+      const char* name;
+      CollKern k;
+      bool pdl;
+    } ps[] = {{"empty", (CollKern)empty_plain, false},     {"empty pdl", (CollKern)empty_pdl, true},
+              {"real (Ex)", (CollKern)allreduce_allpair_bf16, false}, {"real+pdl insns", (CollKern)real_pdl, false},
+              {"real pdl", (CollKern)real_pdl, true},        {"real pdl late", (CollKern)real_pdl_late, true}};
+    for (int round = 0; round < 2; round++)
+      for (auto& v : ps) {
+        const float us = graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { launch_ex(v.k, v.pdl, blocks, threads, st, a[r]); });
+        printf("%-22s %8.2f us/call\n", v.name, us);
+      }
   }
   unsigned long long ew[2];
   for (int r = 0; r < 2; r++) {
