@@ -899,22 +899,24 @@ __device__ void broadcast_simple(const CollArgs& a) {
 // Entry points: one per (collective, algorithm, element type); the reduction op and f32
 // accumulation are arguments.
 //
-// Every entry starts with `pdl_enter`: on sm_90 and later it lets the next kernel of the stream
-// be scheduled now (launch_dependents: only a kernel launched as a programmatic dependent
-// launch starts early, any other still waits for this one to finish) and waits until the
-// kernel before this one has finished and its writes are visible (wait: a no-op unless this
-// kernel was itself launched programmatically). The host launches programmatically only when
-// two launches of every rank sharing the GPU fit at once (comm.rs, `programmatic`).
-__device__ __forceinline__ void pdl_enter() {
+// Every entry starts with `pdl_enter`: on sm_90 and later it waits until the kernel before this
+// one on the stream has finished and its writes are visible (griddepcontrol.wait: returns at
+// once unless this kernel was launched as a programmatic dependent launch). A kernel launched
+// that way (`a.pdl`) first lets the next kernel of the stream be scheduled now
+// (launch_dependents: only a successor launched programmatically starts early, and it waits in
+// its own pdl_enter); otherwise that happens at its end, as before. The host launches
+// programmatically only when two launches of every rank sharing the GPU fit at once (comm.rs,
+// `programmatic_blocks`).
+__device__ __forceinline__ void pdl_enter(const CollArgs& a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (a.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 #define TYPED(coll, algo, D, name)                                                                            \
   extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_##name(const __grid_constant__ CollArgs a) { \
-    pdl_enter();                                                                                              \
+    pdl_enter(a);                                                                                              \
     coll##_##algo<D>(a);                                                                                      \
   }
 #define ALL_TYPES(coll, algo)   \
@@ -932,18 +934,18 @@ ALL_TYPES(reducescatter, packet)
 ALL_TYPES(reducescatter, simple)
 
 extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(const __grid_constant__ CollArgs a) {
-  pdl_enter();
+  pdl_enter(a);
   allgather_packet(a);
 }
 extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(const __grid_constant__ CollArgs a) {
-  pdl_enter();
+  pdl_enter(a);
   allgather_simple(a);
 }
 extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(const __grid_constant__ CollArgs a) {
-  pdl_enter();
+  pdl_enter(a);
   broadcast_packet(a);
 }
 extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(const __grid_constant__ CollArgs a) {
-  pdl_enter();
+  pdl_enter(a);
   broadcast_simple(a);
 }

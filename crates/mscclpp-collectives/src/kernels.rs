@@ -45,6 +45,10 @@ pub(crate) struct CollArgs {
     pub(crate) inbox_off: u64,
     pub(crate) simple_off: u64,
     pub(crate) simple_round: u64,
+    /// 1 when this launch is a programmatic dependent launch: the kernel then lets the next
+    /// kernel of the stream be scheduled at its start (`pdl_enter`); 0 leaves that to the kernel's
+    /// end, as without programmatic launches. Set by [`launch`].
+    pub(crate) pdl: u64,
     /// The scratch address of ranks `0..INLINE_PEERS` (mapped here): a kernel reads them from
     /// its parameters, not from a table in device memory whose first read costs a trip to
     /// memory before the first packet can leave (about 1 us of a 3 us small AllReduce).
@@ -76,13 +80,14 @@ impl Default for CollArgs {
             inbox_off: 0,
             simple_off: 0,
             simple_round: 0,
+            pdl: 0,
             scratch: [0; INLINE_PEERS],
         }
     }
 }
 
 /// The CUDA names of [`CollArgs`]' fields, in order (`in`/`out` are the first two).
-pub(crate) const ARG_FIELDS: [&str; 22] = [
+pub(crate) const ARG_FIELDS: [&str; 23] = [
     "in",
     "out",
     "nbytes",
@@ -105,6 +110,7 @@ pub(crate) const ARG_FIELDS: [&str; 22] = [
     "inbox_off",
     "simple_off",
     "simple_round",
+    "pdl",
 ];
 
 /// Bytes of the per-rank state block (`CollState` in the CUDA source).
@@ -281,7 +287,7 @@ pub(crate) unsafe fn launch(
     args: &CollArgs,
     programmatic: bool,
 ) -> Result<()> {
-    let mut a = *args;
+    let mut a = CollArgs { pdl: programmatic as u64, ..*args };
     let mut params = [(&mut a as *mut CollArgs).cast::<c_void>()];
     let (grid, block) = ((blocks, 1, 1), (threads, 1, 1));
     // SAFETY: the kernel takes one CollArgs by value (the CUDA struct is generated from the same
@@ -343,6 +349,7 @@ mod tests {
             std::mem::offset_of!(CollArgs, inbox_off),
             std::mem::offset_of!(CollArgs, simple_off),
             std::mem::offset_of!(CollArgs, simple_round),
+            std::mem::offset_of!(CollArgs, pdl),
         ];
         let src = source();
         let body = src.split("struct CollArgs {\n").nth(1).and_then(|s| s.split("};").next()).unwrap();
