@@ -79,6 +79,12 @@ step "unit tests, away from the source tree" 60 "$T" ./bin/unit-tests --test-thr
 for t in $(./bin/gpu --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
   step "collectives $t" 150 "$T" ./bin/gpu --ignored --exact --nocapture --test-threads=1 "$t"
 done
+# Programmatic dependent launches (MSCCLPP_COLLECTIVES_PDL=1, off by default): the tests that
+# chain dependent calls, again with them on.
+for t in back_to_back_calls_read_their_predecessors_results graph_replays_ten_thousand_times_with_changing_inputs \
+         two_ranks_every_collective_type_op_and_size; do
+  step "collectives $t PDL" 150 "$T" env MSCCLPP_COLLECTIVES_PDL=1 ./bin/gpu --ignored --exact --nocapture --test-threads=1 "$t"
+done
 for t in $(./bin/gpu_hier --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
   step "hier $t" 60 "$T" ./bin/gpu_hier --ignored --exact --nocapture --test-threads=1 "$t"
 done
@@ -87,6 +93,9 @@ step "processes (MPS)" 60 "$T" ./bin/gpu_procs --ignored --test-threads=1 --noca
 # The speed goal's harness: 2 processes under MPS, bf16, graph and eager, NCCL in the same run.
 step "perf allreduce 2 processes (MPS) graph" 60 "$P" ./bin/mscclpp-perf allreduce --procs -b 1K -e 256M -d bf16 -n 50 --graph $nccl --timeout 30 --json "$logs/ar-procs-graph.json"
 step "perf allreduce 2 processes (MPS) eager" 60 "$P" ./bin/mscclpp-perf allreduce --procs -b 1K -e 256M -d bf16 -n 50 --check $nccl --timeout 30 --json "$logs/ar-procs-eager.json"
+step "perf allreduce 2 processes (MPS) graph PDL" 60 "$P" env MSCCLPP_COLLECTIVES_PDL=1 ./bin/mscclpp-perf allreduce --procs -b 1K -e 256M -d bf16 -n 50 --graph $nccl --timeout 30 --json "$logs/ar-procs-graph-pdl.json"
+step "perf allreduce 2 processes (MPS) eager PDL" 60 "$P" env MSCCLPP_COLLECTIVES_PDL=1 ./bin/mscclpp-perf allreduce --procs -b 1K -e 256M -d bf16 -n 50 --check $nccl --timeout 30 --json "$logs/ar-procs-eager-pdl.json"
+step "processes (MPS) PDL" 60 "$T" env MSCCLPP_COLLECTIVES_PDL=1 ./bin/gpu_procs --ignored --test-threads=1 --nocapture
 step "perf allreduce 4 processes (MPS) graph" 40 "$P" ./bin/mscclpp-perf allreduce --procs --ranks 4 -b 1K -e 64M -f 4 -d bf16 -n 20 --graph $nccl --timeout 30
 echo quit | nvidia-cuda-mps-control 2>/dev/null
 if [ -d wheel ]; then
