@@ -132,14 +132,16 @@ extern "C" __global__ void lib0_rot(const __grid_constant__ CollArgs a, const __
   if (threadIdx.x == 0) st->flag = flag + 1;
 }
 
-// Programmatic dependent launch (sm_90): the kernel lets the next kernel of its stream start
-// (launch_dependents) and waits for the one before it to finish and flush (wait) before touching
-// anything it wrote (the state word, scratch, the output). Launched with the
-// programmatic-stream-serialization attribute, a kernel's launch and block scheduling overlap
-// its predecessor's tail; without the attribute the two instructions are no-ops.
+// Programmatic dependent launch (sm_90): the kernel waits for the one before it to finish and
+// flush (wait) before touching anything it wrote (the state word, scratch, the output), then lets
+// the next kernel of its stream be scheduled (launch_dependents; after the wait, so a rank has at
+// most two kernels on the GPU). Launched with the programmatic-stream-serialization attribute, a
+// kernel's launch and block scheduling overlap its predecessor; without the attribute the two
+// instructions change nothing. (The library's entries do this themselves, `pdl_enter`, when
+// CollArgs.pdl is set.)
 extern "C" __global__ void __launch_bounds__(512) real_pdl(const __grid_constant__ CollArgs a) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   allreduce_allpair<BF16>(a);
 }
 // The same with the trigger after the work (the next kernel starts only as this one ends).
@@ -150,8 +152,8 @@ extern "C" __global__ void __launch_bounds__(512) real_pdl_late(const __grid_con
 }
 extern "C" __global__ void empty_plain(const __grid_constant__ CollArgs a) {}
 extern "C" __global__ void empty_pdl(const __grid_constant__ CollArgs a) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 static void launch_ex(void (*k)(CollArgs), bool pdl, unsigned blocks, unsigned threads, cudaStream_t st, CollArgs& a) {
@@ -159,7 +161,7 @@ static void launch_ex(void (*k)(CollArgs), bool pdl, unsigned blocks, unsigned t
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(threads);
   cfg.stream = st;
-  cudaLaunchAttribute at[1];
+  cudaLaunchAttribute at[1] = {};
   at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   at[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = at;
@@ -251,11 +253,18 @@ int main(int argc, char** argv) {
     } ps[] = {{"empty", (CollKern)empty_plain, false},     {"empty pdl", (CollKern)empty_pdl, true},
               {"real (Ex)", (CollKern)allreduce_allpair_bf16, false}, {"real+pdl insns", (CollKern)real_pdl, false},
               {"real pdl", (CollKern)real_pdl, true},        {"real pdl late", (CollKern)real_pdl_late, true}};
-    for (int round = 0; round < 2; round++)
+    CollArgs ap[2] = {a[0], a[1]};
+    for (int r = 0; r < 2; r++) ap[r].pdl = 1;  // the library's own entry, as comm.rs launches it
+    for (int round = 0; round < 2; round++) {
       for (auto& v : ps) {
         const float us = graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) { launch_ex(v.k, v.pdl, blocks, threads, st, a[r]); });
         printf("%-22s %8.2f us/call\n", v.name, us);
       }
+      const float us = graph_us_per_call(s, calls, reps, [&](int r, cudaStream_t st) {
+        launch_ex((CollKern)allreduce_allpair_bf16, true, blocks, threads, st, ap[r]);
+      });
+      printf("%-22s %8.2f us/call\n", "library pdl (a.pdl=1)", us);
+    }
   }
   unsigned long long ew[2];
   for (int r = 0; r < 2; r++) {

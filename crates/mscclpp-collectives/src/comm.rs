@@ -40,12 +40,19 @@ pub struct Config {
     /// Time AllReduce plans per power-of-two size at setup (see [`crate::tune`]); default on,
     /// off with `MSCCLPP_COLLECTIVES_TUNE=0`.
     pub tune: bool,
-    /// Launch the kernels as programmatic dependent launches where the GPU supports them
-    /// (compute capability 9.0 and later): a call's kernel is scheduled while the kernel before
-    /// it on the stream finishes, and waits on the GPU for it, which saves the gap between the
-    /// two (back-to-back calls, or a call after a kernel that allows it). Used only for launches
-    /// small enough that two of every rank sharing the GPU fit at once. Default off, on with
-    /// `MSCCLPP_COLLECTIVES_PDL=1`.
+    /// Launch the kernels as programmatic dependent launches where the GPU and driver take them
+    /// (compute capability 9.0, CUDA 12.3 driver and later): a call's kernel is scheduled while
+    /// the kernel before it on the stream finishes, and waits on the GPU for it, which saves the
+    /// gap between the two (back-to-back calls, or a call after a kernel that allows it). Used
+    /// only for launches small enough that two of every rank sharing the GPU fit at once.
+    /// Default off, on with `MSCCLPP_COLLECTIVES_PDL=1`.
+    ///
+    /// A kernel *you* launch programmatically right after a call may then be scheduled while the
+    /// call still runs (as after any kernel that allows it). With one rank per GPU that is
+    /// harmless; when several ranks share a GPU its blocks can take room a peer's collective
+    /// kernel needs, and the call then fails at its timeout: keep such launches out of jobs that
+    /// share GPUs between ranks, or leave this off. Other collectives objects on the same GPU
+    /// (two-level, point-to-point) are not counted either.
     pub programmatic_launch: bool,
 }
 
@@ -402,8 +409,8 @@ impl Collectives {
             "agreeing on the collectives' block cap, buffers allocated",
         )?;
         let Buffers { scratch, peers_table, state, expected, status } = buffers;
-        let programmatic_blocks = mscclpp::gpu::compute_capability(dev)
-            .map_or(0, |(major, _)| select::programmatic_blocks(major, config.programmatic_launch, cap));
+        let supported = config.programmatic_launch && mscclpp::gpu::programmatic_launch_supported(dev).unwrap_or(false);
+        let programmatic_blocks = select::programmatic_blocks(supported, config.programmatic_launch, cap);
         limits.max_blocks = limits.max_blocks.min(cap);
         for c in caps {
             let c: [u8; 4] = c.as_slice().try_into().map_err(|_| Error::remote("a peer sent a malformed block cap"))?;
@@ -611,6 +618,12 @@ impl Collectives {
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
+    /// The most blocks a launch may have to be a programmatic dependent launch (0: none are;
+    /// see [`Config::programmatic_launch`]).
+    pub fn programmatic_blocks(&self) -> u32 {
+        self.programmatic_blocks
+    }
+
     /// The selector thresholds in force (`max_blocks` already capped for residency).
     pub fn limits(&self) -> &Limits {
         &self.limits

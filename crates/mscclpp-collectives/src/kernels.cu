@@ -902,15 +902,17 @@ __device__ void broadcast_simple(const CollArgs& a) {
 // Every entry starts with `pdl_enter`: on sm_90 and later it waits until the kernel before this
 // one on the stream has finished and its writes are visible (griddepcontrol.wait: returns at
 // once unless this kernel was launched as a programmatic dependent launch). A kernel launched
-// that way (`a.pdl`) first lets the next kernel of the stream be scheduled now
-// (launch_dependents: only a successor launched programmatically starts early, and it waits in
-// its own pdl_enter); otherwise that happens at its end, as before. The host launches
-// programmatically only when two launches of every rank sharing the GPU fit at once (comm.rs,
-// `programmatic_blocks`).
+// that way (`a.pdl`) then lets the next kernel of the stream be scheduled
+// (launch_dependents: only a successor launched programmatically starts early; ours wait in
+// their own pdl_enter). Waiting first bounds what a rank has on the GPU to two kernels, the one
+// running and the next one waiting: triggering before the wait would let the next kernel
+// release the one after it while this one still runs, and so on down the queue. The host
+// launches programmatically only when two launches of every rank sharing the GPU fit at once
+// (comm.rs, `programmatic_blocks`).
 __device__ __forceinline__ void pdl_enter(const CollArgs& a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (a.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (a.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

@@ -282,10 +282,11 @@ pub fn residency_cap(sm_count: u32, per_sm: u32, ranks_on_gpu: usize) -> Result<
 /// The most blocks a launch may have to be a programmatic dependent launch (0: none may): half
 /// of `residency_cap` (the blocks per rank that fit with every rank sharing the GPU), since a
 /// rank's next kernel, scheduled early, waits on the GPU beside its current one and must not take
-/// the room a peer's current kernel needs; none before compute capability 9.0 or when `enabled`
-/// is off.
-pub fn programmatic_blocks(cc_major: i32, enabled: bool, residency_cap: u32) -> u32 {
-    if enabled && cc_major >= 9 { residency_cap / 2 } else { 0 }
+/// the room a peer's current kernel needs (a kernel releases its successor only after its own
+/// wait, so a rank never has more than these two on the GPU); none where the GPU or driver
+/// cannot (`supported`, `mscclpp::gpu::programmatic_launch_supported`) or `enabled` is off.
+pub fn programmatic_blocks(supported: bool, enabled: bool, residency_cap: u32) -> u32 {
+    if enabled && supported { residency_cap / 2 } else { 0 }
 }
 
 /// FNV-1a over `words`, each as its 8 little-endian bytes: the digest behind the call
@@ -450,13 +451,13 @@ mod tests {
     #[test]
     fn programmatic_launches_leave_room_for_every_rank() {
         // Two launches of every rank sharing the GPU fit at once: the cap is halved.
-        assert_eq!(programmatic_blocks(9, true, residency_cap(132, 1, 2).unwrap()), 33);
-        assert_eq!(programmatic_blocks(10, true, 16), 8);
+        assert_eq!(programmatic_blocks(true, true, residency_cap(132, 1, 2).unwrap()), 33);
+        assert_eq!(programmatic_blocks(true, true, 16), 8);
         // One block per rank fits: no room for an early second one.
-        assert_eq!(programmatic_blocks(9, true, 1), 0);
-        // Off, or a GPU without programmatic dependent launch.
-        assert_eq!(programmatic_blocks(9, false, 64), 0);
-        assert_eq!(programmatic_blocks(8, true, 64), 0);
+        assert_eq!(programmatic_blocks(true, true, 1), 0);
+        // Off, or a GPU or driver without programmatic dependent launch.
+        assert_eq!(programmatic_blocks(true, false, 64), 0);
+        assert_eq!(programmatic_blocks(false, true, 64), 0);
     }
 
     #[test]

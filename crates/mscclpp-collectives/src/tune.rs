@@ -82,7 +82,16 @@ pub fn candidates(nbytes: u64, layout: &select::Layout, max_blocks: u32) -> Vec<
 }
 
 fn key(coll: &Collectives) -> String {
-    format!("{}x{}:{:?}:{:?}", coll.size(), coll.device(), coll.layout(), coll.limits())
+    // Programmatic launches change the timings (back-to-back calls in a graph): a table tuned
+    // with them is not reused without them.
+    format!(
+        "{}x{}:{:?}:{:?}:pdl{}",
+        coll.size(),
+        coll.device(),
+        coll.layout(),
+        coll.limits(),
+        coll.programmatic_blocks()
+    )
 }
 
 /// Tunes AllReduce on `coll` (a collective call: every rank of `comm` makes it).

@@ -193,28 +193,33 @@ fn graph_replays_ten_thousand_times_with_changing_inputs() {
 }
 
 /// Calls issued back to back on one stream, each reading what the one before it wrote (in place,
-/// no host synchronization between them), eager and replayed from a graph: with programmatic
-/// dependent launches (the default on compute capability 9.0 and later) a kernel starts while
-/// its predecessor still runs, and must not read its input before that one has finished.
+/// no host synchronization between them), eager and replayed from a graph, with programmatic
+/// dependent launches on (where the GPU takes them): a kernel is then scheduled while its
+/// predecessor still runs and must not read its input before that one has finished. Every call
+/// doubles the values (f32, exact: powers of two), so a call that read a stale input leaves a
+/// value off by a power of two.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn back_to_back_calls_read_their_predecessors_results() {
     let n = 2usize;
-    let chain = 40u32;
-    // allpair, packet and staged sizes (u32 elements).
+    let chain = 40i32;
+    // allpair, packet and staged sizes (f32 elements).
     let counts = [2048usize, 64 << 10, (1 << 20) + 5];
     let res = ranks(
         n,
-        |_| Config::new(0).tune(false),
+        |_| Config::new(0).tune(false).programmatic_launch(true),
         |rank, coll, stream| {
+            if rank == 0 {
+                println!("programmatic launches of up to {} blocks", coll.programmatic_blocks());
+            }
             let ctx = mscclpp::Context::new();
             let max = counts[2];
             let a = DeviceBuffer::new(&ctx, 0, max * 4, TransportFlags::NONE).unwrap();
             let b = DeviceBuffer::new(&ctx, 0, max * 4, TransportFlags::NONE).unwrap();
-            let init = |i: usize| ((rank + 1) * (i % 7 + 1)) as u32;
-            // After k in-place sums every element is n^(k-1) times the first sum (mod 2^32).
-            let first = |i: usize| ((n * (n + 1) / 2) * (i % 7 + 1)) as u32;
-            let expect = |i: usize, k: u32| first(i).wrapping_mul((n as u32).wrapping_pow(k - 1));
+            let init = |i: usize| ((rank + 1) * (i % 7 + 1)) as f32;
+            // After k in-place sums every element is 2^(k-1) times the first sum (exact in f32).
+            let first = |i: usize| ((n * (n + 1) / 2) * (i % 7 + 1)) as f32;
+            let expect = |i: usize, k: i32| first(i) * 2f32.powi(k - 1);
             let call = |src: &DeviceBuffer, dst: &DeviceBuffer, count: usize| {
                 // SAFETY: a and b outlive every call (the stream is synchronized before the
                 // closure returns).
@@ -223,7 +228,7 @@ fn back_to_back_calls_read_their_predecessors_results() {
                         src.device_ptr(),
                         dst.device_ptr(),
                         count,
-                        DataType::U32,
+                        DataType::F32,
                         ReduceOp::Sum,
                         stream,
                         &CallOptions::default(),
@@ -231,25 +236,27 @@ fn back_to_back_calls_read_their_predecessors_results() {
                 }
                 .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
             };
-            let check = |buf: &DeviceBuffer, count: usize, k: u32, what: &str| -> usize {
+            let check = |buf: &DeviceBuffer, count: usize, k: i32, what: &str| -> usize {
                 coll.synchronize(stream, Duration::from_secs(60)).unwrap_or_else(|e| panic!("rank {rank} {what}: {e}"));
                 let mut out = vec![0u8; count * 4];
                 buf.read(0, &mut out).unwrap();
                 let wrong = out
                     .chunks(4)
                     .enumerate()
-                    .filter(|(i, w)| u32::from_le_bytes((*w).try_into().unwrap()) != expect(*i, k))
+                    .filter(|(i, w)| f32::from_le_bytes((*w).try_into().unwrap()) != expect(*i, k))
                     .count();
                 if wrong > 0 {
                     println!("rank {rank}: {what}, {count} elements after {k} calls: {wrong} wrong");
                 }
                 wrong
             };
+            let sentinel: Vec<u8> = (0..max).flat_map(|_| (-1f32).to_le_bytes()).collect();
             let mut wrong = 0;
             for &count in &counts {
                 let fill: Vec<u8> = (0..count).flat_map(|i| init(i).to_le_bytes()).collect();
                 // Eager: `chain` in-place calls, then one out of place into b.
                 a.write(0, &fill).unwrap();
+                b.write(0, &sentinel).unwrap();
                 for _ in 0..chain {
                     call(&a, &a, count);
                 }

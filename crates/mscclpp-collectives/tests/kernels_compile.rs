@@ -32,6 +32,23 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
     ] {
         assert!(ptx.as_str().contains(insn), "no {insn} in the PTX");
     }
+    // Every entry waits for its predecessor before anything else (programmatic dependent
+    // launches, `pdl_enter`): an entry without it would race the kernel before it.
+    for insn in ["griddepcontrol.wait", "griddepcontrol.launch_dependents"] {
+        assert_eq!(ptx.as_str().matches(insn).count(), ptx.kernels().len(), "{insn} once per entry");
+    }
+    for entry in ptx.as_str().split(".entry ").skip(1) {
+        let name = entry.split('(').next().unwrap_or("?");
+        let wait = entry.find("griddepcontrol.wait").unwrap_or(usize::MAX);
+        // Released only after its own wait: a rank then has at most two kernels on the GPU.
+        let release = entry.find("griddepcontrol.launch_dependents").unwrap_or(0);
+        assert!(release > wait, "{name}: launch_dependents before griddepcontrol.wait");
+        for access in ["ld.global", "st.global", "ld.volatile", "st.volatile", "atom.", "red.", "ld.acquire", "call"] {
+            if let Some(at) = entry.find(access) {
+                assert!(at > wait, "{name}: {access} before griddepcontrol.wait");
+            }
+        }
+    }
     let Some(log) = assemble_sm90(test, ptx.as_str()) else {
         return;
     };

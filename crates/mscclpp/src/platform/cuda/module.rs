@@ -140,7 +140,8 @@ impl Kernel {
     /// sharing the GPU must leave room for that.
     ///
     /// # Errors
-    /// As [`launch`](Self::launch); `Cuda` on a GPU older than compute capability 9.0.
+    /// As [`launch`](Self::launch); `InvalidUsage` where [`programmatic_launch_supported`] says
+    /// no.
     ///
     /// # Safety
     /// As [`launch`](Self::launch), and the kernel executes `griddepcontrol.wait` before any
@@ -190,10 +191,17 @@ impl Kernel {
         }
         self.module.dev.bind()?;
         if programmatic {
-            // SAFETY: an all-zero launch attribute is a valid value of the C union (its `pad`
-            // member covers it), then one member is set.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            if !programmatic_launch_supported(self.module.dev.ordinal)? {
+                return Err(Error::invalid_usage(format!(
+                    "{}: programmatic dependent launch needs compute capability 9.0 and a CUDA 12.3 driver or later",
+                    self.name
+                )));
+            }
+            let mut attr = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+            };
             attr.value.programmaticStreamSerializationAllowed = 1;
             let config = sys::CUlaunchConfig {
                 gridDimX: grid.0,
@@ -251,6 +259,24 @@ pub fn sm_count(ordinal: u32) -> Result<u32> {
     }
     .map_err(|e| cuda_err("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)", e))?;
     Ok(n.max(0) as u32)
+}
+
+/// Whether GPU `ordinal` and the driver take programmatic dependent launches
+/// ([`Kernel::launch_programmatic`]): compute capability 9.0 or later, and a driver of CUDA 12.3
+/// or later (which also captures them into graphs). The answer is asked of the driver once.
+///
+/// # Errors
+/// As [`compute_capability`].
+pub fn programmatic_launch_supported(ordinal: u32) -> Result<bool> {
+    static DRIVER: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    let (major, _) = compute_capability(ordinal)?;
+    let driver = *DRIVER.get_or_init(|| {
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: v is a local out-parameter; the driver is loaded (compute_capability above).
+        let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+        if r == sys::CUresult::CUDA_SUCCESS { v } else { 0 }
+    });
+    Ok(major >= 9 && driver >= 12030)
 }
 
 /// The compute capability `(major, minor)` of GPU `ordinal`.
