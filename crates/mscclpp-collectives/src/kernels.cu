@@ -935,19 +935,14 @@ ALL_TYPES(allreduce, zerocopy)
 ALL_TYPES(reducescatter, packet)
 ALL_TYPES(reducescatter, simple)
 
-extern "C" __global__ void __launch_bounds__(512) allgather_packet_any(const __grid_constant__ CollArgs a) {
-  pdl_enter(a);
-  allgather_packet(a);
-}
-extern "C" __global__ void __launch_bounds__(512) allgather_simple_any(const __grid_constant__ CollArgs a) {
-  pdl_enter(a);
-  allgather_simple(a);
-}
-extern "C" __global__ void __launch_bounds__(512) broadcast_packet_any(const __grid_constant__ CollArgs a) {
-  pdl_enter(a);
-  broadcast_packet(a);
-}
-extern "C" __global__ void __launch_bounds__(512) broadcast_simple_any(const __grid_constant__ CollArgs a) {
-  pdl_enter(a);
-  broadcast_simple(a);
-}
+// Collectives that move bytes without reducing them: one entry for every element type.
+#define ANY_TYPE(coll, algo)                                                                            \
+  extern "C" __global__ void __launch_bounds__(512) coll##_##algo##_any(const __grid_constant__ CollArgs a) { \
+    pdl_enter(a);                                                                                        \
+    coll##_##algo(a);                                                                                    \
+  }
+
+ANY_TYPE(allgather, packet)
+ANY_TYPE(allgather, simple)
+ANY_TYPE(broadcast, packet)
+ANY_TYPE(broadcast, simple)

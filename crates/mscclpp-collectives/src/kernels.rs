@@ -373,11 +373,11 @@ mod tests {
         assert_eq!(names.len(), 3 * 5 + 2 * 5 + 5 + 4);
         for n in &names {
             let (prefix, ty) = n.rsplit_once('_').unwrap();
+            let (coll, algo) = prefix.split_once('_').unwrap();
             let defined = if ty == "any" {
-                KERNELS.contains(&format!("void __launch_bounds__(512) {n}(const __grid_constant__ CollArgs a)"))
+                KERNELS.contains(&format!("\nANY_TYPE({coll}, {algo})"))
             } else {
-                let (coll, algo) = prefix.split_once('_').unwrap();
-                KERNELS.contains(&format!("ALL_TYPES({coll}, {algo})"))
+                KERNELS.contains(&format!("\nALL_TYPES({coll}, {algo})"))
             };
             assert!(defined, "{n} is not defined in kernels.cu");
         }
