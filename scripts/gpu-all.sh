@@ -7,6 +7,8 @@
 # and the executor GPU tests in one process (part "exectests"), and the Ethernet bundle's run.sh
 # (part "eth", when gpu-bundle-eth/ is carried too). PARTS picks and orders them (e.g.
 # PARTS=exec for a call of its own).
+# At the end all.sh packs the parts' log folders under $OUT into $OUT/logs.tgz (the device tool
+# returns only so many files; KEEP_LOGS=1 keeps them apart).
 # Device call: carry ["gpu-bundle-coll", "gpu-bundle-exec", "gpu-bundle-nccl"] (the NCCL bundle
 # holds nccl-ignored/libnccl.so.2.xz already; carrying both passes the 64 MiB limit),
 # command "bash gpu-bundle-coll/all.sh". MATURIN=path adds the Python wheel and its GPU tests.
@@ -84,6 +86,13 @@ for i in "${!parts[@]}"; do
     *) echo "unknown part $part" ;;
   esac
 done
+# The device tool returns only so many files from $OUT: pack the parts' log folders into one
+# tarball (files directly in $OUT, such as a tee of this script's output, stay; KEEP_LOGS=1
+# leaves everything as it is).
+dirs=$(cd "$L" && ls -d */ 2>/dev/null || true)
+if [ "${KEEP_LOGS:-0}" != 1 ] && [ -n "$dirs" ]; then
+  (cd "$L" && tar czf logs.tgz $dirs && rm -rf $dirs) && echo "== logs packed into \$OUT/logs.tgz: $dirs"
+fi
 RUN
 chmod +x gpu-bundle-coll/all.sh
 du -sh gpu-bundle-coll gpu-bundle-exec gpu-bundle-nccl
