@@ -110,6 +110,9 @@ pub fn device_count() -> Result<usize> {
 pub(crate) struct GpuDevice {
     pub(crate) ordinal: u32,
     ctx: sys::CUcontext,
+    /// Whether it takes programmatic dependent launches (`module::programmatic_launch_supported`),
+    /// asked of the driver once, not at every launch.
+    pub(crate) programmatic: OnceLock<bool>,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (the driver API is thread-safe; we
@@ -148,7 +151,7 @@ pub(crate) fn device(ordinal: u32) -> Result<Arc<GpuDevice>> {
     // SAFETY: dev is a valid device handle; the primary context is retained for the process's
     // lifetime (never released), so handles derived from it stay valid.
     let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
-    let d = Arc::new(GpuDevice { ordinal, ctx });
+    let d = Arc::new(GpuDevice { ordinal, ctx, programmatic: OnceLock::new() });
     devs.push(d.clone());
     if let Some(slot) = READY.get(ordinal as usize) {
         // Set once, under DEVICES' lock, to the one retained device of this ordinal.

@@ -191,7 +191,7 @@ impl Kernel {
         }
         self.module.dev.bind()?;
         if programmatic {
-            if !programmatic_launch_supported(self.module.dev.ordinal)? {
+            if !programmatic_supported_on(&self.module.dev)? {
                 return Err(Error::invalid_usage(format!(
                     "{}: programmatic dependent launch needs compute capability 9.0 and a CUDA 12.3 driver or later",
                     self.name
@@ -263,20 +263,27 @@ pub fn sm_count(ordinal: u32) -> Result<u32> {
 
 /// Whether GPU `ordinal` and the driver take programmatic dependent launches
 /// ([`Kernel::launch_programmatic`]): compute capability 9.0 or later, and a driver of CUDA 12.3
-/// or later (which also captures them into graphs). The answer is asked of the driver once.
+/// or later (which also captures them into graphs). The answer is asked of the driver once per
+/// GPU.
 ///
 /// # Errors
 /// As [`compute_capability`].
 pub fn programmatic_launch_supported(ordinal: u32) -> Result<bool> {
-    static DRIVER: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    let (major, _) = compute_capability(ordinal)?;
-    let driver = *DRIVER.get_or_init(|| {
-        let mut v: std::ffi::c_int = 0;
-        // SAFETY: v is a local out-parameter; the driver is loaded (compute_capability above).
-        let r = unsafe { sys::cuDriverGetVersion(&mut v) };
-        if r == sys::CUresult::CUDA_SUCCESS { v } else { 0 }
-    });
-    Ok(major >= 9 && driver >= 12030)
+    programmatic_supported_on(&*super::device(ordinal)?)
+}
+
+/// [`programmatic_launch_supported`] for a retained device, from its cache after the first ask
+/// (every programmatic launch checks it).
+fn programmatic_supported_on(dev: &GpuDevice) -> Result<bool> {
+    if let Some(&yes) = dev.programmatic.get() {
+        return Ok(yes);
+    }
+    let (major, _) = compute_capability(dev.ordinal)?;
+    let mut driver: std::ffi::c_int = 0;
+    // SAFETY: driver is a local out-parameter; the driver is loaded (compute_capability above).
+    let r = unsafe { sys::cuDriverGetVersion(&mut driver) };
+    let yes = major >= 9 && r == sys::CUresult::CUDA_SUCCESS && driver >= 12030;
+    Ok(*dev.programmatic.get_or_init(|| yes))
 }
 
 /// The compute capability `(major, minor)` of GPU `ordinal`.
