@@ -409,7 +409,7 @@ impl Collectives {
             "agreeing on the collectives' block cap, buffers allocated",
         )?;
         let Buffers { scratch, peers_table, state, expected, status } = buffers;
-        let supported = config.programmatic_launch && mscclpp::gpu::programmatic_launch_supported(dev).unwrap_or(false);
+        let supported = mscclpp::gpu::programmatic_launch_supported(dev).unwrap_or(false);
         let programmatic_blocks = select::programmatic_blocks(supported, config.programmatic_launch, cap);
         limits.max_blocks = limits.max_blocks.min(cap);
         for c in caps {
@@ -786,11 +786,10 @@ impl Collectives {
             ..self.base_args()
         };
         let k = self.kernels.get(coll, plan.algorithm, dtype)?;
-        let programmatic = plan.blocks <= self.programmatic_blocks;
         // SAFETY: the caller guarantees input/output for the sizes checked above until the call
         // finishes on the stream; the scratch, tables, state and error words live as long as self,
         // which the caller keeps while work is pending (dropping frees them after the GPU is idle).
-        unsafe { kernels::launch(k, plan.blocks, plan.threads, stream, &args, programmatic) }
+        unsafe { kernels::launch(k, plan.blocks, plan.threads, stream, &args, self.programmatic_blocks) }
             .map_err(|e| e.during(what()))
     }
 

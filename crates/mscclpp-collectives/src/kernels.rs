@@ -272,8 +272,9 @@ pub(crate) fn kernels(device: u32) -> Result<Arc<Kernels>> {
     load("collective", "collectives.cu", device, source, all_kernel_names)
 }
 
-/// Launches `kernel` with `args`; `programmatic`: as a programmatic dependent launch (every
-/// entry of collectives.cu waits for its predecessor first, `pdl_enter`).
+/// Launches `kernel` with `args`, as a programmatic dependent launch when `blocks` is at most
+/// `programmatic_blocks` (`Collectives::programmatic_blocks`; every entry of collectives.cu
+/// waits for its predecessor first, `pdl_enter`).
 ///
 /// # Safety
 /// Every pointer in `args` is valid for what the kernel does with it (the input readable and the
@@ -285,8 +286,9 @@ pub(crate) unsafe fn launch(
     threads: u32,
     stream: &Stream,
     args: &CollArgs,
-    programmatic: bool,
+    programmatic_blocks: u32,
 ) -> Result<()> {
+    let programmatic = blocks <= programmatic_blocks;
     let mut a = CollArgs { pdl: programmatic as u64, ..*args };
     let mut params = [(&mut a as *mut CollArgs).cast::<c_void>()];
     let (grid, block) = ((blocks, 1, 1), (threads, 1, 1));

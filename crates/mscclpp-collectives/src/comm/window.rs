@@ -214,9 +214,9 @@ impl Collectives {
             ..self.base_args()
         };
         let k = self.kernels.get_zero_copy(dtype)?;
-        let programmatic = blocks <= self.programmatic_blocks;
         // SAFETY: the window's tables point to every rank's registered buffers, which the
         // window's contract keeps allocated; nbytes fits them (checked above).
-        unsafe { kernels::launch(k, blocks, threads, stream, &args, programmatic) }.map_err(|e| e.during(what()))
+        unsafe { kernels::launch(k, blocks, threads, stream, &args, self.programmatic_blocks) }
+            .map_err(|e| e.during(what()))
     }
 }
