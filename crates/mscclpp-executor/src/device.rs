@@ -286,15 +286,25 @@ pub const KERNEL_LL16: &str = "mscclpp_exec_ll16";
 /// The LL8 entry.
 pub const KERNEL_LL8: &str = "mscclpp_exec_ll8";
 
+/// The structs shared with the CUDA source, in the order it defines them: name, Rust size,
+/// fields (what `source` generates and the layout checks compare).
+fn shared_structs() -> [(&'static str, usize, Vec<Field>); 4] {
+    [
+        ("DevBuf", size_of::<DevBuf>(), devbuf_fields()),
+        ("DevOp", size_of::<DevOp>(), devop_fields()),
+        ("ExecState", size_of::<ExecState>(), state_fields()),
+        ("ExecArgs", size_of::<ExecArgs>(), args_fields()),
+    ]
+}
+
 /// The whole CUDA source: the device header, the generated structs and constants, the kernel.
 pub fn source() -> String {
     let mut s = String::from("#include \"mscclpp_rs/device.cuh\"\n\nusing namespace mscclpp;\n\n");
     s.push_str(&op_constants());
     s.push('\n');
-    emit_struct(&mut s, "DevBuf", size_of::<DevBuf>(), &devbuf_fields());
-    emit_struct(&mut s, "DevOp", size_of::<DevOp>(), &devop_fields());
-    emit_struct(&mut s, "ExecState", size_of::<ExecState>(), &state_fields());
-    emit_struct(&mut s, "ExecArgs", size_of::<ExecArgs>(), &args_fields());
+    for (name, size, fields) in shared_structs() {
+        emit_struct(&mut s, name, size, &fields);
+    }
     s.push_str(KERNEL);
     s
 }
@@ -303,12 +313,7 @@ pub fn source() -> String {
 /// layout test checks, exposed so the test can name the failing field.
 pub fn layout_problems() -> Vec<String> {
     let mut bad = Vec::new();
-    for (name, size, fields) in [
-        ("DevBuf", size_of::<DevBuf>(), devbuf_fields()),
-        ("DevOp", size_of::<DevOp>(), devop_fields()),
-        ("ExecState", size_of::<ExecState>(), state_fields()),
-        ("ExecArgs", size_of::<ExecArgs>(), args_fields()),
-    ] {
+    for (name, size, fields) in shared_structs() {
         let mut at = 0;
         for (t, f, n, off) in &fields {
             if *off != at {
@@ -371,12 +376,7 @@ mod tests {
         let src = source();
         // Every field appears in the generated CUDA struct, in order, with its C type; the size
         // is asserted there.
-        for (name, size, fields) in [
-            ("DevBuf", size_of::<DevBuf>(), devbuf_fields()),
-            ("DevOp", size_of::<DevOp>(), devop_fields()),
-            ("ExecState", size_of::<ExecState>(), state_fields()),
-            ("ExecArgs", size_of::<ExecArgs>(), args_fields()),
-        ] {
+        for (name, size, fields) in shared_structs() {
             let body = src.split(&format!("struct {name} {{\n")).nth(1).and_then(|b| b.split("};").next()).unwrap();
             let lines: Vec<&str> = body.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
             assert_eq!(lines.len(), fields.len(), "{name}");
