@@ -721,6 +721,16 @@ __device__ __forceinline__ bool begin_ctx(const ExecArgs& a, const Start& s, Ctx
 // every thread instead of a chain of global loads per operation); else read where they are.
 #define SHARED_OPS_BYTES 12288
 
+// The start of a block of either kernel (`begin`, a barrier, `begin_ctx`): the interpreter's
+// once its slots are in shared memory, a per-plan kernel's once its first operations are
+// loaded; false when the rank failed before.
+__device__ __forceinline__ bool block_start(const ExecArgs& a, Ctx& c) {
+  __shared__ Start s;
+  begin(a, s);
+  __syncthreads();
+  return begin_ctx(a, s, c);
+}
+
 // The interpreter's loop over one block's slots (`ops`), whatever their shape.
 template <typename PK>
 __device__ void run_ops(Ctx& c, const DevOp* ops) {
@@ -748,7 +758,6 @@ __device__ void run_ops(Ctx& c, const DevOp* ops) {
 // The interpreter: block b runs the ops of its slots, whatever their shape.
 template <typename PK>
 __device__ void run(const ExecArgs& a) {
-  __shared__ Start s;
   __shared__ __align__(16) u64 s_ops[SHARED_OPS_BYTES / 8];
   const DevOp* g_ops = (const DevOp*)a.ops + (u64)blockIdx.x * a.ops_stride;
   const u64 op_bytes = a.ops_stride * sizeof(DevOp);
@@ -757,10 +766,8 @@ __device__ void run(const ExecArgs& a) {
     const u64* src = (const u64*)g_ops;
     for (u32 i = threadIdx.x; i < op_bytes / 8; i += blockDim.x) s_ops[i] = src[i];
   }
-  begin(a, s);
-  __syncthreads();
   Ctx c;
-  if (!begin_ctx(a, s, c)) return;
+  if (!block_start(a, c)) return;
   run_ops<PK>(c, in_shared ? (const DevOp*)s_ops : g_ops);
   finish(a, c);
 }
@@ -769,7 +776,7 @@ __device__ void run(const ExecArgs& a) {
 // src/plan_kernel.rs) runs block b's operations as HeldOps and FixedOps, in the interpreter's
 // order with its barriers; their data is read from the same DevOp slots in global memory. The
 // generated code constructs the block's first operations (HeldOps: their fields loaded into
-// registers), then calls `plan_start` (the flag, the failed word, the barrier), runs the
+// registers), then calls `block_start` (the flag, the failed word, the barrier), runs the
 // operations and `finish`.
 //
 // With `kPrefetch`, the block's slots are prefetched into L1 (a line per thread) first, for the
@@ -784,15 +791,6 @@ __device__ void run_plan(const ExecArgs& a) {
     }
   }
   Blocks::template run<PK>(a, ops);
-}
-
-// The start of a per-plan kernel's block, once its first operations are loaded: as the
-// interpreter's (`begin`, a barrier, `begin_ctx`); false when the rank failed before.
-__device__ __forceinline__ bool plan_start(const ExecArgs& a, Ctx& c) {
-  __shared__ Start s;
-  begin(a, s);
-  __syncthreads();
-  return begin_ctx(a, s, c);
 }
 
 #ifndef MSCCLPP_EXEC_PLAN_KERNEL

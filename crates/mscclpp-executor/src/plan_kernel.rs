@@ -91,36 +91,43 @@ fn held_cost(op: &DevOp) -> u32 {
 /// (its registers stay live through every iteration), so a first pipeline over the budget holds
 /// nothing. Budget 0 holds nothing at all (not even operations that cost nothing).
 fn preloaded(ops: &[DevOp], budget: u32) -> usize {
-    let pipeline = device::op_code(OpKind::Pipeline);
     if budget == 0 {
         return 0;
     }
-    let (mut i, mut held) = (0, 0);
-    while i < ops.len() {
-        let n = if ops[i].kind == pipeline { 1 + ops[i].n_body as usize } else { 1 };
-        let cost: u32 = ops.iter().skip(i).take(n).map(held_cost).sum();
+    let (mut end, mut held) = (0, 0);
+    for g in groups(ops) {
+        let cost: u32 = ops[g.clone()].iter().map(held_cost).sum();
         if held + cost > budget {
             break;
         }
         held += cost;
-        i += n;
+        end = g.end;
     }
-    i.min(ops.len())
+    end
 }
 
-/// Which slots are pipeline headers as the interpreter walks them: a pipeline inside another's
-/// body is an operation of that body (which does nothing), not a header.
+/// The slots as the interpreter walks them: a pipeline header with its body (cut at the end of
+/// `ops`), or one operation. A pipeline inside another's body is an operation of that body
+/// (which does nothing), not a header.
+fn groups(ops: &[DevOp]) -> Vec<std::ops::Range<usize>> {
+    let pipeline = device::op_code(OpKind::Pipeline);
+    let mut v = Vec::new();
+    let mut i = 0;
+    while i < ops.len() {
+        let n = if ops[i].kind == pipeline { 1 + ops[i].n_body as usize } else { 1 };
+        let end = (i + n).min(ops.len());
+        v.push(i..end);
+        i = end;
+    }
+    v
+}
+
+/// Which slots are pipeline headers as the interpreter walks them ([`groups`]).
 fn headers(ops: &[DevOp]) -> Vec<bool> {
     let pipeline = device::op_code(OpKind::Pipeline);
     let mut h = vec![false; ops.len()];
-    let mut i = 0;
-    while i < ops.len() {
-        if ops[i].kind == pipeline {
-            h[i] = true;
-            i += 1 + ops[i].n_body as usize;
-        } else {
-            i += 1;
-        }
+    for g in groups(ops) {
+        h[g.start] = ops[g.start].kind == pipeline;
     }
     h
 }
@@ -139,7 +146,7 @@ fn declare(s: &mut String, ops: &[DevOp], i: usize, header: bool, held: bool) {
 
 /// The statements that run one block's operations (`ops[i]` is the block's slot `i`), in the
 /// order and with the barriers of the interpreter's loop (`run` in `kernel.cu`): the first
-/// operations constructed (their fields loaded) before `plan_start`, the others just before
+/// operations constructed (their fields loaded) before `block_start`, the others just before
 /// they run (a pipeline's before its loop), then `finish`.
 fn block_body(ops: &[DevOp], budget: u32) -> String {
     let pipeline = device::op_code(OpKind::Pipeline);
@@ -149,7 +156,7 @@ fn block_body(ops: &[DevOp], budget: u32) -> String {
     for (i, &h) in header.iter().enumerate().take(early) {
         declare(&mut s, ops, i, h, true);
     }
-    s.push_str("    Ctx c;\n    if (!plan_start(a, c)) return;\n");
+    s.push_str("    Ctx c;\n    if (!block_start(a, c)) return;\n");
     let mut i = 0;
     while i < ops.len() {
         let op = &ops[i];
@@ -232,7 +239,7 @@ pub fn plan_part_held(ops: &[DevOp], blocks: &[u32], held: u32) -> String {
             s.push_str("    break;\n  }\n");
         }
         // Every block has a case; a block past them (none is launched) still keeps its flag.
-        s.push_str("  default: {\n    Ctx c;\n    if (plan_start(a, c)) finish(a, c);\n  }\n  }\n");
+        s.push_str("  default: {\n    Ctx c;\n    if (block_start(a, c)) finish(a, c);\n  }\n  }\n");
     }
     s.push_str("  }\n};\n\n");
     for (name, pk) in [(KERNEL_LL16, "PL16"), (KERNEL_LL8, "PL8")] {
@@ -282,7 +289,7 @@ mod tests {
         // Both operations are loaded before the flag barrier (2 + 3 buffers fit the budget).
         let loads = part.find("HeldOp<OP_ppkt, 1u, 0u, 1u, 1u, 0u, 0u> o0(ops[0]);").expect("o0");
         let repkt = part.find("HeldOp<OP_repkt, 0u, 0u, 2u, 1u, 0u, 0u> o1(ops[1]);").expect("o1");
-        let start = part.find("if (!plan_start(a, c)) return;").expect("plan_start");
+        let start = part.find("if (!block_start(a, c)) return;").expect("block_start");
         assert!(loads < start && repkt < start, "{part}");
         assert!(part.contains("finish(a, c);"), "{part}");
         assert!(part.contains("if (!packets_then_packets(OP_ppkt, 1u, OP_repkt, 0u)) __syncthreads();"), "{part}");
@@ -327,7 +334,7 @@ mod tests {
         let want = "    const u32 n_iter0 = ops[0].n_iter;\n    const u64 unit0 = ops[0].unit_size;\n    const \
                     HeldOp<OP_put, 1u, 0u, 1u, 1u, 0u, 0u> o1(ops[1]);\n    const HeldOp<OP_signal, 1u, 1u, 0u, 0u, 0u, \
                     0u> o2(ops[2]);\n    const HeldOp<OP_signal, 1u, 1u, 0u, 0u, 0u, 0u> o3(ops[3]);\n    Ctx c;\n    \
-                    if (!plan_start(a, c)) return;\n    for (u32 it = 0; it < n_iter0; it++) {\n      const u64 unit = \
+                    if (!block_start(a, c)) return;\n    for (u32 it = 0; it < n_iter0; it++) {\n      const u64 unit = \
                     unit0, po = (u64)it * unit;\n      c.op = 1;\n      exec_fixed<PK>(c, o1, po, unit);\n      \
                     __syncthreads();\n      c.op = 2;\n      exec_fixed<PK>(c, o2, po, unit);\n      __syncthreads();\n    \
                     }\n    c.op = 3;\n    exec_fixed<PK>(c, o3, 0, ~0ull);\n    finish(a, c);\n";
@@ -346,7 +353,7 @@ mod tests {
         assert_eq!(preloaded(&ops, HELD_BUFFERS), 2);
         let body = block_body(&ops, HELD_BUFFERS);
         let at = |what: &str| body.find(what).unwrap_or_else(|| panic!("no {what} in\n{body}"));
-        let start = at("plan_start");
+        let start = at("block_start");
         assert!(
             at("HeldOp<OP_re, 0u, 0u, 2u, 1u, 0u, 0u> o0(ops[0]);") < start
                 && at("HeldOp<OP_re, 0u, 0u, 2u, 1u, 0u, 0u> o1(ops[1]);") < start
@@ -372,6 +379,6 @@ mod tests {
         assert_eq!(preloaded(&ops, 0), 0);
         let none = block_body(&ops, 0);
         assert!(!none.contains("HeldOp") && none.matches("FixedOp").count() == ops.len(), "{none}");
-        assert!(none.find("plan_start").unwrap_or(usize::MAX) < none.find("FixedOp").unwrap_or(0), "{none}");
+        assert!(none.find("block_start").unwrap_or(usize::MAX) < none.find("FixedOp").unwrap_or(0), "{none}");
     }
 }

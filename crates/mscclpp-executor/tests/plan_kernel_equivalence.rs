@@ -162,7 +162,7 @@ static void __syncthreads();
 // The launch's start and end: no calls to record (the generated code brackets every block with
 // them; `starts` and `finishes` count them).
 static int starts, finishes;
-static bool plan_start(const ExecArgs&, Ctx&) { starts++; return true; }
+static bool block_start(const ExecArgs&, Ctx&) { starts++; return true; }
 static void finish(const ExecArgs&, const Ctx&) { finishes++; }
 template <typename PK> void exec_op(const Ctx& c, const DevOp& op, u64 po, u64 unit);
 "#;
