@@ -5,8 +5,9 @@
 # bundle's run.sh, the executor's, the NCCL library's, Ethernet p2p rows; and, not in the
 # default list, `mscclpp-perf device` (part "device"), issue 28's two-node runs (part "twonode")
 # and the executor GPU tests in one process (part "exectests"), and the Ethernet bundle's run.sh
-# (part "eth", when gpu-bundle-eth/ is carried too). PARTS picks and orders them (e.g.
-# PARTS=exec for a call of its own).
+# (part "eth", when gpu-bundle-eth/ is carried too), and a compact A/B of programmatic
+# dependent launches (part "pdl": carry gpu-bundle-coll and gpu-bundle-nccl). PARTS picks
+# and orders them (e.g. PARTS=exec for a call of its own).
 # At the end all.sh packs the parts' log folders under $OUT into $OUT/logs.tgz (the device tool
 # returns only so many files; KEEP_LOGS=1 keeps them apart).
 # Device call: carry ["gpu-bundle-coll", "gpu-bundle-exec", "gpu-bundle-nccl"] (the NCCL bundle
@@ -23,8 +24,8 @@ cargo run -q -p mscclpp-collectives --example kernel_source > gpu-bundle-coll/be
 rm -rf gpu-bundle-coll/bench/include && cp -r crates/mscclpp/include gpu-bundle-coll/bench/include
 cat > gpu-bundle-coll/all.sh <<'RUN'
 #!/usr/bin/env bash
-# PARTS picks and orders the parts (default: "breakdown coll exec nccl p2p"); each part gets its
-# share of RUN_BUDGET as it starts (exec and nccl: what is left, divided by the parts left).
+# PARTS picks and orders the parts (default: "breakdown coll exec nccl p2p"; also pdl, eth,
+# device, twonode, exectests); each part gets its share of RUN_BUDGET as it starts (exec and nccl: what is left, divided by the parts left).
 cd "$(dirname "$0")/.."
 budget=${RUN_BUDGET:-560}
 L=${OUT:-/tmp/out}; mkdir -p "$L"
@@ -44,6 +45,33 @@ for i in "${!parts[@]}"; do
       nvcc -O3 -arch=sm_90 -DMSCCLPP_COLL_NRANKS=2 -I $C/include -include $C/collectives_generated.cu -o /tmp/ar2 $C/allpair_real.cu && timeout 30 /tmp/ar2 1024 ;;
     coll)
       OUT=$L/coll RUN_BUDGET=$share bash gpu-bundle-coll/run.sh 2>&1 | tail -45 ;;
+    pdl)
+      # Programmatic dependent launches, compact A/B (about 4 minutes): the three tests that chain
+      # dependent calls with MSCCLPP_COLLECTIVES_PDL=1, then 2 processes under MPS, graph up to
+      # 1 MiB with PDL off and on alternating twice (NCCL beside the first pair), eager with
+      # --check off and on, the process tests with it on, and graph 2 MiB-256 MiB with it on.
+      (cd gpu-bundle-coll && tar xJf bin.tar.xz); B=gpu-bundle-coll/bin; mkdir -p "$L/pdl"
+      nc=""; xz=gpu-bundle-nccl/nccl/libnccl.so.2.xz
+      [ -f $xz ] && python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('$xz'), open('/tmp/libnccl.so.2','wb'))" && nc="--nccl /tmp/libnccl.so.2"
+      export NCCL_NVLS_ENABLE=0
+      for t in back_to_back_calls_read_their_predecessors_results graph_replays_ten_thousand_times_with_changing_inputs two_ranks_every_collective_type_op_and_size; do
+        t0=$SECONDS; timeout 150 env MSCCLPP_COLLECTIVES_PDL=1 $B/gpu --ignored --exact --nocapture --test-threads=1 $t > "$L/pdl/$t.log" 2>&1
+        echo "rc=$? $t PDL ($((SECONDS - t0))s)"; grep -E "^test |panicked" "$L/pdl/$t.log" | head -8
+      done
+      nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started"
+      for rep in 1 2; do for pdl in 0 1; do
+        echo "-- graph, MSCCLPP_COLLECTIVES_PDL=$pdl (round $rep)"
+        MSCCLPP_COLLECTIVES_PDL=$pdl timeout 60 $B/mscclpp-perf allreduce --procs -b 1K -e 1M -d bf16 -n 50 --graph $([ $rep = 1 ] && echo $nc) --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -14
+      done; done
+      for pdl in 0 1; do
+        echo "-- eager --check, MSCCLPP_COLLECTIVES_PDL=$pdl"
+        MSCCLPP_COLLECTIVES_PDL=$pdl timeout 60 $B/mscclpp-perf allreduce --procs -b 1K -e 1M -d bf16 -n 50 --check --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -13
+      done
+      t0=$SECONDS; timeout 60 env MSCCLPP_COLLECTIVES_PDL=1 $B/gpu_procs --ignored --test-threads=1 --nocapture > "$L/pdl/procs.log" 2>&1
+      echo "rc=$? processes (MPS) PDL ($((SECONDS - t0))s)"; grep -E "test result|panicked" "$L/pdl/procs.log"
+      echo "-- graph 2M-256M --check, MSCCLPP_COLLECTIVES_PDL=1"
+      MSCCLPP_COLLECTIVES_PDL=1 timeout 60 $B/mscclpp-perf allreduce --procs -b 2M -e 256M -f 4 -d bf16 -n 20 --graph --check --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -8
+      echo quit | nvidia-cuda-mps-control 2>/dev/null ;;
     exec)
       OUT=$L/exec RUN_BUDGET=$share bash gpu-bundle-exec/run.sh 2>&1 | tail -80 ;;
     eth)
