@@ -511,6 +511,8 @@ mod tests {
                     "clock_echo",
                     "stage_ping",
                     "stage_pong",
+                    "fifo_latency",
+                    "fifo_push_variant",
                 ][..],
             ),
         ] {
