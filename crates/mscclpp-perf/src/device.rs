@@ -308,6 +308,10 @@ pub fn run(args: &Args) -> Result<(), String> {
         let consumer = {
             let (fifo, stop, popped) = (fifo.clone(), stop.clone(), popped.clone());
             std::thread::spawn(move || {
+                // On the GPU's NUMA node, as the library's proxy thread is (and MSCCL++'s).
+                if let Some(n) = mscclpp::gpu::numa_node(dev) {
+                    let _ = mscclpp::bind_thread_to_node(n);
+                }
                 while !stop.load(Ordering::Relaxed) {
                     if fifo.poll().is_some() {
                         fifo.pop();
