@@ -46,7 +46,7 @@ for i in "${!parts[@]}"; do
     coll)
       OUT=$L/coll RUN_BUDGET=$share bash gpu-bundle-coll/run.sh 2>&1 | tail -45 ;;
     pdl)
-      # Programmatic dependent launches, compact A/B (about 4 minutes), the deciding rows first:
+      # Programmatic dependent launches, compact A/B (an estimated 4 minutes), the deciding rows first:
       # 2 processes under MPS, graph up to 1 MiB with PDL off then on (NCCL beside); the three
       # tests that chain dependent calls with MSCCLPP_COLLECTIVES_PDL=1; eager with --check off
       # and on; graph off and on again; the process tests with it on; graph 2 MiB-256 MiB with it on.
