@@ -25,7 +25,8 @@ rm -rf gpu-bundle-coll/bench/include && cp -r crates/mscclpp/include gpu-bundle-
 cat > gpu-bundle-coll/all.sh <<'RUN'
 #!/usr/bin/env bash
 # PARTS picks and orders the parts (default: "breakdown coll exec nccl p2p"; also pdl, eth,
-# device, twonode, exectests); each part gets its share of RUN_BUDGET as it starts (exec and nccl: what is left, divided by the parts left).
+# device, twonode, exectests); each part gets its share of RUN_BUDGET as it starts (exec and
+# nccl: what is left, divided by the parts left).
 cd "$(dirname "$0")/.."
 budget=${RUN_BUDGET:-560}
 L=${OUT:-/tmp/out}; mkdir -p "$L"
@@ -46,10 +47,18 @@ for i in "${!parts[@]}"; do
     coll)
       OUT=$L/coll RUN_BUDGET=$share bash gpu-bundle-coll/run.sh 2>&1 | tail -45 ;;
     pdl)
-      # Programmatic dependent launches, compact A/B (an estimated 4 minutes), the deciding rows first:
-      # 2 processes under MPS, graph up to 1 MiB with PDL off then on (NCCL beside); the three
-      # tests that chain dependent calls with MSCCLPP_COLLECTIVES_PDL=1; eager with --check off
-      # and on; graph off and on again; the process tests with it on; graph 2 MiB-256 MiB with it on.
+      # Programmatic dependent launches, compact A/B (an estimated 4 minutes), the deciding rows
+      # first: 2 processes under MPS, graph up to 1 MiB with PDL off then on (NCCL beside); the
+      # three tests that chain dependent calls with MSCCLPP_COLLECTIVES_PDL=1; eager with --check
+      # off and on; graph off and on again; the process tests with it on; graph 2 MiB-256 MiB
+      # with it on. Each step is capped by what is left of the part's share (`capped`).
+      end=$((SECONDS + share))
+      capped() {
+        local c=$1 l=$((end - SECONDS)); shift
+        [ "$l" -lt "$c" ] || l=$c
+        if [ "$l" -le 5 ]; then echo "SKIPPED (budget): ${*: -1}"; return 124; fi
+        timeout "$l" "$@"
+      }
       (cd gpu-bundle-coll && tar xJf bin.tar.xz); B=gpu-bundle-coll/bin; mkdir -p "$L/pdl"
       nc=""; xz=gpu-bundle-nccl/nccl/libnccl.so.2.xz
       [ -f $xz ] && python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('$xz'), open('/tmp/libnccl.so.2','wb'))" && nc="--nccl /tmp/libnccl.so.2"
@@ -57,22 +66,22 @@ for i in "${!parts[@]}"; do
       nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started"
       graph() { for pdl in 0 1; do
         echo "-- graph, MSCCLPP_COLLECTIVES_PDL=$pdl"
-        MSCCLPP_COLLECTIVES_PDL=$pdl timeout 60 $B/mscclpp-perf allreduce --procs -b 1K -e 1M -d bf16 -n 50 --graph "$@" --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -14
+        capped 60 env MSCCLPP_COLLECTIVES_PDL=$pdl $B/mscclpp-perf allreduce --procs -b 1K -e 1M -d bf16 -n 50 --graph "$@" --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -14
       done; }
       graph $nc
       for t in back_to_back_calls_read_their_predecessors_results graph_replays_ten_thousand_times_with_changing_inputs two_ranks_every_collective_type_op_and_size; do
-        t0=$SECONDS; timeout 150 env MSCCLPP_COLLECTIVES_PDL=1 $B/gpu --ignored --exact --nocapture --test-threads=1 $t > "$L/pdl/$t.log" 2>&1
-        echo "rc=$? $t PDL ($((SECONDS - t0))s)"; grep -E "^test |panicked" "$L/pdl/$t.log" | head -8
+        t0=$SECONDS; capped 150 env MSCCLPP_COLLECTIVES_PDL=1 $B/gpu --ignored --exact --nocapture --test-threads=1 $t > "$L/pdl/$t.log" 2>&1
+        echo "rc=$? $t PDL ($((SECONDS - t0))s)"; grep -E "^test |panicked|SKIPPED" "$L/pdl/$t.log" | head -8
       done
       for pdl in 0 1; do
         echo "-- eager --check, MSCCLPP_COLLECTIVES_PDL=$pdl"
-        MSCCLPP_COLLECTIVES_PDL=$pdl timeout 60 $B/mscclpp-perf allreduce --procs -b 1K -e 1M -d bf16 -n 50 --check --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -13
+        capped 60 env MSCCLPP_COLLECTIVES_PDL=$pdl $B/mscclpp-perf allreduce --procs -b 1K -e 1M -d bf16 -n 50 --check --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -13
       done
       graph
-      t0=$SECONDS; timeout 60 env MSCCLPP_COLLECTIVES_PDL=1 $B/gpu_procs --ignored --test-threads=1 --nocapture > "$L/pdl/procs.log" 2>&1
-      echo "rc=$? processes (MPS) PDL ($((SECONDS - t0))s)"; grep -E "test result|panicked" "$L/pdl/procs.log"
+      t0=$SECONDS; capped 60 env MSCCLPP_COLLECTIVES_PDL=1 $B/gpu_procs --ignored --test-threads=1 --nocapture > "$L/pdl/procs.log" 2>&1
+      echo "rc=$? processes (MPS) PDL ($((SECONDS - t0))s)"; grep -E "test result|panicked|SKIPPED" "$L/pdl/procs.log"
       echo "-- graph 2M-256M --check, MSCCLPP_COLLECTIVES_PDL=1"
-      MSCCLPP_COLLECTIVES_PDL=1 timeout 60 $B/mscclpp-perf allreduce --procs -b 2M -e 256M -f 4 -d bf16 -n 20 --graph --check --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -8
+      capped 60 env MSCCLPP_COLLECTIVES_PDL=1 $B/mscclpp-perf allreduce --procs -b 2M -e 256M -f 4 -d bf16 -n 20 --graph --check --timeout 30 2>&1 | grep -vE "^#  |^ *$" | tail -8
       echo quit | nvidia-cuda-mps-control 2>/dev/null ;;
     exec)
       OUT=$L/exec RUN_BUDGET=$share bash gpu-bundle-exec/run.sh 2>&1 | tail -80 ;;
