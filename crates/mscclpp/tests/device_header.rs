@@ -153,6 +153,8 @@ fn header_compiles_with_nvrtc_and_assembles_with_ptxas() {
     // The orderings the header promises appear as such in the PTX.
     for insn in [
         "st.global.release.sys.v2.u64",
+        "st.global.relaxed.sys.v2.u64",
+        "fence.acq_rel.sys",
         "atom.relaxed.gpu.add.u64",
         "atom.relaxed.gpu.cas.b64",
         "ld.acquire.sys.u64",
@@ -279,6 +281,144 @@ extern "C" __global__ void produce(FifoDeviceHandle fifo, u64 rounds, u64* failu
     assert_eq!(failures.read_u64(0).unwrap(), 0);
     assert_eq!(next, vec![ROUNDS; THREADS as usize]);
     assert_eq!(fifo.poll(), None);
+}
+
+/// On a GPU: 1024 GPU threads push 130 triggers each through a 64-slot FIFO with `push_batch`,
+/// in batches of 1 to 11 triggers (by thread), one thread in batches of 100 (more than the ring
+/// holds), and a quarter of them with `push_batch_for`. The host consumes while they push: every
+/// trigger arrives once, in per-thread order, and each batch at consecutive positions (no other
+/// thread's trigger inside it).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_batched_pushes_arrive_whole_and_in_order() {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    use mscclpp::device::fifo::Fifo;
+    const THREADS: u64 = 1024;
+    const ROUNDS: u64 = 130;
+    const BIG: u64 = 5;
+    let batch_of = |id: u64| if id == BIG { 100 } else { 1 + id % 11 };
+    let src = r#"#include "mscclpp_rs/device.cuh"
+using namespace mscclpp;
+extern "C" __global__ void produce(FifoDeviceHandle fifo, u64 rounds, u64* failures) {
+  u64 id = blockIdx.x * blockDim.x + threadIdx.x;
+  u64 b = id == 5 ? 100 : 1 + id % 11;
+  ProxyTrigger ts[100];
+  for (u64 r = 0; r < rounds; r += b) {
+    u64 n = rounds - r < b ? rounds - r : b;
+    for (u64 k = 0; k < n; k++) {
+      ts[k].fst = id;
+      ts[k].snd = (n << 32) | (r + k);
+    }
+    if (id % 4 != 3) {
+      fifo.push_batch(ts, (u32)n);
+    } else if (!fifo.push_batch_for(ts, (u32)n, 10000000000ull)) {
+      atomicAdd(failures, 1ull);
+      return;
+    }
+  }
+}
+"#;
+    let ctx = mscclpp::Context::new();
+    let fifo = Fifo::new(&ctx, 0, 64).unwrap();
+    let failures = mscclpp::DeviceBuffer::new(&ctx, 0, 8, mscclpp::TransportFlags::NONE).unwrap();
+    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
+        .unwrap()
+        .function("produce")
+        .unwrap();
+    let mut next = vec![0u64; THREADS as usize];
+    // The batch being popped: (thread, triggers of it still to come).
+    let mut open: Option<(u64, u64)> = None;
+    let mut batches = 0u64;
+    std::thread::scope(|s| {
+        let producer = s.spawn(|| {
+            let (mut h, mut rounds, mut f) = (fifo.device_handle(), ROUNDS, failures.device_ptr());
+            launch_and_wait(&k, (THREADS / 128) as u32, 128, &mut [arg(&mut h), arg(&mut rounds), arg(&mut f)])
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut got = 0;
+        while got < THREADS * ROUNDS && std::time::Instant::now() < deadline {
+            let Some(t) = fifo.poll() else { continue };
+            fifo.pop();
+            let (id, i, n) = (t.fst, t.snd & 0xffff_ffff, t.snd >> 32);
+            assert!(id < THREADS, "trigger {t:?}: no such thread");
+            assert_eq!(i, next[id as usize], "thread {id}: out of order or duplicated");
+            let b = batch_of(id);
+            assert_eq!(n, b.min(ROUNDS - i / b * b), "thread {id}, trigger {i}: wrong batch length");
+            match open {
+                Some((o, left)) => {
+                    assert_eq!(o, id, "thread {id}'s trigger {i} inside thread {o}'s batch");
+                    open = (left > 1).then_some((o, left - 1));
+                }
+                None => {
+                    assert_eq!(i % b, 0, "thread {id}: trigger {i} does not start a batch");
+                    batches += 1;
+                    open = (n > 1).then_some((id, n - 1));
+                }
+            }
+            next[id as usize] += 1;
+            got += 1;
+        }
+        producer.join().unwrap().unwrap();
+    });
+    assert_eq!(failures.read_u64(0).unwrap(), 0, "a push_batch_for timed out");
+    assert_eq!(next, vec![ROUNDS; THREADS as usize], "triggers missing");
+    assert_eq!(open, None);
+    assert_eq!(fifo.poll(), None);
+    println!(
+        "RESULT {} triggers in {batches} batches of 1-100 through 64 slots, each batch contiguous",
+        THREADS * ROUNDS
+    );
+}
+
+/// On a GPU: `push_batch_for` reserves all of its slots or none: on a ring with 3 free slots a
+/// batch of 4 times out and leaves `head` alone, a batch of 3 goes in; a batch larger than the
+/// ring fails at once; empty batches push nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_push_batch_for_is_all_or_nothing() {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    use mscclpp::device::fifo::Fifo;
+    let src = r#"#include "mscclpp_rs/device.cuh"
+using namespace mscclpp;
+extern "C" __global__ void batches(FifoDeviceHandle full, u64* out) {
+  ProxyTrigger ts[9];
+  for (int k = 0; k < 9; k++) { ts[k].fst = 100 + k; ts[k].snd = k; }
+  u64 p = 77;
+  out[0] = full.push_batch_for(ts, 5, 2000000, &p);      // true
+  out[1] = p;                                            // 0
+  out[2] = full.push_batch_for(ts + 5, 4, 2000000, &p);  // false: 3 free
+  out[3] = *full.head;                                   // 5: nothing reserved
+  out[4] = full.push_batch_for(ts + 5, 3, 2000000, &p);  // true
+  out[5] = p;                                            // 5
+  u64 t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  out[6] = full.push_batch_for(ts, 9, 600000000000ull, &p);  // false at once (9 > 8)
+  u64 t1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+  out[7] = t1 - t0 < 1000000000ull;                      // 1: not after 600 s
+  out[8] = full.push_batch_for(ts, 0, 1, &p);            // true
+  out[9] = p;                                            // UINT64_MAX
+  out[10] = full.push_batch(ts, 0);                      // UINT64_MAX
+  out[11] = *full.head;                                  // 8
+}
+"#;
+    let ctx = mscclpp::Context::new();
+    let out = mscclpp::DeviceBuffer::new(&ctx, 0, 12 * 8, mscclpp::TransportFlags::NONE).unwrap();
+    let full = Fifo::new(&ctx, 0, 8).unwrap();
+    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
+        .unwrap()
+        .function("batches")
+        .unwrap();
+    let (mut fh, mut o) = (full.device_handle(), out.device_ptr());
+    launch_and_wait(&k, 1, 1, &mut [arg(&mut fh), arg(&mut o)]).unwrap();
+    let got: Vec<u64> = (0..12).map(|i| out.read_u64(8 * i).unwrap()).collect();
+    assert_eq!(got, vec![1, 0, 0, 5, 1, 5, 0, 1, 1, u64::MAX, u64::MAX, 8]);
+    for k in 0..8u64 {
+        let t = full.poll().unwrap_or_else(|| panic!("slot {k} empty"));
+        assert_eq!((t.fst, t.snd), (100 + k, k));
+        full.pop();
+    }
+    assert_eq!(full.poll(), None);
 }
 
 /// On a GPU: the time-limited waits return false instead of hanging or trapping: an unsignalled

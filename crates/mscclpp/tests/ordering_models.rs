@@ -489,6 +489,102 @@ fn fifo_relaxed_tail_load_is_caught() {
 }
 
 // ------------------------------------------------------------------------------------------
+// The batched push
+// ------------------------------------------------------------------------------------------
+
+/// `FifoDeviceHandle::push_batch`'s orderings. Its triggers are stored relaxed (one 16-byte
+/// `st.relaxed.sys` each, modelled as one atomic word: value and lap parity), after one release
+/// fence; what the fence must order is the data the kernel wrote before the call (a put's source),
+/// which the proxy reads once it has popped a trigger.
+#[derive(Clone, Copy, Debug)]
+struct BatchOrders {
+    /// `fence.acq_rel.sys` before the stores (`None`: no fence).
+    fence: Option<Ordering>,
+    /// Each trigger's store (`st.global.relaxed.sys.v2.u64`).
+    store: Ordering,
+    /// The proxy's load of a slot in `Fifo::poll_at`.
+    load: Ordering,
+}
+
+const BATCH: BatchOrders = BatchOrders { fence: Some(Release), store: Relaxed, load: Acquire };
+
+/// One producer writes a payload, then pushes two triggers with one batched push, twice, through
+/// a two-slot ring (the second batch waits, slot by slot, for the first one's pops); the proxy
+/// pops all four and reads, for each, the payload written before its batch: loom fails the model
+/// unless every such read happens after the write.
+fn fifo_batch(o: BatchOrders) {
+    check(move || {
+        const SIZE: u64 = 2;
+        struct B {
+            slot: [AtomicU64; 2],
+            head: AtomicU64,
+            tail: AtomicU64,
+            payload: [UnsafeCell<u64>; 2],
+        }
+        let r = Arc::new(B {
+            slot: std::array::from_fn(|_| AtomicU64::new(0)),
+            head: AtomicU64::new(0),
+            tail: AtomicU64::new(0),
+            payload: std::array::from_fn(|_| UnsafeCell::new(0)),
+        });
+        let p = {
+            let r = r.clone();
+            thread::spawn(move || {
+                for b in 0..2u64 {
+                    // SAFETY: loom checks every access to the cell against the proxy's reads.
+                    r.payload[b as usize].with_mut(|p| unsafe { *p = 10 + b });
+                    // Relaxed (atom.relaxed.gpu.add of n), as in `push`.
+                    let first = r.head.fetch_add(2, Relaxed);
+                    if let Some(f) = o.fence {
+                        loom::sync::atomic::fence(f);
+                    }
+                    for k in 0..2 {
+                        let pos = first + k;
+                        // Acquire: the proxy's read of the slot's previous lap happens before
+                        // this store (`wait_popped`; its tailCache steps are modelled above).
+                        while pos >= SIZE + r.tail.load(Acquire) {
+                            thread::yield_now();
+                        }
+                        let parity = ((pos / SIZE) & 1) ^ 1;
+                        r.slot[(pos % SIZE) as usize].store((parity << 63) | (b << 1) | k, o.store);
+                    }
+                }
+            })
+        };
+        for t in 0..4u64 {
+            let parity = ((t / SIZE) & 1) ^ 1;
+            let v = loop {
+                let v = r.slot[(t % SIZE) as usize].load(o.load);
+                if v >> 63 == parity {
+                    break v & !(1 << 63);
+                }
+                thread::yield_now();
+            };
+            assert_eq!(v, ((t / 2) << 1) | (t % 2), "trigger {t}");
+            // SAFETY: loom checks that this read happens after the producer's write.
+            let got = r.payload[(v >> 1) as usize].with(|p| unsafe { *p });
+            assert_eq!(got, 10 + (v >> 1));
+            // Release: pairs with the producer's acquire loads of tail.
+            r.tail.store(t + 1, Release);
+        }
+        p.join().unwrap();
+    });
+}
+
+#[test]
+fn fifo_batch_holds() {
+    fifo_batch(BATCH);
+}
+
+/// Without the fence (or with the proxy's load relaxed) the proxy may read a put's source
+/// before the kernel's write of it lands.
+#[test]
+fn fifo_batch_without_fence_is_caught() {
+    assert_race(failure(|| fifo_batch(BatchOrders { fence: None, ..BATCH })));
+    assert_race(failure(|| fifo_batch(BatchOrders { load: Relaxed, ..BATCH })));
+}
+
+// ------------------------------------------------------------------------------------------
 // The semaphores' consume step
 // ------------------------------------------------------------------------------------------
 

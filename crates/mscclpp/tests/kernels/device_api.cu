@@ -14,6 +14,11 @@ extern "C" __global__ void fifo_api(FifoDeviceHandle fifo, u64* out) {
   out[2] = fifo.sync_for(pos2, 1000000);
   out[3] = fifo.proxy_error();
   fifo.push(ProxyTrigger::atomicAdd(1, 8, -3, 2), -1);
+  ProxyTrigger batch[3] = {t, ProxyTrigger(TriggerFlag, 0, 0, 0, 0, 0, 7), ProxyTrigger::atomicAdd(1, 8, 2, 2)};
+  out[4] = fifo.push_batch(batch, 3);
+  out[5] = fifo.push_batch(batch, 1, -1);
+  out[6] = fifo.push_batch_for(batch, 3, 1000000, &pos2);
+  out[7] = fifo.push_batch_for(batch, 2, 1000000);
 }
 
 extern "C" __global__ void semaphore_api(Host2DeviceSemaphoreDeviceHandle h2d,
@@ -43,6 +48,11 @@ extern "C" __global__ void port_channel_api(PortChannelDeviceHandle ch, BasePort
   ch.wait();
   out[1] = ch.wait_for(1000);
   out[2] = ch.flush_for(1000);
+  ProxyTrigger ts[4] = {ch.put_trigger(0, 8, 16), ch.put_with_signal_trigger(8, 0, 16), ch.signal_trigger(),
+                        base.put_trigger(1, 0, 2, 8, 16)};
+  ch.fifo_.push_batch(ts, 4);
+  ts[0] = base.put_with_signal_trigger(1, 0, 2, 8, 16);
+  ch.fifo_.push_batch(ts, 1);
   base.put(1, 0, 2, 8, 16);
   base.put(1, 2, 0, 16);
   base.putWithSignal(1, 0, 2, 8, 16);
