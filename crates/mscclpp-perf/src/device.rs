@@ -56,11 +56,24 @@ extern "C" __global__ void fifo_latency(mscclpp::FifoDeviceHandle fifo, int n, u
 // fifo_latency loop with the push cut down. mode 0: the header's push; 1: the trigger stored
 // relaxed at system scope (no fence: the proxy could see it before the kernel's earlier writes);
 // 2: a gpu-scope release fence, then that relaxed store; 3: the header's store, the position
-// counted by this one thread instead of the atomic on `head` (head is set at the end).
+// counted by this one thread instead of the atomic on `head` (head is set at the end); 4 and 5:
+// the header's push_batch, 8 and 32 triggers a call (n a multiple of 32, fifo.size of 32).
 extern "C" __global__ void fifo_push_variant(mscclpp::FifoDeviceHandle fifo, int n, int mode, u64* out) {
   mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, 0);
   u64 mine = *fifo.head, pos = 0;
   u64 t0 = now();
+  if (mode >= 4) {
+    mscclpp::ProxyTrigger ts[32];
+    const int b = mode == 4 ? 8 : 32;
+    for (int k = 0; k < b; ++k) ts[k] = t;
+    for (int i = 0; i < n; i += b) {
+      pos = fifo.push_batch(ts, (unsigned int)b) + (u64)(b - 1);
+      if ((i + b) % fifo.size == 0) fifo.sync(pos);
+    }
+    fifo.sync(pos);
+    out[0] = now() - t0;
+    return;
+  }
   for (int i = 0; i < n; ++i) {
     if (mode == 0) {
       pos = fifo.push(t);
@@ -142,23 +155,36 @@ extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, u6
 
 // Proxy load (proxyload.rs): every thread pushes per_thread triggers; trigger i = k * nthreads + tid
 // goes to peer i % npeers, slot (i / npeers) % slots of `size` bytes (same offset on both sides).
-// op 0: put, 1: putWithSignal, 2: signal. Each push's wait is bounded by max_spins rounds (the
-// kernel traps past it: the proxy stopped popping), so a stalled proxy fails the row, not hangs it.
+// op 0: put, 1: putWithSignal, 2: signal. batch > 1: each thread pushes its triggers `batch` at a
+// time with push_batch (at most 32; the last batch may be shorter). Each push's wait is bounded by
+// max_spins rounds (the kernel traps past it: the proxy stopped popping), so a stalled proxy
+// fails the row, not hangs it.
 struct LoadPeers { unsigned int sem[8]; unsigned int dst[8]; unsigned int src; unsigned int npeers; unsigned int slots; unsigned int pad; };
 static_assert(sizeof(LoadPeers) == 80, "LoadPeers differs from proxyload.rs");
 extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers p, int op, u64 size, int per_thread,
-                                      long long max_spins) {
+                                      long long max_spins, int batch) {
   u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)gridDim.x * blockDim.x;
   mscclpp::TriggerType type =
       op == 0 ? mscclpp::TriggerData : op == 1 ? (mscclpp::TriggerData | mscclpp::TriggerFlag) : mscclpp::TriggerFlag;
+  if (batch > 32) batch = 32;
+  mscclpp::ProxyTrigger ts[32];
+  int held = 0;
   for (int k = 0; k < per_thread; ++k) {
     u64 i = (u64)k * nthreads + tid;
     unsigned int peer = (unsigned int)(i % p.npeers);
     u64 off = op == 2 ? 0 : ((i / p.npeers) % p.slots) * size;
     // A signal carries no put fields (the proxy refuses one that does).
     const bool sig = op == 2;
-    fifo.push(mscclpp::ProxyTrigger(type, sig ? 0u : p.dst[peer], off, sig ? 0u : p.src, off, sig ? 0 : size, p.sem[peer]),
-              max_spins);
+    mscclpp::ProxyTrigger t(type, sig ? 0u : p.dst[peer], off, sig ? 0u : p.src, off, sig ? 0 : size, p.sem[peer]);
+    if (batch <= 1) {
+      fifo.push(t, max_spins);
+      continue;
+    }
+    ts[held++] = t;
+    if (held == batch || k + 1 == per_thread) {
+      fifo.push_batch(ts, (unsigned int)held, max_spins);
+      held = 0;
+    }
   }
 }
 
@@ -337,7 +363,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         let kv = k("fifo_push_variant")?;
         let variants = (|| -> Result<Vec<f64>, String> {
             let mut us = Vec::new();
-            for mode in 0..4i32 {
+            for mode in 0..6i32 {
                 let (mut h, mut n, mut md, mut o) = (fifo.device_handle(), 100_000i32, mode, out.device_ptr());
                 launch(&kv, 1, 1, &stream, &mut args![h, n, md, o])?;
                 stream.synchronize(timeout).map_err(e)?;
@@ -348,8 +374,9 @@ pub fn run(args: &Args) -> Result<(), String> {
         match variants {
             Ok(us) => row(format!(
                 "fifo push->pop parts (diagnostics, us/trigger): the push {:.3}; trigger stored without a fence {:.3}; \
-                 with a gpu-scope fence {:.3}; position without the atomic on head {:.3}",
-                us[0], us[1], us[2], us[3]
+                 with a gpu-scope fence {:.3}; position without the atomic on head {:.3}; push_batch of 8 {:.3}, \
+                 of 32 {:.3} (one atomic and one fence a call)",
+                us[0], us[1], us[2], us[3], us[4], us[5]
             )),
             Err(x) => row(format!("fifo push->pop parts: failed: {x}")),
         }

@@ -1,8 +1,9 @@
 //! `mscclpp-perf device`, proxy rows under load (issue 25 item 1): one FIFO and one proxy on
 //! rank 0 serve 1, 4 or 8 peers (ranks of this process, threads with a loopback bootstrap, all on
 //! `--device`), over CUDA IPC and over Ethernet (127.0.0.1). Per (transport, operation, size,
-//! peers), GPU producer counts of 1, 132, 132 x 32 and 132 x 256 threads push triggers (kernel
-//! `proxy_load` of `device.rs`: trigger i goes to peer i mod peers) and each row sets the
+//! peers), GPU producer counts of 1, 132, 132 x 32 and 132 x 256 threads push triggers one at a
+//! time, and one thread pushes them 16 at a time with `push_batch` (kernel `proxy_load` of
+//! `device.rs`: trigger i goes to peer i mod peers); each row sets the
 //! triggers/s through the proxy beside the rate at which one host thread issues the same
 //! connection calls directly in the same run (write, and/or `Host2DeviceSemaphore::signal`),
 //! measured just before, and their ratio. Both rates count issue (the proxy's pops, the host
@@ -34,8 +35,11 @@ const MAX_SIZE: u64 = 4 << 10;
 /// Rounds a push may wait for a free slot before its kernel traps: the head of the line reads the
 /// host's tail about once a microsecond, so a proxy that stops popping fails the row in seconds.
 pub(crate) const MAX_SPINS: i64 = 4_000_000;
-/// (blocks, threads per block) of the producer counts.
-const PRODUCERS: [(u32, u32); 4] = [(1, 1), (132, 1), (132, 32), (132, 256)];
+/// (blocks, threads per block, triggers per push) of the rows: every producer count pushing one
+/// trigger at a time (`push`), and one thread pushing `BATCH` at a time (`push_batch`).
+const PRODUCERS: [(u32, u32, i32); 5] = [(1, 1, 1), (1, 1, BATCH), (132, 1, 1), (132, 32, 1), (132, 256, 1)];
+/// Triggers per `push_batch` in the batched row.
+const BATCH: i32 = 16;
 /// Seconds each measurement aims at.
 const TARGET_S: f64 = 0.1;
 
@@ -283,8 +287,9 @@ impl Rig<'_> {
             let (mut h, mut table, mut o, mut sz, mut p, mut ms) =
                 (self.aux.device_handle(), self.table, op.code(), size, per, MAX_SPINS);
             table.npeers = peers as u32;
-            let res =
-                launch(self.kern, LOAD_BLOCKS, 1, self.aux_stream, &mut args![h, table, o, sz, p, ms]).and_then(|()| {
+            let mut b = 1i32;
+            let res = launch(self.kern, LOAD_BLOCKS, 1, self.aux_stream, &mut args![h, table, o, sz, p, ms, b])
+                .and_then(|()| {
                     // Let the producers fill the ring before the baseline starts.
                     std::thread::sleep(Duration::from_millis(2));
                     direct(r, op, size, peers, n, self.timeout)
@@ -316,6 +321,7 @@ impl Rig<'_> {
         blocks: u32,
         threads: u32,
         per: i32,
+        batch: i32,
         conns: &[Connection],
     ) -> Result<(f64, f64, f64), String> {
         let total = (blocks * threads) as u64 * per as u64;
@@ -323,11 +329,11 @@ impl Rig<'_> {
         let before = self.proxy.processed();
         let mut table = self.table;
         table.npeers = peers as u32;
-        let (mut h, mut o, mut sz, mut p, mut ms) =
-            (self.proxy.fifo().device_handle(), op.code(), size, per, MAX_SPINS);
+        let (mut h, mut o, mut sz, mut p, mut ms, mut b) =
+            (self.proxy.fifo().device_handle(), op.code(), size, per, MAX_SPINS, batch);
         let idle0 = self.proxy.idle_time();
         let t0 = Instant::now();
-        launch(self.kern, blocks, threads, self.stream, &mut args![h, table, o, sz, p, ms])?;
+        launch(self.kern, blocks, threads, self.stream, &mut args![h, table, o, sz, p, ms, b])?;
         loop {
             let done = self.proxy.processed() - before;
             if done >= total {
@@ -401,14 +407,20 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce:
                 } else {
                     format!("{t} {} {}", op.name(), human(size as usize))
                 };
-                for (blocks, threads) in PRODUCERS {
+                for (blocks, threads, batch) in PRODUCERS {
                     let producers = (blocks * threads) as u64;
                     let per = n.div_ceil(producers).max(1);
                     let per = i32::try_from(per).map_err(|_| "proxy load: too many triggers per thread".to_string())?;
-                    let (rate, idle, full) = rig.run(op, size, peers, blocks, threads, per, &r0.conns[..peers])?;
+                    let (rate, idle, full) =
+                        rig.run(op, size, peers, blocks, threads, per, batch, &r0.conns[..peers])?;
+                    let who = if batch > 1 {
+                        format!("{producers:>5} producer, push_batch of {batch}")
+                    } else {
+                        format!("{producers:>5} producers")
+                    };
                     let goal = if op == Op::Signal { "goal >= 5 M/s" } else { "goal ratio >= 0.8" };
                     row(format!(
-                        "proxy load, {what} -> {peers} peers, {producers:>5} producers: {:7.3} M triggers/s, host \
+                        "proxy load, {what} -> {peers} peers, {who}: {:7.3} M triggers/s, host \
                          direct {:7.3} M/s, ratio {:.2}, proxy idle {:.0}%, a write queue >= 90% full in {:.0}% \
                          of polls ({} triggers; {goal})",
                         rate / 1e6,
