@@ -154,28 +154,36 @@ extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, u6
 }
 
 // Proxy load (proxyload.rs): every thread pushes per_thread triggers; trigger i = k * nthreads + tid
-// goes to peer i % npeers, slot (i / npeers) % slots of `size` bytes (same offset on both sides).
-// op 0: put, 1: putWithSignal, 2: signal. batch > 1: each thread pushes its triggers `batch` at a
-// time with push_batch (at most 32; the last batch may be shorter). Each push's wait is bounded by
-// max_spins rounds (the kernel traps past it: the proxy stopped popping), so a stalled proxy
+// goes to peer i % npeers, slot (i / npeers) % slots of `size` bytes (same offset on both sides;
+// slots is a power of two). op 0: put, 1: putWithSignal, 2: signal. batch > 1: each thread pushes
+// its triggers `batch` at a time with push_batch (at most 32; the last batch may be shorter).
+// Peer and slot advance by addition (a 64-bit division costs one GPU thread a few hundred cycles:
+// with one producer, three a trigger cost more than the push itself). Each push's wait is bounded
+// by max_spins rounds (the kernel traps past it: the proxy stopped popping), so a stalled proxy
 // fails the row, not hangs it.
 struct LoadPeers { unsigned int sem[8]; unsigned int dst[8]; unsigned int src; unsigned int npeers; unsigned int slots; unsigned int pad; };
 static_assert(sizeof(LoadPeers) == 80, "LoadPeers differs from proxyload.rs");
 extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers p, int op, u64 size, int per_thread,
                                       long long max_spins, int batch) {
-  u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)gridDim.x * blockDim.x;
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nthreads = (u64)gridDim.x * blockDim.x;
   mscclpp::TriggerType type =
       op == 0 ? mscclpp::TriggerData : op == 1 ? (mscclpp::TriggerData | mscclpp::TriggerFlag) : mscclpp::TriggerFlag;
   if (batch > 32) batch = 32;
   mscclpp::ProxyTrigger ts[32];
   int held = 0;
+  // i = q * npeers + r, starting at i = tid; each step adds nthreads = step_q * npeers + step_r.
+  const u64 step_q = nthreads / p.npeers, step_r = nthreads % p.npeers;
+  u64 q = tid / p.npeers, r = tid % p.npeers;
+  const u64 slot_mask = (u64)p.slots - 1;
+  // A signal carries no put fields (the proxy refuses one that does).
+  const bool sig = op == 2;
   for (int k = 0; k < per_thread; ++k) {
-    u64 i = (u64)k * nthreads + tid;
-    unsigned int peer = (unsigned int)(i % p.npeers);
-    u64 off = op == 2 ? 0 : ((i / p.npeers) % p.slots) * size;
-    // A signal carries no put fields (the proxy refuses one that does).
-    const bool sig = op == 2;
+    const unsigned int peer = (unsigned int)r;
+    const u64 off = sig ? 0 : (q & slot_mask) * size;
     mscclpp::ProxyTrigger t(type, sig ? 0u : p.dst[peer], off, sig ? 0u : p.src, off, sig ? 0 : size, p.sem[peer]);
+    q += step_q;
+    r += step_r;
+    if (r >= p.npeers) { r -= p.npeers; ++q; }
     if (batch <= 1) {
       fifo.push(t, max_spins);
       continue;

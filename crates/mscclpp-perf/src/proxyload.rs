@@ -2,7 +2,7 @@
 //! rank 0 serve 1, 4 or 8 peers (ranks of this process, threads with a loopback bootstrap, all on
 //! `--device`), over CUDA IPC and over Ethernet (127.0.0.1). Per (transport, operation, size,
 //! peers), GPU producer counts of 1, 132, 132 x 32 and 132 x 256 threads push triggers one at a
-//! time, and one thread pushes them 16 at a time with `push_batch` (kernel `proxy_load` of
+//! time, and one thread pushes them 32 at a time with `push_batch` (kernel `proxy_load` of
 //! `device.rs`: trigger i goes to peer i mod peers); each row sets the
 //! triggers/s through the proxy beside the rate at which one host thread issues the same
 //! connection calls directly in the same run (write, and/or `Host2DeviceSemaphore::signal`),
@@ -28,8 +28,9 @@ use crate::kern::{args, e, human, launch, local_ranks, row};
 
 /// Peers of rank 0 (the most any row uses).
 const PEERS: usize = 8;
-/// Destination slots per peer (of the largest size).
+/// Destination slots per peer (of the largest size; a power of two, as the kernel masks by it).
 const SLOTS: u64 = 256;
+const _: () = assert!(SLOTS.is_power_of_two());
 /// Largest put.
 const MAX_SIZE: u64 = 4 << 10;
 /// Rounds a push may wait for a free slot before its kernel traps: the head of the line reads the
@@ -38,8 +39,8 @@ pub(crate) const MAX_SPINS: i64 = 4_000_000;
 /// (blocks, threads per block, triggers per push) of the rows: every producer count pushing one
 /// trigger at a time (`push`), and one thread pushing `BATCH` at a time (`push_batch`).
 const PRODUCERS: [(u32, u32, i32); 5] = [(1, 1, 1), (1, 1, BATCH), (132, 1, 1), (132, 32, 1), (132, 256, 1)];
-/// Triggers per `push_batch` in the batched row.
-const BATCH: i32 = 16;
+/// Triggers per `push_batch` in the batched row (the kernel's most).
+const BATCH: i32 = 32;
 /// Seconds each measurement aims at.
 const TARGET_S: f64 = 0.1;
 
