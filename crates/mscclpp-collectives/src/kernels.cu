@@ -633,6 +633,30 @@ __device__ __forceinline__ void slice_of(u64 len, u32 b, u32 B, u64& lo, u64& hi
   if (hi > len) hi = len;
 }
 
+// `slice_of` for the rounds of a staged algorithm: the bytes [lo, hi) of block `b` in a chunk of
+// `len` bytes, sliced as a whole round's chunk of `full` bytes is (len <= full), so that block b
+// touches the same offsets of scratch in every round of a call. The block barriers pair block b
+// with block b of every peer; they order a round's reuse of scratch only for offsets the same
+// block used the round before. Slicing a shorter last round by its own length moved offsets to
+// other blocks: block 1 of a rank that was ahead overwrote a peer's result area where that
+// peer's block 0 was still copying out the previous round (an AllReduce of 64 MiB + 20 bytes of
+// f32 over 3 processes returned 4 elements of its last round in the middle one's place).
+__device__ __forceinline__ void slice_in(u64 len, u64 full, u32 b, u32 B, u64& lo, u64& hi) {
+  slice_of(full, b, B, lo, hi);
+  if (lo > len) lo = len;
+  if (hi > len) hi = len;
+}
+
+// Bytes per round of a staged call of `n` bytes whose rounds may hold `cap` bytes (a multiple
+// of `unit`): as few rounds as `cap` allows, of equal size rounded up to `unit` (at most `cap`),
+// so that slicing every round as a whole one (`slice_in`) keeps every block busy in the last
+// round too (only that one may be shorter, by less than `unit` per round).
+__device__ __forceinline__ u64 even_round(u64 n, u64 cap, u64 unit) {
+  const u64 rounds = (n + cap - 1) / cap;
+  const u64 per = (n + rounds - 1) / rounds;
+  return (per + unit - 1) / unit * unit;
+}
+
 // Copies [0, n) bytes with this block's threads (16-byte units when both ends allow).
 __device__ __forceinline__ void block_copy(char* dst, const char* src, u64 n) {
   if (dst == src || n == 0) return;
@@ -735,41 +759,47 @@ __device__ void allreduce_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
   const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
-  const u64 round_bytes = a.simple_round;  // per round, a multiple of 16 * R
+  const u64 round_bytes = a.simple_round;  // the scratch's round capacity, a multiple of 16 * R
+  // This call's rounds, equal but the last (`even_round`), and a slot in scratch: one chunk of
+  // such a round. Every round, the last one too, keeps chunk p in slot p and slices it as a
+  // whole round's chunk (`slice_in`): block b of every rank uses the same bytes of every slot
+  // in every round, which is what its block barriers order.
+  const u64 rs = even_round(a.nbytes, round_bytes, 16ull * R);
+  const u64 slot = rs / R;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   __shared__ const char* srcs[MAX_RANKS_SIMPLE];
   bool first = true;
-  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
-    const u64 rb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
-    const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // chunk bytes (slot size)
+  for (u64 base = 0; base < a.nbytes; base += rs) {
+    const u64 rb = a.nbytes - base < rs ? a.nbytes - base : rs;
+    const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // this round's chunk bytes (<= slot)
     // (0) chunk p of my input -> rank p's slot r.
     #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
       u32 p = wrap_rank(r + k, R);
       u64 c_lo = p * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
-      slice_of(c_len, b, B, lo, hi);
-      block_copy(scratch_of(a, p) + a.simple_off + r * cb + lo, in + base + c_lo + lo, hi - lo);
+      slice_in(c_len, slot, b, B, lo, hi);
+      block_copy(scratch_of(a, p) + a.simple_off + r * slot + lo, in + base + c_lo + lo, hi - lo);
     }
     if (!block_barrier(a, deadline, first)) return;
     first = false;
     // (1) reduce chunk r (slice b): mine from the input, the others from my slots.
     u64 c_lo = r * cb, c_len = c_lo >= rb ? 0 : (rb - c_lo < cb ? rb - c_lo : cb), lo, hi;
-    slice_of(c_len, b, B, lo, hi);
+    slice_in(c_len, slot, b, B, lo, hi);
     if (threadIdx.x < R) {
       u32 q = wrap_rank(r + threadIdx.x, R);
-      srcs[threadIdx.x] = q == r ? in + base + c_lo + lo : scratch_of(a, r) + a.simple_off + q * cb + lo;
+      srcs[threadIdx.x] = q == r ? in + base + c_lo + lo : scratch_of(a, r) + a.simple_off + q * slot + lo;
     }
     __syncthreads();
     char* res0 = out + base + c_lo + lo;
     // ... and push the result to every peer's result area, slot r: the next rank's straight
     // from the registers (one read of the result fewer), the others' from my output.
-    char* res_next = scratch_of(a, wrap_rank(r + 1, R)) + a.simple_off + round_bytes + c_lo + lo;
+    char* res_next = scratch_of(a, wrap_rank(r + 1, R)) + a.simple_off + round_bytes + r * slot + lo;
     block_reduce<D>(res0, res_next, srcs, R, hi - lo, a);
     __syncthreads();
     for (u32 k = 2; k < R; k++) {
       u32 p = wrap_rank(r + k, R);
-      block_copy(scratch_of(a, p) + a.simple_off + round_bytes + c_lo + lo, res0, hi - lo);
+      block_copy(scratch_of(a, p) + a.simple_off + round_bytes + r * slot + lo, res0, hi - lo);
     }
     if (!block_barrier(a, deadline, false)) return;
     // (2) the other chunks' results, from my result area.
@@ -777,8 +807,8 @@ __device__ void allreduce_simple(const CollArgs& a) {
     for (u32 k = 1; k < R; k++) {
       u32 p = wrap_rank(r + k, R);
       u64 p_lo = p * cb, p_len = p_lo >= rb ? 0 : (rb - p_lo < cb ? rb - p_lo : cb), plo, phi;
-      slice_of(p_len, b, B, plo, phi);
-      block_copy(out + base + p_lo + plo, scratch_of(a, r) + a.simple_off + round_bytes + p_lo + plo, phi - plo);
+      slice_in(p_len, slot, b, B, plo, phi);
+      block_copy(out + base + p_lo + plo, scratch_of(a, r) + a.simple_off + round_bytes + p * slot + plo, phi - plo);
     }
     __syncthreads();
   }
@@ -822,15 +852,16 @@ __device__ void reducescatter_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
   const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
-  const u64 seg_round = a.simple_round / R / 16 * 16;  // per segment and round
+  const u64 seg_round = a.simple_round / R / 16 * 16;  // per segment and round: the capacity
+  const u64 rs = even_round(a.nbytes, seg_round, 16);  // this call's rounds (see allreduce_simple)
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   __shared__ const char* srcs[MAX_RANKS_SIMPLE];
   bool first = true;
-  for (u64 base = 0; base < a.nbytes; base += seg_round) {
-    const u64 sb = a.nbytes - base < seg_round ? a.nbytes - base : seg_round;
+  for (u64 base = 0; base < a.nbytes; base += rs) {
+    const u64 sb = a.nbytes - base < rs ? a.nbytes - base : rs;
     u64 lo, hi;
-    slice_of(sb, b, B, lo, hi);
+    slice_in(sb, rs, b, B, lo, hi);
     char* my_in = scratch_of(a, r) + a.simple_off;
     for (u32 c = 0; c < R; c++) block_copy(my_in + c * seg_round + lo, in + c * a.nbytes + base + lo, hi - lo);
     if (!block_barrier(a, deadline, first)) return;
@@ -850,14 +881,14 @@ __device__ void allgather_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
   const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
-  const u64 round_bytes = a.simple_round;
+  const u64 rs = even_round(a.nbytes, a.simple_round, 16);  // this call's rounds (see allreduce_simple)
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   bool first = true;
-  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
-    const u64 sb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
+  for (u64 base = 0; base < a.nbytes; base += rs) {
+    const u64 sb = a.nbytes - base < rs ? a.nbytes - base : rs;
     u64 lo, hi;
-    slice_of(sb, b, B, lo, hi);
+    slice_in(sb, rs, b, B, lo, hi);
     block_copy(scratch_of(a, r) + a.simple_off + lo, in + base + lo, hi - lo);
     block_copy(out + r * a.nbytes + base + lo, in + base + lo, hi - lo);
     if (!block_barrier(a, deadline, first)) return;
@@ -876,14 +907,14 @@ __device__ void broadcast_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
   const u32 r = a.rank, root = (u32)a.root, b = blockIdx.x, B = gridDim.x;
-  const u64 round_bytes = a.simple_round;
+  const u64 rs = even_round(a.nbytes, a.simple_round, 16);  // this call's rounds (see allreduce_simple)
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   bool first = true;
-  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
-    const u64 sb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
+  for (u64 base = 0; base < a.nbytes; base += rs) {
+    const u64 sb = a.nbytes - base < rs ? a.nbytes - base : rs;
     u64 lo, hi;
-    slice_of(sb, b, B, lo, hi);
+    slice_in(sb, rs, b, B, lo, hi);
     if (r == root) {
       block_copy(scratch_of(a, r) + a.simple_off + lo, in + base + lo, hi - lo);
       block_copy(out + base + lo, in + base + lo, hi - lo);
