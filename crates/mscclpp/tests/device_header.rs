@@ -223,6 +223,13 @@ fn launch_and_wait(
     s.synchronize(std::time::Duration::from_secs(60))
 }
 
+/// `src` compiled with NVRTC for GPU 0, loaded, and its kernel `name`.
+fn gpu_kernel(src: &str, name: &str) -> mscclpp::device::compile::Kernel {
+    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
+    let ptx = compile(src, &CompileOptions::for_device(0)).unwrap_or_else(|e| panic!("{e}"));
+    KernelModule::load(0, &ptx).unwrap().function(name).unwrap()
+}
+
 fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
     (v as *mut T).cast()
 }
@@ -232,7 +239,6 @@ fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_producers_push_through_a_small_fifo() {
-    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
     use mscclpp::device::fifo::Fifo;
     const THREADS: u64 = 1024;
     const ROUNDS: u64 = 8;
@@ -256,10 +262,7 @@ extern "C" __global__ void produce(FifoDeviceHandle fifo, u64 rounds, u64* failu
     let ctx = mscclpp::Context::new();
     let fifo = Fifo::new(&ctx, 0, 64).unwrap();
     let failures = mscclpp::DeviceBuffer::new(&ctx, 0, 8, mscclpp::TransportFlags::NONE).unwrap();
-    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
-        .unwrap()
-        .function("produce")
-        .unwrap();
+    let k = gpu_kernel(src, "produce");
     let mut next = vec![0u64; THREADS as usize];
     std::thread::scope(|s| {
         let producer = s.spawn(|| {
@@ -291,7 +294,6 @@ extern "C" __global__ void produce(FifoDeviceHandle fifo, u64 rounds, u64* failu
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_batched_pushes_arrive_whole_and_in_order() {
-    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
     use mscclpp::device::fifo::Fifo;
     const THREADS: u64 = 1024;
     const ROUNDS: u64 = 130;
@@ -321,10 +323,7 @@ extern "C" __global__ void produce(FifoDeviceHandle fifo, u64 rounds, u64* failu
     let ctx = mscclpp::Context::new();
     let fifo = Fifo::new(&ctx, 0, 64).unwrap();
     let failures = mscclpp::DeviceBuffer::new(&ctx, 0, 8, mscclpp::TransportFlags::NONE).unwrap();
-    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
-        .unwrap()
-        .function("produce")
-        .unwrap();
+    let k = gpu_kernel(src, "produce");
     let mut next = vec![0u64; THREADS as usize];
     // The batch being popped: (thread, triggers of it still to come).
     let mut open: Option<(u64, u64)> = None;
@@ -376,7 +375,6 @@ extern "C" __global__ void produce(FifoDeviceHandle fifo, u64 rounds, u64* failu
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_push_batch_for_is_all_or_nothing() {
-    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
     use mscclpp::device::fifo::Fifo;
     let src = r#"#include "mscclpp_rs/device.cuh"
 using namespace mscclpp;
@@ -405,10 +403,7 @@ extern "C" __global__ void batches(FifoDeviceHandle full, u64* out) {
     let ctx = mscclpp::Context::new();
     let out = mscclpp::DeviceBuffer::new(&ctx, 0, 12 * 8, mscclpp::TransportFlags::NONE).unwrap();
     let full = Fifo::new(&ctx, 0, 8).unwrap();
-    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
-        .unwrap()
-        .function("batches")
-        .unwrap();
+    let k = gpu_kernel(src, "batches");
     let (mut fh, mut o) = (full.device_handle(), out.device_ptr());
     launch_and_wait(&k, 1, 1, &mut [arg(&mut fh), arg(&mut o)]).unwrap();
     let got: Vec<u64> = (0..12).map(|i| out.read_u64(8 * i).unwrap()).collect();
@@ -427,7 +422,6 @@ extern "C" __global__ void batches(FifoDeviceHandle full, u64* out) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_time_limited_waits_return_false() {
-    use mscclpp::device::compile::{CompileOptions, KernelModule, compile};
     use mscclpp::device::fifo::Fifo;
     use mscclpp::device::handles::{BasePortChannelDeviceHandle, Host2DeviceSemaphoreDeviceHandle};
     let src = r#"#include "mscclpp_rs/device.cuh"
@@ -469,10 +463,7 @@ extern "C" __global__ void timed(Host2DeviceSemaphoreDeviceHandle sem, FifoDevic
         flush_done_pos: done.device_ptr(),
     };
     let (mut fh, mut o) = (full.device_handle(), out.device_ptr());
-    let k = KernelModule::load(0, &compile(src, &CompileOptions::for_device(0)).unwrap())
-        .unwrap()
-        .function("timed")
-        .unwrap();
+    let k = gpu_kernel(src, "timed");
     launch_and_wait(&k, 1, 1, &mut [arg(&mut sem), arg(&mut fh), arg(&mut ch), arg(&mut o)]).unwrap();
     let got: Vec<u64> = (0..8).map(|i| out.read_u64(8 * i).unwrap()).collect();
     assert_eq!(got, vec![0, 0, 1, 0, 4, 7, 0, 0]);
