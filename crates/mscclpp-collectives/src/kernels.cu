@@ -647,16 +647,6 @@ __device__ __forceinline__ void slice_in(u64 len, u64 full, u32 b, u32 B, u64& l
   if (hi > len) hi = len;
 }
 
-// Bytes per round of a staged call of `n` bytes whose rounds may hold `cap` bytes (a multiple
-// of `unit`): as few rounds as `cap` allows, of equal size rounded up to `unit` (at most `cap`),
-// so that slicing every round as a whole one (`slice_in`) keeps every block busy in the last
-// round too (only that one may be shorter, by less than `unit` per round).
-__device__ __forceinline__ u64 even_round(u64 n, u64 cap, u64 unit) {
-  const u64 rounds = (n + cap - 1) / cap;
-  const u64 per = (n + rounds - 1) / rounds;
-  return (per + unit - 1) / unit * unit;
-}
-
 // Copies [0, n) bytes with this block's threads (16-byte units when both ends allow).
 __device__ __forceinline__ void block_copy(char* dst, const char* src, u64 n) {
   if (dst == src || n == 0) return;
@@ -759,20 +749,20 @@ __device__ void allreduce_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
   const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
-  const u64 round_bytes = a.simple_round;  // the scratch's round capacity, a multiple of 16 * R
-  // This call's rounds, equal but the last (`even_round`), and a slot in scratch: one chunk of
-  // such a round. Every round, the last one too, keeps chunk p in slot p and slices it as a
-  // whole round's chunk (`slice_in`): block b of every rank uses the same bytes of every slot
-  // in every round, which is what its block barriers order.
-  const u64 rs = even_round(a.nbytes, round_bytes, 16ull * R);
-  const u64 slot = rs / R;
+  const u64 round_bytes = a.simple_round;  // per round, a multiple of 16 * R
+  const bool rounds = a.nbytes > round_bytes;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   __shared__ const char* srcs[MAX_RANKS_SIMPLE];
   bool first = true;
-  for (u64 base = 0; base < a.nbytes; base += rs) {
-    const u64 rb = a.nbytes - base < rs ? a.nbytes - base : rs;
-    const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // this round's chunk bytes (<= slot)
+  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
+    const u64 rb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
+    const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // this round's chunk bytes
+    // A slot in scratch: a chunk of this round, or of a whole round when the call has several,
+    // whose last round may be shorter: that one then keeps chunk p in the same slot and slices it
+    // as a whole round's chunk (`slice_in`), so that block b of every rank uses the same bytes of
+    // every slot in every round, which is what its block barriers order.
+    const u64 slot = rounds ? round_bytes / R : cb;
     // (0) chunk p of my input -> rank p's slot r.
     #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
@@ -852,16 +842,16 @@ __device__ void reducescatter_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
   const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
-  const u64 seg_round = a.simple_round / R / 16 * 16;  // per segment and round: the capacity
-  const u64 rs = even_round(a.nbytes, seg_round, 16);  // this call's rounds (see allreduce_simple)
+  const u64 seg_round = a.simple_round / R / 16 * 16;  // per segment and round
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   __shared__ const char* srcs[MAX_RANKS_SIMPLE];
   bool first = true;
-  for (u64 base = 0; base < a.nbytes; base += rs) {
-    const u64 sb = a.nbytes - base < rs ? a.nbytes - base : rs;
+  for (u64 base = 0; base < a.nbytes; base += seg_round) {
+    const u64 sb = a.nbytes - base < seg_round ? a.nbytes - base : seg_round;
     u64 lo, hi;
-    slice_in(sb, rs, b, B, lo, hi);
+    // A call of several rounds slices each as a whole one (see allreduce_simple).
+    slice_in(sb, a.nbytes > seg_round ? seg_round : sb, b, B, lo, hi);
     char* my_in = scratch_of(a, r) + a.simple_off;
     for (u32 c = 0; c < R; c++) block_copy(my_in + c * seg_round + lo, in + c * a.nbytes + base + lo, hi - lo);
     if (!block_barrier(a, deadline, first)) return;
@@ -881,14 +871,15 @@ __device__ void allgather_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
   const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
-  const u64 rs = even_round(a.nbytes, a.simple_round, 16);  // this call's rounds (see allreduce_simple)
+  const u64 round_bytes = a.simple_round;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   bool first = true;
-  for (u64 base = 0; base < a.nbytes; base += rs) {
-    const u64 sb = a.nbytes - base < rs ? a.nbytes - base : rs;
+  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
+    const u64 sb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
     u64 lo, hi;
-    slice_in(sb, rs, b, B, lo, hi);
+    // A call of several rounds slices each as a whole one (see allreduce_simple).
+    slice_in(sb, a.nbytes > round_bytes ? round_bytes : sb, b, B, lo, hi);
     block_copy(scratch_of(a, r) + a.simple_off + lo, in + base + lo, hi - lo);
     block_copy(out + r * a.nbytes + base + lo, in + base + lo, hi - lo);
     if (!block_barrier(a, deadline, first)) return;
@@ -907,14 +898,15 @@ __device__ void broadcast_simple(const CollArgs& a) {
   u64 deadline;
   if (!simple_begin(a, deadline)) return;
   const u32 r = a.rank, root = (u32)a.root, b = blockIdx.x, B = gridDim.x;
-  const u64 rs = even_round(a.nbytes, a.simple_round, 16);  // this call's rounds (see allreduce_simple)
+  const u64 round_bytes = a.simple_round;
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   bool first = true;
-  for (u64 base = 0; base < a.nbytes; base += rs) {
-    const u64 sb = a.nbytes - base < rs ? a.nbytes - base : rs;
+  for (u64 base = 0; base < a.nbytes; base += round_bytes) {
+    const u64 sb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
     u64 lo, hi;
-    slice_in(sb, rs, b, B, lo, hi);
+    // A call of several rounds slices each as a whole one (see allreduce_simple).
+    slice_in(sb, a.nbytes > round_bytes ? round_bytes : sb, b, B, lo, hi);
     if (r == root) {
       block_copy(scratch_of(a, r) + a.simple_off + lo, in + base + lo, hi - lo);
       block_copy(out + base + lo, in + base + lo, hi - lo);
