@@ -64,6 +64,26 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
             .unwrap_or(u32::MAX);
         assert!(stores <= 64, "{fun}: {line}");
     }
+    // The staged kernels keep two 512-thread blocks per SM, so at most 64 registers a thread
+    // (65 536 per SM): with more, the residency the selector sizes grids by halves. Equal rounds,
+    // tried in session 23, took `allreduce_simple_bf16` to 92 and an H100's 256 MiB AllReduce
+    // from 763 to 905 us.
+    let mut staged = 0;
+    for (i, line) in lines.iter().enumerate().filter(|(_, l)| l.contains("Used ") && l.contains(" registers")) {
+        let fun = lines[..i].iter().rev().find(|l| l.contains("Compiling entry function")).copied().unwrap_or("?");
+        if !fun.contains("_simple_") {
+            continue;
+        }
+        staged += 1;
+        let regs: u32 = line
+            .split("Used ")
+            .nth(1)
+            .and_then(|f| f.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(u32::MAX);
+        assert!(regs <= 64, "{fun}: {line}");
+    }
+    assert_eq!(staged, 12, "register counts of the staged kernels not found in the ptxas log:\n{log}");
     // The kernels keep their arguments in the parameter space (`__grid_constant__`): a
     // local copy of the 700-byte block (indexed by peer) would show as a stack frame, and cost
     // a trip to memory before the first packet leaves.
