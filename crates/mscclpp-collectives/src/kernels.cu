@@ -624,9 +624,13 @@ __device__ __forceinline__ bool simple_begin(const CollArgs& a, u64& deadline) {
   return true;
 }
 
+// Bytes of each of the n parts of `len` bytes cut into 16-byte multiples (the last part may
+// be shorter or empty): a round's chunks (n ranks), a chunk's slices (n blocks).
+__device__ __forceinline__ u64 part_bytes(u64 len, u32 n) { return ((len + n - 1) / n + 15) / 16 * 16; }
+
 // The bytes [lo, hi) of block `b` of `B` in a chunk of `len` bytes (slices are 16-byte multiples).
 __device__ __forceinline__ void slice_of(u64 len, u32 b, u32 B, u64& lo, u64& hi) {
-  u64 s = ((len + B - 1) / B + 15) / 16 * 16;
+  u64 s = part_bytes(len, B);
   lo = s * b;
   hi = lo + s;
   if (lo > len) lo = len;
@@ -750,19 +754,18 @@ __device__ void allreduce_simple(const CollArgs& a) {
   if (!simple_begin(a, deadline)) return;
   const u32 R = nranks_of(a), r = a.rank, b = blockIdx.x, B = gridDim.x;
   const u64 round_bytes = a.simple_round;  // per round, a multiple of 16 * R
-  const bool rounds = a.nbytes > round_bytes;
+  // A slot in scratch: a chunk of the first round, the call's largest. Every round keeps chunk
+  // p in slot p and slices it as the first round's chunk (`slice_in`): a shorter last round too,
+  // so that block b of every rank uses the same bytes of every slot in every round, which is
+  // what its block barriers order.
+  const u64 slot = part_bytes(a.nbytes < round_bytes ? a.nbytes : round_bytes, R);
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   __shared__ const char* srcs[MAX_RANKS_SIMPLE];
   bool first = true;
   for (u64 base = 0; base < a.nbytes; base += round_bytes) {
     const u64 rb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
-    const u64 cb = ((rb + R - 1) / R + 15) / 16 * 16;  // this round's chunk bytes
-    // A slot in scratch: a chunk of this round, or of a whole round when the call has several,
-    // whose last round may be shorter: that one then keeps chunk p in the same slot and slices it
-    // as a whole round's chunk (`slice_in`), so that block b of every rank uses the same bytes of
-    // every slot in every round, which is what its block barriers order.
-    const u64 slot = rounds ? round_bytes / R : cb;
+    const u64 cb = part_bytes(rb, R);  // this round's chunk bytes (at most `slot`)
     // (0) chunk p of my input -> rank p's slot r.
     #pragma unroll 1
     for (u32 k = 1; k < R; k++) {
@@ -820,7 +823,7 @@ __device__ void allreduce_zerocopy(const CollArgs& a) {
   char* const* recvs = (char* const*)a.out;
   __shared__ const char* srcs[MAX_RANKS_SIMPLE];
   if (!block_barrier(a, deadline, true)) return;
-  const u64 cb = ((a.nbytes + R - 1) / R + 15) / 16 * 16;
+  const u64 cb = part_bytes(a.nbytes, R);
   const u64 c_lo = r * cb, c_len = c_lo >= a.nbytes ? 0 : (a.nbytes - c_lo < cb ? a.nbytes - c_lo : cb);
   u64 lo, hi;
   slice_of(c_len, b, B, lo, hi);
@@ -847,11 +850,12 @@ __device__ void reducescatter_simple(const CollArgs& a) {
   char* out = (char*)a.out;
   __shared__ const char* srcs[MAX_RANKS_SIMPLE];
   bool first = true;
+  // Every round sliced as the first, the call's largest (see allreduce_simple).
+  const u64 first_round = a.nbytes < seg_round ? a.nbytes : seg_round;
   for (u64 base = 0; base < a.nbytes; base += seg_round) {
     const u64 sb = a.nbytes - base < seg_round ? a.nbytes - base : seg_round;
     u64 lo, hi;
-    // A call of several rounds slices each as a whole one (see allreduce_simple).
-    slice_in(sb, a.nbytes > seg_round ? seg_round : sb, b, B, lo, hi);
+    slice_in(sb, first_round, b, B, lo, hi);
     char* my_in = scratch_of(a, r) + a.simple_off;
     for (u32 c = 0; c < R; c++) block_copy(my_in + c * seg_round + lo, in + c * a.nbytes + base + lo, hi - lo);
     if (!block_barrier(a, deadline, first)) return;
@@ -875,11 +879,12 @@ __device__ void allgather_simple(const CollArgs& a) {
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   bool first = true;
+  // Every round sliced as the first, the call's largest (see allreduce_simple).
+  const u64 first_round = a.nbytes < round_bytes ? a.nbytes : round_bytes;
   for (u64 base = 0; base < a.nbytes; base += round_bytes) {
     const u64 sb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
     u64 lo, hi;
-    // A call of several rounds slices each as a whole one (see allreduce_simple).
-    slice_in(sb, a.nbytes > round_bytes ? round_bytes : sb, b, B, lo, hi);
+    slice_in(sb, first_round, b, B, lo, hi);
     block_copy(scratch_of(a, r) + a.simple_off + lo, in + base + lo, hi - lo);
     block_copy(out + r * a.nbytes + base + lo, in + base + lo, hi - lo);
     if (!block_barrier(a, deadline, first)) return;
@@ -902,11 +907,12 @@ __device__ void broadcast_simple(const CollArgs& a) {
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
   bool first = true;
+  // Every round sliced as the first, the call's largest (see allreduce_simple).
+  const u64 first_round = a.nbytes < round_bytes ? a.nbytes : round_bytes;
   for (u64 base = 0; base < a.nbytes; base += round_bytes) {
     const u64 sb = a.nbytes - base < round_bytes ? a.nbytes - base : round_bytes;
     u64 lo, hi;
-    // A call of several rounds slices each as a whole one (see allreduce_simple).
-    slice_in(sb, a.nbytes > round_bytes ? round_bytes : sb, b, B, lo, hi);
+    slice_in(sb, first_round, b, B, lo, hi);
     if (r == root) {
       block_copy(scratch_of(a, r) + a.simple_off + lo, in + base + lo, hi - lo);
       block_copy(out + base + lo, in + base + lo, hi - lo);
