@@ -1,6 +1,11 @@
 //! The collective kernels compile with NVRTC and assemble with ptxas for sm_90, with no GPU
 //! (CI installs NVRTC and ptxas from pip wheels; elsewhere the test says SKIPPED).
 
+/// The ptxas log line naming the entry whose report holds line `i` of `lines`.
+fn entry_at<'a>(lines: &[&'a str], i: usize) -> &'a str {
+    lines[..i].iter().rev().find(|l| l.contains("Compiling entry function")).copied().unwrap_or("?")
+}
+
 fn skip(test: &str, why: &str) {
     assert!(std::env::var_os("CI").is_none(), "{test} cannot run in CI: {why}");
     println!("SKIPPED {test}: {why}");
@@ -55,7 +60,7 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
     // No kernel spills more than a few words (spills cost every loop that touches them).
     let lines: Vec<&str> = log.lines().collect();
     for (i, line) in lines.iter().enumerate().filter(|(_, l)| l.contains("spill")) {
-        let fun = lines[..i].iter().rev().find(|l| l.contains("Compiling entry function")).copied().unwrap_or("?");
+        let fun = entry_at(&lines, i);
         let stores: u32 = line
             .split(',')
             .find(|f| f.contains("spill stores"))
@@ -70,7 +75,7 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
     // from 763 to 905 us.
     let mut staged = 0;
     for (i, line) in lines.iter().enumerate().filter(|(_, l)| l.contains("Used ") && l.contains(" registers")) {
-        let fun = lines[..i].iter().rev().find(|l| l.contains("Compiling entry function")).copied().unwrap_or("?");
+        let fun = entry_at(&lines, i);
         if !fun.contains("_simple_") {
             continue;
         }
@@ -88,7 +93,7 @@ fn collective_kernels_compile_and_assemble_for_sm90() {
     // local copy of the 700-byte block (indexed by peer) would show as a stack frame, and cost
     // a trip to memory before the first packet leaves.
     for (i, line) in lines.iter().enumerate().filter(|(_, l)| l.contains("stack frame")) {
-        let fun = lines[..i].iter().rev().find(|l| l.contains("Compiling entry function")).copied().unwrap_or("?");
+        let fun = entry_at(&lines, i);
         let frame: u32 = line
             .split(':')
             .next_back()
