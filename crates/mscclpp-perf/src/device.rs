@@ -418,6 +418,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         &k("proxy_load")?,
         timeout,
         args.signal_coalesce.map(|us| Duration::from_secs_f64(us / 1e6)),
+        args.signal_pay_interval.map(|us| Duration::from_secs_f64(us / 1e6)),
         &transports,
     )
 }

@@ -121,6 +121,11 @@ pub struct Args {
     /// library's default when not given; 0 pays them after every batch).
     #[arg(long, value_parser = parse_micros)]
     pub signal_coalesce: Option<f64>,
+    /// device: the least time between two rounds of token writes the proxy load rows' proxy
+    /// starts when its FIFO runs dry (microseconds; `ProxyConfig::signal_pay_interval`, the
+    /// library's default when not given; 0 pays at every dry step).
+    #[arg(long, value_parser = parse_micros)]
+    pub signal_pay_interval: Option<f64>,
     /// device: which parts to run (comma-separated; default all): `fifo` (push -> pop),
     /// `channels` (no-op proxy throughput, PortChannel ping-pong and its stages, bandwidth,
     /// MemoryChannel), `queues` (the hardware-queue probe), `load-ipc` and `load-eth` (the proxy

@@ -371,11 +371,10 @@ impl Rig<'_> {
 }
 
 /// The proxy rows over `t`.
-fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, coalesce: Duration) -> Result<(), String> {
+fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &ProxyConfig) -> Result<(), String> {
     let mut rs = ranks(t, dev, timeout)?;
     let r0 = &mut rs[0];
-    let config = ProxyConfig::default().signal_coalesce(coalesce);
-    let mut proxy = ProxyService::new(r0.comm.context(), dev, config).map_err(e)?;
+    let mut proxy = ProxyService::new(r0.comm.context(), dev, config.clone()).map_err(e)?;
     let mut table = LoadPeers { sem: [0; 8], dst: [0; 8], src: 0, npeers: 1, slots: SLOTS as u32, pad: 0 };
     for (p, s) in std::mem::take(&mut r0.proxy_sems).into_iter().enumerate() {
         table.sem[p] = proxy.add_semaphore(s).map_err(e)?.0;
@@ -472,17 +471,25 @@ pub fn run(
     kern: &Kernel,
     timeout: Duration,
     coalesce: Option<Duration>,
+    pay_interval: Option<Duration>,
     transports: &[Transport],
 ) -> Result<(), String> {
-    let coalesce = coalesce.unwrap_or(ProxyConfig::default().signal_coalesce);
+    let mut config = ProxyConfig::default();
+    if let Some(d) = coalesce {
+        config.signal_coalesce = d;
+    }
+    if let Some(d) = pay_interval {
+        config.signal_pay_interval = d;
+    }
     row(format!(
         "proxy load: one FIFO + proxy on rank 0 serving 1/4/8 in-process peers; GPU producers (blocks x threads) \
          push triggers; host direct = one host thread issuing the same calls; signals coalesced for up to {} us \
-         while the FIFO delivers (--signal-coalesce)",
-        coalesce.as_secs_f64() * 1e6
+         while the FIFO delivers (--signal-coalesce), dry-FIFO payments at least {} us apart (--signal-pay-interval)",
+        config.signal_coalesce.as_secs_f64() * 1e6,
+        config.signal_pay_interval.as_secs_f64() * 1e6
     ));
     for &t in transports {
-        rows_over(t, dev, kern, timeout, coalesce)?;
+        rows_over(t, dev, kern, timeout, &config)?;
     }
     Ok(())
 }

@@ -106,6 +106,10 @@ pub(crate) struct ConnectionHandler {
     full_batch: u64,
     /// When the oldest signal still owed was owed (tracked only with coalescing on).
     owed_since: Option<Instant>,
+    /// [`ProxyConfig::signal_pay_interval`](super::ProxyConfig::signal_pay_interval).
+    pay_interval: Duration,
+    /// When signals were last paid (tracked only with coalescing and a pay interval on).
+    last_paid: Option<Instant>,
 }
 
 impl ConnectionHandler {
@@ -123,27 +127,36 @@ impl ConnectionHandler {
             last_batch: 0,
             full_batch: super::runner::POP_BATCH,
             owed_since: None,
+            pay_interval: Duration::ZERO,
+            last_paid: None,
         }
     }
 
     /// Lets owed signals wait up to `d` while the FIFO (of `fifo_size` slots) keeps delivering
-    /// triggers.
-    pub(crate) fn coalesce(mut self, d: Duration, fifo_size: u32) -> ConnectionHandler {
+    /// triggers, and paces the payments a dry FIFO starts to one per `pay_interval`.
+    pub(crate) fn coalesce(mut self, d: Duration, pay_interval: Duration, fifo_size: u32) -> ConnectionHandler {
         self.coalesce = d;
+        self.pay_interval = pay_interval;
         self.full_batch = super::runner::pop_batch(fifo_size);
         self
     }
 
     /// Whether the owed signals go out at this `poll`, after a batch of `batch` triggers: at once
     /// without coalescing; with it, once the FIFO ran dry (a batch shorter than the loop's
-    /// longest for this FIFO; after a full batch that emptied it, at the next, empty, step),
+    /// longest for this FIFO; after a full batch that emptied it, at the next, empty, step) and
+    /// the last payment is `pay_interval` old, or once
     /// [`COALESCE_MAX_TRIGGERS`](super::COALESCE_MAX_TRIGGERS) triggers passed, or the oldest
     /// waited `coalesce`.
     fn pay_now(&self, batch: u64) -> bool {
-        self.coalesce.is_zero()
-            || batch < self.full_batch
+        if self.coalesce.is_zero()
             || self.since_pay >= super::COALESCE_MAX_TRIGGERS
             || self.owed_since.is_none_or(|t| t.elapsed() >= self.coalesce)
+        {
+            return true;
+        }
+        // Dry: paid unless a payment went out less than `pay_interval` ago (signals are
+        // streaming in; the next dry step after the interval pays them).
+        batch < self.full_batch && self.last_paid.is_none_or(|t| t.elapsed() >= self.pay_interval)
     }
 
     pub(crate) fn memories(&self) -> usize {
@@ -238,6 +251,7 @@ impl ConnectionHandler {
     /// connection's queue bound).
     fn pay_signals(&mut self, only: Option<(usize, &TriggerContext<'_>)>) -> Result<()> {
         let mut i = 0;
+        let mut paid = false;
         while i < self.owing.len() {
             let id = self.owing[i];
             let ci = self.sems[id].conn;
@@ -251,10 +265,14 @@ impl ConnectionHandler {
             let n = std::mem::take(&mut self.sems[id].owed);
             self.owing.remove(i);
             self.sems[id].sem.signal_by(n)?;
+            paid = true;
         }
         if self.owing.is_empty() {
             self.since_pay = 0;
             self.owed_since = None;
+        }
+        if paid && !self.coalesce.is_zero() && !self.pay_interval.is_zero() {
+            self.last_paid = Some(Instant::now());
         }
         Ok(())
     }
@@ -502,10 +520,10 @@ mod tests {
     }
 
     fn rig(fifo_size: u32, max_queue: Option<usize>) -> Rig {
-        rig_coalescing(fifo_size, max_queue, Duration::ZERO)
+        rig_coalescing(fifo_size, max_queue, Duration::ZERO, Duration::ZERO)
     }
 
-    fn rig_coalescing(fifo_size: u32, max_queue: Option<usize>, coalesce: Duration) -> Rig {
+    fn rig_coalescing(fifo_size: u32, max_queue: Option<usize>, coalesce: Duration, pay_interval: Duration) -> Rig {
         let ctx = Context::new();
         let wire = Arc::new(Mutex::new(Wire::default()));
         let conn = Connection::from_inner(ConnInner {
@@ -523,7 +541,7 @@ mod tests {
         let sem = Semaphore::new(stub, peer_token.memory().clone());
         let alloc = Arc::new(HostAlloc::zeroed(4 * 8).unwrap());
         let words = Arc::new(FlushWords::new(Region::owned(alloc, 4 * 8)));
-        let mut h = ConnectionHandler::new(words.clone(), max_queue).coalesce(coalesce, fifo_size);
+        let mut h = ConnectionHandler::new(words.clone(), max_queue).coalesce(coalesce, pay_interval, fifo_size);
         assert_eq!(h.add_semaphore(sem.into()), (0, 0));
         for _ in 0..2 {
             h.add_memory(Buffer::new(&ctx, 1 << 16, flags).unwrap().memory().clone());
@@ -603,7 +621,7 @@ mod tests {
     /// triggers; they go out as one token write once the FIFO runs dry.
     #[test]
     fn coalesced_signals_wait_until_the_fifo_runs_dry() {
-        let mut r = rig_coalescing(512, None, Duration::from_secs(3600));
+        let mut r = rig_coalescing(512, None, Duration::from_secs(3600), Duration::ZERO);
         let p = r.fifo().host_producer().unwrap();
         for _ in 0..74 {
             p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
@@ -625,7 +643,7 @@ mod tests {
     /// batch, as if the FIFO were always dry, when the rule compared with 64 whatever the size).
     #[test]
     fn a_small_fifo_full_batch_keeps_signals_owed() {
-        let mut r = rig_coalescing(16, None, Duration::from_secs(3600));
+        let mut r = rig_coalescing(16, None, Duration::from_secs(3600), Duration::ZERO);
         let p = r.fifo().host_producer().unwrap();
         for _ in 0..16 {
             p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
@@ -645,7 +663,7 @@ mod tests {
     /// (plus one batch), whatever the time limit; and at once when the time limit has passed.
     #[test]
     fn coalescing_is_bounded_by_triggers_and_time() {
-        let mut r = rig_coalescing(512, None, Duration::from_secs(3600));
+        let mut r = rig_coalescing(512, None, Duration::from_secs(3600), Duration::ZERO);
         let p = r.fifo().host_producer().unwrap();
         for _ in 0..512 {
             p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
@@ -669,7 +687,7 @@ mod tests {
         assert_eq!(r.ops().last(), Some(&Op::Update { old: new, new: 512 }));
 
         // A limit already passed pays after every batch, as without coalescing.
-        let mut r = rig_coalescing(512, None, Duration::from_nanos(1));
+        let mut r = rig_coalescing(512, None, Duration::from_nanos(1), Duration::ZERO);
         let p = r.fifo().host_producer().unwrap();
         for _ in 0..74 {
             p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
@@ -679,6 +697,67 @@ mod tests {
         assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 64 }]);
         assert_eq!(r.runner.step(), Step::Idle);
         assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 64 }, Op::Update { old: 64, new: 74 }]);
+    }
+
+    /// With a pay interval, a dry FIFO pays owed signals at once after a quiet spell (here: the
+    /// first payment), then holds them while the last payment is younger than the interval; a
+    /// flush pays its connection at once, and COALESCE_MAX_TRIGGERS bounds the hold.
+    #[test]
+    fn dry_payments_are_paced_while_signals_stream() {
+        let hour = Duration::from_secs(3600);
+        let mut r = rig_coalescing(512, None, hour, hour);
+        let push = |r: &Rig, n: usize| {
+            let p = r.fifo().host_producer().unwrap();
+            for _ in 0..n {
+                p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+            }
+        };
+        push(&r, 3);
+        assert_eq!(r.runner.step(), Step::Worked(3));
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 3 }], "the first payment goes out at once");
+        push(&r, 2);
+        assert_eq!(r.runner.step(), Step::Worked(2));
+        for _ in 0..100 {
+            assert_eq!(r.runner.step(), Step::Idle);
+        }
+        assert_eq!(r.ops().len(), 1, "dry, but the last payment is younger than the interval: held");
+        // A flush pays its connection's owed signals at once, whatever the pace.
+        r.run(ProxyTrigger::flush(0).unwrap());
+        assert_eq!(r.ops().last(), Some(&Op::Update { old: 3, new: 5 }));
+        // Held signals go out once COALESCE_MAX_TRIGGERS triggers passed since the first of them.
+        let max = super::super::COALESCE_MAX_TRIGGERS;
+        let mut pushed = 0;
+        while r.ops().len() == 2 {
+            assert!(pushed <= max, "still held after {pushed} signals");
+            push(&r, 10);
+            pushed += 10;
+            assert_eq!(r.runner.step(), Step::Worked(10));
+            assert_eq!(r.runner.step(), Step::Idle);
+        }
+        assert!(pushed >= max, "paid after {pushed} signals, before the bound");
+        assert_eq!(r.ops().last(), Some(&Op::Update { old: 5, new: 5 + pushed }));
+        assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// A held payment goes out at a dry step once the interval since the last one has passed,
+    /// and not before.
+    #[test]
+    fn a_held_payment_goes_out_after_the_interval() {
+        let interval = Duration::from_millis(20);
+        let mut r = rig_coalescing(512, None, Duration::from_secs(3600), interval);
+        let before_first = Instant::now();
+        r.run(ProxyTrigger::signal(0).unwrap());
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 1 }]);
+        r.run(ProxyTrigger::signal(0).unwrap());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while r.ops().len() == 1 {
+            assert!(Instant::now() < deadline, "a held signal was never paid");
+            assert_eq!(r.runner.step(), Step::Idle);
+        }
+        assert!(before_first.elapsed() >= interval, "paid {:?} after the first payment", before_first.elapsed());
+        assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 1 }, Op::Update { old: 1, new: 2 }]);
     }
 
     /// A flush is recorded with the connection's issued sequence number and published (as its
