@@ -388,6 +388,35 @@ pub fn run(args: &Args) -> Result<(), String> {
             )),
             Err(x) => row(format!("fifo push->pop parts: failed: {x}")),
         }
+        // The proxy load rows' producer (kernel `proxy_load`, one thread, signals) against this
+        // bare pop loop instead of a proxy: whether a row is bound by the producer or the proxy.
+        let kl = k("proxy_load")?;
+        let producer = (|| -> Result<Vec<f64>, String> {
+            let mut rates = Vec::new();
+            for (batch, n) in [(1i32, 20_000i32), (32, 200_000)] {
+                let (mut h, mut t, mut op, mut sz, mut per, mut ms, mut b) = (
+                    fifo.device_handle(),
+                    crate::proxyload::LoadPeers::pop_only(),
+                    2i32,
+                    0u64,
+                    n,
+                    crate::proxyload::MAX_SPINS,
+                    batch,
+                );
+                let t0 = Instant::now();
+                launch(&kl, 1, 1, &stream, &mut args![h, t, op, sz, per, ms, b])?;
+                stream.synchronize(timeout).map_err(e)?;
+                rates.push(f64::from(n) / t0.elapsed().as_secs_f64() / 1e6);
+            }
+            Ok(rates)
+        })();
+        row(match producer {
+            Ok(r) => format!(
+                "proxy load rows' producer (1 thread, signals) against a bare pop loop: push {:.2} M/s, push_batch of 32 {:.2} M/s",
+                r[0], r[1]
+            ),
+            Err(x) => format!("proxy load rows' producer against a bare pop loop: failed: {x}"),
+        });
         stop.store(true, Ordering::Relaxed);
         let _ = consumer.join();
     }

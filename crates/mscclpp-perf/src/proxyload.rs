@@ -47,13 +47,20 @@ const TARGET_S: f64 = 0.1;
 /// The kernel's peer table (`LoadPeers` in `device.rs`), passed by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct LoadPeers {
+pub(crate) struct LoadPeers {
     sem: [u32; 8],
     dst: [u32; 8],
     src: u32,
     npeers: u32,
     slots: u32,
     pad: u32,
+}
+impl LoadPeers {
+    /// One peer, semaphore and memory IDs 0, one slot: for a consumer that only pops (the
+    /// `fifo` part's producer diagnostic).
+    pub(crate) fn pop_only() -> LoadPeers {
+        LoadPeers { sem: [0; 8], dst: [0; 8], src: 0, npeers: 1, slots: 1, pad: 0 }
+    }
 }
 // Same fields, order and size as the CUDA struct (which static_asserts 80 bytes): all u32.
 const _: () = assert!(std::mem::size_of::<LoadPeers>() == 80);
