@@ -740,6 +740,20 @@ mod tests {
         assert!(r.runner.sh_status().is_ok());
     }
 
+    /// Only a payment that wrote a token starts the interval: a flush with nothing owed does not,
+    /// so the first signal after it still goes out at once.
+    #[test]
+    fn a_flush_with_nothing_owed_is_not_a_payment() {
+        let hour = Duration::from_secs(3600);
+        let mut r = rig_coalescing(512, None, hour, hour);
+        r.run(ProxyTrigger::flush(0).unwrap());
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops(), vec![], "nothing was owed");
+        r.run(ProxyTrigger::signal(0).unwrap());
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops(), vec![Op::Update { old: 0, new: 1 }]);
+    }
+
     /// A held payment goes out at a dry step once the interval since the last one has passed,
     /// and not before.
     #[test]
