@@ -26,17 +26,18 @@
 //! lone signal (the FIFO runs dry after it) is paid as before.
 //!
 //! A producer that keeps the FIFO running dry every few triggers (one GPU thread pushing
-//! signals) made the proxy pay a token write (a driver call, about 0.7 us on a CUDA IPC
+//! signals) makes the proxy pay a token write (a driver call, about 0.7 us on a CUDA IPC
 //! connection) for every few signals, keeping it busy nearly all the time.
 //! [`ProxyConfig::signal_pay_interval`] paces those dry-step payments while signals keep coming:
-//! a round of token writes waits until that long (default 2 us) after the previous round. A
-//! signal after a quiet spell longer than that (a ping-pong's, a step's) is paid at the step it
-//! is popped, as before; under a stream of signals one waits at most that long more. Flushes pay
-//! their connection's owed signals at once, whatever the pace. On an H100, one GPU thread's
-//! signals to 4 or 8 CUDA IPC peers left the proxy idle 79-94% of the time instead of 0-6%, at
-//! the same rate (0.7-0.9 M/s, the rate one thread pushes): that time is free for other
-//! connections' work. Batches of 32 from one thread run at the rate the thread pushes them
-//! (4.0-4.5 M/s) either way.
+//! a round of token writes waits until that long after the previous round. A signal after a
+//! quiet spell longer than that is paid at the step it is popped; under a stream of signals one
+//! waits at most that long more. Flushes pay their connection's owed signals at once, whatever
+//! the pace. With 2 us on an H100, one GPU thread's signals to 4 or 8 CUDA IPC peers left the
+//! proxy idle 79-94% of the time instead of 0-6%, at the same rate (0.7-0.9 M/s, the rate one
+//! thread pushes): time free for other connections' work. It is off by default: signals that
+//! several blocks push a little apart (blocks finishing a step at different times) would each
+//! wait up to the interval after the first was paid, on a collective's critical path, and no
+//! rate measured went up with it.
 //!
 //! # Flushes
 //! Each connection has one `flushDonePos` word in mapped pinned host memory (shared by every
@@ -123,9 +124,14 @@ pub struct SemaphoreId(pub u32);
 /// `#[non_exhaustive]`: later versions may add settings without breaking your code).
 ///
 /// ```
+/// use std::time::Duration;
 /// use mscclpp::device::ProxyConfig;
 /// let cfg = ProxyConfig::default().fifo_size(64).idle_backoff(true);
 /// assert_eq!((cfg.fifo_size, cfg.max_write_queue_size, cfg.idle_backoff), (64, None, true));
+/// // Dry-FIFO pacing of signal payments is off unless asked for.
+/// assert_eq!(cfg.signal_pay_interval, Duration::ZERO);
+/// let paced = cfg.signal_pay_interval(Duration::from_micros(2));
+/// assert_eq!(paced.signal_pay_interval, Duration::from_micros(2));
 /// ```
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -145,19 +151,16 @@ pub struct ProxyConfig {
     /// oldest was owed: fewer token writes when many semaphores are signalled under load, up to
     /// this much more latency for a signal under load (none when the FIFO runs dry).
     pub signal_coalesce: Duration,
-    /// The least time between two rounds of token writes that a dry FIFO starts (default
-    /// [`DEFAULT_SIGNAL_PAY_INTERVAL`]; applies with `signal_coalesce` above zero). A round a
-    /// dry FIFO would start sooner waits, the proxy polling the FIFO meanwhile: a signal popped
-    /// after a quiet spell of this length goes out at once, one in a stream waits at most this
-    /// long more, and a flush pays its connection's owed signals at once whatever the pace.
-    /// Zero pays at every dry step (the behaviour before this setting).
+    /// The least time between two rounds of token writes that a dry FIFO starts (default zero:
+    /// every dry step pays; applies with `signal_coalesce` above zero). A round a dry FIFO would
+    /// start sooner waits, the proxy polling the FIFO meanwhile: a signal popped after a quiet
+    /// spell of this length goes out at once, one in a stream waits at most this long more, and
+    /// a flush pays its connection's owed signals at once whatever the pace. Worth setting (2 us
+    /// measured; see "Signals are coalesced" above) when a steady stream of signals from few
+    /// producers shares the proxy with other connections' work; it adds up to this much latency
+    /// to signals pushed a little apart.
     pub signal_pay_interval: Duration,
 }
-
-/// The default of [`ProxyConfig::signal_pay_interval`]: about three times a token write's driver
-/// call, so a stream of signals keeps the proxy at most about a third busy with token writes,
-/// and below a PortChannel round trip (about 20 us), so a ping-pong's signals never wait.
-pub const DEFAULT_SIGNAL_PAY_INTERVAL: Duration = Duration::from_micros(2);
 
 /// The default of [`ProxyConfig::signal_coalesce`].
 pub const DEFAULT_SIGNAL_COALESCE: Duration = Duration::from_micros(20);
@@ -172,7 +175,7 @@ impl Default for ProxyConfig {
             max_write_queue_size: None,
             idle_backoff: false,
             signal_coalesce: DEFAULT_SIGNAL_COALESCE,
-            signal_pay_interval: DEFAULT_SIGNAL_PAY_INTERVAL,
+            signal_pay_interval: Duration::ZERO,
         }
     }
 }
