@@ -398,7 +398,7 @@ pub fn run(args: &Args) -> Result<(), String> {
             for (batch, n) in [(1i32, 20_000i32), (32, 200_000)] {
                 let (mut h, mut t, mut op, mut sz, mut per, mut ms, mut b) = (
                     fifo.device_handle(),
-                    crate::proxyload::LoadPeers::pop_only(),
+                    crate::proxyload::LoadPeers::new(1),
                     2i32,
                     0u64,
                     n,

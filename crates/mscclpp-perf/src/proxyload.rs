@@ -56,10 +56,10 @@ pub(crate) struct LoadPeers {
     pad: u32,
 }
 impl LoadPeers {
-    /// One peer, semaphore and memory IDs 0, one slot: for a consumer that only pops (the
-    /// `fifo` part's producer diagnostic).
-    pub(crate) fn pop_only() -> LoadPeers {
-        LoadPeers { sem: [0; 8], dst: [0; 8], src: 0, npeers: 1, slots: 1, pad: 0 }
+    /// One peer, semaphore and memory IDs 0, `slots` slots: the rows fill in the IDs and the
+    /// peer count; the `fifo` part's producer diagnostic, whose consumer only pops, uses it as is.
+    pub(crate) fn new(slots: u32) -> LoadPeers {
+        LoadPeers { sem: [0; 8], dst: [0; 8], src: 0, npeers: 1, slots, pad: 0 }
     }
 }
 // Same fields, order and size as the CUDA struct (which static_asserts 80 bytes): all u32.
@@ -382,7 +382,7 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
     let mut rs = ranks(t, dev, timeout)?;
     let r0 = &mut rs[0];
     let mut proxy = ProxyService::new(r0.comm.context(), dev, config.clone()).map_err(e)?;
-    let mut table = LoadPeers { sem: [0; 8], dst: [0; 8], src: 0, npeers: 1, slots: SLOTS as u32, pad: 0 };
+    let mut table = LoadPeers::new(SLOTS as u32);
     for (p, s) in std::mem::take(&mut r0.proxy_sems).into_iter().enumerate() {
         table.sem[p] = proxy.add_semaphore(s).map_err(e)?.0;
         table.dst[p] = proxy.add_memory(r0.remotes[p].clone()).map_err(e)?.0;
