@@ -345,6 +345,12 @@ pub fn run(args: &Args) -> Result<(), String> {
     let nodes = mscclpp::numa_node_count();
     let gpu_node = mscclpp::gpu::numa_node(dev).map_or_else(|| "unknown".to_string(), |n| n.to_string());
     row(format!("# NUMA: {nodes} node(s); GPU {dev} on node {gpu_node}"));
+    if let Some(b) = mscclpp::env::env().ok().and_then(|v| v.cudaipc_kernel_copy_max).filter(|&b| b > 0) {
+        row(format!(
+            "# CUDA IPC copies of at most {b} B, and a signal joined to one, go through a kernel \
+             (MSCCLPP_CUDAIPC_KERNEL_COPY_MAX; off by default)"
+        ));
+    }
     let ptx = compile(KERNELS, &CompileOptions::default()).map_err(e)?;
     let m = KernelModule::load(dev, &ptx).map_err(e)?;
     let k = |n: &str| m.function(n).map_err(e);

@@ -111,6 +111,17 @@ pub fn driver_call_costs(
             time(per_round, &mut || stream.copy_dtod(d.ptr, s.ptr, n).and_then(|_| token()))?,
         ),
     ];
+    // The kernel that copies and then writes the token (CUDA IPC's kernel copies): one launch.
+    // The token is the last aligned word of the destination, after the copied bytes.
+    let tok = d.ptr + ((bytes * batch) as u64 & !7) - 8;
+    if (bytes as u64) + 8 <= (bytes * batch) as u64 {
+        out.push((
+            format!(
+                "one kernel copying {bytes} B then writing a token (cuLaunchKernel, MSCCLPP_CUDAIPC_KERNEL_COPY_MAX)"
+            ),
+            time(per_round, &mut || stream.put_token(d.ptr, s.ptr, n, tok, 1))?,
+        ));
+    }
     if cuda::has_batch_copy() {
         // The arrays are built once, outside the timing.
         let mut dsts: Vec<u64> = (0..batch as u64).map(|i| d.ptr + i * n).collect();
@@ -397,6 +408,17 @@ mod tests {
                     assert!(report.contains(name), "ptxas compiled no {name}:\n{report}");
                 }
             }
+            Err(e) if e.kind() == crate::ErrorKind::NotAvailable => eprintln!("skipped: {e}"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The same for the CUDA IPC kernel copies' PTX (`platform::cuda::PUT_TOKEN_PTX`).
+    #[test]
+    fn the_put_token_ptx_assembles_for_sm_90() {
+        use crate::platform::cuda::{PUT_TOKEN_ENTRY, PUT_TOKEN_PTX};
+        match crate::device::compile::assemble(PUT_TOKEN_PTX, "sm_90") {
+            Ok(report) => assert!(report.contains(PUT_TOKEN_ENTRY), "ptxas compiled no {PUT_TOKEN_ENTRY}:\n{report}"),
             Err(e) if e.kind() == crate::ErrorKind::NotAvailable => eprintln!("skipped: {e}"),
             Err(e) => panic!("{e}"),
         }

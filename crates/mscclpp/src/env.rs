@@ -15,6 +15,7 @@
 //! | `MSCCLPP_LOG_FILE` | append log lines to this file instead of stderr; `%h`, `%p`, `%r` become host, pid, rank (`-` until the bootstrap sets it), `%%` a `%` |
 //! | `MSCCLPP_DEBUG`, `MSCCLPP_DEBUG_SUBSYS` | deprecated MSCCL++ names of `MSCCLPP_LOG_LEVEL`, `MSCCLPP_LOG_SUBSYS` (read with a warning when the new name is unset) |
 //! | `MSCCLPP_CUDAIPC_STREAM_PRIORITY` | `default` or `greatest`: the priority of the streams CUDA IPC connections (and so proxies) copy on; `greatest` was an experiment for programs whose streams share hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`): `mscclpp-perf device`'s hardware-queue probe found that it does not escape a shared queue (session 16, H100) |
+//! | `MSCCLPP_CUDAIPC_KERNEL_COPY_MAX` | bytes: CUDA IPC copies of at most this size (and a token right after one) go through a one-block kernel, one driver call, instead of the copy engine; default 0 (off). Lower latency for small proxied puts, but the kernel needs a free SM: see [`EndpointConfig::cuda_ipc_kernel_copy_max`](crate::EndpointConfig::cuda_ipc_kernel_copy_max) |
 //! | `MSCCLPP_NVRTC_PATH` | `libnvrtc.so*` or its directory, for [`crate::device::compile`] (read when NVRTC first loads) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
@@ -125,6 +126,8 @@ pub struct Env {
     /// `MSCCLPP_CUDAIPC_STREAM_PRIORITY`: `Some(true)` for `greatest`, `Some(false)` for
     /// `default`.
     pub cudaipc_greatest_priority: Option<bool>,
+    /// `MSCCLPP_CUDAIPC_KERNEL_COPY_MAX`: bytes (0: off).
+    pub cudaipc_kernel_copy_max: Option<u64>,
     /// Warnings about the log settings (deprecated names, subsystems this library does not have),
     /// printed once by `init_logging`.
     pub log_warnings: Vec<String>,
@@ -237,6 +240,10 @@ impl Env {
                 "default" => false,
                 _ => return Err(bad("MSCCLPP_CUDAIPC_STREAM_PRIORITY", &v, "expected default or greatest")),
             });
+        }
+        if let Some(v) = get("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX") {
+            env.cudaipc_kernel_copy_max =
+                Some(v.trim().parse().map_err(|e| bad("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", &v, e))?);
         }
         let deprecated = |new: &str, old: &str, warnings: &mut Vec<String>| match (get(new), get(old)) {
             (Some(v), Some(_)) => {
@@ -364,9 +371,11 @@ mod tests {
             ("MSCCLPP_LOG_LEVEL", "info"),
             ("MSCCLPP_LOG_SUBSYS", "^net,ib"),
             ("MSCCLPP_CUDAIPC_STREAM_PRIORITY", "Greatest"),
+            ("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", " 4096 "),
         ])
         .unwrap();
         assert_eq!(e.cudaipc_greatest_priority, Some(true));
+        assert_eq!(e.cudaipc_kernel_copy_max, Some(4096));
         assert_eq!(e.hca_devices.unwrap(), vec!["mlx5_0", "mlx5_1"]);
         assert_eq!(e.ib_gid_index, Some(3));
         assert_eq!(e.ibv_mode, Some(IbMode::HostNoAtomic));
@@ -387,6 +396,8 @@ mod tests {
             ("MSCCLPP_LOG_LEVEL", "LOUD"),
             ("MSCCLPP_HCA_DEVICES", "mlx5_0,,mlx5_1"),
             ("MSCCLPP_CUDAIPC_STREAM_PRIORITY", "urgent"),
+            ("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "64K"),
+            ("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "-1"),
         ] {
             let err = parse(&[(k, v)]).unwrap_err();
             assert!(err.to_string().contains(k), "{err}");

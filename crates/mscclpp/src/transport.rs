@@ -463,6 +463,18 @@ pub struct EndpointConfig {
     pub ib: IbConfig,
     /// Ethernet settings.
     pub ethernet: EthernetConfig,
+    /// CUDA IPC: copies of at most this many bytes, and the token written right after one,
+    /// go through a one-block kernel (one `cuLaunchKernel`) instead of the copy engine
+    /// (`cuMemcpyDtoDAsync`, then `cuStreamWriteValue64`); 0 turns it off. `None` takes
+    /// `MSCCLPP_CUDAIPC_KERNEL_COPY_MAX`, else 0: **off by default**.
+    ///
+    /// It cuts the host's cost of a small proxied `putWithSignal` (the proxy's driver calls are
+    /// most of a PortChannel round trip over CUDA IPC; `docs/performance.md` has the figures),
+    /// but the copy then needs a free SM on the sending GPU: while kernels occupy every SM and
+    /// wait for the copy (a grid sized to fill the GPU, or ranks that share it), it never runs
+    /// and the waits end in their timeouts. Set it only where the GPU keeps room for one
+    /// block. MSCCL++ has no such mode (its proxy always uses the copy engine).
+    pub cuda_ipc_kernel_copy_max: Option<u64>,
 }
 
 impl EndpointConfig {
@@ -474,6 +486,7 @@ impl EndpointConfig {
             max_write_queue_size: None,
             ib: IbConfig::default(),
             ethernet: EthernetConfig::default(),
+            cuda_ipc_kernel_copy_max: None,
         }
     }
     /// Sets the device.
@@ -499,6 +512,11 @@ impl EndpointConfig {
     /// Sets the Ethernet settings.
     pub fn ethernet(mut self, ethernet: EthernetConfig) -> Self {
         self.ethernet = ethernet;
+        self
+    }
+    /// Sets [`cuda_ipc_kernel_copy_max`](Self::cuda_ipc_kernel_copy_max) (0: off).
+    pub fn cuda_ipc_kernel_copy_max(mut self, bytes: u64) -> Self {
+        self.cuda_ipc_kernel_copy_max = Some(bytes);
         self
     }
 }

@@ -100,6 +100,55 @@ fn cuda_ipc_writes_all_sizes() {
     spawn_ranks("cuda_ipc_writes_all_sizes", 2, &[]).assert_success();
 }
 
+/// CUDA IPC writes through the kernel copy (`cuda_ipc_kernel_copy_max` 64 KiB) between two
+/// processes: sizes on both sides of the 16-byte path, the block's width (512 x 16 B) and the
+/// limit (65537 B goes to the copy engine), aligned and misaligned; each lands exactly, and the
+/// 64 bytes before and after it stay untouched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_ipc_kernel_copies_land_exactly() {
+    const CAP: usize = 1 << 20;
+    const GUARD: usize = 64;
+    if let Some(r) = Rank::from_env() {
+        let dev = gpu_for(r.rank);
+        let p = pair(&r, ipc_cfg(dev).cuda_ipc_kernel_copy_max(64 << 10), CAP);
+        let src = DeviceBuffer::new(p.comm.context(), dev, CAP, Transport::CudaIpc.into()).unwrap();
+        let sizes = [1usize, 3, 15, 16, 17, 4096, 8192, 8208, 8193, 65535, 65536, 65537];
+        let mut cases = 0;
+        for (i, &len) in sizes.iter().enumerate() {
+            for (soff, doff) in [(0usize, 4096usize), (3, 4096 + 16 * 7), (16, 4096 + 5)] {
+                if r.rank == 1 {
+                    p.local.write(0, &vec![0u8; CAP]).unwrap();
+                }
+                p.bs.barrier().unwrap();
+                let seed = (i * 3 + soff) as u64;
+                if r.rank == 0 {
+                    src.write(soff, &pattern(seed, len)).unwrap();
+                    p.conn.write(&p.remote, doff as u64, src.memory(), soff as u64, len as u64).unwrap();
+                    p.sem.signal().unwrap();
+                    p.conn.flush(T).unwrap();
+                } else {
+                    p.sem.wait(T).unwrap();
+                    let mut got = vec![0u8; len + 2 * GUARD];
+                    p.local.read(doff - GUARD, &mut got).unwrap();
+                    assert!(got[GUARD..GUARD + len] == pattern(seed, len), "{len} B from {soff} to {doff} differs");
+                    assert!(
+                        got[..GUARD].iter().chain(&got[GUARD + len..]).all(|&b| b == 0),
+                        "{len} B from {soff} to {doff} wrote outside its range"
+                    );
+                    cases += 1;
+                }
+                p.bs.barrier().unwrap();
+            }
+        }
+        if r.rank == 1 {
+            println!("RESULT kernel copies: {cases} writes checked, each exact with its guards untouched");
+        }
+        return;
+    }
+    spawn_ranks("cuda_ipc_kernel_copies_land_exactly", 2, &[]).assert_success();
+}
+
 /// Many writes each followed by a signal, issued back to back: whenever the waiter sees token k,
 /// the data of write k is there.
 #[test]

@@ -191,6 +191,19 @@ fn port_channel_over_cuda_ipc() {
     spawn_ranks("port_channel_over_cuda_ipc", 2, &[]).assert_success();
 }
 
+/// The same over CUDA IPC with kernel copies (`MSCCLPP_CUDAIPC_KERNEL_COPY_MAX=65536`, read from
+/// the environment): every message (1 B .. 64 KiB, aligned and not) is one kernel that copies
+/// and then writes the token, and the receiving kernel checks every byte after each signal.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn port_channel_over_cuda_ipc_kernel_copies() {
+    if let Some(r) = Rank::from_env() {
+        return transfer(&r, Transport::CudaIpc);
+    }
+    spawn_ranks("port_channel_over_cuda_ipc_kernel_copies", 2, &[("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "65536".into())])
+        .assert_success();
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_over_ethernet_gpu_memory() {

@@ -95,6 +95,9 @@ pub(crate) struct CudaIpcConnection {
     peer_desc: String,
     /// Completion marks for [`ConnectionImpl::progress`] (locked before `state`, never after).
     marks: Mutex<Marks>,
+    /// Copies of at most this many bytes (and a token joined to one) go through the one-block
+    /// kernel (`EndpointConfig::cuda_ipc_kernel_copy_max`; 0: never).
+    kernel_copy_max: u64,
 }
 
 /// Events recorded behind requested progress positions, oldest first, with the flush ticket
@@ -285,9 +288,45 @@ impl ConnectionImpl for CudaIpcConnection {
         if len == 0 {
             return Ok(());
         }
+        if len <= self.kernel_copy_max {
+            return self.issue(|c, st| {
+                st.after_large_copy = false;
+                c.stream.put_token(d + dst_off, s + src_off, len, 0, 0)
+            });
+        }
         self.issue(|c, st| {
             st.after_large_copy = len >= SLOT_TOKEN_AFTER;
             c.stream.copy_dtod(d + dst_off, s + src_off, len)
+        })
+    }
+
+    fn joined_write_max(&self) -> u64 {
+        self.kernel_copy_max
+    }
+
+    /// A copy of at most `kernel_copy_max` bytes and its token: one kernel, one operation.
+    fn write_and_update(
+        &self,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        src: &RegisteredMemory,
+        src_off: u64,
+        len: u64,
+        tok: (&RegisteredMemory, u64),
+        old: u64,
+        new: u64,
+    ) -> Result<()> {
+        if len == 0 || len > self.kernel_copy_max {
+            self.write(dst, dst_off, src, src_off, len)?;
+            return self.update_and_sync(tok.0, tok.1, old, new);
+        }
+        self.check_failed()?;
+        let d = dst.gpu_ptr(&self.dev)? + dst_off;
+        let s = self.src_ptr(src)? + src_off;
+        let t = tok.0.gpu_ptr(&self.dev)? + tok.1;
+        self.issue(|c, st| {
+            st.after_large_copy = false;
+            c.stream.put_token(d, s, len, t, new)
         })
     }
 
@@ -455,6 +494,15 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         dev.enable_peer_access(&rdev)?;
     }
     let stream = ctx.inner().cuda_stream(&dev)?;
+    let kernel_copy_max = match local.local().and_then(|l| l.config.cuda_ipc_kernel_copy_max) {
+        Some(b) => b,
+        None => crate::env::env()?.cudaipc_kernel_copy_max.unwrap_or(0),
+    };
+    if kernel_copy_max > 0 {
+        // Loaded now: loading it at the first copy, while a kernel that waits for it spins,
+        // could wait for the GPU.
+        crate::platform::cuda::load_put_token(&dev)?;
+    }
     let peer_desc = match peer {
         Some(p) => format!("rank {p}"),
         None => "the peer".to_string(),
@@ -477,7 +525,15 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         }),
         peer_desc: peer_desc.clone(),
         marks: Mutex::new(Marks::default()),
+        kernel_copy_max,
     };
+    if kernel_copy_max > 0 {
+        tracing::info!(
+            target: "mscclpp::conn",
+            "CUDA IPC connection to {peer_desc}: copies of at most {kernel_copy_max} bytes (and a signal after one) \
+             go through a kernel on GPU{ordinal}, which needs a free SM"
+        );
+    }
     Ok(Connection::from_inner(ConnInner {
         imp: Box::new(conn),
         transport: Transport::CudaIpc,

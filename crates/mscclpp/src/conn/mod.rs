@@ -66,6 +66,28 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     /// signal (it blocks until the transport reports one): the transport's receive thread takes
     /// over at once.
     fn stop_polling(&self) {}
+    /// The largest `write` that [`write_and_update`](Self::write_and_update) joins with its
+    /// token into one operation (0: none; CUDA IPC's kernel copies).
+    fn joined_write_max(&self) -> u64 {
+        0
+    }
+    /// `write`, then `update_and_sync`: one operation where the transport can
+    /// ([`joined_write_max`](Self::joined_write_max)), else the two.
+    #[allow(clippy::too_many_arguments)]
+    fn write_and_update(
+        &self,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        src: &RegisteredMemory,
+        src_off: u64,
+        len: u64,
+        tok: (&RegisteredMemory, u64),
+        old: u64,
+        new: u64,
+    ) -> Result<()> {
+        self.write(dst, dst_off, src, src_off, len)?;
+        self.update_and_sync(tok.0, tok.1, old, new)
+    }
 }
 
 /// How far a connection has got, in sequence numbers counted from the connection's start: every
@@ -178,21 +200,65 @@ impl Connection {
     ) -> Result<()> {
         let _s = trace_span!(target: "mscclpp::conn", "write", len, dst_off).entered();
         let r = (|| {
-            self.check_dst(dst, dst_off, len, true)?;
-            if !src.transports().has(self.inner.transport) {
-                return Err(Error::invalid_usage(format!(
-                    "source memory is registered for {} and not for {}",
-                    src.transports(),
-                    self.inner.transport
-                )));
-            }
-            if !src.is_local() {
-                return Err(Error::invalid_usage("source memory is a peer's; the source of a write must be local"));
-            }
-            src.check_bounds(src_off, len).map_err(|e| Error::invalid_usage(format!("source {}", e.message())))?;
+            self.check_write(dst, dst_off, src, src_off, len)?;
             self.inner.imp.write(dst, dst_off, src, src_off, len)
         })();
         r.map_err(|e| self.ctx_err(e, "write"))
+    }
+
+    /// What `write` checks before anything is issued.
+    fn check_write(
+        &self,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        src: &RegisteredMemory,
+        src_off: u64,
+        len: u64,
+    ) -> Result<()> {
+        self.check_dst(dst, dst_off, len, true)?;
+        if !src.transports().has(self.inner.transport) {
+            return Err(Error::invalid_usage(format!(
+                "source memory is registered for {} and not for {}",
+                src.transports(),
+                self.inner.transport
+            )));
+        }
+        if !src.is_local() {
+            return Err(Error::invalid_usage("source memory is a peer's; the source of a write must be local"));
+        }
+        src.check_bounds(src_off, len).map_err(|e| Error::invalid_usage(format!("source {}", e.message())))
+    }
+
+    /// The largest write [`write_and_update_and_sync`](Self::write_and_update_and_sync) issues
+    /// as one operation with its token (0: it always makes two).
+    pub(crate) fn joined_write_max(&self) -> u64 {
+        self.inner.imp.joined_write_max()
+    }
+
+    /// [`write`](Self::write), then [`update_and_sync`](Self::update_and_sync) of the word
+    /// `tok`: everything is checked first, then both are issued, as one operation on a transport
+    /// that can join them (CUDA IPC with kernel copies: one driver call).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn write_and_update_and_sync(
+        &self,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        src: &RegisteredMemory,
+        src_off: u64,
+        len: u64,
+        tok: (&RegisteredMemory, u64),
+        outbound: &AtomicU64,
+        new_value: u64,
+    ) -> Result<()> {
+        let _s = trace_span!(target: "mscclpp::conn", "write_and_update_and_sync", len, new_value).entered();
+        let r = (|| {
+            self.check_write(dst, dst_off, src, src_off, len)?;
+            self.check_word(tok.0, tok.1, !self.inner.imp.forwards_signals())?;
+            self.inner.imp.check_update(outbound.load(Ordering::Acquire), new_value)?;
+            let old = outbound.swap(new_value, Ordering::AcqRel);
+            self.inner.imp.write_and_update(dst, dst_off, src, src_off, len, tok, old, new_value)
+        })();
+        r.map_err(|e| self.ctx_err(e, "write_and_update_and_sync"))
     }
 
     /// Sets the peer's 8-byte word at `dst + dst_off` to `new_value`, visible only after every

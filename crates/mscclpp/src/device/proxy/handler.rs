@@ -195,14 +195,29 @@ impl ConnectionHandler {
         match req {
             Request::Ops { sem_id, put, signal, flush } => {
                 let ci = self.sem(sem_id)?.conn;
+                let mut signal = signal;
                 if let Some(p) = put {
                     // Checked before waiting for room, used by reference after (no clones: the
                     // per-trigger work allocates nothing and touches no reference count).
                     self.memory(p.dst_mem, "destination")?;
                     self.memory(p.src_mem, "source")?;
                     self.make_room(ci, cx)?;
+                    let (doff, soff, len) = (p.dst_off as u64, p.src_off as u64, p.size as u64);
+                    // A connection that joins a small write and its token into one operation
+                    // (CUDA IPC kernel copies): the signal goes with the put, now, together with
+                    // any this semaphore owes (paying early keeps every promise).
+                    let joined = signal && len > 0 && len <= self.conns[ci].conn.joined_write_max();
+                    let n = if joined { self.take_owed(sem_id as usize) + 1 } else { 0 };
                     let (dst, src) = (&self.memories[p.dst_mem as usize], &self.memories[p.src_mem as usize]);
-                    self.conns[ci].conn.write(dst, p.dst_off as u64, src, p.src_off as u64, p.size as u64)?;
+                    if joined {
+                        self.sems[sem_id as usize].sem.write_then_signal_by(n, dst, doff, src, soff, len)?;
+                        signal = false;
+                        if !self.coalesce.is_zero() && !self.pay_interval.is_zero() {
+                            self.last_paid = Some(Instant::now());
+                        }
+                    } else {
+                        self.conns[ci].conn.write(dst, doff, src, soff, len)?;
+                    }
                 }
                 if signal {
                     // Owed, not sent: every signal of this semaphore popped in this batch goes
@@ -244,6 +259,19 @@ impl ConnectionHandler {
                 conn.atomic_add(&self.memories[dst_mem as usize], dst_off as u64, value)
             }
         }
+    }
+
+    /// Takes the signals semaphore `id` owes (they are then sent by the caller), 0 if none.
+    fn take_owed(&mut self, id: usize) -> u64 {
+        let n = std::mem::take(&mut self.sems[id].owed);
+        if n > 0 {
+            self.owing.retain(|&i| i != id);
+            if self.owing.is_empty() {
+                self.since_pay = 0;
+                self.owed_since = None;
+            }
+        }
+        n
     }
 
     /// Sends the owed signals: of connection `only.0` (with room made on it first), or of every
@@ -441,9 +469,25 @@ mod tests {
     /// What the fake connection was asked to do.
     #[derive(Clone, Debug, PartialEq, Eq)]
     enum Op {
-        Write { dst_off: u64, src_off: u64, len: u64 },
-        Update { old: u64, new: u64 },
-        Add { dst_off: u64, value: i64 },
+        Write {
+            dst_off: u64,
+            src_off: u64,
+            len: u64,
+        },
+        Update {
+            old: u64,
+            new: u64,
+        },
+        Add {
+            dst_off: u64,
+            value: i64,
+        },
+        /// A write and its token as one operation (`write_and_update`).
+        Joined {
+            len: u64,
+            old: u64,
+            new: u64,
+        },
         Flush,
     }
 
@@ -454,6 +498,8 @@ mod tests {
         ops: Vec<Op>,
         completed: u64,
         fail: Option<String>,
+        /// `joined_write_max` (0: the fake joins nothing, as most transports).
+        joined_max: u64,
     }
 
     struct Fake(Arc<Mutex<Wire>>);
@@ -485,6 +531,26 @@ mod tests {
         }
         fn atomic_add(&self, _: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
             self.op(Op::Add { dst_off, value })
+        }
+        fn joined_write_max(&self) -> u64 {
+            lock(&self.0).joined_max
+        }
+        fn write_and_update(
+            &self,
+            dst: &RegisteredMemory,
+            dst_off: u64,
+            src: &RegisteredMemory,
+            src_off: u64,
+            len: u64,
+            tok: (&RegisteredMemory, u64),
+            old: u64,
+            new: u64,
+        ) -> Result<()> {
+            if len > self.joined_write_max() {
+                self.write(dst, dst_off, src, src_off, len)?;
+                return self.update_and_sync(tok.0, tok.1, old, new);
+            }
+            self.op(Op::Joined { len, old, new })
         }
         fn flush(&self, _: Duration) -> Result<()> {
             let mut w = lock(&self.0);
@@ -592,6 +658,33 @@ mod tests {
                 Op::Add { dst_off: 16, value: -3 },
             ]
         );
+        assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// On a connection that joins small writes with their tokens (CUDA IPC kernel copies), a
+    /// putWithSignal up to its limit is one operation at once, carrying the signals its semaphore
+    /// owed; a larger one is a write, its signal owed until the batch ends as usual.
+    #[test]
+    fn a_small_put_with_signal_is_one_joined_operation() {
+        let mut r = rig(16, None);
+        lock(&r.wire).joined_max = 64;
+        let p = r.fifo().host_producer().unwrap();
+        p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        p.push(ProxyTrigger::put_with_signal(0, put(64, 0)).unwrap(), Duration::ZERO).unwrap();
+        p.push(ProxyTrigger::put_with_signal(0, put(65, 8)).unwrap(), Duration::ZERO).unwrap();
+        assert_eq!(r.runner.step(), Step::Worked(3));
+        assert_eq!(
+            r.ops(),
+            vec![Op::Joined { len: 64, old: 0, new: 2 }, Op::Write { dst_off: 8, src_off: 8, len: 65 }],
+            "the owed signal went with the joined put; the larger put's signal is owed"
+        );
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops().last(), Some(&Op::Update { old: 2, new: 3 }));
+        // A plain put joins nothing (no signal to join); a lone signal is a token write.
+        r.run(ProxyTrigger::put(0, put(8, 0)).unwrap());
+        r.run(ProxyTrigger::put_with_signal(0, put(8, 0)).unwrap());
+        assert_eq!(r.runner.step(), Step::Idle);
+        assert_eq!(r.ops()[3..], [Op::Write { dst_off: 0, src_off: 0, len: 8 }, Op::Joined { len: 8, old: 3, new: 4 }]);
         assert!(r.runner.sh_status().is_ok());
     }
 

@@ -61,6 +61,22 @@ impl ProxySemaphore {
         let next = self.outbound.load(Ordering::Acquire) + n;
         self.connection().update_and_sync(self.semaphore().remote_memory(), 0, &self.outbound, next)
     }
+    /// A write on the semaphore's connection, then `n` signals: one operation where the
+    /// connection joins them (`Connection::joined_write_max`), else `write` then `signal_by`.
+    pub(crate) fn write_then_signal_by(
+        &self,
+        n: u64,
+        dst: &RegisteredMemory,
+        dst_off: u64,
+        src: &RegisteredMemory,
+        src_off: u64,
+        len: u64,
+    ) -> Result<()> {
+        // Acquire: as in `signal_by`.
+        let next = self.outbound.load(Ordering::Acquire) + n;
+        let tok = (self.semaphore().remote_memory(), 0);
+        self.connection().write_and_update_and_sync(dst, dst_off, src, src_off, len, tok, &self.outbound, next)
+    }
 }
 
 impl From<Host2DeviceSemaphore> for ProxySemaphore {

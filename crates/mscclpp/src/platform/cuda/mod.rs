@@ -55,6 +55,85 @@ pub(crate) const ATOMIC_ADD_PTX: &str = r#"//
 "#;
 pub(crate) const ATOMIC_ADD_ENTRY: &str = "mscclpp_atomic_add_u64";
 
+/// A copy of `len` bytes by one block of threads, then (when `token` is not 0) one 64-bit word
+/// written at `token` after the copy, for CUDA IPC connections whose small copies go through a
+/// kernel instead of the copy engine (`MSCCLPP_CUDAIPC_KERNEL_COPY_MAX`). 16-byte loads and
+/// stores when `dst`, `src` and `len` are all multiples of 16, single bytes otherwise. The token
+/// is written as `cuStreamWriteValue64` writes it after a copy: every thread's stores, then a
+/// barrier, then thread 0's `fence.acq_rel.sys` and relaxed system-scope store (a release
+/// pattern, cumulative over the block's stores the barrier ordered before it), so a peer that
+/// reads the token with an acquire load sees the data.
+pub(crate) const PUT_TOKEN_PTX: &str = r#"//
+// mscclpp: copy, then token
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry mscclpp_put_token_u64(
+	.param .u64 p_dst,
+	.param .u64 p_src,
+	.param .u64 p_len,
+	.param .u64 p_token,
+	.param .u64 p_value
+)
+{
+	.reg .pred 	%p<4>;
+	.reg .b32 	%r<4>;
+	.reg .b64 	%rd<16>;
+
+	ld.param.u64 	%rd1, [p_dst];
+	ld.param.u64 	%rd2, [p_src];
+	ld.param.u64 	%rd3, [p_len];
+	ld.param.u64 	%rd4, [p_token];
+	ld.param.u64 	%rd5, [p_value];
+	cvta.to.global.u64 	%rd1, %rd1;
+	cvta.to.global.u64 	%rd2, %rd2;
+	mov.u32 	%r1, %tid.x;
+	mov.u32 	%r2, %ntid.x;
+	cvt.u64.u32 	%rd6, %r1;
+	cvt.u64.u32 	%rd7, %r2;
+	or.b64 	%rd8, %rd1, %rd2;
+	or.b64 	%rd8, %rd8, %rd3;
+	and.b64 	%rd8, %rd8, 15;
+	setp.ne.u64 	%p1, %rd8, 0;
+	@%p1 bra 	BYTES;
+	shr.u64 	%rd9, %rd3, 4;
+WIDE:
+	setp.ge.u64 	%p2, %rd6, %rd9;
+	@%p2 bra 	COPIED;
+	shl.b64 	%rd10, %rd6, 4;
+	add.s64 	%rd11, %rd2, %rd10;
+	ld.global.v2.u64 	{%rd12, %rd13}, [%rd11];
+	add.s64 	%rd11, %rd1, %rd10;
+	st.global.v2.u64 	[%rd11], {%rd12, %rd13};
+	add.s64 	%rd6, %rd6, %rd7;
+	bra.uni 	WIDE;
+BYTES:
+	setp.ge.u64 	%p2, %rd6, %rd3;
+	@%p2 bra 	COPIED;
+	add.s64 	%rd11, %rd2, %rd6;
+	ld.global.u8 	%r3, [%rd11];
+	add.s64 	%rd11, %rd1, %rd6;
+	st.global.u8 	[%rd11], %r3;
+	add.s64 	%rd6, %rd6, %rd7;
+	bra.uni 	BYTES;
+COPIED:
+	bar.sync 	0;
+	setp.ne.u32 	%p3, %r1, 0;
+	@%p3 bra 	DONE;
+	setp.eq.u64 	%p3, %rd4, 0;
+	@%p3 bra 	DONE;
+	cvta.to.global.u64 	%rd4, %rd4;
+	fence.acq_rel.sys;
+	st.relaxed.sys.global.u64 	[%rd4], %rd5;
+DONE:
+	ret;
+}
+"#;
+pub(crate) const PUT_TOKEN_ENTRY: &str = "mscclpp_put_token_u64";
+/// The most threads of the put-token kernel's one block (fewer when the copy has fewer units).
+pub(crate) const PUT_TOKEN_THREADS: u64 = 512;
+
 /// A driver call's failure as an [`Error`] of kind `Cuda`, naming the call.
 pub(crate) fn cuda_err(call: &str, e: result::DriverError) -> Error {
     let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
@@ -427,6 +506,33 @@ impl Stream {
             .map_err(|e| cuda_err("cuLaunchKernel(mscclpp_atomic_add_u64)", e))
     }
 
+    /// Copies `len` bytes from `src` to `dst` with a one-block kernel, then, unless `token` is
+    /// 0, writes `value` to the 8-byte word at `token`, visible only after the copy
+    /// ([`PUT_TOKEN_PTX`]); in stream order. One driver call for a copy and its token, against
+    /// two (`cuMemcpyDtoDAsync`, `cuStreamWriteValue64`) on the copy engine, but it needs a free
+    /// SM: a grid that fills the GPU and waits for this copy waits forever (bounded waits time
+    /// out), so connections use it only when asked.
+    pub(crate) fn put_token(&self, dst: u64, src: u64, len: u64, token: u64, value: u64) -> Result<()> {
+        let f = builtin_function(&self.dev, PUT_TOKEN_PTX, PUT_TOKEN_ENTRY)?;
+        self.dev.bind()?;
+        let units = if (dst | src | len).is_multiple_of(16) { len / 16 } else { len };
+        let threads = units.clamp(1, PUT_TOKEN_THREADS) as u32;
+        let (mut d, mut s, mut n, mut t, mut v) = (dst, src, len, token, value);
+        let mut params = [
+            (&mut d as *mut u64).cast::<std::ffi::c_void>(),
+            (&mut s as *mut u64).cast(),
+            (&mut n as *mut u64).cast(),
+            (&mut t as *mut u64).cast(),
+            (&mut v as *mut u64).cast(),
+        ];
+        // SAFETY: f is the PTX entry taking five u64 parameters (two byte ranges' addresses and
+        // length, a word's address or 0, a value); params point to five u64s that live until
+        // cuLaunchKernel returns (it copies them); callers pass ranges checked against live
+        // allocations and an aligned word, kept alive until a flush proves the kernel ran.
+        unsafe { result::launch_kernel(f.0, (1, 1, 1), (threads, 1, 1), 0, self.raw, &mut params) }
+            .map_err(|e| cuda_err("cuLaunchKernel(mscclpp_put_token_u64)", e))
+    }
+
     /// Records `ev` on this stream.
     pub(crate) fn record(&self, ev: &Event) -> Result<()> {
         self.dev.bind()?;
@@ -732,23 +838,36 @@ unsafe impl Send for Func {}
 // SAFETY: as above.
 unsafe impl Sync for Func {}
 
-fn atomic_add_function(dev: &Arc<GpuDevice>) -> Result<&'static Func> {
-    static FUNCS: Mutex<Vec<(u32, &'static Func)>> = Mutex::new(Vec::new());
+/// Kernel `entry` of the built-in module `ptx`, loaded on `dev` at the first call and kept for
+/// the process (modules are never unloaded).
+fn builtin_function(dev: &Arc<GpuDevice>, ptx: &'static str, entry: &'static str) -> Result<&'static Func> {
+    static FUNCS: Mutex<Vec<(u32, &'static str, &'static Func)>> = Mutex::new(Vec::new());
     let mut fs = lock(&FUNCS);
-    if let Some((_, f)) = fs.iter().find(|(o, _)| *o == dev.ordinal) {
+    if let Some((_, _, f)) = fs.iter().find(|(o, e, _)| *o == dev.ordinal && *e == entry) {
         return Ok(f);
     }
     dev.bind()?;
-    let image = CString::new(ATOMIC_ADD_PTX).map_err(|_| Error::internal("PTX contains a NUL byte"))?;
+    let image = CString::new(ptx).map_err(|_| Error::internal("PTX contains a NUL byte"))?;
     // SAFETY: image is a NUL-terminated PTX text; the module stays loaded for the process.
-    let module =
-        unsafe { result::module::load_data(image.as_ptr().cast()) }.map_err(|e| cuda_err("cuModuleLoadData", e))?;
-    let name = CString::new(ATOMIC_ADD_ENTRY).map_err(|_| Error::internal("bad entry name"))?;
+    let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
+        .map_err(|e| cuda_err(&format!("cuModuleLoadData({entry})"), e))?;
+    let name = CString::new(entry).map_err(|_| Error::internal("bad entry name"))?;
     // SAFETY: module is loaded and never unloaded; name is NUL-terminated.
-    let f = unsafe { result::module::get_function(module, name) }.map_err(|e| cuda_err("cuModuleGetFunction", e))?;
+    let f = unsafe { result::module::get_function(module, name) }
+        .map_err(|e| cuda_err(&format!("cuModuleGetFunction({entry})"), e))?;
     let f: &'static Func = Box::leak(Box::new(Func(f)));
-    fs.push((dev.ordinal, f));
+    fs.push((dev.ordinal, entry, f));
     Ok(f)
+}
+
+fn atomic_add_function(dev: &Arc<GpuDevice>) -> Result<&'static Func> {
+    builtin_function(dev, ATOMIC_ADD_PTX, ATOMIC_ADD_ENTRY)
+}
+
+/// Loads the put-token kernel on `dev` now: a module loaded later, while a kernel that waits
+/// for the copy spins, could wait for the GPU (lazy loading).
+pub(crate) fn load_put_token(dev: &Arc<GpuDevice>) -> Result<()> {
+    builtin_function(dev, PUT_TOKEN_PTX, PUT_TOKEN_ENTRY).map(|_| ())
 }
 
 /// The variable the CUDA driver reads, when a context is created, for how many hardware work
@@ -811,6 +930,30 @@ mod tests {
         assert_eq!(crate::identity::fnv1a64(&[ATOMIC_ADD_PTX.as_bytes()]), PTX_HASH, "PTX text changed");
     }
     const PTX_HASH: u64 = 14083864026707903609;
+
+    #[test]
+    fn put_token_ptx_is_well_formed() {
+        // One entry under the name looked up, five u64 parameters in the launch's order, the
+        // barrier before the token, and the token's release pattern (fence, then a relaxed
+        // system-scope store), skipped when the token address is 0.
+        let p = PUT_TOKEN_PTX;
+        assert!(p.contains(".version 7.0") && p.contains(".target sm_70") && p.contains(".address_size 64"));
+        assert_eq!(p.matches(".entry").count(), 1);
+        assert!(p.contains(&format!(".entry {PUT_TOKEN_ENTRY}(")));
+        let params: Vec<&str> = p.lines().filter(|l| l.trim_start().starts_with(".param .u64")).collect();
+        assert_eq!(params.len(), 5, "{params:?}");
+        for (i, name) in ["p_dst", "p_src", "p_len", "p_token", "p_value"].iter().enumerate() {
+            assert!(params[i].contains(name), "parameter {i} is {:?}", params[i]);
+        }
+        let at = |needle: &str| p.find(needle).unwrap_or_else(|| panic!("no {needle}"));
+        assert!(at("bar.sync") < at("fence.acq_rel.sys"));
+        assert!(at("fence.acq_rel.sys") < at("st.relaxed.sys.global.u64"));
+        assert!(at("setp.eq.u64 \t%p3, %rd4, 0") < at("fence.acq_rel.sys"));
+        assert_eq!(p.matches('{').count(), p.matches('}').count());
+        assert!(p.is_ascii() && !p.contains('\0'));
+        assert_eq!(crate::identity::fnv1a64(&[p.as_bytes()]), PUT_TOKEN_HASH, "PTX text changed");
+    }
+    const PUT_TOKEN_HASH: u64 = 7428330697847509736;
 
     #[test]
     fn without_a_driver_calls_fail_cleanly() {
