@@ -60,7 +60,13 @@ pub fn candidates(nbytes: u64, layout: &select::Layout, max_blocks: u32) -> Vec<
         if !usable || (algo.is_packet() && !layout.packet_fits(c, algo, nbytes)) {
             continue;
         }
-        let threads: &[u32] = if algo == Algorithm::Simple { &[512] } else { &[256, 512] };
+        // Packet calls of a few KiB also try 64- and 128-thread blocks: a latency-bound call
+        // pays for every warp of its prologue and epilogue, busy or not (1 KiB is 128 units).
+        let threads: &[u32] = match algo {
+            Algorithm::Simple => &[512],
+            _ if nbytes <= 16 << 10 => &[64, 128, 256, 512],
+            _ => &[256, 512],
+        };
         for &t in threads {
             for b in [1u32, 2, 4, 8, 16, 32, 64, 128] {
                 if b > max_blocks {
