@@ -113,13 +113,15 @@ pub fn driver_call_costs(
     ];
     // The kernel that copies and then writes the token (CUDA IPC's kernel copies): one launch.
     // The token is the last aligned word of the destination, after the copied bytes.
-    let tok = d.ptr + ((bytes * batch) as u64 & !7) - 8;
-    if (bytes as u64) + 8 <= (bytes * batch) as u64 {
+    let words = (bytes * batch) as u64 & !7;
+    if n.next_multiple_of(8) + 8 <= words {
+        let k = cuda::load_put_token(&s.dev)?;
+        let tok = d.ptr + words - 8;
         out.push((
             format!(
                 "one kernel copying {bytes} B then writing a token (cuLaunchKernel, MSCCLPP_CUDAIPC_KERNEL_COPY_MAX)"
             ),
-            time(per_round, &mut || stream.put_token(d.ptr, s.ptr, n, tok, 1))?,
+            time(per_round, &mut || stream.put_token(k, d.ptr, s.ptr, n, tok, 1))?,
         ));
     }
     if cuda::has_batch_copy() {

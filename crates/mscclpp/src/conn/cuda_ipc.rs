@@ -71,6 +71,9 @@ const SLOTS: usize = 256;
 /// `cuMemcpyDtoDAsync`; 256 MiB 0.972 -> 0.982; 16 MiB 0.694 -> 0.705), while after small puts the
 /// stream memory operation is the faster signal (ping-pong 26.8 us against 29.6 us with slots).
 const SLOT_TOKEN_AFTER: u64 = 16 << 20;
+/// A kernel-copy limit above this gets a warning: one block copies far slower than the copy
+/// engine once a copy is large.
+const KERNEL_COPY_WARN: u64 = 1 << 20;
 /// How long an operation past `max_write_queue_size` waits for the stream before failing.
 const QUEUE_WAIT: Duration = Duration::from_secs(30);
 /// How long the switch to event-recycled slots, or the reuse of one, may wait for the stream.
@@ -98,6 +101,8 @@ pub(crate) struct CudaIpcConnection {
     /// Copies of at most this many bytes (and a token joined to one) go through the one-block
     /// kernel (`EndpointConfig::cuda_ipc_kernel_copy_max`; 0: never).
     kernel_copy_max: u64,
+    /// That kernel, loaded when the connection was made (`None` when `kernel_copy_max` is 0).
+    put_token: Option<crate::platform::cuda::PutToken>,
 }
 
 /// Events recorded behind requested progress positions, oldest first, with the flush ticket
@@ -288,10 +293,10 @@ impl ConnectionImpl for CudaIpcConnection {
         if len == 0 {
             return Ok(());
         }
-        if len <= self.kernel_copy_max {
+        if let Some(k) = self.put_token.filter(|_| len <= self.kernel_copy_max) {
             return self.issue(|c, st| {
                 st.after_large_copy = false;
-                c.stream.put_token(d + dst_off, s + src_off, len, 0, 0)
+                c.stream.put_token(k, d + dst_off, s + src_off, len, 0, 0)
             });
         }
         self.issue(|c, st| {
@@ -316,17 +321,17 @@ impl ConnectionImpl for CudaIpcConnection {
         old: u64,
         new: u64,
     ) -> Result<()> {
-        if len == 0 || len > self.kernel_copy_max {
+        let Some(k) = self.put_token.filter(|_| len > 0 && len <= self.kernel_copy_max) else {
             self.write(dst, dst_off, src, src_off, len)?;
             return self.update_and_sync(tok.0, tok.1, old, new);
-        }
+        };
         self.check_failed()?;
         let d = dst.gpu_ptr(&self.dev)? + dst_off;
         let s = self.src_ptr(src)? + src_off;
         let t = tok.0.gpu_ptr(&self.dev)? + tok.1;
         self.issue(|c, st| {
             st.after_large_copy = false;
-            c.stream.put_token(d, s, len, t, new)
+            c.stream.put_token(k, d, s, len, t, new)
         })
     }
 
@@ -498,10 +503,15 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         Some(b) => b,
         None => crate::env::env()?.cudaipc_kernel_copy_max.unwrap_or(0),
     };
-    if kernel_copy_max > 0 {
-        // Loaded now: loading it at the first copy, while a kernel that waits for it spins,
-        // could wait for the GPU.
-        crate::platform::cuda::load_put_token(&dev)?;
+    // Loaded now: loading it at the first copy, while a kernel that waits for it spins, could
+    // wait for the GPU.
+    let put_token = if kernel_copy_max > 0 { Some(crate::platform::cuda::load_put_token(&dev)?) } else { None };
+    if kernel_copy_max > KERNEL_COPY_WARN {
+        tracing::warn!(
+            target: "mscclpp::conn",
+            "cuda_ipc_kernel_copy_max is {kernel_copy_max} bytes: copies that large go through one block of one SM \
+             (slower than the copy engine past a few hundred KiB)"
+        );
     }
     let peer_desc = match peer {
         Some(p) => format!("rank {p}"),
@@ -526,6 +536,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         peer_desc: peer_desc.clone(),
         marks: Mutex::new(Marks::default()),
         kernel_copy_max,
+        put_token,
     };
     if kernel_copy_max > 0 {
         tracing::info!(

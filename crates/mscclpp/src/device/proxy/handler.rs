@@ -206,15 +206,16 @@ impl ConnectionHandler {
                     // A connection that joins a small write and its token into one operation
                     // (CUDA IPC kernel copies): the signal goes with the put, now, together with
                     // any this semaphore owes (paying early keeps every promise).
+                    // The owed count is taken only once the operation is issued: a failure
+                    // leaves it owed. (Not a payment round for `signal_pay_interval`: the token
+                    // rides with the copy and costs no operation of its own.)
                     let joined = signal && len > 0 && len <= self.conns[ci].conn.joined_write_max();
-                    let n = if joined { self.take_owed(sem_id as usize) + 1 } else { 0 };
                     let (dst, src) = (&self.memories[p.dst_mem as usize], &self.memories[p.src_mem as usize]);
                     if joined {
-                        self.sems[sem_id as usize].sem.write_then_signal_by(n, dst, doff, src, soff, len)?;
+                        let e = &self.sems[sem_id as usize];
+                        e.sem.write_then_signal_by(e.owed + 1, dst, doff, src, soff, len)?;
+                        self.take_owed(sem_id as usize);
                         signal = false;
-                        if !self.coalesce.is_zero() && !self.pay_interval.is_zero() {
-                            self.last_paid = Some(Instant::now());
-                        }
                     } else {
                         self.conns[ci].conn.write(dst, doff, src, soff, len)?;
                     }
@@ -686,6 +687,24 @@ mod tests {
         assert_eq!(r.runner.step(), Step::Idle);
         assert_eq!(r.ops()[3..], [Op::Write { dst_off: 0, src_off: 0, len: 8 }, Op::Joined { len: 8, old: 3, new: 4 }]);
         assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// A joined operation that fails leaves the signals its semaphore owed still owed (and the
+    /// proxy failed with the connection's error).
+    #[test]
+    fn a_failed_joined_operation_keeps_what_was_owed() {
+        let mut r = rig(16, None);
+        lock(&r.wire).joined_max = 64;
+        lock(&r.wire).fail = Some("injected".to_string());
+        let p = r.fifo().host_producer().unwrap();
+        p.push(ProxyTrigger::signal(0).unwrap(), Duration::ZERO).unwrap();
+        p.push(ProxyTrigger::put_with_signal(0, put(64, 0)).unwrap(), Duration::ZERO).unwrap();
+        r.runner.step();
+        let e = r.runner.sh_status().unwrap_err();
+        assert!(e.to_string().contains("injected"), "{e}");
+        assert_eq!(r.ops(), vec![]);
+        let h = r.runner.handler();
+        assert_eq!((h.sems[0].owed, h.owing.as_slice()), (1, &[0usize][..]), "the owed signal was dropped");
     }
 
     /// Signals popped in one batch go out as one token write per semaphore, after the batch's

@@ -58,7 +58,8 @@ pub(crate) const ATOMIC_ADD_ENTRY: &str = "mscclpp_atomic_add_u64";
 /// A copy of `len` bytes by one block of threads, then (when `token` is not 0) one 64-bit word
 /// written at `token` after the copy, for CUDA IPC connections whose small copies go through a
 /// kernel instead of the copy engine (`MSCCLPP_CUDAIPC_KERNEL_COPY_MAX`). 16-byte loads and
-/// stores when `dst`, `src` and `len` are all multiples of 16, single bytes otherwise. The token
+/// stores for the whole 16-byte units when `dst` and `src` are both 16-byte aligned, single
+/// bytes for the rest (all of it otherwise). The token
 /// is written as `cuStreamWriteValue64` writes it after a copy: every thread's stores, then a
 /// barrier, then thread 0's `fence.acq_rel.sys` and relaxed system-scope store (a release
 /// pattern, cumulative over the block's stores the barrier ordered before it), so a peer that
@@ -92,15 +93,17 @@ pub(crate) const PUT_TOKEN_PTX: &str = r#"//
 	mov.u32 	%r2, %ntid.x;
 	cvt.u64.u32 	%rd6, %r1;
 	cvt.u64.u32 	%rd7, %r2;
+	// %rd14: where the byte loop starts (0 when the pointers are not both 16-byte aligned).
+	mov.u64 	%rd14, 0;
 	or.b64 	%rd8, %rd1, %rd2;
-	or.b64 	%rd8, %rd8, %rd3;
 	and.b64 	%rd8, %rd8, 15;
 	setp.ne.u64 	%p1, %rd8, 0;
-	@%p1 bra 	BYTES;
+	@%p1 bra 	TAIL;
 	shr.u64 	%rd9, %rd3, 4;
+	shl.b64 	%rd14, %rd9, 4;
 WIDE:
 	setp.ge.u64 	%p2, %rd6, %rd9;
-	@%p2 bra 	COPIED;
+	@%p2 bra 	TAIL;
 	shl.b64 	%rd10, %rd6, 4;
 	add.s64 	%rd11, %rd2, %rd10;
 	ld.global.v2.u64 	{%rd12, %rd13}, [%rd11];
@@ -108,6 +111,9 @@ WIDE:
 	st.global.v2.u64 	[%rd11], {%rd12, %rd13};
 	add.s64 	%rd6, %rd6, %rd7;
 	bra.uni 	WIDE;
+TAIL:
+	cvt.u64.u32 	%rd6, %r1;
+	add.s64 	%rd6, %rd6, %rd14;
 BYTES:
 	setp.ge.u64 	%p2, %rd6, %rd3;
 	@%p2 bra 	COPIED;
@@ -508,14 +514,13 @@ impl Stream {
 
     /// Copies `len` bytes from `src` to `dst` with a one-block kernel, then, unless `token` is
     /// 0, writes `value` to the 8-byte word at `token`, visible only after the copy
-    /// ([`PUT_TOKEN_PTX`]); in stream order. One driver call for a copy and its token, against
-    /// two (`cuMemcpyDtoDAsync`, `cuStreamWriteValue64`) on the copy engine, but it needs a free
-    /// SM: a grid that fills the GPU and waits for this copy waits forever (bounded waits time
-    /// out), so connections use it only when asked.
-    pub(crate) fn put_token(&self, dst: u64, src: u64, len: u64, token: u64, value: u64) -> Result<()> {
-        let f = builtin_function(&self.dev, PUT_TOKEN_PTX, PUT_TOKEN_ENTRY)?;
+    /// ([`PUT_TOKEN_PTX`], loaded by [`load_put_token`]); in stream order. One driver call for a
+    /// copy and its token, against two (`cuMemcpyDtoDAsync`, `cuStreamWriteValue64`) on the copy
+    /// engine, but it needs a free SM: a grid that fills the GPU and waits for this copy waits
+    /// until its own timeouts, so connections use it only when asked.
+    pub(crate) fn put_token(&self, k: PutToken, dst: u64, src: u64, len: u64, token: u64, value: u64) -> Result<()> {
         self.dev.bind()?;
-        let units = if (dst | src | len).is_multiple_of(16) { len / 16 } else { len };
+        let units = if (dst | src).is_multiple_of(16) { len / 16 + len % 16 } else { len };
         let threads = units.clamp(1, PUT_TOKEN_THREADS) as u32;
         let (mut d, mut s, mut n, mut t, mut v) = (dst, src, len, token, value);
         let mut params = [
@@ -525,11 +530,12 @@ impl Stream {
             (&mut t as *mut u64).cast(),
             (&mut v as *mut u64).cast(),
         ];
-        // SAFETY: f is the PTX entry taking five u64 parameters (two byte ranges' addresses and
-        // length, a word's address or 0, a value); params point to five u64s that live until
-        // cuLaunchKernel returns (it copies them); callers pass ranges checked against live
-        // allocations and an aligned word, kept alive until a flush proves the kernel ran.
-        unsafe { result::launch_kernel(f.0, (1, 1, 1), (threads, 1, 1), 0, self.raw, &mut params) }
+        // SAFETY: k.0 is the PTX entry taking five u64 parameters (two byte ranges' addresses and
+        // length, a word's address or 0, a value), loaded in this device's primary context;
+        // params point to five u64s that live until cuLaunchKernel returns (it copies them);
+        // callers pass ranges checked against live allocations and an aligned word, kept alive
+        // until a flush proves the kernel ran.
+        unsafe { result::launch_kernel(k.0.0, (1, 1, 1), (threads, 1, 1), 0, self.raw, &mut params) }
             .map_err(|e| cuda_err("cuLaunchKernel(mscclpp_put_token_u64)", e))
     }
 
@@ -864,10 +870,14 @@ fn atomic_add_function(dev: &Arc<GpuDevice>) -> Result<&'static Func> {
     builtin_function(dev, ATOMIC_ADD_PTX, ATOMIC_ADD_ENTRY)
 }
 
-/// Loads the put-token kernel on `dev` now: a module loaded later, while a kernel that waits
-/// for the copy spins, could wait for the GPU (lazy loading).
-pub(crate) fn load_put_token(dev: &Arc<GpuDevice>) -> Result<()> {
-    builtin_function(dev, PUT_TOKEN_PTX, PUT_TOKEN_ENTRY).map(|_| ())
+/// The put-token kernel of one device ([`load_put_token`], [`Stream::put_token`]).
+#[derive(Clone, Copy)]
+pub(crate) struct PutToken(&'static Func);
+
+/// Loads the put-token kernel on `dev` now (a module loaded later, while a kernel that waits for
+/// the copy spins, could wait for the GPU) and returns it: launches then take no lock.
+pub(crate) fn load_put_token(dev: &Arc<GpuDevice>) -> Result<PutToken> {
+    builtin_function(dev, PUT_TOKEN_PTX, PUT_TOKEN_ENTRY).map(PutToken)
 }
 
 /// The variable the CUDA driver reads, when a context is created, for how many hardware work
@@ -949,11 +959,13 @@ mod tests {
         assert!(at("bar.sync") < at("fence.acq_rel.sys"));
         assert!(at("fence.acq_rel.sys") < at("st.relaxed.sys.global.u64"));
         assert!(at("setp.eq.u64 \t%p3, %rd4, 0") < at("fence.acq_rel.sys"));
+        // The byte loop starts after the wide units (or at 0): the tail is never copied twice.
+        assert!(at("mov.u64 \t%rd14, 0") < at("WIDE:") && at("add.s64 \t%rd6, %rd6, %rd14") < at("BYTES:"));
         assert_eq!(p.matches('{').count(), p.matches('}').count());
         assert!(p.is_ascii() && !p.contains('\0'));
         assert_eq!(crate::identity::fnv1a64(&[p.as_bytes()]), PUT_TOKEN_HASH, "PTX text changed");
     }
-    const PUT_TOKEN_HASH: u64 = 7428330697847509736;
+    const PUT_TOKEN_HASH: u64 = 7483407124001082376;
 
     #[test]
     fn without_a_driver_calls_fail_cleanly() {
