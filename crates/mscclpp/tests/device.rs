@@ -128,6 +128,23 @@ extern "C" __global__ void occupy_and_atomic_add(mscclpp::PortChannelDeviceHandl
   __syncthreads();
 }
 
+// Every block's thread 0 watches the token at `inbound` (without consuming it) until it passes
+// `start` or `timeout_ns` elapse; the block's other threads wait at the barrier, so the grid
+// keeps its SMs. result[0]: blocks that saw the token, result[1]: blocks that did not.
+extern "C" __global__ void hold_gpu_watching(const u64* inbound, u64 start, u64 timeout_ns, u64* result) {
+  if (threadIdx.x == 0) {
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    bool seen = false;
+    do {
+      if (*(volatile const u64*)inbound > start) { seen = true; break; }
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < timeout_ns);
+    atomicAdd(&result[seen ? 0 : 1], 1ull);
+  }
+  __syncthreads();
+}
+
 // A trigger naming a semaphore that does not exist, then a bounded wait that must return early.
 extern "C" __global__ void bad_trigger(mscclpp::PortChannelDeviceHandle* ch, u64 timeout_ns, u64* result) {
   ch->fifo_.push(mscclpp::ProxyTrigger(mscclpp::TriggerFlag, 0, 0, 0, 0, 0, 1000));
@@ -343,15 +360,19 @@ struct Local {
 }
 
 fn local_pairs(t: Transport) -> Local {
+    local_pairs_with(cfg(t, 0))
+}
+
+fn local_pairs_with(c: EndpointConfig) -> Local {
     let (root, id) = RootServer::start(2, T).unwrap();
     let pairs = std::thread::scope(|sc| {
         let hs: Vec<_> = (0..2)
             .map(|rank| {
-                let id = id.clone();
+                let (id, c) = (id.clone(), c.clone());
                 sc.spawn(move || {
                     let bs: Arc<dyn Bootstrap> =
                         Arc::new(TcpBootstrap::config(rank, 2).timeout(T).initialize(&id).unwrap());
-                    pair(bs, rank, cfg(t, 0), 1 << 20)
+                    pair(bs, rank, c, 1 << 20)
                 })
             })
             .collect();
@@ -430,4 +451,47 @@ fn same_process_ping_pong_and_refused_requests() {
     assert_eq!((read(&bad, 0), read(&bad, 1)), (0, PROXY_FAILED), "wait_for returns false on the proxy's error");
     let e = proxies[1].0.stop().unwrap_err();
     assert!(e.to_string().contains("semaphore 1000"), "{e}");
+}
+
+/// Kernel copies (`cuda_ipc_kernel_copy_max`) behind a GPU whose every SM is held by a kernel
+/// that waits for the copy: the copy cannot start until that kernel's bounded waits end (the
+/// documented cost of the mode), and then it lands whole, its token after it, and the flush
+/// succeeds: late, never lost, never hung.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kernel_copies_behind_a_full_gpu_wait_then_land() {
+    let l = local_pairs_with(cfg(Transport::CudaIpc, 0).cuda_ipc_kernel_copy_max(4096));
+    let m = module(KERNELS, 0);
+    let [p0, p1] = <[Pair; 2]>::try_from(l.pairs).unwrap_or_else(|_| panic!("two pairs"));
+    let src = DeviceBuffer::new(p0.comm.context(), 0, 4096, Transport::CudaIpc.into()).unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    src.write(0, &data).unwrap();
+    p1.local.write(0, &[0u8; 4096]).unwrap();
+    let stream = Stream::new(0).unwrap();
+    let res = results(2, p1.comm.context(), 0);
+    let h = p1.sem.device_handle();
+    let start = p1.sem.inbound_token().unwrap();
+    let sms = mscclpp::gpu::sm_count(0).unwrap();
+    // Two 1024-thread blocks per SM: every thread slot of the GPU.
+    let blocks = 2 * sms;
+    let (mut inb, mut st, mut tmo, mut r) = (h.inbound_token, start, 500_000_000u64, res.device_ptr());
+    launch(&kernel(&m, "hold_gpu_watching"), blocks, 1024, &stream, &mut args![inb, st, tmo, r]);
+    // Let the grid take the GPU, then issue the copy (a kernel) and its token behind it.
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    p0.conn.write(&p0.remote, 0, src.memory(), 0, 4096).unwrap();
+    p0.sem.signal().unwrap();
+    p0.conn.flush(T).unwrap();
+    let landed = t0.elapsed();
+    stream.synchronize(T).unwrap();
+    let (seen, missed) = (read(&res, 0), read(&res, 1));
+    assert_eq!(seen + missed, blocks as u64, "every block reported");
+    let mut got = vec![0u8; 4096];
+    p1.local.read(0, &mut got).unwrap();
+    assert!(got == data, "the copy landed wrong");
+    assert_eq!(p1.sem.inbound_token().unwrap(), start + 1, "one token, after the copy");
+    println!(
+        "RESULT kernel copy behind {blocks} blocks holding every SM: {seen} blocks saw the token within 0.5 s, \
+         {missed} did not; flush returned after {landed:?}; data exact"
+    );
 }
