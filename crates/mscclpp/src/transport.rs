@@ -472,8 +472,10 @@ pub struct EndpointConfig {
     /// most of a PortChannel round trip over CUDA IPC; `docs/performance.md` has the figures),
     /// but the copy then needs a free SM on the sending GPU: while kernels occupy every SM and
     /// wait for the copy (a grid sized to fill the GPU, or ranks that share it), it never runs
-    /// and the waits end in their timeouts. Set it only where the GPU keeps room for one
-    /// block. MSCCL++ has no such mode (its proxy always uses the copy engine).
+    /// and the waits end in their timeouts. And where ranks are processes sharing one GPU
+    /// without MPS, each copy waits for its process's turn on the GPU (milliseconds). Set it only
+    /// where the GPU keeps room for one block and the sending process has the GPU to itself or
+    /// runs under MPS. MSCCL++ has no such mode (its proxy always uses the copy engine).
     pub cuda_ipc_kernel_copy_max: Option<u64>,
 }
 
