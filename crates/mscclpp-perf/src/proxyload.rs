@@ -208,6 +208,22 @@ fn peer_of(order: Order, i: u64, peers: usize) -> usize {
     }
 }
 
+/// For Ethernet puts: the staging work since `c0` per 1000 of the `writes` issued (receiver
+/// landings, copy-engine copies to and from the GPU), as a suffix for a row; empty otherwise.
+fn staging_note(t: Transport, op: Op, c0: mscclpp::bench::EthernetStagingCounts, writes: u64) -> String {
+    if t != Transport::Ethernet || op == Op::Signal || writes == 0 {
+        return String::new();
+    }
+    let c = mscclpp::bench::ethernet_staging_counts();
+    let k = |a: u64, b: u64| (a.saturating_sub(b)) as f64 * 1000.0 / writes as f64;
+    format!(
+        "; staging per 1000 writes: {:.0} landings, {:.0} copies to the GPU, {:.0} from it",
+        k(c.landings, c0.landings),
+        k(c.htod, c0.htod),
+        k(c.dtoh, c0.dtoh)
+    )
+}
+
 /// One host thread issuing the same connection calls directly: calls per second (the final
 /// flush, outside the timing, is bounded by `timeout`).
 fn direct(r: &LoadRank, op: Op, size: u64, peers: usize, n: u64, timeout: Duration) -> Result<f64, String> {
@@ -408,7 +424,9 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                 // Size the counts from a short baseline run, then time the baseline itself.
                 let probe = direct(r0, op, size, peers, 2048, timeout)?;
                 let n = ((probe * TARGET_S) as u64).clamp(8192, 1 << 20);
+                let c0 = mscclpp::bench::ethernet_staging_counts();
                 let base = direct(r0, op, size, peers, n, timeout)?;
+                let st_base = staging_note(t, op, c0, n);
                 let what = if op == Op::Signal {
                     format!("{t} signal")
                 } else {
@@ -418,8 +436,10 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                     let producers = (blocks * threads) as u64;
                     let per = n.div_ceil(producers).max(1);
                     let per = i32::try_from(per).map_err(|_| "proxy load: too many triggers per thread".to_string())?;
+                    let c0 = mscclpp::bench::ethernet_staging_counts();
                     let (rate, idle, full) =
                         rig.run(op, size, peers, blocks, threads, per, batch, &r0.conns[..peers])?;
+                    let staging = staging_note(t, op, c0, producers * per as u64);
                     let who = if batch > 1 {
                         format!("{producers:>5} producer, push_batch of {batch}")
                     } else {
@@ -429,7 +449,7 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                     row(format!(
                         "proxy load, {what} -> {peers} peers, {who}: {:7.3} M triggers/s, host \
                          direct {:7.3} M/s, ratio {:.2}, proxy idle {:.0}%, a write queue >= 90% full in {:.0}% \
-                         of polls ({} triggers; {goal})",
+                         of polls ({} triggers; {goal}){staging}",
                         rate / 1e6,
                         base / 1e6,
                         rate / base,
@@ -444,15 +464,22 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                 if t == Transport::Ethernet && op != Op::Signal {
                     // A diagnostic: its failure is printed and the rows go on.
                     let inter = Order::interleaved(u64::from(LOAD_BLOCKS));
-                    let diag = direct_in(r0, op, size, peers, n, timeout, Order::Shuffled).and_then(|shuffled| {
+                    let (mut st_shuffled, mut st_inter) = (String::new(), String::new());
+                    let diag = (|| {
+                        let c0 = mscclpp::bench::ethernet_staging_counts();
+                        let shuffled = direct_in(r0, op, size, peers, n, timeout, Order::Shuffled)?;
+                        st_shuffled = staging_note(t, op, c0, n);
+                        let c0 = mscclpp::bench::ethernet_staging_counts();
                         let interleaved = direct_in(r0, op, size, peers, n, timeout, inter)?;
+                        st_inter = staging_note(t, op, c0, n);
                         rig.direct_loaded(r0, op, size, peers, n, n as f64 / base).map(|l| (shuffled, interleaved, l))
-                    });
+                    })();
                     row(match diag {
                         Ok((shuffled, interleaved, (loaded, lasted))) => format!(
-                            "proxy load, {what} -> {peers} peers, host direct in shuffled peer order {:7.3} M/s \
-                             (ratio {:.2}), with calls interleaved as {LOAD_BLOCKS} producers push them {:7.3} M/s \
-                             (ratio {:.2}), under {LOAD_BLOCKS} GPU producers' load {:7.3} M/s (ratio {:.2}{})",
+                            "proxy load, {what} -> {peers} peers, host direct (round robin{st_base}), in shuffled peer order {:7.3} M/s \
+                             (ratio {:.2}{st_shuffled}), with calls interleaved as {LOAD_BLOCKS} producers push them \
+                             {:7.3} M/s (ratio {:.2}{st_inter}), under {LOAD_BLOCKS} GPU producers' load {:7.3} M/s \
+                             (ratio {:.2}{})",
                             shuffled / 1e6,
                             shuffled / base,
                             interleaved / 1e6,

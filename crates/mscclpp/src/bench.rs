@@ -19,6 +19,27 @@ use crate::sync::{BackoffPolicy, Deadline, poll_until};
 use crate::transport::TransportFlags;
 use crate::{Host2DeviceSemaphore, Host2HostSemaphore, Semaphore};
 
+/// Staging work of Ethernet connections with GPU memory, counted over the whole process since it
+/// started (differences between two readings give one run's): receiver landings (each time
+/// received small writes were queued to the GPU), copy-engine copies to the GPU (host to device,
+/// the receivers' landings and large writes), and from it (the senders' gathers and chunks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EthernetStagingCounts {
+    /// Receiver landings that queued copies.
+    pub landings: u64,
+    /// Host-to-device copies queued.
+    pub htod: u64,
+    /// Device-to-host copies queued.
+    pub dtoh: u64,
+}
+
+/// The process's [`EthernetStagingCounts`] so far.
+pub fn ethernet_staging_counts() -> EthernetStagingCounts {
+    use crate::conn::ethernet::stager::STAGING_COUNTS as C;
+    use std::sync::atomic::Ordering::Relaxed;
+    EthernetStagingCounts { landings: C[0].load(Relaxed), htod: C[1].load(Relaxed), dtoh: C[2].load(Relaxed) }
+}
+
 /// Times `iters` rounds of plain copies of `size` bytes, one stream per (source, destination)
 /// pair, all pairs at once (after `warmup` untimed rounds): `cuMemcpyDtoDAsync` where both
 /// buffers are on one GPU, `cuMemcpyPeerAsync` between two GPUs. This is the raw copy-engine

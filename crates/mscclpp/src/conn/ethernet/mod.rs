@@ -108,7 +108,7 @@ mod connection;
 pub(crate) mod core;
 mod recv;
 mod send;
-mod stager;
+pub(crate) mod stager;
 pub(crate) mod wire;
 
 const LOG: &str = "mscclpp::conn";

@@ -71,11 +71,24 @@ pub(crate) struct Cuda {
     events: [crate::platform::cuda::Event; 2],
 }
 
+/// Process-wide counts of the staging work on real GPUs, for benchmarks
+/// ([`crate::bench::ethernet_staging_counts`]): receiver landings that issued copies, copies to
+/// the GPU, copies from it.
+pub(crate) static STAGING_COUNTS: [std::sync::atomic::AtomicU64; 3] =
+    [std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0)];
+
+fn count(i: usize) {
+    // Relaxed: statistics only.
+    STAGING_COUNTS[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 impl Engine for Cuda {
     fn copy_htod(&self, dst: u64, src: *const u8, n: usize) -> Result<()> {
+        count(1);
         self.stream.copy_htod(dst, src, n)
     }
     fn copy_dtoh(&self, dst: *mut u8, src: u64, n: usize) -> Result<()> {
+        count(2);
         self.stream.copy_dtoh(dst, src, n)
     }
     fn record(&self, k: usize) -> Result<()> {
@@ -381,6 +394,7 @@ impl<E: Engine> Stager<E> {
         if self.landing.is_empty() {
             return Ok(());
         }
+        count(0);
         let v = std::mem::take(&mut self.landing);
         self.landing_bytes = 0;
         // The epoch's live payloads: GPU start -> (end, index in `v`), in address order (as
