@@ -98,11 +98,16 @@ pub(crate) struct CudaIpcConnection {
     peer_desc: String,
     /// Completion marks for [`ConnectionImpl::progress`] (locked before `state`, never after).
     marks: Mutex<Marks>,
-    /// Copies of at most this many bytes (and a token joined to one) go through the one-block
-    /// kernel (`EndpointConfig::cuda_ipc_kernel_copy_max`; 0: never).
-    kernel_copy_max: u64,
-    /// That kernel, loaded when the connection was made (`None` when `kernel_copy_max` is 0).
-    put_token: Option<crate::platform::cuda::PutToken>,
+    /// Kernel copies (`EndpointConfig::cuda_ipc_kernel_copy_max`; `None`: off).
+    kernel_copy: Option<KernelCopy>,
+}
+
+/// Copies of at most `max` bytes (and a token joined to one) go through the one-block kernel
+/// `k`, loaded when the connection was made.
+#[derive(Clone, Copy)]
+struct KernelCopy {
+    k: crate::platform::cuda::PutToken,
+    max: u64,
 }
 
 /// Events recorded behind requested progress positions, oldest first, with the flush ticket
@@ -114,6 +119,11 @@ struct Marks {
 }
 
 impl CudaIpcConnection {
+    /// The kernel that copies `len` bytes (1 up to the kernel-copy limit), if any.
+    fn kernel_for(&self, len: u64) -> Option<crate::platform::cuda::PutToken> {
+        self.kernel_copy.filter(|c| len > 0 && len <= c.max).map(|c| c.k)
+    }
+
     fn check_failed(&self) -> Result<()> {
         match lock(&self.failed).as_ref() {
             Some(e) => Err(e.duplicate()),
@@ -293,7 +303,7 @@ impl ConnectionImpl for CudaIpcConnection {
         if len == 0 {
             return Ok(());
         }
-        if let Some(k) = self.put_token.filter(|_| len <= self.kernel_copy_max) {
+        if let Some(k) = self.kernel_for(len) {
             return self.issue(|c, st| {
                 st.after_large_copy = false;
                 c.stream.put_token(k, d + dst_off, s + src_off, len, 0, 0)
@@ -306,11 +316,11 @@ impl ConnectionImpl for CudaIpcConnection {
     }
 
     fn joined_write_max(&self) -> u64 {
-        self.kernel_copy_max
+        self.kernel_copy.map_or(0, |c| c.max)
     }
 
-    /// A copy of at most `kernel_copy_max` bytes and its token: one kernel, one operation.
-    fn write_and_update(
+    /// A copy of at most the kernel-copy limit and its token: one kernel, one operation.
+    fn try_write_and_update(
         &self,
         dst: &RegisteredMemory,
         dst_off: u64,
@@ -318,13 +328,10 @@ impl ConnectionImpl for CudaIpcConnection {
         src_off: u64,
         len: u64,
         tok: (&RegisteredMemory, u64),
-        old: u64,
+        _old: u64,
         new: u64,
-    ) -> Result<()> {
-        let Some(k) = self.put_token.filter(|_| len > 0 && len <= self.kernel_copy_max) else {
-            self.write(dst, dst_off, src, src_off, len)?;
-            return self.update_and_sync(tok.0, tok.1, old, new);
-        };
+    ) -> Result<bool> {
+        let Some(k) = self.kernel_for(len) else { return Ok(false) };
         self.check_failed()?;
         let d = dst.gpu_ptr(&self.dev)? + dst_off;
         let s = self.src_ptr(src)? + src_off;
@@ -332,7 +339,8 @@ impl ConnectionImpl for CudaIpcConnection {
         self.issue(|c, st| {
             st.after_large_copy = false;
             c.stream.put_token(k, d, s, len, t, new)
-        })
+        })?;
+        Ok(true)
     }
 
     fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, _old: u64, new: u64) -> Result<()> {
@@ -505,7 +513,11 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     };
     // Loaded now: loading it at the first copy, while a kernel that waits for it spins, could
     // wait for the GPU.
-    let put_token = if kernel_copy_max > 0 { Some(crate::platform::cuda::load_put_token(&dev)?) } else { None };
+    let kernel_copy = if kernel_copy_max > 0 {
+        Some(KernelCopy { k: crate::platform::cuda::load_put_token(&dev)?, max: kernel_copy_max })
+    } else {
+        None
+    };
     if kernel_copy_max > KERNEL_COPY_WARN {
         tracing::warn!(
             target: "mscclpp::conn",
@@ -535,8 +547,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         }),
         peer_desc: peer_desc.clone(),
         marks: Mutex::new(Marks::default()),
-        kernel_copy_max,
-        put_token,
+        kernel_copy,
     };
     if kernel_copy_max > 0 {
         tracing::info!(

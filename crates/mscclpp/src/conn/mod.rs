@@ -66,27 +66,27 @@ pub(crate) trait ConnectionImpl: Send + Sync {
     /// signal (it blocks until the transport reports one): the transport's receive thread takes
     /// over at once.
     fn stop_polling(&self) {}
-    /// The largest `write` that [`write_and_update`](Self::write_and_update) joins with its
-    /// token into one operation (0: none; CUDA IPC's kernel copies).
+    /// The largest `write` that [`try_write_and_update`](Self::try_write_and_update) joins with
+    /// its token into one operation (0: none; CUDA IPC's kernel copies).
     fn joined_write_max(&self) -> u64 {
         0
     }
-    /// `write`, then `update_and_sync`: one operation where the transport can
-    /// ([`joined_write_max`](Self::joined_write_max)), else the two.
+    /// `write`, then `update_and_sync`, issued as one operation where the transport can join
+    /// them for `len` (at most [`joined_write_max`](Self::joined_write_max)): `Ok(true)`.
+    /// `Ok(false)`, with nothing issued, where it cannot (the caller then issues the two).
     #[allow(clippy::too_many_arguments)]
-    fn write_and_update(
+    fn try_write_and_update(
         &self,
-        dst: &RegisteredMemory,
-        dst_off: u64,
-        src: &RegisteredMemory,
-        src_off: u64,
-        len: u64,
-        tok: (&RegisteredMemory, u64),
-        old: u64,
-        new: u64,
-    ) -> Result<()> {
-        self.write(dst, dst_off, src, src_off, len)?;
-        self.update_and_sync(tok.0, tok.1, old, new)
+        _dst: &RegisteredMemory,
+        _dst_off: u64,
+        _src: &RegisteredMemory,
+        _src_off: u64,
+        _len: u64,
+        _tok: (&RegisteredMemory, u64),
+        _old: u64,
+        _new: u64,
+    ) -> Result<bool> {
+        Ok(false)
     }
 }
 
@@ -256,7 +256,12 @@ impl Connection {
             self.check_word(tok.0, tok.1, !self.inner.imp.forwards_signals())?;
             self.inner.imp.check_update(outbound.load(Ordering::Acquire), new_value)?;
             let old = outbound.swap(new_value, Ordering::AcqRel);
-            self.inner.imp.write_and_update(dst, dst_off, src, src_off, len, tok, old, new_value)
+            let imp = &self.inner.imp;
+            if !imp.try_write_and_update(dst, dst_off, src, src_off, len, tok, old, new_value)? {
+                imp.write(dst, dst_off, src, src_off, len)?;
+                imp.update_and_sync(tok.0, tok.1, old, new_value)?;
+            }
+            Ok(())
         })();
         r.map_err(|e| self.ctx_err(e, "write_and_update_and_sync"))
     }

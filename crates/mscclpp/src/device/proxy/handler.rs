@@ -483,7 +483,7 @@ mod tests {
             dst_off: u64,
             value: i64,
         },
-        /// A write and its token as one operation (`write_and_update`).
+        /// A write and its token as one operation (`try_write_and_update`).
         Joined {
             len: u64,
             old: u64,
@@ -536,22 +536,21 @@ mod tests {
         fn joined_write_max(&self) -> u64 {
             lock(&self.0).joined_max
         }
-        fn write_and_update(
+        fn try_write_and_update(
             &self,
-            dst: &RegisteredMemory,
-            dst_off: u64,
-            src: &RegisteredMemory,
-            src_off: u64,
+            _: &RegisteredMemory,
+            _: u64,
+            _: &RegisteredMemory,
+            _: u64,
             len: u64,
-            tok: (&RegisteredMemory, u64),
+            _: (&RegisteredMemory, u64),
             old: u64,
             new: u64,
-        ) -> Result<()> {
+        ) -> Result<bool> {
             if len > self.joined_write_max() {
-                self.write(dst, dst_off, src, src_off, len)?;
-                return self.update_and_sync(tok.0, tok.1, old, new);
+                return Ok(false);
             }
-            self.op(Op::Joined { len, old, new })
+            self.op(Op::Joined { len, old, new }).map(|()| true)
         }
         fn flush(&self, _: Duration) -> Result<()> {
             let mut w = lock(&self.0);
