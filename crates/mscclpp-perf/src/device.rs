@@ -350,6 +350,12 @@ pub fn run(args: &Args) -> Result<(), String> {
             "# CUDA IPC copies of at most {b} B, and a signal joined to one, go through a kernel \
              (MSCCLPP_CUDAIPC_KERNEL_COPY_MAX; off by default)"
         ));
+        if let Some(d) = mscclpp::env::env().ok().and_then(|v| v.cudaipc_kernel_copy_linger).filter(|d| !d.is_zero()) {
+            row(format!(
+                "# the copy kernel of a putWithSignal stays {d:?} for the next copy \
+                 (MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US; off by default)"
+            ));
+        }
     }
     let ptx = compile(KERNELS, &CompileOptions::default()).map_err(e)?;
     let m = KernelModule::load(dev, &ptx).map_err(e)?;
@@ -671,9 +677,22 @@ fn channel_rows(
         let pingpong = |n: i32| pingpong_with(n, &pk, &qk);
         pingpong(100)?;
         let n = 10_000;
+        let l0 = mscclpp::bench::linger_counts();
         let us = pingpong(n)?;
+        let l1 = mscclpp::bench::linger_counts();
+        // With MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US: how the hops' copies reached the GPU.
+        let lingered = if l1 != l0 {
+            format!(
+                "; lingering copy kernels: {} launched, {} copies posted to one waiting, {} launched again",
+                l1.launches - l0.launches,
+                l1.posted - l0.posted,
+                l1.relaunched - l0.relaunched
+            )
+        } else {
+            String::new()
+        };
         row(format!(
-            "PortChannel ping-pong, putWithSignal 4 B + flush + wait, CUDA IPC: {us:.2} us round trip ({n} rounds; goal <= 19, MSCCL++ 19.0 on H200)"
+            "PortChannel ping-pong, putWithSignal 4 B + flush + wait, CUDA IPC: {us:.2} us round trip ({n} rounds; goal <= 19, MSCCL++ 19.0 on H200){lingered}"
         ));
         pingpong_with(100, &pk2, &qk2)?;
         let us = pingpong_with(n, &pk2, &qk2)?;

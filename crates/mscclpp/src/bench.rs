@@ -40,6 +40,26 @@ pub fn ethernet_staging_counts() -> EthernetStagingCounts {
     EthernetStagingCounts { landings: C[0].load(Relaxed), htod: C[1].load(Relaxed), dtoh: C[2].load(Relaxed) }
 }
 
+/// How CUDA IPC kernel copies went through lingering kernels
+/// (`EndpointConfig::cuda_ipc_kernel_copy_linger`), counted over the process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LingerCounts {
+    /// Lingering kernels launched (each with its first copy).
+    pub launches: u64,
+    /// Copies handed to a kernel already waiting (no driver call).
+    pub posted: u64,
+    /// Of those, copies the kernel may have missed because it was leaving as they were posted,
+    /// then found not taken and launched again.
+    pub relaunched: u64,
+}
+
+/// The process's [`LingerCounts`] so far.
+pub fn linger_counts() -> LingerCounts {
+    use crate::conn::linger::COUNTS as C;
+    use std::sync::atomic::Ordering::Relaxed;
+    LingerCounts { launches: C[0].load(Relaxed), posted: C[1].load(Relaxed), relaunched: C[2].load(Relaxed) }
+}
+
 /// Times `iters` rounds of plain copies of `size` bytes, one stream per (source, destination)
 /// pair, all pairs at once (after `warmup` untimed rounds): `cuMemcpyDtoDAsync` where both
 /// buffers are on one GPU, `cuMemcpyPeerAsync` between two GPUs. This is the raw copy-engine

@@ -16,6 +16,7 @@
 //! | `MSCCLPP_DEBUG`, `MSCCLPP_DEBUG_SUBSYS` | deprecated MSCCL++ names of `MSCCLPP_LOG_LEVEL`, `MSCCLPP_LOG_SUBSYS` (read with a warning when the new name is unset) |
 //! | `MSCCLPP_CUDAIPC_STREAM_PRIORITY` | `default` or `greatest`: the priority of the streams CUDA IPC connections (and so proxies) copy on; `greatest` was an experiment for programs whose streams share hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`): `mscclpp-perf device`'s hardware-queue probe found that it does not escape a shared queue (session 16, H100) |
 //! | `MSCCLPP_CUDAIPC_KERNEL_COPY_MAX` | bytes: CUDA IPC copies of at most this size (and a token right after one) go through a one-block kernel, one driver call, instead of the copy engine; default 0 (off). Lower latency for small proxied puts, but the kernel needs a free SM: see [`EndpointConfig::cuda_ipc_kernel_copy_max`](crate::EndpointConfig::cuda_ipc_kernel_copy_max) |
+//! | `MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US` | microseconds: with kernel copies on, the copy kernel stays this long on the GPU after each copy, polling pinned memory for the next, so a proxied copy needs no driver call; default 0 (off). See [`EndpointConfig::cuda_ipc_kernel_copy_linger`](crate::EndpointConfig::cuda_ipc_kernel_copy_linger) for its costs |
 //! | `MSCCLPP_NVRTC_PATH` | `libnvrtc.so*` or its directory, for [`crate::device::compile`] (read when NVRTC first loads) |
 //!
 //! A value that does not parse is an error naming the variable, never a silent default.
@@ -128,6 +129,8 @@ pub struct Env {
     pub cudaipc_greatest_priority: Option<bool>,
     /// `MSCCLPP_CUDAIPC_KERNEL_COPY_MAX`: bytes (0: off).
     pub cudaipc_kernel_copy_max: Option<u64>,
+    /// `MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US`: microseconds (0: off).
+    pub cudaipc_kernel_copy_linger: Option<std::time::Duration>,
     /// Warnings about the log settings (deprecated names, subsystems this library does not have),
     /// printed once by `init_logging`.
     pub log_warnings: Vec<String>,
@@ -244,6 +247,10 @@ impl Env {
         if let Some(v) = get("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX") {
             env.cudaipc_kernel_copy_max =
                 Some(v.trim().parse().map_err(|e| bad("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", &v, e))?);
+        }
+        if let Some(v) = get("MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US") {
+            let us: u64 = v.trim().parse().map_err(|e| bad("MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US", &v, e))?;
+            env.cudaipc_kernel_copy_linger = Some(std::time::Duration::from_micros(us));
         }
         let deprecated = |new: &str, old: &str, warnings: &mut Vec<String>| match (get(new), get(old)) {
             (Some(v), Some(_)) => {
@@ -372,8 +379,10 @@ mod tests {
             ("MSCCLPP_LOG_SUBSYS", "^net,ib"),
             ("MSCCLPP_CUDAIPC_STREAM_PRIORITY", "Greatest"),
             ("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", " 4096 "),
+            ("MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US", "250"),
         ])
         .unwrap();
+        assert_eq!(e.cudaipc_kernel_copy_linger, Some(std::time::Duration::from_micros(250)));
         assert_eq!(e.cudaipc_greatest_priority, Some(true));
         assert_eq!(e.cudaipc_kernel_copy_max, Some(4096));
         assert_eq!(e.hca_devices.unwrap(), vec!["mlx5_0", "mlx5_1"]);
@@ -398,6 +407,8 @@ mod tests {
             ("MSCCLPP_CUDAIPC_STREAM_PRIORITY", "urgent"),
             ("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "64K"),
             ("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "-1"),
+            ("MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US", "1ms"),
+            ("MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US", "-5"),
         ] {
             let err = parse(&[(k, v)]).unwrap_err();
             assert!(err.to_string().contains(k), "{err}");

@@ -477,6 +477,30 @@ pub struct EndpointConfig {
     /// where the GPU keeps room for one block and the sending process has the GPU to itself or
     /// runs under MPS. MSCCL++ has no such mode (its proxy always uses the copy engine).
     pub cuda_ipc_kernel_copy_max: Option<u64>,
+    /// CUDA IPC kernel copies only (`cuda_ipc_kernel_copy_max` above 0): how long the copy
+    /// kernel stays on the GPU after a copy joined to its signal (a proxied `putWithSignal`),
+    /// waiting for the next copy. While it waits, the proxy hands it a copy (and its signal)
+    /// with a few stores to pinned host memory that the kernel polls, instead of a
+    /// `cuLaunchKernel`: a PortChannel hop then costs no driver call at all (the 4-byte
+    /// ping-pong over CUDA IPC took 15.7-17.2 us on an H100 where the copy engine took
+    /// 24.3-28.8). Lone copies go to a kernel that is waiting, but never start one (a host
+    /// thread's write, then signal, would start a kernel only to stop it). `None` takes `MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US`, else zero: **off by
+    /// default** (every kernel copy is its own launch).
+    ///
+    /// The price, on top of kernel copies' own: while it waits the kernel holds one block of
+    /// 256 threads on one SM and polls host memory across PCIe, and it is work on the
+    /// connection's stream (each lingering connection gets a stream of its own), so a
+    /// `cudaDeviceSynchronize` or `cuCtxSynchronize` in the program returns only once it left:
+    /// up to this long after the last copy. Synchronous copies elsewhere in the process can
+    /// wait for it too: host threads that polled a token with 8-byte `cuMemcpyDtoH` calls
+    /// while the other side's kernel lingered saw round trips of 0.37-4.8 ms against 0.06. Anything else the connection enqueues (a copy
+    /// above the limit, a signal alone, an atomic add) first tells it to leave (microseconds).
+    /// Without MPS, a lingering kernel keeps the GPU in its process's time slices: other
+    /// processes' kernels wait. Suited to a latency-bound proxy on a GPU with room to spare,
+    /// with tens to hundreds of microseconds; every wait stays bounded (the kernel leaves when
+    /// idle whatever the host does, and never stays longer than a second after its last copy,
+    /// whatever this asks). MSCCL++ has no such mode.
+    pub cuda_ipc_kernel_copy_linger: Option<std::time::Duration>,
 }
 
 impl EndpointConfig {
@@ -489,6 +513,7 @@ impl EndpointConfig {
             ib: IbConfig::default(),
             ethernet: EthernetConfig::default(),
             cuda_ipc_kernel_copy_max: None,
+            cuda_ipc_kernel_copy_linger: None,
         }
     }
     /// Sets the device.
@@ -519,6 +544,20 @@ impl EndpointConfig {
     /// Sets [`cuda_ipc_kernel_copy_max`](Self::cuda_ipc_kernel_copy_max) (0: off).
     pub fn cuda_ipc_kernel_copy_max(mut self, bytes: u64) -> Self {
         self.cuda_ipc_kernel_copy_max = Some(bytes);
+        self
+    }
+    /// Sets [`cuda_ipc_kernel_copy_linger`](Self::cuda_ipc_kernel_copy_linger) (zero: off).
+    ///
+    /// ```
+    /// use mscclpp::{EndpointConfig, Transport};
+    /// use std::time::Duration;
+    /// let cfg = EndpointConfig::new(Transport::CudaIpc)
+    ///     .cuda_ipc_kernel_copy_max(4096)
+    ///     .cuda_ipc_kernel_copy_linger(Duration::from_micros(200));
+    /// assert_eq!(cfg.cuda_ipc_kernel_copy_linger, Some(Duration::from_micros(200)));
+    /// ```
+    pub fn cuda_ipc_kernel_copy_linger(mut self, idle: std::time::Duration) -> Self {
+        self.cuda_ipc_kernel_copy_linger = Some(idle);
         self
     }
 }

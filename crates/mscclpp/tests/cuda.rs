@@ -53,6 +53,41 @@ mod contract {
     connection_suite!(&CUDA_IPC, #[ignore = "needs a CUDA GPU"]);
 }
 
+/// The same suite with kernel copies of up to 64 KiB and lingering set
+/// (`cuda_ipc_kernel_copy_linger` 100 us): the connection then has a stream of its own and
+/// tracks completion for a kernel that may linger. The suite's host-issued writes are lone
+/// writes, which never start a lingering kernel (a proxied putWithSignal does): the lingering
+/// kernel itself is tested by `conn::linger`'s GPU test and `port_channel_over_cuda_ipc_lingering_kernel_copies`.
+mod contract_lingering_kernel_copies {
+    use crate::common;
+    use crate::common::suite::{Harness, Memory, Mode};
+    use crate::connection_suite;
+    use mscclpp::{EndpointConfig, Transport};
+
+    fn config(queue: Option<usize>) -> EndpointConfig {
+        let mut c = EndpointConfig::new(Transport::CudaIpc)
+            .cuda_ipc_kernel_copy_max(64 << 10)
+            .cuda_ipc_kernel_copy_linger(std::time::Duration::from_micros(100));
+        c.max_write_queue_size = queue;
+        c
+    }
+
+    static CUDA_IPC_LINGER: Harness = Harness {
+        transport: Transport::CudaIpc,
+        mode: Mode::Processes,
+        prepare: |_| {},
+        ib_device: None,
+        config,
+        atomics: true,
+        cpu_atomics_coherent: false,
+        memory: Memory::Gpu,
+        detects_peer_gone: true,
+        local_destination_allowed: true,
+    };
+
+    connection_suite!(&CUDA_IPC_LINGER, #[ignore = "needs a CUDA GPU"]);
+}
+
 /// This rank's side of a pair joined over `cfg` (see `common::gpu::pair`).
 fn pair(r: &Rank, cfg: EndpointConfig, len: usize) -> Pair {
     common::gpu::pair(Arc::new(r.bootstrap(T)), r.rank, cfg, len)

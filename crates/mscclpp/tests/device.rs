@@ -221,6 +221,23 @@ fn port_channel_over_cuda_ipc_kernel_copies() {
         .assert_success();
 }
 
+/// The same with the copy kernel lingering 200 us after each copy
+/// (`MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US`): the proxy posts each putWithSignal to the waiting
+/// kernel through pinned memory, and the receiving kernel checks every byte after each signal.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn port_channel_over_cuda_ipc_lingering_kernel_copies() {
+    if let Some(r) = Rank::from_env() {
+        return transfer(&r, Transport::CudaIpc);
+    }
+    spawn_ranks(
+        "port_channel_over_cuda_ipc_lingering_kernel_copies",
+        2,
+        &[("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "65536".into()), ("MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US", "200".into())],
+    )
+    .assert_success();
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_over_ethernet_gpu_memory() {

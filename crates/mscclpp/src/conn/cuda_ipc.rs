@@ -30,11 +30,13 @@ pub(crate) mod ring;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::linger::{self, Launch, Linger};
 use super::{ConnInner, Connection, ConnectionImpl};
 use crate::conn::endpoint::Endpoint;
 use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Mem, RegisteredMemory};
+use crate::platform::cuda::linger::{Job, LingerKernel, Mailbox};
 use crate::platform::cuda::{Event, GpuDevice, Stream};
 use crate::platform::hostmem::Region;
 use crate::sync::{Deadline, lock};
@@ -87,6 +89,25 @@ struct IpcState {
     memops_missing: bool,
     /// The last operation enqueued is a copy of at least [`SLOT_TOKEN_AFTER`] bytes.
     after_large_copy: bool,
+    /// Kernel copies through a lingering kernel (`cuda_ipc_kernel_copy_linger`; the connection
+    /// then has a stream of its own).
+    linger: Option<Linger>,
+}
+
+impl IpcState {
+    /// Before anything but a kernel copy is enqueued: a lingering kernel is asked to leave, so
+    /// that the operation runs after it, in stream order.
+    fn plain(&mut self) -> Result<()> {
+        match self.linger.as_mut() {
+            Some(l) => l.stop(),
+            None => Ok(()),
+        }
+    }
+
+    /// A lingering kernel is the last work on the stream: completion is told by its mailbox.
+    fn lingering(&self) -> Option<(Arc<Mailbox>, u64)> {
+        self.linger.as_ref().filter(|l| l.armed()).map(|l| (l.mailbox(), l.posted()))
+    }
 }
 
 pub(crate) struct CudaIpcConnection {
@@ -103,25 +124,83 @@ pub(crate) struct CudaIpcConnection {
 }
 
 /// Copies of at most `max` bytes (and a token joined to one) go through the one-block kernel
-/// `k`, loaded when the connection was made.
+/// `k`, loaded when the connection was made, or through the lingering kernel `linger`.
 #[derive(Clone, Copy)]
 struct KernelCopy {
     k: crate::platform::cuda::PutToken,
     max: u64,
+    linger: Option<LingerKernel>,
 }
 
-/// Events recorded behind requested progress positions, oldest first, with the flush ticket
-/// each proves once it has passed; and spare events to reuse.
+/// Launches lingering copy kernels on a connection's stream.
+struct OnStream<'a> {
+    stream: &'a Stream,
+    k: LingerKernel,
+}
+
+impl Launch for OnStream<'_> {
+    fn launch(&self, mailbox: u64, generation: u64, seq: u64, idle_ns: u64, job: Job) -> Result<()> {
+        self.stream.linger_copy(self.k, mailbox, generation, seq, idle_ns, job)
+    }
+    fn wait_idle(&self, timeout: Duration) -> Result<bool> {
+        self.stream.wait_idle(timeout)
+    }
+}
+
+/// Events recorded behind requested progress positions (or, while a copy kernel lingers, the
+/// job numbers it must finish), oldest first, with the flush ticket each proves once it has
+/// passed; and spare events to reuse.
 #[derive(Default)]
 struct Marks {
-    pending: std::collections::VecDeque<(ring::FlushTicket, Event)>,
+    pending: std::collections::VecDeque<(ring::FlushTicket, Mark)>,
     spare: Vec<Event>,
+}
+
+/// A completion mark: an event on the stream, or a lingering kernel's job number.
+enum Mark {
+    Event(Event),
+    Job(Arc<Mailbox>, u64),
+}
+
+impl Mark {
+    fn done(&self) -> Result<bool> {
+        match self {
+            Mark::Event(ev) => ev.done(),
+            Mark::Job(m, seq) => Ok(linger::done(m)? >= *seq),
+        }
+    }
+    fn wait(&self, deadline: Deadline) -> Result<bool> {
+        match self {
+            Mark::Event(ev) => ev.wait(deadline.remaining()),
+            Mark::Job(m, seq) => linger::wait_done(m, *seq, deadline),
+        }
+    }
+    /// Keeps an event for reuse.
+    fn recycle(self, spare: &mut Vec<Event>) {
+        if let Mark::Event(ev) = self {
+            spare.push(ev);
+        }
+    }
 }
 
 impl CudaIpcConnection {
     /// The kernel that copies `len` bytes (1 up to the kernel-copy limit), if any.
     fn kernel_for(&self, len: u64) -> Option<crate::platform::cuda::PutToken> {
         self.kernel_copy.filter(|c| len > 0 && len <= c.max).map(|c| c.k)
+    }
+
+    /// A kernel copy (`len` within the limit): posted to the lingering kernel where one waits;
+    /// else, for a copy joined to its token (`arm`: a proxied putWithSignal, the latency-bound
+    /// case), a new lingering kernel where the connection lingers; else one launch of the
+    /// put-token kernel `k`. A lone write does not start a lingering kernel: a host thread's
+    /// write, then signal, would start one only to stop it at once (and synchronous copies
+    /// elsewhere in the program may wait for it to leave).
+    fn kernel_copy(&self, st: &mut IpcState, k: crate::platform::cuda::PutToken, job: Job, arm: bool) -> Result<()> {
+        st.after_large_copy = false;
+        match (st.linger.as_mut(), self.kernel_copy.and_then(|c| c.linger)) {
+            (Some(l), Some(lk)) if arm || l.armed() => l.copy(&OnStream { stream: &self.stream, k: lk }, job),
+            _ => self.stream.put_token(k, job.dst, job.src, job.len, job.token, job.value),
+        }
     }
 
     fn check_failed(&self) -> Result<()> {
@@ -164,23 +243,23 @@ impl CudaIpcConnection {
         let mut st = lock(&self.state);
         let deadline = Deadline::after(QUEUE_WAIT);
         while !st.core.can_issue() {
-            let Some((t, ev)) = m.pending.pop_front() else {
+            let Some((t, mark)) = m.pending.pop_front() else {
                 // No mark yet: one behind everything enqueued so far.
                 self.mark(&mut m, &mut st)?;
                 continue;
             };
             drop(st);
             drop(m);
-            let done = self.record(ev.wait(deadline.remaining()));
+            let done = self.record(mark.wait(deadline));
             m = lock(&self.marks);
             st = lock(&self.state);
             match done {
                 Ok(true) => {
                     st.core.flush_done(t);
-                    m.spare.push(ev);
+                    mark.recycle(&mut m.spare);
                 }
                 Ok(false) | Err(_) => {
-                    m.pending.push_front((t, ev));
+                    m.pending.push_front((t, mark));
                     done?;
                     if deadline.expired() {
                         return Err(Error::new(
@@ -215,13 +294,18 @@ impl CudaIpcConnection {
     /// nothing is enqueued meanwhile and the event follows exactly the operations the ticket
     /// counts.
     fn mark(&self, m: &mut Marks, st: &mut IpcState) -> Result<()> {
+        if let Some((mb, posted)) = st.lingering() {
+            let t = st.core.begin_flush();
+            m.pending.push_back((t, Mark::Job(mb, posted)));
+            return Ok(());
+        }
         let ev = match m.spare.pop() {
             Some(e) => e,
             None => self.record(Event::new(&self.dev))?,
         };
         let t = st.core.begin_flush();
         self.record(self.stream.record(&ev))?;
-        m.pending.push_back((t, ev));
+        m.pending.push_back((t, Mark::Event(ev)));
         Ok(())
     }
 
@@ -288,6 +372,27 @@ impl CudaIpcConnection {
     }
 }
 
+impl Drop for CudaIpcConnection {
+    /// A lingering kernel is asked to leave, and its mailbox freed only once it is gone (kept
+    /// for good when the stream does not drain).
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(l) = st.linger.as_mut() else { return };
+        let armed = l.armed();
+        if l.stop().is_err() || (armed && !matches!(self.stream.wait_idle(LINGER_DROP_WAIT), Ok(true))) {
+            tracing::warn!(
+                target: "mscclpp::conn",
+                "the lingering copy kernel toward {} did not return in {LINGER_DROP_WAIT:?}: its mailbox is kept",
+                self.peer_desc
+            );
+            std::mem::forget(l.mailbox());
+        }
+    }
+}
+
+/// How long dropping a connection waits for its lingering copy kernel to return.
+const LINGER_DROP_WAIT: Duration = Duration::from_secs(5);
+
 impl ConnectionImpl for CudaIpcConnection {
     fn write(
         &self,
@@ -304,12 +409,11 @@ impl ConnectionImpl for CudaIpcConnection {
             return Ok(());
         }
         if let Some(k) = self.kernel_for(len) {
-            return self.issue(|c, st| {
-                st.after_large_copy = false;
-                c.stream.put_token(k, d + dst_off, s + src_off, len, 0, 0)
-            });
+            let job = Job { dst: d + dst_off, src: s + src_off, len, token: 0, value: 0 };
+            return self.issue(|c, st| c.kernel_copy(st, k, job, false));
         }
         self.issue(|c, st| {
+            st.plain()?;
             st.after_large_copy = len >= SLOT_TOKEN_AFTER;
             c.stream.copy_dtod(d + dst_off, s + src_off, len)
         })
@@ -336,23 +440,25 @@ impl ConnectionImpl for CudaIpcConnection {
         let d = dst.gpu_ptr(&self.dev)? + dst_off;
         let s = self.src_ptr(src)? + src_off;
         let t = tok.0.gpu_ptr(&self.dev)? + tok.1;
-        self.issue(|c, st| {
-            st.after_large_copy = false;
-            c.stream.put_token(k, d, s, len, t, new)
-        })?;
+        let job = Job { dst: d, src: s, len, token: t, value: new };
+        self.issue(|c, st| c.kernel_copy(st, k, job, true))?;
         Ok(true)
     }
 
     fn update_and_sync(&self, dst: &RegisteredMemory, dst_off: u64, _old: u64, new: u64) -> Result<()> {
         self.check_failed()?;
         let addr = dst.gpu_ptr(&self.dev)? + dst_off;
-        self.issue(|c, st| c.write_token(st, addr, new))
+        self.issue(|c, st| {
+            st.plain()?;
+            c.write_token(st, addr, new)
+        })
     }
 
     fn atomic_add(&self, dst: &RegisteredMemory, dst_off: u64, value: i64) -> Result<()> {
         self.check_failed()?;
         let addr = dst.gpu_ptr(&self.dev)? + dst_off;
         self.issue(|c, st| {
+            st.plain()?;
             st.after_large_copy = false;
             c.stream.atomic_add(addr, value as u64)
         })
@@ -360,8 +466,16 @@ impl ConnectionImpl for CudaIpcConnection {
 
     fn flush(&self, timeout: Duration) -> Result<()> {
         self.check_failed()?;
-        let ticket = lock(&self.state).core.begin_flush();
-        let r = self.stream.wait_idle(timeout);
+        let (ticket, lingering) = {
+            let st = lock(&self.state);
+            (st.core.begin_flush(), st.lingering())
+        };
+        let r = match lingering {
+            // The lingering kernel is the last work on the stream: everything before its jobs has
+            // run once it finished them.
+            Some((m, posted)) => linger::wait_done(&m, posted, Deadline::after(timeout)),
+            None => self.stream.wait_idle(timeout),
+        };
         if self.record(r)? {
             lock(&self.state).core.flush_done(ticket);
             return Ok(());
@@ -395,14 +509,14 @@ impl ConnectionImpl for CudaIpcConnection {
     fn progress(&self, request: bool) -> Result<super::Progress> {
         self.check_failed()?;
         let mut m = lock(&self.marks);
-        while let Some((t, ev)) = m.pending.front() {
-            if !self.record(ev.done())? {
+        while let Some((t, mark)) = m.pending.front() {
+            if !self.record(mark.done())? {
                 break;
             }
             let t = *t;
             lock(&self.state).core.flush_done(t);
-            if let Some((_, ev)) = m.pending.pop_front() {
-                m.spare.push(ev);
+            if let Some((_, mark)) = m.pending.pop_front() {
+                mark.recycle(&mut m.spare);
             }
         }
         let mut st = lock(&self.state);
@@ -416,10 +530,16 @@ impl ConnectionImpl for CudaIpcConnection {
             }
         } else if m.pending.is_empty() {
             let t = st.core.begin_flush();
+            let lingering = st.lingering();
             drop(st);
             // Everything enqueued before the query has run (the stream may carry other
-            // connections' work too: completion is then only seen later, never early).
-            if self.record(self.stream.idle())? {
+            // connections' work too: completion is then only seen later, never early). With a
+            // lingering kernel at the end of the stream, its mailbox tells.
+            let idle = match lingering {
+                Some((mb, posted)) => linger::done(&mb).map(|d| d >= posted),
+                None => self.stream.idle(),
+            };
+            if self.record(idle)? {
                 st = lock(&self.state);
                 st.core.flush_done(t);
                 return Ok(super::Progress { issued, completed: st.core.completed() });
@@ -506,18 +626,44 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         let rdev = crate::platform::cuda::device(r)?;
         dev.enable_peer_access(&rdev)?;
     }
-    let stream = ctx.inner().cuda_stream(&dev)?;
     let kernel_copy_max = match local.local().and_then(|l| l.config.cuda_ipc_kernel_copy_max) {
         Some(b) => b,
         None => crate::env::env()?.cudaipc_kernel_copy_max.unwrap_or(0),
     };
+    let linger_for = match local.local().and_then(|l| l.config.cuda_ipc_kernel_copy_linger) {
+        Some(d) => d,
+        None => crate::env::env()?.cudaipc_kernel_copy_linger.unwrap_or(Duration::ZERO),
+    };
+    if !linger_for.is_zero() && kernel_copy_max == 0 {
+        tracing::warn!(
+            target: "mscclpp::conn",
+            "cuda_ipc_kernel_copy_linger is set but cuda_ipc_kernel_copy_max is 0: no copy goes through a kernel, \
+             so none lingers"
+        );
+    }
+    if linger_for > linger::MAX_LINGER {
+        tracing::warn!(
+            target: "mscclpp::conn",
+            "cuda_ipc_kernel_copy_linger is {linger_for:?}: copy kernels linger at most {:?}",
+            linger::MAX_LINGER
+        );
+    }
+    let lingers = !linger_for.is_zero() && kernel_copy_max > 0;
+    // A lingering kernel is the last work on its stream while it waits: the connection gets a
+    // stream of its own, so other connections' work never queues behind it.
+    let stream = if lingers { Arc::new(Stream::new(&dev)?) } else { ctx.inner().cuda_stream(&dev)? };
     // Loaded now: loading it at the first copy, while a kernel that waits for it spins, could
     // wait for the GPU.
     let kernel_copy = if kernel_copy_max > 0 {
-        Some(KernelCopy { k: crate::platform::cuda::load_put_token(&dev)?, max: kernel_copy_max })
+        Some(KernelCopy {
+            k: crate::platform::cuda::load_put_token(&dev)?,
+            max: kernel_copy_max,
+            linger: if lingers { Some(crate::platform::cuda::linger::load_linger(&dev)?) } else { None },
+        })
     } else {
         None
     };
+    let linger = if lingers { Some(Linger::new(Mailbox::gpu(&dev)?, linger_for)) } else { None };
     if kernel_copy_max > KERNEL_COPY_WARN {
         tracing::warn!(
             target: "mscclpp::conn",
@@ -544,6 +690,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             slots: None,
             memops_missing: false,
             after_large_copy: false,
+            linger,
         }),
         peer_desc: peer_desc.clone(),
         marks: Mutex::new(Marks::default()),
@@ -553,7 +700,8 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         tracing::info!(
             target: "mscclpp::conn",
             "CUDA IPC connection to {peer_desc}: copies of at most {kernel_copy_max} bytes (and a signal after one) \
-             go through a kernel on GPU{ordinal}, which needs a free SM"
+             go through a kernel on GPU{ordinal}, which needs a free SM{}",
+            if lingers { format!("; the kernel stays {linger_for:?} after each copy for the next one") } else { String::new() }
         );
     }
     Ok(Connection::from_inner(ConnInner {

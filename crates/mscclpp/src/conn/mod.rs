@@ -4,6 +4,7 @@ pub(crate) mod cuda_ipc;
 pub(crate) mod endpoint;
 pub(crate) mod ethernet;
 pub(crate) mod ib;
+pub(crate) mod linger;
 
 use std::fmt;
 use std::sync::Arc;

@@ -20,6 +20,7 @@ mod dmabuf;
 pub(crate) mod fifo_mem;
 pub(crate) mod graph;
 mod ipc;
+pub(crate) mod linger;
 pub(crate) mod module;
 pub(crate) mod nvrtc;
 pub(crate) mod queue_probe;
