@@ -12,8 +12,11 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::platform::cuda::GpuRegion;
 use crate::platform::hostmem::{IoPart, Region, send_vectored};
 
-/// Bytes per staging chunk.
-const STAGE_CHUNK: usize = 4 << 20;
+/// Bytes per staging chunk (two pinned buffers of it per stager, allocated at a connection's
+/// first write from or into GPU memory on that GPU, per direction: 32 MiB for a connection that
+/// moves GPU memory both ways). 8 MiB since session 26 (4 MiB before): room for 2 MiB landings
+/// ([`LAND_BYTES`]).
+const STAGE_CHUNK: usize = 8 << 20;
 
 /// Payloads up to this size are gathered: several share one pinned buffer and one wait for the
 /// GPU (the sender copies a batch's small writes to the host, waits once, sends them in one
@@ -148,12 +151,16 @@ pub(crate) struct Stager<E: Engine = Cuda> {
 /// them read along (reading costs less than a second call up to ~90 KB at PCIe speed).
 const GATHER_GAP: u64 = 64 << 10;
 
-/// The receiver issues its queued copies once this many payloads, or bytes, wait. 1 MiB holds
-/// most slots of a ring that many producers rewrite (the proxy rows' 132 producers x 256 slots
-/// of 512 B: 10 copies for 20,000 payloads in the unit model, against 1,204 with 256 KiB; 4 KiB:
-/// 6,475 against 13,980), at the price of 2 MiB of each 4 MiB buffer kept for packing.
+/// The receiver issues its queued copies once this many payloads, or bytes, wait. 2 MiB holds
+/// most slots of a ring that many producers rewrite (with 1 MiB, the proxy rows' 132 producers
+/// x 256 slots of 512 B took 10 copies for 20,000 payloads in the unit model, against 1,204 with
+/// 256 KiB; 4 KiB: 6,475 against 13,980). Session 26, H100, `mscclpp-perf device --parts
+/// load-eth`, 132 producers, 4 KiB puts to 1 / 4 / 8 peers: 0.83 / 0.66 / 0.43 of the host
+/// thread with 2 MiB (and 8 MiB buffers) against 0.63 / 0.31 / 0.26 with 1 MiB (4 MiB buffers),
+/// the receiver's copies to the GPU 118 / 110 / 153 per 1000 writes against 299 / 318 / 288. The
+/// price: 3 MiB of each 8 MiB buffer kept for packing.
 const LAND_MAX: usize = 4096;
-const LAND_BYTES: usize = 1 << 20;
+const LAND_BYTES: usize = 2 << 20;
 /// Room kept free at the end of each buffer for packing the waiting payloads (at most
 /// `LAND_BYTES` plus one payload, packed without gaps): received payloads use the rest.
 const LAND_ROOM: usize = LAND_BYTES + GATHER_MAX as usize;

@@ -198,19 +198,20 @@ fn nothing_is_applied_before_its_frame_is_whole() {
 
 #[test]
 fn periodic_acks_wait_for_a_pause_in_the_input() {
-    let ops: Vec<_> = (0..300).map(|i| Op::Set { region: 1, offset: 0, value: i }).collect();
+    let n = ACK_EVERY + 44;
+    let ops: Vec<_> = (0..n).map(|i| Op::Set { region: 1, offset: 0, value: i }).collect();
     let (_, _, bytes) = issued(ops, 100_000);
     // All in one read: no pause before the end, one acknowledgement of everything.
     let mut rx = Rx::new(false);
     rx.feed(&bytes).unwrap();
-    assert_eq!(rx.acks, vec![300]);
-    // Frame by frame: a pause after each, so the 256th is acknowledged, then nothing until
-    // another 256.
+    assert_eq!(rx.acks, vec![n]);
+    // Frame by frame: a pause after each, so frame ACK_EVERY is acknowledged, then nothing
+    // until another ACK_EVERY.
     let mut rx = Rx::new(false);
     for f in bytes.chunks(HEADER) {
         rx.feed(f).unwrap();
     }
-    assert_eq!(rx.acks, vec![256]);
+    assert_eq!(rx.acks, vec![ACK_EVERY]);
 }
 
 #[test]
