@@ -456,6 +456,17 @@ mod tests {
         }
     }
 
+    /// The same for the lingering copy kernel's PTX (`platform::cuda::linger::LINGER_PTX`).
+    #[test]
+    fn the_linger_ptx_assembles_for_sm_90() {
+        use crate::platform::cuda::linger::{LINGER_ENTRY, LINGER_PTX};
+        match crate::device::compile::assemble(LINGER_PTX, "sm_90") {
+            Ok(report) => assert!(report.contains(LINGER_ENTRY), "ptxas compiled no {LINGER_ENTRY}:\n{report}"),
+            Err(e) if e.kind() == crate::ErrorKind::NotAvailable => eprintln!("skipped: {e}"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
     /// The same for the CUDA IPC kernel copies' PTX (`platform::cuda::PUT_TOKEN_PTX`).
     #[test]
     fn the_put_token_ptx_assembles_for_sm_90() {

@@ -156,23 +156,24 @@ struct Marks {
     spare: Vec<Event>,
 }
 
-/// A completion mark: an event on the stream, or a lingering kernel's job number.
+/// A completion mark: an event on the stream, or a lingering kernel's job number (with the
+/// stream, asked when the job is not done: its errors are reported, not waited out).
 enum Mark {
     Event(Event),
-    Job(Arc<Mailbox>, u64),
+    Job(Arc<Mailbox>, u64, Arc<Stream>),
 }
 
 impl Mark {
     fn done(&self) -> Result<bool> {
         match self {
             Mark::Event(ev) => ev.done(),
-            Mark::Job(m, seq) => Ok(linger::done(m)? >= *seq),
+            Mark::Job(m, seq, stream) => linger::job_done(m, *seq, || stream.idle()),
         }
     }
     fn wait(&self, deadline: Deadline) -> Result<bool> {
         match self {
             Mark::Event(ev) => ev.wait(deadline.remaining()),
-            Mark::Job(m, seq) => linger::wait_done(m, *seq, deadline),
+            Mark::Job(m, seq, stream) => linger::wait_done(m, *seq, deadline, || stream.idle()),
         }
     }
     /// Keeps an event for reuse.
@@ -197,10 +198,14 @@ impl CudaIpcConnection {
     /// elsewhere in the program may wait for it to leave).
     fn kernel_copy(&self, st: &mut IpcState, k: crate::platform::cuda::PutToken, job: Job, arm: bool) -> Result<()> {
         st.after_large_copy = false;
-        match (st.linger.as_mut(), self.kernel_copy.and_then(|c| c.linger)) {
-            (Some(l), Some(lk)) if arm || l.armed() => l.copy(&OnStream { stream: &self.stream, k: lk }, job),
-            _ => self.stream.put_token(k, job.dst, job.src, job.len, job.token, job.value),
+        if let (Some(l), Some(lk)) = (st.linger.as_mut(), self.kernel_copy.and_then(|c| c.linger))
+            && l.copy(&OnStream { stream: &self.stream, k: lk }, job, arm)?
+        {
+            return Ok(());
         }
+        // No lingering kernel took it (none waits, and this copy does not start one): after any
+        // kernel still on the stream, in stream order.
+        self.stream.put_token(k, job.dst, job.src, job.len, job.token, job.value)
     }
 
     fn check_failed(&self) -> Result<()> {
@@ -296,7 +301,7 @@ impl CudaIpcConnection {
     fn mark(&self, m: &mut Marks, st: &mut IpcState) -> Result<()> {
         if let Some((mb, posted)) = st.lingering() {
             let t = st.core.begin_flush();
-            m.pending.push_back((t, Mark::Job(mb, posted)));
+            m.pending.push_back((t, Mark::Job(mb, posted, self.stream.clone())));
             return Ok(());
         }
         let ev = match m.spare.pop() {
@@ -378,8 +383,10 @@ impl Drop for CudaIpcConnection {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(l) = st.linger.as_mut() else { return };
-        let armed = l.armed();
-        if l.stop().is_err() || (armed && !matches!(self.stream.wait_idle(LINGER_DROP_WAIT), Ok(true))) {
+        // Any kernel ever launched may still run (a stopped one until its next poll) or not have
+        // started yet: the stream is the connection's own, so its draining says they are gone.
+        let launched = l.launched_any();
+        if l.stop().is_err() || (launched && !matches!(self.stream.wait_idle(LINGER_DROP_WAIT), Ok(true))) {
             tracing::warn!(
                 target: "mscclpp::conn",
                 "the lingering copy kernel toward {} did not return in {LINGER_DROP_WAIT:?}: its mailbox is kept",
@@ -466,16 +473,42 @@ impl ConnectionImpl for CudaIpcConnection {
 
     fn flush(&self, timeout: Duration) -> Result<()> {
         self.check_failed()?;
-        let (ticket, lingering) = {
+        let deadline = Deadline::after(timeout);
+        // With lingering: the mailbox while a kernel lingers (it is the last work on the stream:
+        // everything before its jobs has run once it finished them), else an event recorded
+        // behind the ticket's operations (draining the stream could wait for a kernel another
+        // thread starts meanwhile, up to its linger time or for as long as copies keep coming).
+        enum Until {
+            Idle,
+            Job(Arc<Mailbox>, u64),
+            Event(Event),
+        }
+        let (ticket, until) = {
+            let mut m = lock(&self.marks);
             let st = lock(&self.state);
-            (st.core.begin_flush(), st.lingering())
+            let ticket = st.core.begin_flush();
+            let until = match (st.lingering(), st.linger.is_some()) {
+                (Some((mb, posted)), _) => Until::Job(mb, posted),
+                (None, true) => {
+                    let ev = match m.spare.pop() {
+                        Some(e) => e,
+                        None => self.record(Event::new(&self.dev))?,
+                    };
+                    self.record(self.stream.record(&ev))?;
+                    Until::Event(ev)
+                }
+                (None, false) => Until::Idle,
+            };
+            (ticket, until)
         };
-        let r = match lingering {
-            // The lingering kernel is the last work on the stream: everything before its jobs has
-            // run once it finished them.
-            Some((m, posted)) => linger::wait_done(&m, posted, Deadline::after(timeout)),
-            None => self.stream.wait_idle(timeout),
+        let r = match &until {
+            Until::Job(m, posted) => linger::wait_done(m, *posted, deadline, || self.stream.idle()),
+            Until::Event(ev) => ev.wait(deadline.remaining()),
+            Until::Idle => self.stream.wait_idle(timeout),
         };
+        if let Until::Event(ev) = until {
+            lock(&self.marks).spare.push(ev);
+        }
         if self.record(r)? {
             lock(&self.state).core.flush_done(ticket);
             return Ok(());
@@ -536,7 +569,7 @@ impl ConnectionImpl for CudaIpcConnection {
             // connections' work too: completion is then only seen later, never early). With a
             // lingering kernel at the end of the stream, its mailbox tells.
             let idle = match lingering {
-                Some((mb, posted)) => linger::done(&mb).map(|d| d >= posted),
+                Some((mb, posted)) => linger::job_done(&mb, posted, || self.stream.idle()),
                 None => self.stream.idle(),
             };
             if self.record(idle)? {
@@ -651,7 +684,14 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let lingers = !linger_for.is_zero() && kernel_copy_max > 0;
     // A lingering kernel is the last work on its stream while it waits: the connection gets a
     // stream of its own, so other connections' work never queues behind it.
-    let stream = if lingers { Arc::new(Stream::new(&dev)?) } else { ctx.inner().cuda_stream(&dev)? };
+    let stream = if !lingers {
+        ctx.inner().cuda_stream(&dev)?
+    } else if crate::env::env()?.cudaipc_greatest_priority == Some(true) {
+        // As the context's shared streams (`MSCCLPP_CUDAIPC_STREAM_PRIORITY`).
+        Arc::new(Stream::with_priority(&dev, true)?)
+    } else {
+        Arc::new(Stream::new(&dev)?)
+    };
     // Loaded now: loading it at the first copy, while a kernel that waits for it spins, could
     // wait for the GPU.
     let kernel_copy = if kernel_copy_max > 0 {

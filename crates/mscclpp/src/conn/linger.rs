@@ -77,13 +77,25 @@ impl Linger {
         self.posted
     }
 
-    /// Issues `job`: posted to the lingering kernel, else through a new one.
-    pub(crate) fn copy(&mut self, l: &impl Launch, job: Job) -> Result<()> {
+    /// Whether a lingering kernel was ever launched (one may still run, or start, on the
+    /// stream: a stopped kernel runs until its next poll).
+    pub(crate) fn launched_any(&self) -> bool {
+        self.generation > 0
+    }
+
+    /// Issues `job`: posted to the lingering kernel; else, with `arm`, through a new one.
+    /// `Ok(false)`: not issued (no kernel waits and `arm` is false, or the waiting kernel left
+    /// without it): the caller issues it another way, in stream order.
+    pub(crate) fn copy(&mut self, l: &impl Launch, job: Job, arm: bool) -> Result<bool> {
         let s = self.posted + 1;
-        self.room(s)?;
         if !self.armed {
-            return self.arm(l, s, job);
+            if !arm {
+                return Ok(false);
+            }
+            self.room(s)?;
+            return self.arm(l, s, job).map(|()| true);
         }
+        self.room(s)?;
         self.write_slot(s, self.generation, job)?;
         self.mb.word(mb::POSTED)?.store(s, Ordering::Release);
         self.posted = s;
@@ -91,7 +103,7 @@ impl Linger {
         // Store-buffering with the kernel's `exiting` store, fence, `posted` load.
         fence(Ordering::SeqCst);
         if self.mb.word(mb::EXITING)?.load(Ordering::SeqCst) != self.generation {
-            return Ok(());
+            return Ok(true);
         }
         // The kernel is leaving: it took job `s` or never will. Once it is gone, `done` says.
         self.armed = false;
@@ -102,10 +114,17 @@ impl Linger {
             ));
         }
         if done(&self.mb)? >= s {
-            return Ok(());
+            return Ok(true);
+        }
+        if !arm {
+            // Not a copy that starts a kernel: withdrawn (no kernel is left to read it), and
+            // issued by the caller.
+            self.mb.word(mb::POSTED)?.store(s - 1, Ordering::Release);
+            self.posted = s - 1;
+            return Ok(false);
         }
         count(2);
-        self.arm(l, s, job)
+        self.arm(l, s, job).map(|()| true)
     }
 
     /// Launches a kernel of a new generation with job `s`.
@@ -162,9 +181,37 @@ pub(crate) fn done(m: &Mailbox) -> Result<u64> {
     Ok(m.word(mb::DONE)?.load(Ordering::Acquire))
 }
 
-/// Waits until job `seq` finished or `deadline` passes (`Ok(false)`).
-pub(crate) fn wait_done(m: &Mailbox, seq: u64, deadline: Deadline) -> Result<bool> {
-    poll_until(deadline.remaining(), BackoffPolicy::FAST, || done(m).map(|d| d >= seq))
+/// Whether job `seq` finished. `stream_idle` asks whether the kernel's stream drained; it is
+/// asked when the job has not finished, so a failed stream (a faulted kernel, an earlier
+/// operation's error) is reported as its error rather than waited for, and a kernel gone
+/// without the job is an error, not a wait.
+pub(crate) fn job_done(m: &Mailbox, seq: u64, stream_idle: impl FnOnce() -> Result<bool>) -> Result<bool> {
+    if done(m)? >= seq {
+        return Ok(true);
+    }
+    if !stream_idle()? {
+        return Ok(false);
+    }
+    // The stream drained: the job finished just now, or no kernel will ever take it.
+    if done(m)? >= seq {
+        return Ok(true);
+    }
+    Err(Error::internal(format!("the lingering copy kernel left with copy {seq} not done (done: {})", done(m)?)))
+}
+
+/// Waits until job `seq` finished or `deadline` passes (`Ok(false)`); see [`job_done`] (the
+/// stream is asked every 32 polls).
+pub(crate) fn wait_done(
+    m: &Mailbox,
+    seq: u64,
+    deadline: Deadline,
+    mut stream_idle: impl FnMut() -> Result<bool>,
+) -> Result<bool> {
+    let mut polls = 0u32;
+    poll_until(deadline.remaining(), BackoffPolicy::FAST, || {
+        polls = polls.wrapping_add(1);
+        if polls.is_multiple_of(32) { job_done(m, seq, &mut stream_idle) } else { done(m).map(|d| d >= seq) }
+    })
 }
 
 #[cfg(test)]
@@ -267,7 +314,7 @@ mod tests {
         };
         for i in 1..=n {
             let job = Job { dst: i * 16, src: i * 32, len: i, token: i % 3, value: i * 7 };
-            l.copy(&t, job).unwrap();
+            assert!(l.copy(&t, job, true).unwrap());
             if stop_every > 0 && i % stop_every == 0 {
                 l.stop().unwrap();
             }
@@ -276,7 +323,7 @@ mod tests {
                 std::thread::sleep(g);
             }
         }
-        assert!(wait_done(&l.mailbox(), l.posted(), Deadline::after(Duration::from_secs(20))).unwrap());
+        assert!(wait_done(&l.mailbox(), l.posted(), Deadline::after(Duration::from_secs(20)), || Ok(false)).unwrap());
         l.stop().unwrap();
         t.wait_idle(Duration::from_secs(20)).unwrap();
         let log = t.log.lock().unwrap().clone();
@@ -317,6 +364,57 @@ mod tests {
         assert_eq!(launches, 300_u64.div_ceil(7), "one kernel per run between stops");
     }
 
+    /// Lone copies (`arm` false) mixed in: posted while a kernel waits, else issued by the
+    /// caller in stream order (here a thread that runs after the kernel before it). Every copy
+    /// runs once and in issue order, including those withdrawn because the kernel left.
+    #[test]
+    fn lone_copies_never_start_a_kernel_and_keep_their_place() {
+        let mut lone_total = 0;
+        for (idle_us, gap_us) in [(0u64, 0u64), (5, 5), (20, 15)] {
+            let m = Mailbox::host().unwrap();
+            let idle = Duration::from_micros(idle_us);
+            let mut l = Linger::new(m, idle);
+            let t = Threads {
+                m: l.mailbox(),
+                idle,
+                log: Arc::new(Mutex::new(Vec::new())),
+                running: Mutex::new(Vec::new()),
+                launches: AtomicU64::new(0),
+            };
+            let n = 400u64;
+            let mut lone_issued = 0;
+            for i in 1..=n {
+                let job = Job { dst: i * 16, src: i * 32, len: i, token: 0, value: i * 7 };
+                let arm = i % 3 != 0;
+                if !l.copy(&t, job, arm).unwrap() {
+                    assert!(!arm, "a joined copy is always issued");
+                    lone_issued += 1;
+                    // The caller's own launch, in stream order.
+                    let prev = t.running.lock().unwrap().pop();
+                    let log = t.log.clone();
+                    t.running.lock().unwrap().push(std::thread::spawn(move || {
+                        if let Some(p) = prev {
+                            p.join().unwrap();
+                        }
+                        log.lock().unwrap().push((0, job));
+                    }));
+                }
+                if gap_us > 0 {
+                    std::thread::sleep(Duration::from_micros(gap_us * (i % 4)));
+                }
+            }
+            l.stop().unwrap();
+            t.wait_idle(Duration::from_secs(20)).unwrap();
+            let log = t.log.lock().unwrap().clone();
+            let lens: Vec<u64> = log.iter().map(|(_, j)| j.len).collect();
+            assert_eq!(lens, (1..=n).collect::<Vec<_>>(), "idle {idle_us} us: every copy once, in issue order");
+            lone_total += lone_issued;
+            let seqs: Vec<u64> = log.iter().map(|(q, _)| *q).filter(|&q| q > 0).collect();
+            assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "job numbers stay consecutive: {seqs:?}");
+        }
+        assert!(lone_total > 0, "no lone copy ever found the kernel gone");
+    }
+
     #[test]
     fn posts_wait_for_a_free_slot() {
         // More jobs than slots before the first kernel may finish any: `room` waits.
@@ -334,6 +432,8 @@ mod gpu_tests {
     use std::time::{Duration, Instant};
 
     use crate::{Context, DeviceBuffer, Endpoint, EndpointConfig, RegisteredMemory, Transport};
+
+    use super::COUNTS;
 
     const T: Duration = Duration::from_secs(30);
 
@@ -386,7 +486,8 @@ mod gpu_tests {
             rng ^= rng << 17;
             rng
         };
-        let before = crate::bench::linger_counts();
+        let counts = || COUNTS.iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<u64>>();
+        let before = counts();
         let outbound = AtomicU64::new(0);
         let mut model = vec![0u8; WIN];
         let (mut at, mut checks) = (0usize, 0);
@@ -442,9 +543,8 @@ mod gpu_tests {
         let mut word = [0u8; 8];
         tok.read(0, &mut word).unwrap();
         assert_eq!(u64::from_le_bytes(word), outbound.load(Ordering::Acquire), "the last token");
-        let c = crate::bench::linger_counts();
-        let (launches, posted, relaunched) =
-            (c.launches - before.launches, c.posted - before.posted, c.relaunched - before.relaunched);
+        let c = counts();
+        let (launches, posted, relaunched) = (c[0] - before[0], c[1] - before[1], c[2] - before[2]);
         println!(
             "RESULT lingering kernel copies: {N} operations, window exact at {checks} tokens; {launches} kernels \
              launched, {posted} copies posted to a waiting kernel, {relaunched} launched again after a kernel left"

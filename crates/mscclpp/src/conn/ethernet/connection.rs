@@ -295,7 +295,7 @@ impl ConnectionImpl for EthernetConnection {
         self.sh.wake_receiver();
     }
 
-    /// Acknowledgements come every 256 frames or when asked: a request queues one probe (a frame
+    /// Acknowledgements come every `ACK_EVERY` (1024) frames or when asked: a request queues one probe (a frame
     /// asking for an acknowledgement) unless one is already queued behind everything issued.
     fn progress(&self, request: bool) -> Result<Progress> {
         let (issued, applied) = {

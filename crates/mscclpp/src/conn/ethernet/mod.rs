@@ -48,7 +48,7 @@
 //! One stream per direction applies operations in order, so a token update lands after the
 //! writes before it. The receiver acknowledges applied sequence numbers when the sender asks
 //! (a flag set on frames once half the queue bound is unconfirmed, and on the probe `flush`
-//! sends) and every 256 frames; `flush` waits for the acknowledgement of everything issued.
+//! sends) and every `core::ACK_EVERY` (1024) frames at a pause in its input; `flush` waits for the acknowledgement of everything issued.
 //!
 //! # Closing
 //! Dropping a connection acknowledges everything its receiver applied before the sockets close:
