@@ -198,10 +198,16 @@ impl CudaIpcConnection {
     /// elsewhere in the program may wait for it to leave).
     fn kernel_copy(&self, st: &mut IpcState, k: crate::platform::cuda::PutToken, job: Job, arm: bool) -> Result<()> {
         st.after_large_copy = false;
-        if let (Some(l), Some(lk)) = (st.linger.as_mut(), self.kernel_copy.and_then(|c| c.linger))
-            && l.copy(&OnStream { stream: &self.stream, k: lk }, job, arm)?
-        {
-            return Ok(());
+        if let (Some(l), Some(lk)) = (st.linger.as_mut(), self.kernel_copy.and_then(|c| c.linger)) {
+            let taken = l.copy(&OnStream { stream: &self.stream, k: lk }, job, arm);
+            if let Err(e) = &taken {
+                // A GPU too stuck to free a slot or to let a leaving kernel return (or a failed
+                // launch): whether the copy will still run is unknown, so the connection is done.
+                lock(&self.failed).get_or_insert_with(|| e.duplicate());
+            }
+            if taken? {
+                return Ok(());
+            }
         }
         // No lingering kernel took it (none waits, and this copy does not start one): after any
         // kernel still on the stream, in stream order.
@@ -217,8 +223,10 @@ impl CudaIpcConnection {
 
     /// A CUDA error breaks the connection: keep it for every later call.
     fn record<T>(&self, r: Result<T>) -> Result<T> {
+        // Internal: a lingering kernel that left a copy undone (or another broken invariant):
+        // nothing later on the connection can be trusted either.
         if let Err(e) = &r
-            && e.kind() == ErrorKind::Cuda
+            && matches!(e.kind(), ErrorKind::Cuda | ErrorKind::Internal)
         {
             lock(&self.failed).get_or_insert_with(|| e.duplicate());
         }

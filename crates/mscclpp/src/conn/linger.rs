@@ -279,6 +279,18 @@ mod tests {
         launches: AtomicU64,
     }
 
+    impl Threads {
+        fn new(l: &Linger, idle: Duration) -> Threads {
+            Threads {
+                m: l.mailbox(),
+                idle,
+                log: Arc::new(Mutex::new(Vec::new())),
+                running: Mutex::new(Vec::new()),
+                launches: AtomicU64::new(0),
+            }
+        }
+    }
+
     impl Launch for Threads {
         fn launch(&self, _mailbox: u64, generation: u64, seq: u64, _idle_ns: u64, job: Job) -> Result<()> {
             self.launches.fetch_add(1, Ordering::Relaxed);
@@ -305,13 +317,7 @@ mod tests {
     fn run(idle: Duration, n: u64, gap: impl Fn(u64) -> Duration, stop_every: u64) -> (Vec<(u64, Job)>, u64) {
         let m = Mailbox::host().unwrap();
         let mut l = Linger::new(m, idle);
-        let t = Threads {
-            m: l.mailbox(),
-            idle,
-            log: Arc::new(Mutex::new(Vec::new())),
-            running: Mutex::new(Vec::new()),
-            launches: AtomicU64::new(0),
-        };
+        let t = Threads::new(&l, idle);
         for i in 1..=n {
             let job = Job { dst: i * 16, src: i * 32, len: i, token: i % 3, value: i * 7 };
             assert!(l.copy(&t, job, true).unwrap());
@@ -374,13 +380,7 @@ mod tests {
             let m = Mailbox::host().unwrap();
             let idle = Duration::from_micros(idle_us);
             let mut l = Linger::new(m, idle);
-            let t = Threads {
-                m: l.mailbox(),
-                idle,
-                log: Arc::new(Mutex::new(Vec::new())),
-                running: Mutex::new(Vec::new()),
-                launches: AtomicU64::new(0),
-            };
+            let t = Threads::new(&l, idle);
             let n = 400u64;
             let mut lone_issued = 0;
             for i in 1..=n {

@@ -50,12 +50,13 @@ pub(crate) const LINGER_THREADS: u32 = 256;
 
 /// The lingering copy kernel. Parameters: the mailbox's device address, the generation, the
 /// first job's sequence number, the idle limit in ns, and the first job (dst, src, len, token
-/// or 0, value). The copy is the put-token kernel's ([`super::PUT_TOKEN_PTX`]): 16-byte units
+/// or 0, value). The copy is the put-token kernel's (the same text, `ptx_block_copy!`): 16-byte units
 /// when both pointers are 16-byte aligned, bytes for the rest; the token after a block barrier,
 /// by thread 0's `fence.acq_rel.sys` and relaxed system-scope store; then `done` by a release
 /// store. Thread 0 alone polls the mailbox; the other threads wait at a (non-aligned) barrier
 /// for the next job, which thread 0 hands them through shared memory.
-pub(crate) const LINGER_PTX: &str = r#"//
+pub(crate) const LINGER_PTX: &str = concat!(
+    r#"//
 // mscclpp: lingering copy kernel
 .version 7.0
 .target sm_70
@@ -100,37 +101,9 @@ JOB:
 	cvta.to.global.u64 	%rd1, %rd1;
 	cvta.to.global.u64 	%rd2, %rd2;
 	cvt.u64.u32 	%rd6, %r1;
-	// %rd14: where the byte loop starts (0 when the pointers are not both 16-byte aligned).
-	mov.u64 	%rd14, 0;
-	or.b64 	%rd8, %rd1, %rd2;
-	and.b64 	%rd8, %rd8, 15;
-	setp.ne.u64 	%p1, %rd8, 0;
-	@%p1 bra 	TAIL;
-	shr.u64 	%rd9, %rd3, 4;
-	shl.b64 	%rd14, %rd9, 4;
-WIDE:
-	setp.ge.u64 	%p2, %rd6, %rd9;
-	@%p2 bra 	TAIL;
-	shl.b64 	%rd10, %rd6, 4;
-	add.s64 	%rd11, %rd2, %rd10;
-	ld.global.v2.u64 	{%rd12, %rd13}, [%rd11];
-	add.s64 	%rd11, %rd1, %rd10;
-	st.global.v2.u64 	[%rd11], {%rd12, %rd13};
-	add.s64 	%rd6, %rd6, %rd7;
-	bra.uni 	WIDE;
-TAIL:
-	cvt.u64.u32 	%rd6, %r1;
-	add.s64 	%rd6, %rd6, %rd14;
-BYTES:
-	setp.ge.u64 	%p2, %rd6, %rd3;
-	@%p2 bra 	COPIED;
-	add.s64 	%rd11, %rd2, %rd6;
-	ld.global.u8 	%r3, [%rd11];
-	add.s64 	%rd11, %rd1, %rd6;
-	st.global.u8 	[%rd11], %r3;
-	add.s64 	%rd6, %rd6, %rd7;
-	bra.uni 	BYTES;
-COPIED:
+"#,
+    super::ptx_block_copy!(),
+    r#"COPIED:
 	barrier.sync 	0;
 	setp.ne.u32 	%p3, %r1, 0;
 	@%p3 bra 	NEXT;
@@ -191,7 +164,8 @@ NEXT:
 EXIT:
 	ret;
 }
-"#;
+"#
+);
 pub(crate) const LINGER_ENTRY: &str = "mscclpp_linger_copy";
 
 /// The lingering copy kernel of one device ([`load_linger`], [`Stream::linger_copy`]).

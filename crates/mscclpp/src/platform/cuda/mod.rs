@@ -56,45 +56,14 @@ pub(crate) const ATOMIC_ADD_PTX: &str = r#"//
 "#;
 pub(crate) const ATOMIC_ADD_ENTRY: &str = "mscclpp_atomic_add_u64";
 
-/// A copy of `len` bytes by one block of threads, then (when `token` is not 0) one 64-bit word
-/// written at `token` after the copy, for CUDA IPC connections whose small copies go through a
-/// kernel instead of the copy engine (`MSCCLPP_CUDAIPC_KERNEL_COPY_MAX`). 16-byte loads and
-/// stores for the whole 16-byte units when `dst` and `src` are both 16-byte aligned, single
-/// bytes for the rest (all of it otherwise). The token
-/// is written as `cuStreamWriteValue64` writes it after a copy: every thread's stores, then a
-/// barrier, then thread 0's `fence.acq_rel.sys` and relaxed system-scope store (a release
-/// pattern, cumulative over the block's stores the barrier ordered before it), so a peer that
-/// reads the token with an acquire load sees the data.
-pub(crate) const PUT_TOKEN_PTX: &str = r#"//
-// mscclpp: copy, then token
-.version 7.0
-.target sm_70
-.address_size 64
-
-.visible .entry mscclpp_put_token_u64(
-	.param .u64 p_dst,
-	.param .u64 p_src,
-	.param .u64 p_len,
-	.param .u64 p_token,
-	.param .u64 p_value
-)
-{
-	.reg .pred 	%p<4>;
-	.reg .b32 	%r<4>;
-	.reg .b64 	%rd<16>;
-
-	ld.param.u64 	%rd1, [p_dst];
-	ld.param.u64 	%rd2, [p_src];
-	ld.param.u64 	%rd3, [p_len];
-	ld.param.u64 	%rd4, [p_token];
-	ld.param.u64 	%rd5, [p_value];
-	cvta.to.global.u64 	%rd1, %rd1;
-	cvta.to.global.u64 	%rd2, %rd2;
-	mov.u32 	%r1, %tid.x;
-	mov.u32 	%r2, %ntid.x;
-	cvt.u64.u32 	%rd6, %r1;
-	cvt.u64.u32 	%rd7, %r2;
-	// %rd14: where the byte loop starts (0 when the pointers are not both 16-byte aligned).
+/// The block copy both CUDA IPC copy kernels share ([`PUT_TOKEN_PTX`] and the lingering
+/// kernel, `linger::LINGER_PTX`): `len` (`%rd3`) bytes from `%rd2` to `%rd1` (global
+/// addresses) by `%rd7` threads from thread index `%rd6`, in 16-byte units when both pointers are
+/// 16-byte aligned, then single bytes for the rest (all of it otherwise); it falls through to
+/// the `COPIED` label that must follow it. One text, so the two kernels cannot drift apart.
+macro_rules! ptx_block_copy {
+    () => {
+        r#"	// %rd14: where the byte loop starts (0 when the pointers are not both 16-byte aligned).
 	mov.u64 	%rd14, 0;
 	or.b64 	%rd8, %rd1, %rd2;
 	and.b64 	%rd8, %rd8, 15;
@@ -124,7 +93,53 @@ BYTES:
 	st.global.u8 	[%rd11], %r3;
 	add.s64 	%rd6, %rd6, %rd7;
 	bra.uni 	BYTES;
-COPIED:
+"#
+    };
+}
+pub(crate) use ptx_block_copy;
+
+/// A copy of `len` bytes by one block of threads, then (when `token` is not 0) one 64-bit word
+/// written at `token` after the copy, for CUDA IPC connections whose small copies go through a
+/// kernel instead of the copy engine (`MSCCLPP_CUDAIPC_KERNEL_COPY_MAX`). 16-byte loads and
+/// stores for the whole 16-byte units when `dst` and `src` are both 16-byte aligned, single
+/// bytes for the rest (all of it otherwise). The token
+/// is written as `cuStreamWriteValue64` writes it after a copy: every thread's stores, then a
+/// barrier, then thread 0's `fence.acq_rel.sys` and relaxed system-scope store (a release
+/// pattern, cumulative over the block's stores the barrier ordered before it), so a peer that
+/// reads the token with an acquire load sees the data.
+pub(crate) const PUT_TOKEN_PTX: &str = concat!(
+    r#"//
+// mscclpp: copy, then token
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry mscclpp_put_token_u64(
+	.param .u64 p_dst,
+	.param .u64 p_src,
+	.param .u64 p_len,
+	.param .u64 p_token,
+	.param .u64 p_value
+)
+{
+	.reg .pred 	%p<4>;
+	.reg .b32 	%r<4>;
+	.reg .b64 	%rd<16>;
+
+	ld.param.u64 	%rd1, [p_dst];
+	ld.param.u64 	%rd2, [p_src];
+	ld.param.u64 	%rd3, [p_len];
+	ld.param.u64 	%rd4, [p_token];
+	ld.param.u64 	%rd5, [p_value];
+	cvta.to.global.u64 	%rd1, %rd1;
+	cvta.to.global.u64 	%rd2, %rd2;
+	mov.u32 	%r1, %tid.x;
+	mov.u32 	%r2, %ntid.x;
+	cvt.u64.u32 	%rd6, %r1;
+	cvt.u64.u32 	%rd7, %r2;
+"#,
+    ptx_block_copy!(),
+    r#"COPIED:
 	bar.sync 	0;
 	setp.ne.u32 	%p3, %r1, 0;
 	@%p3 bra 	DONE;
@@ -136,7 +151,8 @@ COPIED:
 DONE:
 	ret;
 }
-"#;
+"#
+);
 pub(crate) const PUT_TOKEN_ENTRY: &str = "mscclpp_put_token_u64";
 /// The most threads of the put-token kernel's one block (fewer when the copy has fewer units).
 pub(crate) const PUT_TOKEN_THREADS: u64 = 512;
