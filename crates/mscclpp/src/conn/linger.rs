@@ -552,4 +552,38 @@ mod gpu_tests {
         assert!(posted > 0, "no copy was posted to a lingering kernel");
         assert!(launches > 1, "kernels never left and came back");
     }
+
+    /// Connections dropped right after their lingering kernel was told to leave (a joined
+    /// copy, then a token alone, then the drop), 50 times: the drop waits for the kernel before
+    /// it frees the mailbox the kernel polls, so the context stays healthy (a kernel reading
+    /// freed host memory would fault it, and every later CUDA call would fail).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn dropping_a_connection_right_after_a_stop_frees_nothing_in_use() {
+        let cfg = EndpointConfig::new(Transport::CudaIpc)
+            .device(crate::Device::Gpu(0))
+            .cuda_ipc_kernel_copy_max(4096)
+            .cuda_ipc_kernel_copy_linger(Duration::from_millis(50));
+        let (a, b) = (Context::new(), Context::new());
+        let eb = b.create_endpoint(&cfg).unwrap();
+        let win = DeviceBuffer::new(&b, 0, 4096, Transport::CudaIpc.into()).unwrap();
+        let win_r = RegisteredMemory::deserialize(&win.memory().serialize()).unwrap();
+        let src = DeviceBuffer::new(&a, 0, 4096, Transport::CudaIpc.into()).unwrap();
+        let data = bytes(3, 4096);
+        src.write(0, &data).unwrap();
+        for i in 0..50u64 {
+            let ea = a.create_endpoint(&cfg).unwrap();
+            let conn = a.connect(&ea, &Endpoint::deserialize(&eb.serialize()).unwrap()).unwrap();
+            let outbound = AtomicU64::new(0);
+            conn.write_and_update_and_sync(&win_r, 0, src.memory(), 0, 4096, (&win_r, 4088), &outbound, 1).unwrap();
+            conn.update_and_sync(&win_r, 4080, &outbound, 2).unwrap();
+            let t0 = Instant::now();
+            drop(conn);
+            assert!(t0.elapsed() < Duration::from_secs(5), "drop {i} waited {:?}", t0.elapsed());
+        }
+        let got = win.to_vec().unwrap();
+        assert_eq!(got[..4080], data[..4080], "the copies landed");
+        assert_eq!(u64::from_le_bytes(got[4080..4088].try_into().unwrap()), 2, "the lone token landed");
+        println!("RESULT 50 connections dropped right after a stop; the context is healthy");
+    }
 }
