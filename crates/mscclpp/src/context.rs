@@ -38,6 +38,18 @@ struct IbDevices {
     opened: HashMap<String, Arc<crate::platform::verbs::dev::IbDevice>>,
 }
 
+/// A new stream for CUDA IPC work on `dev` (a context's shared one, or a lingering connection's
+/// own), of the priority `MSCCLPP_CUDAIPC_STREAM_PRIORITY` asks: `greatest` is an experiment (see
+/// the hardware-queue probe of `mscclpp-perf device`) for programs whose streams share hardware
+/// queues.
+pub(crate) fn new_ipc_stream(dev: &Arc<crate::platform::cuda::GpuDevice>) -> Result<crate::platform::cuda::Stream> {
+    if crate::env::env()?.cudaipc_greatest_priority == Some(true) {
+        crate::platform::cuda::Stream::with_priority(dev, true)
+    } else {
+        crate::platform::cuda::Stream::new(dev)
+    }
+}
+
 /// The CUDA IPC streams of this process's contexts (one per context and GPU), while they live.
 static IPC_STREAMS: Mutex<Vec<(u32, std::sync::Weak<crate::platform::cuda::Stream>)>> = Mutex::new(Vec::new());
 
@@ -108,14 +120,7 @@ impl ContextInner {
         if let Some(s) = v.iter().find(|s| s.dev.ordinal == dev.ordinal) {
             return Ok(s.clone());
         }
-        // `MSCCLPP_CUDAIPC_STREAM_PRIORITY=greatest`: an experiment (see the hardware-queue probe
-        // of `mscclpp-perf device`) for programs whose streams share hardware queues.
-        let greatest = crate::env::env()?.cudaipc_greatest_priority == Some(true);
-        let s = Arc::new(if greatest {
-            crate::platform::cuda::Stream::with_priority(dev, true)?
-        } else {
-            crate::platform::cuda::Stream::new(dev)?
-        });
+        let s = Arc::new(new_ipc_stream(dev)?);
         v.push(s.clone());
         warn_if_queues_shared(dev.ordinal, &s);
         Ok(s)

@@ -692,14 +692,8 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
     let lingers = !linger_for.is_zero() && kernel_copy_max > 0;
     // A lingering kernel is the last work on its stream while it waits: the connection gets a
     // stream of its own, so other connections' work never queues behind it.
-    let stream = if !lingers {
-        ctx.inner().cuda_stream(&dev)?
-    } else if crate::env::env()?.cudaipc_greatest_priority == Some(true) {
-        // As the context's shared streams (`MSCCLPP_CUDAIPC_STREAM_PRIORITY`).
-        Arc::new(Stream::with_priority(&dev, true)?)
-    } else {
-        Arc::new(Stream::new(&dev)?)
-    };
+    let stream =
+        if lingers { Arc::new(crate::context::new_ipc_stream(&dev)?) } else { ctx.inner().cuda_stream(&dev)? };
     // Loaded now: loading it at the first copy, while a kernel that waits for it spins, could
     // wait for the GPU.
     let kernel_copy = if kernel_copy_max > 0 {

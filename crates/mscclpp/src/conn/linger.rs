@@ -88,14 +88,13 @@ impl Linger {
     /// without it): the caller issues it another way, in stream order.
     pub(crate) fn copy(&mut self, l: &impl Launch, job: Job, arm: bool) -> Result<bool> {
         let s = self.posted + 1;
-        if !self.armed {
-            if !arm {
-                return Ok(false);
-            }
-            self.room(s)?;
-            return self.arm(l, s, job).map(|()| true);
+        if !self.armed && !arm {
+            return Ok(false);
         }
         self.room(s)?;
+        if !self.armed {
+            return self.arm(l, s, job).map(|()| true);
+        }
         self.write_slot(s, self.generation, job)?;
         self.mb.word(mb::POSTED)?.store(s, Ordering::Release);
         self.posted = s;
