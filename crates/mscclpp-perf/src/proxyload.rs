@@ -208,19 +208,38 @@ fn peer_of(order: Order, i: u64, peers: usize) -> usize {
     }
 }
 
-/// For Ethernet puts: the staging work since `c0` per 1000 of the `writes` issued (receiver
-/// landings, copy-engine copies to and from the GPU), as a suffix for a row; empty otherwise.
-fn staging_note(t: Transport, op: Op, c0: mscclpp::bench::EthernetStagingCounts, writes: u64) -> String {
+/// A reading of the process's Ethernet staging counters and when it was taken.
+type StagingMark = (mscclpp::bench::EthernetStagingCounts, Instant);
+
+fn staging_mark() -> StagingMark {
+    (mscclpp::bench::ethernet_staging_counts(), Instant::now())
+}
+
+/// For Ethernet puts: the staging work since `m0` per 1000 of the `writes` issued (receiver
+/// landings, copy-engine copies to and from the GPU), and where the threads' time went (seconds
+/// of thread time per second since `m0`, summed over the connections' threads), as a suffix for
+/// a row; empty otherwise.
+fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64) -> String {
     if t != Transport::Ethernet || op == Op::Signal || writes == 0 {
         return String::new();
     }
+    let (c0, t0) = m0;
+    let wall = t0.elapsed().as_secs_f64().max(1e-9);
     let c = mscclpp::bench::ethernet_staging_counts();
     let k = |a: u64, b: u64| (a.saturating_sub(b)) as f64 * 1000.0 / writes as f64;
+    let s = |a: Duration, b: Duration| a.saturating_sub(b).as_secs_f64() / wall;
     format!(
-        "; staging per 1000 writes: {:.0} landings, {:.0} copies to the GPU, {:.0} from it",
+        "; staging per 1000 writes: {:.0} landings, {:.0} copies to the GPU, {:.0} from it; thread s/s: \
+         to GPU issue {:.2} wait {:.2}, from GPU issue {:.2} wait {:.2}, sendmsg {:.2}, full queue {:.2}",
         k(c.landings, c0.landings),
         k(c.htod, c0.htod),
-        k(c.dtoh, c0.dtoh)
+        k(c.dtoh, c0.dtoh),
+        s(c.to_gpu_issue, c0.to_gpu_issue),
+        s(c.to_gpu_wait, c0.to_gpu_wait),
+        s(c.from_gpu_issue, c0.from_gpu_issue),
+        s(c.from_gpu_wait, c0.from_gpu_wait),
+        s(c.send, c0.send),
+        s(c.queue_full, c0.queue_full),
     )
 }
 
@@ -424,7 +443,7 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                 // Size the counts from a short baseline run, then time the baseline itself.
                 let probe = direct(r0, op, size, peers, 2048, timeout)?;
                 let n = ((probe * TARGET_S) as u64).clamp(8192, 1 << 20);
-                let c0 = mscclpp::bench::ethernet_staging_counts();
+                let c0 = staging_mark();
                 let base = direct(r0, op, size, peers, n, timeout)?;
                 let st_base = staging_note(t, op, c0, n);
                 let what = if op == Op::Signal {
@@ -436,7 +455,7 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                     let producers = (blocks * threads) as u64;
                     let per = n.div_ceil(producers).max(1);
                     let per = i32::try_from(per).map_err(|_| "proxy load: too many triggers per thread".to_string())?;
-                    let c0 = mscclpp::bench::ethernet_staging_counts();
+                    let c0 = staging_mark();
                     let (rate, idle, full) =
                         rig.run(op, size, peers, blocks, threads, per, batch, &r0.conns[..peers])?;
                     let staging = staging_note(t, op, c0, producers * per as u64);
@@ -466,10 +485,10 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                     let inter = Order::interleaved(u64::from(LOAD_BLOCKS));
                     let (mut st_shuffled, mut st_inter) = (String::new(), String::new());
                     let diag = (|| {
-                        let c0 = mscclpp::bench::ethernet_staging_counts();
+                        let c0 = staging_mark();
                         let shuffled = direct_in(r0, op, size, peers, n, timeout, Order::Shuffled)?;
                         st_shuffled = staging_note(t, op, c0, n);
-                        let c0 = mscclpp::bench::ethernet_staging_counts();
+                        let c0 = staging_mark();
                         let interleaved = direct_in(r0, op, size, peers, n, timeout, inter)?;
                         st_inter = staging_note(t, op, c0, n);
                         rig.direct_loaded(r0, op, size, peers, n, n as f64 / base).map(|l| (shuffled, interleaved, l))

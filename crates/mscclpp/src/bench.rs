@@ -22,7 +22,9 @@ use crate::{Host2DeviceSemaphore, Host2HostSemaphore, Semaphore};
 /// Staging work of Ethernet connections with GPU memory, counted over the whole process since it
 /// started (differences between two readings give one run's): receiver landings (each time
 /// received small writes were queued to the GPU), copy-engine copies to the GPU (host to device,
-/// the receivers' landings and large writes), and from it (the senders' gathers and chunks).
+/// the receivers' landings and large writes), and from it (the senders' gathers and chunks); and
+/// the thread time spent issuing and waiting for them, sending staged payloads, and waiting on
+/// full write queues (a profile of where a connection's time goes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EthernetStagingCounts {
     /// Receiver landings that queued copies.
@@ -31,13 +33,42 @@ pub struct EthernetStagingCounts {
     pub htod: u64,
     /// Device-to-host copies queued.
     pub dtoh: u64,
+    /// Thread time (summed over threads) in driver calls queueing work to the GPU: the
+    /// receivers' copies, events and tokens.
+    pub to_gpu_issue: Duration,
+    /// Thread time in driver calls queueing copies from the GPU: the senders' gathers, chunks
+    /// and events.
+    pub from_gpu_issue: Duration,
+    /// Thread time receivers waited for their copies to the GPU to finish.
+    pub to_gpu_wait: Duration,
+    /// Thread time senders waited for their copies from the GPU to finish.
+    pub from_gpu_wait: Duration,
+    /// Thread time senders spent in `sendmsg` with staged GPU payloads.
+    pub send: Duration,
+    /// Thread time callers of `write` (a proxy thread, a host thread) waited on a full write
+    /// queue.
+    pub queue_full: Duration,
 }
 
 /// The process's [`EthernetStagingCounts`] so far.
 pub fn ethernet_staging_counts() -> EthernetStagingCounts {
     use crate::conn::ethernet::stager::STAGING_COUNTS as C;
+    use crate::conn::ethernet::stager::{
+        STAGING_TIMES as T, T_FROM_GPU_ISSUE, T_FROM_GPU_WAIT, T_QUEUE_FULL, T_SEND, T_TO_GPU_ISSUE, T_TO_GPU_WAIT,
+    };
     use std::sync::atomic::Ordering::Relaxed;
-    EthernetStagingCounts { landings: C[0].load(Relaxed), htod: C[1].load(Relaxed), dtoh: C[2].load(Relaxed) }
+    let t = |i: usize| Duration::from_nanos(T[i].load(Relaxed));
+    EthernetStagingCounts {
+        landings: C[0].load(Relaxed),
+        htod: C[1].load(Relaxed),
+        dtoh: C[2].load(Relaxed),
+        to_gpu_issue: t(T_TO_GPU_ISSUE),
+        from_gpu_issue: t(T_FROM_GPU_ISSUE),
+        to_gpu_wait: t(T_TO_GPU_WAIT),
+        from_gpu_wait: t(T_FROM_GPU_WAIT),
+        send: t(T_SEND),
+        queue_full: t(T_QUEUE_FULL),
+    }
 }
 
 /// How CUDA IPC kernel copies went through lingering kernels

@@ -516,8 +516,10 @@ fn ethernet_small_gpu_writes_land_in_order_before_the_signal() {
 
 /// Ethernet with GPU memory: small writes that nothing follows (no token, no flush: packets a
 /// kernel would poll for) still land. Rank 0 writes 8 bytes at a time, each into a fresh place,
-/// and rank 1 polls its GPU memory until each has arrived (bounded); then a few scattered ones at
-/// once, the same way.
+/// and rank 1 polls its GPU memory until each has arrived (bounded); then rounds of scattered
+/// ones at once, the same way: 17, 64 and 300 out of order are more than the receiver lands at
+/// once when its input runs dry (it waits `DRY_GRACE` for the holes between them to fill), so
+/// they land when the input has stayed dry that long.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ethernet_small_gpu_writes_with_nothing_after_them_land() {
@@ -529,9 +531,11 @@ fn ethernet_small_gpu_writes_with_nothing_after_them_land() {
         let src = DeviceBuffer::new(p.comm.context(), dev, CAP, Transport::Ethernet.into()).unwrap();
         src.write(0, &data).unwrap();
         p.bs.barrier().unwrap();
-        // Rounds of 1, 2, 3 and 17 writes of 8 bytes at scattered offsets (none overlapping).
+        // Rounds of 1, 2, 3, 17, 64 and 300 writes of 8 bytes at scattered offsets (none
+        // overlapping).
         let mut next = common::splitmix(0x10e);
-        for (round, count) in [1usize, 2, 3, 17].into_iter().enumerate() {
+        for (round, count) in [1usize, 2, 3, 17, 64, 300].into_iter().enumerate() {
+            let t_round = Instant::now();
             let offs: Vec<usize> = (0..count).map(|_| (next() as usize % (CAP / 64)) * 64).collect();
             if r.rank == 0 {
                 for &o in &offs {
@@ -553,6 +557,10 @@ fn ethernet_small_gpu_writes_with_nothing_after_them_land() {
                         std::thread::sleep(std::time::Duration::from_millis(1));
                     }
                 }
+                println!(
+                    "RESULT round of {count} writes with nothing after them: all landed {:?} after the round began",
+                    t_round.elapsed()
+                );
             }
             p.bs.barrier().unwrap();
         }
@@ -563,6 +571,59 @@ fn ethernet_small_gpu_writes_with_nothing_after_them_land() {
         return;
     }
     spawn_ranks("ethernet_small_gpu_writes_with_nothing_after_them_land", 2, &[]).assert_success();
+}
+
+/// Ethernet, a waiter that returns with writes still waiting to land: a rank connected to
+/// itself (a CPU endpoint, so a `Host2HostSemaphore` whose waits apply incoming frames
+/// themselves) signals, then writes 300 scattered 8-byte pieces of GPU memory into GPU memory
+/// with nothing after them. The wait may apply the token and go on to receive the writes, which
+/// wait to land (out of order, the input dry); it returns with its signal, and the receiver
+/// thread must still land them. Twenty rounds, each polled until every piece arrived (bounded).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ethernet_writes_a_waiter_received_after_its_signal_land() {
+    use mscclpp::{Communicator, Host2HostSemaphore, TcpBootstrap};
+    const CAP: usize = 1 << 20;
+    let dev = gpu_for(0);
+    let id = TcpBootstrap::create_unique_id().unwrap();
+    let bs = Arc::new(TcpBootstrap::config(0, 1).timeout(T).initialize(&id).unwrap());
+    let comm = Communicator::new(bs);
+    let dst = DeviceBuffer::new(comm.context(), dev, CAP, Transport::Ethernet.into()).unwrap();
+    dst.fill(0, CAP, 0).unwrap();
+    let src = DeviceBuffer::new(comm.context(), dev, CAP, Transport::Ethernet.into()).unwrap();
+    comm.send_memory(dst.memory(), 0, 0).unwrap();
+    let remote = comm.recv_memory(0, 0).unwrap();
+    let config = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1");
+    let conn = comm.connect(&config, 0, 0).unwrap().wait().unwrap();
+    let remote = remote.wait().unwrap();
+    let sem = Host2HostSemaphore::new(comm.build_semaphore(&conn, 0, 0).unwrap().wait().unwrap()).unwrap();
+    let mut next = common::splitmix(0x3a17);
+    let mut slowest = Duration::ZERO;
+    for round in 0..20u64 {
+        let data = pattern(round, CAP);
+        src.write(0, &data).unwrap();
+        let offs: Vec<usize> = (0..300).map(|_| (next() as usize % (CAP / 64)) * 64).collect();
+        sem.signal().unwrap();
+        for &o in &offs {
+            conn.write(&remote, o as u64, src.memory(), o as u64, 8).unwrap();
+        }
+        sem.wait(T).unwrap();
+        let t0 = Instant::now();
+        let mut got = vec![0u8; CAP];
+        loop {
+            dst.read(0, &mut got).unwrap();
+            if offs.iter().all(|&o| got[o..o + 8] == data[o..o + 8]) {
+                break;
+            }
+            assert!(t0.elapsed() < T, "round {round}: writes after the signal never landed (nothing followed them)");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        slowest = slowest.max(t0.elapsed());
+    }
+    conn.flush(T).unwrap();
+    println!(
+        "RESULT 20 rounds of a signal then 300 scattered writes: each round landed within {slowest:?} of the wait's return"
+    );
 }
 
 /// Host2DeviceSemaphore signalled over CUDA IPC and over Ethernet: the GPU token counts the

@@ -75,6 +75,10 @@ pub(super) struct Shared {
     pub(super) waiter_polled: AtomicU64,
     /// The receiver thread, to wake from its nap when a waiter stops polling.
     pub(super) rx_thread: std::sync::OnceLock<std::thread::Thread>,
+    /// The last drain (the receiver thread's or a waiter's) deferred the landing of received
+    /// payloads (`RxState::deferred`): the receiver thread does not nap then, and comes back
+    /// for them after `DRY_GRACE` of dry input.
+    pub(super) rx_deferred: AtomicBool,
     pub(super) born: Instant,
     pub(super) stop: AtomicBool,
     /// Sequence number of the last acknowledgement probe queued by `progress(true)`.
@@ -425,6 +429,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
         rx_started: AtomicBool::new(false),
         rx: Mutex::new(None),
         waiter_polled: AtomicU64::new(0),
+        rx_deferred: AtomicBool::new(false),
         rx_thread: std::sync::OnceLock::new(),
         born: Instant::now(),
         stop: AtomicBool::new(false),

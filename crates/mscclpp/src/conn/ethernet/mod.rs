@@ -72,7 +72,7 @@
 //!
 //! # GPU memory
 //! Payloads in GPU memory pass through two pinned host buffers per GPU (`stager`). Large ones
-//! (over 1 MiB) go in 4 MiB chunks, the copy of one chunk overlapping the socket's work on the
+//! (over 1 MiB) go in 8 MiB chunks, the copy of one chunk overlapping the socket's work on the
 //! other. Small ones are gathered, because each copy's round trip to the GPU (a few
 //! microseconds of driver calls and waiting) cost more than sending the bytes: the sender copies
 //! every small GPU payload of a batch to consecutive places of one buffer, waits for the GPU
@@ -81,7 +81,11 @@
 //! payloads it reads to the GPU without waiting, and waits for them only before something that
 //! must find them landed: an acknowledgement (so a peer's `flush` covers them), a token into host
 //! memory or another GPU (a token into the same GPU follows them on the same stream and is waited
-//! for), a write into host memory, and the closing record.
+//! for), a write into host memory, and the closing record. When its input runs dry the receiver
+//! issues the copies of what waits, so a write nothing follows still lands; but 16 or more
+//! payloads mostly out of order on the GPU (producers rewriting a ring of slots, each copy one
+//! contiguous run) wait until the input has stayed dry for 50 us or the oldest has waited 10 ms,
+//! for the holes between them to fill (`stager::Stager::issue_when_dry`).
 //!
 //! # Small operations (where the time went, and what was done)
 //! Profiled on a 2-core VM (`strace -f -c`, `perf record`, `mscclpp-perf -b 8 -e 8`): per

@@ -8,7 +8,7 @@ use std::net::Shutdown;
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
@@ -17,7 +17,7 @@ use super::acceptor::Acceptor;
 use super::connection::Shared;
 use super::core::{ReceiverCore, RegionInfo, RxEvent};
 use super::send::{OutLanes, send_record, stall_limit};
-use super::stager::{StageError, Stager, stager_for};
+use super::stager::{DRY_GRACE, StageError, Stager, stager_for};
 use super::wire::{Lane, Record};
 use crate::context::ContextInner;
 use crate::error::{Error, ErrorKind};
@@ -121,6 +121,11 @@ pub(super) struct RxState {
     /// No frame failed to apply or was refused: what `core` counts as applied may be
     /// acknowledged on closing.
     applied_all: bool,
+    /// When the last drain took input (see [`Stager::issue_when_dry`]).
+    input_at: Instant,
+    /// The last drain left received payloads waiting, their landing deferred while the input
+    /// is dry for less than [`DRY_GRACE`]: the receiver thread looks again after that long.
+    pub(super) deferred: bool,
 }
 
 /// Who is applying frames.
@@ -309,16 +314,35 @@ impl RxState {
         }
         // The input ran dry (or a token ended it): copies of small writes still waiting are
         // queued to their GPUs now, not waited for, so a write nothing follows (packets a
-        // kernel polls for) lands too.
+        // kernel polls for) lands too; many out of order wait for more input a little longer
+        // (`issue_when_dry`; the receiver thread comes back for them after `DRY_GRACE`).
+        self.deferred = false;
         if !self.done {
+            let now = Instant::now();
+            if progressed {
+                self.input_at = now;
+            }
+            let grace_over = now.duration_since(self.input_at) >= DRY_GRACE;
             for st in self.stagers.values_mut() {
-                if let Err(e) = st.issue() {
-                    self.applied_all = false;
-                    report(StageError::Mscclpp(e));
-                    self.done = true;
-                    break;
+                match st.issue_when_dry(grace_over) {
+                    Ok(d) => self.deferred |= d,
+                    Err(e) => {
+                        self.applied_all = false;
+                        report(StageError::Mscclpp(e));
+                        self.done = true;
+                        self.deferred = false;
+                        break;
+                    }
                 }
             }
+        }
+        // Relaxed: a hint for the receiver thread's next wait; it reads `deferred` again under
+        // the lock before it acts.
+        let was = sh.rx_deferred.swap(self.deferred, Ordering::Relaxed);
+        if self.deferred && !was && who == Drainer::Waiter {
+            // The receiver thread may be napping while this waiter polls; the waiter may return
+            // (its signal came) and leave these payloads waiting.
+            sh.wake_receiver();
         }
         progressed
     }
@@ -355,9 +379,9 @@ const LAST_ACK_WAIT: Duration = Duration::from_secs(1);
 
 /// Waits up to `timeout` for something to read on `lane`'s socket, or with `both`, on either.
 fn readable_lanes(shared: &TcpStream, own: &TcpStream, lane: Lane, both: bool, timeout: Duration) -> bool {
-    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use nix::poll::{PollFd, PollFlags, ppoll};
+    use nix::sys::time::TimeSpec;
     use std::os::fd::AsFd;
-    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
     let (first, second) = match lane {
         Lane::Shared => (shared, own),
         Lane::Own => (own, shared),
@@ -365,7 +389,8 @@ fn readable_lanes(shared: &TcpStream, own: &TcpStream, lane: Lane, both: bool, t
     let mut fds = [PollFd::new(first.as_fd(), PollFlags::POLLIN), PollFd::new(second.as_fd(), PollFlags::POLLIN)];
     let n = if both { 2 } else { 1 };
     // Interrupted: let the caller look again.
-    poll(&mut fds[..n], PollTimeout::from(ms)).is_ok_and(|n| n > 0)
+    // `ppoll` for its nanosecond timeout (`DRY_GRACE` is 50 us); no signal mask change.
+    ppoll(&mut fds[..n], Some(TimeSpec::from_duration(timeout)), None).is_ok_and(|n| n > 0)
 }
 
 /// The socket of the peer that carries `lane`: the shared one is dialled by the low side.
@@ -456,6 +481,8 @@ pub(super) fn receive(
         ctx,
         done: false,
         applied_all: true,
+        input_at: Instant::now(),
+        deferred: false,
     });
     // The lane to wait on; while the other lane has data and this one not (the peer's frames
     // after a switch not yet here), wait on this one alone for a while.
@@ -467,8 +494,11 @@ pub(super) fn receive(
         if sh.stop.load(Ordering::Acquire) {
             break;
         }
+        // Received payloads wait for their landing (see `RxState::deferred`; set by a waiter's
+        // drain too).
+        let deferred = sh.rx_deferred.load(Ordering::Relaxed);
         let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
-        if since < RX_DEFER.as_nanos() as u64 {
+        if since < RX_DEFER.as_nanos() as u64 && !deferred {
             // A waiter is reading the sockets itself: nap (longer each time it still is), unless
             // it stops polling and wakes this thread.
             std::thread::park_timeout(nap.saturating_sub(Duration::from_nanos(since)).max(RX_DEFER / 2));
@@ -477,15 +507,29 @@ pub(super) fn receive(
         }
         nap = RX_DEFER;
         // Block in `poll` without the lock, so a waiter may take the data first.
-        let wait = if one_lane { RX_DEFER } else { RX_STOP_CHECK };
+        let wait = if deferred {
+            DRY_GRACE
+        } else if one_lane {
+            RX_DEFER
+        } else {
+            RX_STOP_CHECK
+        };
         let ready = readable_lanes(&shared_watch, &in_watch, lane, !one_lane, wait);
         one_lane = false;
         if !ready {
             // (A waiter may have switched lanes meanwhile.)
-            if let Ok(g) = sh.rx.try_lock()
-                && let Some(rx) = g.as_ref()
+            if let Ok(mut g) = sh.rx.try_lock()
+                && let Some(rx) = g.as_mut()
             {
                 lane = rx.lane();
+                if rx.deferred {
+                    // The input stayed dry: this drain reads nothing and lands what waits (or
+                    // reads what came meanwhile).
+                    rx.drain(sh, Drainer::Thread);
+                    if rx.done {
+                        break;
+                    }
+                }
             }
             continue;
         }
@@ -507,6 +551,15 @@ pub(super) fn receive(
     // shut for reading, so the reads end), then acknowledge every frame applied, so that the
     // peer's flush of those succeeds; the socket closes after this.
     if !sh.stop.load(Ordering::Acquire) {
+        // The connection failed: writes that arrived whole still land (as they would have when
+        // the input ran dry), best effort, though nothing more is acknowledged.
+        if let Some(rx) = lock(&sh.rx).as_mut() {
+            for st in rx.stagers.values_mut() {
+                if let Err(e) = st.issue_when_dry(true) {
+                    debug!(target: LOG, "landing the last writes from {} after the connection failed: {e}", sh.peer_desc);
+                }
+            }
+        }
         return;
     }
     let mut g = lock(&sh.rx);

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::connection::{Shared, State};
 use super::core::{Batch, Op, QueueFull};
-use super::stager::{GATHER_MAX, StageError, Stager, stager_for};
+use super::stager::{self, GATHER_MAX, StageError, Stager, stager_for};
 use super::wire::{self, Lane, Record};
 use super::{COALESCE_GRACE, INLINE_LIMIT, TX_LINGER, TX_TICK};
 use crate::error::{Error, ErrorKind, Result};
@@ -101,11 +101,13 @@ impl Shared {
                             ),
                         ));
                     }
+                    let t0 = Instant::now();
                     st = self
                         .cond
                         .wait_timeout(st, d.remaining().min(Duration::from_millis(100)))
                         .map(|(g, _)| g)
                         .unwrap_or_else(|p| p.into_inner().0);
+                    stager::timed(stager::T_QUEUE_FULL, t0);
                 }
             }
         }
@@ -314,7 +316,11 @@ fn send_pieces(
             }
         });
     }
+    let t0 = Instant::now();
     send_vectored(out, &parts)?;
+    if st.is_some() {
+        stager::timed(stager::T_SEND, t0);
+    }
     if let Some(dev) = gathering
         && let Some(st) = stagers.get_mut(&dev)
     {

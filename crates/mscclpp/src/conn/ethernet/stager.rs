@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::recv::RxSocket;
 use crate::error::{Error, ErrorKind, Result};
@@ -72,6 +72,9 @@ pub(crate) trait Engine {
 pub(crate) struct Cuda {
     stream: crate::platform::cuda::Stream,
     events: [crate::platform::cuda::Event; 2],
+    /// Whether this stager's last copy went to the GPU (a receiver's) rather than from it (a
+    /// sender's): which of [`STAGING_TIMES`]' wait counters its waits go to.
+    to_gpu: std::cell::Cell<bool>,
 }
 
 /// Process-wide counts of the staging work on real GPUs, for benchmarks
@@ -85,26 +88,71 @@ fn count(i: usize) {
     STAGING_COUNTS[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Process-wide thread time of the staging work on real GPUs and around it, in nanoseconds
+/// summed over threads, for benchmarks ([`crate::bench::ethernet_staging_counts`]): see the
+/// `T_*` indexes.
+pub(crate) static STAGING_TIMES: [std::sync::atomic::AtomicU64; 6] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 6];
+/// Driver calls queueing work that moves data to the GPU (receivers' copies and tokens).
+pub(crate) const T_TO_GPU_ISSUE: usize = 0;
+/// Driver calls queueing copies from the GPU (senders' gathers and chunks).
+pub(crate) const T_FROM_GPU_ISSUE: usize = 1;
+/// Receivers waiting for their copies to the GPU.
+pub(crate) const T_TO_GPU_WAIT: usize = 2;
+/// Senders waiting for their copies from the GPU.
+pub(crate) const T_FROM_GPU_WAIT: usize = 3;
+/// Senders in `sendmsg` with staged GPU payloads.
+pub(crate) const T_SEND: usize = 4;
+/// Callers of `write` (a proxy, a host thread) waiting on a full write queue.
+pub(crate) const T_QUEUE_FULL: usize = 5;
+
+/// Adds the time since `t0` to `STAGING_TIMES[i]`.
+pub(crate) fn timed(i: usize, t0: std::time::Instant) {
+    let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    // Relaxed: statistics only.
+    STAGING_TIMES[i].fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+}
+
 impl Engine for Cuda {
     fn copy_htod(&self, dst: u64, src: *const u8, n: usize) -> Result<()> {
         count(1);
-        self.stream.copy_htod(dst, src, n)
+        self.to_gpu.set(true);
+        let t0 = std::time::Instant::now();
+        let r = self.stream.copy_htod(dst, src, n);
+        timed(T_TO_GPU_ISSUE, t0);
+        r
     }
     fn copy_dtoh(&self, dst: *mut u8, src: u64, n: usize) -> Result<()> {
         count(2);
-        self.stream.copy_dtoh(dst, src, n)
+        self.to_gpu.set(false);
+        let t0 = std::time::Instant::now();
+        let r = self.stream.copy_dtoh(dst, src, n);
+        timed(T_FROM_GPU_ISSUE, t0);
+        r
     }
     fn record(&self, k: usize) -> Result<()> {
-        self.stream.record(&self.events[k])
+        let t0 = std::time::Instant::now();
+        let r = self.stream.record(&self.events[k]);
+        timed(if self.to_gpu.get() { T_TO_GPU_ISSUE } else { T_FROM_GPU_ISSUE }, t0);
+        r
     }
     fn wait(&self, k: usize, timeout: Duration) -> Result<bool> {
-        self.events[k].wait(timeout)
+        let t0 = std::time::Instant::now();
+        let r = self.events[k].wait(timeout);
+        timed(if self.to_gpu.get() { T_TO_GPU_WAIT } else { T_FROM_GPU_WAIT }, t0);
+        r
     }
     fn atomic_add(&self, addr: u64, value: u64) -> Result<()> {
-        self.stream.atomic_add(addr, value)
+        let t0 = std::time::Instant::now();
+        let r = self.stream.atomic_add(addr, value);
+        timed(T_TO_GPU_ISSUE, t0);
+        r
     }
     fn write_value64(&self, addr: u64, value: u64) -> Result<bool> {
-        self.stream.write_value64(addr, value)
+        let t0 = std::time::Instant::now();
+        let r = self.stream.write_value64(addr, value);
+        timed(T_TO_GPU_ISSUE, t0);
+        r
     }
     fn wait_idle(&self, timeout: Duration) -> Result<bool> {
         self.stream.wait_idle(timeout)
@@ -140,8 +188,18 @@ pub(crate) struct Stager<E: Engine = Cuda> {
     want: usize,
     /// Receiver: payloads in the buffers whose copies to the GPU are not issued yet.
     landing: Vec<Landing>,
-    /// Their bytes.
+    /// Their bytes, counting a payload that rewrites exactly the bytes of one waiting (which
+    /// replaces it when they land) once: the bytes `land` may have to pack.
     landing_bytes: usize,
+    /// The waiting payloads' GPU starts and lengths, for that count.
+    landing_at: HashMap<u64, usize>,
+    /// How many waiting payloads did not continue the one received before them on the GPU: a
+    /// stream written in order has few, producers rewriting slots out of order have many.
+    landing_breaks: usize,
+    /// When the oldest waiting payload arrived.
+    landing_since: Option<Instant>,
+    /// [`DEFER_MAX`] (the unit tests set their own).
+    defer_max: Duration,
     /// A copy was queued whose end can no longer be waited for (recording its event failed, or
     /// the stream did not drain): the buffers are kept allocated when the stager goes.
     untracked: bool,
@@ -151,7 +209,9 @@ pub(crate) struct Stager<E: Engine = Cuda> {
 /// them read along (reading costs less than a second call up to ~90 KB at PCIe speed).
 const GATHER_GAP: u64 = 64 << 10;
 
-/// The receiver issues its queued copies once this many payloads, or bytes, wait. 2 MiB holds
+/// The receiver issues its queued copies once this many payloads, or bytes, wait (since session
+/// 27 the bytes of a payload that rewrites exactly the bytes of a waiting one are not counted
+/// again: `land` replaces the earlier one, so they need no room to pack). 2 MiB holds
 /// most slots of a ring that many producers rewrite (with 1 MiB, the proxy rows' 132 producers
 /// x 256 slots of 512 B took 10 copies for 20,000 payloads in the unit model, against 1,204 with
 /// 256 KiB; 4 KiB: 6,475 against 13,980). Session 26, H100, `mscclpp-perf device --parts
@@ -160,9 +220,19 @@ const GATHER_GAP: u64 = 64 << 10;
 /// the receiver's copies to the GPU 118 / 110 / 153 per 1000 writes against 299 / 318 / 288. The
 /// price: 3 MiB of each 8 MiB buffer kept for packing.
 const LAND_MAX: usize = 4096;
+/// A receiver whose input runs dry defers the landing of at least this many waiting payloads
+/// when more than a quarter of them did not continue the one before them on the GPU (see
+/// [`Stager::issue_when_dry`]).
+const DEFER_MIN: usize = 16;
+/// How long the input must stay dry before deferred payloads land.
+pub(super) const DRY_GRACE: Duration = Duration::from_micros(50);
+/// How long after the oldest of them arrived deferred payloads land, even while input keeps
+/// coming (an acknowledgement, a token, a full buffer or [`LAND_MAX`] land them sooner).
+const DEFER_MAX: Duration = Duration::from_millis(10);
 const LAND_BYTES: usize = 2 << 20;
 /// Room kept free at the end of each buffer for packing the waiting payloads (at most
-/// `LAND_BYTES` plus one payload, packed without gaps): received payloads use the rest.
+/// `LAND_BYTES` plus one payload as `landing_bytes` counts them, packed without gaps; see
+/// `land_epoch` for what a peer can make exceed it): received payloads use the rest.
 const LAND_ROOM: usize = LAND_BYTES + GATHER_MAX as usize;
 
 /// A payload to send (see [`Stager::gather`]): its GPU bytes, and where [`Stager::gathered`]
@@ -195,6 +265,7 @@ pub(super) fn stager_for<'a>(map: &'a mut HashMap<u32, Stager>, g: &GpuRegion) -
             let eng = Cuda {
                 stream: crate::platform::cuda::Stream::new(dev)?,
                 events: [crate::platform::cuda::Event::new(dev)?, crate::platform::cuda::Event::new(dev)?],
+                to_gpu: std::cell::Cell::new(false),
             };
             let stages = [
                 crate::platform::cuda::PinnedAlloc::region(dev, STAGE_CHUNK)?,
@@ -238,6 +309,10 @@ impl<E: Engine> Stager<E> {
             want: 0,
             landing: Vec::new(),
             landing_bytes: 0,
+            landing_at: HashMap::new(),
+            landing_breaks: 0,
+            landing_since: None,
+            defer_max: DEFER_MAX,
             untracked: false,
         }
     }
@@ -404,6 +479,9 @@ impl<E: Engine> Stager<E> {
         count(0);
         let v = std::mem::take(&mut self.landing);
         self.landing_bytes = 0;
+        self.landing_at.clear();
+        self.landing_breaks = 0;
+        self.landing_since = None;
         // The epoch's live payloads: GPU start -> (end, index in `v`), in address order (as
         // `land_epoch` takes them). Their ranges are disjoint, so the one starting last before a
         // new range's end is the only one that can overlap it. A payload rewriting exactly the range of one in the epoch replaces it (the
@@ -454,8 +532,11 @@ impl<E: Engine> Stager<E> {
                 self.eng.copy_htod(first.gpu, self.stages[first.k].as_mut_ptr().wrapping_add(first.at), total)?;
                 self.queued(first.k);
             } else if self.fill + total > STAGE_CHUNK {
-                // No room to pack them (`take` keeps `LAND_ROOM` free, which holds every waiting
-                // payload: not reached, but never an error): one copy each, from where they are.
+                // No room to pack them: one copy each, from where they are. `take` keeps
+                // `LAND_ROOM` free, which holds every waiting payload's bytes as `landing_bytes`
+                // counts them; a peer can pack more (rewrites of the exact bytes of a waiting
+                // payload are counted once, but a partial overlap between them packs both): then
+                // this costs copies, never correctness.
                 for e in group {
                     self.eng.copy_htod(e.gpu, self.stages[e.k].as_mut_ptr().wrapping_add(e.at), e.len)?;
                     self.queued(e.k);
@@ -479,11 +560,24 @@ impl<E: Engine> Stager<E> {
         Ok(())
     }
 
-    /// Issues the copies of the received payloads still waiting, without waiting for them: the
-    /// receiver calls it whenever its input runs dry, so a write that nothing follows (packets
-    /// a kernel polls for, with no signal after them) still lands.
-    pub(super) fn issue(&mut self) -> Result<()> {
-        self.land()
+    /// The receiver's input ran dry: issues the copies of the payloads waiting (without waiting
+    /// for them), so that a write nothing follows (packets a kernel polls for, with no signal
+    /// after them) lands too; unless they are many and mostly out of order, the oldest arrived
+    /// less than [`DEFER_MAX`] ago, and `grace_over` is false (the receiver saw input less than
+    /// [`DRY_GRACE`] ago). Then it returns true and issues nothing: the holes between them (slots
+    /// that producers rewrite out of order and have not reached yet) may still fill, and one
+    /// copy then covers what would have taken one per run.
+    pub(super) fn issue_when_dry(&mut self, grace_over: bool) -> Result<bool> {
+        let n = self.landing.len();
+        if n == 0 {
+            return Ok(false);
+        }
+        let young = self.landing_since.is_some_and(|t| t.elapsed() < self.defer_max);
+        if !grace_over && young && n >= DEFER_MIN && self.landing_breaks * 4 > n {
+            return Ok(true);
+        }
+        self.land()?;
+        Ok(false)
     }
 
     pub(super) fn wait(&mut self, k: usize) -> Result<()> {
@@ -620,8 +714,18 @@ impl<E: Engine> Stager<E> {
         };
         // A payload `fill` could not complete is never copied (its bytes are left unused).
         fill(&self.stages[k], at as u64)?;
+        match self.landing.last() {
+            None => self.landing_since = Some(Instant::now()),
+            Some(l) if l.gpu + l.len as u64 != gpu => self.landing_breaks += 1,
+            Some(_) => {}
+        }
         self.landing.push(Landing { k, at, gpu, len: n, region });
-        self.landing_bytes += n;
+        // A payload rewriting exactly the bytes of a waiting one replaces it when they land (in
+        // `land`, unless a partial overlap between them starts a new epoch: then both are
+        // packed, and a group that finds no room to pack lands unpacked, one copy each).
+        if self.landing_at.insert(gpu, n) != Some(n) {
+            self.landing_bytes += n;
+        }
         if self.landing.len() >= LAND_MAX || self.landing_bytes >= LAND_BYTES {
             self.land()?;
         }
@@ -861,7 +965,7 @@ mod tests {
             let (mut st, allocs) = stager_keeping();
             let mut model = vec![0u8; GPU_LEN];
             assert!(put(&mut st, &mut model, 64, 8, 1));
-            st.issue().unwrap();
+            assert!(!st.issue_when_dry(false).unwrap());
             st.eng.stuck.set(stuck);
             drop(st);
             assert_eq!(kept(&allocs), [stuck, false], "stuck: {stuck}");
@@ -1215,7 +1319,7 @@ mod tests {
     /// far fewer than the payloads.
     #[test]
     fn drifting_producers_with_larger_payloads_land_with_few_copies() {
-        for (size, most) in [(512usize, 100usize), (4096, 8000)] {
+        for (size, most) in [(512usize, 100usize), (4096, 400)] {
             let (n, received) = land_drifting_producers(size, 10);
             assert!(n <= most, "{size} B: {n} copies for {received} payloads");
         }
@@ -1343,17 +1447,89 @@ mod tests {
         }
     }
 
-    /// A lone small write is queued to the GPU by `issue` (the receiver's call when its input
-    /// runs dry), with nothing after it.
+    /// A lone small write is queued to the GPU by `issue_when_dry` (the receiver's call when its
+    /// input runs dry), with nothing after it.
     #[test]
     fn issue_queues_a_lone_small_write() {
         let mut st = stager();
         let mut model = vec![0u8; GPU_LEN];
         assert!(put(&mut st, &mut model, 0, 8, 1));
         assert_eq!(copies(&st), 0);
-        st.issue().unwrap();
+        assert!(!st.issue_when_dry(false).unwrap());
         assert_eq!(copies(&st), 1);
         st.eng.wait_idle(Duration::ZERO).unwrap();
         assert!(landed_as(&st, &model));
+    }
+
+    /// When the input runs dry, many payloads mostly out of order wait (the holes between them
+    /// may fill) until the input has stayed dry for the grace, then land exactly; as many in
+    /// order, or fewer than `DEFER_MIN`, land at once.
+    #[test]
+    fn many_out_of_order_payloads_wait_out_the_dry_grace_in_order_ones_do_not() {
+        let mut rng = Rng(0xd2e);
+        // Out of order: every other slot of 64, backwards (however slowly this machine runs).
+        let mut st = stager();
+        st.defer_max = Duration::MAX;
+        let mut model = vec![0u8; GPU_LEN];
+        for i in (0..32usize).rev() {
+            assert!(put(&mut st, &mut model, i * 2 * 64, 64, rng.next()));
+        }
+        assert!(st.issue_when_dry(false).unwrap(), "32 payloads out of order did not wait");
+        assert_eq!(copies(&st), 0);
+        assert!(!st.issue_when_dry(true).unwrap());
+        assert_eq!(copies(&st), 32);
+        st.eng.wait_idle(Duration::ZERO).unwrap();
+        assert!(landed_as(&st, &model));
+        // In order: one run, one copy, at once.
+        let mut st = stager();
+        let mut model = vec![0u8; GPU_LEN];
+        for i in 0..32usize {
+            assert!(put(&mut st, &mut model, i * 64, 64, rng.next()));
+        }
+        assert!(!st.issue_when_dry(false).unwrap());
+        assert_eq!(copies(&st), 1);
+        // Out of order but fewer than DEFER_MIN: at once.
+        let mut st = stager();
+        let mut model = vec![0u8; GPU_LEN];
+        for i in (0..DEFER_MIN - 1).rev() {
+            assert!(put(&mut st, &mut model, i * 2 * 64, 64, rng.next()));
+        }
+        assert!(!st.issue_when_dry(false).unwrap());
+        assert_eq!(copies(&st), DEFER_MIN - 1);
+        st.eng.wait_idle(Duration::ZERO).unwrap();
+        assert!(landed_as(&st, &model));
+    }
+
+    /// Deferred payloads land once the oldest of them has waited `DEFER_MAX`, even while input
+    /// keeps coming (the grace never runs out): here a limit of zero, so at once.
+    #[test]
+    fn deferred_payloads_land_after_defer_max_while_input_keeps_coming() {
+        let mut st = stager();
+        st.defer_max = Duration::ZERO;
+        let mut model = vec![0u8; GPU_LEN];
+        for i in (0..32usize).rev() {
+            assert!(put(&mut st, &mut model, i * 2 * 64, 64, i as u64));
+        }
+        assert!(!st.issue_when_dry(false).unwrap(), "deferred past DEFER_MAX");
+        assert_eq!(copies(&st), 32);
+        st.eng.wait_idle(Duration::ZERO).unwrap();
+        assert!(landed_as(&st, &model));
+    }
+
+    /// Exact rewrites of waiting payloads do not count toward `LAND_BYTES`: 1,000 writes of
+    /// 4 KiB into a ring of 256 slots (4 MiB received, 1 MiB distinct) wait for one landing.
+    #[test]
+    fn exact_rewrites_do_not_count_toward_the_landing_bytes() {
+        let mut st = stager();
+        let mut model = vec![0u8; GPU_LEN];
+        let mut rng = Rng(0x4e11);
+        for i in 0..1000u64 {
+            let slot = (rng.next() % 256) as usize;
+            assert!(put(&mut st, &mut model, slot * 4096, 4096, i));
+        }
+        assert_eq!(copies(&st), 0, "a landing before the buffer filled");
+        st.settle().unwrap();
+        assert!(landed_as(&st, &model));
+        assert!(copies(&st) <= 256, "{} copies", copies(&st));
     }
 }
