@@ -113,46 +113,36 @@ pub(crate) fn timed(i: usize, t0: std::time::Instant) {
     STAGING_TIMES[i].fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Runs `f`, adding its time to `STAGING_TIMES[i]`.
+fn time<T>(i: usize, f: impl FnOnce() -> T) -> T {
+    let t0 = std::time::Instant::now();
+    let r = f();
+    timed(i, t0);
+    r
+}
+
 impl Engine for Cuda {
     fn copy_htod(&self, dst: u64, src: *const u8, n: usize) -> Result<()> {
         count(1);
         self.to_gpu.set(true);
-        let t0 = std::time::Instant::now();
-        let r = self.stream.copy_htod(dst, src, n);
-        timed(T_TO_GPU_ISSUE, t0);
-        r
+        time(T_TO_GPU_ISSUE, || self.stream.copy_htod(dst, src, n))
     }
     fn copy_dtoh(&self, dst: *mut u8, src: u64, n: usize) -> Result<()> {
         count(2);
         self.to_gpu.set(false);
-        let t0 = std::time::Instant::now();
-        let r = self.stream.copy_dtoh(dst, src, n);
-        timed(T_FROM_GPU_ISSUE, t0);
-        r
+        time(T_FROM_GPU_ISSUE, || self.stream.copy_dtoh(dst, src, n))
     }
     fn record(&self, k: usize) -> Result<()> {
-        let t0 = std::time::Instant::now();
-        let r = self.stream.record(&self.events[k]);
-        timed(if self.to_gpu.get() { T_TO_GPU_ISSUE } else { T_FROM_GPU_ISSUE }, t0);
-        r
+        time(if self.to_gpu.get() { T_TO_GPU_ISSUE } else { T_FROM_GPU_ISSUE }, || self.stream.record(&self.events[k]))
     }
     fn wait(&self, k: usize, timeout: Duration) -> Result<bool> {
-        let t0 = std::time::Instant::now();
-        let r = self.events[k].wait(timeout);
-        timed(if self.to_gpu.get() { T_TO_GPU_WAIT } else { T_FROM_GPU_WAIT }, t0);
-        r
+        time(if self.to_gpu.get() { T_TO_GPU_WAIT } else { T_FROM_GPU_WAIT }, || self.events[k].wait(timeout))
     }
     fn atomic_add(&self, addr: u64, value: u64) -> Result<()> {
-        let t0 = std::time::Instant::now();
-        let r = self.stream.atomic_add(addr, value);
-        timed(T_TO_GPU_ISSUE, t0);
-        r
+        time(T_TO_GPU_ISSUE, || self.stream.atomic_add(addr, value))
     }
     fn write_value64(&self, addr: u64, value: u64) -> Result<bool> {
-        let t0 = std::time::Instant::now();
-        let r = self.stream.write_value64(addr, value);
-        timed(T_TO_GPU_ISSUE, t0);
-        r
+        time(T_TO_GPU_ISSUE, || self.stream.write_value64(addr, value))
     }
     fn wait_idle(&self, timeout: Duration) -> Result<bool> {
         self.stream.wait_idle(timeout)
