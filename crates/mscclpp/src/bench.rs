@@ -470,15 +470,12 @@ impl Sem {
 
 #[cfg(test)]
 mod tests {
-    /// The hardware-queue probe's hand-written PTX assembles for sm_90 (with ptxas, found as
-    /// `mscclpp::device::compile` finds it; skipped without one). Here rather than next to the
-    /// PTX: the platform layer does not reach up to the device compiler.
-    #[test]
-    fn the_queue_probe_ptx_assembles_for_sm_90() {
-        use crate::platform::cuda::queue_probe::PROBE_PTX;
-        match crate::device::compile::assemble(PROBE_PTX, "sm_90") {
+    /// Assembles `ptx` for sm_90 (with ptxas, found as `mscclpp::device::compile` finds it;
+    /// skipped without one) and checks that ptxas compiled each of `entries`.
+    fn assembles_for_sm_90(ptx: &str, entries: &[&str]) {
+        match crate::device::compile::assemble(ptx, "sm_90") {
             Ok(report) => {
-                for name in ["mscclpp_probe_spin", "mscclpp_probe_nop", "mscclpp_probe_set"] {
+                for name in entries {
                     assert!(report.contains(name), "ptxas compiled no {name}:\n{report}");
                 }
             }
@@ -487,25 +484,25 @@ mod tests {
         }
     }
 
+    /// The hardware-queue probe's hand-written PTX assembles for sm_90. Here rather than next
+    /// to the PTX: the platform layer does not reach up to the device compiler.
+    #[test]
+    fn the_queue_probe_ptx_assembles_for_sm_90() {
+        use crate::platform::cuda::queue_probe::PROBE_PTX;
+        assembles_for_sm_90(PROBE_PTX, &["mscclpp_probe_spin", "mscclpp_probe_nop", "mscclpp_probe_set"]);
+    }
+
     /// The same for the lingering copy kernel's PTX (`platform::cuda::linger::LINGER_PTX`).
     #[test]
     fn the_linger_ptx_assembles_for_sm_90() {
         use crate::platform::cuda::linger::{LINGER_ENTRY, LINGER_PTX};
-        match crate::device::compile::assemble(LINGER_PTX, "sm_90") {
-            Ok(report) => assert!(report.contains(LINGER_ENTRY), "ptxas compiled no {LINGER_ENTRY}:\n{report}"),
-            Err(e) if e.kind() == crate::ErrorKind::NotAvailable => eprintln!("skipped: {e}"),
-            Err(e) => panic!("{e}"),
-        }
+        assembles_for_sm_90(LINGER_PTX, &[LINGER_ENTRY]);
     }
 
     /// The same for the CUDA IPC kernel copies' PTX (`platform::cuda::PUT_TOKEN_PTX`).
     #[test]
     fn the_put_token_ptx_assembles_for_sm_90() {
         use crate::platform::cuda::{PUT_TOKEN_ENTRY, PUT_TOKEN_PTX};
-        match crate::device::compile::assemble(PUT_TOKEN_PTX, "sm_90") {
-            Ok(report) => assert!(report.contains(PUT_TOKEN_ENTRY), "ptxas compiled no {PUT_TOKEN_ENTRY}:\n{report}"),
-            Err(e) if e.kind() == crate::ErrorKind::NotAvailable => eprintln!("skipped: {e}"),
-            Err(e) => panic!("{e}"),
-        }
+        assembles_for_sm_90(PUT_TOKEN_PTX, &[PUT_TOKEN_ENTRY]);
     }
 }
