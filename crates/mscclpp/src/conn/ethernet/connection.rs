@@ -75,9 +75,10 @@ pub(super) struct Shared {
     pub(super) waiter_polled: AtomicU64,
     /// The receiver thread, to wake from its nap when a waiter stops polling.
     pub(super) rx_thread: std::sync::OnceLock<std::thread::Thread>,
-    /// The last drain (the receiver thread's or a waiter's) deferred the landing of received
-    /// payloads (`RxState::deferred`): the receiver thread does not nap then, and comes back
-    /// for them after `DRY_GRACE` of dry input.
+    /// The last drain (the receiver thread's or a waiter's, under the `rx` lock) left received
+    /// payloads waiting, their landing deferred while the input is dry for less than
+    /// `DRY_GRACE` (`Stager::issue_when_dry`): the receiver thread does not nap then, and comes
+    /// back for them after that long.
     pub(super) rx_deferred: AtomicBool,
     pub(super) born: Instant,
     pub(super) stop: AtomicBool,

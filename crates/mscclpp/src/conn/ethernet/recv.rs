@@ -123,9 +123,6 @@ pub(super) struct RxState {
     applied_all: bool,
     /// When the last drain took input (see [`Stager::issue_when_dry`]).
     input_at: Instant,
-    /// The last drain left received payloads waiting, their landing deferred while the input
-    /// is dry for less than [`DRY_GRACE`]: the receiver thread looks again after that long.
-    pub(super) deferred: bool,
 }
 
 /// Who is applying frames.
@@ -316,7 +313,7 @@ impl RxState {
         // queued to their GPUs now, not waited for, so a write nothing follows (packets a
         // kernel polls for) lands too; many out of order wait for more input a little longer
         // (`issue_when_dry`; the receiver thread comes back for them after `DRY_GRACE`).
-        self.deferred = false;
+        let mut deferred = false;
         if !self.done {
             let now = Instant::now();
             if progressed {
@@ -325,21 +322,21 @@ impl RxState {
             let grace_over = now.duration_since(self.input_at) >= DRY_GRACE;
             for st in self.stagers.values_mut() {
                 match st.issue_when_dry(grace_over) {
-                    Ok(d) => self.deferred |= d,
+                    Ok(d) => deferred |= d,
                     Err(e) => {
                         self.applied_all = false;
                         report(StageError::Mscclpp(e));
                         self.done = true;
-                        self.deferred = false;
+                        deferred = false;
                         break;
                     }
                 }
             }
         }
-        // Relaxed: a hint for the receiver thread's next wait; it reads `deferred` again under
-        // the lock before it acts.
-        let was = sh.rx_deferred.swap(self.deferred, Ordering::Relaxed);
-        if self.deferred && !was && who == Drainer::Waiter {
+        // Relaxed: written only here, under the receiver's lock; the receiver thread reads it
+        // for its next wait, and again under the lock before it acts.
+        let was = sh.rx_deferred.swap(deferred, Ordering::Relaxed);
+        if deferred && !was && who == Drainer::Waiter {
             // The receiver thread may be napping while this waiter polls; the waiter may return
             // (its signal came) and leave these payloads waiting.
             sh.wake_receiver();
@@ -482,7 +479,6 @@ pub(super) fn receive(
         done: false,
         applied_all: true,
         input_at: Instant::now(),
-        deferred: false,
     });
     // The lane to wait on; while the other lane has data and this one not (the peer's frames
     // after a switch not yet here), wait on this one alone for a while.
@@ -494,7 +490,7 @@ pub(super) fn receive(
         if sh.stop.load(Ordering::Acquire) {
             break;
         }
-        // Received payloads wait for their landing (see `RxState::deferred`; set by a waiter's
+        // Received payloads wait for their landing (`Shared::rx_deferred`; set by a waiter's
         // drain too).
         let deferred = sh.rx_deferred.load(Ordering::Relaxed);
         let since = (sh.born.elapsed().as_nanos() as u64).saturating_sub(sh.waiter_polled.load(Ordering::Relaxed));
@@ -522,7 +518,7 @@ pub(super) fn receive(
                 && let Some(rx) = g.as_mut()
             {
                 lane = rx.lane();
-                if rx.deferred {
+                if sh.rx_deferred.load(Ordering::Relaxed) {
                     // The input stayed dry: this drain reads nothing and lands what waits (or
                     // reads what came meanwhile).
                     rx.drain(sh, Drainer::Thread);
