@@ -84,7 +84,7 @@
 //! for), a write into host memory, and the closing record. When its input runs dry the receiver
 //! issues the copies of what waits, so a write nothing follows still lands; but 16 or more
 //! payloads mostly out of order on the GPU (producers rewriting a ring of slots, each copy one
-//! contiguous run) wait until the input has stayed dry for 50 us or the oldest has waited 10 ms,
+//! contiguous run) wait until the input has stayed dry for 250 us or the oldest has waited 10 ms,
 //! for the holes between them to fill (`stager::Stager::issue_when_dry`).
 //!
 //! # Small operations (where the time went, and what was done)

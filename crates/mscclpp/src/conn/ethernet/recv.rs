@@ -386,7 +386,7 @@ fn readable_lanes(shared: &TcpStream, own: &TcpStream, lane: Lane, both: bool, t
     let mut fds = [PollFd::new(first.as_fd(), PollFlags::POLLIN), PollFd::new(second.as_fd(), PollFlags::POLLIN)];
     let n = if both { 2 } else { 1 };
     // Interrupted: let the caller look again.
-    // `ppoll` for its nanosecond timeout (`DRY_GRACE` is 50 us); no signal mask change.
+    // `ppoll` for its nanosecond timeout (`DRY_GRACE` is 250 us); no signal mask change.
     ppoll(&mut fds[..n], Some(TimeSpec::from_duration(timeout)), None).is_ok_and(|n| n > 0)
 }
 
