@@ -219,7 +219,7 @@ fn staging_mark() -> StagingMark {
 /// landings, copy-engine copies to and from the GPU), and where the threads' time went (seconds
 /// of thread time per second since `m0`, summed over the connections' threads), as a suffix for
 /// a row; empty otherwise.
-fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64) -> String {
+fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64, size: u64) -> String {
     if t != Transport::Ethernet || op == Op::Signal || writes == 0 {
         return String::new();
     }
@@ -229,11 +229,13 @@ fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64) -> String {
     let k = |a: u64, b: u64| (a.saturating_sub(b)) as f64 * 1000.0 / writes as f64;
     let s = |a: Duration, b: Duration| a.saturating_sub(b).as_secs_f64() / wall;
     format!(
-        "; staging per 1000 writes: {:.0} landings, {:.0} copies to the GPU, {:.0} from it; thread s/s: \
-         to GPU issue {:.2} wait {:.2}, from GPU issue {:.2} wait {:.2}, sendmsg {:.2}, full queue {:.2}",
+        "; staging per 1000 writes: {:.0} landings, {:.0} copies to the GPU, {:.0} from it (bytes read per \
+         byte put {:.1}); thread s/s: to GPU issue {:.2} wait {:.2}, from GPU issue {:.2} wait {:.2}, sendmsg {:.2}, \
+         full queue {:.2}",
         k(c.landings, c0.landings),
         k(c.htod, c0.htod),
         k(c.dtoh, c0.dtoh),
+        c.dtoh_bytes.saturating_sub(c0.dtoh_bytes) as f64 / (writes * size.max(1)) as f64,
         s(c.to_gpu_issue, c0.to_gpu_issue),
         s(c.to_gpu_wait, c0.to_gpu_wait),
         s(c.from_gpu_issue, c0.from_gpu_issue),
@@ -445,7 +447,7 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                 let n = ((probe * TARGET_S) as u64).clamp(8192, 1 << 20);
                 let c0 = staging_mark();
                 let base = direct(r0, op, size, peers, n, timeout)?;
-                let st_base = staging_note(t, op, c0, n);
+                let st_base = staging_note(t, op, c0, n, size);
                 let what = if op == Op::Signal {
                     format!("{t} signal")
                 } else {
@@ -458,7 +460,7 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                     let c0 = staging_mark();
                     let (rate, idle, full) =
                         rig.run(op, size, peers, blocks, threads, per, batch, &r0.conns[..peers])?;
-                    let staging = staging_note(t, op, c0, producers * per as u64);
+                    let staging = staging_note(t, op, c0, producers * per as u64, size);
                     let who = if batch > 1 {
                         format!("{producers:>5} producer, push_batch of {batch}")
                     } else {
@@ -487,10 +489,10 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                     let diag = (|| {
                         let c0 = staging_mark();
                         let shuffled = direct_in(r0, op, size, peers, n, timeout, Order::Shuffled)?;
-                        st_shuffled = staging_note(t, op, c0, n);
+                        st_shuffled = staging_note(t, op, c0, n, size);
                         let c0 = staging_mark();
                         let interleaved = direct_in(r0, op, size, peers, n, timeout, inter)?;
-                        st_inter = staging_note(t, op, c0, n);
+                        st_inter = staging_note(t, op, c0, n, size);
                         rig.direct_loaded(r0, op, size, peers, n, n as f64 / base).map(|l| (shuffled, interleaved, l))
                     })();
                     row(match diag {

@@ -33,6 +33,11 @@ pub struct EthernetStagingCounts {
     pub htod: u64,
     /// Device-to-host copies queued.
     pub dtoh: u64,
+    /// Bytes of the host-to-device copies.
+    pub htod_bytes: u64,
+    /// Bytes of the device-to-host copies: a sender's gather reads the gaps between nearby
+    /// payloads along (one copy instead of several), so this may exceed the bytes it sends.
+    pub dtoh_bytes: u64,
     /// Thread time (summed over threads) in driver calls queueing work to the GPU: the
     /// receivers' copies, events and tokens.
     pub to_gpu_issue: Duration,
@@ -62,6 +67,8 @@ pub fn ethernet_staging_counts() -> EthernetStagingCounts {
         landings: C[0].load(Relaxed),
         htod: C[1].load(Relaxed),
         dtoh: C[2].load(Relaxed),
+        htod_bytes: C[3].load(Relaxed),
+        dtoh_bytes: C[4].load(Relaxed),
         to_gpu_issue: t(T_TO_GPU_ISSUE),
         from_gpu_issue: t(T_FROM_GPU_ISSUE),
         to_gpu_wait: t(T_TO_GPU_WAIT),
