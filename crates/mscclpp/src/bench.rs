@@ -57,18 +57,18 @@ pub struct EthernetStagingCounts {
 
 /// The process's [`EthernetStagingCounts`] so far.
 pub fn ethernet_staging_counts() -> EthernetStagingCounts {
-    use crate::conn::ethernet::stager::STAGING_COUNTS as C;
     use crate::conn::ethernet::stager::{
-        STAGING_TIMES as T, T_FROM_GPU_ISSUE, T_FROM_GPU_WAIT, T_QUEUE_FULL, T_SEND, T_TO_GPU_ISSUE, T_TO_GPU_WAIT,
+        C_DTOH, C_DTOH_BYTES, C_HTOD, C_HTOD_BYTES, C_LANDINGS, STAGING_COUNTS as C, STAGING_TIMES as T,
+        T_FROM_GPU_ISSUE, T_FROM_GPU_WAIT, T_QUEUE_FULL, T_SEND, T_TO_GPU_ISSUE, T_TO_GPU_WAIT,
     };
     use std::sync::atomic::Ordering::Relaxed;
     let t = |i: usize| Duration::from_nanos(T[i].load(Relaxed));
     EthernetStagingCounts {
-        landings: C[0].load(Relaxed),
-        htod: C[1].load(Relaxed),
-        dtoh: C[2].load(Relaxed),
-        htod_bytes: C[3].load(Relaxed),
-        dtoh_bytes: C[4].load(Relaxed),
+        landings: C[C_LANDINGS].load(Relaxed),
+        htod: C[C_HTOD].load(Relaxed),
+        dtoh: C[C_DTOH].load(Relaxed),
+        htod_bytes: C[C_HTOD_BYTES].load(Relaxed),
+        dtoh_bytes: C[C_DTOH_BYTES].load(Relaxed),
         to_gpu_issue: t(T_TO_GPU_ISSUE),
         from_gpu_issue: t(T_FROM_GPU_ISSUE),
         to_gpu_wait: t(T_TO_GPU_WAIT),

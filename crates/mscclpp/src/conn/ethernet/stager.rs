@@ -83,6 +83,14 @@ pub(crate) struct Cuda {
 /// along, so the bytes from the GPU may exceed those sent).
 pub(crate) static STAGING_COUNTS: [std::sync::atomic::AtomicU64; 5] =
     [const { std::sync::atomic::AtomicU64::new(0) }; 5];
+/// Receiver landings that issued copies.
+pub(crate) const C_LANDINGS: usize = 0;
+/// Copies to the GPU, and their bytes.
+pub(crate) const C_HTOD: usize = 1;
+pub(crate) const C_HTOD_BYTES: usize = 3;
+/// Copies from the GPU, and their bytes.
+pub(crate) const C_DTOH: usize = 2;
+pub(crate) const C_DTOH_BYTES: usize = 4;
 
 fn count(i: usize) {
     count_n(i, 1);
@@ -128,14 +136,14 @@ fn time<T>(i: usize, f: impl FnOnce() -> T) -> T {
 
 impl Engine for Cuda {
     fn copy_htod(&self, dst: u64, src: *const u8, n: usize) -> Result<()> {
-        count(1);
-        count_n(3, n as u64);
+        count(C_HTOD);
+        count_n(C_HTOD_BYTES, n as u64);
         self.to_gpu.set(true);
         time(T_TO_GPU_ISSUE, || self.stream.copy_htod(dst, src, n))
     }
     fn copy_dtoh(&self, dst: *mut u8, src: u64, n: usize) -> Result<()> {
-        count(2);
-        count_n(4, n as u64);
+        count(C_DTOH);
+        count_n(C_DTOH_BYTES, n as u64);
         self.to_gpu.set(false);
         time(T_FROM_GPU_ISSUE, || self.stream.copy_dtoh(dst, src, n))
     }
@@ -483,7 +491,7 @@ impl<E: Engine> Stager<E> {
         if self.landing.is_empty() {
             return Ok(());
         }
-        count(0);
+        count(C_LANDINGS);
         let v = std::mem::take(&mut self.landing);
         self.landing_bytes = 0;
         self.landing_at.clear();
