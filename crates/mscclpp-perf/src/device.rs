@@ -54,9 +54,10 @@ extern "C" __global__ void fifo_latency(mscclpp::FifoDeviceHandle fifo, int n, u
   out[0] = now() - t0;
 }
 
-// Push diagnostics (issue 25 item 2; not for use: modes 1-3 each drop a guarantee): the
-// fifo_latency loop with the push cut down. mode 0: the header's push; 1: the trigger stored
-// relaxed at system scope (no fence: the proxy could see it before the kernel's earlier writes);
+// Push diagnostics (issue 25 item 2; not for use: modes 2-3 each drop a guarantee): the
+// fifo_latency loop with the push cut down. mode 0: the header's push; 1: the header's
+// push_relaxed (the trigger stored relaxed at system scope; the caller's fence, which this loop
+// does not need, orders the data);
 // 2: a gpu-scope release fence, then that relaxed store; 3: the header's store, the position
 // counted by this one thread instead of the atomic on `head` (head is set at the end); 4 and 5:
 // the header's push_batch, 8 and 32 triggers a call (n a multiple of 32, fifo.size of 32).
@@ -79,6 +80,8 @@ extern "C" __global__ void fifo_push_variant(mscclpp::FifoDeviceHandle fifo, int
   for (int i = 0; i < n; ++i) {
     if (mode == 0) {
       pos = fifo.push(t);
+    } else if (mode == 1) {
+      pos = fifo.push_relaxed(t);
     } else {
       pos = mode == 3 ? mine++ : mscclpp::detail::fetch_add_relaxed_gpu(fifo.head, 1);
       if (pos >= (u64)fifo.size + *fifo.tailCache) fifo.sync(pos - fifo.size);
@@ -159,6 +162,8 @@ extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, u6
 // goes to peer i % npeers, slot (i / npeers) % slots of `size` bytes (same offset on both sides;
 // slots is a power of two). op 0: put, 1: putWithSignal, 2: signal. batch > 1: each thread pushes
 // its triggers `batch` at a time with push_batch (at most 32; the last batch may be shorter).
+// batch < 0: each thread makes one __threadfence_system() (the sources were written before the
+// kernel), then pushes its triggers one at a time with push_relaxed.
 // Peer and slot advance by addition (a 64-bit division costs one GPU thread a few hundred cycles:
 // with one producer, three a trigger cost more than the push itself). Each push's wait is bounded
 // by max_spins rounds (the kernel traps past it: the proxy stopped popping), so a stalled proxy
@@ -171,6 +176,12 @@ extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers 
   mscclpp::TriggerType type =
       op == 0 ? mscclpp::TriggerData : op == 1 ? (mscclpp::TriggerData | mscclpp::TriggerFlag) : mscclpp::TriggerFlag;
   if (batch > 32) batch = 32;
+  const bool relaxed = batch < 0;
+  if (relaxed) {
+    batch = 1;
+    // Orders every source before the relaxed triggers below (push_relaxed's contract).
+    __threadfence_system();
+  }
   mscclpp::ProxyTrigger ts[32];
   int held = 0;
   // i = q * npeers + r, starting at i = tid; each step adds nthreads = step_q * npeers + step_r.
@@ -204,7 +215,11 @@ extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers 
     r += step_r;
     if (r >= p.npeers) { r -= p.npeers; ++q; }
     if (batch <= 1) {
-      fifo.push(t, max_spins);
+      if (relaxed) {
+        fifo.push_relaxed(t, max_spins);
+      } else {
+        fifo.push(t, max_spins);
+      }
       continue;
     }
     ts[held++] = t;
@@ -412,7 +427,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         })();
         match variants {
             Ok(us) => row(format!(
-                "fifo push->pop parts (diagnostics, us/trigger): the push {:.3}; trigger stored without a fence {:.3}; \
+                "fifo push->pop parts (diagnostics, us/trigger): the push {:.3}; push_relaxed (no release) {:.3}; \
                  with a gpu-scope fence {:.3}; position without the atomic on head {:.3}; push_batch of 8 {:.3}, \
                  of 32 {:.3} (one atomic and one fence a call)",
                 us[0], us[1], us[2], us[3], us[4], us[5]

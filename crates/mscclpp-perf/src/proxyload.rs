@@ -2,7 +2,8 @@
 //! rank 0 serve 1, 4 or 8 peers (ranks of this process, threads with a loopback bootstrap, all on
 //! `--device`), over CUDA IPC and over Ethernet (127.0.0.1). Per (transport, operation, size,
 //! peers), GPU producer counts of 1, 132, 132 x 32 and 132 x 256 threads push triggers one at a
-//! time, and one thread pushes them 32 at a time with `push_batch` (kernel `proxy_load` of
+//! time, one thread pushes them 32 at a time with `push_batch`, and one thread pushes them one at
+//! a time with `push_relaxed` after one `__threadfence_system()` (kernel `proxy_load` of
 //! `device.rs`: trigger i goes to peer i mod peers); each row sets the
 //! triggers/s through the proxy beside the rate at which one host thread issues the same
 //! connection calls directly in the same run (write, and/or `Host2DeviceSemaphore::signal`),
@@ -37,8 +38,13 @@ const MAX_SIZE: u64 = 4 << 10;
 /// host's tail about once a microsecond, so a proxy that stops popping fails the row in seconds.
 pub(crate) const MAX_SPINS: i64 = 4_000_000;
 /// (blocks, threads per block, triggers per push) of the rows: every producer count pushing one
-/// trigger at a time (`push`), and one thread pushing `BATCH` at a time (`push_batch`).
-const PRODUCERS: [(u32, u32, i32); 5] = [(1, 1, 1), (1, 1, BATCH), (132, 1, 1), (132, 32, 1), (132, 256, 1)];
+/// trigger at a time (`push`), one thread pushing `BATCH` at a time (`push_batch`), and one
+/// thread pushing one at a time with `push_relaxed` after one `__threadfence_system()`
+/// (`RELAXED`).
+const PRODUCERS: [(u32, u32, i32); 6] =
+    [(1, 1, 1), (1, 1, BATCH), (1, 1, RELAXED), (132, 1, 1), (132, 32, 1), (132, 256, 1)];
+/// The kernel's `batch` for `push_relaxed` (any negative value).
+const RELAXED: i32 = -1;
 /// Triggers per `push_batch` in the batched row (the kernel's most).
 const BATCH: i32 = 32;
 /// Seconds each measurement aims at.
@@ -463,6 +469,8 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                     let staging = staging_note(t, op, c0, producers * per as u64, size);
                     let who = if batch > 1 {
                         format!("{producers:>5} producer, push_batch of {batch}")
+                    } else if batch == RELAXED {
+                        format!("{producers:>5} producer, push_relaxed")
                     } else {
                         format!("{producers:>5} producers")
                     };

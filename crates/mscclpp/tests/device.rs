@@ -45,6 +45,33 @@ extern "C" __global__ void sender(mscclpp::PortChannelDeviceHandle* ch, unsigned
   }
 }
 
+// `sender` with `push_relaxed` (FifoDeviceHandle): messages go in groups of 4; the block fills all
+// four, synchronizes, and thread 0 makes one __threadfence_system() for the group, then pushes
+// its four putWithSignal triggers relaxed and flushes. result[0] as in `sender`.
+extern "C" __global__ void sender_relaxed(mscclpp::PortChannelDeviceHandle* ch, unsigned char* src, int n, int slots,
+                                          u64 chunk, u64 timeout_ns, u64* result) {
+  __shared__ int stop;
+  if (threadIdx.x == 0) stop = 0;
+  for (int g = 0; g < n; g += 4) {
+    const int end = g + 4 < n ? g + 4 : n;
+    for (int m = g; m < end; ++m) {
+      u64 off = (u64)(m % slots) * chunk, size = msg_size(m, chunk);
+      for (u64 i = threadIdx.x; i < size; i += blockDim.x) src[off + i] = pat(m, i);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      for (int m = g; m < end; ++m) {
+        u64 off = (u64)(m % slots) * chunk, size = msg_size(m, chunk);
+        ch->fifo_.push_relaxed(ch->put_with_signal_trigger(off, off, size));
+      }
+      if (!ch->flush_for(timeout_ns)) { result[0]++; stop = 1; }
+    }
+    __syncthreads();
+    if (stop) return;
+  }
+}
+
 // Waits for each message, then checks every byte. result[0]: wrong bytes, result[1]: waits that
 // timed out (the kernel then stops), result[2]: messages checked.
 extern "C" __global__ void receiver(mscclpp::Host2DeviceSemaphoreDeviceHandle sem, const unsigned char* dst, int n,
@@ -165,6 +192,11 @@ const TIMEOUT_NS: u64 = 30_000_000_000;
 /// Rank 0's kernel puts 24 messages (1 B .. 64 KiB) with signals and flushes through its proxy;
 /// rank 1's kernel waits for each on the device and checks every byte.
 fn transfer(r: &Rank, t: Transport) {
+    transfer_with(r, t, "sender")
+}
+
+/// `transfer` with rank 0's kernel `sender` (`sender` or `sender_relaxed`).
+fn transfer_with(r: &Rank, t: Transport, sender: &str) {
     let dev = gpu_for(r.rank);
     let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
     let p = pair(bs, r.rank, cfg(t, dev), (MSGS as u64 * CHUNK) as usize);
@@ -182,7 +214,7 @@ fn transfer(r: &Rank, t: Transport) {
         proxy.start().unwrap();
         let (mut chp, mut srcp) = (ch.device_handle_ptr().unwrap(), src.device_ptr());
         let mut slots = MSGS;
-        launch(&kernel(&m, "sender"), 1, 256, &stream, &mut args![chp, srcp, n, slots, chunk, tmo, resp]);
+        launch(&kernel(&m, sender), 1, 256, &stream, &mut args![chp, srcp, n, slots, chunk, tmo, resp]);
         stream.synchronize(T).unwrap();
         assert_eq!(read(&res, 0), 0, "flushes that failed");
         proxy.stop().unwrap();
@@ -245,6 +277,30 @@ fn port_channel_over_ethernet_gpu_memory() {
         return transfer(&r, Transport::Ethernet);
     }
     spawn_ranks("port_channel_over_ethernet_gpu_memory", 2, &[]).assert_success();
+}
+
+/// `push_relaxed` through a PortChannel over CUDA IPC: the sending kernel writes four messages,
+/// makes one `__threadfence_system()` and pushes their four putWithSignal triggers relaxed; the
+/// receiving kernel checks every byte after each signal (a put that overtook its data would copy
+/// stale bytes).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn port_channel_relaxed_pushes_over_cuda_ipc() {
+    if let Some(r) = Rank::from_env() {
+        return transfer_with(&r, Transport::CudaIpc, "sender_relaxed");
+    }
+    spawn_ranks("port_channel_relaxed_pushes_over_cuda_ipc", 2, &[]).assert_success();
+}
+
+/// The same over Ethernet from GPU memory (the sender stages each put's source with a copy
+/// from the GPU after it pops the trigger).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn port_channel_relaxed_pushes_over_ethernet_gpu_memory() {
+    if let Some(r) = Rank::from_env() {
+        return transfer_with(&r, Transport::Ethernet, "sender_relaxed");
+    }
+    spawn_ranks("port_channel_relaxed_pushes_over_ethernet_gpu_memory", 2, &[]).assert_success();
 }
 
 /// A wait nobody signals returns false, after (not before) its limit.

@@ -504,9 +504,14 @@ struct BatchOrders {
     store: Ordering,
     /// The proxy's load of a slot in `Fifo::poll_at`.
     load: Ordering,
+    /// One reservation per trigger after the fence (`push_relaxed` calls after the caller's one
+    /// `__threadfence_system()`), instead of one for the batch after it (`push_batch`).
+    per_trigger: bool,
 }
 
-const BATCH: BatchOrders = BatchOrders { fence: Some(Release), store: Relaxed, load: Acquire };
+const BATCH: BatchOrders = BatchOrders { fence: Some(Release), store: Relaxed, load: Acquire, per_trigger: false };
+/// `push_relaxed`: the caller's `fence.sc.sys` after its writes, then relaxed pushes.
+const RELAXED_PUSHES: BatchOrders = BatchOrders { fence: Some(SeqCst), per_trigger: true, ..BATCH };
 
 /// One producer writes a payload, then pushes two triggers with one batched push, twice, through
 /// a two-slot ring (the second batch waits, slot by slot, for the first one's pops); the proxy
@@ -534,12 +539,12 @@ fn fifo_batch(o: BatchOrders) {
                     // SAFETY: loom checks every access to the cell against the proxy's reads.
                     r.payload[b as usize].with_mut(|p| unsafe { *p = 10 + b });
                     // Relaxed (atom.relaxed.gpu.add of n), as in `push`.
-                    let first = r.head.fetch_add(2, Relaxed);
+                    let first = if o.per_trigger { 0 } else { r.head.fetch_add(2, Relaxed) };
                     if let Some(f) = o.fence {
                         loom::sync::atomic::fence(f);
                     }
                     for k in 0..2 {
-                        let pos = first + k;
+                        let pos = if o.per_trigger { r.head.fetch_add(1, Relaxed) } else { first + k };
                         // Acquire: the proxy's read of the slot's previous lap happens before
                         // this store (`wait_popped`; its tailCache steps are modelled above).
                         while pos >= SIZE + r.tail.load(Acquire) {
@@ -582,6 +587,21 @@ fn fifo_batch_holds() {
 fn fifo_batch_without_fence_is_caught() {
     assert_race(failure(|| fifo_batch(BatchOrders { fence: None, ..BATCH })));
     assert_race(failure(|| fifo_batch(BatchOrders { load: Relaxed, ..BATCH })));
+}
+
+/// `push_relaxed`: one fence by the caller after writing the data of two triggers, then one
+/// relaxed push for each (each its own reservation), twice through the two-slot ring: the proxy
+/// reads every payload after its write.
+#[test]
+fn fifo_relaxed_pushes_after_one_fence_hold() {
+    fifo_batch(RELAXED_PUSHES);
+}
+
+/// `push_relaxed` with no fence since the data was written: the proxy may read a put's source
+/// before the write lands (what its doc tells the caller to avoid).
+#[test]
+fn fifo_relaxed_pushes_without_the_callers_fence_are_caught() {
+    assert_race(failure(|| fifo_batch(BatchOrders { fence: None, ..RELAXED_PUSHES })));
 }
 
 // ------------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@
 //                tailCache update is that red.max, so it never goes back); trigger: one 16-byte
 //                st.global.release.sys.v2.u64 {fst, snd} with the lap-parity bit 63 of snd set to
 //                ((pos >> sizeShift) & 1) ^ 1 (lap 0 writes 1, so a zeroed ring reads empty).
+//   FIFO push_relaxed: as push, but the trigger's store is st.global.relaxed.sys.v2.u64; the
+//                caller's fence.sc.sys (__threadfence_system) after the data makes the release
+//                pattern, once for any number of pushes after it.
 //   FIFO push_batch (n triggers): one atom.relaxed.gpu.add of n on head, one fence.acq_rel.sys,
 //                then per trigger the wait above for its slot and one st.global.relaxed.sys.v2.u64
 //                (the fence and each store form a release pattern).
@@ -272,8 +275,41 @@ struct FifoDeviceHandle {
   /// Reserves the next slot, waits while the ring is full (traps after `maxSpinCount` spins; never
   /// if negative), and writes `trigger` with the lap-parity bit. Returns its FIFO position.
   MSCCLPP_RS_DEVICE u64 push(ProxyTrigger trigger, i64 maxSpinCount = 1000000) {
+    u64 pos = reserve_one(maxSpinCount);
+    write(pos, trigger);
+    return pos;
+  }
+
+  /// `push` without its system-scope release: the trigger is stored relaxed, so nothing this
+  /// thread wrote before is ordered before it by the push itself. The caller orders the data:
+  /// once the data the next triggers refer to is written (a put's source; by this thread, or by
+  /// others that then synchronized with it, e.g. `__syncthreads()`), one `__threadfence_system()`
+  /// (`fence.sc.sys`) makes it visible before every trigger this thread stores after the fence,
+  /// so one fence serves any number of `push_relaxed` calls. Data written by earlier kernels or
+  /// copies needs that one fence too (anywhere in this kernel before the pushes). A put pushed
+  /// this way with no fence since its source's last write may copy stale bytes: use `push`
+  /// there. The FIFO's own order is unchanged (the proxy handles the triggers in position
+  /// order, so a signal pushed after puts still follows them).
+  ///
+  /// What it saves: `push` costs one thread about 0.9-1.1 us on an H100 (0.65 us of it the
+  /// release, `scripts/pushcost.cu`), so one thread pushing one trigger at a time stays under
+  /// about 1 M triggers/s; `push_relaxed` costs about 0.23 us (the atomic on `head` and the
+  /// store). A thread that has its triggers at hand at once can also use `push_batch` (one
+  /// atomic and one fence a call). (An extension: MSCCL++'s FIFO has no relaxed push; the name
+  /// follows its `relaxedSignal`, a signal without the fence.)
+  MSCCLPP_RS_DEVICE u64 push_relaxed(ProxyTrigger trigger, i64 maxSpinCount = 1000000) {
+    u64 pos = reserve_one(maxSpinCount);
+    write_relaxed(pos, trigger);
+    return pos;
+  }
+
+ private:
+  /// `push`'s reservation of one position, waiting while its slot is still in use (traps after
+  /// `maxSpinCount` rounds of `wait_popped`; never if negative).
+  MSCCLPP_RS_DEVICE u64 reserve_one(i64 maxSpinCount) {
     // Relaxed: only hands out a number; the slot's reuse is ordered by `tail` (acquire in
-    // `wait_popped`) and its contents by the release store in `write`.
+    // `wait_popped`) and its contents by the release store in `write` (or, for
+    // `push_relaxed`, the caller's fence).
     u64 pos = detail::fetch_add_relaxed_gpu(head, 1);
     // Plain load: a stale value only sends this thread to `wait_popped`. When it is high enough
     // because another producer raised it (red.release.gpu.max after its ld.acquire.sys of
@@ -285,10 +321,10 @@ struct FifoDeviceHandle {
     if (pos >= (u64)size + *tailCache) {
       wait_popped(pos - size, maxSpinCount);
     }
-    write(pos, trigger);
     return pos;
   }
 
+ public:
   /// Time-limited push: reserves a slot only once it is free (compare-and-swap on head), so a
   /// timeout leaves the FIFO intact. False (nothing pushed) when the ring stays full for
   /// `timeout_ns`, or while it is full the proxy reports an error; otherwise true with the
@@ -524,7 +560,8 @@ struct FifoDeviceHandle {
   }
 
   /// `write` without the release: the caller made a release fence after its earlier writes
-  /// (`push_batch`), which with this store pairs with the proxy's acquire load of `snd`.
+  /// (`push_batch`; the user of `push_relaxed`), which with this store pairs with the proxy's
+  /// acquire load of `snd`.
   MSCCLPP_RS_DEVICE void write_relaxed(u64 pos, ProxyTrigger trigger) {
     trigger.fields.reserved = ((pos >> sizeShift) & 1ull) ^ 1ull;
     detail::store_trigger_relaxed_sys(&triggers[pos & sizeMask], trigger.fst, trigger.snd);
