@@ -19,6 +19,9 @@ extern "C" __global__ void fifo_api(FifoDeviceHandle fifo, u64* out) {
   out[5] = fifo.push_batch(batch, 1, -1);
   out[6] = fifo.push_batch_for(batch, 3, 1000000, &pos2);
   out[7] = fifo.push_batch_for(batch, 2, 1000000);
+  __threadfence_system();
+  out[8] = fifo.push_relaxed(t);
+  out[9] = fifo.push_relaxed(ProxyTrigger(TriggerFlag, 0, 0, 0, 0, 0, 7), -1);
 }
 
 extern "C" __global__ void semaphore_api(Host2DeviceSemaphoreDeviceHandle h2d,
