@@ -237,14 +237,16 @@ fn the_queue_bound_is_honoured_and_acks_free_it() {
 
 #[test]
 fn batches_keep_order_and_limits() {
-    let mut tx = Sender::new(1000);
-    for _ in 0..100 {
+    // More than one batch's worth, whatever BATCH_OPS is.
+    let n = BATCH_OPS + BATCH_OPS / 2 + 1;
+    let mut tx = Sender::new(2 * n as u64);
+    for _ in 0..n {
         tx.issue(Op::Nop).unwrap();
     }
     let b = tx.next_batch(|_| true);
     assert_eq!(b.frames.len(), BATCH_OPS);
     assert!(b.frames.iter().enumerate().all(|(i, (h, _))| h.seq == i as u64 + 1));
-    assert_eq!(tx.next_batch(|_| true).frames.len(), 100 - BATCH_OPS);
+    assert_eq!(tx.next_batch(|_| true).frames.len(), n - BATCH_OPS);
     // Payload bytes: a batch stops before passing BATCH_BYTES, a single larger write goes alone.
     let big = BATCH_BYTES / 2 + 1;
     let small = OWN_LANE_MIN - 1;
