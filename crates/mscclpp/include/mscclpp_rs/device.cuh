@@ -296,8 +296,9 @@ struct FifoDeviceHandle {
   /// about 1 M triggers/s; `push_relaxed` measured 0.45 us from push to the consumer's pop
   /// against 1.13 for `push` (H100, `mscclpp-perf device --parts fifo`), and one thread pushed
   /// 2.2 M puts/s through the proxy this way. A thread that has its triggers at hand at once can
-  /// also use `push_batch` (one atomic and one fence a call; 0.08 us a trigger in batches of 32). (An extension: MSCCL++'s FIFO has no relaxed push; the name
-  /// follows its `relaxedSignal`, a signal without the fence.)
+  /// also use `push_batch` (one atomic and one fence a call; 0.08 us a trigger in batches of
+  /// 32). (An extension: MSCCL++'s FIFO has no relaxed push; the name follows its
+  /// `relaxedSignal`, a signal without the fence.)
   MSCCLPP_RS_DEVICE u64 push_relaxed(ProxyTrigger trigger, i64 maxSpinCount = 1000000) {
     u64 pos = reserve_one(maxSpinCount);
     write_relaxed(pos, trigger);
