@@ -24,6 +24,13 @@ typedef unsigned long long u64;
 
 __device__ unsigned char pat(u64 m, u64 i) { return (unsigned char)((i * 131u + m * 7u + (i >> 9)) & 0xff); }
 __device__ u64 msg_size(u64 m, u64 chunk) { return 1 + (m * 7919u) % chunk; }
+// Message m's offset in the sender's buffer (slot m % slots).
+__device__ u64 msg_off(u64 m, int slots, u64 chunk) { return (m % slots) * chunk; }
+// The block writes message m's pattern into its slot of src.
+__device__ void fill_msg(unsigned char* src, u64 m, int slots, u64 chunk) {
+  u64 off = msg_off(m, slots, chunk), size = msg_size(m, chunk);
+  for (u64 i = threadIdx.x; i < size; i += blockDim.x) src[off + i] = pat(m, i);
+}
 
 // Message m (in slot m % slots): fill src with pat(m), putWithSignal; flush every 4th and at the
 // end. result[0]: flushes that returned false (timeout or proxy error: the kernel then stops).
@@ -32,12 +39,11 @@ extern "C" __global__ void sender(mscclpp::PortChannelDeviceHandle* ch, unsigned
   __shared__ int stop;
   if (threadIdx.x == 0) stop = 0;
   for (int m = 0; m < n; ++m) {
-    u64 off = (u64)(m % slots) * chunk, size = msg_size(m, chunk);
-    for (u64 i = threadIdx.x; i < size; i += blockDim.x) src[off + i] = pat(m, i);
+    fill_msg(src, m, slots, chunk);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
-      ch->putWithSignal(off, size);
+      ch->putWithSignal(msg_off(m, slots, chunk), msg_size(m, chunk));
       if ((m % 4 == 3 || m == n - 1) && !ch->flush_for(timeout_ns)) { result[0]++; stop = 1; }
     }
     __syncthreads();
@@ -54,16 +60,13 @@ extern "C" __global__ void sender_relaxed(mscclpp::PortChannelDeviceHandle* ch, 
   if (threadIdx.x == 0) stop = 0;
   for (int g = 0; g < n; g += 4) {
     const int end = g + 4 < n ? g + 4 : n;
-    for (int m = g; m < end; ++m) {
-      u64 off = (u64)(m % slots) * chunk, size = msg_size(m, chunk);
-      for (u64 i = threadIdx.x; i < size; i += blockDim.x) src[off + i] = pat(m, i);
-    }
+    for (int m = g; m < end; ++m) fill_msg(src, m, slots, chunk);
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();
       for (int m = g; m < end; ++m) {
-        u64 off = (u64)(m % slots) * chunk, size = msg_size(m, chunk);
-        ch->fifo_.push_relaxed(ch->put_with_signal_trigger(off, off, size));
+        u64 off = msg_off(m, slots, chunk);
+        ch->fifo_.push_relaxed(ch->put_with_signal_trigger(off, off, msg_size(m, chunk)));
       }
       if (!ch->flush_for(timeout_ns)) { result[0]++; stop = 1; }
     }
@@ -567,4 +570,23 @@ fn kernel_copies_behind_a_full_gpu_wait_then_land() {
         "RESULT kernel copy behind {blocks} blocks holding every SM: {seen} blocks saw the token within 0.5 s, \
          {missed} did not; flush returned after {landed:?}; data exact"
     );
+}
+
+/// The kernels above compile with NVRTC and assemble for sm_90 (no GPU needed; skipped without
+/// NVRTC or ptxas, except in CI), so a mistake in them shows on any machine.
+#[test]
+fn device_kernels_compile() {
+    use mscclpp::device::compile::{CompileOptions, compile};
+    if !common::ptx::nvrtc_or_skip("device_kernels_compile") {
+        return;
+    }
+    let ptx = compile(KERNELS, &CompileOptions::default().arch("compute_90")).unwrap_or_else(|x| panic!("{x}"));
+    assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
+    for k in ["sender", "sender_relaxed", "receiver", "ping", "pong", "bad_trigger"] {
+        assert!(ptx.kernels().iter().any(|n| n == k), "{k} missing from {:?}", ptx.kernels());
+    }
+    match common::ptx::ptxas() {
+        Some(ptxas) => common::ptx::assemble_sm90(&ptxas, "device", &[("device kernels", ptx.as_str())]),
+        None => common::ptx::skip("device_kernels_compile (ptxas)", "no ptxas found"),
+    }
 }
