@@ -222,9 +222,10 @@ fn staging_mark() -> StagingMark {
 }
 
 /// For Ethernet puts: the staging work since `m0` per 1000 of the `writes` issued (receiver
-/// landings, copy-engine copies to and from the GPU), and where the threads' time went (seconds
-/// of thread time per second since `m0`, summed over the connections' threads), as a suffix for
-/// a row; empty otherwise.
+/// landings, copy-engine copies to and from the GPU), where the threads' time went (seconds
+/// of thread time per second since `m0`, summed over the connections' threads), and the mean
+/// acknowledgement loop (from sending a frame that asks to the answer; a full write queue waits
+/// on it) with the number of asks, as a suffix for a row; empty otherwise.
 fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64, size: u64) -> String {
     if t != Transport::Ethernet || op == Op::Signal || writes == 0 {
         return String::new();
@@ -237,7 +238,7 @@ fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64, size: u64) -
     format!(
         "; staging per 1000 writes: {:.0} landings, {:.0} copies to the GPU, {:.0} from it (bytes read per \
          byte put {:.1}); thread s/s: to GPU issue {:.2} wait {:.2}, from GPU issue {:.2} wait {:.2}, sendmsg {:.2}, \
-         full queue {:.2}",
+         full queue {:.2}; acknowledgement loop {}",
         k(c.landings, c0.landings),
         k(c.htod, c0.htod),
         k(c.dtoh, c0.dtoh),
@@ -248,6 +249,10 @@ fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64, size: u64) -
         s(c.from_gpu_wait, c0.from_gpu_wait),
         s(c.send, c0.send),
         s(c.queue_full, c0.queue_full),
+        match c.acks.saturating_sub(c0.acks) {
+            0 => "none".to_string(),
+            n => format!("{:.0} us x {n}", c.ack_wait.saturating_sub(c0.ack_wait).as_secs_f64() * 1e6 / n as f64),
+        },
     )
 }
 

@@ -53,13 +53,20 @@ pub struct EthernetStagingCounts {
     /// Thread time callers of `write` (a proxy thread, a host thread) waited on a full write
     /// queue.
     pub queue_full: Duration,
+    /// Acknowledgements asked for and received, on every Ethernet connection (GPU memory or
+    /// not): a sender asks once half its write-queue bound is unconfirmed, and with each flush.
+    pub acks: u64,
+    /// The acknowledgement loop, summed over `acks`: from sending the frame that asks to the
+    /// acknowledgement's arrival (the receiver lands every write before it first). A full write
+    /// queue waits on this loop.
+    pub ack_wait: Duration,
 }
 
 /// The process's [`EthernetStagingCounts`] so far.
 pub fn ethernet_staging_counts() -> EthernetStagingCounts {
     use crate::conn::ethernet::stager::{
-        C_DTOH, C_DTOH_BYTES, C_HTOD, C_HTOD_BYTES, C_LANDINGS, STAGING_COUNTS as C, STAGING_TIMES as T,
-        T_FROM_GPU_ISSUE, T_FROM_GPU_WAIT, T_QUEUE_FULL, T_SEND, T_TO_GPU_ISSUE, T_TO_GPU_WAIT,
+        C_ACKS, C_DTOH, C_DTOH_BYTES, C_HTOD, C_HTOD_BYTES, C_LANDINGS, STAGING_COUNTS as C, STAGING_TIMES as T,
+        T_ACK_WAIT, T_FROM_GPU_ISSUE, T_FROM_GPU_WAIT, T_QUEUE_FULL, T_SEND, T_TO_GPU_ISSUE, T_TO_GPU_WAIT,
     };
     use std::sync::atomic::Ordering::Relaxed;
     let t = |i: usize| Duration::from_nanos(T[i].load(Relaxed));
@@ -75,6 +82,8 @@ pub fn ethernet_staging_counts() -> EthernetStagingCounts {
         from_gpu_wait: t(T_FROM_GPU_WAIT),
         send: t(T_SEND),
         queue_full: t(T_QUEUE_FULL),
+        acks: C[C_ACKS].load(Relaxed),
+        ack_wait: t(T_ACK_WAIT),
     }
 }
 

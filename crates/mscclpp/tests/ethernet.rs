@@ -166,3 +166,49 @@ fn a_connection_to_itself_works_on_both_lanes() {
     drop(conn);
     assert!(t0.elapsed() < Duration::from_secs(2), "closing took {:?}", t0.elapsed());
 }
+
+/// The acknowledgement loop is counted (`mscclpp::bench::ethernet_staging_counts`, which
+/// `mscclpp-perf device` prints for its Ethernet rows): a flush asks once, and writes past a
+/// small write-queue bound ask every half bound, each answered. The counters are process-wide,
+/// so other tests running beside this one can only raise them: the checks are lower bounds.
+#[test]
+fn acknowledgement_loops_are_counted() {
+    use std::sync::Arc;
+
+    use mscclpp::{Buffer, Communicator, EndpointConfig, TcpBootstrap};
+    let t = Duration::from_secs(20);
+    let id = TcpBootstrap::create_unique_id().unwrap();
+    let bs = Arc::new(TcpBootstrap::config(0, 1).timeout(t).initialize(&id).unwrap());
+    let comm = Communicator::new(bs);
+    let dst = Buffer::new(comm.context(), 4096, Transport::Ethernet.into()).unwrap();
+    comm.send_memory(dst.memory(), 0, 0).unwrap();
+    let remote = comm.recv_memory(0, 0).unwrap();
+    let config = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1").max_write_queue_size(8);
+    let conn = comm.connect(&config, 0, 0).unwrap().wait().unwrap();
+    let remote = remote.wait().unwrap();
+    let src = Buffer::new(comm.context(), 4096, Transport::Ethernet.into()).unwrap();
+    src.write(0, &[7u8; 4096]).unwrap();
+
+    let c0 = mscclpp::bench::ethernet_staging_counts();
+    conn.write(&remote, 0, src.memory(), 0, 64).unwrap();
+    conn.flush(t).unwrap();
+    let c1 = mscclpp::bench::ethernet_staging_counts();
+    assert!(c1.acks > c0.acks, "a flush's probe asks and is answered: {c0:?} -> {c1:?}");
+    assert!(c1.ack_wait > c0.ack_wait, "the answered ask was timed: {c0:?} -> {c1:?}");
+
+    // 200 writes through a bound of 8: each further 8 need an acknowledgement, asked every 4.
+    for i in 0..200u64 {
+        conn.write(&remote, (i % 64) * 64, src.memory(), 0, 64).unwrap();
+    }
+    conn.flush(t).unwrap();
+    let c2 = mscclpp::bench::ethernet_staging_counts();
+    let asks = c2.acks - c1.acks;
+    println!(
+        "200 writes through a bound of 8: {asks} asks answered, {:?} on average",
+        (c2.ack_wait - c1.ack_wait) / asks.max(1) as u32
+    );
+    assert!(asks >= 24, "200 writes through a bound of 8 answered only {asks} asks");
+    let mut got = [0u8; 4096];
+    dst.read(0, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 7), "the writes did not all land");
+}

@@ -41,6 +41,10 @@ pub(super) struct State {
     failed_by_close: bool,
     /// The receiver thread has finished (after its closing record when closing).
     pub(super) rx_done: bool,
+    /// Frames sent that asked for an acknowledgement and are not yet acknowledged: their
+    /// sequence numbers, and when their batch began to go out (for the benchmark counters of the
+    /// acknowledgement loop, `stager::T_ACK_WAIT`; at most `send::ASKS_KEPT`).
+    pub(super) asks: std::collections::VecDeque<(u64, Instant)>,
 }
 
 /// Everything the handle and the three threads (sender, acknowledgement reader, receiver) share.
@@ -417,6 +421,7 @@ pub(crate) fn connect(ctx: &Context, local: &Endpoint, remote: &Endpoint, peer: 
             acks_ended: false,
             failed_by_close: false,
             rx_done: false,
+            asks: std::collections::VecDeque::new(),
         }),
         cond: Condvar::new(),
         tx_cond: Condvar::new(),

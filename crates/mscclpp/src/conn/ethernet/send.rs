@@ -172,6 +172,9 @@ impl Shared {
             if batch.is_empty() {
                 return idle;
             }
+            // When a batch that asks for acknowledgements began (for the acknowledgement loop's
+            // benchmark counters).
+            let asked = batch.frames.iter().any(|(h, _)| h.ack).then(Instant::now);
             if let Err(e) = self.send_batch(out, &batch) {
                 // The peer closed its end (its closing record, if any, is still on its way to the
                 // acknowledgement reader): a close, not a failure that voids what it acknowledged.
@@ -179,6 +182,9 @@ impl Shared {
                     matches!(e.io_kind(), Some(std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset));
                 self.fail_with(e, !closed);
                 return true;
+            }
+            if let Some(t0) = asked {
+                note_asks(&mut lock(&self.st), &batch, t0);
             }
             if idle {
                 return true;
@@ -468,12 +474,51 @@ fn read_acks(sh: &Shared, mut s: TcpStream) {
                 return;
             }
         };
-        let r = lock(&sh.st).core.handle_bytes(&buf[..n]);
+        let r = {
+            let mut st = lock(&sh.st);
+            let r = st.core.handle_bytes(&buf[..n]);
+            let applied = st.core.applied();
+            note_acks(&mut st, applied);
+            r
+        };
         if let Err(why) = r {
             sh.fail_stated(Error::remote(format!("peer {} {why}", sh.peer_desc)));
             return;
         }
         sh.cond.notify_all();
+    }
+}
+
+/// Most asks [`State::asks`] keeps (a flush probes once per call; asks beyond this many
+/// unanswered are not timed).
+const ASKS_KEPT: usize = 64;
+
+/// `batch`, with frames that ask for an acknowledgement, went out; it began at `t0` (its
+/// gather from the GPU and its `sendmsg` are part of the loop). Answers may be back already.
+fn note_asks(st: &mut State, batch: &Batch<Src>, t0: Instant) {
+    for (h, _) in batch.frames.iter().filter(|(h, _)| h.ack) {
+        if st.asks.len() < ASKS_KEPT {
+            st.asks.push_back((h.seq, t0));
+        }
+    }
+    let applied = st.core.applied();
+    note_acks(st, applied);
+}
+
+/// Everything through `applied` is acknowledged: the asks it answers count, with their wait
+/// (`stager::C_ACKS`, `stager::T_ACK_WAIT`).
+fn note_acks(st: &mut State, applied: u64) {
+    let mut n = 0;
+    while let Some(&(seq, t0)) = st.asks.front() {
+        if seq > applied {
+            break;
+        }
+        st.asks.pop_front();
+        stager::timed(stager::T_ACK_WAIT, t0);
+        n += 1;
+    }
+    if n > 0 {
+        stager::count_n(stager::C_ACKS, n);
     }
 }
 

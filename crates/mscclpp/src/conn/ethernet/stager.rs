@@ -81,8 +81,8 @@ pub(crate) struct Cuda {
 /// ([`crate::bench::ethernet_staging_counts`]): receiver landings that issued copies, copies to
 /// the GPU, copies from it, and the bytes of each (a gather reads the gaps between payloads
 /// along, so the bytes from the GPU may exceed those sent).
-pub(crate) static STAGING_COUNTS: [std::sync::atomic::AtomicU64; 5] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 5];
+pub(crate) static STAGING_COUNTS: [std::sync::atomic::AtomicU64; 6] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 6];
 /// Receiver landings that issued copies.
 pub(crate) const C_LANDINGS: usize = 0;
 /// Copies to the GPU, and their bytes.
@@ -91,12 +91,15 @@ pub(crate) const C_HTOD_BYTES: usize = 3;
 /// Copies from the GPU, and their bytes.
 pub(crate) const C_DTOH: usize = 2;
 pub(crate) const C_DTOH_BYTES: usize = 4;
+/// Acknowledgements asked for and received (every Ethernet connection, GPU memory or not; the
+/// time between is [`T_ACK_WAIT`]).
+pub(crate) const C_ACKS: usize = 5;
 
 fn count(i: usize) {
     count_n(i, 1);
 }
 
-fn count_n(i: usize, n: u64) {
+pub(crate) fn count_n(i: usize, n: u64) {
     // Relaxed: statistics only.
     STAGING_COUNTS[i].fetch_add(n, std::sync::atomic::Ordering::Relaxed);
 }
@@ -104,8 +107,8 @@ fn count_n(i: usize, n: u64) {
 /// Process-wide thread time of the staging work on real GPUs and around it, in nanoseconds
 /// summed over threads, for benchmarks ([`crate::bench::ethernet_staging_counts`]): see the
 /// `T_*` indexes.
-pub(crate) static STAGING_TIMES: [std::sync::atomic::AtomicU64; 6] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 6];
+pub(crate) static STAGING_TIMES: [std::sync::atomic::AtomicU64; 7] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 7];
 /// Driver calls queueing work that moves data to the GPU (receivers' copies and tokens).
 pub(crate) const T_TO_GPU_ISSUE: usize = 0;
 /// Driver calls queueing copies from the GPU (senders' gathers and chunks).
@@ -118,6 +121,9 @@ pub(crate) const T_FROM_GPU_WAIT: usize = 3;
 pub(crate) const T_SEND: usize = 4;
 /// Callers of `write` (a proxy, a host thread) waiting on a full write queue.
 pub(crate) const T_QUEUE_FULL: usize = 5;
+/// The acknowledgement loop: from sending a frame that asks for an acknowledgement to the
+/// acknowledgement's arrival (summed over the asks, [`C_ACKS`]; not thread time).
+pub(crate) const T_ACK_WAIT: usize = 6;
 
 /// Adds the time since `t0` to `STAGING_TIMES[i]`.
 pub(crate) fn timed(i: usize, t0: std::time::Instant) {
