@@ -477,8 +477,7 @@ fn read_acks(sh: &Shared, mut s: TcpStream) {
         let r = {
             let mut st = lock(&sh.st);
             let r = st.core.handle_bytes(&buf[..n]);
-            let applied = st.core.applied();
-            note_acks(&mut st, applied);
+            note_acks(&mut st);
             r
         };
         if let Err(why) = r {
@@ -501,13 +500,13 @@ fn note_asks(st: &mut State, batch: &Batch<Src>, t0: Instant) {
             st.asks.push_back((h.seq, t0));
         }
     }
-    let applied = st.core.applied();
-    note_acks(st, applied);
+    note_acks(st);
 }
 
-/// Everything through `applied` is acknowledged: the asks it answers count, with their wait
+/// The asks that what the peer acknowledged so far answers count, with their wait
 /// (`stager::C_ACKS`, `stager::T_ACK_WAIT`).
-fn note_acks(st: &mut State, applied: u64) {
+fn note_acks(st: &mut State) {
+    let applied = st.core.applied();
     let mut n = 0;
     while let Some(&(seq, t0)) = st.asks.front() {
         if seq > applied {
