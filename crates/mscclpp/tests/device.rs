@@ -576,17 +576,6 @@ fn kernel_copies_behind_a_full_gpu_wait_then_land() {
 /// NVRTC or ptxas, except in CI), so a mistake in them shows on any machine.
 #[test]
 fn device_kernels_compile() {
-    use mscclpp::device::compile::{CompileOptions, compile};
-    if !common::ptx::nvrtc_or_skip("device_kernels_compile") {
-        return;
-    }
-    let ptx = compile(KERNELS, &CompileOptions::default().arch("compute_90")).unwrap_or_else(|x| panic!("{x}"));
-    assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
-    for k in ["sender", "sender_relaxed", "receiver", "ping", "pong", "bad_trigger"] {
-        assert!(ptx.kernels().iter().any(|n| n == k), "{k} missing from {:?}", ptx.kernels());
-    }
-    match common::ptx::ptxas() {
-        Some(ptxas) => common::ptx::assemble_sm90(&ptxas, "device", &[("device kernels", ptx.as_str())]),
-        None => common::ptx::skip("device_kernels_compile (ptxas)", "no ptxas found"),
-    }
+    let kernels = ["sender", "sender_relaxed", "receiver", "ping", "pong", "bad_trigger"];
+    common::ptx::kernels_compile("device_kernels_compile", "device kernels", KERNELS, &kernels);
 }

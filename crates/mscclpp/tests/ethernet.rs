@@ -129,26 +129,43 @@ fn inline_sends_to_a_stopped_peer_fail_instead_of_hanging() {
     println!("{}", job.assert_rank_success(0));
 }
 
+/// One rank connected to itself over Ethernet on 127.0.0.1 (one endpoint on both sides) with
+/// `config`'s settings: the communicator, the connection, a `len`-byte destination buffer, the
+/// same buffer as the connection's remote memory, and a `len`-byte source buffer.
+struct SelfConnected {
+    comm: mscclpp::Communicator,
+    conn: mscclpp::Connection,
+    dst: Buffer,
+    remote: mscclpp::RegisteredMemory,
+    src: Buffer,
+}
+
+fn connect_to_itself(len: usize, config: mscclpp::EndpointConfig, t: Duration) -> SelfConnected {
+    use std::sync::Arc;
+
+    use mscclpp::{Communicator, TcpBootstrap};
+    let id = TcpBootstrap::create_unique_id().unwrap();
+    let bs = Arc::new(TcpBootstrap::config(0, 1).timeout(t).initialize(&id).unwrap());
+    let comm = Communicator::new(bs);
+    let dst = Buffer::new(comm.context(), len, Transport::Ethernet.into()).unwrap();
+    comm.send_memory(dst.memory(), 0, 0).unwrap();
+    let remote = comm.recv_memory(0, 0).unwrap();
+    let conn = comm.connect(&config.ethernet_interface("127.0.0.1"), 0, 0).unwrap().wait().unwrap();
+    let remote = remote.wait().unwrap();
+    let src = Buffer::new(comm.context(), len, Transport::Ethernet.into()).unwrap();
+    SelfConnected { comm, conn, dst, remote, src }
+}
+
 /// A rank connected to itself over Ethernet (one endpoint on both sides, as the Python
 /// package's one-rank tests do): small and large writes (both lanes) and signals arrive in
 /// order, flush succeeds, and dropping the connection returns at once.
 #[test]
 fn a_connection_to_itself_works_on_both_lanes() {
-    use std::sync::Arc;
-
-    use mscclpp::{Buffer, Communicator, EndpointConfig, Host2HostSemaphore, TcpBootstrap};
+    use mscclpp::{EndpointConfig, Host2HostSemaphore};
     let t = Duration::from_secs(20);
-    let id = TcpBootstrap::create_unique_id().unwrap();
-    let bs = Arc::new(TcpBootstrap::config(0, 1).timeout(t).initialize(&id).unwrap());
-    let comm = Communicator::new(bs);
-    let dst = Buffer::new(comm.context(), 1 << 20, Transport::Ethernet.into()).unwrap();
-    comm.send_memory(dst.memory(), 0, 0).unwrap();
-    let remote = comm.recv_memory(0, 0).unwrap();
-    let config = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1");
-    let conn = comm.connect(&config, 0, 0).unwrap().wait().unwrap();
-    let remote = remote.wait().unwrap();
+    let SelfConnected { comm, conn, dst, remote, src } =
+        connect_to_itself(1 << 20, EndpointConfig::new(Transport::Ethernet), t);
     let sem = Host2HostSemaphore::new(comm.build_semaphore(&conn, 0, 0).unwrap().wait().unwrap()).unwrap();
-    let src = Buffer::new(comm.context(), 1 << 20, Transport::Ethernet.into()).unwrap();
     let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7 + 3) as u8).collect();
     src.write(0, &data).unwrap();
     // A small write (shared lane), a large one (own lane), a small one again, each signalled.
@@ -173,20 +190,10 @@ fn a_connection_to_itself_works_on_both_lanes() {
 /// so other tests running beside this one can only raise them: the checks are lower bounds.
 #[test]
 fn acknowledgement_loops_are_counted() {
-    use std::sync::Arc;
-
-    use mscclpp::{Buffer, Communicator, EndpointConfig, TcpBootstrap};
+    use mscclpp::EndpointConfig;
     let t = Duration::from_secs(20);
-    let id = TcpBootstrap::create_unique_id().unwrap();
-    let bs = Arc::new(TcpBootstrap::config(0, 1).timeout(t).initialize(&id).unwrap());
-    let comm = Communicator::new(bs);
-    let dst = Buffer::new(comm.context(), 4096, Transport::Ethernet.into()).unwrap();
-    comm.send_memory(dst.memory(), 0, 0).unwrap();
-    let remote = comm.recv_memory(0, 0).unwrap();
-    let config = EndpointConfig::new(Transport::Ethernet).ethernet_interface("127.0.0.1").max_write_queue_size(8);
-    let conn = comm.connect(&config, 0, 0).unwrap().wait().unwrap();
-    let remote = remote.wait().unwrap();
-    let src = Buffer::new(comm.context(), 4096, Transport::Ethernet.into()).unwrap();
+    let SelfConnected { conn, dst, remote, src, .. } =
+        connect_to_itself(4096, EndpointConfig::new(Transport::Ethernet).max_write_queue_size(8), t);
     src.write(0, &[7u8; 4096]).unwrap();
 
     let c0 = mscclpp::bench::ethernet_staging_counts();

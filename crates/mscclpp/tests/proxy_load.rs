@@ -194,15 +194,5 @@ fn million_puts_from_many_producers_land_once() {
 /// or ptxas, except in CI).
 #[test]
 fn proxy_load_kernel_compiles() {
-    use mscclpp::device::compile::{CompileOptions, compile};
-    if !common::ptx::nvrtc_or_skip("proxy_load_kernel_compiles") {
-        return;
-    }
-    let ptx = compile(KERNELS, &CompileOptions::default().arch("compute_90")).unwrap_or_else(|x| panic!("{x}"));
-    assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
-    assert!(ptx.kernels().iter().any(|k| k == "put_once"), "{:?}", ptx.kernels());
-    match common::ptx::ptxas() {
-        Some(ptxas) => common::ptx::assemble_sm90(&ptxas, "proxy-load", &[("put_once", ptx.as_str())]),
-        None => common::ptx::skip("proxy_load_kernel_compiles (ptxas)", "no ptxas found"),
-    }
+    common::ptx::kernels_compile("proxy_load_kernel_compiles", "proxy-load", KERNELS, &["put_once"]);
 }

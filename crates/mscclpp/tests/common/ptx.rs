@@ -33,6 +33,25 @@ pub fn ptxas() -> Option<PathBuf> {
     mscclpp::device::compile::ptxas_path()
 }
 
+/// `test`'s check of a test file's kernels without a GPU: `source` compiles with NVRTC to
+/// compute_90 without a warning, has every kernel of `kernels`, and assembles for sm_90 (skipped
+/// without NVRTC or ptxas, except in CI; `tag` names the set in messages).
+pub fn kernels_compile(test: &str, tag: &str, source: &str, kernels: &[&str]) {
+    use mscclpp::device::compile::{CompileOptions, compile};
+    if !nvrtc_or_skip(test) {
+        return;
+    }
+    let ptx = compile(source, &CompileOptions::default().arch("compute_90")).unwrap_or_else(|x| panic!("{x}"));
+    assert!(ptx.log().trim().is_empty(), "NVRTC warned:\n{}", ptx.log());
+    for k in kernels {
+        assert!(ptx.kernels().iter().any(|n| n == k), "{k} missing from {:?}", ptx.kernels());
+    }
+    match ptxas() {
+        Some(ptxas) => assemble_sm90(&ptxas, tag, &[(tag, ptx.as_str())]),
+        None => skip(&format!("{test} (ptxas)"), "no ptxas found"),
+    }
+}
+
 /// Assembles each `(name, ptx)` for sm_90 ([`mscclpp::device::compile::assemble`]), asserting
 /// that each succeeds and writes a cubin. `ptxas` is the one [`ptxas`] found; `tag` names the
 /// set in the message.
