@@ -160,6 +160,7 @@ fn header_compiles_with_nvrtc_and_assembles_with_ptxas() {
         "ld.acquire.sys.u64",
         "ld.relaxed.gpu.u64",
         "red.release.sys.global.add.u64",
+        "red.relaxed.gpu.global.add.u64",
         "ld.acquire.gpu.u64",
         "red.release.gpu.global.max.u64",
         "nanosleep.u32",

@@ -5,7 +5,9 @@
 //! * the FIFO: producers reserve a position (`atom.relaxed.gpu.add` on head, or the
 //!   compare-and-swap of `push_for`), wait while the ring is full (acquire loads of `tail`,
 //!   `red.release.gpu.max` into `tailCache`; in `wait_popped` only the head of the line reads
-//!   `tail`, and the waiters behind it learn of the pop by acquire loads of `tailCache`), and write the trigger with the lap-parity bit (one
+//!   `tail`, and the waiters behind it learn of the pop by acquire loads of `tailCache`; a
+//!   `FifoExclusiveProducer` counts positions itself, acquires `tail` when its count reaches the
+//!   free slots it knows of, and only adds to `head`), and write the trigger with the lap-parity bit (one
 //!   16-byte `st.release.sys`: here `fst` first, then a release store of `snd`); the proxy
 //!   acquire-loads `snd`, checks the parity of `tail`'s lap, reads `fst`, and publishes the pop
 //!   with a release store of `tail`;
@@ -261,6 +263,42 @@ impl<const SIZE: usize> Ring<SIZE> {
         Some(h)
     }
 
+    /// `FifoExclusiveProducer`'s construction: the count from `head`, the free bound from
+    /// `tailCache` (`ld.acquire.gpu`).
+    fn sole(&self) -> Sole {
+        // Relaxed (ld.relaxed.gpu): a count; earlier pushes are ordered before by the contract.
+        let next = self.head.load(Relaxed);
+        let free = SIZE as u64 + self.tail_cache.load(self.o.tail_cache_wait_load);
+        Sole { next, free }
+    }
+
+    /// `FifoExclusiveProducer::push`: no reservation; while the count reaches the known free
+    /// bound, read `tail` (acquire) and raise `tailCache`; write; add one to `head` without
+    /// reading it (`red.relaxed.gpu.add`). `None`: gave up waiting, nothing written or counted.
+    fn push_exclusive(&self, s: &mut Sole, fst: u64, snd: u64) -> Option<u64> {
+        let size = SIZE as u64;
+        let mut round = 0;
+        while s.next >= s.free {
+            // Acquire: pairs with the proxy's Release store of `tail`, as in `push`.
+            let t = self.tail.load(self.o.tail_load);
+            self.tail_cache.fetch_max(t, self.o.tail_cache_raise);
+            s.free = size + t;
+            if s.next < s.free {
+                break;
+            }
+            round += 1;
+            if round == self.spins {
+                return None;
+            }
+            thread::yield_now();
+        }
+        let pos = s.next;
+        self.write(pos, fst, snd);
+        self.head.fetch_add(1, Relaxed);
+        s.next += 1;
+        Some(pos)
+    }
+
     fn write(&self, pos: u64, fst: u64, snd: u64) {
         let i = pos as usize % SIZE;
         let parity = ((pos >> Self::shift()) & 1) ^ 1;
@@ -299,6 +337,50 @@ impl<const SIZE: usize> Ring<SIZE> {
             thread::yield_now();
         }
     }
+}
+
+/// A `FifoExclusiveProducer`'s state: its count and the free bound it knows.
+struct Sole {
+    next: u64,
+    free: u64,
+}
+
+/// One producer on a one-slot ring: a push through the handle, then a `FifoExclusiveProducer`
+/// made after it pushes two, then the handle again. Every push waits for the previous pop; the
+/// proxy sees the four once, whole, in order, and the last handle push takes position 3 (the
+/// producer's adds kept `head` right).
+fn fifo_exclusive_producer(o: FifoOrders) {
+    check(move || {
+        let ring = Arc::new(Ring::<1>::new(o, usize::MAX));
+        let p = {
+            let ring = ring.clone();
+            thread::spawn(move || {
+                assert_eq!(ring.push(100, 0), Some(0));
+                let mut s = ring.sole();
+                assert_eq!(s.next, 1, "the producer starts after the handle's push");
+                for k in 1..3u64 {
+                    assert_eq!(ring.push_exclusive(&mut s, 100 + k, k), Some(k));
+                }
+                assert_eq!(ring.push(103, 3), Some(3), "the handle's push after the producer's");
+            })
+        };
+        for k in 0..4u64 {
+            assert_eq!(ring.pop(), Some((k, 100 + k, k)), "trigger {k}");
+        }
+        p.join().unwrap();
+    });
+}
+
+#[test]
+fn fifo_exclusive_producer_holds() {
+    fifo_exclusive_producer(FIFO);
+}
+
+/// Its wait for a free slot must acquire `tail`: relaxed, the slot's rewrite is not ordered after
+/// the proxy's read of the previous lap.
+#[test]
+fn fifo_exclusive_producer_relaxed_tail_load_is_caught() {
+    assert_race(failure(|| fifo_exclusive_producer(FifoOrders { tail_load: Relaxed, ..FIFO })));
 }
 
 /// One producer, a one-slot ring, three triggers: every push after the first waits for the
@@ -507,11 +589,17 @@ struct BatchOrders {
     /// One reservation per trigger after the fence (`push_relaxed` calls after the caller's one
     /// `__threadfence_system()`), instead of one for the batch after it (`push_batch`).
     per_trigger: bool,
+    /// With `per_trigger`: positions counted by the thread, `head` only added to
+    /// (`FifoExclusiveProducer::push_relaxed`), not reserved by a fetch-add.
+    exclusive: bool,
 }
 
-const BATCH: BatchOrders = BatchOrders { fence: Some(Release), store: Relaxed, load: Acquire, per_trigger: false };
+const BATCH: BatchOrders =
+    BatchOrders { fence: Some(Release), store: Relaxed, load: Acquire, per_trigger: false, exclusive: false };
 /// `push_relaxed`: the caller's `fence.sc.sys` after its writes, then relaxed pushes.
 const RELAXED_PUSHES: BatchOrders = BatchOrders { fence: Some(SeqCst), per_trigger: true, ..BATCH };
+/// `FifoExclusiveProducer::push_relaxed`: the same, without the fetch-add.
+const EXCLUSIVE_PUSHES: BatchOrders = BatchOrders { exclusive: true, ..RELAXED_PUSHES };
 
 /// One producer writes a payload, then pushes two triggers with one batched push, twice, through
 /// a two-slot ring (the second batch waits, slot by slot, for the first one's pops); the proxy
@@ -539,12 +627,20 @@ fn fifo_batch(o: BatchOrders) {
                     // SAFETY: loom checks every access to the cell against the proxy's reads.
                     r.payload[b as usize].with_mut(|p| unsafe { *p = 10 + b });
                     // Relaxed (atom.relaxed.gpu.add of n), as in `push`.
-                    let first = if o.per_trigger { 0 } else { r.head.fetch_add(2, Relaxed) };
+                    let first = if o.per_trigger { b * 2 } else { r.head.fetch_add(2, Relaxed) };
                     if let Some(f) = o.fence {
                         loom::sync::atomic::fence(f);
                     }
                     for k in 0..2 {
-                        let pos = if o.per_trigger { r.head.fetch_add(1, Relaxed) } else { first + k };
+                        let pos = match (o.per_trigger, o.exclusive) {
+                            (true, false) => r.head.fetch_add(1, Relaxed),
+                            (true, true) => {
+                                // red.relaxed.gpu.add: kept up to date, never read here.
+                                r.head.fetch_add(1, Relaxed);
+                                first + k
+                            }
+                            (false, _) => first + k,
+                        };
                         // Acquire: the proxy's read of the slot's previous lap happens before
                         // this store (`wait_popped`; its tailCache steps are modelled above).
                         while pos >= SIZE + r.tail.load(Acquire) {
@@ -595,6 +691,19 @@ fn fifo_batch_without_fence_is_caught() {
 #[test]
 fn fifo_relaxed_pushes_after_one_fence_hold() {
     fifo_batch(RELAXED_PUSHES);
+}
+
+/// `FifoExclusiveProducer::push_relaxed` after the caller's one fence: the same holds without the
+/// fetch-add (the fence, not the reservation, orders the data).
+#[test]
+fn fifo_exclusive_relaxed_pushes_after_one_fence_hold() {
+    fifo_batch(EXCLUSIVE_PUSHES);
+}
+
+/// And without the fence it fails as `push_relaxed` does.
+#[test]
+fn fifo_exclusive_relaxed_pushes_without_the_callers_fence_are_caught() {
+    assert_race(failure(|| fifo_batch(BatchOrders { fence: None, ..EXCLUSIVE_PUSHES })));
 }
 
 /// `push_relaxed` with no fence since the data was written: the proxy may read a put's source

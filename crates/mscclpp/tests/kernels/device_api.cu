@@ -22,6 +22,12 @@ extern "C" __global__ void fifo_api(FifoDeviceHandle fifo, u64* out) {
   __threadfence_system();
   out[8] = fifo.push_relaxed(t);
   out[9] = fifo.push_relaxed(ProxyTrigger(TriggerFlag, 0, 0, 0, 0, 0, 7), -1);
+  FifoExclusiveProducer sole(fifo);
+  out[10] = sole.push(t);
+  out[11] = sole.push_relaxed(t, -1);
+  out[12] = sole.push_for(t, 1000000, &pos2);
+  out[13] = sole.push_relaxed_for(t, 1000000);
+  out[14] = sole.position();
 }
 
 extern "C" __global__ void semaphore_api(Host2DeviceSemaphoreDeviceHandle h2d,
