@@ -75,6 +75,88 @@ extern "C" __global__ void sender_relaxed(mscclpp::PortChannelDeviceHandle* ch, 
   }
 }
 
+// `sender_relaxed` through a FifoExclusiveProducer: thread 0 is the only producer, so after the
+// group's one fence it pushes the group's triggers without the atomic on head (the first with
+// `push`, the rest with `push_relaxed`, the last with `push_relaxed_for`), then flushes through
+// the handle; a new producer for each group (the flush's push went through the handle).
+extern "C" __global__ void sender_exclusive(mscclpp::PortChannelDeviceHandle* ch, unsigned char* src, int n,
+                                            int slots, u64 chunk, u64 timeout_ns, u64* result) {
+  __shared__ int stop;
+  if (threadIdx.x == 0) stop = 0;
+  for (int g = 0; g < n; g += 4) {
+    const int end = g + 4 < n ? g + 4 : n;
+    for (int m = g; m < end; ++m) fill_msg(src, m, slots, chunk);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      mscclpp::FifoExclusiveProducer sole(ch->fifo_);
+      for (int m = g; m < end; ++m) {
+        u64 off = msg_off(m, slots, chunk);
+        mscclpp::ProxyTrigger t = ch->put_with_signal_trigger(off, off, msg_size(m, chunk));
+        if (m == g) {
+          sole.push(t);
+        } else if (m + 1 < end) {
+          sole.push_relaxed(t);
+        } else if (!sole.push_relaxed_for(t, timeout_ns)) {
+          result[0]++;
+          stop = 1;
+        }
+      }
+      if (!stop && !ch->flush_for(timeout_ns)) { result[0]++; stop = 1; }
+    }
+    __syncthreads();
+    if (stop) return;
+  }
+}
+
+// Trigger i of the exclusive-producer tests: a put whose dstOffset is i.
+__device__ mscclpp::ProxyTrigger numbered(u64 i) { return mscclpp::ProxyTrigger(mscclpp::TriggerData, 0, i, 0, 0, 1, 0); }
+
+// One thread, the FIFO's only producer, fills the ring (nobody pops meanwhile) with triggers
+// 0..size-1, each pushing method in turn; then one push_for and one push_relaxed_for, each with
+// a 2 ms limit, must time out. out = (push_for, push_relaxed_for, position afterwards).
+extern "C" __global__ void exclusive_fill(mscclpp::FifoDeviceHandle fifo, u64* out) {
+  mscclpp::FifoExclusiveProducer sole(fifo);
+  __threadfence_system();
+  for (u64 i = 0; i < (u64)fifo.size; ++i) {
+    switch (i % 4) {
+      case 0: sole.push(numbered(i)); break;
+      case 1: sole.push_relaxed(numbered(i)); break;
+      case 2: sole.push_for(numbered(i), 1000000000ull); break;
+      default: sole.push_relaxed_for(numbered(i), 1000000000ull); break;
+    }
+  }
+  out[0] = sole.push_for(numbered(999999), 2000000);
+  out[1] = sole.push_relaxed_for(numbered(999999), 2000000);
+  out[2] = sole.position();
+}
+
+// One thread pushes triggers first..first+n-1 through a FifoExclusiveProducer (each method in
+// turn) while the host pops, then one more (first + n) through the handle, whose position must
+// follow theirs: out = (the producer's position afterwards, the handle push's position).
+extern "C" __global__ void exclusive_pushes(mscclpp::FifoDeviceHandle fifo, u64 first, int n, u64* out) {
+  mscclpp::FifoExclusiveProducer sole(fifo);
+  __threadfence_system();
+  for (int k = 0; k < n; ++k) {
+    const u64 i = first + (u64)k;
+    switch (k % 4) {
+      case 0: sole.push(numbered(i)); break;
+      case 1: sole.push_relaxed(numbered(i)); break;
+      case 2: sole.push_for(numbered(i), 10000000000ull); break;
+      default: sole.push_relaxed_for(numbered(i), 10000000000ull); break;
+    }
+  }
+  out[0] = sole.position();
+  out[1] = fifo.push(numbered(first + (u64)n));
+}
+
+// A broken contract: every thread of the block makes a FifoExclusiveProducer of the same FIFO
+// and pushes `per_thread` triggers; the producers' check of head must trap.
+extern "C" __global__ void exclusive_shared(mscclpp::FifoDeviceHandle fifo, int per_thread) {
+  mscclpp::FifoExclusiveProducer sole(fifo);
+  for (int k = 0; k < per_thread; ++k) sole.push(numbered((u64)threadIdx.x * 1000 + (u64)k));
+}
+
 // Waits for each message, then checks every byte. result[0]: wrong bytes, result[1]: waits that
 // timed out (the kernel then stops), result[2]: messages checked.
 extern "C" __global__ void receiver(mscclpp::Host2DeviceSemaphoreDeviceHandle sem, const unsigned char* dst, int n,
@@ -304,6 +386,108 @@ fn port_channel_relaxed_pushes_over_ethernet_gpu_memory() {
         return transfer_with(&r, Transport::Ethernet, "sender_relaxed");
     }
     spawn_ranks("port_channel_relaxed_pushes_over_ethernet_gpu_memory", 2, &[]).assert_success();
+}
+
+/// `FifoExclusiveProducer` through a PortChannel over CUDA IPC: as the relaxed test, the sending
+/// thread being the FIFO's only producer (every pushing method of the producer; a flush through
+/// the handle and a new producer after each group of four).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn port_channel_exclusive_pushes_over_cuda_ipc() {
+    if let Some(r) = Rank::from_env() {
+        return transfer_with(&r, Transport::CudaIpc, "sender_exclusive");
+    }
+    spawn_ranks("port_channel_exclusive_pushes_over_cuda_ipc", 2, &[]).assert_success();
+}
+
+/// The same over Ethernet from GPU memory.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn port_channel_exclusive_pushes_over_ethernet_gpu_memory() {
+    if let Some(r) = Rank::from_env() {
+        return transfer_with(&r, Transport::Ethernet, "sender_exclusive");
+    }
+    spawn_ranks("port_channel_exclusive_pushes_over_ethernet_gpu_memory", 2, &[]).assert_success();
+}
+
+/// Pops `n` triggers from `fifo` (bounded by `T`): each must be trigger `first + k`, in order.
+fn pop_numbered(fifo: &Fifo, first: u64, n: u64) {
+    let t0 = Instant::now();
+    let mut k = 0;
+    while k < n {
+        match fifo.poll() {
+            Some(t) => {
+                let req = decode(t).expect("a trigger pushed by the kernel decodes");
+                let mscclpp::device::trigger::Request::Ops { put: Some(p), .. } = req else {
+                    panic!("unexpected request {req:?}");
+                };
+                assert_eq!(u64::from(p.dst_off), first + k, "trigger at position {}", first + k);
+                fifo.pop();
+                k += 1;
+            }
+            None => assert!(t0.elapsed() < T, "only {k} of {n} triggers arrived"),
+        }
+    }
+}
+
+/// One GPU thread as a FIFO's only producer (`FifoExclusiveProducer`, every pushing method in
+/// turn): on a full ring nobody pops, its time-limited pushes return false and push nothing; then
+/// 20,000 triggers through 16 slots (1250 laps) while the host pops, each exactly once and in
+/// order; and a push through the handle afterwards takes the next position (the producer kept
+/// `head` right).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn exclusive_producer_wraps_times_out_and_keeps_head() {
+    const SLOTS: u64 = 16;
+    let ctx = mscclpp::Context::new();
+    let fifo = Fifo::new(&ctx, 0, SLOTS as u32).unwrap();
+    let m = module(KERNELS, 0);
+    let stream = Stream::new(0).unwrap();
+    let res = results(3, &ctx, 0);
+    let (mut h, mut resp) = (fifo.device_handle(), res.device_ptr());
+    launch(&kernel(&m, "exclusive_fill"), 1, 1, &stream, &mut args![h, resp]);
+    stream.synchronize(T).unwrap();
+    assert_eq!((read(&res, 0), read(&res, 1), read(&res, 2)), (0, 0, SLOTS), "pushes on a full ring");
+    pop_numbered(&fifo, 0, SLOTS);
+    assert!(fifo.poll().is_none(), "a timed-out push left a trigger");
+
+    let n = 20_000i32;
+    let (mut first, mut count) = (SLOTS, n);
+    let t0 = Instant::now();
+    launch(&kernel(&m, "exclusive_pushes"), 1, 1, &stream, &mut args![h, first, count, resp]);
+    pop_numbered(&fifo, SLOTS, n as u64 + 1);
+    stream.synchronize(T).unwrap();
+    let end = SLOTS + n as u64;
+    assert_eq!((read(&res, 0), read(&res, 1)), (end, end), "the producer's count and the handle's next position");
+    assert!(fifo.poll().is_none());
+    println!(
+        "RESULT exclusive producer: {SLOTS} pushes filled the ring, 2 timed-out pushes pushed nothing;          {n} more through {SLOTS} slots in {:?}, then the handle's push at position {end}",
+        t0.elapsed()
+    );
+}
+
+/// A broken contract traps: 32 threads each make a `FifoExclusiveProducer` of one 16-slot FIFO
+/// (in a child process: the trap ends its CUDA context) and push 64 triggers each; the kernel
+/// must end with an error within the limit, not lose triggers in silence or hang.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn exclusive_producers_sharing_a_fifo_trap() {
+    if Rank::from_env().is_some() {
+        let ctx = mscclpp::Context::new();
+        let fifo = Fifo::new(&ctx, 0, 16).unwrap();
+        let m = module(KERNELS, 0);
+        let stream = Stream::new(0).unwrap();
+        let (mut h, mut per) = (fifo.device_handle(), 64i32);
+        launch(&kernel(&m, "exclusive_shared"), 1, 32, &stream, &mut args![h, per]);
+        // Nobody pops: without the check, 32 producers would fill the ring and wait for slots
+        // until their spin limit.
+        let t0 = Instant::now();
+        let r = stream.synchronize(T);
+        println!("RESULT shared exclusive producers: the kernel ended after {:?} with {r:?}", t0.elapsed());
+        assert!(r.is_err(), "the kernel must trap");
+        std::process::exit(0);
+    }
+    spawn_ranks("exclusive_producers_sharing_a_fifo_trap", 1, &[]).assert_success();
 }
 
 /// A wait nobody signals returns false, after (not before) its limit.
@@ -576,6 +760,17 @@ fn kernel_copies_behind_a_full_gpu_wait_then_land() {
 /// NVRTC or ptxas, except in CI), so a mistake in them shows on any machine.
 #[test]
 fn device_kernels_compile() {
-    let kernels = ["sender", "sender_relaxed", "receiver", "ping", "pong", "bad_trigger"];
+    let kernels = [
+        "sender",
+        "sender_relaxed",
+        "sender_exclusive",
+        "exclusive_fill",
+        "exclusive_pushes",
+        "exclusive_shared",
+        "receiver",
+        "ping",
+        "pong",
+        "bad_trigger",
+    ];
     common::ptx::kernels_compile("device_kernels_compile", "device kernels", KERNELS, &kernels);
 }
