@@ -43,11 +43,14 @@ __device__ u64 now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t
 // into the spin-limited wait); out[0] = elapsed ns. `size` is a power of two: the test is a mask,
 // not a modulo (a lone thread's integer modulo by a run-time value costs tens of nanoseconds,
 // which this row would count as the push's).
-extern "C" __global__ void fifo_latency(mscclpp::FifoDeviceHandle fifo, int n, u64* out) {
+// `exclusive`: the same pushes through a `FifoExclusiveProducer` (this thread is the FIFO's
+// only producer), made before the clock starts.
+extern "C" __global__ void fifo_latency(mscclpp::FifoDeviceHandle fifo, int n, int exclusive, u64* out) {
   mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, 0);
+  mscclpp::FifoExclusiveProducer sole(fifo);
   u64 t0 = now(), pos = 0;
   for (int i = 0; i < n; ++i) {
-    pos = fifo.push(t);
+    pos = exclusive ? sole.push(t) : fifo.push(t);
     if (((i + 1) & (fifo.size - 1)) == 0) fifo.sync(pos);
   }
   fifo.sync(pos);
@@ -60,10 +63,23 @@ extern "C" __global__ void fifo_latency(mscclpp::FifoDeviceHandle fifo, int n, u
 // does not need, orders the data);
 // 2: a gpu-scope release fence, then that relaxed store; 3: the header's store, the position
 // counted by this one thread instead of the atomic on `head` (head is set at the end); 4 and 5:
-// the header's push_batch, 8 and 32 triggers a call (n a multiple of 32, fifo.size of 32).
+// the header's push_batch, 8 and 32 triggers a call (n a multiple of 32, fifo.size of 32); 6:
+// FifoExclusiveProducer::push_relaxed (what mode 1 costs without the atomic on head, the count
+// kept by the header).
 extern "C" __global__ void fifo_push_variant(mscclpp::FifoDeviceHandle fifo, int n, int mode, u64* out) {
   mscclpp::ProxyTrigger t(mscclpp::TriggerSync, 0, 0, 0, 0, 0, 0);
   u64 mine = *fifo.head, pos = 0;
+  if (mode == 6) {
+    mscclpp::FifoExclusiveProducer sole(fifo);
+    u64 t0 = now();
+    for (int i = 0; i < n; ++i) {
+      pos = sole.push_relaxed(t);
+      if (((i + 1) & (fifo.size - 1)) == 0) fifo.sync(pos);
+    }
+    fifo.sync(pos);
+    out[0] = now() - t0;
+    return;
+  }
   u64 t0 = now();
   if (mode >= 4) {
     mscclpp::ProxyTrigger ts[32];
@@ -163,7 +179,8 @@ extern "C" __global__ void pong_noflush(mscclpp::PortChannelDeviceHandle* ch, u6
 // slots is a power of two). op 0: put, 1: putWithSignal, 2: signal. batch > 1: each thread pushes
 // its triggers `batch` at a time with push_batch (at most 32; the last batch may be shorter).
 // batch < 0: each thread makes one __threadfence_system() (the sources were written before the
-// kernel), then pushes its triggers one at a time with push_relaxed.
+// kernel), then pushes its triggers one at a time with push_relaxed; batch == -2 with one thread
+// in the grid: through a FifoExclusiveProducer (its push_relaxed; with more threads, -2 is -1).
 // Peer and slot advance by addition (a 64-bit division costs one GPU thread a few hundred cycles:
 // with one producer, three a trigger cost more than the push itself). Each push's wait is bounded
 // by max_spins rounds (the kernel traps past it: the proxy stopped popping), so a stalled proxy
@@ -177,6 +194,7 @@ extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers 
       op == 0 ? mscclpp::TriggerData : op == 1 ? (mscclpp::TriggerData | mscclpp::TriggerFlag) : mscclpp::TriggerFlag;
   if (batch > 32) batch = 32;
   const bool relaxed = batch < 0;
+  const bool exclusive = batch == -2 && nthreads == 1;
   if (relaxed) {
     batch = 1;
     // Orders every source before the relaxed triggers below (push_relaxed's contract).
@@ -207,13 +225,23 @@ extern "C" __global__ void proxy_load(mscclpp::FifoDeviceHandle fifo, LoadPeers 
     }
     return;
   }
-  for (int k = 0; k < per_thread; ++k) {
+  // Trigger k of this thread; peer and slot advance by addition (see above).
+  auto next_trigger = [&]() {
     const unsigned int peer = (unsigned int)r;
     const u64 off = sig ? 0 : (q & slot_mask) * size;
     mscclpp::ProxyTrigger t(type, sig ? 0u : p.dst[peer], off, sig ? 0u : p.src, off, sig ? 0 : size, p.sem[peer]);
     q += step_q;
     r += step_r;
     if (r >= p.npeers) { r -= p.npeers; ++q; }
+    return t;
+  };
+  if (exclusive) {
+    mscclpp::FifoExclusiveProducer sole(fifo);
+    for (int k = 0; k < per_thread; ++k) sole.push_relaxed(next_trigger(), max_spins);
+    return;
+  }
+  for (int k = 0; k < per_thread; ++k) {
+    const mscclpp::ProxyTrigger t = next_trigger();
     if (batch <= 1) {
       if (relaxed) {
         fifo.push_relaxed(t, max_spins);
@@ -401,23 +429,27 @@ pub fn run(args: &Args) -> Result<(), String> {
             })
         };
         let kern = k("fifo_latency")?;
-        for (n, label) in [(1000i32, "warm-up"), (100_000, "timed")] {
-            let (mut h, mut n2, mut o) = (fifo.device_handle(), n, out.device_ptr());
-            launch(&kern, 1, 1, &stream, &mut args![h, n2, o])?;
-            stream.synchronize(timeout).map_err(e)?;
-            if label == "timed" {
-                let ns = out.read_u64(0).map_err(e)? as f64;
-                row(format!(
-                    "fifo push->pop, 1 GPU thread: {:.3} us/trigger ({n} triggers; goal <= 0.85; MSCCL++ measured the same way on an H200: 0.89)",
-                    ns / 1e3 / n as f64
-                ));
+        // The handle's push, then the same loop through a FifoExclusiveProducer (this thread
+        // being the FIFO's only producer: no atomic on head).
+        for (exclusive, how) in [(0i32, ""), (1, ", FifoExclusiveProducer::push")] {
+            for (n, label) in [(1000i32, "warm-up"), (100_000, "timed")] {
+                let (mut h, mut n2, mut x, mut o) = (fifo.device_handle(), n, exclusive, out.device_ptr());
+                launch(&kern, 1, 1, &stream, &mut args![h, n2, x, o])?;
+                stream.synchronize(timeout).map_err(e)?;
+                if label == "timed" {
+                    let ns = out.read_u64(0).map_err(e)? as f64;
+                    row(format!(
+                        "fifo push->pop, 1 GPU thread{how}: {:.3} us/trigger ({n} triggers; goal <= 0.85; MSCCL++ measured the same way on an H200: 0.89)",
+                        ns / 1e3 / n as f64
+                    ));
+                }
             }
         }
         // What the push's parts cost (diagnostics; see the kernel): one thread, same loop.
         let kv = k("fifo_push_variant")?;
         let variants = (|| -> Result<Vec<f64>, String> {
             let mut us = Vec::new();
-            for mode in 0..6i32 {
+            for mode in 0..7i32 {
                 let (mut h, mut n, mut md, mut o) = (fifo.device_handle(), 100_000i32, mode, out.device_ptr());
                 launch(&kv, 1, 1, &stream, &mut args![h, n, md, o])?;
                 stream.synchronize(timeout).map_err(e)?;
@@ -429,8 +461,8 @@ pub fn run(args: &Args) -> Result<(), String> {
             Ok(us) => row(format!(
                 "fifo push->pop parts (diagnostics, us/trigger): the push {:.3}; push_relaxed (no release) {:.3}; \
                  with a gpu-scope fence {:.3}; position without the atomic on head {:.3}; push_batch of 8 {:.3}, \
-                 of 32 {:.3} (one atomic and one fence a call)",
-                us[0], us[1], us[2], us[3], us[4], us[5]
+                 of 32 {:.3} (one atomic and one fence a call); FifoExclusiveProducer::push_relaxed {:.3}",
+                us[0], us[1], us[2], us[3], us[4], us[5], us[6]
             )),
             Err(x) => row(format!("fifo push->pop parts: failed: {x}")),
         }
@@ -439,7 +471,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         let kl = k("proxy_load")?;
         let producer = (|| -> Result<Vec<f64>, String> {
             let mut rates = Vec::new();
-            for (batch, n) in [(1i32, 20_000i32), (32, 200_000)] {
+            for (batch, n) in [(1i32, 20_000i32), (32, 200_000), (-2, 200_000)] {
                 let (mut h, mut t, mut op, mut sz, mut per, mut ms, mut b) = (
                     fifo.device_handle(),
                     crate::proxyload::LoadPeers::new(1),
@@ -458,8 +490,9 @@ pub fn run(args: &Args) -> Result<(), String> {
         })();
         row(match producer {
             Ok(r) => format!(
-                "proxy load rows' producer (1 thread, signals) against a bare pop loop: push {:.2} M/s, push_batch of 32 {:.2} M/s",
-                r[0], r[1]
+                "proxy load rows' producer (1 thread, signals) against a bare pop loop: push {:.2} M/s, push_batch of 32 {:.2} M/s, \
+                 FifoExclusiveProducer::push_relaxed {:.2} M/s",
+                r[0], r[1], r[2]
             ),
             Err(x) => format!("proxy load rows' producer against a bare pop loop: failed: {x}"),
         });

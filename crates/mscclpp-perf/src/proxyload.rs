@@ -2,9 +2,10 @@
 //! rank 0 serve 1, 4 or 8 peers (ranks of this process, threads with a loopback bootstrap, all on
 //! `--device`), over CUDA IPC and over Ethernet (127.0.0.1). Per (transport, operation, size,
 //! peers), GPU producer counts of 1, 132, 132 x 32 and 132 x 256 threads push triggers one at a
-//! time, one thread pushes them 32 at a time with `push_batch`, and one thread pushes them one at
-//! a time with `push_relaxed` after one `__threadfence_system()` (kernel `proxy_load` of
-//! `device.rs`: trigger i goes to peer i mod peers); each row sets the
+//! time; one thread also pushes them 32 at a time with `push_batch`, one at a time with
+//! `push_relaxed` after one `__threadfence_system()`, and so again through a
+//! `FifoExclusiveProducer` (no atomic on `head`). Kernel `proxy_load` of `device.rs`: trigger i
+//! goes to peer i mod peers. Each row sets the
 //! triggers/s through the proxy beside the rate at which one host thread issues the same
 //! connection calls directly in the same run (write, and/or `Host2DeviceSemaphore::signal`),
 //! measured just before, and their ratio. Both rates count issue (the proxy's pops, the host
@@ -40,11 +41,14 @@ pub(crate) const MAX_SPINS: i64 = 4_000_000;
 /// (blocks, threads per block, triggers per push) of the rows: every producer count pushing one
 /// trigger at a time (`push`), one thread pushing `BATCH` at a time (`push_batch`), and one
 /// thread pushing one at a time with `push_relaxed` after one `__threadfence_system()`
-/// (`RELAXED`).
-const PRODUCERS: [(u32, u32, i32); 6] =
-    [(1, 1, 1), (1, 1, BATCH), (1, 1, RELAXED), (132, 1, 1), (132, 32, 1), (132, 256, 1)];
-/// The kernel's `batch` for `push_relaxed` (any negative value).
+/// (`RELAXED`), and the same through a `FifoExclusiveProducer` (`EXCLUSIVE`: the thread is the
+/// FIFO's only producer, no atomic on `head`).
+const PRODUCERS: [(u32, u32, i32); 7] =
+    [(1, 1, 1), (1, 1, BATCH), (1, 1, RELAXED), (1, 1, EXCLUSIVE), (132, 1, 1), (132, 32, 1), (132, 256, 1)];
+/// The kernel's `batch` for `push_relaxed`.
 const RELAXED: i32 = -1;
+/// The kernel's `batch` for `FifoExclusiveProducer::push_relaxed` (one thread in the grid).
+const EXCLUSIVE: i32 = -2;
 /// Triggers per `push_batch` in the batched row (the kernel's most).
 const BATCH: i32 = 32;
 /// Seconds each measurement aims at.
@@ -476,6 +480,8 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                         format!("{producers:>5} producer, push_batch of {batch}")
                     } else if batch == RELAXED {
                         format!("{producers:>5} producer, push_relaxed")
+                    } else if batch == EXCLUSIVE {
+                        format!("{producers:>5} producer, exclusive push_relaxed")
                     } else {
                         format!("{producers:>5} producers")
                     };
