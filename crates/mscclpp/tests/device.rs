@@ -12,7 +12,7 @@ use common::gpu::{Pair, args, gpu_for, kernel, launch, module, pair, read, resul
 use common::{Rank, spawn_ranks};
 use mscclpp::device::fifo::Fifo;
 use mscclpp::device::proxy::{PROXY_FAILED, ProxyConfig, ProxyService};
-use mscclpp::device::trigger::decode;
+use mscclpp::device::trigger::{Put, Request, decode};
 use mscclpp::gpu::Stream;
 use mscclpp::{Bootstrap, Device, DeviceBuffer, EndpointConfig, RootServer, TcpBootstrap, Transport};
 
@@ -274,13 +274,18 @@ const MSGS: i32 = 24;
 const CHUNK: u64 = 64 << 10;
 const TIMEOUT_NS: u64 = 30_000_000_000;
 
-/// Rank 0's kernel puts 24 messages (1 B .. 64 KiB) with signals and flushes through its proxy;
-/// rank 1's kernel waits for each on the device and checks every byte.
-fn transfer(r: &Rank, t: Transport) {
-    transfer_with(r, t, "sender")
+/// The two-process transfer test `name`: in a rank, `transfer_with(t, sender)`; otherwise
+/// starts both ranks with `env` and checks that they succeed.
+fn transfer_test(name: &str, t: Transport, sender: &str, env: &[(&str, String)]) {
+    if let Some(r) = Rank::from_env() {
+        return transfer_with(&r, t, sender);
+    }
+    spawn_ranks(name, 2, env).assert_success();
 }
 
-/// `transfer` with rank 0's kernel `sender` (`sender` or `sender_relaxed`).
+/// Rank 0's kernel `sender` (`sender`, `sender_relaxed` or `sender_exclusive`) puts 24 messages
+/// (1 B .. 64 KiB) with signals and flushes through its proxy; rank 1's kernel waits for each on
+/// the device and checks every byte.
 fn transfer_with(r: &Rank, t: Transport, sender: &str) {
     let dev = gpu_for(r.rank);
     let bs: Arc<dyn Bootstrap> = Arc::new(r.bootstrap(T));
@@ -319,10 +324,7 @@ fn transfer_with(r: &Rank, t: Transport, sender: &str) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_over_cuda_ipc() {
-    if let Some(r) = Rank::from_env() {
-        return transfer(&r, Transport::CudaIpc);
-    }
-    spawn_ranks("port_channel_over_cuda_ipc", 2, &[]).assert_success();
+    transfer_test("port_channel_over_cuda_ipc", Transport::CudaIpc, "sender", &[]);
 }
 
 /// The same over CUDA IPC with kernel copies (`MSCCLPP_CUDAIPC_KERNEL_COPY_MAX=65536`, read from
@@ -331,11 +333,12 @@ fn port_channel_over_cuda_ipc() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_over_cuda_ipc_kernel_copies() {
-    if let Some(r) = Rank::from_env() {
-        return transfer(&r, Transport::CudaIpc);
-    }
-    spawn_ranks("port_channel_over_cuda_ipc_kernel_copies", 2, &[("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "65536".into())])
-        .assert_success();
+    transfer_test(
+        "port_channel_over_cuda_ipc_kernel_copies",
+        Transport::CudaIpc,
+        "sender",
+        &[("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "65536".into())],
+    );
 }
 
 /// The same with the copy kernel lingering 200 us after each copy
@@ -344,24 +347,18 @@ fn port_channel_over_cuda_ipc_kernel_copies() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_over_cuda_ipc_lingering_kernel_copies() {
-    if let Some(r) = Rank::from_env() {
-        return transfer(&r, Transport::CudaIpc);
-    }
-    spawn_ranks(
+    transfer_test(
         "port_channel_over_cuda_ipc_lingering_kernel_copies",
-        2,
+        Transport::CudaIpc,
+        "sender",
         &[("MSCCLPP_CUDAIPC_KERNEL_COPY_MAX", "65536".into()), ("MSCCLPP_CUDAIPC_KERNEL_COPY_LINGER_US", "200".into())],
-    )
-    .assert_success();
+    );
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_over_ethernet_gpu_memory() {
-    if let Some(r) = Rank::from_env() {
-        return transfer(&r, Transport::Ethernet);
-    }
-    spawn_ranks("port_channel_over_ethernet_gpu_memory", 2, &[]).assert_success();
+    transfer_test("port_channel_over_ethernet_gpu_memory", Transport::Ethernet, "sender", &[]);
 }
 
 /// `push_relaxed` through a PortChannel over CUDA IPC: the sending kernel writes four messages,
@@ -371,10 +368,7 @@ fn port_channel_over_ethernet_gpu_memory() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_relaxed_pushes_over_cuda_ipc() {
-    if let Some(r) = Rank::from_env() {
-        return transfer_with(&r, Transport::CudaIpc, "sender_relaxed");
-    }
-    spawn_ranks("port_channel_relaxed_pushes_over_cuda_ipc", 2, &[]).assert_success();
+    transfer_test("port_channel_relaxed_pushes_over_cuda_ipc", Transport::CudaIpc, "sender_relaxed", &[]);
 }
 
 /// The same over Ethernet from GPU memory (the sender stages each put's source with a copy
@@ -382,10 +376,7 @@ fn port_channel_relaxed_pushes_over_cuda_ipc() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_relaxed_pushes_over_ethernet_gpu_memory() {
-    if let Some(r) = Rank::from_env() {
-        return transfer_with(&r, Transport::Ethernet, "sender_relaxed");
-    }
-    spawn_ranks("port_channel_relaxed_pushes_over_ethernet_gpu_memory", 2, &[]).assert_success();
+    transfer_test("port_channel_relaxed_pushes_over_ethernet_gpu_memory", Transport::Ethernet, "sender_relaxed", &[]);
 }
 
 /// `FifoExclusiveProducer` through a PortChannel over CUDA IPC: as the relaxed test, the sending
@@ -394,40 +385,48 @@ fn port_channel_relaxed_pushes_over_ethernet_gpu_memory() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_exclusive_pushes_over_cuda_ipc() {
-    if let Some(r) = Rank::from_env() {
-        return transfer_with(&r, Transport::CudaIpc, "sender_exclusive");
-    }
-    spawn_ranks("port_channel_exclusive_pushes_over_cuda_ipc", 2, &[]).assert_success();
+    transfer_test("port_channel_exclusive_pushes_over_cuda_ipc", Transport::CudaIpc, "sender_exclusive", &[]);
 }
 
 /// The same over Ethernet from GPU memory.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn port_channel_exclusive_pushes_over_ethernet_gpu_memory() {
-    if let Some(r) = Rank::from_env() {
-        return transfer_with(&r, Transport::Ethernet, "sender_exclusive");
-    }
-    spawn_ranks("port_channel_exclusive_pushes_over_ethernet_gpu_memory", 2, &[]).assert_success();
+    transfer_test(
+        "port_channel_exclusive_pushes_over_ethernet_gpu_memory",
+        Transport::Ethernet,
+        "sender_exclusive",
+        &[],
+    );
 }
 
-/// Pops `n` triggers from `fifo` (bounded by `T`): each must be trigger `first + k`, in order.
-fn pop_numbered(fifo: &Fifo, first: u64, n: u64) {
+/// Pops `n` triggers from `fifo` (bounded by `T`), each a put handed to `each`.
+fn pop_puts(fifo: &Fifo, n: usize, mut each: impl FnMut(&Put)) {
     let t0 = Instant::now();
-    let mut k = 0;
-    while k < n {
+    let mut got = 0;
+    while got < n {
         match fifo.poll() {
             Some(t) => {
                 let req = decode(t).expect("a trigger pushed by the kernel decodes");
-                let mscclpp::device::trigger::Request::Ops { put: Some(p), .. } = req else {
+                let Request::Ops { put: Some(p), .. } = req else {
                     panic!("unexpected request {req:?}");
                 };
-                assert_eq!(u64::from(p.dst_off), first + k, "trigger at position {}", first + k);
+                each(&p);
                 fifo.pop();
-                k += 1;
+                got += 1;
             }
-            None => assert!(t0.elapsed() < T, "only {k} of {n} triggers arrived"),
+            None => assert!(t0.elapsed() < T, "only {got} of {n} triggers arrived"),
         }
     }
+}
+
+/// Pops `n` triggers from `fifo`: each must be trigger `first + k` (its `dstOffset`), in order.
+fn pop_numbered(fifo: &Fifo, first: u64, n: u64) {
+    let mut want = first;
+    pop_puts(fifo, n as usize, |p| {
+        assert_eq!(u64::from(p.dst_off), want, "trigger at position {want}");
+        want += 1;
+    });
 }
 
 /// One GPU thread as a FIFO's only producer (`FifoExclusiveProducer`, every pushing method in
@@ -586,23 +585,11 @@ fn fifo_wraps_with_many_gpu_producers() {
     let total = (blocks * threads) as usize * per as usize;
     let mut seen = vec![0u8; total];
     let t0 = Instant::now();
-    let mut got = 0;
-    while got < total {
-        match fifo.poll() {
-            Some(t) => {
-                let req = decode(t).expect("a trigger pushed by the kernel decodes");
-                let mscclpp::device::trigger::Request::Ops { put: Some(p), .. } = req else {
-                    panic!("unexpected request {req:?}");
-                };
-                let idx = p.dst_off as usize * per as usize + p.src_off as usize;
-                assert!(idx < total, "trigger {t:?} out of range");
-                seen[idx] += 1;
-                fifo.pop();
-                got += 1;
-            }
-            None => assert!(t0.elapsed() < T, "only {got} of {total} triggers arrived"),
-        }
-    }
+    pop_puts(&fifo, total, |p| {
+        let idx = p.dst_off as usize * per as usize + p.src_off as usize;
+        assert!(idx < total, "put {p:?} out of range");
+        seen[idx] += 1;
+    });
     stream.synchronize(T).unwrap();
     assert!(seen.iter().all(|&c| c == 1), "a trigger was lost or duplicated");
     assert!(fifo.poll().is_none());
