@@ -151,10 +151,11 @@ extern "C" __global__ void exclusive_pushes(mscclpp::FifoDeviceHandle fifo, u64 
 }
 
 // A broken contract: every thread of the block makes a FifoExclusiveProducer of the same FIFO
-// and pushes `per_thread` triggers; the producers' check of head must trap.
+// and pushes `per_thread` triggers, waiting for free slots without a spin limit (so only the
+// producers' check of head can end the kernel: nobody pops).
 extern "C" __global__ void exclusive_shared(mscclpp::FifoDeviceHandle fifo, int per_thread) {
   mscclpp::FifoExclusiveProducer sole(fifo);
-  for (int k = 0; k < per_thread; ++k) sole.push(numbered((u64)threadIdx.x * 1000 + (u64)k));
+  for (int k = 0; k < per_thread; ++k) sole.push(numbered((u64)threadIdx.x * 1000 + (u64)k), -1);
 }
 
 // Waits for each message, then checks every byte. result[0]: wrong bytes, result[1]: waits that
@@ -466,8 +467,9 @@ fn exclusive_producer_wraps_times_out_and_keeps_head() {
 }
 
 /// A broken contract traps: 32 threads each make a `FifoExclusiveProducer` of one 16-slot FIFO
-/// (in a child process: the trap ends its CUDA context) and push 64 triggers each; the kernel
-/// must end with an error within the limit, not lose triggers in silence or hang.
+/// (in a child process: the trap ends its CUDA context) and push 64 triggers each, nobody
+/// popping and no spin limit: the kernel must end with a CUDA error (the check of `head`), not
+/// hang until the stream's limit (a `Timeout`) or end well having lost triggers.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn exclusive_producers_sharing_a_fifo_trap() {
@@ -483,10 +485,13 @@ fn exclusive_producers_sharing_a_fifo_trap() {
         let t0 = Instant::now();
         let r = stream.synchronize(T);
         println!("RESULT shared exclusive producers: the kernel ended after {:?} with {r:?}", t0.elapsed());
-        assert!(r.is_err(), "the kernel must trap");
+        let e = r.expect_err("the kernel must trap");
+        assert_eq!(e.kind(), mscclpp::ErrorKind::Cuda, "a trap, not a wait that ran out: {e}");
         std::process::exit(0);
     }
-    spawn_ranks("exclusive_producers_sharing_a_fifo_trap", 1, &[]).assert_success();
+    let job = spawn_ranks("exclusive_producers_sharing_a_fifo_trap", 1, &[]);
+    job.assert_success();
+    job.relay_results();
 }
 
 /// A wait nobody signals returns false, after (not before) its limit.
