@@ -187,6 +187,23 @@ fn a_compile_error_carries_nvrtc_log() {
     assert!(e.message().contains("no_such_method"), "{e}");
 }
 
+/// A `FifoExclusiveProducer` cannot be copied (two copies would count the same positions).
+#[test]
+fn an_exclusive_producer_cannot_be_copied() {
+    use mscclpp::device::compile::{CompileOptions, compile, nvrtc_info};
+    if let Err(e) = nvrtc_info() {
+        return skip("an_exclusive_producer_cannot_be_copied", e.message());
+    }
+    let src = "#include \"mscclpp_rs/device.cuh\"\n\
+               extern \"C\" __global__ void k(mscclpp::FifoDeviceHandle f) {\n\
+               mscclpp::FifoExclusiveProducer a(f);\n\
+               mscclpp::FifoExclusiveProducer b = a;\n\
+               b.push(mscclpp::ProxyTrigger(mscclpp::TriggerSync, 0, 0, 0, 0, 0, 0));\n}\n";
+    let e = compile(src, &CompileOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), mscclpp::ErrorKind::InvalidUsage);
+    assert!(e.message().contains("deleted"), "{e}");
+}
+
 /// On a GPU: a compiled kernel loads, launches on a public stream and writes device memory.
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -31,13 +31,13 @@
 //                red.relaxed.gpu.add of 1 on head per push, not waited for; ld.acquire.gpu of
 //                tailCache at construction, then ld.acquire.sys of tail (and red.release.gpu.max
 //                of tailCache) only when the count reaches the free slots it knows of; the
-//                trigger's store as push / push_relaxed; ld.relaxed.gpu of head once a lap (the
-//                contract's check).
+//                trigger's store as push / push_relaxed; ld.relaxed.gpu of head at
+//                construction, before the first push and then once a lap (the contract's check).
 //   FIFO poll/sync: ld.acquire.sys of tail.
 //   Pairs: the trigger's release store with the proxy's acquire load of snd (`Fifo::poll_at`);
 //                the proxy's release store of tail (`Fifo::pop`) with every ld.acquire.sys of
 //                tail here; red.release.gpu.max of tailCache with ld.acquire.gpu of it in
-//                wait_popped; the proxy's release stores of proxy_error and flushDonePos with
+//                wait_popped and FifoExclusiveProducer's construction; the proxy's release stores of proxy_error and flushDonePos with
 //                their ld.acquire.sys here; a signal's release with the waiters' acquire loads
 //                of inbound. Each use below names its partner; tests/ordering_models.rs checks
 //                the FIFO and the semaphores' consume step with loom.
@@ -609,14 +609,24 @@ struct FifoDeviceHandle {
 /// difference.
 ///
 /// The contract: from the construction to its last push, no other thread pushes to this FIFO,
-/// and this thread pushes to it only through this producer (a PortChannel's `put`, `signal`,
-/// `flush` and `putWithSignal` push through the handle: make a new producer after them). Pushes
-/// of other threads ordered before the construction (an earlier kernel; a `__syncthreads()`
-/// after them in this block) are fine. A broken contract is caught, not left to lose a trigger
-/// in silence: whenever it has pushed a ring's worth since it last looked, and before its first
-/// push, it reads `head`, which must equal its own count; otherwise two producers used the same
-/// positions, and it traps (the kernel ends with an error; the host sees it on the stream).
-/// (An extension: MSCCL++'s FIFO has no exclusive producer.)
+/// and this thread pushes to it only through this producer. A PortChannel's `put`, `signal`,
+/// `flush` and `putWithSignal` push through the handle: make a new producer after them. The
+/// PortChannels of one proxy share its FIFO, so a producer made from one channel's `fifo_` rules
+/// out pushes through every other channel of that proxy meanwhile, from any thread. Pushes of
+/// other threads must be ordered before the construction (an earlier kernel; a `__syncthreads()`
+/// after them in this block) or after the last push (the same, the other way: the producer's
+/// adds to `head` are not waited for, so an unordered push could take a position it used).
+///
+/// The check: before its first push, and then whenever it has pushed a ring's worth since it
+/// last looked, it reads `head`, which must equal its own count; otherwise another producer
+/// reserved positions meanwhile, and it traps (the kernel ends with an error; the host sees it on
+/// the stream), the time-limited pushes too. It sees a breach only when the other reservation is
+/// visible at one of those reads: a producer that pushes fewer than a ring's worth after its
+/// first push can miss one. Then one of two triggers written to the same slot is lost and the
+/// position the other producer reserved stays empty, so the proxy stops there and later flushes
+/// and pushes wait to their limits. Keep the contract; the check is a net, not a licence.
+/// Not copyable (a copy would count the same positions again). (An extension: MSCCL++'s FIFO
+/// has no exclusive producer.)
 ///
 /// ```cuda
 /// // One thread of the whole grid pushes; data written, then one fence (push_relaxed's rule).
@@ -628,6 +638,9 @@ struct FifoDeviceHandle {
 /// }
 /// ```
 struct FifoExclusiveProducer {
+  FifoExclusiveProducer(const FifoExclusiveProducer&) = delete;
+  FifoExclusiveProducer& operator=(const FifoExclusiveProducer&) = delete;
+
   /// Takes over `fifo` for this thread: reads `head` (where the pushes start) and `tailCache`.
   MSCCLPP_RS_DEVICE explicit FifoExclusiveProducer(const FifoDeviceHandle& fifo)
       // Relaxed: a count; other producers' reservations before this are ordered by the caller
@@ -659,7 +672,7 @@ struct FifoExclusiveProducer {
 
   /// Time-limited `push`: false (nothing pushed, the count unchanged) when the ring stays full
   /// for `timeout_ns`, or while it is full the proxy reports an error; otherwise true with the
-  /// position in `*pos` (`pos` may be null).
+  /// position in `*pos` (`pos` may be null). A broken contract still traps (see the struct).
   MSCCLPP_RS_DEVICE bool push_for(ProxyTrigger trigger, u64 timeout_ns, u64* pos = nullptr) {
     if ((next_ >= free_ || next_ >= check_) && !make_room_for(timeout_ns)) return false;
     fifo_.write(next_, trigger);
