@@ -461,7 +461,8 @@ fn exclusive_producer_wraps_times_out_and_keeps_head() {
     assert_eq!((read(&res, 0), read(&res, 1)), (end, end), "the producer's count and the handle's next position");
     assert!(fifo.poll().is_none());
     println!(
-        "RESULT exclusive producer: {SLOTS} pushes filled the ring, 2 timed-out pushes pushed nothing;          {n} more through {SLOTS} slots in {:?}, then the handle's push at position {end}",
+        "RESULT exclusive producer: {SLOTS} pushes filled the ring, 2 timed-out pushes pushed nothing; \
+         {n} more through {SLOTS} slots in {:?}, then the handle's push at position {end}",
         t0.elapsed()
     );
 }
