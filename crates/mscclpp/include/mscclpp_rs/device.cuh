@@ -37,8 +37,8 @@
 //   Pairs: the trigger's release store with the proxy's acquire load of snd (`Fifo::poll_at`);
 //                the proxy's release store of tail (`Fifo::pop`) with every ld.acquire.sys of
 //                tail here; red.release.gpu.max of tailCache with ld.acquire.gpu of it in
-//                wait_popped and FifoExclusiveProducer's construction; the proxy's release stores of proxy_error and flushDonePos with
-//                their ld.acquire.sys here; a signal's release with the waiters' acquire loads
+//                wait_popped and FifoExclusiveProducer's construction; the proxy's release
+//                stores of proxy_error and flushDonePos with their ld.acquire.sys here; a signal's release with the waiters' acquire loads
 //                of inbound. Each use below names its partner; tests/ordering_models.rs checks
 //                the FIFO and the semaphores' consume step with loom.
 //   semaphore wait: expected: atom.relaxed.gpu.add 1; inbound: ld.acquire.sys until >= expected.
@@ -656,7 +656,7 @@ struct FifoExclusiveProducer {
   /// and returns it; waits while the ring is full (traps after `maxSpinCount` polls of `tail`,
   /// or once the proxy reports an error while the ring stays full; never if negative).
   MSCCLPP_RS_DEVICE u64 push(ProxyTrigger trigger, i64 maxSpinCount = 1000000) {
-    if (next_ >= free_ || next_ >= check_) make_room(maxSpinCount);
+    if (must_look()) make_room(maxSpinCount);
     fifo_.write(next_, trigger);
     return advance();
   }
@@ -665,7 +665,7 @@ struct FifoExclusiveProducer {
   /// caller's `__threadfence_system()` after the data must come before it (the handle's
   /// `push_relaxed` says when one fence serves many pushes). Waits as `push`.
   MSCCLPP_RS_DEVICE u64 push_relaxed(ProxyTrigger trigger, i64 maxSpinCount = 1000000) {
-    if (next_ >= free_ || next_ >= check_) make_room(maxSpinCount);
+    if (must_look()) make_room(maxSpinCount);
     fifo_.write_relaxed(next_, trigger);
     return advance();
   }
@@ -674,7 +674,7 @@ struct FifoExclusiveProducer {
   /// for `timeout_ns`, or while it is full the proxy reports an error; otherwise true with the
   /// position in `*pos` (`pos` may be null). A broken contract still traps (see the struct).
   MSCCLPP_RS_DEVICE bool push_for(ProxyTrigger trigger, u64 timeout_ns, u64* pos = nullptr) {
-    if ((next_ >= free_ || next_ >= check_) && !make_room_for(timeout_ns)) return false;
+    if (must_look() && !make_room_for(timeout_ns)) return false;
     fifo_.write(next_, trigger);
     u64 p = advance();
     if (pos != nullptr) *pos = p;
@@ -683,7 +683,7 @@ struct FifoExclusiveProducer {
 
   /// Time-limited `push_relaxed`: as `push_for`, the trigger stored relaxed.
   MSCCLPP_RS_DEVICE bool push_relaxed_for(ProxyTrigger trigger, u64 timeout_ns, u64* pos = nullptr) {
-    if ((next_ >= free_ || next_ >= check_) && !make_room_for(timeout_ns)) return false;
+    if (must_look() && !make_room_for(timeout_ns)) return false;
     fifo_.write_relaxed(next_, trigger);
     u64 p = advance();
     if (pos != nullptr) *pos = p;
@@ -694,6 +694,10 @@ struct FifoExclusiveProducer {
   MSCCLPP_RS_DEVICE u64 position() const { return next_; }
 
  private:
+  /// Whether the next push must look at the FIFO first: the count reached the slots known to be
+  /// free, or the contract's check is due.
+  MSCCLPP_RS_DEVICE bool must_look() const { return next_ >= free_ || next_ >= check_; }
+
   MSCCLPP_RS_DEVICE u64 advance() {
     // Relaxed and not waited for: only keeps `head` equal to the count for pushes through the
     // handle after this producer (the proxy never reads `head`; the trigger's own store orders
