@@ -229,9 +229,11 @@ fn staging_mark() -> StagingMark {
 /// landings, copy-engine copies to and from the GPU), where the threads' time went (seconds
 /// of thread time per second since `m0`, summed over the connections' threads), and the mean
 /// acknowledgement loop (from sending a frame that asks to the answer; a full write queue waits
-/// on it) with the number of asks, as a suffix for a row; empty otherwise.
+/// on it) with the number of asks; for Ethernet rows with signals, the receivers' tokens for GPU
+/// words (how many a round of updates applied, the wait a round); as a suffix for a row; empty
+/// otherwise.
 fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64, size: u64) -> String {
-    if t != Transport::Ethernet || op == Op::Signal || writes == 0 {
+    if t != Transport::Ethernet || writes == 0 {
         return String::new();
     }
     let (c0, t0) = m0;
@@ -239,10 +241,23 @@ fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64, size: u64) -
     let c = mscclpp::bench::ethernet_staging_counts();
     let k = |a: u64, b: u64| (a.saturating_sub(b)) as f64 * 1000.0 / writes as f64;
     let s = |a: Duration, b: Duration| a.saturating_sub(b).as_secs_f64() / wall;
+    let tokens = c.gpu_tokens.saturating_sub(c0.gpu_tokens);
+    let rounds = c.token_rounds.saturating_sub(c0.token_rounds);
+    let token_note = match rounds {
+        0 => "no GPU tokens".to_string(),
+        r => format!(
+            "{tokens} GPU tokens in {r} rounds ({:.1} a round, {:.1} us waited a round)",
+            tokens as f64 / r as f64,
+            c.token_wait.saturating_sub(c0.token_wait).as_secs_f64() * 1e6 / r as f64
+        ),
+    };
+    if op == Op::Signal {
+        return format!("; receivers: {token_note}");
+    }
     format!(
         "; staging per 1000 writes: {:.0} landings, {:.0} copies to the GPU, {:.0} from it (bytes read per \
          byte put {:.1}); thread s/s: to GPU issue {:.2} wait {:.2}, from GPU issue {:.2} wait {:.2}, sendmsg {:.2}, \
-         full queue {:.2}; acknowledgement loop {}",
+         full queue {:.2}; acknowledgement loop {}; receivers: {token_note}",
         k(c.landings, c0.landings),
         k(c.htod, c0.htod),
         k(c.dtoh, c0.dtoh),
@@ -497,6 +512,9 @@ fn rows_over(t: Transport, dev: u32, kern: &Kernel, timeout: Duration, config: &
                         full * 100.0,
                         producers * per as u64
                     ));
+                }
+                if t == Transport::Ethernet && op == Op::Signal {
+                    row(format!("proxy load, {what} -> {peers} peers, host direct {:7.3} M/s{st_base}", base / 1e6));
                 }
                 // Over Ethernet the puts' rates fall short of the baseline with many producers:
                 // the same baseline in the order many producers interleave, and under their GPU

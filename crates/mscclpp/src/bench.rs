@@ -60,13 +60,22 @@ pub struct EthernetStagingCounts {
     /// acknowledgement's arrival (the receiver lands every write before it first). A full write
     /// queue waits on this loop.
     pub ack_wait: Duration,
+    /// Tokens (signals, atomic adds) received for GPU words.
+    pub gpu_tokens: u64,
+    /// The rounds that applied them: each queues its tokens after the copies before them and
+    /// waits once for the GPU. A receiver applies the tokens already buffered behind one another
+    /// in one round (`gpu_tokens / token_rounds` is how many a round carried).
+    pub token_rounds: u64,
+    /// Thread time receivers waited for those rounds.
+    pub token_wait: Duration,
 }
 
 /// The process's [`EthernetStagingCounts`] so far.
 pub fn ethernet_staging_counts() -> EthernetStagingCounts {
     use crate::conn::ethernet::stager::{
-        C_ACKS, C_DTOH, C_DTOH_BYTES, C_HTOD, C_HTOD_BYTES, C_LANDINGS, STAGING_COUNTS as C, STAGING_TIMES as T,
-        T_ACK_WAIT, T_FROM_GPU_ISSUE, T_FROM_GPU_WAIT, T_QUEUE_FULL, T_SEND, T_TO_GPU_ISSUE, T_TO_GPU_WAIT,
+        C_ACKS, C_DTOH, C_DTOH_BYTES, C_HTOD, C_HTOD_BYTES, C_LANDINGS, C_TOKEN_ROUNDS, C_TOKENS, STAGING_COUNTS as C,
+        STAGING_TIMES as T, T_ACK_WAIT, T_FROM_GPU_ISSUE, T_FROM_GPU_WAIT, T_QUEUE_FULL, T_SEND, T_TO_GPU_ISSUE,
+        T_TO_GPU_WAIT, T_TOKEN_WAIT,
     };
     use std::sync::atomic::Ordering::Relaxed;
     let t = |i: usize| Duration::from_nanos(T[i].load(Relaxed));
@@ -84,6 +93,9 @@ pub fn ethernet_staging_counts() -> EthernetStagingCounts {
         queue_full: t(T_QUEUE_FULL),
         acks: C[C_ACKS].load(Relaxed),
         ack_wait: t(T_ACK_WAIT),
+        gpu_tokens: C[C_TOKENS].load(Relaxed),
+        token_rounds: C[C_TOKEN_ROUNDS].load(Relaxed),
+        token_wait: t(T_TOKEN_WAIT),
     }
 }
 

@@ -626,6 +626,105 @@ fn ethernet_writes_a_waiter_received_after_its_signal_land() {
     );
 }
 
+/// Ethernet into GPU memory with tokens arriving faster than one GPU round trip each: the
+/// receiver holds the tokens already buffered behind one another and applies them in one round
+/// (`HeldTokens` in `recv.rs`). Rank 0 sends 20,000 rounds of an 8-byte write (slot i mod 64,
+/// value i + 1) then a signal; after every 97th signal an add to a word in rank 1's host memory;
+/// every 10th round an add, a write and an add to one GPU word (the write must land between the
+/// adds, not before a held add). Rank 1 reads, over and over while they come, the host word,
+/// then the semaphore's token, then the 64 slots: the token is at least 97 times the host word
+/// (tokens visible in the order sent), and every slot holds at least the last value written to
+/// it before the signal the token counts (writes land before their signal). At the end the
+/// counts are exact and the GPU word is its last write plus one.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ethernet_tokens_behind_each_other_keep_their_order_and_promises() {
+    const N: u64 = 20_000;
+    const SLOTS: u64 = 64;
+    const HOST_EVERY: u64 = 97;
+    const WORD_EVERY: u64 = 10;
+    /// The GPU word's offset in rank 1's buffer (after the slots).
+    const WORD: u64 = SLOTS * 8;
+    const CAP: usize = (N as usize + 1) * 8;
+    if let Some(r) = Rank::from_env() {
+        let dev = gpu_for(r.rank);
+        let p = pair(&r, eth_gpu_cfg(dev), CAP);
+        let peer = 1 - r.rank;
+        let flag = Buffer::new(p.comm.context(), 8, Transport::Ethernet.into()).unwrap();
+        flag.write(0, &[0u8; 8]).unwrap();
+        p.comm.send_memory(flag.memory(), peer, 4).unwrap();
+        let remote_flag = p.comm.recv_memory(peer, 4).unwrap().wait().unwrap();
+        // Source word i holds i + 1.
+        let src = DeviceBuffer::new(p.comm.context(), dev, CAP, Transport::Ethernet.into()).unwrap();
+        let values: Vec<u8> = (0..CAP as u64 / 8).flat_map(|i| (i + 1).to_le_bytes()).collect();
+        src.write(0, &values).unwrap();
+        p.bs.barrier().unwrap();
+        if r.rank == 0 {
+            for i in 0..N {
+                p.conn.write(&p.remote, (i % SLOTS) * 8, src.memory(), i * 8, 8).unwrap();
+                p.sem.signal().unwrap();
+                if (i + 1) % HOST_EVERY == 0 {
+                    p.conn.atomic_add(&remote_flag, 0, 1).unwrap();
+                }
+                if i % WORD_EVERY == 0 {
+                    p.conn.atomic_add(&p.remote, WORD, 1).unwrap();
+                    p.conn.write(&p.remote, WORD, src.memory(), i * 8, 8).unwrap();
+                    p.conn.atomic_add(&p.remote, WORD, 1).unwrap();
+                }
+            }
+            p.conn.flush(T).unwrap();
+        } else {
+            let counts0 = mscclpp::bench::ethernet_staging_counts();
+            let t0 = Instant::now();
+            let mut looks = 0u64;
+            let mut slots = vec![0u8; (SLOTS * 8) as usize];
+            loop {
+                let mut b = [0u8; 8];
+                flag.read(0, &mut b).unwrap();
+                let f = u64::from_le_bytes(b);
+                let t = p.sem.inbound_token().unwrap();
+                assert!(t >= f * HOST_EVERY, "host word {f} visible before signal {} (token {t})", f * HOST_EVERY);
+                p.local.read(0, &mut slots).unwrap();
+                for s in 0..SLOTS.min(t) {
+                    // The last write to slot s before signal t (round i wrote value i + 1).
+                    let last = s + SLOTS * ((t - 1 - s) / SLOTS);
+                    let got = u64::from_le_bytes(slots[(s * 8) as usize..(s * 8 + 8) as usize].try_into().unwrap());
+                    assert!(
+                        got > last && got % SLOTS == (s + 1) % SLOTS,
+                        "token {t}: slot {s} holds {got}, not yet round {last}'s write (value {})",
+                        last + 1
+                    );
+                }
+                looks += 1;
+                if t == N && f == N / HOST_EVERY {
+                    break;
+                }
+                assert!(t <= N, "token {t} past the {N} signals sent");
+                assert!(t0.elapsed() < T, "after {:?}: token {t} of {N}, host word {f}", t0.elapsed());
+            }
+            let c = mscclpp::bench::ethernet_staging_counts();
+            println!(
+                "RESULT {N} signals behind writes: all seen in order in {:?} ({looks} looks); {} GPU tokens applied in {} \
+                 rounds, {:.1} us of waiting a round",
+                t0.elapsed(),
+                c.gpu_tokens - counts0.gpu_tokens,
+                c.token_rounds - counts0.token_rounds,
+                (c.token_wait - counts0.token_wait).as_secs_f64() * 1e6
+                    / (c.token_rounds - counts0.token_rounds).max(1) as f64
+            );
+        }
+        p.bs.barrier().unwrap();
+        if r.rank == 1 {
+            let last = (N - 1) / WORD_EVERY * WORD_EVERY;
+            let word = p.local.read_u64(WORD as usize).unwrap();
+            assert_eq!(word, last + 2, "the GPU word: round {last}'s write (value {}) then one add", last + 1);
+        }
+        p.bs.barrier().unwrap();
+        return;
+    }
+    spawn_ranks("ethernet_tokens_behind_each_other_keep_their_order_and_promises", 2, &[]).assert_success();
+}
+
 /// Host2DeviceSemaphore signalled over CUDA IPC and over Ethernet: the GPU token counts the
 /// signals and the handle points at it.
 #[test]

@@ -17,7 +17,7 @@ use super::acceptor::Acceptor;
 use super::connection::Shared;
 use super::core::{ReceiverCore, RegionInfo, RxEvent};
 use super::send::{OutLanes, send_record, stall_limit};
-use super::stager::{DRY_GRACE, StageError, Stager, stager_for};
+use super::stager::{C_TOKENS, DRY_GRACE, GATHER_MAX, GpuToken, StageError, Stager, count_n, stager_for};
 use super::wire::{Lane, Record};
 use crate::context::ContextInner;
 use crate::error::{Error, ErrorKind};
@@ -123,6 +123,112 @@ pub(super) struct RxState {
     applied_all: bool,
     /// When the last drain took input (see [`Stager::issue_when_dry`]).
     input_at: Instant,
+    /// Tokens for GPU words held while more input was buffered behind them.
+    held: HeldTokens<Arc<LocalRegion>>,
+}
+
+/// Most distinct updates held at once (consecutive tokens to one word count as one).
+const HOLD_MAX_UPDATES: usize = 64;
+/// Most tokens held at once.
+const HOLD_MAX_TOKENS: u64 = 4096;
+
+/// Tokens for GPU words of one GPU that arrived with more of the peer's input already buffered
+/// behind them. A token to GPU memory costs a round trip to the GPU (queue the update after the
+/// copies before it, wait for the stream); tokens that arrive faster than that pile up in the
+/// socket, and applying each alone makes the receiver fall further behind. Held ones are applied
+/// in one round: queued in order after every copy received before the last of them, one wait.
+///
+/// Each token's promise still holds: every write before it has landed when it becomes visible
+/// (they land before the round's updates, in stream order, or are waited for on other GPUs), and
+/// tokens become visible in the order they came (consecutive updates of one word merge into one,
+/// which skips only the intermediate values). Holding is bounded by the input already here: the
+/// held tokens are applied before the receiver reads the socket again, before anything that may
+/// block on it (a write whose payload is not all buffered, a large write), before a token to
+/// host memory or another GPU, before an acknowledgement, and when [`HOLD_MAX_UPDATES`] or
+/// [`HOLD_MAX_TOKENS`] is reached.
+pub(super) struct HeldTokens<R> {
+    /// The GPU they are all for, and the region of the first (whose stager applies them).
+    dev: Option<(u32, R)>,
+    /// The updates in arrival order, each with its region (kept alive until applied).
+    updates: Vec<(GpuToken, R)>,
+    /// Tokens folded into `updates`.
+    tokens: u64,
+}
+
+impl<R: Clone> HeldTokens<R> {
+    pub(super) fn new() -> Self {
+        HeldTokens { dev: None, updates: Vec::new(), tokens: 0 }
+    }
+
+    /// The GPU the held tokens are for, if any are held.
+    pub(super) fn dev(&self) -> Option<u32> {
+        self.dev.as_ref().map(|(d, _)| *d)
+    }
+
+    /// Adds a token for GPU `dev` (the caller applies what is held first when it is another
+    /// GPU's); one to the word the last update is for merges into it.
+    pub(super) fn push(&mut self, dev: u32, region: &R, t: GpuToken) {
+        debug_assert!(self.dev().is_none_or(|d| d == dev));
+        if self.dev.is_none() {
+            self.dev = Some((dev, region.clone()));
+        }
+        self.tokens += 1;
+        match self.updates.last_mut() {
+            Some((last, _)) if last.addr == t.addr => *last = last.then(t),
+            _ => self.updates.push((t, region.clone())),
+        }
+    }
+
+    /// Whether none are held.
+    pub(super) fn is_empty(&self) -> bool {
+        self.dev.is_none()
+    }
+
+    /// Whether a held update is for a word overlapping GPU bytes [`start`, `end`).
+    pub(super) fn touches(&self, start: u64, end: u64) -> bool {
+        self.updates.iter().any(|(t, _)| t.addr < end && start < t.addr + 8)
+    }
+
+    /// Whether no more may be held.
+    pub(super) fn is_full(&self) -> bool {
+        self.updates.len() >= HOLD_MAX_UPDATES || self.tokens >= HOLD_MAX_TOKENS
+    }
+
+    /// Takes what is held: the first token's region, and the updates in order.
+    pub(super) fn take(&mut self) -> Option<(R, Vec<GpuToken>)> {
+        let (_, region) = self.dev.take()?;
+        self.tokens = 0;
+        let updates = std::mem::take(&mut self.updates).into_iter().map(|(t, _)| t).collect();
+        Some((region, updates))
+    }
+}
+
+/// Applies the held tokens in one round (see [`HeldTokens`]): first every copy received for
+/// other GPUs is waited for, then the updates go on their GPU's stream after its copies, and one
+/// wait covers them all. Returns whether any were applied (waiters should look again).
+fn apply_held(
+    held: &mut HeldTokens<Arc<LocalRegion>>,
+    stagers: &mut HashMap<u32, Stager>,
+) -> std::result::Result<bool, StageError> {
+    let Some((region, updates)) = held.take() else { return Ok(false) };
+    let Mem::Gpu(g) = &region.mem else {
+        return Err(StageError::Mscclpp(Error::internal("held tokens for memory that is not a GPU's")));
+    };
+    settle(stagers, Some(g.dev.ordinal))?;
+    stager_for(stagers, g)?.tokens_at(&updates)?;
+    Ok(true)
+}
+
+/// [`apply_held`], then tells the context's token waiters to look again if any were applied.
+fn apply_held_notifying(
+    held: &mut HeldTokens<Arc<LocalRegion>>,
+    stagers: &mut HashMap<u32, Stager>,
+    ctx: &ContextInner,
+) -> std::result::Result<(), StageError> {
+    if apply_held(held, stagers)? {
+        ctx.notify_tokens();
+    }
+    Ok(())
 }
 
 /// Who is applying frames.
@@ -177,6 +283,11 @@ impl RxState {
                 Ok(x) => x,
                 Err(why) => {
                     warn!(target: LOG, "refusing a frame from {}: {why}", sh.peer_desc);
+                    // Tokens held from before the refused frame were valid: they are applied, as
+                    // they would have been had nothing been buffered behind them (best effort).
+                    if apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx).is_err() {
+                        debug!(target: LOG, "tokens from {} before a refused frame could not be applied", sh.peer_desc);
+                    }
                     let _ = send_record(&self.rec, &Record::refusal(&why));
                     sh.fail(Error::remote(format!("refused a frame from peer {}: {why}", sh.peer_desc)));
                     self.applied_all = false;
@@ -189,6 +300,9 @@ impl RxState {
                     rd.consume(used);
                     Ok(())
                 }
+                // The buffered input is used up: held tokens go before anything more is read
+                // (then this comes round again with nothing held).
+                None if !self.held.is_empty() => apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx),
                 None => match (self.core.payload_pending(), self.cur.as_ref().map(|r| &r.mem), who) {
                     // Past what was buffered: the rest of a host write goes straight to its place.
                     (Some((offset, left)), Some(Mem::Host(reg)), Drainer::Thread) => reg
@@ -222,7 +336,26 @@ impl RxState {
                 }
                 Some(RxEvent::Write { region, offset, len }) => {
                     rd.consume(used);
-                    let r = match &region.mem {
+                    // Held tokens wait behind a write only when it lands without reading the
+                    // socket (a small GPU write whose payload is all here) and does not rewrite
+                    // a word they update (the write must win); otherwise they go first.
+                    let behind = match &region.mem {
+                        Mem::Gpu(g) => {
+                            len <= GATHER_MAX
+                                && len <= rd.buffer().len() as u64
+                                && !self.held.touches(
+                                    g.ptr.saturating_add(offset),
+                                    g.ptr.saturating_add(offset.saturating_add(len)),
+                                )
+                        }
+                        Mem::Host(_) => false,
+                    };
+                    let first = if behind {
+                        Ok(())
+                    } else {
+                        apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx)
+                    };
+                    let r = first.and_then(|()| match &region.mem {
                         // Earlier writes to GPU memory land before this one's bytes do.
                         Mem::Host(_) => settle(&mut self.stagers, None).map_err(StageError::from),
                         // GPU memory: staged through pinned buffers, the whole payload at once.
@@ -230,52 +363,65 @@ impl RxState {
                             .map_err(StageError::from)
                             .and_then(|st| st.recv(rd, g, offset, len))
                             .map(|()| self.core.payload_received(len, !rd.buffer().is_empty())),
-                    };
+                    });
                     self.cur = Some(region);
                     r
                 }
                 Some(RxEvent::Token { region, offset, value, add }) => {
                     rd.consume(used);
                     // Every write before the token has landed before the token does: queued
-                    // copies to other GPUs are waited for here, those to this token's GPU are
-                    // ahead of it on the same stream (and `token` waits for that stream).
-                    let except = match &region.mem {
-                        Mem::Gpu(g) => Some(g.dev.ordinal),
-                        Mem::Host(_) => None,
-                    };
-                    let settled = settle(&mut self.stagers, except).map_err(StageError::from);
-                    let r = settled.and_then(|()| match &region.mem {
-                        Mem::Host(reg) => reg
-                            .atomic_u64(offset)
+                    // copies to other GPUs are waited for first, those to this token's GPU are
+                    // ahead of it on the same stream (and the round waits for that stream).
+                    let r = match &region.mem {
+                        Mem::Gpu(g) => {
+                            count_n(C_TOKENS, 1);
+                            let dev = g.dev.ordinal;
+                            let mut r = g.check(offset, 8).map_err(StageError::from);
+                            if r.is_ok() && self.held.dev().is_some_and(|d| d != dev) {
+                                // Another GPU's tokens were held: they go first, in order.
+                                r = apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx);
+                            }
+                            if r.is_ok() {
+                                self.held.push(dev, &region, GpuToken { addr: g.ptr + offset, value, add });
+                                // With more input here the token is held, to be applied with
+                                // those behind it in one round (`HeldTokens`).
+                                if rd.buffer().is_empty() || self.held.is_full() || self.core.ack_due() {
+                                    r = apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx);
+                                }
+                            }
+                            r
+                        }
+                        // Host memory: held GPU tokens first (tokens become visible in order),
+                        // then every write before it lands, then the word.
+                        Mem::Host(reg) => apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx)
+                            .and_then(|()| settle(&mut self.stagers, None).map_err(StageError::from))
+                            .and_then(|()| reg.atomic_u64(offset).map_err(StageError::from))
                             .map(|w| {
                                 if add {
                                     w.fetch_add(value, Ordering::AcqRel);
                                 } else {
                                     w.store(value, Ordering::Release);
                                 }
-                            })
-                            .map_err(StageError::from),
-                        Mem::Gpu(g) => stager_for(&mut self.stagers, g)
-                            .and_then(|st| st.token(g, offset, value, add))
-                            .map_err(StageError::from),
-                    });
-                    if r.is_ok() {
-                        self.ctx.notify_tokens();
-                        // A token usually ends what the peer sent: with nothing buffered and no
-                        // acknowledgement due, return now (a waiter sees its signal without
-                        // another read, which would only find the socket empty).
-                        if rd.buffer().is_empty() && !self.core.ack_due() {
-                            progressed = true;
-                            break;
-                        }
+                                self.ctx.notify_tokens();
+                            }),
+                    };
+                    // A token usually ends what the peer sent: with nothing buffered, nothing
+                    // held and no acknowledgement due, return now (a waiter sees its signal
+                    // without another read, which would only find the socket empty).
+                    if r.is_ok() && self.held.is_empty() && rd.buffer().is_empty() && !self.core.ack_due() {
+                        progressed = true;
+                        break;
                     }
                     r
                 }
                 Some(RxEvent::Ack(seq)) => {
                     rd.consume(used);
-                    // An acknowledgement says every write up to `seq` landed.
-                    if let Err(e) = settle(&mut self.stagers, None) {
-                        report(StageError::Mscclpp(e));
+                    // An acknowledgement says every frame up to `seq` is applied: held tokens
+                    // too, and every write landed.
+                    let applied = apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx)
+                        .and_then(|()| settle(&mut self.stagers, None).map_err(StageError::from));
+                    if let Err(e) = applied {
+                        report(e);
                         self.applied_all = false;
                         self.done = true;
                         break;
@@ -305,6 +451,17 @@ impl RxState {
                 if !matches!(e, StageError::Io(_)) {
                     self.applied_all = false;
                 }
+                report(e);
+                self.done = true;
+            }
+        }
+        // Held tokens are applied before the drain ends (normally already, as the buffered input
+        // ran out); after a failure to stage they are dropped with the connection.
+        if !self.held.is_empty() {
+            if self.done {
+                self.held.take();
+            } else if let Err(e) = apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx) {
+                self.applied_all = false;
                 report(e);
                 self.done = true;
             }
@@ -479,6 +636,7 @@ pub(super) fn receive(
         done: false,
         applied_all: true,
         input_at: Instant::now(),
+        held: HeldTokens::new(),
     });
     // The lane to wait on; while the other lane has data and this one not (the peer's frames
     // after a switch not yet here), wait on this one alone for a while.
@@ -602,6 +760,37 @@ mod tests {
             b[8 + 8 * i..16 + 8 * i].copy_from_slice(&v.to_le_bytes());
         }
         b
+    }
+
+    /// Held tokens: consecutive ones to one word merge (as `GpuToken::then`), others keep their
+    /// order; the bounds hold; a write overlapping a held word is seen; taking empties it.
+    #[test]
+    fn held_tokens_merge_only_consecutive_updates_of_a_word() {
+        let t = |addr: u64, value: u64, add: bool| GpuToken { addr, value, add };
+        let mut h = HeldTokens::<u8>::new();
+        assert!(h.is_empty() && h.dev().is_none() && h.take().is_none());
+        for tok in [t(64, 1, true), t(64, 2, true), t(128, 7, false), t(64, 1, true), t(64, 9, false), t(64, 1, true)] {
+            h.push(3, &0, tok);
+        }
+        assert_eq!(h.dev(), Some(3));
+        assert!(h.touches(60, 65) && h.touches(128, 129) && h.touches(135, 200));
+        assert!(!h.touches(0, 64) && !h.touches(72, 128) && !h.touches(136, 1 << 20));
+        let (_, ups) = h.take().unwrap();
+        assert_eq!(ups, vec![t(64, 3, true), t(128, 7, false), t(64, 10, false)]);
+        assert!(h.is_empty() && !h.is_full());
+        // Bounded by distinct updates, and by tokens even when they all merge.
+        for i in 0..HOLD_MAX_UPDATES as u64 {
+            assert!(!h.is_full());
+            h.push(0, &0, t(8 * (i % 2), 1, true));
+        }
+        assert!(h.is_full());
+        h.take();
+        for _ in 0..HOLD_MAX_TOKENS {
+            assert!(!h.is_full());
+            h.push(0, &0, t(8, 1, true));
+        }
+        assert!(h.is_full());
+        assert_eq!(h.take().unwrap().1, vec![t(8, HOLD_MAX_TOKENS, true)]);
     }
 
     /// The receiver core against a real context's region table: what it accepts and what it

@@ -81,8 +81,8 @@ pub(crate) struct Cuda {
 /// ([`crate::bench::ethernet_staging_counts`]): receiver landings that issued copies, copies to
 /// the GPU, copies from it, and the bytes of each (a gather reads the gaps between payloads
 /// along, so the bytes from the GPU may exceed those sent).
-pub(crate) static STAGING_COUNTS: [std::sync::atomic::AtomicU64; 6] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 6];
+pub(crate) static STAGING_COUNTS: [std::sync::atomic::AtomicU64; 8] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 8];
 /// Receiver landings that issued copies.
 pub(crate) const C_LANDINGS: usize = 0;
 /// Copies to the GPU, and their bytes.
@@ -94,6 +94,10 @@ pub(crate) const C_DTOH_BYTES: usize = 4;
 /// Acknowledgements asked for and received (every Ethernet connection, GPU memory or not; the
 /// time between is [`T_ACK_WAIT`]).
 pub(crate) const C_ACKS: usize = 5;
+/// Tokens received for GPU words, and the rounds that applied them (one wait for the GPU each:
+/// a receiver applies the tokens it finds already buffered behind one another in one round).
+pub(crate) const C_TOKENS: usize = 6;
+pub(crate) const C_TOKEN_ROUNDS: usize = 7;
 
 fn count(i: usize) {
     count_n(i, 1);
@@ -107,8 +111,8 @@ pub(crate) fn count_n(i: usize, n: u64) {
 /// Process-wide thread time of the staging work on real GPUs and around it, in nanoseconds
 /// summed over threads, for benchmarks ([`crate::bench::ethernet_staging_counts`]): see the
 /// `T_*` indexes.
-pub(crate) static STAGING_TIMES: [std::sync::atomic::AtomicU64; 7] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 7];
+pub(crate) static STAGING_TIMES: [std::sync::atomic::AtomicU64; 8] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 8];
 /// Driver calls queueing work that moves data to the GPU (receivers' copies and tokens).
 pub(crate) const T_TO_GPU_ISSUE: usize = 0;
 /// Driver calls queueing copies from the GPU (senders' gathers and chunks).
@@ -124,6 +128,8 @@ pub(crate) const T_QUEUE_FULL: usize = 5;
 /// The acknowledgement loop: from sending a frame that asks for an acknowledgement to the
 /// acknowledgement's arrival (summed over the asks, [`C_ACKS`]; not thread time).
 pub(crate) const T_ACK_WAIT: usize = 6;
+/// Receivers waiting for their rounds of token updates of GPU words (and the copies before).
+pub(crate) const T_TOKEN_WAIT: usize = 7;
 
 /// Adds the time since `t0` to `STAGING_TIMES[i]`.
 pub(crate) fn timed(i: usize, t0: std::time::Instant) {
@@ -653,7 +659,7 @@ impl<E: Engine> Stager<E> {
 
     /// Receives `len` bytes into GPU memory at `off`. A small payload (up to [`GATHER_MAX`])
     /// is read into the gather buffer and its copy queued: it has landed once
-    /// [`settle`](Self::settle) or [`token`](Self::token) returns. A larger one goes through
+    /// [`settle`](Self::settle) or [`tokens_at`](Self::tokens_at) returns. A larger one goes through
     /// the chunk pipeline (the socket fills one pinned buffer while the other is copied to the
     /// GPU) and has landed when this returns.
     pub(super) fn recv(
@@ -753,30 +759,48 @@ impl<E: Engine> Stager<E> {
         Ok(())
     }
 
-    /// Sets or adds to a GPU word in stream order (after every copy queued on this stager) and
-    /// waits for it, and so for those copies too.
-    pub(super) fn token(&mut self, dst: &GpuRegion, off: u64, value: u64, add: bool) -> Result<()> {
-        dst.check(off, 8)?;
-        self.token_at(dst.ptr + off, value, add)
-    }
-
-    /// [`token`](Self::token) at GPU address `addr` (checked).
-    fn token_at(&mut self, addr: u64, value: u64, add: bool) -> Result<()> {
-        // The token goes after every copy before it on the stream.
+    /// Applies token updates `ops` to GPU words in order on the stream, after every copy queued
+    /// on this stager, and waits once for all of them (and so for those copies too). Each
+    /// address must lie in a GPU region, checked by the caller.
+    pub(super) fn tokens_at(&mut self, ops: &[GpuToken]) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        // The tokens go after every copy before them on the stream.
         self.land()?;
-        if add {
-            self.eng.atomic_add(addr, value)?;
-        } else if !self.eng.write_value64(addr, value)? {
-            // No stream memory operations on this device: copy from a pinned slot, then wait.
-            self.settle()?;
-            self.stages[0].write(0, &value.to_le_bytes())?;
-            self.eng.copy_htod(addr, self.stages[0].as_mut_ptr(), 8)?;
+        count(C_TOKEN_ROUNDS);
+        // Without stream memory operations, stores are copies from pinned slots: one 8-byte slot
+        // each at the start of the first buffer, which nothing else uses once the stream is idle.
+        let mut settled = false;
+        for (i, op) in ops.iter().enumerate() {
+            if op.add {
+                self.eng.atomic_add(op.addr, op.value)?;
+            } else if !self.eng.write_value64(op.addr, op.value)? {
+                if !settled {
+                    self.settle()?;
+                    settled = true;
+                }
+                let slot = (i * 8) as u64;
+                if slot + 8 > STAGE_CHUNK as u64 {
+                    return Err(Error::internal(format!(
+                        "{} token stores at once overflow the slot buffer",
+                        ops.len()
+                    )));
+                }
+                self.stages[0].write(slot, &op.value.to_le_bytes())?;
+                self.eng.copy_htod(op.addr, self.stages[0].as_mut_ptr().wrapping_add(slot as usize), 8)?;
+                // The slot is read by the copy: tracked as a copy from the first buffer.
+                self.pending[0] = true;
+                self.marked[0] = false;
+            }
         }
         // Bounded: the atomic is a one-thread kernel, which a GPU filled by kernels spinning for
         // this very token cannot schedule (notes 1.7); fail the connection then, never hang.
+        let t0 = std::time::Instant::now();
         let idle = self.eng.wait_idle(STAGE_WAIT);
+        timed(T_TOKEN_WAIT, t0);
         if !matches!(idle, Ok(true)) {
-            // The pinned slot of the fallback copy may still be read.
+            // The pinned slots of the fallback copies may still be read.
             self.untracked = true;
         }
         if !idle? {
@@ -785,11 +809,32 @@ impl<E: Engine> Stager<E> {
                 format!("a GPU token update did not finish in {STAGE_WAIT:?} (is the GPU full of waiting kernels?)"),
             ));
         }
-        // The stream is idle: every copy before the token has landed.
+        // The stream is idle: every copy before the tokens has landed.
         self.pending = [false; 2];
         self.cur = 0;
         self.fill = 0;
         Ok(())
+    }
+}
+
+/// One update of a GPU word by a token: a store of `value`, or an add of it (wrapping).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct GpuToken {
+    pub(super) addr: u64,
+    pub(super) value: u64,
+    pub(super) add: bool,
+}
+
+impl GpuToken {
+    /// `next` applied right after this update of the same word, as one update: adds sum
+    /// (wrapping), a store then an add stores the sum, and a store replaces whatever came before.
+    pub(super) fn then(self, next: GpuToken) -> GpuToken {
+        debug_assert_eq!(self.addr, next.addr);
+        if next.add {
+            GpuToken { addr: self.addr, value: self.value.wrapping_add(next.value), add: self.add }
+        } else {
+            next
+        }
     }
 }
 
@@ -1091,7 +1136,9 @@ mod tests {
     fn received_payloads_land_in_order_by_each_settle_and_token() {
         let mut st = stager();
         let region = (BASE, GPU_LEN - 4096);
-        let token = BASE + (GPU_LEN - 64) as u64;
+        let tokens = [BASE + (GPU_LEN - 64) as u64, BASE + (GPU_LEN - 32) as u64];
+        let mut words = [0u64; 2];
+        let mut rounds = 0;
         let mut model = vec![0u8; GPU_LEN];
         let mut rng = Rng(0x1234_5678);
         let mut lazy_seen = false;
@@ -1130,10 +1177,26 @@ mod tests {
                     assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "after settle at payload {i}");
                 }
                 1 => {
-                    // Alternately an add and a store (which, without stream memory operations,
-                    // is a copy from the first buffer's first word).
-                    st.token_at(token, 1, i % 2 == 0).unwrap();
-                    assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "after token at payload {i}");
+                    // A round of one to four updates of two words, adds and stores mixed (a
+                    // store, without stream memory operations, is a copy from a pinned slot).
+                    let ops: Vec<GpuToken> = (0..1 + rng.next() % 4)
+                        .map(|_| {
+                            let w = (rng.next() % 2) as usize;
+                            GpuToken { addr: tokens[w], value: rng.next() % 1000, add: rng.next().is_multiple_of(2) }
+                        })
+                        .collect();
+                    for op in &ops {
+                        let w = usize::from(op.addr == tokens[1]);
+                        words[w] = if op.add { words[w].wrapping_add(op.value) } else { op.value };
+                    }
+                    st.tokens_at(&ops).unwrap();
+                    assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "after tokens at payload {i}");
+                    for (w, &want) in words.iter().enumerate() {
+                        let g = (tokens[w] - BASE) as usize;
+                        let got = u64::from_le_bytes(st.eng.gpu.borrow()[g..g + 8].try_into().unwrap());
+                        assert_eq!(got, want, "token word {w} after the round at payload {i} ({ops:?})");
+                    }
+                    rounds += 1;
                 }
                 _ => {}
             }
@@ -1141,8 +1204,23 @@ mod tests {
         st.settle().unwrap();
         assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1]);
         assert!(lazy_seen, "the engine never held a copy back: the test would catch nothing");
-        let g = (token - BASE) as usize;
-        assert!(u64::from_le_bytes(st.eng.gpu.borrow()[g..g + 8].try_into().unwrap()) > 0);
+        assert!(rounds > 20, "only {rounds} rounds of token updates");
+    }
+
+    /// An update merged from consecutive ones of one word leaves the word as they would in turn.
+    #[test]
+    fn merged_token_updates_equal_the_updates_in_turn() {
+        let mut r = Rng(0x70c3);
+        for _ in 0..2000 {
+            let ops: Vec<GpuToken> = (0..1 + r.next() % 6)
+                .map(|_| GpuToken { addr: 64, value: r.next(), add: r.next().is_multiple_of(2) })
+                .collect();
+            let start = r.next();
+            let in_turn = ops.iter().fold(start, |w, o| if o.add { w.wrapping_add(o.value) } else { o.value });
+            let merged = ops[1..].iter().fold(ops[0], |m, &o| m.then(o));
+            let once = if merged.add { start.wrapping_add(merged.value) } else { merged.value };
+            assert_eq!(once, in_turn, "{ops:?} from {start}");
+        }
     }
 
     /// Sending: payloads gathered as `send_batch` does (until a buffer has no room, then what
@@ -1236,7 +1314,7 @@ mod tests {
             if round % 2 == 0 {
                 st.settle().unwrap();
             } else {
-                st.token_at(token, 1, true).unwrap();
+                st.tokens_at(&[GpuToken { addr: token, value: 1, add: true }]).unwrap();
             }
             assert!(landed_as(&st, &model), "round {round}");
         }
@@ -1318,7 +1396,7 @@ mod tests {
             if round % 2 == 0 {
                 st.settle().unwrap();
             } else {
-                st.token_at(token, round, false).unwrap();
+                st.tokens_at(&[GpuToken { addr: token, value: round, add: false }]).unwrap();
             }
             assert!(landed_as(&st, &model), "round {round}");
         }
@@ -1365,7 +1443,7 @@ mod tests {
                 assert!(put(&mut st, &mut model, (i % slots) * size, size, round << 32 | i as u64));
                 received += 1;
             }
-            st.token_at(token, 1, true).unwrap();
+            st.tokens_at(&[GpuToken { addr: token, value: 1, add: true }]).unwrap();
             assert!(landed_as(&st, &model), "{size} B, round {round}");
         }
         (copies(&st), received)
