@@ -251,13 +251,20 @@ fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64, size: u64) -
             c.token_wait.saturating_sub(c0.token_wait).as_secs_f64() * 1e6 / r as f64
         ),
     };
+    let ack_note = match c.acks.saturating_sub(c0.acks) {
+        0 => "none".to_string(),
+        n => format!("{:.0} us x {n}", c.ack_wait.saturating_sub(c0.ack_wait).as_secs_f64() * 1e6 / n as f64),
+    };
     if op == Op::Signal {
-        return format!("; receivers: {token_note}");
+        return format!(
+            "; receivers: {token_note}; thread s/s on a full write queue {:.2}; acknowledgement loop {ack_note}",
+            s(c.queue_full, c0.queue_full),
+        );
     }
     format!(
         "; staging per 1000 writes: {:.0} landings, {:.0} copies to the GPU, {:.0} from it (bytes read per \
          byte put {:.1}); thread s/s: to GPU issue {:.2} wait {:.2}, from GPU issue {:.2} wait {:.2}, sendmsg {:.2}, \
-         full queue {:.2}; acknowledgement loop {}; receivers: {token_note}",
+         full queue {:.2}; acknowledgement loop {ack_note}; receivers: {token_note}",
         k(c.landings, c0.landings),
         k(c.htod, c0.htod),
         k(c.dtoh, c0.dtoh),
@@ -268,10 +275,6 @@ fn staging_note(t: Transport, op: Op, m0: StagingMark, writes: u64, size: u64) -
         s(c.from_gpu_wait, c0.from_gpu_wait),
         s(c.send, c0.send),
         s(c.queue_full, c0.queue_full),
-        match c.acks.saturating_sub(c0.acks) {
-            0 => "none".to_string(),
-            n => format!("{:.0} us x {n}", c.ack_wait.saturating_sub(c0.ack_wait).as_secs_f64() * 1e6 / n as f64),
-        },
     )
 }
 
