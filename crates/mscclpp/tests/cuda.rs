@@ -630,12 +630,13 @@ fn ethernet_writes_a_waiter_received_after_its_signal_land() {
 /// receiver holds the tokens already buffered behind one another and applies them in one round
 /// (`HeldTokens` in `recv.rs`). Rank 0 sends 20,000 rounds of an 8-byte write (slot i mod 64,
 /// value i + 1) then a signal; after every 97th signal an add to a word in rank 1's host memory;
-/// every 10th round an add, a write and an add to one GPU word (the write must land between the
-/// adds, not before a held add). Rank 1 reads, over and over while they come, the host word,
-/// then the semaphore's token, then the 64 slots: the token is at least 97 times the host word
-/// (tokens visible in the order sent), and every slot holds at least the last value written to
-/// it before the signal the token counts (writes land before their signal). At the end the
-/// counts are exact and the GPU word is its last write plus one.
+/// every 10th round an add, a write and an add to a GPU word of its own (the write must land
+/// between the adds, not after a held add merged with the next). Rank 1 reads, over and over
+/// while they come, the host word, then the semaphore's token, then the 64 slots: the token is
+/// at least 97 times the host word (tokens visible in the order sent), and every slot holds at
+/// least the last value written to it before the signal the token counts (writes land before
+/// their signal). At the end the counts are exact, every round's GPU word is its write plus one,
+/// and rank 1 counted every GPU token (it prints how many rounds applied them).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ethernet_tokens_behind_each_other_keep_their_order_and_promises() {
@@ -643,8 +644,8 @@ fn ethernet_tokens_behind_each_other_keep_their_order_and_promises() {
     const SLOTS: u64 = 64;
     const HOST_EVERY: u64 = 97;
     const WORD_EVERY: u64 = 10;
-    /// The GPU word's offset in rank 1's buffer (after the slots).
-    const WORD: u64 = SLOTS * 8;
+    /// The GPU words' offset in rank 1's buffer (after the slots; one per 10th round).
+    const WORDS: u64 = SLOTS * 8;
     const CAP: usize = (N as usize + 1) * 8;
     if let Some(r) = Rank::from_env() {
         let dev = gpu_for(r.rank);
@@ -667,9 +668,10 @@ fn ethernet_tokens_behind_each_other_keep_their_order_and_promises() {
                     p.conn.atomic_add(&remote_flag, 0, 1).unwrap();
                 }
                 if i % WORD_EVERY == 0 {
-                    p.conn.atomic_add(&p.remote, WORD, 1).unwrap();
-                    p.conn.write(&p.remote, WORD, src.memory(), i * 8, 8).unwrap();
-                    p.conn.atomic_add(&p.remote, WORD, 1).unwrap();
+                    let word = WORDS + i / WORD_EVERY * 8;
+                    p.conn.atomic_add(&p.remote, word, 1).unwrap();
+                    p.conn.write(&p.remote, word, src.memory(), i * 8, 8).unwrap();
+                    p.conn.atomic_add(&p.remote, word, 1).unwrap();
                 }
             }
             p.conn.flush(T).unwrap();
@@ -703,6 +705,8 @@ fn ethernet_tokens_behind_each_other_keep_their_order_and_promises() {
                 assert!(t0.elapsed() < T, "after {:?}: token {t} of {N}, host word {f}", t0.elapsed());
             }
             let c = mscclpp::bench::ethernet_staging_counts();
+            // Every signal and every add into GPU memory went through the receiver's token path.
+            assert_eq!(c.gpu_tokens - counts0.gpu_tokens, N + 2 * N / WORD_EVERY, "GPU tokens counted");
             println!(
                 "RESULT {N} signals behind writes: all seen in order in {:?} ({looks} looks); {} GPU tokens applied in {} \
                  rounds, {:.1} us of waiting a round",
@@ -715,9 +719,13 @@ fn ethernet_tokens_behind_each_other_keep_their_order_and_promises() {
         }
         p.bs.barrier().unwrap();
         if r.rank == 1 {
-            let last = (N - 1) / WORD_EVERY * WORD_EVERY;
-            let word = p.local.read_u64(WORD as usize).unwrap();
-            assert_eq!(word, last + 2, "the GPU word: round {last}'s write (value {}) then one add", last + 1);
+            let mut words = vec![0u8; (N / WORD_EVERY * 8) as usize];
+            p.local.read(WORDS as usize, &mut words).unwrap();
+            for (j, w) in words.chunks_exact(8).enumerate() {
+                let i = j as u64 * WORD_EVERY;
+                let got = u64::from_le_bytes(w.try_into().unwrap());
+                assert_eq!(got, i + 2, "round {i}'s GPU word: its write (value {}) then one add", i + 1);
+            }
         }
         p.bs.barrier().unwrap();
         return;

@@ -141,41 +141,44 @@ const HOLD_MAX_TOKENS: u64 = 4096;
 /// Each token's promise still holds: every write before it has landed when it becomes visible
 /// (they land before the round's updates, in stream order, or are waited for on other GPUs), and
 /// tokens become visible in the order they came (consecutive updates of one word merge into one,
-/// which skips only the intermediate values). Holding is bounded by the input already here: the
-/// held tokens are applied before the receiver reads the socket again, before anything that may
-/// block on it (a write whose payload is not all buffered, a large write), before a token to
-/// host memory or another GPU, before an acknowledgement, and when [`HOLD_MAX_UPDATES`] or
-/// [`HOLD_MAX_TOKENS`] is reached.
+/// which skips only the intermediate values). Writes that came after a held token may land
+/// before it becomes visible (never a write to a word it updates: that applies the held tokens
+/// first), which no reader can tell from their landing just after it; a write rewriting exactly
+/// the bytes of an earlier one may then replace it with a token between them (the earlier bytes
+/// were overwritten before the token became visible). Holding is bounded by the input already
+/// here: the held tokens are applied before the receiver reads the socket again, before
+/// anything that may block on it (a write whose payload is not all buffered, a large write),
+/// before a token to host memory or another GPU, before an acknowledgement, and when
+/// [`HOLD_MAX_UPDATES`] or [`HOLD_MAX_TOKENS`] is reached.
 pub(super) struct HeldTokens<R> {
-    /// The GPU they are all for, and the region of the first (whose stager applies them).
-    dev: Option<(u32, R)>,
-    /// The updates in arrival order, each with its region (kept alive until applied).
-    updates: Vec<(GpuToken, R)>,
-    /// Tokens folded into `updates`.
-    tokens: u64,
+    /// The GPU they are all for.
+    dev: Option<u32>,
+    /// The updates in arrival order.
+    updates: Vec<GpuToken>,
+    /// The region of every token folded in, first to last: kept alive until the round that
+    /// applies them has finished (the memory may not be freed under a queued update).
+    regions: Vec<R>,
 }
 
 impl<R: Clone> HeldTokens<R> {
     pub(super) fn new() -> Self {
-        HeldTokens { dev: None, updates: Vec::new(), tokens: 0 }
+        HeldTokens { dev: None, updates: Vec::new(), regions: Vec::new() }
     }
 
     /// The GPU the held tokens are for, if any are held.
     pub(super) fn dev(&self) -> Option<u32> {
-        self.dev.as_ref().map(|(d, _)| *d)
+        self.dev
     }
 
     /// Adds a token for GPU `dev` (the caller applies what is held first when it is another
     /// GPU's); one to the word the last update is for merges into it.
     pub(super) fn push(&mut self, dev: u32, region: &R, t: GpuToken) {
-        debug_assert!(self.dev().is_none_or(|d| d == dev));
-        if self.dev.is_none() {
-            self.dev = Some((dev, region.clone()));
-        }
-        self.tokens += 1;
+        debug_assert!(self.dev.is_none_or(|d| d == dev));
+        self.dev = Some(dev);
+        self.regions.push(region.clone());
         match self.updates.last_mut() {
-            Some((last, _)) if last.addr == t.addr => *last = last.then(t),
-            _ => self.updates.push((t, region.clone())),
+            Some(last) if last.addr == t.addr => *last = last.then(t),
+            _ => self.updates.push(t),
         }
     }
 
@@ -186,20 +189,19 @@ impl<R: Clone> HeldTokens<R> {
 
     /// Whether a held update is for a word overlapping GPU bytes [`start`, `end`).
     pub(super) fn touches(&self, start: u64, end: u64) -> bool {
-        self.updates.iter().any(|(t, _)| t.addr < end && start < t.addr + 8)
+        self.updates.iter().any(|t| t.addr < end && start < t.addr + 8)
     }
 
     /// Whether no more may be held.
     pub(super) fn is_full(&self) -> bool {
-        self.updates.len() >= HOLD_MAX_UPDATES || self.tokens >= HOLD_MAX_TOKENS
+        self.updates.len() >= HOLD_MAX_UPDATES || self.regions.len() as u64 >= HOLD_MAX_TOKENS
     }
 
-    /// Takes what is held: the first token's region, and the updates in order.
-    pub(super) fn take(&mut self) -> Option<(R, Vec<GpuToken>)> {
-        let (_, region) = self.dev.take()?;
-        self.tokens = 0;
-        let updates = std::mem::take(&mut self.updates).into_iter().map(|(t, _)| t).collect();
-        Some((region, updates))
+    /// Takes what is held: the regions of the tokens (the first token's first) and the updates
+    /// in order.
+    pub(super) fn take(&mut self) -> Option<(Vec<R>, Vec<GpuToken>)> {
+        self.dev.take()?;
+        Some((std::mem::take(&mut self.regions), std::mem::take(&mut self.updates)))
     }
 }
 
@@ -210,13 +212,19 @@ fn apply_held(
     held: &mut HeldTokens<Arc<LocalRegion>>,
     stagers: &mut HashMap<u32, Stager>,
 ) -> std::result::Result<bool, StageError> {
-    let Some((region, updates)) = held.take() else { return Ok(false) };
-    let Mem::Gpu(g) = &region.mem else {
-        return Err(StageError::Mscclpp(Error::internal("held tokens for memory that is not a GPU's")));
+    let Some((regions, updates)) = held.take() else { return Ok(false) };
+    let res = match regions.first().map(|r| &r.mem) {
+        Some(Mem::Gpu(g)) => settle(stagers, Some(g.dev.ordinal))
+            .and_then(|()| stager_for(stagers, g))
+            .and_then(|st| st.tokens_at(&updates)),
+        _ => Err(Error::internal("held tokens for memory that is not a GPU's")),
     };
-    settle(stagers, Some(g.dev.ordinal))?;
-    stager_for(stagers, g)?.tokens_at(&updates)?;
-    Ok(true)
+    if res.is_err() {
+        // An update may still be queued (a round that timed out): its memory is never freed
+        // under it (the connection has failed; the regions are leaked, as the stager's buffers).
+        std::mem::forget(regions);
+    }
+    res.map(|()| true).map_err(StageError::from)
 }
 
 /// [`apply_held`], then tells the context's token waiters to look again if any were applied.
@@ -456,14 +464,19 @@ impl RxState {
             }
         }
         // Held tokens are applied before the drain ends (normally already, as the buffered input
-        // ran out); after a failure to stage they are dropped with the connection.
+        // ran out). After a later frame failed to apply (a failure to apply them empties them
+        // first) they are still applied, best effort, as they would have been had nothing been
+        // buffered behind them.
         if !self.held.is_empty() {
-            if self.done {
-                self.held.take();
-            } else if let Err(e) = apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx) {
+            let was_done = self.done;
+            if let Err(e) = apply_held_notifying(&mut self.held, &mut self.stagers, &self.ctx) {
                 self.applied_all = false;
-                report(e);
-                self.done = true;
+                if was_done {
+                    debug!(target: LOG, "tokens from {} before a failed frame could not be applied", sh.peer_desc);
+                } else {
+                    report(e);
+                    self.done = true;
+                }
             }
         }
         // The input ran dry (or a token ended it): copies of small writes still waiting are
@@ -775,8 +788,9 @@ mod tests {
         assert_eq!(h.dev(), Some(3));
         assert!(h.touches(60, 65) && h.touches(128, 129) && h.touches(135, 200));
         assert!(!h.touches(0, 64) && !h.touches(72, 128) && !h.touches(136, 1 << 20));
-        let (_, ups) = h.take().unwrap();
+        let (regions, ups) = h.take().unwrap();
         assert_eq!(ups, vec![t(64, 3, true), t(128, 7, false), t(64, 10, false)]);
+        assert_eq!(regions.len(), 6, "every token's region is kept until the round");
         assert!(h.is_empty() && !h.is_full());
         // Bounded by distinct updates, and by tokens even when they all merge.
         for i in 0..HOLD_MAX_UPDATES as u64 {
