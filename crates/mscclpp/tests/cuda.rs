@@ -730,7 +730,10 @@ fn ethernet_tokens_behind_each_other_keep_their_order_and_promises() {
         p.bs.barrier().unwrap();
         return;
     }
-    spawn_ranks("ethernet_tokens_behind_each_other_keep_their_order_and_promises", 2, &[]).assert_success();
+    let job = spawn_ranks("ethernet_tokens_behind_each_other_keep_their_order_and_promises", 2, &[]);
+    job.assert_success();
+    job.relay_results();
+    assert!(job.stdout(1).contains("RESULT"), "rank 1 never reached its checks:\n{}", job.stdout(1));
 }
 
 /// Host2DeviceSemaphore signalled over CUDA IPC and over Ethernet: the GPU token counts the

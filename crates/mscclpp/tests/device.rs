@@ -488,11 +488,23 @@ fn exclusive_producers_sharing_a_fifo_trap() {
         println!("RESULT shared exclusive producers: the kernel ended after {:?} with {r:?}", t0.elapsed());
         let e = r.expect_err("the kernel must trap");
         assert_eq!(e.kind(), mscclpp::ErrorKind::Cuda, "a trap, not a wait that ran out: {e}");
+        println!("CHECKED");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
         std::process::exit(0);
     }
-    let job = spawn_ranks("exclusive_producers_sharing_a_fifo_trap", 1, &[]);
-    job.assert_success();
+    // The child joins no bootstrap: the root gives up on it after a second.
+    let job = common::spawn_some(
+        "exclusive_producers_sharing_a_fifo_trap",
+        1,
+        &[0],
+        Duration::from_secs(1),
+        &[],
+        Duration::from_secs(120),
+    );
+    let out = job.assert_rank_success(0);
     job.relay_results();
+    assert!(out.contains("\nCHECKED"), "the child never reached the check of its error:\n{out}");
 }
 
 /// A wait nobody signals returns false, after (not before) its limit.

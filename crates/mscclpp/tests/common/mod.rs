@@ -74,10 +74,11 @@ impl Job {
         stdout.into_owned()
     }
 
-    /// Prints every rank's `RESULT` lines, so that the runner's summary shows them.
+    /// Prints every rank's `RESULT` lines, so that the runner's summary shows them (a test's
+    /// first line of output follows libtest's "test NAME ... " on the same line).
     pub fn relay_results(&self) {
         for (r, _) in &self.outputs {
-            for l in self.stdout(*r).lines().filter(|l| l.starts_with("RESULT")) {
+            for l in self.stdout(*r).lines().filter_map(|l| l.find("RESULT").map(|i| &l[i..])) {
                 println!("rank {r}: {l}");
             }
         }
