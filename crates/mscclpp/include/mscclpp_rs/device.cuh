@@ -38,9 +38,10 @@
 //                the proxy's release store of tail (`Fifo::pop`) with every ld.acquire.sys of
 //                tail here; red.release.gpu.max of tailCache with ld.acquire.gpu of it in
 //                wait_popped and FifoExclusiveProducer's construction; the proxy's release
-//                stores of proxy_error and flushDonePos with their ld.acquire.sys here; a signal's release with the waiters' acquire loads
-//                of inbound. Each use below names its partner; tests/ordering_models.rs checks
-//                the FIFO and the semaphores' consume step with loom.
+//                stores of proxy_error and flushDonePos with their ld.acquire.sys here; a
+//                signal's release with the waiters' acquire loads of inbound. Each use below
+//                names its partner; tests/ordering_models.rs checks the FIFO and the
+//                semaphores' consume step with loom.
 //   semaphore wait: expected: atom.relaxed.gpu.add 1; inbound: ld.acquire.sys until >= expected.
 //   semaphore poll: ld.acquire.sys inbound > ld.relaxed.gpu expected, then atom.relaxed.gpu.cas expected += 1.
 //   flush:       push a Sync trigger at position pos, then ld.acquire.sys of flushDonePos until

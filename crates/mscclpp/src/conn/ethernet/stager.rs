@@ -790,8 +790,7 @@ impl<E: Engine> Stager<E> {
                 self.stages[0].write(slot, &op.value.to_le_bytes())?;
                 self.eng.copy_htod(op.addr, self.stages[0].as_mut_ptr().wrapping_add(slot as usize), 8)?;
                 // The slot is read by the copy: tracked as a copy from the first buffer.
-                self.pending[0] = true;
-                self.marked[0] = false;
+                self.queued(0);
             }
         }
         // Bounded: the atomic is a one-thread kernel, which a GPU filled by kernels spinning for
@@ -936,7 +935,7 @@ mod tests {
                     Op::Word { addr, value, add } => {
                         let g = (addr - BASE) as usize;
                         let old = u64::from_le_bytes(gpu[g..g + 8].try_into().unwrap());
-                        let new = if add { old.wrapping_add(value) } else { value };
+                        let new = applied(old, GpuToken { addr, value, add });
                         gpu[g..g + 8].copy_from_slice(&new.to_le_bytes());
                     }
                 }
@@ -1081,6 +1080,11 @@ mod tests {
         with_mode(None, false, all);
     }
 
+    /// A word's value after update `t`, as the GPU applies it.
+    fn applied(word: u64, t: GpuToken) -> u64 {
+        if t.add { word.wrapping_add(t.value) } else { t.value }
+    }
+
     struct Rng(u64);
     impl Rng {
         fn next(&mut self) -> u64 {
@@ -1185,9 +1189,9 @@ mod tests {
                             GpuToken { addr: tokens[w], value: rng.next() % 1000, add: rng.next().is_multiple_of(2) }
                         })
                         .collect();
-                    for op in &ops {
+                    for &op in &ops {
                         let w = usize::from(op.addr == tokens[1]);
-                        words[w] = if op.add { words[w].wrapping_add(op.value) } else { op.value };
+                        words[w] = applied(words[w], op);
                     }
                     st.tokens_at(&ops).unwrap();
                     assert!(st.eng.gpu.borrow()[..region.1] == model[..region.1], "after tokens at payload {i}");
@@ -1216,10 +1220,9 @@ mod tests {
                 .map(|_| GpuToken { addr: 64, value: r.next(), add: r.next().is_multiple_of(2) })
                 .collect();
             let start = r.next();
-            let in_turn = ops.iter().fold(start, |w, o| if o.add { w.wrapping_add(o.value) } else { o.value });
+            let in_turn = ops.iter().fold(start, |w, &o| applied(w, o));
             let merged = ops[1..].iter().fold(ops[0], |m, &o| m.then(o));
-            let once = if merged.add { start.wrapping_add(merged.value) } else { merged.value };
-            assert_eq!(once, in_turn, "{ops:?} from {start}");
+            assert_eq!(applied(start, merged), in_turn, "{ops:?} from {start}");
         }
     }
 
