@@ -514,14 +514,18 @@ pub fn run(args: &Args) -> Result<(), String> {
     if transports.is_empty() {
         return Ok(());
     }
-    crate::proxyload::run(
-        dev,
-        &k("proxy_load")?,
-        timeout,
-        args.signal_coalesce.map(|us| Duration::from_secs_f64(us / 1e6)),
-        args.signal_pay_interval.map(|us| Duration::from_secs_f64(us / 1e6)),
-        &transports,
-    )
+    let us = |v: f64| Duration::from_secs_f64(v / 1e6);
+    let mut config = mscclpp::device::ProxyConfig::default();
+    if let Some(v) = args.signal_coalesce {
+        config.signal_coalesce = us(v);
+    }
+    if let Some(v) = args.signal_pay_interval {
+        config.signal_pay_interval = us(v);
+    }
+    if let Some(v) = args.signal_backlog_hold {
+        config.signal_backlog_hold = us(v);
+    }
+    crate::proxyload::run(dev, &k("proxy_load")?, timeout, &config, &transports)
 }
 
 /// Sections 2 to 4: proxy throughput with no-op triggers, the PortChannel ping-pong and where

@@ -565,26 +565,20 @@ pub fn run(
     dev: u32,
     kern: &Kernel,
     timeout: Duration,
-    coalesce: Option<Duration>,
-    pay_interval: Option<Duration>,
+    config: &ProxyConfig,
     transports: &[Transport],
 ) -> Result<(), String> {
-    let mut config = ProxyConfig::default();
-    if let Some(d) = coalesce {
-        config.signal_coalesce = d;
-    }
-    if let Some(d) = pay_interval {
-        config.signal_pay_interval = d;
-    }
     row(format!(
         "proxy load: one FIFO + proxy on rank 0 serving 1/4/8 in-process peers; GPU producers (blocks x threads) \
          push triggers; host direct = one host thread issuing the same calls; signals coalesced for up to {} us \
-         while the FIFO delivers (--signal-coalesce), dry-FIFO payments at least {} us apart (--signal-pay-interval)",
+         while the FIFO delivers (--signal-coalesce), dry-FIFO payments at least {} us apart (--signal-pay-interval), \
+         a backlogged connection's signals held up to {} us more (--signal-backlog-hold)",
         config.signal_coalesce.as_secs_f64() * 1e6,
-        config.signal_pay_interval.as_secs_f64() * 1e6
+        config.signal_pay_interval.as_secs_f64() * 1e6,
+        config.signal_backlog_hold.as_secs_f64() * 1e6
     ));
     for &t in transports {
-        rows_over(t, dev, kern, timeout, &config)?;
+        rows_over(t, dev, kern, timeout, config)?;
     }
     Ok(())
 }

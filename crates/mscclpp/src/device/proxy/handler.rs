@@ -75,6 +75,10 @@ pub(crate) struct SemEntry {
     /// Signals popped but not sent yet (sent together, as one token write, at the end of the
     /// batch or before a flush of the connection).
     owed: u64,
+    /// When the first of the owed signals was owed, and the writes its connection had been
+    /// given then (`ConnState::writes`), tracked with a backlog hold on
+    /// ([`ProxyConfig::signal_backlog_hold`](super::ProxyConfig::signal_backlog_hold)).
+    owed_at: Option<(Instant, u64)>,
 }
 
 /// One connection's flush state.
@@ -82,6 +86,8 @@ struct ConnState {
     conn: Connection,
     /// Recorded flushes: (FIFO position, the connection's issued sequence number then).
     pending: VecDeque<(u64, u64)>,
+    /// Writes (and adds) issued on the connection by this handler.
+    writes: u64,
 }
 
 /// Executes decoded triggers on connections (see the [module documentation](super)).
@@ -110,6 +116,8 @@ pub(crate) struct ConnectionHandler {
     pay_interval: Duration,
     /// When signals were last paid (tracked only with coalescing and a pay interval on).
     last_paid: Option<Instant>,
+    /// [`ProxyConfig::signal_backlog_hold`](super::ProxyConfig::signal_backlog_hold).
+    backlog_hold: Duration,
 }
 
 impl ConnectionHandler {
@@ -129,6 +137,7 @@ impl ConnectionHandler {
             owed_since: None,
             pay_interval: Duration::ZERO,
             last_paid: None,
+            backlog_hold: Duration::ZERO,
         }
     }
 
@@ -139,6 +148,31 @@ impl ConnectionHandler {
         self.pay_interval = pay_interval;
         self.full_batch = super::runner::pop_batch(fifo_size);
         self
+    }
+
+    /// Lets the owed signals of a backlogged connection wait up to `d` more while the FIFO keeps
+    /// delivering (see [`ProxyConfig::signal_backlog_hold`](super::ProxyConfig::signal_backlog_hold);
+    /// applies with coalescing on).
+    pub(crate) fn backlog_hold(mut self, d: Duration) -> ConnectionHandler {
+        self.backlog_hold = d;
+        self
+    }
+
+    /// Whether semaphore `id`'s owed signals keep waiting at a payment the FIFO's delivery did
+    /// not start (a full batch): its connection has at least half its queue bound in flight,
+    /// fewer than a quarter of the bound writes went on it since the first of them was owed,
+    /// and that one is younger than the hold. A token paid then would queue behind at least
+    /// half a queue of writes anyway; one paid a quarter of a queue later lands a little later
+    /// and spares the peer a round of landings (an Ethernet receiver lands every write before a
+    /// token first, one copy per contiguous run).
+    fn held_by_backlog(&self, id: usize) -> bool {
+        let e = &self.sems[id];
+        let Some((at, from)) = e.owed_at else { return false };
+        let c = &self.conns[e.conn];
+        let bound = self
+            .max_queue
+            .map_or(c.conn.max_write_queue_size() as u64, |m| m.min(c.conn.max_write_queue_size() as u64));
+        c.writes - from < bound / 4 && at.elapsed() < self.backlog_hold && c.conn.outstanding() * 2 >= bound
     }
 
     /// Whether the owed signals go out at this `poll`, after a batch of `batch` triggers: at once
@@ -182,11 +216,11 @@ impl ConnectionHandler {
         let idx = match self.conns.iter().position(|c| c.conn.same_as(&conn)) {
             Some(i) => i,
             None => {
-                self.conns.push(ConnState { conn, pending: VecDeque::new() });
+                self.conns.push(ConnState { conn, pending: VecDeque::new(), writes: 0 });
                 self.conns.len() - 1
             }
         };
-        self.sems.push(SemEntry { sem, conn: idx, owed: 0 });
+        self.sems.push(SemEntry { sem, conn: idx, owed: 0, owed_at: None });
         (self.sems.len() - 1, idx)
     }
 
@@ -219,6 +253,7 @@ impl ConnectionHandler {
                     } else {
                         self.conns[ci].conn.write(dst, doff, src, soff, len)?;
                     }
+                    self.conns[ci].writes += 1;
                 }
                 if signal {
                     // Owed, not sent: every signal of this semaphore popped in this batch goes
@@ -229,6 +264,9 @@ impl ConnectionHandler {
                     self.sem(sem_id)?;
                     let e = &mut self.sems[sem_id as usize];
                     if e.owed == 0 {
+                        if !self.backlog_hold.is_zero() && !self.coalesce.is_zero() {
+                            e.owed_at = Some((Instant::now(), self.conns[ci].writes));
+                        }
                         self.owing.push(sem_id as usize);
                         if !self.coalesce.is_zero() && self.owed_since.is_none() {
                             // The first signal owed since everything was paid: counting starts.
@@ -239,7 +277,7 @@ impl ConnectionHandler {
                     e.owed += 1;
                 }
                 if flush {
-                    self.pay_signals(Some((ci, cx)))?;
+                    self.pay_signals(Some((ci, cx)), false)?;
                     self.flush(ci, cx.position())?;
                 }
                 Ok(())
@@ -257,7 +295,9 @@ impl ConnectionHandler {
                 }
                 self.memory(dst_mem, "destination")?;
                 self.make_room(ci, cx)?;
-                conn.atomic_add(&self.memories[dst_mem as usize], dst_off as u64, value)
+                conn.atomic_add(&self.memories[dst_mem as usize], dst_off as u64, value)?;
+                self.conns[ci].writes += 1;
+                Ok(())
             }
         }
     }
@@ -277,8 +317,8 @@ impl ConnectionHandler {
 
     /// Sends the owed signals: of connection `only.0` (with room made on it first), or of every
     /// connection (at the end of a batch: at most one operation per semaphore beyond the
-    /// connection's queue bound).
-    fn pay_signals(&mut self, only: Option<(usize, &TriggerContext<'_>)>) -> Result<()> {
+    /// connection's queue bound), but with `hold`, not those [`held_by_backlog`](Self::held_by_backlog).
+    fn pay_signals(&mut self, only: Option<(usize, &TriggerContext<'_>)>, hold: bool) -> Result<()> {
         let mut i = 0;
         let mut paid = false;
         while i < self.owing.len() {
@@ -290,6 +330,9 @@ impl ConnectionHandler {
                     continue;
                 }
                 self.make_room(ci, cx)?;
+            } else if hold && self.held_by_backlog(id) {
+                i += 1;
+                continue;
             }
             let n = std::mem::take(&mut self.sems[id].owed);
             self.owing.remove(i);
@@ -416,7 +459,9 @@ impl ProxyHandler for ConnectionHandler {
     fn poll(&mut self) -> Result<()> {
         let batch = std::mem::take(&mut self.last_batch);
         if !self.owing.is_empty() && self.pay_now(batch) {
-            self.pay_signals(None)?;
+            // A dry FIFO pays everything: its producers may be waiting for these signals.
+            let hold = !self.backlog_hold.is_zero() && !self.coalesce.is_zero() && batch >= self.full_batch;
+            self.pay_signals(None, hold)?;
         }
         if self.flushes_pending { self.progress_flushes() } else { Ok(()) }
     }
@@ -426,7 +471,7 @@ impl ProxyHandler for ConnectionHandler {
     }
 
     fn drain(&mut self) -> Result<()> {
-        self.pay_signals(None)?;
+        self.pay_signals(None, false)?;
         for _ in 0..DRAIN_ROUNDS {
             if self.conns.iter().all(|c| c.pending.is_empty()) {
                 break;
@@ -501,6 +546,8 @@ mod tests {
         fail: Option<String>,
         /// `joined_write_max` (0: the fake joins nothing, as most transports).
         joined_max: u64,
+        /// `max_write_queue_size` (0: 2^20).
+        queue: u64,
     }
 
     struct Fake(Arc<Mutex<Wire>>);
@@ -562,7 +609,10 @@ mod tests {
             lock(&self.0).fail.as_ref().map(|m| Error::new(ErrorKind::Remote, m.clone()))
         }
         fn max_write_queue_size(&self) -> usize {
-            1 << 20
+            match lock(&self.0).queue {
+                0 => 1 << 20,
+                q => q as usize,
+            }
         }
         fn outstanding(&self) -> u64 {
             let w = lock(&self.0);
@@ -590,6 +640,16 @@ mod tests {
     }
 
     fn rig_coalescing(fifo_size: u32, max_queue: Option<usize>, coalesce: Duration, pay_interval: Duration) -> Rig {
+        rig_holding(fifo_size, max_queue, coalesce, pay_interval, Duration::ZERO)
+    }
+
+    fn rig_holding(
+        fifo_size: u32,
+        max_queue: Option<usize>,
+        coalesce: Duration,
+        pay_interval: Duration,
+        hold: Duration,
+    ) -> Rig {
         let ctx = Context::new();
         let wire = Arc::new(Mutex::new(Wire::default()));
         let conn = Connection::from_inner(ConnInner {
@@ -607,7 +667,9 @@ mod tests {
         let sem = Semaphore::new(stub, peer_token.memory().clone());
         let alloc = Arc::new(HostAlloc::zeroed(4 * 8).unwrap());
         let words = Arc::new(FlushWords::new(Region::owned(alloc, 4 * 8)));
-        let mut h = ConnectionHandler::new(words.clone(), max_queue).coalesce(coalesce, pay_interval, fifo_size);
+        let mut h = ConnectionHandler::new(words.clone(), max_queue)
+            .coalesce(coalesce, pay_interval, fifo_size)
+            .backlog_hold(hold);
         assert_eq!(h.add_semaphore(sem.into()), (0, 0));
         for _ in 0..2 {
             h.add_memory(Buffer::new(&ctx, 1 << 16, flags).unwrap().memory().clone());
@@ -849,6 +911,81 @@ mod tests {
         assert!(pushed >= max, "paid after {pushed} signals, before the bound");
         assert_eq!(r.ops().last(), Some(&Op::Update { old: 5, new: 5 + pushed }));
         assert!(r.runner.sh_status().is_ok());
+    }
+
+    /// A backlogged connection (half its queue bound in flight) keeps its owed signals through
+    /// full batches until a quarter of the bound more writes went on it; a connection that has
+    /// drained, a dry FIFO, and an expired hold pay at once.
+    #[test]
+    fn a_backlogged_connection_holds_signals_for_a_quarter_queue() {
+        // Coalescing's own limit has passed at every poll: without the hold every batch pays.
+        let rig = |hold| {
+            let r = rig_holding(512, None, Duration::from_nanos(1), Duration::ZERO, hold);
+            lock(&r.wire).queue = 1024;
+            r
+        };
+        let push = |r: &mut Rig, n: usize, signal: bool| {
+            let p = r.fifo().host_producer().unwrap();
+            for _ in 0..n {
+                let t =
+                    if signal { ProxyTrigger::put_with_signal(0, put(8, 0)) } else { ProxyTrigger::put(0, put(8, 0)) };
+                p.push(t.unwrap(), Duration::ZERO).unwrap();
+            }
+            while r.runner.step() != Step::Idle {}
+        };
+        let updates = |r: &Rig| {
+            r.ops()
+                .into_iter()
+                .filter_map(|o| match o {
+                    Op::Update { old, new } => Some((old, new)),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        // A full batch of puts with signals, then one of puts: the loop polls the handler at the
+        // start of each step, so the second step decides about the first batch's signals.
+        let full_batch = |r: &mut Rig| {
+            let p = r.fifo().host_producer().unwrap();
+            for _ in 0..64 {
+                p.push(ProxyTrigger::put_with_signal(0, put(8, 0)).unwrap(), Duration::ZERO).unwrap();
+            }
+            for _ in 0..64 {
+                p.push(ProxyTrigger::put(0, put(8, 0)).unwrap(), Duration::ZERO).unwrap();
+            }
+            assert_eq!(r.runner.step(), Step::Worked(64));
+            assert_eq!(r.runner.step(), Step::Worked(64));
+        };
+
+        let mut r = rig(Duration::from_secs(3600));
+        push(&mut r, 512, false); // 512 in flight: backlogged (bound 1024)
+        // Signals owed from write 513 on: held while fewer than 256 writes followed.
+        full_batch(&mut r); // writes 513..640, decided at 576
+        assert_eq!(updates(&r), vec![], "backlogged: held");
+        full_batch(&mut r); // 641..768, decided at 640 and 704
+        assert_eq!(updates(&r), vec![], "a quarter queue not reached: held");
+        full_batch(&mut r); // 769..896, decided at 768 (255 after 513: held) and 832 (paid)
+        assert_eq!(updates(&r), vec![(0, 192)]);
+        assert_eq!(r.runner.step(), Step::Idle);
+
+        // Drained below half: paid after the batch.
+        let done = r.ops().len() as u64;
+        r.complete_up_to(done);
+        full_batch(&mut r);
+        assert_eq!(updates(&r).last(), Some(&(192, 256)), "not backlogged: paid");
+        assert_eq!(r.runner.step(), Step::Idle);
+
+        // Backlogged again, but the FIFO runs dry: paid at once.
+        push(&mut r, 512, false);
+        push(&mut r, 10, true);
+        assert_eq!(updates(&r).last(), Some(&(256, 266)), "a dry FIFO pays");
+
+        // A hold that has expired, and no hold: every full batch pays.
+        for hold in [Duration::from_nanos(1), Duration::ZERO] {
+            let mut r = rig(hold);
+            push(&mut r, 512, false);
+            full_batch(&mut r);
+            assert_eq!(updates(&r), vec![(0, 64)], "hold {hold:?}");
+        }
     }
 
     /// Only a payment that wrote a token starts the interval: a flush with nothing owed does not,

@@ -39,6 +39,19 @@
 //! wait up to the interval after the first was paid, on a collective's critical path, and no
 //! rate measured went up with it.
 //!
+//! # Signals under back pressure
+//! An Ethernet receiver lands every write that came before a token into GPU memory before it
+//! makes the token visible, one copy per contiguous run of bytes. With many producers writing
+//! slots out of order, a token every few dozen writes made the receivers copy nearly every
+//! write on its own (132 GPU producers' 4 KiB puts with signals: 684 copies per 1000 writes in
+//! session 32, their rate unchanged while the host thread's rose sevenfold). While a
+//! connection is backlogged (at least half its write-queue bound in flight), a token paid now
+//! waits behind that half queue anyway, so [`ProxyConfig::signal_backlog_hold`] lets its owed
+//! signals wait for a quarter of the bound more writes (512 on an Ethernet connection's
+//! default 2048), up to 5 ms by default: one landing round per quarter queue instead of per
+//! few dozen writes. A dry FIFO, a flush, the connection draining below half, or the time
+//! limit pays them at once. MSCCL++'s proxy writes a token for every signal.
+//!
 //! # Flushes
 //! Each connection has one `flushDonePos` word in mapped pinned host memory (shared by every
 //! channel on that connection, as in MSCCL++). A flush at FIFO position `p` is recorded as
@@ -160,10 +173,22 @@ pub struct ProxyConfig {
     /// producers shares the proxy with other connections' work; it adds up to this much latency
     /// to signals pushed a little apart.
     pub signal_pay_interval: Duration,
+    /// How much longer owed signals of a backlogged connection may wait while the FIFO keeps
+    /// delivering full batches (default [`DEFAULT_SIGNAL_BACKLOG_HOLD`]; zero turns the hold
+    /// off; applies with `signal_coalesce` above zero). A connection is backlogged while at
+    /// least half its write-queue bound is in flight: a token paid then queues behind that half
+    /// queue anyway. Its signals are then paid once a quarter of the bound more writes went on
+    /// the connection since the first of them, once it drains below half, once the FIFO runs
+    /// dry or a flush of it comes, or after this long, whichever is first. See "Signals under
+    /// back pressure" above.
+    pub signal_backlog_hold: Duration,
 }
 
 /// The default of [`ProxyConfig::signal_coalesce`].
 pub const DEFAULT_SIGNAL_COALESCE: Duration = Duration::from_micros(20);
+
+/// The default of [`ProxyConfig::signal_backlog_hold`].
+pub const DEFAULT_SIGNAL_BACKLOG_HOLD: Duration = Duration::from_millis(5);
 
 /// The most triggers handled while signals stay owed under [`ProxyConfig::signal_coalesce`].
 pub const COALESCE_MAX_TRIGGERS: u64 = 256;
@@ -176,6 +201,7 @@ impl Default for ProxyConfig {
             idle_backoff: false,
             signal_coalesce: DEFAULT_SIGNAL_COALESCE,
             signal_pay_interval: Duration::ZERO,
+            signal_backlog_hold: DEFAULT_SIGNAL_BACKLOG_HOLD,
         }
     }
 }
@@ -204,6 +230,11 @@ impl ProxyConfig {
     /// Sets [`signal_pay_interval`](Self::signal_pay_interval).
     pub fn signal_pay_interval(mut self, d: Duration) -> Self {
         self.signal_pay_interval = d;
+        self
+    }
+    /// Sets [`signal_backlog_hold`](Self::signal_backlog_hold).
+    pub fn signal_backlog_hold(mut self, d: Duration) -> Self {
+        self.signal_backlog_hold = d;
         self
     }
 }

@@ -182,11 +182,11 @@ impl ProxyService {
         let words = Arc::new(FlushWords::new(flush_words));
         ProxyService {
             sh: Arc::new(LoopShared::new(Arc::new(fifo))),
-            handler: Some(ConnectionHandler::new(words.clone(), config.max_write_queue_size).coalesce(
-                config.signal_coalesce,
-                config.signal_pay_interval,
-                config.fifo_size,
-            )),
+            handler: Some(
+                ConnectionHandler::new(words.clone(), config.max_write_queue_size)
+                    .coalesce(config.signal_coalesce, config.signal_pay_interval, config.fifo_size)
+                    .backlog_hold(config.signal_backlog_hold),
+            ),
             words,
             device,
             ctx: None,
