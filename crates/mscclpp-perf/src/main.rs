@@ -126,8 +126,8 @@ pub struct Args {
     /// library's default when not given; 0 pays at every dry step).
     #[arg(long, value_parser = parse_micros)]
     pub signal_pay_interval: Option<f64>,
-    /// device: how much longer the proxy load rows' proxy lets owed signals of a backlogged
-    /// connection wait (microseconds; `ProxyConfig::signal_backlog_hold`, the library's default
+    /// device: how long the proxy load rows' proxy lets owed signals of a backlogged Ethernet
+    /// connection wait at most, counted from the first of them (microseconds; `ProxyConfig::signal_backlog_hold`, the library's default
     /// when not given; 0 turns the hold off).
     #[arg(long, value_parser = parse_micros)]
     pub signal_backlog_hold: Option<f64>,

@@ -572,7 +572,7 @@ pub fn run(
         "proxy load: one FIFO + proxy on rank 0 serving 1/4/8 in-process peers; GPU producers (blocks x threads) \
          push triggers; host direct = one host thread issuing the same calls; signals coalesced for up to {} us \
          while the FIFO delivers (--signal-coalesce), dry-FIFO payments at least {} us apart (--signal-pay-interval), \
-         a backlogged connection's signals held up to {} us more (--signal-backlog-hold)",
+         a backlogged Ethernet connection's signals held up to {} us (--signal-backlog-hold)",
         config.signal_coalesce.as_secs_f64() * 1e6,
         config.signal_pay_interval.as_secs_f64() * 1e6,
         config.signal_backlog_hold.as_secs_f64() * 1e6

@@ -88,6 +88,10 @@ struct ConnState {
     pending: VecDeque<(u64, u64)>,
     /// Writes (and adds) issued on the connection by this handler.
     writes: u64,
+    /// The queue bound a backlog is measured against (the smaller of the connection's and the
+    /// proxy's), or 0 where signals are never held for a backlog: only an Ethernet receiver
+    /// lands the writes before each token in a round of its own.
+    hold_bound: u64,
 }
 
 /// Executes decoded triggers on connections (see the [module documentation](super)).
@@ -169,10 +173,9 @@ impl ConnectionHandler {
         let e = &self.sems[id];
         let Some((at, from)) = e.owed_at else { return false };
         let c = &self.conns[e.conn];
-        let bound = self
-            .max_queue
-            .map_or(c.conn.max_write_queue_size() as u64, |m| m.min(c.conn.max_write_queue_size() as u64));
-        c.writes - from < bound / 4 && at.elapsed() < self.backlog_hold && c.conn.outstanding() * 2 >= bound
+        c.writes - from < c.hold_bound / 4
+            && at.elapsed() < self.backlog_hold
+            && c.conn.outstanding() * 2 >= c.hold_bound
     }
 
     /// Whether the owed signals go out at this `poll`, after a batch of `batch` triggers: at once
@@ -216,7 +219,12 @@ impl ConnectionHandler {
         let idx = match self.conns.iter().position(|c| c.conn.same_as(&conn)) {
             Some(i) => i,
             None => {
-                self.conns.push(ConnState { conn, pending: VecDeque::new(), writes: 0 });
+                let bound = conn.max_write_queue_size() as u64;
+                let hold_bound = match conn.transport() {
+                    Transport::Ethernet => self.max_queue.map_or(bound, |m| m.min(bound)),
+                    _ => 0,
+                };
+                self.conns.push(ConnState { conn, pending: VecDeque::new(), writes: 0, hold_bound });
                 self.conns.len() - 1
             }
         };
@@ -321,6 +329,7 @@ impl ConnectionHandler {
     fn pay_signals(&mut self, only: Option<(usize, &TriggerContext<'_>)>, hold: bool) -> Result<()> {
         let mut i = 0;
         let mut paid = false;
+        let mut held = false;
         while i < self.owing.len() {
             let id = self.owing[i];
             let ci = self.sems[id].conn;
@@ -332,6 +341,7 @@ impl ConnectionHandler {
                 self.make_room(ci, cx)?;
             } else if hold && self.held_by_backlog(id) {
                 i += 1;
+                held = true;
                 continue;
             }
             let n = std::mem::take(&mut self.sems[id].owed);
@@ -342,6 +352,12 @@ impl ConnectionHandler {
         if self.owing.is_empty() {
             self.since_pay = 0;
             self.owed_since = None;
+        } else if held {
+            // Only held signals are left: coalescing starts over, so signals owed from now on
+            // wait as usual instead of going out after every batch (and the holds are looked at
+            // again when those are paid).
+            self.since_pay = 0;
+            self.owed_since = Some(Instant::now());
         }
         if paid && !self.coalesce.is_zero() && !self.pay_interval.is_zero() {
             self.last_paid = Some(Instant::now());
@@ -640,7 +656,7 @@ mod tests {
     }
 
     fn rig_coalescing(fifo_size: u32, max_queue: Option<usize>, coalesce: Duration, pay_interval: Duration) -> Rig {
-        rig_holding(fifo_size, max_queue, coalesce, pay_interval, Duration::ZERO)
+        rig_holding(fifo_size, max_queue, coalesce, pay_interval, Duration::ZERO, 0)
     }
 
     fn rig_holding(
@@ -649,9 +665,10 @@ mod tests {
         coalesce: Duration,
         pay_interval: Duration,
         hold: Duration,
+        queue: u64,
     ) -> Rig {
         let ctx = Context::new();
-        let wire = Arc::new(Mutex::new(Wire::default()));
+        let wire = Arc::new(Mutex::new(Wire { queue, ..Wire::default() }));
         let conn = Connection::from_inner(ConnInner {
             imp: Box::new(Fake(wire.clone())),
             transport: Transport::Ethernet,
@@ -919,11 +936,7 @@ mod tests {
     #[test]
     fn a_backlogged_connection_holds_signals_for_a_quarter_queue() {
         // Coalescing's own limit has passed at every poll: without the hold every batch pays.
-        let rig = |hold| {
-            let r = rig_holding(512, None, Duration::from_nanos(1), Duration::ZERO, hold);
-            lock(&r.wire).queue = 1024;
-            r
-        };
+        let rig = |hold| rig_holding(512, None, Duration::from_nanos(1), Duration::ZERO, hold, 1024);
         let push = |r: &mut Rig, n: usize, signal: bool| {
             let p = r.fifo().host_producer().unwrap();
             for _ in 0..n {

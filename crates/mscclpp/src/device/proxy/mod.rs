@@ -44,13 +44,15 @@
 //! makes the token visible, one copy per contiguous run of bytes. With many producers writing
 //! slots out of order, a token every few dozen writes made the receivers copy nearly every
 //! write on its own (132 GPU producers' 4 KiB puts with signals: 684 copies per 1000 writes in
-//! session 32, their rate unchanged while the host thread's rose sevenfold). While a
+//! session 32, their rate unchanged while the host thread's rose sevenfold). While an Ethernet
 //! connection is backlogged (at least half its write-queue bound in flight), a token paid now
 //! waits behind that half queue anyway, so [`ProxyConfig::signal_backlog_hold`] lets its owed
-//! signals wait for a quarter of the bound more writes (512 on an Ethernet connection's
-//! default 2048), up to 5 ms by default: one landing round per quarter queue instead of per
-//! few dozen writes. A dry FIFO, a flush, the connection draining below half, or the time
-//! limit pays them at once. MSCCL++'s proxy writes a token for every signal.
+//! signals wait for a quarter of the bound more puts (512 on an Ethernet connection's default
+//! 2048), up to 5 ms by default: one landing round per quarter queue instead of per few dozen
+//! writes. A dry FIFO or a flush pays them at once; the connection draining below half, at the
+//! next payment round. CUDA IPC and IB connections never hold (their tokens cost no landing
+//! round, and their in-flight counts are only refreshed when polled). MSCCL++'s proxy writes a
+//! token for every signal.
 //!
 //! # Flushes
 //! Each connection has one `flushDonePos` word in mapped pinned host memory (shared by every
@@ -173,14 +175,16 @@ pub struct ProxyConfig {
     /// producers shares the proxy with other connections' work; it adds up to this much latency
     /// to signals pushed a little apart.
     pub signal_pay_interval: Duration,
-    /// How much longer owed signals of a backlogged connection may wait while the FIFO keeps
-    /// delivering full batches (default [`DEFAULT_SIGNAL_BACKLOG_HOLD`]; zero turns the hold
-    /// off; applies with `signal_coalesce` above zero). A connection is backlogged while at
-    /// least half its write-queue bound is in flight: a token paid then queues behind that half
-    /// queue anyway. Its signals are then paid once a quarter of the bound more writes went on
-    /// the connection since the first of them, once it drains below half, once the FIFO runs
-    /// dry or a flush of it comes, or after this long, whichever is first. See "Signals under
-    /// back pressure" above.
+    /// How long, counted from the first of them, owed signals of a backlogged Ethernet
+    /// connection may wait while the FIFO keeps delivering full batches (default
+    /// [`DEFAULT_SIGNAL_BACKLOG_HOLD`]; zero turns the hold off; applies with `signal_coalesce`
+    /// above zero). A connection is backlogged while at least half its write-queue bound (the
+    /// smaller of the connection's and [`max_write_queue_size`](Self::max_write_queue_size)) is
+    /// in flight: a token paid then queues behind that half queue anyway. Its signals are then
+    /// paid at the first payment round after a quarter of the bound more puts went on the
+    /// connection from this proxy, after it drained below half, or after this long; and at once
+    /// when the FIFO runs dry or a flush of the connection comes. Other transports never hold.
+    /// See "Signals under back pressure" above.
     pub signal_backlog_hold: Duration,
 }
 
