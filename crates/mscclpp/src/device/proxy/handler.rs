@@ -154,12 +154,18 @@ impl ConnectionHandler {
         self
     }
 
-    /// Lets the owed signals of a backlogged connection wait up to `d` more while the FIFO keeps
-    /// delivering (see [`ProxyConfig::signal_backlog_hold`](super::ProxyConfig::signal_backlog_hold);
-    /// applies with coalescing on).
+    /// Lets the owed signals of a backlogged connection wait up to `d`, counted from the first
+    /// of them, while the FIFO keeps delivering (see
+    /// [`ProxyConfig::signal_backlog_hold`](super::ProxyConfig::signal_backlog_hold); applies
+    /// with coalescing on).
     pub(crate) fn backlog_hold(mut self, d: Duration) -> ConnectionHandler {
         self.backlog_hold = d;
         self
+    }
+
+    /// Whether the backlog hold applies (a hold given, and coalescing on).
+    fn holding(&self) -> bool {
+        !self.backlog_hold.is_zero() && !self.coalesce.is_zero()
     }
 
     /// Whether semaphore `id`'s owed signals keep waiting at a payment the FIFO's delivery did
@@ -270,19 +276,17 @@ impl ConnectionHandler {
                     // promises that the puts before it landed; one sent after later puts too
                     // still keeps that promise, and n signals in one write cost what one does.
                     self.sem(sem_id)?;
-                    let e = &mut self.sems[sem_id as usize];
-                    if e.owed == 0 {
-                        if !self.backlog_hold.is_zero() && !self.coalesce.is_zero() {
-                            e.owed_at = Some((Instant::now(), self.conns[ci].writes));
-                        }
-                        self.owing.push(sem_id as usize);
+                    let id = sem_id as usize;
+                    if self.sems[id].owed == 0 {
+                        self.sems[id].owed_at = self.holding().then(|| (Instant::now(), self.conns[ci].writes));
+                        self.owing.push(id);
                         if !self.coalesce.is_zero() && self.owed_since.is_none() {
                             // The first signal owed since everything was paid: counting starts.
                             self.owed_since = Some(Instant::now());
                             self.since_pay = 0;
                         }
                     }
-                    e.owed += 1;
+                    self.sems[id].owed += 1;
                 }
                 if flush {
                     self.pay_signals(Some((ci, cx)), false)?;
@@ -476,7 +480,7 @@ impl ProxyHandler for ConnectionHandler {
         let batch = std::mem::take(&mut self.last_batch);
         if !self.owing.is_empty() && self.pay_now(batch) {
             // A dry FIFO pays everything: its producers may be waiting for these signals.
-            let hold = !self.backlog_hold.is_zero() && !self.coalesce.is_zero() && batch >= self.full_batch;
+            let hold = self.holding() && batch >= self.full_batch;
             self.pay_signals(None, hold)?;
         }
         if self.flushes_pending { self.progress_flushes() } else { Ok(()) }
